@@ -1,0 +1,78 @@
+"""The narrow interfaces between the engine and a language model: model, cache, tokenizer.
+
+Guarantees the engine relies on:
+
+- ``forward`` appends exactly T entries to the cache, at slots ``cache.length .. cache.length + T - 1``, and
+  returns logits for each of the T new tokens; token j of the call attends to every committed slot and to new
+  tokens 0..j (causal).
+- ``cache.truncate(n)`` forgets every slot from n on in O(1): rollback is moving the length back. Slots below
+  n are never modified by a later ``forward``.
+- The same inputs give the same logits (no hidden state outside the cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+
+@runtime_checkable
+class Cache(Protocol):
+    """Per-sequence key/value state of a model, preallocated, rolled back by moving its length."""
+
+    @property
+    def length(self) -> int:  # committed slots
+        ...
+
+    @property
+    def capacity(self) -> int:  # slots available in all
+        ...
+
+    def truncate(self, length: int) -> None:
+        """Drop every slot from ``length`` on (0 ≤ length ≤ self.length; ValueError otherwise)."""
+        ...
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    """A causal language model the engine can drive."""
+
+    vocab_size: int  # width of the logits
+    max_context: int  # the most positions a cache can hold
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def new_cache(self, batch_size: int = 1, capacity: int | None = None) -> Cache:
+        """An empty cache for ``batch_size`` sequences of at most ``capacity`` (default max_context) slots."""
+        ...
+
+    def forward(self, tokens: Tensor, positions: Tensor, cache: Cache) -> Tensor:
+        """tokens: [B, T] int64; positions: [B, T] int64 (RoPE positions, normally cache.length + arange(T)).
+
+        Returns logits: [B, T, vocab_size] float32. Appends T slots to ``cache``."""
+        ...
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Text ↔ token ids for one model."""
+
+    vocab_size: int
+    bos_token_id: int | None  # prepended by encode(add_bos=True) when not None
+    eos_token_ids: frozenset[int]  # any of these ends generation
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` (special tokens skipped); decode(a + b) starts with decode(a) once a ends on a
+        whole character, which is what streaming relies on."""
+        ...
+
+    def chat_prompt(self, user_message: str) -> str:
+        """``user_message`` wrapped in the model's chat template, ready to generate the assistant's reply.
+        ValueError when the model has no chat template."""
+        ...

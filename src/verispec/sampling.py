@@ -1,0 +1,110 @@
+"""Sampling parameters and the one transform from logits to the distribution that defines sampling.
+
+Exactness in verispec is always *with respect to the target's transformed distribution*: speculative decoding
+with parameters ``params`` produces tokens distributed exactly as ``probs_from_logits(target_logits, params)``
+would, step after step. The engine applies the same function, with the same parameters, to the draft's logits
+at every position, so that the draft proposes from the distribution it reports to the verifier.
+
+The transforms run in a fixed order, the one transformers' ``generate`` uses:
+temperature → top-k → top-p → min-p. Temperature 0 means greedy: the distribution is a point mass on the
+first index of the largest logit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["SamplingParams", "probs_from_logits"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target samples; validated on construction (ValueError with a one-line message).
+
+    temperature: ≥ 0; 0 means greedy decoding.
+    top_k: keep the k most likely tokens; 0 keeps all.
+    top_p: in (0, 1]; keep the smallest set of most likely tokens whose mass reaches top_p; 1 keeps all.
+    min_p: in [0, 1); drop tokens whose probability is below min_p × the largest probability; 0 keeps all.
+    seed: seed of the generator that drives all sampling; None draws a fresh seed.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        m = self.min_p
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not (0 <= m < 1):
+            raise ValueError(f"min_p must be in [0, 1), got {m!r}")
+        s = self.seed
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """A generator seeded with ``seed`` (a fresh random seed when it is None)."""
+        g = torch.Generator(device=device)
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
+
+
+def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
+    """The distribution that defines sampling with ``params``.
+
+    logits: [..., V] float; -inf marks a token that can never be sampled; NaN, +inf and rows that are all -inf
+    raise ValueError.
+    Returns probs: [..., V] in the dtype of ``logits`` (float32 for half types), each row summing to 1.
+    """
+    if not torch.is_floating_point(logits):
+        raise ValueError(f"logits must be a floating-point tensor, got {logits.dtype}")
+    if logits.ndim == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    if torch.isnan(logits).any() or torch.isposinf(logits).any():
+        raise ValueError("logits contain NaN or +inf")
+    if (logits == float("-inf")).all(dim=-1).any():
+        raise ValueError("a row of logits is entirely -inf: no token can be sampled")
+
+    if params.greedy:
+        top = logits.argmax(dim=-1, keepdim=True)
+        return torch.zeros_like(logits).scatter_(-1, top, 1.0)
+
+    scores = logits / params.temperature
+    vocab = scores.shape[-1]
+    neg_inf = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = torch.where(scores < kth, neg_inf, scores)
+    if params.top_p < 1:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+        sorted_probs = sorted_scores.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p  # the most likely token has mass_before 0: always kept
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        scores = torch.where(drop, neg_inf, scores)
+    if params.min_p > 0:
+        probs = scores.softmax(dim=-1)
+        floor = params.min_p * probs.amax(dim=-1, keepdim=True)
+        scores = torch.where(probs < floor, neg_inf, scores)
+    return scores.softmax(dim=-1)

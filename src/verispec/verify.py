@@ -1,0 +1,324 @@
+"""Verifiers: pure functions that decide which drafted tokens the target keeps.
+
+Vocabulary (used everywhere in verispec):
+
+- p is the target's distribution, q the draft's; both are already transformed by
+  :func:`verispec.sampling.probs_from_logits` with the same parameters.
+- A round drafts K tokens x_1..x_K. The target scores them in one pass, giving p_1..p_{K+1}, where p_t is the
+  target's distribution for the t-th position of the round (p_{K+1} follows the whole draft).
+- **accepted** tokens: the longest prefix of the draft that the verifier keeps.
+- **recovered** token: after the first rejected draft token x_t, one token sampled in its place from the
+  verifier's fallback distribution at t (the residual normalize(max(p_t − q_t, 0)) for rejection sampling).
+- **bonus** token: when all K draft tokens are accepted, one more token sampled from p_{K+1}.
+
+Every round therefore emits num_accepted + 1 tokens, except when an accepted token is the end-of-sequence
+token: nothing after it is kept, and the round emits num_accepted tokens ending with it.
+
+A verifier is split in two, so that its mathematics can be checked exactly and its sampling statistically:
+
+- a *rule* (:func:`rejection_rule`, :func:`single_guess_rule`, :func:`greedy_rule`) computes, in closed form,
+  the probability of accepting each draft token given that all before it were accepted, and the fallback
+  distribution of the token emitted when the round stops at each position (recovered at t ≤ K, bonus at K+1);
+- :func:`sample_verdict` draws the verdict from a rule with an explicit generator.
+
+The convenience functions :func:`rejection_sample`, :func:`single_guess_sample` and :func:`greedy_verify` do
+both. All functions are batched over rows; each row may have its own draft length (``draft_lengths``) and ends
+with its own number of accepted tokens. No model or cache is touched: tensors in, verdict out.
+
+Vocabulary sizes: when p has Vp entries and q has Vq, both are padded with zeros to max(Vp, Vq). A draft token
+the target does not have (id ≥ Vp) has p = 0 and is always rejected; a target token the draft does not have
+(id ≥ Vq) has q = 0 and can only be recovered or bonus. Emitted tokens are therefore always < Vp.
+
+Exactness: with rejection_rule, the emitted tokens are distributed exactly as tokens sampled one by one from
+p (Leviathan et al. 2023, Chen et al. 2023), whatever q is, provided the draft tokens were sampled from the q
+passed here. single_guess_rule is rejection_rule with q a point mass on each guess; greedy_rule is the
+temperature-0 case, token-identical to the target's own greedy decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Rule",
+    "Verdict",
+    "greedy_rule",
+    "greedy_verify",
+    "rejection_rule",
+    "rejection_sample",
+    "sample_verdict",
+    "single_guess_rule",
+    "single_guess_sample",
+]
+
+_PAD = -1
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A verifier's decision rule for one round, in closed form."""
+
+    accept_prob: Tensor  # [B, K] P(accept x_t | x_1..x_{t-1} accepted), in [0, 1]; 0 after a row's draft
+    fallback: Tensor  # [B, K+1, V] recovered-token distribution at t <= n, bonus-token distribution at n+1
+    num_drafted: Tensor  # [B] int64: draft length n of each row, 0..K
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of one verification round for each of B rows.
+
+    tokens[b, :num_tokens[b]] are the tokens row b emits: its accepted draft tokens, then (unless an accepted
+    token was end-of-sequence) one recovered or bonus token. Entries after num_tokens[b] are -1.
+    """
+
+    tokens: Tensor  # [B, K+1] int64: emitted tokens, -1 padded
+    num_accepted: Tensor  # [B] int64: accepted draft tokens, 0..draft length
+    num_tokens: Tensor  # [B] int64: emitted tokens, num_accepted + 1, or num_accepted after an accepted EOS
+    num_drafted: Tensor  # [B] int64: draft length of each row
+
+    @property
+    def bonus(self) -> Tensor:  # [B] bool: the last emitted token is a bonus token
+        return (self.num_accepted == self.num_drafted) & (self.num_tokens > self.num_accepted)
+
+    @property
+    def recovered(self) -> Tensor:  # [B] bool: the last emitted token is a recovered token
+        return self.num_accepted < self.num_drafted
+
+    def row(self, b: int) -> list[int]:
+        """The tokens row b emits, as a list."""
+        return self.tokens[b, : int(self.num_tokens[b])].tolist()
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+def _check_draft(draft_tokens: Tensor) -> tuple[int, int]:
+    if draft_tokens.ndim != 2 or draft_tokens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"draft_tokens must be an integer tensor of shape [B, K], got {draft_tokens.dtype} "
+            f"{tuple(draft_tokens.shape)}"
+        )
+    if draft_tokens.numel() and int(draft_tokens.min()) < 0:
+        raise ValueError("draft_tokens must be >= 0")
+    return draft_tokens.shape[0], draft_tokens.shape[1]
+
+
+def _check_lengths(draft_lengths: Tensor | None, b: int, k: int, device: torch.device) -> Tensor:
+    if draft_lengths is None:
+        return torch.full((b,), k, dtype=torch.int64, device=device)
+    if draft_lengths.shape != (b,) or draft_lengths.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"draft_lengths must be an integer tensor of shape [{b}]")
+    if b and (int(draft_lengths.min()) < 0 or int(draft_lengths.max()) > k):
+        raise ValueError(f"draft_lengths must lie in [0, {k}]")
+    return draft_lengths.to(device=device, dtype=torch.int64)
+
+
+def _check_probs(name: str, probs: Tensor, valid: Tensor, dtype: torch.dtype) -> Tensor:
+    """probs: [B, P, V]; valid: [B, P] bool, the positions that must hold a distribution. Entries at other
+    positions are ignored (returned as zeros)."""
+    b, positions = valid.shape
+    if probs.ndim != 3 or probs.shape[0] != b or probs.shape[1] != positions or probs.shape[2] == 0:
+        raise ValueError(f"{name} must have shape [{b}, {positions}, V], got {tuple(probs.shape)}")
+    if not torch.is_floating_point(probs):
+        raise ValueError(f"{name} must be a floating-point tensor, got {probs.dtype}")
+    probs = torch.where(valid.unsqueeze(-1), probs.to(dtype), 0.0)
+    for problem, bad in (("NaN or Inf", ~torch.isfinite(probs)), ("a negative probability", probs < 0)):
+        if bad.any():
+            row, pos, _ = bad.nonzero()[0].tolist()
+            raise ValueError(f"{name} has {problem} at row {row}, position {pos}")
+    tol = 1e-3 if dtype != torch.float64 else 1e-9
+    off = ((probs.sum(-1) - 1).abs() > tol) & valid
+    if off.any():
+        row, pos = off.nonzero()[0].tolist()
+        raise ValueError(f"{name} does not sum to 1 at row {row}, position {pos}")
+    return probs
+
+
+def _check_scores(scores: Tensor, valid: Tensor) -> Tensor:
+    """scores: [B, P, V] probabilities or logits, of which only the argmax is used; valid: [B, P] bool."""
+    b, positions = valid.shape
+    if scores.ndim != 3 or scores.shape[:2] != (b, positions) or scores.shape[2] == 0:
+        raise ValueError(f"p must have shape [{b}, {positions}, V], got {tuple(scores.shape)}")
+    bad = torch.isnan(scores) & valid.unsqueeze(-1)
+    if bad.any():
+        row, pos, _ = bad.nonzero()[0].tolist()
+        raise ValueError(f"p has NaN at row {row}, position {pos}")
+    return scores
+
+
+def _positions(lengths: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Masks of the drafted positions [B, K] and of the target positions in use [B, K+1]."""
+    cols = torch.arange(k + 1, device=lengths.device)
+    return cols[:k] < lengths.unsqueeze(1), cols <= lengths.unsqueeze(1)
+
+
+def _pad_vocab(probs: Tensor, vocab: int) -> Tensor:
+    extra = vocab - probs.shape[-1]
+    return probs if extra == 0 else torch.nn.functional.pad(probs, (0, extra))
+
+
+# ---------------------------------------------------------------------------------------------- rules
+
+
+def rejection_rule(
+    draft_tokens: Tensor,
+    q: Tensor,
+    p: Tensor,
+    draft_lengths: Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Rule:
+    """Speculative rejection sampling: accept x_t with probability min(1, p_t(x_t) / q_t(x_t)); a rejected
+    token is replaced by a sample of normalize(max(p_t − q_t, 0)); the bonus token comes from p_{n+1}.
+
+    draft_tokens: [B, K] int, sampled from q.
+    q: [B, K, Vq] draft distributions. p: [B, K+1, Vp] target distributions.
+    draft_lengths: [B] int in [0, K], each row's draft length n (default K); later positions are ignored.
+    dtype: float32 (default) or float64, the precision of all arithmetic.
+
+    Edge cases: q_t(x_t) = 0 accepts when p_t(x_t) > 0 (the ratio is +inf) and rejects when it is 0 too; a
+    residual of total mass 0 (p_t ≤ q_t everywhere: in exact arithmetic only p_t = q_t, where rejection has
+    probability 0) falls back to p_t.
+    """
+    b, k = _check_draft(draft_tokens)
+    lengths = _check_lengths(draft_lengths, b, k, draft_tokens.device)
+    drafted, used = _positions(lengths, k)
+    q = _check_probs("q", q, drafted, dtype)
+    p = _check_probs("p", p, used, dtype)
+    vocab = max(p.shape[-1], q.shape[-1])
+    p, q = _pad_vocab(p, vocab), _pad_vocab(q, vocab)
+    if bool((draft_tokens.long() >= q.shape[-1])[drafted].any()):
+        raise ValueError(f"a draft token id is outside the draft vocabulary of size {q.shape[-1]}")
+    idx = draft_tokens.long().clamp(max=vocab - 1).unsqueeze(-1)
+    p_x = p[:, :k].gather(-1, idx).squeeze(-1)  # [B, K]
+    q_x = q.gather(-1, idx).squeeze(-1)  # [B, K]
+    ratio = torch.where(q_x > 0, p_x / q_x.clamp_min(torch.finfo(dtype).tiny), (p_x > 0).to(dtype))
+    accept_prob = torch.where(drafted, ratio.clamp(max=1.0), 0.0)
+    q_ext = torch.cat([q, q.new_zeros(b, 1, vocab)], dim=1)  # q is zero after the draft: residual = p there
+    residual = (p - q_ext).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    fallback = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(dtype).tiny), p)
+    return Rule(accept_prob=accept_prob, fallback=fallback, num_drafted=lengths)
+
+
+def single_guess_rule(
+    draft_tokens: Tensor, p: Tensor, draft_lengths: Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> Rule:
+    """Rejection sampling for drafts that come without probabilities (n-gram / prompt lookup): each guess is
+    a point-mass draft q_t = onehot(x_t). Accept x_t with probability p_t(x_t); on rejection sample from p_t
+    with x_t removed, renormalized.
+
+    draft_tokens: [B, K] int. p: [B, K+1, V] target distributions. draft_lengths: [B] or None.
+    """
+    b, k = _check_draft(draft_tokens)
+    vocab = max(p.shape[-1], int(draft_tokens.max()) + 1 if draft_tokens.numel() else 0)
+    q = torch.zeros(b, k, vocab, dtype=dtype, device=draft_tokens.device)
+    q.scatter_(-1, draft_tokens.long().unsqueeze(-1), 1.0)
+    return rejection_rule(draft_tokens, q, p, draft_lengths, dtype=dtype)
+
+
+def greedy_rule(draft_tokens: Tensor, p: Tensor, draft_lengths: Tensor | None = None) -> Rule:
+    """Greedy verification as a rule: accept x_t iff it is the first argmax of p_t; the fallback is a point
+    mass on the argmax. p: [B, K+1, V] target distributions or logits (only the argmax is used)."""
+    b, k = _check_draft(draft_tokens)
+    lengths = _check_lengths(draft_lengths, b, k, draft_tokens.device)
+    drafted, used = _positions(lengths, k)
+    target = _check_scores(p, used).argmax(dim=-1)  # [B, K+1]
+    accept_prob = ((draft_tokens.long() == target[:, :k]) & drafted).to(torch.float64)
+    fallback = torch.zeros(p.shape, dtype=torch.float64, device=p.device).scatter_(-1, target.unsqueeze(-1), 1.0)
+    return Rule(accept_prob=accept_prob, fallback=fallback, num_drafted=lengths)
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+
+
+def _assemble(draft_tokens: Tensor, num_accepted: Tensor, final: Tensor, num_drafted: Tensor, eos: int | None):
+    """Emitted tokens = accepted draft prefix [B, K], then ``final`` [B]; cut after an accepted EOS."""
+    b, k = draft_tokens.shape
+    cols = torch.arange(k + 1, device=draft_tokens.device)
+    num_tokens = num_accepted + 1
+    if eos is not None and k:
+        is_eos = (draft_tokens.long() == eos) & (cols[:k] < num_accepted.unsqueeze(1))  # [B, K]
+        has_eos = is_eos.any(dim=1)
+        num_accepted = torch.where(has_eos, is_eos.long().argmax(dim=1) + 1, num_accepted)
+        num_tokens = torch.where(has_eos, num_accepted, num_tokens)
+    tokens = torch.cat([draft_tokens.long(), final.long().view(b, 1)], dim=1)  # [B, K+1]
+    tokens.scatter_(1, num_accepted.clamp(max=k).view(b, 1), final.long().view(b, 1))
+    tokens = torch.where(cols < num_tokens.unsqueeze(1), tokens, _PAD)
+    return Verdict(tokens=tokens, num_accepted=num_accepted, num_tokens=num_tokens, num_drafted=num_drafted)
+
+
+def _accepted_prefix(accept: Tensor) -> Tensor:
+    """accept: [B, K] bool. Returns [B] int64, the length of the all-accepted prefix."""
+    return accept.long().cumprod(dim=1).sum(dim=1)
+
+
+def sample_verdict(
+    rule: Rule, draft_tokens: Tensor, generator: torch.Generator, eos_token_id: int | None = None
+) -> Verdict:
+    """Draw a verdict from ``rule``: accept x_t with probability accept_prob[:, t] until the first rejection
+    (or the end of the row's draft), then sample the emitted token from the fallback at that position.
+
+    draft_tokens: [B, K] int. generator: the only source of randomness (the same seed, the same verdict).
+    eos_token_id: an accepted end-of-sequence token ends the row's output.
+    """
+    b, k = _check_draft(draft_tokens)
+    if rule.accept_prob.shape != (b, k) or rule.fallback.shape[:2] != (b, k + 1):
+        raise ValueError("rule does not match draft_tokens: expected accept_prob [B, K] and fallback [B, K+1, V]")
+    u = torch.rand(b, k, generator=generator, dtype=rule.accept_prob.dtype, device=draft_tokens.device)
+    num_accepted = _accepted_prefix(u < rule.accept_prob)
+    stop_dist = rule.fallback[torch.arange(b, device=draft_tokens.device), num_accepted]  # [B, V]
+    final = torch.multinomial(stop_dist, 1, generator=generator).squeeze(1) if b else num_accepted
+    return _assemble(draft_tokens, num_accepted, final, rule.num_drafted, eos_token_id)
+
+
+def rejection_sample(
+    draft_tokens: Tensor,
+    q: Tensor,
+    p: Tensor,
+    generator: torch.Generator,
+    draft_lengths: Tensor | None = None,
+    eos_token_id: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Verdict:
+    """Exact speculative sampling: :func:`rejection_rule` drawn with :func:`sample_verdict`.
+
+    draft_tokens: [B, K] int; q: [B, K, Vq]; p: [B, K+1, Vp]; draft_lengths: [B] or None.
+    """
+    rule = rejection_rule(draft_tokens, q, p, draft_lengths, dtype=dtype)
+    return sample_verdict(rule, draft_tokens, generator, eos_token_id)
+
+
+def single_guess_sample(
+    draft_tokens: Tensor,
+    p: Tensor,
+    generator: torch.Generator,
+    draft_lengths: Tensor | None = None,
+    eos_token_id: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Verdict:
+    """Exact verification of guesses without draft probabilities: :func:`single_guess_rule`, sampled.
+
+    draft_tokens: [B, K] int; p: [B, K+1, V]; draft_lengths: [B] or None.
+    """
+    rule = single_guess_rule(draft_tokens, p, draft_lengths, dtype=dtype)
+    return sample_verdict(rule, draft_tokens, generator, eos_token_id)
+
+
+def greedy_verify(
+    draft_tokens: Tensor, p: Tensor, draft_lengths: Tensor | None = None, eos_token_id: int | None = None
+) -> Verdict:
+    """Greedy verification, no randomness: accept the longest prefix with x_t = argmax p_t, then emit the
+    target's argmax at the first mismatch (or after the whole draft). Token-identical to greedy decoding.
+
+    draft_tokens: [B, K] int; p: [B, K+1, V] target distributions or logits; draft_lengths: [B] or None.
+    """
+    b, k = _check_draft(draft_tokens)
+    lengths = _check_lengths(draft_lengths, b, k, draft_tokens.device)
+    drafted, used = _positions(lengths, k)
+    target = _check_scores(p, used).argmax(dim=-1)  # [B, K+1]
+    num_accepted = _accepted_prefix((draft_tokens.long() == target[:, :k]) & drafted)
+    final = target.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+    return _assemble(draft_tokens, num_accepted, final, lengths, eos_token_id)
