@@ -37,6 +37,7 @@ temperature-0 case, token-identical to the target's own greedy decoding.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,7 @@ __all__ = [
 ]
 
 _PAD = -1
+EosIds = int | Sequence[int] | None  # end-of-sequence token id(s); None: no end-of-sequence handling
 
 
 @dataclass(frozen=True)
@@ -227,20 +229,24 @@ def greedy_rule(draft_tokens: Tensor, p: Tensor, draft_lengths: Tensor | None = 
     drafted, used = _positions(lengths, k)
     target = _check_scores(p, used).argmax(dim=-1)  # [B, K+1]
     accept_prob = ((draft_tokens.long() == target[:, :k]) & drafted).to(torch.float64)
-    fallback = torch.zeros(p.shape, dtype=torch.float64, device=p.device).scatter_(-1, target.unsqueeze(-1), 1.0)
+    fallback = torch.zeros(p.shape, dtype=torch.float64, device=p.device)
+    fallback.scatter_(-1, target.unsqueeze(-1), 1.0)
     return Rule(accept_prob=accept_prob, fallback=fallback, num_drafted=lengths)
 
 
 # ---------------------------------------------------------------------------------------------- sampling
 
 
-def _assemble(draft_tokens: Tensor, num_accepted: Tensor, final: Tensor, num_drafted: Tensor, eos: int | None):
+def _assemble(
+    draft_tokens: Tensor, num_accepted: Tensor, final: Tensor, num_drafted: Tensor, eos: EosIds
+) -> Verdict:
     """Emitted tokens = accepted draft prefix [B, K], then ``final`` [B]; cut after an accepted EOS."""
     b, k = draft_tokens.shape
     cols = torch.arange(k + 1, device=draft_tokens.device)
     num_tokens = num_accepted + 1
     if eos is not None and k:
-        is_eos = (draft_tokens.long() == eos) & (cols[:k] < num_accepted.unsqueeze(1))  # [B, K]
+        eos_ids = torch.as_tensor(eos, dtype=torch.long, device=draft_tokens.device).reshape(-1)
+        is_eos = torch.isin(draft_tokens.long(), eos_ids) & (cols[:k] < num_accepted.unsqueeze(1))  # [B, K]
         has_eos = is_eos.any(dim=1)
         num_accepted = torch.where(has_eos, is_eos.long().argmax(dim=1) + 1, num_accepted)
         num_tokens = torch.where(has_eos, num_accepted, num_tokens)
@@ -256,17 +262,17 @@ def _accepted_prefix(accept: Tensor) -> Tensor:
 
 
 def sample_verdict(
-    rule: Rule, draft_tokens: Tensor, generator: torch.Generator, eos_token_id: int | None = None
+    rule: Rule, draft_tokens: Tensor, generator: torch.Generator, eos_token_id: EosIds = None
 ) -> Verdict:
     """Draw a verdict from ``rule``: accept x_t with probability accept_prob[:, t] until the first rejection
     (or the end of the row's draft), then sample the emitted token from the fallback at that position.
 
     draft_tokens: [B, K] int. generator: the only source of randomness (the same seed, the same verdict).
-    eos_token_id: an accepted end-of-sequence token ends the row's output.
+    eos_token_id: an end-of-sequence id (or several); an accepted one ends the row's output.
     """
     b, k = _check_draft(draft_tokens)
     if rule.accept_prob.shape != (b, k) or rule.fallback.shape[:2] != (b, k + 1):
-        raise ValueError("rule does not match draft_tokens: expected accept_prob [B, K] and fallback [B, K+1, V]")
+        raise ValueError("rule does not match draft_tokens: need accept_prob [B, K] and fallback [B, K+1, V]")
     u = torch.rand(b, k, generator=generator, dtype=rule.accept_prob.dtype, device=draft_tokens.device)
     num_accepted = _accepted_prefix(u < rule.accept_prob)
     stop_dist = rule.fallback[torch.arange(b, device=draft_tokens.device), num_accepted]  # [B, V]
@@ -280,7 +286,7 @@ def rejection_sample(
     p: Tensor,
     generator: torch.Generator,
     draft_lengths: Tensor | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: EosIds = None,
     dtype: torch.dtype = torch.float32,
 ) -> Verdict:
     """Exact speculative sampling: :func:`rejection_rule` drawn with :func:`sample_verdict`.
@@ -296,7 +302,7 @@ def single_guess_sample(
     p: Tensor,
     generator: torch.Generator,
     draft_lengths: Tensor | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: EosIds = None,
     dtype: torch.dtype = torch.float32,
 ) -> Verdict:
     """Exact verification of guesses without draft probabilities: :func:`single_guess_rule`, sampled.
@@ -308,7 +314,7 @@ def single_guess_sample(
 
 
 def greedy_verify(
-    draft_tokens: Tensor, p: Tensor, draft_lengths: Tensor | None = None, eos_token_id: int | None = None
+    draft_tokens: Tensor, p: Tensor, draft_lengths: Tensor | None = None, eos_token_id: EosIds = None
 ) -> Verdict:
     """Greedy verification, no randomness: accept the longest prefix with x_t = argmax p_t, then emit the
     target's argmax at the first mismatch (or after the whole draft). Token-identical to greedy decoding.

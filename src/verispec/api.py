@@ -1,0 +1,210 @@
+"""The Python API: load a target (and a draft), then generate text, streamed or whole.
+
+    >>> import verispec
+    >>> result = verispec.generate("Summarize: ...", drafter="ngram", max_new_tokens=64, temperature=0)
+    >>> result.text, result.token_ids, result.stats["tokens_per_target_call"]
+
+``Speculator`` keeps the models loaded between generations; ``generate`` is a one-shot convenience.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from verispec.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter
+from verispec.engine import AdditiveK, ConstantK, EngineConfig, GenerationStats, KPolicy, SpeculativeEngine
+from verispec.models.base import LanguageModel, Tokenizer
+from verispec.models.registry import DEFAULT_MODEL, load_model
+from verispec.sampling import SamplingParams
+
+__all__ = ["DRAFTERS", "Chunk", "GenerationResult", "Speculator", "generate", "k_policy"]
+
+DRAFTERS = ("auto", "none", "model", "ngram")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What one round committed: its tokens, and the text that became final with them (possibly empty: text
+    is held back until it is whole characters and cannot be the start of a stop string)."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """What one generation produced."""
+
+    text: str  # the generated text (prompt excluded, stop string excluded)
+    token_ids: list[int]  # the generated token ids
+    stats: dict  # GenerationStats.as_dict()
+
+
+def k_policy(k: int | str) -> KPolicy:
+    """``k`` as given on the command line: an integer ≥ 0 (fixed) or "additive" (+2 / −1 rule)."""
+    if isinstance(k, str):
+        if k == "additive":
+            return AdditiveK()
+        if not k.isdigit():
+            raise ValueError(f"k must be an integer >= 0 or 'additive', got {k!r}")
+        k = int(k)
+    return ConstantK(k)
+
+
+class Speculator:
+    """A loaded target (and draft) that generates with a chosen drafter.
+
+    target, draft: model SPECs (see :func:`verispec.models.registry.load_model`) or already loaded
+    (model, tokenizer) pairs. drafter: "none", "ngram", "model" (needs ``draft``) or "auto" (model when a
+    draft is given, else ngram).
+    """
+
+    def __init__(
+        self,
+        target: str | tuple[LanguageModel, Tokenizer] = DEFAULT_MODEL,
+        draft: str | tuple[LanguageModel, Tokenizer] | None = None,
+        drafter: str = "auto",
+        tokenizer: str | None = None,
+        device: str = "cpu",
+    ) -> None:
+        if drafter not in DRAFTERS:
+            raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
+        if drafter == "model" and draft is None:
+            raise ValueError("drafter 'model' needs a draft model (--draft SPEC)")
+        if draft is not None and drafter in ("none", "ngram"):
+            raise ValueError(f"a draft model was given but drafter is {drafter!r}")
+        self.model, self.tokenizer = _load(target, tokenizer, device)
+        self.draft = None
+        if draft is not None:
+            self.draft, draft_tokenizer = _load(draft, tokenizer, device)
+            if draft_tokenizer.vocab_size != self.tokenizer.vocab_size:
+                raise ValueError(
+                    f"the draft's tokenizer has {draft_tokenizer.vocab_size} tokens, the target's "
+                    f"{self.tokenizer.vocab_size}: the draft must share the target's tokenizer"
+                )
+        if drafter == "auto":
+            drafter = "model" if draft is not None else "ngram"
+        self.drafter_name = drafter
+
+    def _drafter(self, sampling: SamplingParams) -> Drafter:
+        if self.draft is not None:
+            return ModelDrafter(self.draft, sampling, target_vocab_size=self.model.vocab_size)
+        return NGramDrafter() if self.drafter_name == "ngram" else NoDrafter()
+
+    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError("the prompt is empty")
+        text = self.tokenizer.chat_prompt(prompt) if chat else prompt
+        return self.tokenizer.encode(text, add_bos=True)
+
+    def stream(
+        self,
+        prompt: str,
+        *,
+        k: int | str = 4,
+        max_new_tokens: int = 128,
+        sampling: SamplingParams | None = None,
+        chat: bool = False,
+        stop: tuple[str, ...] = (),
+        stats: GenerationStats | None = None,
+    ) -> Iterator[Chunk]:
+        """Yields what each round commits; ``stats`` (optional) is filled in as it goes."""
+        sampling = sampling or SamplingParams()
+        policy = k_policy(k)
+        config = EngineConfig(max_new_tokens, sampling, self.tokenizer.eos_token_ids, tuple(stop))
+        stats = stats if stats is not None else GenerationStats(self.drafter_name, policy.name)
+        prompt_ids = self.encode_prompt(prompt, chat)
+        engine = SpeculativeEngine(self.model, self._drafter(sampling), policy)
+        text = _TextAssembler(self.tokenizer, config.stop_strings)
+        for tokens in engine.stream(prompt_ids, config, stats, text.stop_check if stop else None):
+            yield Chunk(text.add(tokens), tokens)
+        tail = text.finish()
+        if tail:
+            yield Chunk(tail, [])
+
+    def generate(self, prompt: str, **options) -> GenerationResult:
+        """The whole generation at once; options as for :meth:`stream`."""
+        stats = GenerationStats(self.drafter_name, k_policy(options.get("k", 4)).name)
+        chunks = list(self.stream(prompt, stats=stats, **options))
+        return GenerationResult(
+            text="".join(c.text for c in chunks),
+            token_ids=[t for c in chunks for t in c.token_ids],
+            stats=stats.as_dict(),
+        )
+
+
+class _TextAssembler:
+    """Incremental detokenization: emits text only once it is final (whole UTF-8 characters, and not a
+    possible beginning of a stop string), and cuts the text before a stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, stop_strings: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stop_strings = stop_strings
+        self.ids: list[int] = []
+        self.sent = 0  # characters already yielded
+
+    def stop_check(self, new_ids: list[int]) -> int | None:
+        """How many of ``new_ids`` to keep when a stop string appears in their text, else None."""
+        text = self.tokenizer.decode(new_ids)
+        if not any(s in text for s in self.stop_strings):
+            return None
+        keep = len(new_ids)
+        while keep > 0 and any(s in self.tokenizer.decode(new_ids[: keep - 1]) for s in self.stop_strings):
+            keep -= 1
+        return keep
+
+    def _text(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        cuts = [text.find(s) for s in self.stop_strings if s in text]
+        return text[: min(cuts)] if cuts else text
+
+    def add(self, tokens: list[int]) -> str:
+        self.ids += tokens
+        text = self._text()
+        final = len(text.rstrip("\ufffd"))
+        for s in self.stop_strings:  # hold back a tail that may grow into a stop string
+            for n in range(min(len(s) - 1, final), 0, -1):
+                if text[final - n : final] == s[:n]:
+                    final -= n
+                    break
+        piece, self.sent = text[self.sent : max(final, self.sent)], max(final, self.sent)
+        return piece
+
+    def finish(self) -> str:
+        text = self._text()
+        piece, self.sent = text[self.sent :], len(text)
+        return piece
+
+
+def _load(spec: str | tuple[LanguageModel, Tokenizer], tokenizer: str | None, device: str):
+    if isinstance(spec, tuple):
+        return spec
+    return load_model(spec, tokenizer=tokenizer, device=torch.device(device))
+
+
+def generate(
+    prompt: str,
+    *,
+    target: str = DEFAULT_MODEL,
+    draft: str | None = None,
+    drafter: str = "auto",
+    tokenizer: str | None = None,
+    k: int | str = 4,
+    max_new_tokens: int = 128,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    chat: bool = False,
+    stop: tuple[str, ...] = (),
+) -> GenerationResult:
+    """Generate text for ``prompt`` with speculative decoding; the same arguments as ``verispec generate``."""
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    speculator = Speculator(target, draft, drafter, tokenizer)
+    return speculator.generate(
+        prompt, k=k, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat, stop=tuple(stop)
+    )

@@ -1,0 +1,169 @@
+"""Drafters: cheap proposers of the next tokens, behind one narrow protocol.
+
+A drafter sees the committed context (prompt + generated tokens), proposes up to ``k`` tokens, optionally with
+the distributions q it sampled them from, and is then told how many of them the target accepted. Guarantees:
+
+- ``propose`` returns at most ``k`` tokens (fewer, or none, is always allowed);
+- when it returns ``q``, each token was sampled from the matching row of ``q`` (with ``generator``), and ``q``
+  is the draft's distribution after :func:`verispec.sampling.probs_from_logits` with the engine's parameters —
+  the condition under which rejection sampling is exact; a drafter without probabilities returns ``q = None``
+  and is verified as single guesses (still exact);
+- ``observe`` is called once after every ``propose`` with the number of accepted tokens, before the next
+  ``propose``, so a stateful drafter can roll its cache back to the committed context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from verispec.models.base import LanguageModel
+from verispec.sampling import SamplingParams, probs_from_logits
+
+__all__ = ["Drafter", "ModelDrafter", "NGramDrafter", "NoDrafter", "Proposal"]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens for the next positions of one sequence."""
+
+    tokens: Tensor  # [K'] int64, K' <= k
+    q: Tensor | None  # [K', V] draft distributions the tokens were sampled from, or None (single guesses)
+
+    @classmethod
+    def empty(cls) -> Proposal:
+        return cls(tokens=torch.zeros(0, dtype=torch.long), q=None)
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens for a context; see the module docstring for the guarantees."""
+
+    name: str
+
+    def begin(self, prompt: list[int]) -> None:
+        """Start a new sequence whose context begins with ``prompt``."""
+        ...
+
+    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+        """Up to ``k`` tokens likely to follow ``context`` (the whole committed sequence)."""
+        ...
+
+    def observe(self, num_accepted: int) -> None:
+        """The target accepted the first ``num_accepted`` tokens of the last proposal."""
+        ...
+
+
+class NoDrafter:
+    """Proposes nothing: plain autoregressive decoding through the same engine, the speed baseline."""
+
+    name = "none"
+
+    def begin(self, prompt: list[int]) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+        return Proposal.empty()
+
+    def observe(self, num_accepted: int) -> None:
+        pass
+
+
+class NGramDrafter:
+    """Prompt lookup: propose what followed the most recent earlier occurrence of the context's last n tokens.
+
+    For n from ``max_ngram`` down to ``min_ngram``, the last n tokens of the context are searched for earlier
+    in the context; at the latest match, the (up to k) tokens that followed it are proposed as single guesses.
+
+    Worked example, with max_ngram=3, min_ngram=1, k=3 and the context (as words)::
+
+        the cat sat on the mat . the cat
+                                 ^^^^^^^ last 3 tokens ". the cat"? no earlier match
+        last 2 tokens "the cat" match at position 0 → propose "sat on the"
+
+    Copy-heavy outputs (summaries, edits, answers quoting a passage) accept long runs of these guesses.
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not (isinstance(min_ngram, int) and isinstance(max_ngram, int) and 1 <= min_ngram <= max_ngram):
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min {min_ngram!r}, max {max_ngram!r}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def begin(self, prompt: list[int]) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+        if k <= 0:
+            return Proposal.empty()
+        ids = np.asarray(context, dtype=np.int64)  # [N]
+        for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
+            # windows[i] = ids[i : i + n] for every start i whose window ends before the last token
+            windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # [N - n, n]
+            hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return Proposal(tokens=torch.from_numpy(ids[start : start + k].copy()), q=None)
+        return Proposal.empty()
+
+    def observe(self, num_accepted: int) -> None:
+        pass
+
+
+class ModelDrafter:
+    """A smaller language model with the target's tokenizer drafts autoregressively from its own cache.
+
+    Its cache holds a prefix of the committed context; ``propose`` first feeds the committed tokens it has not
+    seen (the last emitted token, or the last draft token and the bonus token after a fully accepted round),
+    then samples k tokens one forward at a time. ``observe`` rolls the cache back to the committed part.
+    """
+
+    name = "model"
+
+    def __init__(self, model: LanguageModel, sampling: SamplingParams, target_vocab_size: int) -> None:
+        if model.vocab_size != target_vocab_size:
+            raise ValueError(
+                f"draft vocabulary ({model.vocab_size} tokens) differs from the target's "
+                f"({target_vocab_size}): the draft must use the target's tokenizer"
+            )
+        self.model = model
+        self.sampling = sampling
+        self.cache = model.new_cache()
+        self._committed = 0  # cache slots that hold committed tokens after the last proposal
+        self._drafted = 0  # draft tokens fed to the cache by the last proposal
+
+    def begin(self, prompt: list[int]) -> None:
+        self.cache.truncate(0)
+        self._committed = self._drafted = 0
+
+    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+        k = min(k, self.model.max_context - len(context))
+        if k <= 0:
+            self._committed, self._drafted = self.cache.length, 0
+            return Proposal.empty()
+        device = self.model.device
+        feed = torch.tensor([context[self.cache.length :]], dtype=torch.long, device=device)  # [1, T]
+        self._committed = len(context)
+        tokens, qs = [], []
+        for _ in range(k):
+            start = self.cache.length
+            positions = torch.arange(start, start + feed.shape[1], device=device).unsqueeze(0)  # [1, T]
+            logits = self.model.forward(feed, positions, self.cache)[0, -1]  # [V]
+            if self.sampling.greedy:
+                token = logits.argmax().view(1)
+            else:
+                q = probs_from_logits(logits, self.sampling)  # [V]
+                token = torch.multinomial(q, 1, generator=generator)
+                qs.append(q)
+            tokens.append(token)
+            feed = token.view(1, 1)
+        self._drafted = k - 1  # the last draft token is never fed
+        return Proposal(tokens=torch.cat(tokens).cpu(), q=torch.stack(qs).cpu() if qs else None)
+
+    def observe(self, num_accepted: int) -> None:
+        self.cache.truncate(self._committed + min(num_accepted, self._drafted))
