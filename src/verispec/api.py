@@ -58,13 +58,13 @@ class Speculator:
     """A loaded target (and draft) that generates with a chosen drafter.
 
     target, draft: model SPECs (see :func:`verispec.models.registry.load_model`) or already loaded
-    (model, tokenizer) pairs. drafter: "none", "ngram", "model" (needs ``draft``) or "auto" (model when a
-    draft is given, else ngram).
+    (model, tokenizer) pairs; the target defaults to ``smollm2-135m``.
+    drafter: "none", "ngram", "model" (needs ``draft``) or "auto" (model when a draft is given, else ngram).
     """
 
     def __init__(
         self,
-        target: str | tuple[LanguageModel, Tokenizer] = DEFAULT_MODEL,
+        target: str | tuple[LanguageModel, Tokenizer] | None = None,
         draft: str | tuple[LanguageModel, Tokenizer] | None = None,
         drafter: str = "auto",
         tokenizer: str | None = None,
@@ -76,7 +76,7 @@ class Speculator:
             raise ValueError("drafter 'model' needs a draft model (--draft SPEC)")
         if draft is not None and drafter in ("none", "ngram"):
             raise ValueError(f"a draft model was given but drafter is {drafter!r}")
-        self.model, self.tokenizer = _load(target, tokenizer, device)
+        self.model, self.tokenizer = _load(DEFAULT_MODEL if target is None else target, tokenizer, device)
         self.draft = None
         if draft is not None:
             self.draft, draft_tokenizer = _load(draft, tokenizer, device)
@@ -188,7 +188,7 @@ def _load(spec: str | tuple[LanguageModel, Tokenizer], tokenizer: str | None, de
 def generate(
     prompt: str,
     *,
-    target: str = DEFAULT_MODEL,
+    target: str | None = None,
     draft: str | None = None,
     drafter: str = "auto",
     tokenizer: str | None = None,

@@ -1,0 +1,246 @@
+"""Analytic model of speculative decoding: how many tokens a target call yields, and what that is worth.
+
+Notation (as everywhere in verispec): p is the target's distribution, q the draft's. One *round* drafts K
+tokens, then the target verifies K+1 positions in one forward pass.
+
+- Acceptance rate: α = Σ_x min(p(x), q(x)), the probability that rejection sampling accepts a token drawn
+  from q (Leviathan et al. 2023, Chen et al. 2023).
+- Tokens per target call, with positions accepted independently with probability α each:
+  E[L] = 1 + α + α² + … + α^K = (1 − α^{K+1}) / (1 − α), and K + 1 at α = 1. With a per-position rate α_i
+  (the probability of accepting the i-th draft token given that all before it were accepted):
+  E[L] = 1 + Σ_{i=1..K} Π_{j≤i} α_j. A round always emits at least one token, so 1 ≤ E[L] ≤ K + 1.
+- Cost of a round, in units of one plain decoding step T_target(1): v(K+1) + K·c, where
+  c = T_draft / T_target(1) is the cost ratio of one draft step and v(k) = T_target(k) / T_target(1) is the
+  verification cost curve (v(1) = 1 by definition; v ≡ 1 models a memory-bound target whose forward time
+  does not depend on the number of new tokens).
+- Speedup over plain decoding: E[L] / (v(K+1) + K·c). K = 0 is plain decoding: speedup 1 / v(1) = 1.
+
+Every public function validates its arguments and raises ValueError with a one-line message.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "DEFAULT_K_MAX",
+    "CostModel",
+    "VerifyCost",
+    "acceptance_rate",
+    "break_even_alpha",
+    "expected_speedup",
+    "expected_tokens_per_call",
+    "optimal_k",
+    "speedup_from_tokens",
+]
+
+VerifyCost = Callable[[int], float] | Sequence[float] | np.ndarray | None
+"""v(k) = T_target(k new tokens) / T_target(1): a callable of k ≥ 1, a sequence with v[0] ↔ k = 1, or None
+for v ≡ 1."""
+
+DEFAULT_K_MAX = 32
+"""Largest K that :func:`optimal_k` tries when neither k_max nor a finite verification curve bounds it."""
+
+_ONE_TOL = 1e-6  # how far from 1 a probability vector's sum, and v(1), may be
+_BISECT_TOL = 1e-12  # width of the final bracket of break_even_alpha
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+def _check_real(name: str, value: object, low: float = -math.inf, high: float = math.inf) -> float:
+    """value as a float, if it is a finite real number (not a bool) in [low, high]; else ValueError."""
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+    if not (ok and low <= float(value) <= high):
+        bounds = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
+        raise ValueError(f"{name} must be a finite number {bounds}, got {value!r}")
+    return float(value)
+
+
+def _check_k(k: object, name: str = "k") -> int:
+    """k as an int, if it is an integer (not a bool) ≥ 0; else ValueError."""
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {k!r}")
+    return int(k)
+
+
+def _alphas(alpha: float | Sequence[float] | np.ndarray, k: int | None) -> np.ndarray:
+    """The per-position acceptance rates [K] of a round: a scalar α repeated k times (k required), or the
+    given sequence (k, if given, must be its length)."""
+    if np.ndim(alpha) == 0:
+        if k is None:
+            raise ValueError("k is required when alpha is a single number")
+        return np.full(_check_k(k), _check_real("alpha", alpha, 0.0, 1.0))
+    try:
+        alphas = np.asarray(alpha, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"alpha must be a number or a sequence of numbers, got {alpha!r}") from None
+    if alphas.ndim != 1:
+        raise ValueError(f"per-position alpha must be one-dimensional, got shape {alphas.shape}")
+    if not np.all((alphas >= 0) & (alphas <= 1)):  # also rejects NaN
+        raise ValueError("every per-position alpha must lie in [0, 1]")
+    if k is not None and _check_k(k) != alphas.size:
+        raise ValueError(f"k = {k} does not match the {alphas.size} per-position alphas")
+    return alphas
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The cost of one round, in units of one plain decoding step T_target(1): v(K+1) + K·c.
+
+    cost_ratio: c = T_draft / T_target(1) ≥ 0, the cost of one draft step.
+    verify_cost: v(k) = T_target(k) / T_target(1) for k ≥ 1 new tokens: a callable of k, a sequence with
+    v[0] ↔ k = 1 (stored as a tuple; it bounds K to len − 1), or None for v ≡ 1. Every value must be finite
+    and > 0, and v(1) must be 1 (within 1e-6). A sequence is checked on construction, a callable at k = 1 on
+    construction and at every other k when it is evaluated.
+    """
+
+    cost_ratio: float = 0.0
+    verify_cost: VerifyCost = None
+
+    def __post_init__(self) -> None:
+        """Validate; store a sequence curve as a tuple of floats."""
+        object.__setattr__(self, "cost_ratio", _check_real("cost_ratio", self.cost_ratio, 0.0))
+        v = self.verify_cost
+        if v is not None and not callable(v):
+            try:
+                curve = np.asarray(v, dtype=np.float64)
+            except (TypeError, ValueError):
+                raise ValueError(f"verify_cost must be a callable, a sequence or None, got {v!r}") from None
+            if curve.ndim != 1 or curve.size == 0:
+                raise ValueError(f"a verify_cost sequence must be one-dimensional and non-empty, got {v!r}")
+            object.__setattr__(self, "verify_cost", tuple(float(x) for x in curve))
+        for k in range(1, (self.max_k or 0) + 2):  # every entry of a sequence, v(1) of a callable
+            self.verify(k)
+
+    @property
+    def max_k(self) -> int | None:
+        """The largest draft length K this model can cost (None: unbounded)."""
+        return len(self.verify_cost) - 1 if isinstance(self.verify_cost, tuple) else None
+
+    def verify(self, k: int) -> float:
+        """v(k), the cost of a target forward over k ≥ 1 new tokens, validated."""
+        k = _check_k(k)
+        if k < 1:
+            raise ValueError(f"the verification cost is defined for k >= 1 new tokens, got {k}")
+        v = self.verify_cost
+        if v is None:
+            return 1.0
+        if isinstance(v, tuple):
+            if k > len(v):
+                raise ValueError(f"verify_cost has {len(v)} entries (k = 1..{len(v)}), k = {k} is beyond it")
+            value = v[k - 1]
+        else:
+            value = v(k)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+            raise ValueError(f"verify_cost({k}) must be a finite number > 0, got {value!r}")
+        if k == 1 and abs(value - 1.0) > _ONE_TOL:
+            raise ValueError(f"verify_cost(1) must be 1 (v(k) = T_target(k) / T_target(1)), got {value!r}")
+        return float(value)
+
+    def round_cost(self, k: int) -> float:
+        """v(K+1) + K·c: the cost of a round that drafts K tokens and verifies K+1 positions."""
+        k = _check_k(k)
+        return self.verify(k + 1) + k * self.cost_ratio
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+
+def acceptance_rate(p: np.ndarray, q: np.ndarray) -> float | np.ndarray:
+    """α = Σ_x min(p(x), q(x)), the probability that rejection sampling accepts a token drawn from q.
+
+    p, q: [..., V] target and draft distributions, same shape, non-negative, each summing to 1 (within 1e-6).
+    Returns a float for 1-D inputs, else an array [...] with one α per distribution pair.
+    """
+    p, q = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
+    if p.shape != q.shape or p.ndim == 0 or p.shape[-1] == 0:
+        raise ValueError(f"p and q must have one shape [..., V] with V >= 1, got {p.shape} and {q.shape}")
+    for name, probs in (("p", p), ("q", q)):
+        if not np.all(np.isfinite(probs) & (probs >= 0)):
+            raise ValueError(f"{name} must be finite and non-negative")
+        if np.any(np.abs(probs.sum(axis=-1) - 1.0) > _ONE_TOL):
+            raise ValueError(f"{name} must sum to 1 over its last axis (within {_ONE_TOL:g})")
+    alpha = np.minimum(p, q).sum(axis=-1)
+    return float(alpha) if p.ndim == 1 else alpha
+
+
+def expected_tokens_per_call(alpha: float | Sequence[float] | np.ndarray, k: int | None = None) -> float:
+    """E[L], the expected number of tokens one target call (one round) emits.
+
+    Scalar α with draft length k: E[L] = (1 − α^{K+1}) / (1 − α), K + 1 at α = 1.
+    Per-position α = (α_1..α_K) (k optional, else must equal K): E[L] = 1 + Σ_{i=1..K} Π_{j≤i} α_j.
+    Both are computed by the second formula, which is exact near α = 1.
+    """
+    alphas = _alphas(alpha, k)
+    return float(1.0 + np.cumprod(alphas).sum())
+
+
+def speedup_from_tokens(
+    tokens_per_call: float, k: int, cost_ratio: float = 0.0, verify_cost: VerifyCost = None
+) -> float:
+    """Speedup over plain decoding given a (measured or modelled) number of tokens per target call τ:
+    τ / (v(K+1) + K·c). τ must lie in [1, K+1]; see :class:`CostModel` for cost_ratio and verify_cost.
+
+    Example: a 50 ms target and a 5 ms draft (c = 0.1), K = 5, 3 tokens accepted on average (τ = 4):
+    4 · 50 / (50 + 5 · 5) = 2.67.
+    """
+    k = _check_k(k)
+    tau = _check_real("tokens_per_call", tokens_per_call, 1.0, k + 1.0)
+    return tau / CostModel(cost_ratio, verify_cost).round_cost(k)
+
+
+def expected_speedup(
+    alpha: float | Sequence[float] | np.ndarray,
+    k: int | None = None,
+    cost_ratio: float = 0.0,
+    verify_cost: VerifyCost = None,
+) -> float:
+    """E[L] / (v(K+1) + K·c): the expected speedup over plain decoding, with E[L] from
+    :func:`expected_tokens_per_call` (α scalar with k, or per-position) and the cost from :class:`CostModel`.
+    """
+    alphas = _alphas(alpha, k)
+    return speedup_from_tokens(expected_tokens_per_call(alphas), alphas.size, cost_ratio, verify_cost)
+
+
+def optimal_k(
+    alpha: float, cost_ratio: float = 0.0, verify_cost: VerifyCost = None, k_max: int | None = None
+) -> int:
+    """argmax over K ∈ 0..k_max of :func:`expected_speedup` (the smallest such K on ties; K = 0 is plain
+    decoding, speedup 1). k_max defaults to len(verify_cost) − 1 for a sequence, else :data:`DEFAULT_K_MAX`.
+    """
+    alpha = _check_real("alpha", alpha, 0.0, 1.0)
+    cost = CostModel(cost_ratio, verify_cost)
+    if k_max is None:
+        k_max = DEFAULT_K_MAX if cost.max_k is None else cost.max_k
+    k_max = _check_k(k_max, "k_max")
+    speedups = [expected_tokens_per_call(alpha, k) / cost.round_cost(k) for k in range(k_max + 1)]
+    return int(np.argmax(speedups))
+
+
+def break_even_alpha(k: int, cost_ratio: float = 0.0, verify_cost: VerifyCost = None) -> float | None:
+    """The smallest α ∈ [0, 1] at which :func:`expected_speedup` ≥ 1, i.e. E[L](α) ≥ v(K+1) + K·c.
+
+    E[L] increases continuously from 1 (α = 0) to K + 1 (α = 1), so: 0.0 when the round costs at most one
+    plain step (v(K+1) + K·c ≤ 1, e.g. K = 0); None when even α = 1 does not pay (K + 1 < v(K+1) + K·c);
+    otherwise found by bisection, to within 1e-12 and on the paying side. Example: K = 1, v ≡ 1 gives α = c.
+    """
+    k = _check_k(k)
+    cost = CostModel(cost_ratio, verify_cost).round_cost(k)
+    if cost <= 1.0:
+        return 0.0
+    if k + 1 < cost:
+        return None
+    lo, hi = 0.0, 1.0  # E[L](lo) < cost <= E[L](hi)
+    while hi - lo > _BISECT_TOL:
+        mid = 0.5 * (lo + hi)
+        if expected_tokens_per_call(mid, k) >= cost:
+            hi = mid
+        else:
+            lo = mid
+    return hi

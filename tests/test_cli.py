@@ -1,0 +1,128 @@
+"""Tests of the verispec command line: in-process through main(), and as a process for the exit contract."""
+
+import json
+import re
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+from verispec import cli
+
+SMALL = ["--k", "1,3", "--agreement", "0.5,0.9", "--rounds", "2000", "--seed", "3"]
+HEADERS = ["mode", "agreement", "K", "acceptance", "tau MC", "tau analytic", "speedup MC", "speedup analytic"]
+TABLE_FIELDS = [
+    "mode",
+    "agreement",
+    "k",
+    "acceptance",
+    "tau_mc",
+    "tau_analytic",
+    "speedup_mc",
+    "speedup_analytic",
+]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    """main(argv) in-process: (status, stdout, stderr)."""
+    status = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_simulate_prints_an_aligned_table(capsys):
+    status, out, err = run(capsys, "simulate", *SMALL)
+    assert status == 0 and err == ""
+    lines = out.splitlines()
+    header, rows = lines[1], lines[2:]
+    assert re.split(r"\s{2,}", header.strip()) == HEADERS
+    assert len(rows) == 2 * 2 * 2  # modes × agreements × K
+    assert len({len(line) for line in lines[1:]}) == 1  # aligned: every line as wide as the header
+    assert rows[0].split()[:3] == ["sampled", "0.5", "1"]
+
+
+def test_json_is_one_object_with_the_table_fields(capsys):
+    status, out, _ = run(capsys, "simulate", *SMALL, "--json")
+    assert status == 0
+    data = json.loads(out)
+    assert data["config"]["ks"] == [1, 3] and data["config"]["rounds"] == 2000
+    assert len(data["cells"]) == 8
+    for cell in data["cells"]:
+        assert set(TABLE_FIELDS) <= set(cell)
+    # Same seed: the table shows the JSON's numbers.
+    _, table, _ = run(capsys, "simulate", *SMALL)
+    first_row = table.splitlines()[2].split()
+    cell = data["cells"][0]
+    assert first_row[4:] == [f"{cell[key]:.3f}" for key in TABLE_FIELDS[4:]]
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["simulate", "--k", "0,x"], "argument --k"),
+        (["simulate", "--k", "0"], "ks must be"),  # parses, rejected by the library
+        (["simulate", "--agreement", "1.5"], "agreements must be"),
+        (["simulate", "--agreement", "a"], "argument --agreement"),
+        (["simulate", "--cost-ratio", "-1"], "cost_ratio"),
+        (["simulate", "--rounds", "1"], "rounds"),
+        (["simulate", "--rounds", "many"], "argument --rounds"),
+        (["simulate", "--bogus"], "unrecognized arguments"),
+        (["frobnicate"], "invalid choice"),
+        ([], "required"),
+    ],
+)
+def test_bad_input_is_one_line_and_status_2(capsys, argv, fragment):
+    status, out, err = run(capsys, *argv)
+    assert status == 2 and out == ""
+    assert err.endswith("\n") and err.count("\n") == 1
+    assert err.startswith("verispec: error: ") and fragment in err
+
+
+def test_help_and_version_exit_0(capsys):
+    status, out, _ = run(capsys, "simulate", "--help")
+    assert status == 0 and "--agreement" in out and "default: 1,2,4,8" in out
+    status, out, _ = run(capsys, "--version")
+    assert status == 0 and out.startswith("verispec ")
+
+
+@pytest.mark.parametrize(
+    "error, status, err", [(KeyboardInterrupt, 130, "verispec: interrupted\n"), (BrokenPipeError, 141, "")]
+)
+def test_interrupt_and_broken_pipe(capsys, monkeypatch, error, status, err):
+    def fail(config):
+        """Stand-in for simulate that is interrupted."""
+        raise error
+
+    monkeypatch.setattr(cli, "simulate", fail)
+    assert run(capsys, "simulate") == (status, "", err)
+
+
+def test_subprocess_exit_contract():
+    """python -m verispec, as a real process: bad input → status 2, one line on stderr, no traceback."""
+    bad = subprocess.run(
+        [sys.executable, "-m", "verispec", "simulate", "--k", "0,x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.splitlines() == [
+        "verispec: error: argument --k: expected comma-separated integers, got '0,x'"
+    ]
+
+
+def test_console_script_is_main():
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "verispec"]
+    assert script.load() is cli.main
+
+
+def test_subprocess_closed_pipe_is_quiet():
+    """`verispec simulate | head` with head gone before the output: no traceback, status 141."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "verispec", "simulate", *SMALL], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    proc.stdout.close()  # the reader leaves before the process writes (it is still importing)
+    err = proc.stderr.read()
+    proc.stderr.close()
+    assert proc.wait(timeout=120) == 141 and err == b""
