@@ -91,6 +91,10 @@ def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
         return torch.zeros_like(logits).scatter_(-1, top, 1.0)
 
     scores = logits / params.temperature
+    top = logits.amax(dim=-1, keepdim=True)
+    # a temperature so small that the top logit / T overflows acts as its limit: the argmax token(s) alone
+    overflow = ~torch.isfinite(top / params.temperature)
+    scores = torch.where(overflow, torch.where(logits == top, 0.0, float("-inf")), scores)
     vocab = scores.shape[-1]
     neg_inf = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
     if 0 < params.top_k < vocab:

@@ -87,7 +87,7 @@ class Verdict:
 
     @property
     def recovered(self) -> Tensor:  # [B] bool: the last emitted token is a recovered token
-        return self.num_accepted < self.num_drafted
+        return (self.num_accepted < self.num_drafted) & (self.num_tokens > self.num_accepted)
 
     def row(self, b: int) -> list[int]:
         """The tokens row b emits, as a list."""
@@ -103,19 +103,34 @@ def _check_draft(draft_tokens: Tensor) -> tuple[int, int]:
             f"draft_tokens must be an integer tensor of shape [B, K], got {draft_tokens.dtype} "
             f"{tuple(draft_tokens.shape)}"
         )
-    if draft_tokens.numel() and int(draft_tokens.min()) < 0:
-        raise ValueError("draft_tokens must be >= 0")
     return draft_tokens.shape[0], draft_tokens.shape[1]
 
 
-def _check_lengths(draft_lengths: Tensor | None, b: int, k: int, device: torch.device) -> Tensor:
+@dataclass(frozen=True)
+class _Layout:
+    """Which positions of a round are in use, per row."""
+
+    lengths: Tensor  # [B] int64: draft length n of each row
+    drafted: Tensor  # [B, K] bool: t < n, a draft token is there
+    used: Tensor  # [B, K+1] bool: t <= n, the target's distribution there is read
+    tokens: Tensor  # [B, K] int64: the draft tokens, 0 where not drafted (padding may hold anything)
+
+
+def _layout(draft_tokens: Tensor, draft_lengths: Tensor | None) -> _Layout:
+    b, k = _check_draft(draft_tokens)
     if draft_lengths is None:
-        return torch.full((b,), k, dtype=torch.int64, device=device)
-    if draft_lengths.shape != (b,) or draft_lengths.dtype not in (torch.int32, torch.int64):
+        lengths = torch.full((b,), k, dtype=torch.int64, device=draft_tokens.device)
+    elif draft_lengths.shape != (b,) or draft_lengths.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"draft_lengths must be an integer tensor of shape [{b}]")
-    if b and (int(draft_lengths.min()) < 0 or int(draft_lengths.max()) > k):
+    elif b and (int(draft_lengths.min()) < 0 or int(draft_lengths.max()) > k):
         raise ValueError(f"draft_lengths must lie in [0, {k}]")
-    return draft_lengths.to(device=device, dtype=torch.int64)
+    else:
+        lengths = draft_lengths.to(device=draft_tokens.device, dtype=torch.int64)
+    cols = torch.arange(k + 1, device=draft_tokens.device)
+    drafted, used = cols[:k] < lengths.unsqueeze(1), cols <= lengths.unsqueeze(1)
+    if bool(((draft_tokens < 0) & drafted).any()):
+        raise ValueError("draft_tokens must be >= 0")
+    return _Layout(lengths, drafted, used, torch.where(drafted, draft_tokens.long(), 0))
 
 
 def _check_probs(name: str, probs: Tensor, valid: Tensor, dtype: torch.dtype) -> Tensor:
@@ -126,17 +141,17 @@ def _check_probs(name: str, probs: Tensor, valid: Tensor, dtype: torch.dtype) ->
         raise ValueError(f"{name} must have shape [{b}, {positions}, V], got {tuple(probs.shape)}")
     if not torch.is_floating_point(probs):
         raise ValueError(f"{name} must be a floating-point tensor, got {probs.dtype}")
-    probs = torch.where(valid.unsqueeze(-1), probs.to(dtype), 0.0)
     for problem, bad in (("NaN or Inf", ~torch.isfinite(probs)), ("a negative probability", probs < 0)):
+        bad = bad & valid.unsqueeze(-1)
         if bad.any():
             row, pos, _ = bad.nonzero()[0].tolist()
             raise ValueError(f"{name} has {problem} at row {row}, position {pos}")
-    tol = 1e-3 if dtype != torch.float64 else 1e-9
+    tol = 1e-9 if probs.dtype == torch.float64 else 1e-3  # checked in the precision the caller computed
     off = ((probs.sum(-1) - 1).abs() > tol) & valid
     if off.any():
         row, pos = off.nonzero()[0].tolist()
         raise ValueError(f"{name} does not sum to 1 at row {row}, position {pos}")
-    return probs
+    return torch.where(valid.unsqueeze(-1), probs.to(dtype), 0.0)
 
 
 def _check_scores(scores: Tensor, valid: Tensor) -> Tensor:
@@ -149,12 +164,6 @@ def _check_scores(scores: Tensor, valid: Tensor) -> Tensor:
         row, pos, _ = bad.nonzero()[0].tolist()
         raise ValueError(f"p has NaN at row {row}, position {pos}")
     return scores
-
-
-def _positions(lengths: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Masks of the drafted positions [B, K] and of the target positions in use [B, K+1]."""
-    cols = torch.arange(k + 1, device=lengths.device)
-    return cols[:k] < lengths.unsqueeze(1), cols <= lengths.unsqueeze(1)
 
 
 def _pad_vocab(probs: Tensor, vocab: int) -> Tensor:
@@ -184,25 +193,24 @@ def rejection_rule(
     residual of total mass 0 (p_t ≤ q_t everywhere: in exact arithmetic only p_t = q_t, where rejection has
     probability 0) falls back to p_t.
     """
-    b, k = _check_draft(draft_tokens)
-    lengths = _check_lengths(draft_lengths, b, k, draft_tokens.device)
-    drafted, used = _positions(lengths, k)
-    q = _check_probs("q", q, drafted, dtype)
-    p = _check_probs("p", p, used, dtype)
+    lay = _layout(draft_tokens, draft_lengths)
+    b, k = lay.drafted.shape
+    q = _check_probs("q", q, lay.drafted, dtype)
+    p = _check_probs("p", p, lay.used, dtype)
+    if bool((lay.tokens >= q.shape[-1]).any()):
+        raise ValueError(f"a draft token id is outside the draft vocabulary of size {q.shape[-1]}")
     vocab = max(p.shape[-1], q.shape[-1])
     p, q = _pad_vocab(p, vocab), _pad_vocab(q, vocab)
-    if bool((draft_tokens.long() >= q.shape[-1])[drafted].any()):
-        raise ValueError(f"a draft token id is outside the draft vocabulary of size {q.shape[-1]}")
-    idx = draft_tokens.long().clamp(max=vocab - 1).unsqueeze(-1)
+    idx = lay.tokens.unsqueeze(-1)  # [B, K, 1]
     p_x = p[:, :k].gather(-1, idx).squeeze(-1)  # [B, K]
     q_x = q.gather(-1, idx).squeeze(-1)  # [B, K]
     ratio = torch.where(q_x > 0, p_x / q_x.clamp_min(torch.finfo(dtype).tiny), (p_x > 0).to(dtype))
-    accept_prob = torch.where(drafted, ratio.clamp(max=1.0), 0.0)
+    accept_prob = torch.where(lay.drafted, ratio.clamp(max=1.0), 0.0)
     q_ext = torch.cat([q, q.new_zeros(b, 1, vocab)], dim=1)  # q is zero after the draft: residual = p there
     residual = (p - q_ext).clamp_min(0)
     mass = residual.sum(-1, keepdim=True)
     fallback = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(dtype).tiny), p)
-    return Rule(accept_prob=accept_prob, fallback=fallback, num_drafted=lengths)
+    return Rule(accept_prob=accept_prob, fallback=fallback, num_drafted=lay.lengths)
 
 
 def single_guess_rule(
@@ -214,24 +222,26 @@ def single_guess_rule(
 
     draft_tokens: [B, K] int. p: [B, K+1, V] target distributions. draft_lengths: [B] or None.
     """
-    b, k = _check_draft(draft_tokens)
-    vocab = max(p.shape[-1], int(draft_tokens.max()) + 1 if draft_tokens.numel() else 0)
-    q = torch.zeros(b, k, vocab, dtype=dtype, device=draft_tokens.device)
-    q.scatter_(-1, draft_tokens.long().unsqueeze(-1), 1.0)
+    lay = _layout(draft_tokens, draft_lengths)
+    b, k = lay.drafted.shape
+    if p.ndim != 3:
+        raise ValueError(f"p must have shape [{b}, {k + 1}, V], got {tuple(p.shape)}")
+    vocab = max(p.shape[-1], int(lay.tokens.max()) + 1 if lay.tokens.numel() else 0)
+    q = torch.zeros(b, k, vocab, dtype=dtype, device=draft_tokens.device)  # [B, K, V] point masses
+    q.scatter_(-1, lay.tokens.unsqueeze(-1), 1.0)
     return rejection_rule(draft_tokens, q, p, draft_lengths, dtype=dtype)
 
 
 def greedy_rule(draft_tokens: Tensor, p: Tensor, draft_lengths: Tensor | None = None) -> Rule:
     """Greedy verification as a rule: accept x_t iff it is the first argmax of p_t; the fallback is a point
     mass on the argmax. p: [B, K+1, V] target distributions or logits (only the argmax is used)."""
-    b, k = _check_draft(draft_tokens)
-    lengths = _check_lengths(draft_lengths, b, k, draft_tokens.device)
-    drafted, used = _positions(lengths, k)
-    target = _check_scores(p, used).argmax(dim=-1)  # [B, K+1]
-    accept_prob = ((draft_tokens.long() == target[:, :k]) & drafted).to(torch.float64)
+    lay = _layout(draft_tokens, draft_lengths)
+    k = lay.drafted.shape[1]
+    target = _check_scores(p, lay.used).argmax(dim=-1)  # [B, K+1]
+    accept_prob = ((lay.tokens == target[:, :k]) & lay.drafted).to(torch.float64)
     fallback = torch.zeros(p.shape, dtype=torch.float64, device=p.device)
     fallback.scatter_(-1, target.unsqueeze(-1), 1.0)
-    return Rule(accept_prob=accept_prob, fallback=fallback, num_drafted=lengths)
+    return Rule(accept_prob=accept_prob, fallback=fallback, num_drafted=lay.lengths)
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -321,10 +331,9 @@ def greedy_verify(
 
     draft_tokens: [B, K] int; p: [B, K+1, V] target distributions or logits; draft_lengths: [B] or None.
     """
-    b, k = _check_draft(draft_tokens)
-    lengths = _check_lengths(draft_lengths, b, k, draft_tokens.device)
-    drafted, used = _positions(lengths, k)
-    target = _check_scores(p, used).argmax(dim=-1)  # [B, K+1]
-    num_accepted = _accepted_prefix((draft_tokens.long() == target[:, :k]) & drafted)
+    lay = _layout(draft_tokens, draft_lengths)
+    k = lay.drafted.shape[1]
+    target = _check_scores(p, lay.used).argmax(dim=-1)  # [B, K+1]
+    num_accepted = _accepted_prefix((lay.tokens == target[:, :k]) & lay.drafted)
     final = target.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
-    return _assemble(draft_tokens, num_accepted, final, lengths, eos_token_id)
+    return _assemble(draft_tokens, num_accepted, final, lay.lengths, eos_token_id)
