@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/verispec simulate
+	$(BIN)/verispec demo
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from verispec import __version__
-from verispec.engine import GenerationStats
+from verispec.engine import EngineConfig, GenerationStats
 from verispec.sampling import SamplingParams
 from verispec.simulate import SimulationConfig, simulate
 
@@ -188,7 +188,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     prompt = args.prompt if args.prompt is not None else _read_stdin()
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
-    k_policy(args.k)  # validate before loading any model
+    k_policy(args.k)  # validate everything before loading a model
+    EngineConfig(args.max_new_tokens, sampling, stop_strings=tuple(args.stop))
     speculator = Speculator(args.target, args.draft, args.drafter, args.tokenizer)
     options = dict(
         k=args.k, max_new_tokens=args.max_new_tokens, sampling=sampling, chat=args.chat, stop=args.stop
