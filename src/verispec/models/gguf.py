@@ -1,0 +1,147 @@
+"""GGUF files converted, once, into transformers-format directories in verispec's cache.
+
+A converted directory holds ``config.json``, ``generation_config.json``, ``model.safetensors`` (every tensor
+dequantized to float32, under the transformers parameter names, with llama.cpp's rotary q/k row permutation
+undone), the tokenizer (``tokenizer.json``, ``tokenizer_config.json``) and the chat template. The work is
+transformers' own GGUF reading code; verispec only checks that every parameter came through and writes the
+result.
+
+A conversion is built in a hidden ``.NAME.partial-PID-*`` directory next to its target and renamed into place
+at the end, so the target directory either holds a complete conversion or does not exist. Partial directories
+left by a process that died are removed by the next conversion in the same cache.
+
+The cache lives in ``$VERISPEC_CACHE/models`` (default ``~/.cache/verispec/models``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+__all__ = ["cache_dir", "convert_gguf", "gguf_cache_path", "is_converted"]
+
+_PARTIAL = ".partial-"  # infix of the names of directories under construction
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$VERISPEC_CACHE/models``, by default ``~/.cache/verispec/models``."""
+    root = os.environ.get("VERISPEC_CACHE") or Path.home() / ".cache" / "verispec"
+    return Path(root).expanduser() / "models"
+
+
+def gguf_cache_path(gguf: Path) -> Path:
+    """The cache directory for the conversion of the GGUF file ``gguf``, keyed by its path, size and mtime."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / f"{gguf.stem}-{key}"
+
+
+def is_converted(directory: Path) -> bool:
+    """Whether ``directory`` holds a finished conversion (conversions appear by renaming, all at once)."""
+    return (directory / "config.json").is_file()
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> Path:
+    """Convert the GGUF file ``gguf`` into the transformers-format directory ``out_dir``, unless that is done.
+
+    Returns ``out_dir``. ValueError (one line) when the file cannot be read or converted; nothing is left
+    behind then."""
+    if is_converted(out_dir):
+        return out_dir
+    if not gguf.is_file():
+        raise ValueError(f"no such GGUF file: {gguf}")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_partials(out_dir)
+    partial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{_PARTIAL}{os.getpid()}-", dir=out_dir.parent))
+    partial.chmod(0o755)  # mkdtemp's 0o700 would stay on the finished directory
+    try:
+        _write_transformers_dir(gguf, partial)
+        try:
+            os.replace(partial, out_dir)
+        except OSError as err:
+            if not is_converted(out_dir):  # not a concurrent conversion that finished first
+                raise ValueError(
+                    f"{out_dir} is in the way: not a finished conversion ({first_line(err)})"
+                ) from err
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # nothing left there after a successful rename
+    return out_dir
+
+
+def _write_transformers_dir(gguf: Path, out: Path) -> None:
+    """Read, dequantize and check every tensor of ``gguf``; write the transformers-format files to ``out``."""
+    folder, name = str(gguf.parent), gguf.name
+    with tqdm(total=4, desc=f"Converting {name}", unit="step") as bar:
+        try:
+            bar.set_postfix_str("config")
+            config = AutoConfig.from_pretrained(folder, gguf_file=name)
+            bar.update()
+            bar.set_postfix_str("weights")
+            with torch.device("meta"):
+                skeleton = AutoModelForCausalLM.from_config(config)  # parameter names only, no memory
+            tensors = load_gguf_checkpoint(
+                str(gguf), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
+            )["tensors"]
+            bar.update()
+            bar.set_postfix_str("tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            bar.update()
+        except (ValueError, KeyError, OSError, NotImplementedError) as err:
+            raise ValueError(f"cannot convert {gguf}: {first_line(err)}") from err
+        # Tied parameters appear once in named_parameters(), under the name the checkpoint stores.
+        missing = sorted(set(dict(skeleton.named_parameters())) - set(tensors))
+        if missing:
+            raise ValueError(f"{gguf} lacks {len(missing)} of the model's tensors, e.g. {missing[0]}")
+        bad = next((key for key, tensor in tensors.items() if not np.isfinite(tensor.numpy()).all()), None)
+        if bad is not None:
+            raise ValueError(f"{gguf}: tensor {bad} holds non-finite values")
+        bar.set_postfix_str("writing")
+        config.architectures = [type(skeleton).__name__]
+        config.save_pretrained(out)
+        GenerationConfig.from_model_config(config).save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        weights = out / "model.safetensors"
+        save_file({k: t.contiguous() for k, t in tensors.items()}, weights, {"format": "pt"})
+        weights.chmod(0o644)  # safetensors writes 0o600; the other files follow the umask
+        source = {"gguf": str(gguf.resolve()), "bytes": gguf.stat().st_size}
+        (out / "verispec_source.json").write_text(json.dumps(source, indent=2) + "\n")
+        bar.update()
+
+
+def first_line(err: BaseException) -> str:
+    """The first non-empty line of an exception's message (or its type's name), for one-line errors."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def _remove_dead_partials(out_dir: Path) -> None:
+    """Remove the partial conversions into ``out_dir`` whose process no longer runs."""
+    prefix = f".{out_dir.name}{_PARTIAL}"
+    for partial in out_dir.parent.glob(f"{prefix}*"):
+        pid = partial.name[len(prefix) :].split("-", 1)[0]
+        if pid.isdigit() and not _is_running(int(pid)):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _is_running(pid: int) -> bool:
+    """Whether a process with this id exists (always assumed on Windows, where os.kill would end it)."""
+    if os.name == "nt":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True

@@ -1,0 +1,196 @@
+"""Any transformers causal language model and tokenizer behind verispec's model and tokenizer protocols.
+
+``HFModel`` drives an ``AutoModelForCausalLM`` through a transformers ``DynamicCache`` that it rolls back with
+``crop``. Only models whose cache layers can be rolled back exactly are accepted: full attention, layers that
+share another layer's cache, and sliding-window attention (whose context is then capped one short of the
+window, where it is still exact full attention). Recurrent and linear-attention layers keep state that
+cannot be cut back to an earlier length, and are refused with a ValueError.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+__all__ = ["HFCache", "HFModel", "HFTokenizer"]
+
+
+class HFCache:
+    """A transformers ``DynamicCache`` for ``batch_size`` sequences of at most ``capacity`` tokens."""
+
+    def __init__(self, config: PretrainedConfig, batch_size: int, capacity: int) -> None:
+        self.inner = DynamicCache(config=config)
+        self.batch_size = batch_size
+        self._capacity = capacity
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def truncate(self, length: int) -> None:
+        """Drop every slot from ``length`` on (0 ≤ length ≤ self.length; ValueError otherwise)."""
+        _check_int("truncate length", length, 0, self._length)
+        if length < self._length:
+            self.inner.crop(length - self._length)  # a negative count removes that many trailing tokens
+            self._length = length
+
+    def _append(self, count: int) -> None:
+        """Record that a forward pass appended ``count`` slots."""
+        self._length += count
+
+
+class HFModel:
+    """A transformers causal language model implementing :class:`~verispec.models.base.LanguageModel`."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        """Wrap ``model`` (put in eval mode); ValueError when its cache cannot be rolled back exactly."""
+        if model.config.is_encoder_decoder:
+            raise ValueError(f"{type(model).__name__} is an encoder-decoder model, not a causal LM")
+        self._model = model.eval()
+        self._config = model.config.get_text_config(decoder=True)
+        self.vocab_size = int(self._config.vocab_size)
+        limit = _rollback_limit(self._config)
+        positions = getattr(self._config, "max_position_embeddings", None)
+        if not isinstance(positions, int) or positions < 1:
+            raise ValueError(f"{type(model).__name__}'s config gives no max_position_embeddings")
+        self.max_context = min(positions, limit)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> HFModel:
+        """Load a transformers-format directory (or a hub id) with ``AutoModelForCausalLM``."""
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        return cls(model.to(device))
+
+    @property
+    def device(self) -> torch.device:
+        return self._model.device
+
+    def new_cache(self, batch_size: int = 1, capacity: int | None = None) -> HFCache:
+        """An empty cache for ``batch_size`` sequences of at most ``capacity`` (default max_context) slots."""
+        capacity = self.max_context if capacity is None else capacity
+        _check_int("batch_size", batch_size, 1)
+        _check_int("capacity", capacity, 1, self.max_context)
+        return HFCache(self._config, batch_size, capacity)
+
+    def forward(self, tokens: Tensor, positions: Tensor, cache: HFCache) -> Tensor:
+        """tokens: [B, T] int64; positions: [B, T] int64. Returns logits [B, T, vocab_size] float32.
+
+        Appends T slots to ``cache``."""
+        if not isinstance(cache, HFCache):
+            raise ValueError(f"HFModel needs a cache from its own new_cache(), got {type(cache).__name__}")
+        if tokens.dim() != 2 or tokens.shape[0] != cache.batch_size or tokens.shape[1] < 1:
+            raise ValueError(f"tokens must have shape [{cache.batch_size}, T >= 1], got {list(tokens.shape)}")
+        if positions.shape != tokens.shape:
+            raise ValueError(f"positions {list(positions.shape)} must match tokens {list(tokens.shape)}")
+        if tokens.dtype != torch.int64 or positions.dtype != torch.int64:
+            raise ValueError(f"tokens and positions must be int64, got {tokens.dtype} and {positions.dtype}")
+        count = tokens.shape[1]
+        if cache.length + count > cache.capacity:
+            raise ValueError(
+                f"{count} more tokens overflow the cache ({cache.length} of {cache.capacity} slots used)"
+            )
+        with torch.inference_mode():
+            out = self._model(
+                input_ids=tokens, position_ids=positions, past_key_values=cache.inner, use_cache=True
+            )
+        cache._append(count)
+        return out.logits.float()  # [B, T, V]
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    """ValueError unless ``value`` is an integer in [low, high] (high None: unbounded)."""
+    in_range = isinstance(value, int) and low <= value and (high is None or value <= high)
+    if isinstance(value, bool) or not in_range:
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an integer {bounds}, got {value!r}")
+
+
+def _rollback_limit(config: PretrainedConfig) -> int:
+    """The most tokens a cache of this model can hold and still be cropped exactly (a huge number when
+    unlimited); ValueError when some layer keeps state that cannot be rolled back."""
+    limit = 2**62
+    for layer in DynamicCache(config=config).layers:
+        if type(layer) is DynamicSlidingWindowLayer:
+            # Below its window (or chunk), such a layer keeps every token, attends to all, and crops exactly.
+            limit = min(limit, layer.sliding_window - 1)
+        elif type(layer) not in (DynamicLayer, DummyLayer):
+            raise ValueError(
+                f"{config.model_type} models are not supported: their {type(layer).__name__} cache layers "
+                "cannot be rolled back exactly"
+            )
+    return limit
+
+
+class HFTokenizer:
+    """A transformers tokenizer implementing :class:`~verispec.models.base.Tokenizer`.
+
+    ``bos_token_id`` is set only when the tokenizer itself adds a BOS token for this model; ``eos_token_ids``
+    is the tokenizer's EOS token together with ``extra_eos_token_ids`` (those of the model's configs).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, extra_eos_token_ids: Iterable[int] = ()) -> None:
+        # An empty vocabulary is what transformers loads from a directory without tokenizer files.
+        if not tokenizer.encode("a", add_special_tokens=False):
+            raise ValueError(f"the tokenizer {type(tokenizer).__name__} has no vocabulary")
+        self._tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        bos = tokenizer.bos_token_id
+        adds_bos = bos is not None and tokenizer.encode("a", add_special_tokens=True)[:1] == [bos]
+        self.bos_token_id: int | None = bos if adds_bos else None
+        eos = set(extra_eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> HFTokenizer:
+        """The tokenizer of a transformers-format directory; EOS ids also from its config and generation
+        config."""
+        return cls(AutoTokenizer.from_pretrained(str(path)), _config_eos_token_ids(Path(path)))
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        return [self.bos_token_id, *ids] if add_bos and self.bos_token_id is not None else ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, special tokens skipped, spaces left as they are (so decoding is prefix-stable)."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def chat_prompt(self, user_message: str) -> str:
+        """``user_message`` in the model's chat template, ready for the assistant's reply; a BOS token the
+        template writes is left to ``encode``. ValueError when the tokenizer has no chat template."""
+        if not self._tokenizer.chat_template:
+            raise ValueError("this model's tokenizer has no chat template")
+        text = self._tokenizer.apply_chat_template(
+            [{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=False
+        )
+        bos_text = self._tokenizer.bos_token
+        if self.bos_token_id is not None and bos_text and text.startswith(bos_text):
+            text = text[len(bos_text) :]
+        return text
+
+
+def _config_eos_token_ids(directory: Path) -> set[int]:
+    """The EOS token ids named by ``config.json`` and ``generation_config.json`` in ``directory``."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        file = directory / name
+        if not file.is_file():
+            continue
+        eos = json.loads(file.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    return ids

