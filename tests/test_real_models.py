@@ -39,15 +39,15 @@ STORY_PROMPTS = [
 ]
 
 
-def cut_to_layers(model: Llama, num_layers: int) -> Llama:
-    """A draft that differs from the target: the same checkpoint with only its first ``num_layers`` layers."""
+def copied_first_layers(model: Llama, num_layers: int) -> Llama:
+    """The oracle for ``Llama.first_layers``: a separate model holding copies of the first layers' weights."""
     config = dataclasses.replace(model.config, num_layers=num_layers)
     draft = Llama(config, device=model.device, dtype=model.dtype)
-    keep = {f"model.layers.{i}." for i in range(num_layers)}
+    keep = tuple(f"model.layers.{i}." for i in range(num_layers))
     draft.load_weights(
         (name, t)
         for name, t in model.state_dict().items()
-        if not name.startswith("model.layers.") or any(name.startswith(k) for k in keep)
+        if not name.startswith("model.layers.") or name.startswith(keep)
     )
     return draft
 
@@ -81,10 +81,10 @@ def greedy_ids(
 
 
 def test_stories_speculative_greedy_equals_plain_greedy(stories):
-    """11 prompts × 3 drafters (n-gram, a 2-layer cut, a bf16-rounded copy) × 2 K policies == plain greedy."""
+    """11 prompts × 3 drafters (n-gram, 2-layer early exit, bf16-rounded copy) × 2 K policies == greedy."""
     model, tokenizer = stories
     plain = Speculator((model, tokenizer), drafter="none")
-    drafts = [cut_to_layers(model, 2), rounded(model)]
+    drafts = [model.first_layers(2), rounded(model)]
     speculators = [Speculator((model, tokenizer), drafter="ngram")]
     speculators += [Speculator((model, tokenizer), draft=(d, tokenizer), drafter="model") for d in drafts]
     rejected = 0
@@ -107,10 +107,24 @@ def test_stories_speculative_greedy_equals_plain_greedy(stories):
 def test_stories_reference_text_through_the_engine(stories, shared_model):
     """The README's reference greedy text, produced by speculative decoding with a model draft."""
     model, tokenizer = stories
-    speculator = Speculator((model, tokenizer), draft=(cut_to_layers(model, 3), tokenizer))
+    speculator = Speculator((model, tokenizer), draft=(model.first_layers(3), tokenizer))
     text = speculator.generate("Once upon a time", k=4, max_new_tokens=200, sampling=GREEDY).text
     reference = "there was a little girl named Lily. She loved to play outside in the park. One day, she saw"
     assert text.startswith(", " + reference) or text.startswith(reference)
+
+
+def test_first_layers_shares_weights_and_matches_a_copy(stories):
+    """The early-exit draft equals a separately built model of the same first layers, and copies nothing."""
+    model, _ = stories
+    draft, oracle = model.first_layers(2), copied_first_layers(model, 2)
+    tokens = torch.tensor([[1, 403, 261, 378, 1006 % model.vocab_size]])  # [1, 5]
+    positions = torch.arange(5).unsqueeze(0)  # [1, 5]
+    expected = oracle.forward(tokens, positions, oracle.new_cache())  # [1, 5, V]
+    torch.testing.assert_close(draft.forward(tokens, positions, draft.new_cache()), expected)
+    assert draft.model.embed_tokens.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert draft.model.layers[1] is model.model.layers[1] and len(draft.model.layers) == 2
+    with pytest.raises(ValueError, match="num_layers"):
+        model.first_layers(model.config.num_layers)
 
 
 def test_stories_draft_vocabulary_mismatch(stories):
@@ -131,7 +145,7 @@ ALPHA_REAL = 1e-3 / 2
 def test_stories_first_sampled_token_follows_the_target(stories, sampling_kw):
     model, tokenizer = stories
     prompt = "Once upon a time, there was a"
-    speculator = Speculator((model, tokenizer), draft=(cut_to_layers(model, 2), tokenizer))
+    speculator = Speculator((model, tokenizer), draft=(model.first_layers(2), tokenizer))
     counts = np.zeros(model.vocab_size)
     drafted = accepted = 0
     for seed in range(N_REAL):
@@ -162,11 +176,11 @@ SMOL_PROMPTS = [
 
 
 def test_smollm2_speculative_greedy_equals_plain_greedy(smollm2):
-    """3 chat prompts × (n-gram, a 10-of-30-layer draft) == plain greedy, 40 tokens each."""
+    """3 chat prompts × (n-gram, an early-exit draft of 10 of 30 layers) == plain greedy, 40 tokens each."""
     model, tokenizer = smollm2
     plain = Speculator((model, tokenizer), drafter="none")
     ngram = Speculator((model, tokenizer), drafter="ngram")
-    cut = Speculator((model, tokenizer), draft=(cut_to_layers(model, 10), tokenizer))
+    cut = Speculator((model, tokenizer), draft=(model.first_layers(10), tokenizer))
     for prompt in SMOL_PROMPTS:
         reference = greedy_ids(plain, prompt, 40, chat=True)
         assert greedy_ids(ngram, prompt, 40, chat=True) == reference

@@ -15,6 +15,7 @@ little more than a forward over one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterable, Mapping
@@ -640,6 +641,24 @@ class Llama(nn.Module):
         if self.lm_head is None and self.model.embed_tokens.weight.numel() >= min_weight_elements:
             self._onednn_head = True
         return self.optimized_for_cpu
+
+    def first_layers(self, num_layers: int) -> Llama:
+        """A draft sharing this model's weights that runs only its first ``num_layers`` decoder layers, then
+        the final norm and the head (self-speculation by early exit). Nothing is copied: the draft costs no
+        memory but its own cache, and follows this model's fast path."""
+        if not _is_int(num_layers) or not 0 < num_layers < self.config.num_layers:
+            raise ValueError(
+                f"num_layers must be an integer in [1, {self.config.num_layers - 1}], got {num_layers!r}"
+            )
+        config = dataclasses.replace(self.config, num_layers=num_layers)
+        draft = Llama(config, device="meta", dtype=self.dtype)  # allocates nothing; every module is replaced
+        draft.model.embed_tokens = self.model.embed_tokens
+        draft.model.layers = nn.ModuleList(self.model.layers[:num_layers])
+        draft.model.norm = self.model.norm
+        draft.lm_head = self.lm_head
+        draft.inv_freq = self.inv_freq
+        draft._onednn_head = self._onednn_head
+        return draft
 
     # ---------------------------------------------------------------- inference
 

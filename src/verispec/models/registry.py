@@ -104,7 +104,9 @@ def load_model(
                 f"{path} is a llama2.c checkpoint: pass tokenizer= its tokenizer file (tok*.bin)"
             )
         tok = _load_tokenizer(tokenizer)  # the quick checks first
-        return load_llama2c(path, device=device, dtype=dtype), tok
+        model = load_llama2c(path, device=device, dtype=dtype)
+        model.optimize_for_cpu()  # a no-op where it does not pay (small weights) or apply (CUDA, half types)
+        return model, tok
     directory = model_dir(spec)
     tok = _load_tokenizer(directory if tokenizer is None else tokenizer)
     return _load_directory(directory, device, dtype, backend), tok
@@ -146,7 +148,7 @@ def _load_directory(
             f"the native backend runs {family} models, and {directory} holds a {model_type!r} one"
         )
     if backend != "hf" and model_type in LLAMA_FAMILY:
-        return Llama.from_pretrained(directory, device=device, dtype=dtype)
+        return Llama.from_pretrained(directory, device=device, dtype=dtype, fast=True)  # fast: CPU float32
     try:
         return HFModel.from_pretrained(directory, device=device, dtype=dtype)
     except (ValueError, KeyError, OSError) as err:  # transformers: unknown architecture, missing weights, …
