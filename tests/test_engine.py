@@ -12,7 +12,8 @@ from scipy import stats as scipy_stats
 import verispec.engine as engine_module
 from fakes import TableLM
 from verispec.drafters import ModelDrafter, NGramDrafter, NoDrafter
-from verispec.engine import AdditiveK, ConstantK, EngineConfig, GenerationStats, SpeculativeEngine
+from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
+from verispec.policies import AdditiveK, ConstantK
 from verispec.sampling import SamplingParams, probs_from_logits
 from verispec.verify import rejection_rule, sample_verdict
 

@@ -180,7 +180,7 @@ def test_smollm2_speculative_greedy_equals_plain_greedy(smollm2):
     model, tokenizer = smollm2
     plain = Speculator((model, tokenizer), drafter="none")
     ngram = Speculator((model, tokenizer), drafter="ngram")
-    cut = Speculator((model, tokenizer), draft=(model.first_layers(10), tokenizer))
+    cut = Speculator((model, tokenizer), draft="layers:10")
     for prompt in SMOL_PROMPTS:
         reference = greedy_ids(plain, prompt, 40, chat=True)
         assert greedy_ids(ngram, prompt, 40, chat=True) == reference
@@ -246,6 +246,7 @@ def test_cli_generate_json_contract(shared_model):
         (["generate", "hi", "--drafter", "magic"], "unknown drafter"),
         (["generate", "hi", "--drafter", "model"], "needs a draft"),
         (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["generate", "hi", "--draft", "layers:x"], "layers:N"),
     ],
 )
 def test_cli_generate_bad_input(args, message):

@@ -15,14 +15,16 @@ from dataclasses import dataclass
 import torch
 
 from verispec.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter
-from verispec.engine import AdditiveK, ConstantK, EngineConfig, GenerationStats, KPolicy, SpeculativeEngine
+from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
 from verispec.models.base import LanguageModel, Tokenizer
 from verispec.models.registry import DEFAULT_MODEL, load_model
+from verispec.policies import AdditiveK, ConstantK, KPolicy
 from verispec.sampling import SamplingParams
 
 __all__ = ["DRAFTERS", "Chunk", "GenerationResult", "Speculator", "generate", "k_policy"]
 
 DRAFTERS = ("auto", "none", "model", "ngram")
+EARLY_EXIT = "layers:"  # draft SPEC prefix: the target's first N layers
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,8 @@ class Speculator:
     """A loaded target (and draft) that generates with a chosen drafter.
 
     target, draft: model SPECs (see :func:`verispec.models.registry.load_model`) or already loaded
-    (model, tokenizer) pairs; the target defaults to ``smollm2-135m``.
+    (model, tokenizer) pairs; the target defaults to ``smollm2-135m``. The draft may also be ``layers:N``:
+    the target's own first N layers (early exit, sharing the target's weights).
     drafter: "none", "ngram", "model" (needs ``draft``) or "auto" (model when a draft is given, else ngram).
     """
 
@@ -78,7 +81,9 @@ class Speculator:
             raise ValueError(f"a draft model was given but drafter is {drafter!r}")
         self.model, self.tokenizer = _load(DEFAULT_MODEL if target is None else target, tokenizer, device)
         self.draft = None
-        if draft is not None:
+        if isinstance(draft, str) and draft.startswith(EARLY_EXIT):
+            self.draft = _early_exit(self.model, draft)
+        elif draft is not None:
             self.draft, draft_tokenizer = _load(draft, tokenizer, device)
             if draft_tokenizer.vocab_size != self.tokenizer.vocab_size:
                 raise ValueError(
@@ -177,6 +182,17 @@ class _TextAssembler:
         text = self._text()
         piece, self.sent = text[self.sent :], len(text)
         return piece
+
+
+def _early_exit(model: LanguageModel, spec: str) -> LanguageModel:
+    """The draft named ``layers:N``: the target's first N layers."""
+    count = spec[len(EARLY_EXIT) :]
+    if not count.isdigit():
+        raise ValueError(f"an early-exit draft is written {EARLY_EXIT}N with N an integer, got {spec!r}")
+    first_layers = getattr(model, "first_layers", None)
+    if first_layers is None:
+        raise ValueError(f"{EARLY_EXIT}N drafts need a native model; this target is a {type(model).__name__}")
+    return first_layers(int(count))
 
 
 def _load(spec: str | tuple[LanguageModel, Tokenizer], tokenizer: str | None, device: str):
