@@ -292,35 +292,31 @@ def sample_verdict(
 
 def rejection_sample(
     draft_tokens: Tensor,
-    q: Tensor,
+    q: Tensor | None,
     p: Tensor,
     generator: torch.Generator,
     draft_lengths: Tensor | None = None,
     eos_token_id: EosIds = None,
     dtype: torch.dtype = torch.float32,
 ) -> Verdict:
-    """Exact speculative sampling: :func:`rejection_rule` drawn with :func:`sample_verdict`.
+    """Exact speculative sampling: :func:`rejection_rule` drawn with :func:`sample_verdict`; with q None,
+    the draft tokens are single guesses (:func:`single_guess_rule`).
 
-    draft_tokens: [B, K] int; q: [B, K, Vq]; p: [B, K+1, Vp]; draft_lengths: [B] or None.
+    draft_tokens: [B, K] int; q: [B, K, Vq] or None; p: [B, K+1, Vp]; draft_lengths: [B] or None.
     """
-    rule = rejection_rule(draft_tokens, q, p, draft_lengths, dtype=dtype)
+    if q is None:
+        rule = single_guess_rule(draft_tokens, p, draft_lengths, dtype=dtype)
+    else:
+        rule = rejection_rule(draft_tokens, q, p, draft_lengths, dtype=dtype)
     return sample_verdict(rule, draft_tokens, generator, eos_token_id)
 
 
 def single_guess_sample(
-    draft_tokens: Tensor,
-    p: Tensor,
-    generator: torch.Generator,
-    draft_lengths: Tensor | None = None,
-    eos_token_id: EosIds = None,
-    dtype: torch.dtype = torch.float32,
+    draft_tokens: Tensor, p: Tensor, generator: torch.Generator, *args: object, **kwargs: object
 ) -> Verdict:
-    """Exact verification of guesses without draft probabilities: :func:`single_guess_rule`, sampled.
-
-    draft_tokens: [B, K] int; p: [B, K+1, V]; draft_lengths: [B] or None.
-    """
-    rule = single_guess_rule(draft_tokens, p, draft_lengths, dtype=dtype)
-    return sample_verdict(rule, draft_tokens, generator, eos_token_id)
+    """Exact verification of guesses without draft probabilities: ``rejection_sample`` with q None, taking
+    its other arguments (draft_lengths, eos_token_id, dtype). draft_tokens: [B, K] int; p: [B, K+1, V]."""
+    return rejection_sample(draft_tokens, None, p, generator, *args, **kwargs)
 
 
 def greedy_verify(
