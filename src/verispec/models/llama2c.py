@@ -39,12 +39,17 @@ def _rotate_half_order(w: Tensor, num_heads: int) -> Tensor:
 
 
 def load_llama2c(
-    path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    path: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    fast: bool = False,
 ) -> Llama:
     """Load a llama2.c "version 0" checkpoint (header of 7 int32, then float32 weights) as a :class:`Llama`.
 
     A negative vocab_size in the header means a separate output matrix follows the weights; otherwise the
-    output head is tied to the token embedding. ValueError for a missing, versioned or truncated file."""
+    output head is tied to the token embedding. ValueError for a missing, versioned or truncated file.
+    ``fast``: call :meth:`Llama.optimize_for_cpu` after loading."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no llama2.c checkpoint at {path}")
@@ -120,6 +125,8 @@ def load_llama2c(
     )
     model = Llama(config, device=device, dtype=dtype)
     model.load_weights(tensors())
+    if fast:
+        model.optimize_for_cpu()
     return model
 
 

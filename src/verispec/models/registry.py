@@ -104,9 +104,7 @@ def load_model(
                 f"{path} is a llama2.c checkpoint: pass tokenizer= its tokenizer file (tok*.bin)"
             )
         tok = _load_tokenizer(tokenizer)  # the quick checks first
-        model = load_llama2c(path, device=device, dtype=dtype)
-        model.optimize_for_cpu()  # a no-op where it does not pay (small weights) or apply (CUDA, half types)
-        return model, tok
+        return load_llama2c(path, device=device, dtype=dtype, fast=True), tok
     directory = model_dir(spec)
     tok = _load_tokenizer(directory if tokenizer is None else tokenizer)
     return _load_directory(directory, device, dtype, backend), tok
