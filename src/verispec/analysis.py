@@ -36,6 +36,7 @@ __all__ = [
     "expected_speedup",
     "expected_tokens_per_call",
     "optimal_k",
+    "speedup_by_k",
     "speedup_from_tokens",
 ]
 
@@ -148,6 +149,10 @@ class CostModel:
         k = _check_k(k)
         return self.verify(k + 1) + k * self.cost_ratio
 
+    def round_costs(self, k_max: int) -> np.ndarray:
+        """[k_max + 1]: :meth:`round_cost` of every K = 0..k_max."""
+        return np.array([self.round_cost(k) for k in range(_check_k(k_max, "k_max") + 1)])
+
 
 # ---------------------------------------------------------------------------------------------- the model
 
@@ -214,13 +219,22 @@ def optimal_k(
     """argmax over K ∈ 0..k_max of :func:`expected_speedup` (the smallest such K on ties; K = 0 is plain
     decoding, speedup 1). k_max defaults to len(verify_cost) − 1 for a sequence, else :data:`DEFAULT_K_MAX`.
     """
-    alpha = _check_real("alpha", alpha, 0.0, 1.0)
     cost = CostModel(cost_ratio, verify_cost)
     if k_max is None:
         k_max = DEFAULT_K_MAX if cost.max_k is None else cost.max_k
     k_max = _check_k(k_max, "k_max")
-    speedups = [expected_tokens_per_call(alpha, k) / cost.round_cost(k) for k in range(k_max + 1)]
-    return int(np.argmax(speedups))
+    return int(np.argmax(speedup_by_k(alpha, cost.round_costs(k_max))))
+
+
+def speedup_by_k(alpha: float, round_costs: Sequence[float] | np.ndarray) -> np.ndarray:
+    """The expected speedup of every draft length at once: [K_max + 1], E[L](α, K) / round_costs[K] for
+    K = 0..K_max, with round_costs from :meth:`CostModel.round_costs` (validated there, so only α is checked
+    here: the per-round hot path of :class:`verispec.policies.CostModelK`)."""
+    alpha = _check_real("alpha", alpha, 0.0, 1.0)
+    costs = np.asarray(round_costs, dtype=np.float64)  # [K_max + 1]
+    tokens = np.ones_like(costs)  # E[L](α, K) = 1 + α + α·α + …: expected_tokens_per_call's products
+    tokens[1:] += np.cumsum(np.cumprod(np.full(costs.size - 1, alpha)))
+    return tokens / costs
 
 
 def break_even_alpha(k: int, cost_ratio: float = 0.0, verify_cost: VerifyCost = None) -> float | None:

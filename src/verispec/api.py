@@ -9,21 +9,36 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from verispec.analysis import CostModel
+from verispec.calibrate import QUICK_REPETITIONS, Calibration, calibrate
 from verispec.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter
 from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
 from verispec.models.base import LanguageModel, Tokenizer
 from verispec.models.registry import DEFAULT_MODEL, load_model
-from verispec.policies import AdditiveK, ConstantK, KPolicy
+from verispec.policies import AdditiveK, ConstantK, CostModelK, KPolicy
 from verispec.sampling import SamplingParams
+from verispec.trace import TraceRecorder
 
-__all__ = ["DRAFTERS", "Chunk", "GenerationResult", "Speculator", "generate", "k_policy"]
+__all__ = [
+    "DEFAULT_K",
+    "DRAFTERS",
+    "MODEL_DRAFTERS",
+    "Chunk",
+    "GenerationResult",
+    "Speculator",
+    "generate",
+    "k_policy",
+    "parse_k",
+]
 
 DRAFTERS = ("auto", "none", "model", "ngram")
+MODEL_DRAFTERS = frozenset({"model"})  # the drafters that need a draft model (--draft SPEC)
+DEFAULT_K = "auto"
 EARLY_EXIT = "layers:"  # draft SPEC prefix: the target's first N layers
 
 
@@ -45,14 +60,28 @@ class GenerationResult:
     stats: dict  # GenerationStats.as_dict()
 
 
-def k_policy(k: int | str) -> KPolicy:
-    """``k`` as given on the command line: an integer ≥ 0 (fixed) or "additive" (+2 / −1 rule)."""
+def parse_k(k: int | str) -> int | str:
+    """``k`` as given on the command line, validated: an integer ≥ 0 (fixed), "additive" (+2 / −1 rule) or
+    "auto" (the K that the calibrated cost model and the running acceptance estimate favour, 0 included)."""
     if isinstance(k, str):
-        if k == "additive":
-            return AdditiveK()
+        if k in ("additive", "auto"):
+            return k
         if not k.isdigit():
-            raise ValueError(f"k must be an integer >= 0 or 'additive', got {k!r}")
+            raise ValueError(f"k must be an integer >= 0, 'additive' or 'auto', got {k!r}")
         k = int(k)
+    return ConstantK(k).k
+
+
+def k_policy(k: int | str, cost: CostModel | None = None) -> KPolicy:
+    """The K policy that ``k`` (see :func:`parse_k`) names; "auto" needs ``cost``, the calibrated cost model
+    of the target and drafter (:meth:`Speculator.calibration` measures or loads it)."""
+    k = parse_k(k)
+    if k == "additive":
+        return AdditiveK()
+    if k == "auto":
+        if cost is None:
+            raise ValueError("k 'auto' needs the cost model of the target and drafter")
+        return CostModelK(cost)
     return ConstantK(k)
 
 
@@ -75,8 +104,8 @@ class Speculator:
     ) -> None:
         if drafter not in DRAFTERS:
             raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
-        if drafter == "model" and draft is None:
-            raise ValueError("drafter 'model' needs a draft model (--draft SPEC)")
+        if drafter in MODEL_DRAFTERS and draft is None:
+            raise ValueError(f"drafter {drafter!r} needs a draft model (--draft SPEC)")
         if draft is not None and drafter in ("none", "ngram"):
             raise ValueError(f"a draft model was given but drafter is {drafter!r}")
         self.model, self.tokenizer = _load(DEFAULT_MODEL if target is None else target, tokenizer, device)
@@ -93,36 +122,69 @@ class Speculator:
         if drafter == "auto":
             drafter = "model" if draft is not None else "ngram"
         self.drafter_name = drafter
+        self._labels = (target if isinstance(target, str) else "", draft if isinstance(draft, str) else "")
+        self._calibration: Calibration | None = None
 
     def _drafter(self, sampling: SamplingParams) -> Drafter:
         if self.draft is not None:
             return ModelDrafter(self.draft, sampling, target_vocab_size=self.model.vocab_size)
         return NGramDrafter() if self.drafter_name == "ngram" else NoDrafter()
 
-    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError("the prompt is empty")
+    def calibration(self, *, force: bool = False, repetitions: int = QUICK_REPETITIONS) -> Calibration:
+        """The costs of this target and drafter on this machine (:mod:`verispec.calibrate`): read from the
+        cache, or measured (seconds) and cached on first use; ``force`` measures them again."""
+        if self._calibration is None or force:
+            drafter = self._drafter(SamplingParams(temperature=0))
+            self._calibration = calibrate(
+                self.model,
+                None if isinstance(drafter, NoDrafter) else drafter,
+                target_label=self._labels[0],
+                draft_label=self._labels[1],
+                repetitions=repetitions,
+                force=force,
+            )
+        return self._calibration
+
+    def k_policy(self, k: int | str) -> KPolicy:
+        """The K policy ``k`` names (see :func:`parse_k`), "auto" over this speculator's calibrated costs
+        (drafter "none" drafts nothing whatever K, so it needs none)."""
+        if parse_k(k) != "auto":
+            return k_policy(k)
+        if self.drafter_name == "none":
+            return ConstantK(0)
+        return k_policy(k, self.calibration().cost_model)
+
+    def encode_prompt(self, prompt: str | Sequence[Mapping[str, str]], chat: bool = False) -> list[int]:
+        """The prompt's token ids: ``prompt`` as it is, or (``chat``) in the model's chat template, where it
+        may also be a conversation: {"role", "content"} messages ending with a user turn."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("the prompt is empty")
+        elif not chat or not prompt:
+            raise ValueError("a conversation (a list of messages) needs chat=True and at least one message")
         text = self.tokenizer.chat_prompt(prompt) if chat else prompt
         return self.tokenizer.encode(text, add_bos=True)
 
     def stream(
         self,
-        prompt: str,
+        prompt: str | Sequence[Mapping[str, str]],
         *,
-        k: int | str = 4,
+        k: int | str = DEFAULT_K,
         max_new_tokens: int = 128,
         sampling: SamplingParams | None = None,
         chat: bool = False,
         stop: tuple[str, ...] = (),
         stats: GenerationStats | None = None,
+        trace: TraceRecorder | None = None,
     ) -> Iterator[Chunk]:
-        """Yields what each round commits; ``stats`` (optional) is filled in as it goes."""
+        """Yields what each round commits; ``stats`` (optional) is filled in as it goes, and ``trace``
+        (optional) records every round (see :mod:`verispec.trace`)."""
         sampling = sampling or SamplingParams()
-        policy = k_policy(k)
+        policy = self.k_policy(k)
         config = EngineConfig(max_new_tokens, sampling, self.tokenizer.eos_token_ids, tuple(stop))
-        stats = stats if stats is not None else GenerationStats(self.drafter_name, policy.name)
+        stats = stats if stats is not None else GenerationStats(self.drafter_name, str(parse_k(k)))
         prompt_ids = self.encode_prompt(prompt, chat)
-        engine = SpeculativeEngine(self.model, self._drafter(sampling), policy)
+        engine = SpeculativeEngine(self.model, self._drafter(sampling), policy, trace)
         text = _TextAssembler(self.tokenizer, config.stop_strings)
         for tokens in engine.stream(prompt_ids, config, stats, text.stop_check if stop else None):
             yield Chunk(text.add(tokens), tokens)
@@ -130,9 +192,9 @@ class Speculator:
         if tail:
             yield Chunk(tail, [])
 
-    def generate(self, prompt: str, **options) -> GenerationResult:
+    def generate(self, prompt: str | Sequence[Mapping[str, str]], **options) -> GenerationResult:
         """The whole generation at once; options as for :meth:`stream`."""
-        stats = GenerationStats(self.drafter_name, k_policy(options.get("k", 4)).name)
+        stats = GenerationStats(self.drafter_name, str(parse_k(options.get("k", DEFAULT_K))))
         chunks = list(self.stream(prompt, stats=stats, **options))
         return GenerationResult(
             text="".join(c.text for c in chunks),
@@ -208,7 +270,7 @@ def generate(
     draft: str | None = None,
     drafter: str = "auto",
     tokenizer: str | None = None,
-    k: int | str = 4,
+    k: int | str = DEFAULT_K,
     max_new_tokens: int = 128,
     temperature: float = 1.0,
     top_k: int = 0,

@@ -23,6 +23,8 @@ from verispec import __version__
 from verispec.engine import EngineConfig, GenerationStats
 from verispec.sampling import SamplingParams
 from verispec.simulate import SimulationConfig, simulate
+from verispec.trace import Trace, TraceRecorder
+from verispec.viz import check_writable
 
 __all__ = ["add_simulate_parser", "build_parser", "format_table", "main", "run_simulate"]
 
@@ -120,6 +122,11 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
         "--rounds", type=int, default=defaults.rounds, help="rounds per cell (default: %(default)s)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="also write the charts (acceptance, tokens_per_call, speedup, speedup_cost; PNG + SVG) into DIR",
+    )
     parser.set_defaults(func=run_simulate)
 
 
@@ -128,7 +135,14 @@ def run_simulate(args: argparse.Namespace) -> int:
     config = SimulationConfig(
         ks=args.k, agreements=args.agreement, cost_ratio=args.cost_ratio, seed=args.seed, rounds=args.rounds
     )
+    if args.plot is not None:
+        from verispec.viz.charts import chart_directory, simulation_charts  # matplotlib: only when asked
+
+        chart_directory(args.plot)
     result = simulate(config)
+    if args.plot is not None:
+        paths = simulation_charts(result, args.plot)
+        print(f"charts written: {', '.join(str(p) for p in paths)}", file=sys.stderr)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
@@ -143,15 +157,27 @@ def run_simulate(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- generate
 
 
-def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags that choose the models and the drafter (generate, demo)."""
+def _add_model_specs(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose the target and the draft model (generate, demo, viz overlap)."""
     parser.add_argument("--target", metavar="SPEC", help="target model (default: smollm2-135m)")
     parser.add_argument("--tokenizer", metavar="FILE", help="tokenizer file, for llama2.c checkpoints")
-    parser.add_argument("--draft", metavar="SPEC", help="draft model for --drafter model (same tokenizer)")
+    parser.add_argument(
+        "--draft", metavar="SPEC", help="draft model (same tokenizer) or layers:N (early exit)"
+    )
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose the models and the drafter (generate, demo)."""
+    _add_model_specs(parser)
     parser.add_argument(
         "--drafter", default="auto", help="auto (model with --draft, else ngram; default), none, model, ngram"
     )
-    parser.add_argument("--k", default="4", help="draft tokens per round: N >= 0 or 'additive' (default: 4)")
+    parser.add_argument(
+        "--k",
+        default="auto",
+        help="draft tokens per round: N >= 0, 'additive', or 'auto' (default: the K that the calibrated "
+        "costs and the running acceptance rate favour, 0 included)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default: 128)")
 
 
@@ -167,7 +193,30 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         "prompt", nargs="?", metavar="PROMPT", help="the prompt (default: read standard input)"
     )
     _add_model_arguments(parser)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    _add_sampling_arguments(parser, temperature=0.0)
+    parser.add_argument("--seed", type=int, help="seed of all sampling (default: random)")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    parser.add_argument(
+        "--trace",
+        metavar="FILE.html",
+        help="write a token-fate trace: one self-contained HTML file, each token coloured by its fate",
+    )
+    parser.add_argument(
+        "--show-trace",
+        action="store_true",
+        help="print the text as a token-fate trace (ANSI colours on a terminal, else [recovered] {bonus} "
+        "~rejected~ markers) instead of streaming it",
+    )
+    parser.set_defaults(func=run_generate)
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float) -> None:
+    """The flags of the sampling transform (generate, viz overlap)."""
+    parser.add_argument(
+        "--temperature", type=float, default=temperature, help=f"0 is greedy (default: {temperature:g})"
+    )
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     parser.add_argument(
         "--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1)"
@@ -175,35 +224,70 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--min-p", type=float, default=0.0, help="drop tokens below min_p × the top probability"
     )
-    parser.add_argument("--seed", type=int, help="seed of all sampling (default: random)")
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    parser.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
-    parser.set_defaults(func=run_generate)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     """Run ``verispec generate``."""
-    from verispec.api import Speculator, k_policy  # loads transformers: only for the commands that need it
+    from verispec.api import Speculator, parse_k  # loads transformers: only for the commands that need it
 
     prompt = args.prompt if args.prompt is not None else _read_stdin()
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
-    k_policy(args.k)  # validate everything before loading a model
+    parse_k(args.k)  # validate everything before loading a model
     EngineConfig(args.max_new_tokens, sampling, stop_strings=tuple(args.stop))
+    if args.show_trace and args.json:
+        raise ValueError("--show-trace and --json both write to standard output: choose one")
+    if args.trace is not None:
+        check_writable(args.trace)
     speculator = Speculator(args.target, args.draft, args.drafter, args.tokenizer)
+    recorder = TraceRecorder() if args.trace is not None or args.show_trace else None
     options = dict(
-        k=args.k, max_new_tokens=args.max_new_tokens, sampling=sampling, chat=args.chat, stop=args.stop
+        k=args.k,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        chat=args.chat,
+        stop=args.stop,
+        trace=recorder,
     )
     if args.json:
         result = speculator.generate(prompt, **options)
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats}))
-        return 0
-    stats = GenerationStats(speculator.drafter_name, str(args.k))
-    for chunk in speculator.stream(prompt, stats=stats, **options):
-        print(chunk.text, end="", flush=True)
-    print()
-    print(_summary(stats), file=sys.stderr)
+        stats = result.stats
+    else:
+        live = GenerationStats(speculator.drafter_name, str(args.k))
+        for chunk in speculator.stream(prompt, stats=live, **options):
+            if not args.show_trace:  # the trace shows the text instead
+                print(chunk.text, end="", flush=True)
+        if not args.show_trace:
+            print()
+        print(_summary(live), file=sys.stderr)
+        stats = live.as_dict()
+    if recorder is not None:
+        _output_trace(args, recorder.finish(speculator.tokenizer, stats, prompt, _trace_settings(args)))
     return 0
+
+
+def _trace_settings(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """The header items of a trace that the stats do not hold: models and sampling settings."""
+    from verispec.models.registry import DEFAULT_MODEL
+
+    items = [("target", args.target or DEFAULT_MODEL)]
+    if args.draft is not None:
+        items.append(("draft", args.draft))
+    items.append(("temperature", f"{args.temperature:g}"))
+    transforms = (("top-k", args.top_k, 0), ("top-p", args.top_p, 1.0), ("min-p", args.min_p, 0.0))
+    items += [(name, f"{value:g}") for name, value, default in transforms if value != default]
+    items.append(("seed", "random" if args.seed is None else str(args.seed)))
+    return tuple(items)
+
+
+def _output_trace(args: argparse.Namespace, trace: Trace) -> None:
+    """Print the trace (--show-trace) and write its HTML file (--trace)."""
+    from verispec.viz.trace import trace_terminal, write_trace_html
+
+    if args.show_trace:
+        print(trace_terminal(trace, colour=sys.stdout.isatty()), end="")
+    if args.trace is not None:
+        print(f"trace written to {write_trace_html(trace, args.trace)}", file=sys.stderr)
 
 
 def _read_stdin() -> str:
@@ -272,6 +356,227 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
+# ---------------------------------------------------------------------------------------------- viz
+
+
+def add_viz_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec viz`` and its pictures (``overlap``)."""
+    parser = subparsers.add_parser(
+        "viz",
+        help="pictures of speculative decoding",
+        description="Pictures of speculative decoding drawn from real runs (PICTURE --help for each). The "
+        "token-fate trace is `generate --trace`, the simulation charts `simulate --plot`.",
+    )
+    pictures = parser.add_subparsers(dest="picture", metavar="PICTURE", required=True)
+    overlap = pictures.add_parser(
+        "overlap",
+        help="the p/q overlap at one next-token position (PNG + SVG)",
+        description="Draw the target's (p) and the draft's (q) distributions of one next token: the mass "
+        "min(p, q) that is always accepted (green), q's excess over p that can be rejected (red) and the "
+        "residual (p - q)+ that a rejection resamples from (blue), annotated with the acceptance probability "
+        "alpha = sum min(p, q). Either toy distributions (--p, --q) or a real model's next token after "
+        "--prompt (--target, --draft).",
+    )
+    overlap.add_argument("--p", type=_list_of(float, "numbers"), help="toy target distribution: 0.5,0.3,0.2")
+    overlap.add_argument(
+        "--q", type=_list_of(float, "numbers"), help="toy draft distribution, as long as --p"
+    )
+    overlap.add_argument("--labels", type=_list_of(str, "names"), help="toy token names, comma-separated")
+    overlap.add_argument("--prompt", help="model mode: the distributions of the token after this prompt")
+    _add_model_specs(overlap)
+    overlap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _add_sampling_arguments(overlap, temperature=1.0)
+    overlap.add_argument(
+        "--top", type=int, default=12, help="tokens shown, the rest as one bar (default: 12)"
+    )
+    overlap.add_argument(
+        "--out",
+        default="overlap.png",
+        metavar="FILE",
+        help="FILE.png, FILE.svg or FILE: writes FILE.png and FILE.svg (default: overlap.png)",
+    )
+    overlap.set_defaults(func=run_viz_overlap)
+
+
+def run_viz_overlap(args: argparse.Namespace) -> int:
+    """Run ``verispec viz overlap``: draw the picture, print alpha and the files written."""
+    from verispec.analysis import acceptance_rate
+    from verispec.viz.figures import figure_paths, save_figure
+    from verispec.viz.overlap import overlap_figure
+
+    toy = args.p is not None or args.q is not None or args.labels is not None
+    if toy == (args.prompt is not None):
+        raise ValueError("give either --p and --q (toy distributions) or --prompt (a model's next token)")
+    figure_paths(args.out)  # validate the output before any work
+    if toy:
+        if args.p is None or args.q is None:
+            raise ValueError("toy mode needs both --p and --q")
+        if args.labels is not None and len(args.labels) != len(args.p):
+            raise ValueError(f"--labels names {len(args.labels)} tokens, --p has {len(args.p)}")
+        names = args.labels or tuple(str(i) for i in range(len(args.p)))
+        p, q, label, title = args.p, args.q, names.__getitem__, "toy distributions"
+    else:
+        p, q, label, title = _model_overlap(args)
+    paths = save_figure(overlap_figure(p, q, top=args.top, label=label, title=title), args.out)
+    print(f"alpha = sum min(p, q) = {acceptance_rate(p, q):.6f}")  # p and q were validated by the figure
+    print(f"written: {', '.join(str(path) for path in paths)}")
+    return 0
+
+
+def _model_overlap(args: argparse.Namespace):
+    """(p, q, label, title) of the next token after --prompt, for :func:`run_viz_overlap`."""
+    from verispec.api import Speculator
+    from verispec.models.registry import DEFAULT_MODEL
+    from verispec.viz import visible_text
+    from verispec.viz.overlap import next_token_distributions
+
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
+    speculator = Speculator(args.target, args.draft, "model", args.tokenizer)
+    prompt_ids = speculator.encode_prompt(args.prompt, args.chat)
+    p, q = next_token_distributions(speculator.model, speculator.draft, prompt_ids, sampling)
+
+    def label(token_id: int) -> str:
+        return visible_text(speculator.tokenizer.decode([token_id]), token_id)
+
+    prompt = args.prompt if len(args.prompt) <= 40 else f"…{args.prompt[-40:]}"
+    target = args.target or DEFAULT_MODEL
+    target = os.path.basename(target) if os.path.exists(target) else target  # a file: its name suffices
+    title = f"next token after {prompt!r}\ntarget {target}, draft {args.draft}"
+    return p, q, label, title
+
+
+# ---------------------------------------------------------------------------------------------- bench
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec bench``."""
+    from verispec.bench import METHODS, TASKS  # light: no model is loaded
+
+    parser = subparsers.add_parser(
+        "bench",
+        help="run the task suite with every method, verispec and transformers side by side",
+        description="Run a task suite with verispec's drafters and transformers' own generation (plain, "
+        "assisted, prompt lookup) on the same weights; write results.json, results.md and PNG charts into "
+        "--out, and print the tables. Greedy outputs are checked against verispec none, token for token.",
+    )
+    _add_model_specs(parser)
+    parser.add_argument(
+        "--tasks",
+        type=_list_of(str, "task names"),
+        help=f"comma-separated, of {', '.join(TASKS)} (default: all)",
+    )
+    parser.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help='a JSONL file of more prompts: {"prompt": ...} or {"messages": [...]} per line, optional "id" '
+        'and "task" (default task: the file name)',
+    )
+    parser.add_argument(
+        "--methods",
+        type=_list_of(str, "method names"),
+        help=f"comma-separated (default: all that apply): {', '.join(METHODS)}",
+    )
+    parser.add_argument(
+        "--k",
+        type=_list_of(str, "values"),
+        default="4,auto",
+        help="draft lengths, comma-separated: N or auto (default: %(default)s); transformers use the numbers",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="per prompt (default: %(default)s)")
+    parser.add_argument(
+        "--temperature",
+        type=_list_of(float, "numbers"),
+        default="0",
+        help="comma-separated; 0 is greedy, T > 0 samples (default: %(default)s)",
+    )
+    parser.add_argument("--repetitions", type=int, default=3, help="timed runs per cell (default: 3)")
+    parser.add_argument("--prompts-per-task", type=int, metavar="N", help="the first N prompts of each task")
+    parser.add_argument("--threads", type=int, help="torch threads for every method (default: torch's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled runs (default: 0)")
+    parser.add_argument("--out", metavar="DIR", help="output directory (default: results/bench-TIMESTAMP)")
+    parser.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run ``verispec bench``: print the Markdown tables; the files go to --out."""
+    from verispec.bench import Bench, BenchConfig, plan_methods, select_tasks
+    from verispec.report import markdown
+    from verispec.viz.charts import chart_directory
+
+    config = BenchConfig(
+        target=args.target or BenchConfig.target,
+        tokenizer=args.tokenizer,
+        draft=args.draft,
+        tasks=args.tasks,
+        prompts_file=args.prompts,
+        methods=args.methods,
+        ks=args.k,
+        max_new_tokens=args.max_new_tokens,
+        temperatures=args.temperature,
+        repetitions=args.repetitions,
+        prompts_per_task=args.prompts_per_task,
+        threads=args.threads,
+        seed=args.seed,
+        out=args.out or "",
+    )
+    tasks = select_tasks(config)  # every check that needs no model, before loading one
+    methods, notes = plan_methods(config)
+    chart_directory(config.out)
+    results = Bench(config, tasks, methods, notes).run()
+    print(markdown(results))
+    print(f"results written to {config.out}", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- calibrate
+
+
+def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec calibrate``."""
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="measure the target's verification curve and the draft's cost on this machine",
+        description="Measure v(k) = T(k new tokens) / T(1) for k = 1..16 and the cost ratio c = T_draft / "
+        "T_target(1) of the drafter (--draft, else the n-gram lookup), and cache them for --k auto.",
+    )
+    _add_model_specs(parser)
+    parser.add_argument("--repetitions", type=int, default=10, help="timings per k (default: 10)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.set_defaults(func=run_calibrate)
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    """Run ``verispec calibrate``: measure, cache, and print v(k), c and the best K for a few α."""
+    import torch
+
+    from verispec.analysis import optimal_k
+    from verispec.api import Speculator
+
+    for name in ("repetitions", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} must be an integer >= 1, got {value}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    speculator = Speculator(args.target, args.draft, tokenizer=args.tokenizer)
+    calibration = speculator.calibration(force=True, repetitions=args.repetitions)
+    if args.json:
+        print(json.dumps(calibration.to_dict(), indent=2))
+        return 0
+    cost = calibration.cost_model
+    print(
+        f"{speculator.drafter_name} drafter: c = {calibration.cost_ratio:.4f}; "
+        f"T_target(1) = {1e3 * calibration.target.seconds[0]:.2f} ms; {torch.get_num_threads()} threads"
+    )
+    rows = [{"k": k, "v": v} for k, v in enumerate(cost.verify_cost, 1)]
+    print(format_table(rows, (("k new tokens", "k", "d"), ("v(k)", "v", ".3f"))))
+    best = (f"α={a:g}: K={optimal_k(a, cost.cost_ratio, cost.verify_cost)}" for a in (0.3, 0.5, 0.7, 0.9))
+    print(f"best K: {', '.join(best)}")
+    print(f"cached in {calibration.path}", file=sys.stderr)
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- entry point
 
 
@@ -283,6 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(subparsers)
     add_demo_parser(subparsers)
     add_simulate_parser(subparsers)
+    add_viz_parser(subparsers)
+    add_bench_parser(subparsers)
+    add_calibrate_parser(subparsers)
     return parser
 
 

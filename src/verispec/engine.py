@@ -21,6 +21,7 @@ from verispec.drafters import Drafter, Proposal
 from verispec.models.base import LanguageModel
 from verispec.policies import KPolicy
 from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.trace import TraceRecorder
 from verispec.verify import Verdict, greedy_verify, rejection_sample, single_guess_sample
 
 __all__ = ["EngineConfig", "GenerationStats", "SpeculativeEngine"]
@@ -117,12 +118,16 @@ class SpeculativeEngine:
 
     ``stop_check(new_ids) -> int | None`` (optional) returns how many of the generated tokens to keep when a
     stop string has appeared in them, else None; the tokenizer-aware check lives with the caller.
+    ``trace`` (optional) records every round for :mod:`verispec.trace`; without it nothing extra is computed.
     """
 
-    def __init__(self, target: LanguageModel, drafter: Drafter, k_policy: KPolicy) -> None:
+    def __init__(
+        self, target: LanguageModel, drafter: Drafter, k_policy: KPolicy, trace: TraceRecorder | None = None
+    ) -> None:
         self.target = target
         self.drafter = drafter
         self.k_policy = k_policy
+        self.trace = trace
         self.cache = target.new_cache()
 
     def stream(
@@ -184,6 +189,8 @@ class SpeculativeEngine:
         logits = self._forward([ids[-1], *proposal.tokens.tolist()], len(ids) - 1)  # [1, k'+1, V]
         t2 = time.perf_counter()
         verdict = self._verify(proposal, logits, config, generator)
+        if self.trace is not None:
+            self.trace.record(proposal, logits, verdict, config.sampling)
         emitted, accepted, drafted = verdict.row(0), int(verdict.num_accepted[0]), len(proposal.tokens)
         self.cache.truncate(len(ids) - 1 + len(emitted))  # keep the committed tokens but the new last one
         self.drafter.observe(accepted)

@@ -12,7 +12,7 @@ Guarantees the engine relies on:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -72,7 +72,8 @@ class Tokenizer(Protocol):
         whole character, which is what streaming relies on."""
         ...
 
-    def chat_prompt(self, user_message: str) -> str:
-        """``user_message`` wrapped in the model's chat template, ready to generate the assistant's reply.
-        ValueError when the model has no chat template."""
+    def chat_prompt(self, user_message: str | Sequence[Mapping[str, str]]) -> str:
+        """``user_message`` wrapped in the model's chat template, ready to generate the assistant's reply; it
+        may also be a whole conversation, {"role", "content"} messages ending with a user turn. ValueError
+        when the model has no chat template."""
         ...

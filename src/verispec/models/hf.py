@@ -10,7 +10,7 @@ cannot be cut back to an earlier length, and are refused with a ValueError.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -78,6 +78,11 @@ class HFModel:
     @property
     def device(self) -> torch.device:
         return self._model.device
+
+    @property
+    def config(self) -> PretrainedConfig:
+        """The transformers config of the (text) decoder: its architecture, as calibration keys use it."""
+        return self._config
 
     def new_cache(self, batch_size: int = 1, capacity: int | None = None) -> HFCache:
         """An empty cache for ``batch_size`` sequences of at most ``capacity`` (default max_context) slots."""
@@ -170,14 +175,17 @@ class HFTokenizer:
         """Text of ``ids``, special tokens skipped, spaces left as they are (so decoding is prefix-stable)."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def chat_prompt(self, user_message: str) -> str:
-        """``user_message`` in the model's chat template, ready for the assistant's reply; a BOS token the
-        template writes is left to ``encode``. ValueError when the tokenizer has no chat template."""
+    def chat_prompt(self, user_message: str | Sequence[Mapping[str, str]]) -> str:
+        """``user_message`` (or a conversation: {"role", "content"} messages) in the model's chat template,
+        ready for the assistant's reply; a BOS token the template writes is left to ``encode``. ValueError
+        when the tokenizer has no chat template."""
         if not self._tokenizer.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
-        text = self._tokenizer.apply_chat_template(
-            [{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=False
-        )
+        if isinstance(user_message, str):
+            messages = [{"role": "user", "content": user_message}]
+        else:
+            messages = [dict(m) for m in user_message]
+        text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         bos_text = self._tokenizer.bos_token
         if self.bos_token_id is not None and bos_text and text.startswith(bos_text):
             text = text[len(bos_text) :]

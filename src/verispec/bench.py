@@ -1,0 +1,771 @@
+"""``verispec bench``: one task suite run by every method side by side — verispec's drafters and transformers'
+own generation on the same weights — written as ``results.json``, ``results.md`` and PNG charts.
+
+Tasks (Spec-Bench style, ``verispec/data/tasks/*.jsonl``): multi-turn chat, summarization of a passage,
+question answering over a passage (RAG), math word problems, code completion, code editing, translation;
+``--prompts FILE`` adds a JSONL file of one's own (see :func:`load_prompts`).
+
+Methods (:func:`plan_methods`): verispec ``none`` (plain decoding in the engine: the baseline of every
+speedup), then every other drafter of :data:`verispec.api.DRAFTERS` (those that need a draft model only with
+``--draft``), once per ``--k``; and the transformers peers of :mod:`verispec.peers`: plain ``generate``,
+assisted generation with the same draft and each numeric K, prompt lookup with each numeric K.
+
+Timing: the same prompts and max_new_tokens for every method; each method runs once untimed first; then
+``repetitions`` rounds in which every method runs every prompt of the task in turn (method-major, and the
+method order rotates from one repetition to the next, so that a slow spell of the machine is shared out).
+One *sample* is one method over all of a task's prompts; tokens/s is its tokens over its wall time, and the
+table shows the median over repetitions with the min–max spread. Sampled runs (``--temperature T > 0``) use
+the same seed for every method at a given (repetition, prompt).
+
+Metrics per method × task (:func:`cell_metrics`): tokens/s end to end (prompt prefill included) and decoding
+tokens/s (prefill excluded); speedups vs transformers plain ``generate`` and vs verispec ``none``; tokens per
+target call τ; acceptance rate and per-position acceptance; the split of wall time into prefill, draft,
+target (verification forwards) and other; peak RSS; the speedup the analytic model predicts from the
+measured acceptance and the calibrated costs (:func:`predicted_speedup`), and efficiency = measured decoding
+speedup vs ``none`` / predicted. Every greedy output is compared with ``none``'s, token for token.
+
+``results.json`` is rewritten atomically after every sample, so an interrupted bench keeps every finished
+cell; the report (:mod:`verispec.report`) is drawn from it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import resource
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from verispec import __version__
+from verispec.analysis import CostModel, expected_tokens_per_call
+from verispec.api import DRAFTERS, EARLY_EXIT, MODEL_DRAFTERS, Speculator, parse_k
+from verispec.calibrate import Calibration, cpu_name
+from verispec.engine import GenerationStats
+from verispec.models.registry import DEFAULT_MODEL
+from verispec.peers import PEERS, TransformersPeer, load_transformers
+from verispec.report import write_report
+from verispec.sampling import SamplingParams
+from verispec.viz import write_atomic
+from verispec.viz.charts import chart_directory
+
+__all__ = [
+    "METHODS",
+    "TASKS",
+    "Bench",
+    "BenchConfig",
+    "Method",
+    "Prompt",
+    "builtin_tasks",
+    "cell_metrics",
+    "load_prompts",
+    "plan_methods",
+    "predicted_speedup",
+]
+
+TASKS = ("chat", "summarization", "rag", "math", "code_completion", "code_editing", "translation")
+VERISPEC_METHODS = tuple(d for d in DRAFTERS if d != "auto")  # none first, then every drafter
+METHODS = (*VERISPEC_METHODS, *PEERS)
+BASELINE, PEER_BASELINE = "none", PEERS[0]
+_ROLES = ("system", "user", "assistant")
+_TASK_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a task: a conversation ending with a user turn (a plain prompt is one user turn)."""
+
+    task: str
+    id: str
+    messages: tuple[tuple[str, str], ...]  # (role, content)
+
+    def for_model(self, chat: bool) -> str | list[dict[str, str]]:
+        """What the speculator encodes: the messages for a chat template, else their contents as plain text,
+        separated by blank lines."""
+        if chat:
+            return [{"role": role, "content": content} for role, content in self.messages]
+        return "\n\n".join(content for _, content in self.messages)
+
+
+def _parse_prompt(line: str, where: str, task: str, index: int) -> Prompt:
+    """One JSONL line: {"prompt": str} or {"messages": [{"role", "content"}, ...]}, optional "id", "task"."""
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
+    if not isinstance(data, dict) or ("prompt" in data) == ("messages" in data):
+        raise ValueError(f'{where}: expected an object with either "prompt" or "messages"')
+    if "prompt" in data:
+        messages = [{"role": "user", "content": data["prompt"]}]
+    else:
+        messages = data["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f'{where}: "messages" must be a non-empty list')
+    pairs = []
+    for m in messages:
+        ok = isinstance(m, dict) and m.get("role") in _ROLES and isinstance(m.get("content"), str)
+        if not ok or not m["content"].strip():
+            raise ValueError(
+                f"{where}: each message needs a role ({', '.join(_ROLES)}) and non-empty content"
+            )
+        pairs.append((m["role"], m["content"]))
+    if pairs[-1][0] != "user":
+        raise ValueError(f"{where}: the last message must be the user's")
+    task = data.get("task", task)
+    if not isinstance(task, str) or not _TASK_NAME.fullmatch(task):
+        raise ValueError(f"{where}: \"task\" must be a name of letters, digits, '_', '.', '-'")
+    prompt_id = data.get("id", f"{task}-{index}")
+    if not isinstance(prompt_id, str) or not prompt_id:
+        raise ValueError(f'{where}: "id" must be a non-empty string')
+    return Prompt(task, prompt_id, tuple(pairs))
+
+
+def load_prompts(path: str | os.PathLike, default_task: str | None = None) -> list[Prompt]:
+    """The prompts of a JSONL file: one JSON object per line, ``{"prompt": "..."}`` or
+    ``{"messages": [{"role": "user", "content": "..."}, ...]}`` (roles system/user/assistant, ending with the
+    user's), with an optional ``"id"`` and ``"task"`` (default: the file's stem). Blank lines are skipped.
+    ValueError naming the file and line for anything else."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(
+            f"cannot read the prompts file {path}: {getattr(err, 'strerror', None) or err}"
+        ) from None
+    task = default_task or path.stem
+    prompts = [_parse_prompt(line, f"{path}:{n}", task, n) for n, line in enumerate(lines, 1) if line.strip()]
+    if not prompts:
+        raise ValueError(f"the prompts file {path} holds no prompts")
+    ids = [(p.task, p.id) for p in prompts]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: prompt ids repeat within a task")
+    return prompts
+
+
+def builtin_tasks() -> dict[str, list[Prompt]]:
+    """The task suite shipped with verispec: :data:`TASKS` → its prompts."""
+    folder = resources.files("verispec") / "data" / "tasks"
+    tasks = {}
+    for name in TASKS:
+        with resources.as_file(folder / f"{name}.jsonl") as path:
+            tasks[name] = load_prompts(path, name)
+    return tasks
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def _split(text: str | Sequence[str]) -> tuple[str, ...]:
+    items = text.split(",") if isinstance(text, str) else list(text)
+    return tuple(item.strip() for item in items if item.strip())
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What a bench run measures; validated with one-line ValueErrors before any model is loaded.
+
+    tasks: built-in task names (None: all of them); the tasks of ``prompts_file`` are always added.
+    methods: names from :data:`METHODS` (None: all that apply; those needing a draft only with ``draft``).
+    ks: draft lengths, each an integer or "auto" (and "additive"); K-free methods run once.
+    temperatures: 0 is greedy; each one is a separate table.
+    prompts_per_task: the first N prompts of each task (None: all).
+    threads: torch threads for every method (None: torch's current setting).
+    out: the output directory (created).
+    """
+
+    target: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    draft: str | None = None
+    tasks: tuple[str, ...] | None = None
+    prompts_file: str | None = None
+    methods: tuple[str, ...] | None = None
+    ks: tuple[str, ...] = ("4", "auto")
+    max_new_tokens: int = 64
+    temperatures: tuple[float, ...] = (0.0,)
+    repetitions: int = 3
+    prompts_per_task: int | None = None
+    threads: int | None = None
+    seed: int = 0
+    out: str = ""
+
+    def __post_init__(self) -> None:
+        def positive(name: str, value: object, optional: bool = False) -> None:
+            if optional and value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+        positive("max_new_tokens", self.max_new_tokens)
+        positive("repetitions", self.repetitions)
+        positive("prompts per task", self.prompts_per_task, optional=True)
+        positive("threads", self.threads, optional=True)
+        if not self.ks:
+            raise ValueError("give at least one K")
+        object.__setattr__(self, "ks", tuple(dict.fromkeys(str(parse_k(k)) for k in self.ks)))
+        if not self.temperatures or not all(
+            isinstance(t, (int, float)) and math.isfinite(t) and t >= 0 for t in self.temperatures
+        ):
+            raise ValueError(f"temperatures must be finite numbers >= 0, got {self.temperatures!r}")
+        if self.methods is not None:
+            unknown = [m for m in self.methods if m not in METHODS]
+            if unknown or not self.methods:
+                raise ValueError(
+                    f"unknown method {unknown[0] if unknown else ''!r}; choose from {', '.join(METHODS)}"
+                )
+        if not self.out:
+            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+            object.__setattr__(self, "out", str(Path("results") / f"bench-{stamp}"))
+
+    def command_line(self) -> str:
+        """The ``verispec bench`` command that runs this configuration (the output directory aside)."""
+        parts = ["verispec", "bench"]
+        options = {
+            "--target": None if self.target == DEFAULT_MODEL else self.target,
+            "--tokenizer": self.tokenizer,
+            "--draft": self.draft,
+            "--tasks": None if self.tasks is None else ",".join(self.tasks),
+            "--prompts": self.prompts_file,
+            "--methods": None if self.methods is None else ",".join(self.methods),
+            "--k": ",".join(self.ks),
+            "--max-new-tokens": str(self.max_new_tokens),
+            "--temperature": ",".join(f"{t:g}" for t in self.temperatures),
+            "--repetitions": str(self.repetitions),
+            "--prompts-per-task": None if self.prompts_per_task is None else str(self.prompts_per_task),
+            "--threads": None if self.threads is None else str(self.threads),
+            "--seed": str(self.seed) if self.seed else None,
+        }
+        for flag, value in options.items():
+            if value is not None:
+                parts += [flag, value]
+        return shlex.join(parts)
+
+
+def select_tasks(config: BenchConfig) -> dict[str, list[Prompt]]:
+    """The tasks to run → their prompts: the chosen built-in tasks, plus every task of the prompts file."""
+    builtin = builtin_tasks()
+    extra: dict[str, list[Prompt]] = {}
+    if config.prompts_file is not None:
+        for prompt in load_prompts(config.prompts_file):
+            extra.setdefault(prompt.task, []).append(prompt)
+    known = {**builtin, **extra}
+    names = list(TASKS) if config.tasks is None else list(config.tasks)
+    unknown = [t for t in names if t not in known]
+    if unknown:
+        raise ValueError(f"unknown task {unknown[0]!r}; choose from {', '.join(known)}")
+    names += [t for t in extra if t not in names]
+    return {name: known[name][: config.prompts_per_task] for name in dict.fromkeys(names)}
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the table: a method and its K ("" where K does not apply)."""
+
+    name: str
+    k: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} k={self.k}" if self.k else self.name
+
+    @property
+    def is_peer(self) -> bool:
+        return self.name in PEERS
+
+
+def plan_methods(config: BenchConfig) -> tuple[list[Method], list[str]]:
+    """The methods to run, and notes on those left out (and why). ValueError when an explicitly chosen
+    method cannot run (a draft-model method without ``--draft``)."""
+    chosen = METHODS if config.methods is None else config.methods
+    needs_draft = {*MODEL_DRAFTERS, "transformers-assisted"}
+    numeric = [k for k in config.ks if k.isdigit()]
+    methods, notes = [], []
+    for name in METHODS:
+        if name not in chosen:
+            continue
+        if name in needs_draft and config.draft is None:
+            if config.methods is not None:
+                raise ValueError(f"method {name!r} needs a draft model (--draft SPEC)")
+            notes.append(f"{name}: no --draft given")
+            continue
+        if name in (BASELINE, PEER_BASELINE):
+            methods.append(Method(name))
+        elif name in PEERS:
+            methods += [Method(name, k) for k in numeric]
+            if not numeric:
+                notes.append(f"{name}: runs only at numeric K (--k gave {', '.join(config.ks)})")
+        else:
+            methods += [Method(name, k) for k in config.ks]
+    return methods, notes
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+def predicted_speedup(
+    target_calls: int,
+    drafted_per_position: Sequence[int],
+    accepted_per_position: Sequence[int],
+    cost: CostModel,
+) -> float | None:
+    """The analytic model's decoding speedup over plain decoding for a run's rounds, from its measured
+    acceptance and the calibrated costs:
+
+        Σ_d n_d · E[L](α_1..α_d) / Σ_d n_d · (v(d+1) + d·c)
+
+    where n_d is the number of rounds that drafted d tokens (rounds may draft fewer than K: an n-gram lookup
+    without a match, ``--k auto``, the last tokens of a generation) and α_i the measured acceptance at
+    position i given that every earlier position was accepted. With a constant K and every round drafting
+    K this is E[L](α, K) / (v(K+1) + K·c), :func:`verispec.analysis.expected_speedup`. ``drafted_per_position
+    [i]`` counts the rounds that drafted position i, ``accepted_per_position[i]`` those that accepted it (as
+    :class:`~verispec.engine.GenerationStats` keeps them). None when nothing ran or K exceeds the curve."""
+    depth = len(drafted_per_position)
+    if target_calls <= 0 or (cost.max_k is not None and depth > cost.max_k):
+        return None
+    at_least = [target_calls, *drafted_per_position, 0]  # [depth + 2]: rounds that drafted ≥ d tokens
+    alphas, reached = [], 1.0  # reached: the fraction of rounds that accepted every position so far
+    for accepted, drafted in zip(accepted_per_position, drafted_per_position, strict=True):
+        rate = accepted / drafted if drafted else 0.0  # P(positions 1..i all accepted | i drafted)
+        alphas.append(rate / reached if reached > 0 else 0.0)
+        reached = rate
+    tokens = cost_units = 0.0
+    for d in range(depth + 1):
+        rounds = at_least[d] - at_least[d + 1]
+        tokens += rounds * expected_tokens_per_call(np.clip(alphas[:d], 0.0, 1.0))
+        cost_units += rounds * cost.round_cost(d)
+    return tokens / cost_units
+
+
+def _spread(values: Sequence[float]) -> dict | None:
+    return (
+        {"median": float(np.median(values)), "min": min(values), "max": max(values), "n": len(values)}
+        if values
+        else None
+    )
+
+
+def cell_metrics(cell: dict, none: dict | None, peer: dict | None, cost: CostModel | None) -> dict:
+    """The metrics of one cell (see the module doc) from its samples; ``none`` and ``peer`` are the cells of
+    verispec ``none`` and transformers plain for the same task and temperature (None: not run), ``cost`` the
+    calibrated cost model of the cell's verispec drafter (None for transformers)."""
+    samples = cell["samples"]
+    if not samples:
+        return {}
+    total = {key: sum(s[key] for s in samples) for key in ("tokens", "seconds", "prefill", "draft", "target")}
+    calls, drafted = sum(s["calls"] for s in samples), sum(s["drafted"] for s in samples)
+    speed = _spread([s["tokens"] / s["seconds"] for s in samples])
+    decode = _spread([s["decode_tokens"] / max(s["seconds"] - s["prefill"], 1e-9) for s in samples])
+    by_position = [
+        sum(s["accepted_per_position"][i] for s in samples if i < len(s["accepted_per_position"]))
+        for i in range(max(len(s["drafted_per_position"]) for s in samples))
+    ]
+    drafted_by_position = [
+        sum(s["drafted_per_position"][i] for s in samples if i < len(s["drafted_per_position"]))
+        for i in range(len(by_position))
+    ]
+    metrics = {
+        "tokens_per_second": speed,
+        "decode_tokens_per_second": decode,
+        "tokens_per_target_call": total["tokens"] / calls if calls else None,
+        "acceptance_rate": sum(s["accepted"] for s in samples) / drafted if drafted else None,
+        "accepted_per_position": [a / d for a, d in zip(by_position, drafted_by_position, strict=True)],
+        "time_split": {
+            "prefill": total["prefill"] / total["seconds"],
+            "draft": total["draft"] / total["seconds"],
+            "target": total["target"] / total["seconds"],
+            "other": 1 - (total["prefill"] + total["draft"] + total["target"]) / total["seconds"],
+        },
+        "peak_rss_mib": max(s["peak_rss_mib"] for s in samples),
+        "rss_growth_mib": max(s["rss_growth_mib"] for s in samples),
+        "speedup_vs_transformers": _ratio(speed, peer, "tokens_per_second"),
+        "speedup_vs_none": _ratio(speed, none, "tokens_per_second"),
+        "decode_speedup_vs_none": _ratio(decode, none, "decode_tokens_per_second"),
+        "predicted_speedup": None,
+        "efficiency": None,
+    }
+    if cell.get("peer_acceptance_unknown"):
+        metrics["acceptance_rate"] = None
+    if cost is not None:
+        predicted = predicted_speedup(calls, drafted_by_position, by_position, cost)
+        metrics["predicted_speedup"] = predicted
+        if predicted and metrics["decode_speedup_vs_none"]:
+            metrics["efficiency"] = metrics["decode_speedup_vs_none"] / predicted
+    return metrics
+
+
+def _ratio(spread: dict | None, other: dict | None, key: str) -> float | None:
+    """The median of ``spread`` over the median ``key`` of the cell ``other`` (None where one is absent)."""
+    base = other.get("metrics", {}).get(key) if other else None
+    if not spread or not base:
+        return None
+    return spread["median"] / base["median"]
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+def _memory_mib() -> tuple[float, float]:
+    """(current, peak) resident set size of this process in MiB: VmRSS and VmHWM, or getrusage's peak."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        current, peak = (
+            float(re.search(rf"{k}:\s+(\d+)", status).group(1)) / 1024 for k in ("VmRSS", "VmHWM")
+        )
+        return current, peak
+    except (OSError, AttributeError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return peak, peak
+
+
+def _reset_peak_memory() -> bool:
+    """Reset the process's peak RSS (Linux ≥ 4.0, ``/proc/self/clear_refs``); False where impossible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+
+@dataclass
+class _Cell:
+    """The samples of one method on one task at one temperature, and its greedy outputs."""
+
+    task: str
+    temperature: float
+    method: Method
+    samples: list[dict] = field(default_factory=list)
+    outputs: dict[str, list[int]] = field(default_factory=dict)  # prompt id → generated ids (first sample)
+
+
+class Bench:
+    """Loads the target, the draft and the transformers peers; :meth:`run` measures every cell."""
+
+    def __init__(
+        self,
+        config: BenchConfig,
+        tasks: dict[str, list[Prompt]],
+        methods: list[Method],
+        notes: Sequence[str] = (),
+    ) -> None:
+        """``tasks``, ``methods``: from :func:`select_tasks` and :func:`plan_methods`; ``notes``: the methods
+        left out, and why (recorded in the results)."""
+        self.config, self.tasks, self.methods, self.notes = config, tasks, methods, list(notes)
+        self.out = chart_directory(config.out)
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        base = Speculator(config.target, drafter="none", tokenizer=config.tokenizer)
+        self.tokenizer = base.tokenizer
+        loaded = (base.model, base.tokenizer)
+        self.speculators = {BASELINE: base}
+        for name in dict.fromkeys(m.name for m in methods if not m.is_peer and m.name != BASELINE):
+            draft = config.draft if name in MODEL_DRAFTERS else None
+            self.speculators[name] = Speculator(loaded, draft=draft, drafter=name)
+        self.chat = _has_chat_template(self.tokenizer)
+        self.prompt_ids = {
+            (p.task, p.id): base.encode_prompt(p.for_model(self.chat), self.chat)
+            for prompts in tasks.values()
+            for p in prompts
+        }
+        room = base.model.max_context - config.max_new_tokens
+        for (task, prompt_id), ids in self.prompt_ids.items():
+            if len(ids) > room:
+                raise ValueError(
+                    f"prompt {prompt_id} of task {task} has {len(ids)} tokens: with {config.max_new_tokens} "
+                    f"new tokens it overflows the target's context of {base.model.max_context}"
+                )
+        self.peer = None
+        if any(m.is_peer for m in methods):
+            assistant = None
+            if any(m.name == "transformers-assisted" for m in methods):
+                assistant = _load_assistant(config)
+            self.peer = TransformersPeer(load_transformers(config.target, config.tokenizer), assistant)
+        self.calibrations: dict[str, Calibration] = {
+            name: speculator.calibration() for name, speculator in self.speculators.items()
+        }
+        self.cells = [_Cell(task, t, m) for task in tasks for t in config.temperatures for m in methods]
+        self.started_at = _now()
+        self.load_at_start = os.getloadavg()
+        self.exact_peaks = _reset_peak_memory()
+
+    # ------------------------------------------------------------------ generation
+
+    def _sampling(self, temperature: float, repetition: int, index: int) -> SamplingParams:
+        return SamplingParams(temperature=temperature, seed=self.config.seed + 1000 * repetition + index)
+
+    def _generate(self, method: Method, prompt: Prompt, sampling: SamplingParams) -> tuple[list[int], dict]:
+        """One generation: its token ids and its counters and timings."""
+        _reset_peak_memory()
+        rss_before, _ = _memory_mib()
+        if method.is_peer:
+            ids, record = self._generate_peer(method, prompt, sampling)
+        else:
+            ids, record = self._generate_verispec(method, prompt, sampling)
+        _, peak = _memory_mib()
+        return ids, {**record, "peak_rss_mib": peak, "rss_growth_mib": max(0.0, peak - rss_before)}
+
+    def _generate_verispec(
+        self, method: Method, prompt: Prompt, sampling: SamplingParams
+    ) -> tuple[list[int], dict]:
+        speculator = self.speculators[method.name]
+        k = method.k or 0
+        stats = GenerationStats(method.name, str(k))
+        start = time.perf_counter()
+        chunks = speculator.stream(
+            prompt.for_model(self.chat),
+            k=k,
+            max_new_tokens=self.config.max_new_tokens,
+            sampling=sampling,
+            chat=self.chat,
+            stats=stats,
+        )
+        ids = [t for chunk in chunks for t in chunk.token_ids]
+        seconds = time.perf_counter() - start
+        return ids, {
+            "tokens": len(ids),
+            "decode_tokens": len(ids),
+            "seconds": seconds,
+            "prefill": stats.prefill_seconds,
+            "draft": stats.draft_seconds,
+            "target": stats.target_seconds,
+            "calls": stats.target_calls,
+            "drafted": stats.drafted,
+            "accepted": stats.accepted,
+            "drafted_per_position": list(stats.drafted_per_position),
+            "accepted_per_position": list(stats.accepted_per_position_counts),
+        }
+
+    def _generate_peer(
+        self, method: Method, prompt: Prompt, sampling: SamplingParams
+    ) -> tuple[list[int], dict]:
+        run = self.peer.generate(
+            self.prompt_ids[(prompt.task, prompt.id)],
+            method=method.name,
+            k=int(method.k or 0),
+            max_new_tokens=self.config.max_new_tokens,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            temperature=sampling.temperature,
+            seed=sampling.seed,
+        )
+        tokens = len(run.token_ids)
+        accepted = tokens - run.target_calls  # each round emits its accepted tokens and one more
+        return run.token_ids, {
+            "tokens": tokens,
+            "decode_tokens": max(tokens - 1, 0),  # the prefill call yields the first token
+            "seconds": run.total_seconds,
+            "prefill": run.prefill_seconds,
+            "draft": run.draft_seconds,
+            "target": run.target_seconds - run.prefill_seconds,
+            "calls": run.target_calls,
+            "drafted": run.draft_calls,  # one assistant forward per drafted token (0 for the others)
+            "accepted": accepted if run.draft_calls else 0,
+            "drafted_per_position": [],
+            "accepted_per_position": [],
+        }
+
+    def _sample(self, cell: _Cell, repetition: int, tick: Callable[[], None]) -> None:
+        """One sample: the cell's method over every prompt of its task."""
+        sample: dict = {}
+        for index, prompt in enumerate(self.tasks[cell.task]):
+            ids, record = self._generate(
+                cell.method, prompt, self._sampling(cell.temperature, repetition, index)
+            )
+            cell.outputs.setdefault(prompt.id, ids)
+            for key, value in record.items():
+                if key in ("peak_rss_mib", "rss_growth_mib"):
+                    sample[key] = max(sample.get(key, 0.0), value)
+                elif isinstance(value, list):
+                    grown = sample.setdefault(key, [])
+                    grown += [0] * (len(value) - len(grown))
+                    for i, v in enumerate(value):
+                        grown[i] += v
+                else:
+                    sample[key] = sample.get(key, 0) + value
+            tick()
+        sample["prompts"] = len(self.tasks[cell.task])
+        cell.samples.append(sample)
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, progress: bool = True) -> dict:
+        """Warm every method up, then measure every cell; returns the results (also in results.json, with
+        the report beside it). On KeyboardInterrupt the finished cells are written, then it propagates."""
+        config = self.config
+        per_rep = sum(len(p) for p in self.tasks.values()) * len(config.temperatures) * len(self.methods)
+        bar = tqdm(
+            total=per_rep * config.repetitions + len(self.methods),
+            desc="bench",
+            unit="gen",
+            file=sys.stderr,
+            disable=not progress or None,
+        )
+        try:
+            first = next(iter(self.tasks.values()))[0]
+            for method in self.methods:  # warm-up: first calls build kernels and caches
+                bar.set_postfix_str(f"warm-up {method.label}")
+                self._generate(method, first, self._sampling(config.temperatures[0], 0, 0))
+                bar.update()
+            for task in self.tasks:
+                for temperature in config.temperatures:
+                    cells = [c for c in self.cells if c.task == task and c.temperature == temperature]
+                    for repetition in range(config.repetitions):
+                        shift = repetition % len(cells)
+                        for cell in cells[shift:] + cells[:shift]:
+                            bar.set_postfix_str(f"{task} T={temperature:g} {cell.method.label}")
+                            self._sample(cell, repetition, bar.update)
+                            self.write()
+        except KeyboardInterrupt:
+            bar.close()
+            self._finish(interrupted=True)
+            raise
+        bar.close()
+        return self._finish(interrupted=False)
+
+    def _finish(self, interrupted: bool) -> dict:
+        results = self.write(finished=True, interrupted=interrupted)
+        write_report(results, self.out)
+        return results
+
+    # ------------------------------------------------------------------ results
+
+    def results(self, finished: bool = False, interrupted: bool = False) -> dict:
+        """Everything measured so far, with the metrics of every cell."""
+        config = self.config
+        cells = []
+        for cell in self.cells:
+            cells.append(
+                {
+                    "task": cell.task,
+                    "temperature": cell.temperature,
+                    "method": cell.method.name,
+                    "k": cell.method.k,
+                    "label": cell.method.label,
+                    "complete": len(cell.samples) == config.repetitions,
+                    "samples": cell.samples,
+                    "peer_acceptance_unknown": cell.method.name == "transformers-lookup",
+                }
+            )
+        by_key = {(c["task"], c["temperature"], c["label"]): c for c in cells}
+        for c in cells:  # the baselines first: the other cells' speedups divide by theirs
+            if c["label"] in (BASELINE, PEER_BASELINE):
+                c["metrics"] = cell_metrics(c, None, None, self._cost(c))
+        for c in cells:
+            none = by_key.get((c["task"], c["temperature"], BASELINE))
+            peer = by_key.get((c["task"], c["temperature"], PEER_BASELINE))
+            c["metrics"] = cell_metrics(c, none, peer, self._cost(c))
+            c["greedy_identity"] = self._identity(c, none)
+            c["outputs"] = self._cell(c).outputs
+        return {
+            "version": 1,
+            "verispec": __version__,
+            "command": config.command_line(),
+            "config": {
+                "target": config.target,
+                "draft": config.draft,
+                "tasks": list(self.tasks),
+                "prompts": {task: len(prompts) for task, prompts in self.tasks.items()},
+                "methods": [m.label for m in self.methods],
+                "ks": list(config.ks),
+                "max_new_tokens": config.max_new_tokens,
+                "temperatures": list(config.temperatures),
+                "repetitions": config.repetitions,
+                "seed": config.seed,
+                "chat_template": self.chat,
+            },
+            "machine": self._machine(),
+            "calibration": {name: c.to_dict() for name, c in self.calibrations.items()},
+            "notes": self.notes,
+            "started_at": self.started_at,
+            "finished_at": _now() if finished else None,
+            "complete": finished and not interrupted,
+            "interrupted": interrupted,
+            "cells": cells,
+        }
+
+    def write(self, finished: bool = False, interrupted: bool = False) -> dict:
+        """Write results.json atomically; returns what was written."""
+        results = self.results(finished, interrupted)
+        text = json.dumps(results, indent=1)
+        write_atomic(self.out / "results.json", lambda tmp: Path(tmp).write_text(text))
+        return results
+
+    def _cell(self, record: dict) -> _Cell:
+        return next(
+            c
+            for c in self.cells
+            if (c.task, c.temperature, c.method.label)
+            == (record["task"], record["temperature"], record["label"])
+        )
+
+    def _cost(self, record: dict) -> CostModel | None:
+        calibration = (
+            self.calibrations.get(record["method"]) if record["method"] in self.speculators else None
+        )
+        return calibration.cost_model if calibration else None
+
+    def _identity(self, record: dict, none: dict | None) -> dict | None:
+        """Greedy cells: the prompts compared with ``none``'s output, and those that differ."""
+        if record["temperature"] != 0 or none is None:
+            return None
+        reference, outputs = self._cell(none).outputs, self._cell(record).outputs
+        compared = [p for p in outputs if p in reference]
+        return {"compared": len(compared), "differ": [p for p in compared if outputs[p] != reference[p]]}
+
+    def _machine(self) -> dict:
+        import transformers
+
+        return {
+            "cpu": cpu_name(),
+            "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "load_average_at_start": list(self.load_at_start),
+            "load_average_now": list(os.getloadavg()),
+            "peak_rss": "per generation (/proc/self/clear_refs)"
+            if self.exact_peaks
+            else "process peak so far (getrusage)",
+        }
+
+
+def _has_chat_template(tokenizer) -> bool:
+    try:
+        tokenizer.chat_prompt("hi")
+    except ValueError:
+        return False
+    return True
+
+
+def _load_assistant(config: BenchConfig):
+    """The transformers assistant for the draft: an early exit ``layers:N`` is the target's directory loaded
+    with N layers; any other draft SPEC is loaded as it is."""
+    draft = config.draft or ""
+    if not draft.startswith(EARLY_EXIT):
+        return load_transformers(draft, config.tokenizer)
+    count = draft[len(EARLY_EXIT) :]
+    if not count.isdigit():
+        raise ValueError(f"an early-exit draft is written {EARLY_EXIT}N with N an integer, got {draft!r}")
+    return load_transformers(config.target, config.tokenizer, num_layers=int(count))
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+

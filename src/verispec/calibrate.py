@@ -1,0 +1,319 @@
+"""Calibration: what a target forward and a draft step cost on this machine, measured once and cached.
+
+The cost model of :mod:`verispec.analysis` (and so ``--k auto`` and the bench's predicted speedups) needs,
+for one target and one drafter on this machine:
+
+- the verification curve v(k) = T_target(k new tokens) / T_target(1) for k = 1..:data:`K_MAX`: the target's
+  cache holds a context of :data:`CONTEXT` positions (seeded random tokens), k tokens are fed and the cache
+  is rolled back; after one untimed pass over every k (first calls build kernels), each k is timed
+  ``repetitions`` times, interleaved with the others so that a slow spell of the machine hits them all
+  alike, and the median kept;
+- the cost ratio c = T_draft / T_target(1): the median time of one ``propose`` of :data:`DRAFT_K` tokens by
+  the drafter itself (a model draft's forwards and greedy picks, an n-gram lookup), on the same context, per
+  drafted token; each proposal is rolled back as after a rejection, and the context grows by one token.
+
+The cache holds one JSON file per target in ``$VERISPEC_CACHE/calibration`` (by default
+``~/.cache/verispec/calibration``), named by a hash of its identity: the model's class and architecture config
+(weights do not change the cost, so checkpoints of one architecture share it), dtype, device, whether the CPU
+fast path is on, and the machine (torch version, thread count, CPU). The drafters measured against that target
+are kept in the same file under their own identity. Writes are atomic (temporary file, then rename); a file
+that cannot be read back, or that belongs to another identity, is measured again and replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from verispec.analysis import CostModel
+from verispec.drafters import Drafter, ModelDrafter, NGramDrafter
+from verispec.models.base import LanguageModel
+from verispec.models.gguf import cache_dir
+
+__all__ = [
+    "CONTEXT",
+    "DRAFT_K",
+    "K_MAX",
+    "QUICK_REPETITIONS",
+    "Calibration",
+    "DraftCosts",
+    "TargetCosts",
+    "calibrate",
+    "calibration_dir",
+    "cpu_name",
+    "drafter_identity",
+    "model_identity",
+]
+
+K_MAX = 16  # v(k) is measured for k = 1..K_MAX new tokens: K ≤ K_MAX − 1 draft tokens per round
+CONTEXT = 128  # positions in the cache while timing (capped at half the model's context)
+DRAFT_K = 4  # tokens per timed proposal
+QUICK_REPETITIONS = 5  # what a first use of ``--k auto`` measures with; ``verispec calibrate`` defaults to 10
+_VERSION = 1  # of the cache file format
+_HF_VERSION = "transformers_version"
+
+
+@dataclass(frozen=True)
+class TargetCosts:
+    """A target's measured forward times on this machine."""
+
+    label: str  # what it was called when measured (informational)
+    seconds: tuple[float, ...]  # T_target(k) for k = 1..K_MAX, medians in seconds
+    repetitions: int
+    measured_at: str  # ISO 8601, UTC
+
+    def __post_init__(self) -> None:
+        if len(self.seconds) < 2 or not all(_positive(s) for s in self.seconds):
+            raise ValueError(f"target timings must be at least two numbers > 0, got {self.seconds!r}")
+
+    @property
+    def verify_cost(self) -> tuple[float, ...]:
+        """v(k) = T_target(k) / T_target(1) for k = 1..K_MAX (v(1) = 1)."""
+        return tuple(s / self.seconds[0] for s in self.seconds)
+
+
+@dataclass(frozen=True)
+class DraftCosts:
+    """A drafter's measured time per drafted token on this machine."""
+
+    label: str
+    seconds_per_token: float
+    repetitions: int
+    measured_at: str
+
+    def __post_init__(self) -> None:
+        if not _positive(self.seconds_per_token):
+            raise ValueError(f"draft timing must be a number > 0, got {self.seconds_per_token!r}")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The costs of a target and (optionally) a drafter, and where they are cached."""
+
+    target: TargetCosts
+    draft: DraftCosts | None
+    path: Path
+
+    @property
+    def cost_ratio(self) -> float:
+        """c = T_draft / T_target(1); 0 without a drafter."""
+        return self.draft.seconds_per_token / self.target.seconds[0] if self.draft else 0.0
+
+    @property
+    def cost_model(self) -> CostModel:
+        """v(k) and c as the analytic model takes them."""
+        return CostModel(self.cost_ratio, self.target.verify_cost)
+
+    def to_dict(self) -> dict:
+        return {
+            "path": str(self.path),
+            "target": dataclasses.asdict(self.target),
+            "draft": dataclasses.asdict(self.draft) if self.draft else None,
+            "verify_cost": list(self.target.verify_cost),
+            "cost_ratio": self.cost_ratio,
+        }
+
+
+def calibration_dir() -> Path:
+    """``$VERISPEC_CACHE/calibration``, by default ``~/.cache/verispec/calibration``."""
+    return cache_dir().parent / "calibration"
+
+
+def cpu_name() -> str:
+    """The CPU's model name, as the kernel reports it (else the platform's processor string)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def model_identity(model: LanguageModel) -> dict:
+    """What a model's cost depends on: its class and architecture config, dtype, device, CPU fast path."""
+    config = getattr(model, "config", None)
+    if dataclasses.is_dataclass(config):
+        arch = dataclasses.asdict(config)
+    elif hasattr(config, "to_dict"):  # a transformers config; its private and version fields are not shape
+        arch = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != _HF_VERSION}
+    else:
+        arch = {"vocab_size": model.vocab_size, "max_context": model.max_context}
+    return {
+        "class": type(model).__name__,
+        "config": arch,
+        "dtype": str(getattr(model, "dtype", "")),
+        "device": str(model.device),
+        "fast_path": bool(getattr(model, "optimized_for_cpu", False)),
+    }
+
+
+def drafter_identity(drafter: Drafter) -> dict:
+    """What a drafter's cost depends on: its kind, and its model's identity or its lookup's parameters."""
+    if isinstance(drafter, ModelDrafter):
+        return {"drafter": drafter.name, "model": model_identity(drafter.model)}
+    if isinstance(drafter, NGramDrafter):
+        return {"drafter": drafter.name, "max_ngram": drafter.max_ngram, "min_ngram": drafter.min_ngram}
+    return {"drafter": drafter.name}
+
+
+def _machine_identity() -> dict:
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_name()}
+
+
+def _digest(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def calibrate(
+    target: LanguageModel,
+    drafter: Drafter | None = None,
+    *,
+    target_label: str = "",
+    draft_label: str = "",
+    repetitions: int = QUICK_REPETITIONS,
+    force: bool = False,
+) -> Calibration:
+    """The costs of ``target`` (and ``drafter``, if given) on this machine: from the cache, or measured with
+    ``repetitions`` timed repetitions and cached. ``force``: measure both again even when cached (other
+    drafters' entries are kept). The labels name the models in the cache file and in notices."""
+    if isinstance(repetitions, bool) or not isinstance(repetitions, int) or repetitions < 1:
+        raise ValueError(f"repetitions must be an integer >= 1, got {repetitions!r}")
+    target_label = target_label or type(target).__name__
+    identity = {"model": model_identity(target), "machine": _machine_identity()}
+    path = calibration_dir() / f"{_digest(identity)}.json"
+    entry = _read(path, identity)
+    if entry is None or force:
+        _notice(f"calibrating {target_label} on this machine ({repetitions} repetitions), cached in {path}")
+        drafts = entry["drafts"] if entry else {}  # kept: their timings do not depend on the target's
+        entry = {"version": _VERSION, "identity": identity, "drafts": drafts}
+        entry["target"] = dataclasses.asdict(_measure_target(target, target_label, repetitions))
+        _write(path, entry)
+    draft = None
+    if drafter is not None:
+        draft_identity = drafter_identity(drafter)
+        key = _digest(draft_identity)
+        cached = entry["drafts"].get(key)
+        if cached is None or force:
+            draft_label = draft_label or drafter.name
+            _notice(f"calibrating the {draft_label} drafter against {target_label}")
+            costs = _measure_drafter(drafter, target, draft_label, repetitions)
+            cached = {"identity": draft_identity, **dataclasses.asdict(costs)}
+            entry["drafts"][key] = cached
+            _write(path, entry)
+        draft = _draft_costs(cached)
+    return Calibration(_target_costs(entry), draft, path)
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+
+def _context(model: LanguageModel, extra: int) -> list[int]:
+    """Seeded random tokens: the timing context, with room for ``extra`` more positions."""
+    length = max(2, min(CONTEXT, model.max_context // 2, model.max_context - extra))
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, model.vocab_size, (length,), generator=generator).tolist()
+
+
+def _measure_target(model: LanguageModel, label: str, repetitions: int) -> TargetCosts:
+    """T_target(k) for k = 1..K_MAX: medians of ``repetitions`` interleaved timings after one untimed pass."""
+    device = model.device
+    context = _context(model, K_MAX)
+    cache = model.new_cache()
+    positions = torch.arange(len(context), device=device)[None]  # [1, L]
+    model.forward(torch.tensor([context], device=device), positions, cache)
+    base = cache.length
+    times: list[list[float]] = [[] for _ in range(K_MAX)]
+    for repetition in range(repetitions + 1):
+        for k in range(1, K_MAX + 1):
+            tokens = torch.tensor([context[:k]], device=device)  # [1, k]
+            positions = torch.arange(base, base + k, device=device)[None]  # [1, k]
+            start = time.perf_counter()
+            model.forward(tokens, positions, cache)
+            elapsed = time.perf_counter() - start
+            cache.truncate(base)
+            if repetition:
+                times[k - 1].append(elapsed)
+    seconds = tuple(statistics.median(t) for t in times)
+    return TargetCosts(label, seconds, repetitions, _now())
+
+
+def _measure_drafter(drafter: Drafter, target: LanguageModel, label: str, repetitions: int) -> DraftCosts:
+    """Seconds per drafted token: medians of ``repetitions`` proposals of DRAFT_K tokens, each rolled back as
+    after a rejection (the first, which fills a model draft's cache with the context, is not timed)."""
+    context = _context(target, repetitions + DRAFT_K + 2)
+    generator = torch.Generator().manual_seed(0)
+    drafter.begin(list(context))
+    times = []
+    for repetition in range(repetitions + 1):
+        start = time.perf_counter()
+        drafter.propose(context, DRAFT_K, generator)
+        elapsed = time.perf_counter() - start
+        drafter.observe(0)
+        context.append(context[repetition])  # the round commits one token
+        if repetition:
+            times.append(elapsed)
+    return DraftCosts(label, max(statistics.median(times) / DRAFT_K, 1e-9), repetitions, _now())
+
+
+# ---------------------------------------------------------------------------------------------- the cache
+
+
+def _read(path: Path, identity: dict) -> dict | None:
+    """The cache entry at ``path`` for ``identity``; None (with a notice if the file exists) when there is
+    none or it cannot be used."""
+    if not path.is_file():
+        return None
+    try:
+        entry = json.loads(path.read_text())
+        if entry["version"] != _VERSION or entry["identity"] != json.loads(json.dumps(identity, default=str)):
+            raise ValueError("written for another version or identity")
+        if len(_target_costs(entry).seconds) != K_MAX:
+            raise ValueError(f"not {K_MAX} timings")
+        for draft in entry["drafts"].values():
+            _draft_costs(draft)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        _notice(f"ignoring the unusable calibration file {path} ({type(err).__name__}: {err})")
+        return None
+    return entry
+
+
+def _target_costs(entry: dict) -> TargetCosts:
+    return TargetCosts(**{**entry["target"], "seconds": tuple(entry["target"]["seconds"])})
+
+
+def _draft_costs(cached: dict) -> DraftCosts:
+    return DraftCosts(**{k: v for k, v in cached.items() if k != "identity"})
+
+
+def _write(path: Path, entry: dict) -> None:
+    """Write ``entry`` as JSON at ``path`` atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".tmp-", suffix=".json", delete=False) as f:
+        json.dump(entry, f, indent=1, default=str)
+    os.replace(f.name, path)
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def _notice(message: str) -> None:
+    print(f"verispec: {message}", file=sys.stderr)

@@ -1,0 +1,303 @@
+"""The report of ``verispec bench``, drawn from its results alone (the dictionary saved as ``results.json``):
+
+- ``results.md``: the command, the machine, the calibration, then one Markdown table per task and
+  temperature, methods as rows and every metric as a column (legend below the tables);
+- charts, PNG and SVG: ``tokens_per_second`` (median, min–max bars), ``speedup`` (over transformers' plain
+  ``generate``), ``predicted_vs_measured`` (the analytic model's decoding speedup against the measured one)
+  and ``time_split`` (prefill / draft / target / other).
+
+Only cells with at least one sample are shown; a cell with fewer samples than asked (an interrupted run) is
+marked with †.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.figure import Figure
+
+from verispec.viz import write_atomic
+from verispec.viz.figures import COLOURS, figure_style, new_figure, save_figure
+
+__all__ = ["CHARTS", "COLUMNS", "charts", "markdown", "write_report"]
+
+CHARTS = ("tokens_per_second", "speedup", "predicted_vs_measured", "time_split")
+_SPLIT = ("prefill", "draft", "target", "other")
+_SPLIT_COLOURS = {"prefill": COLOURS["neutral"], "draft": COLOURS["bonus"], "target": COLOURS["recovered"]}
+_MISSING = "—"
+
+
+def _number(spec: str, suffix: str = "") -> Callable[[object], str]:
+    return lambda x: _MISSING if x is None else f"{x:{spec}}{suffix}"
+
+
+def _speed(s: dict | None) -> str:
+    return _MISSING if not s else f"{s['median']:.1f} ({s['min']:.1f}–{s['max']:.1f})"
+
+
+def _positions(rates: list[float]) -> str:
+    shown = " ".join(f"{r:.2f}" for r in rates[:4])
+    return (shown + (" …" if len(rates) > 4 else "")) or _MISSING
+
+
+def _split(split: dict) -> str:
+    return "/".join(f"{100 * split[part]:.0f}" for part in _SPLIT)
+
+
+def _identity(identity: dict | None) -> str:
+    if identity is None or not identity["compared"]:
+        return _MISSING
+    differ, compared = identity["differ"], identity["compared"]
+    if not differ:
+        return f"✓ {compared}/{compared}"
+    return f"✗ {len(differ)}/{compared} differ: {', '.join(differ)}"
+
+
+# (header, metric key or None for the whole metrics dict, formatter)
+COLUMNS: tuple[tuple[str, str, Callable], ...] = (
+    ("tok/s (min–max)", "tokens_per_second", _speed),
+    ("decode tok/s", "decode_tokens_per_second", lambda s: _MISSING if not s else f"{s['median']:.1f}"),
+    ("× transformers", "speedup_vs_transformers", _number(".2f", "×")),
+    ("× none", "speedup_vs_none", _number(".2f", "×")),
+    ("τ", "tokens_per_target_call", _number(".2f")),
+    ("accept", "acceptance_rate", _number(".2f")),
+    ("accept by position", "accepted_per_position", _positions),
+    ("prefill/draft/target/other %", "time_split", _split),
+    ("peak RSS MiB (+growth)", None, lambda m: f"{m['peak_rss_mib']:.0f} (+{m['rss_growth_mib']:.0f})"),
+    ("predicted", "predicted_speedup", _number(".2f", "×")),
+    ("efficiency", "efficiency", _number(".2f")),
+)
+
+LEGEND = """\
+- **tok/s**: generated tokens over wall time, the prompt's prefill included; median over repetitions, min–max
+  in brackets. **decode tok/s**: the same without the prefill (transformers: without its first forward, which
+  also yields the first token).
+- **× transformers**, **× none**: tok/s over that of transformers' plain `generate` and of verispec `none`
+  (plain decoding in verispec's engine), medians.
+- **τ**: tokens per target forward (verispec: per verification round; transformers: per forward, the first
+  included). **accept**: accepted / drafted tokens (transformers assisted: (tokens − forwards) / assistant
+  forwards; prompt lookup does not expose it). **accept by position**: the fraction of rounds drafting
+  position i in which positions 1..i were all accepted.
+- **prefill/draft/target/other %**: shares of wall time: the prompt's prefill, drafting, the target's
+  verification forwards, and the rest (verification, sampling, bookkeeping, detokenization).
+- **peak RSS**: the process's peak resident memory during the cell's generations (every loaded model
+  included), and its growth over the memory held when each generation started.
+- **predicted**: the analytic model's decoding speedup over plain decoding,
+  Σ n_d·E[L](α_1..α_d) / Σ n_d·(v(d+1) + d·c), from this cell's measured per-position acceptance and draft
+  lengths and the calibrated v(k), c.
+  **efficiency**: the measured decoding speedup over `none` divided by the predicted one.
+- **greedy = none**: each prompt's greedy output compared with `none`'s, token for token (✓: identical).
+"""
+
+
+def _cells(results: dict, task: str, temperature: float) -> list[dict]:
+    return [
+        c
+        for c in results["cells"]
+        if c["task"] == task and c["temperature"] == temperature and c["samples"] and c["metrics"]
+    ]
+
+
+def _label(cell: dict, repetitions: int) -> str:
+    return cell["label"] + ("" if len(cell["samples"]) >= repetitions else " †")
+
+
+def _mode(temperature: float) -> str:
+    return "greedy" if temperature == 0 else f"sampled, temperature {temperature:g}"
+
+
+def markdown(results: dict) -> str:
+    """results.md: the run's context, then one table per task and temperature."""
+    config, machine = results["config"], results["machine"]
+    status = "complete" if results["complete"] else "interrupted: finished cells only"
+    lines = [
+        "# verispec bench",
+        "",
+        f"`{results['command']}` ({status}; started {results['started_at']})",
+        "",
+        f"- Machine: {machine['cpu']}, {machine['cores']} cores, {machine['threads']} torch threads; "
+        f"torch {machine['torch']}, transformers {machine['transformers']}, Python {machine['python']}; "
+        f"load average at start {' / '.join(f'{x:.2f}' for x in machine['load_average_at_start'])}",
+        f"- Target `{config['target']}`, draft `{config['draft'] or _MISSING}`; max_new_tokens "
+        f"{config['max_new_tokens']}; {config['repetitions']} repetitions; prompts per task "
+        f"{', '.join(f'{t} {n}' for t, n in config['prompts'].items())}; chat template "
+        f"{'yes' if config['chat_template'] else 'no (plain text prompts)'}",
+    ]
+    calibrations = results["calibration"]
+    if calibrations:
+        first = next(iter(calibrations.values()))
+        v = ", ".join(f"{x:.2f}" for x in first["verify_cost"])
+        ratios = ", ".join(f"{name} {c['cost_ratio']:.4f}" for name, c in calibrations.items() if c["draft"])
+        lines.append(
+            f"- Calibration: T_target(1) = {1e3 * first['target']['seconds'][0]:.2f} ms; "
+            f"v(k) for k = 1..{len(first['verify_cost'])}: {v}; cost ratio c: {ratios or _MISSING}"
+        )
+    lines += [f"- Not run: {note}" for note in results["notes"]]
+    headers = ["method", *(h for h, _, _ in COLUMNS), "greedy = none"]
+    for task in config["tasks"]:
+        for temperature in config["temperatures"]:
+            cells = _cells(results, task, temperature)
+            if not cells:
+                continue
+            lines += ["", f"## {task} — {_mode(temperature)}", ""]
+            lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+            for cell in cells:
+                m = cell["metrics"]
+                row = [_label(cell, config["repetitions"])]
+                row += [fmt(m if key is None else m.get(key)) for _, key, fmt in COLUMNS]
+                row.append(_identity(cell.get("greedy_identity")))
+                lines.append("| " + " | ".join(row) + " |")
+    if any(c["samples"] and len(c["samples"]) < config["repetitions"] for c in results["cells"]):
+        lines += ["", "† fewer repetitions than asked (the run was interrupted)."]
+    lines += ["", LEGEND]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- charts
+
+
+def _colours(labels: list[str]) -> dict[str, tuple]:
+    palette = colormaps["tab10"]
+    return {label: palette(i % 10) for i, label in enumerate(labels)}
+
+
+def _labels(results: dict) -> list[str]:
+    return list(dict.fromkeys(c["label"] for c in results["cells"] if c["samples"] and c["metrics"]))
+
+
+def _grouped_bars(
+    results: dict, value: Callable[[dict], tuple[float, float, float] | None], ylabel: str, title: str
+) -> Figure:
+    """One panel per temperature: tasks along x, one bar per method (value: (height, low, high) or None)."""
+    config, labels = results["config"], _labels(results)
+    colours = _colours(labels)
+    temperatures = config["temperatures"]
+    with figure_style():
+        fig = new_figure(
+            max(6.0, 1.2 * len(config["tasks"]) * max(1, len(labels)) / 3), 3.6 * len(temperatures)
+        )
+        axes = fig.subplots(len(temperatures), 1, squeeze=False)[:, 0]
+        width = 0.8 / max(1, len(labels))
+        for ax, temperature in zip(axes, temperatures, strict=True):
+            for j, label in enumerate(labels):
+                xs, heights, errors = [], [], [[], []]
+                for i, task in enumerate(config["tasks"]):
+                    cell = next((c for c in _cells(results, task, temperature) if c["label"] == label), None)
+                    bar = value(cell["metrics"]) if cell else None
+                    if bar is None:
+                        continue
+                    xs.append(i + (j - (len(labels) - 1) / 2) * width)
+                    heights.append(bar[0])
+                    errors[0].append(bar[0] - bar[1])
+                    errors[1].append(bar[2] - bar[0])
+                ax.bar(xs, heights, width, yerr=errors, color=colours[label], label=label, capsize=2)
+            ax.set_xticks(range(len(config["tasks"])), config["tasks"], rotation=20)
+            ax.set(ylabel=ylabel)
+            ax.set_title(f"{title} — {_mode(temperature)}", fontsize=10)
+        axes[0].legend(fontsize=7, ncols=min(4, max(1, len(labels))), loc="upper left")
+    return fig
+
+
+def _speedup_bar(metrics: dict) -> tuple[float, float, float] | None:
+    s = metrics.get("speedup_vs_transformers") or metrics.get("speedup_vs_none")
+    return (s, s, s) if s else None
+
+
+def _predicted_figure(results: dict) -> Figure:
+    """Measured decoding speedup over ``none`` against the analytic model's, one point per cell."""
+    labels = _labels(results)
+    colours = _colours(labels)
+    with figure_style():
+        fig = new_figure(5.5, 5.0)
+        ax = fig.subplots()
+        top = 1.0
+        for label in labels:
+            points = [
+                (c["metrics"]["predicted_speedup"], c["metrics"]["decode_speedup_vs_none"])
+                for c in results["cells"]
+                if c["label"] == label
+                and c["metrics"]
+                and c["metrics"].get("predicted_speedup")
+                and c["metrics"].get("decode_speedup_vs_none")
+            ]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.scatter(xs, ys, color=colours[label], label=label, s=25)
+                top = max(top, *xs, *ys)
+        line = np.array([0.0, top * 1.1])
+        ax.plot(line, line, color=COLOURS["neutral"], linewidth=0.8, label="measured = predicted")
+        ax.plot(
+            line, 0.95 * line, color=COLOURS["neutral"], linewidth=0.8, linestyle=":", label="efficiency 0.95"
+        )
+        ax.set(
+            xlabel="predicted decoding speedup (analytic model)",
+            ylabel="measured decoding speedup over none",
+            xlim=(0, top * 1.1),
+            ylim=(0, top * 1.1),
+        )
+        ax.set_title("Predicted vs measured speedup (one point per task)", fontsize=10)
+        ax.legend(fontsize=7)
+    return fig
+
+
+def _split_figure(results: dict) -> Figure:
+    """Shares of wall time per method (summed over tasks), one panel per temperature."""
+    labels, temperatures = _labels(results), results["config"]["temperatures"]
+    with figure_style():
+        fig = new_figure(7.0, 0.35 * len(labels) * len(temperatures) + 1.5)
+        axes = fig.subplots(len(temperatures), 1, squeeze=False)[:, 0]
+        for ax, temperature in zip(axes, temperatures, strict=True):
+            shares = []
+            for label in labels:
+                cells = [
+                    c
+                    for c in results["cells"]
+                    if c["label"] == label and c["temperature"] == temperature and c["metrics"]
+                ]
+                shares.append(
+                    [
+                        np.mean([c["metrics"]["time_split"][p] for c in cells]) if cells else 0.0
+                        for p in _SPLIT
+                    ]
+                )
+            left = np.zeros(len(labels))
+            for i, part in enumerate(_SPLIT):
+                width = np.array([s[i] for s in shares])
+                ax.barh(labels, width, left=left, label=part, color=_SPLIT_COLOURS.get(part, "#bbbbbb"))
+                left += width
+            ax.set(xlim=(0, 1), xlabel="share of wall time")
+            ax.invert_yaxis()
+            ax.set_title(f"Where the time goes — {_mode(temperature)}", fontsize=10)
+        axes[0].legend(fontsize=7, ncols=4, loc="lower right")
+    return fig
+
+
+def charts(results: dict, out_dir: str | os.PathLike) -> list[Path]:
+    """Write the charts of the module doc into ``out_dir``; returns the paths written."""
+    figures = {
+        "tokens_per_second": _grouped_bars(
+            results,
+            lambda m: (
+                m["tokens_per_second"]["median"],
+                m["tokens_per_second"]["min"],
+                m["tokens_per_second"]["max"],
+            ),
+            "tokens / s",
+            "Tokens per second (median, min–max)",
+        ),
+        "speedup": _grouped_bars(results, _speedup_bar, "speedup", "Speedup over transformers generate"),
+        "predicted_vs_measured": _predicted_figure(results),
+        "time_split": _split_figure(results),
+    }
+    return [path for name in CHARTS for path in save_figure(figures[name], Path(out_dir) / name)]
+
+
+def write_report(results: dict, out_dir: str | os.PathLike) -> list[Path]:
+    """Write results.md and the charts into ``out_dir``; returns the paths written."""
+    text = markdown(results)
+    md = write_atomic(Path(out_dir) / "results.md", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    return [md, *charts(results, out_dir)]

@@ -1,0 +1,333 @@
+"""``verispec bench``: the task files, prompt files, method planning, the predicted speedup, the transformers
+peers' weights, bad input, a seconds-long smoke run on stories260K and an interrupted run.
+
+Speed is what the bench reports; nothing here asserts it."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from matplotlib import image
+
+from verispec import bench
+from verispec.analysis import CostModel, expected_speedup
+from verispec.bench import (
+    METHODS,
+    TASKS,
+    BenchConfig,
+    Method,
+    builtin_tasks,
+    load_prompts,
+    plan_methods,
+    predicted_speedup,
+    select_tasks,
+)
+from verispec.cli import main
+from verispec.models.llama2c import load_llama2c
+from verispec.peers import to_transformers
+from verispec.report import CHARTS
+
+STORY_PROMPTS = [
+    {"id": "lily", "prompt": "Once upon a time, there was a little girl named Lily.", "task": "stories"},
+    {"id": "tom", "prompt": "Tom had a red ball. He", "task": "stories"},
+    {"id": "park", "prompt": "Lily and Tom went to the park", "task": "more-stories"},
+]
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """Its own calibration cache, and torch's thread count restored after the bench changes it."""
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def stories_args(shared_model, tmp_path) -> list[str]:
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    prompts = tmp_path / "stories.jsonl"
+    prompts.write_text("\n".join(json.dumps(p) for p in STORY_PROMPTS) + "\n")
+    return [
+        "bench",
+        *("--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")),
+        *("--prompts", str(prompts), "--threads", "1", "--max-new-tokens", "16"),
+    ]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+
+
+def test_the_task_files():
+    tasks = builtin_tasks()
+    assert set(tasks) == set(TASKS) and len(TASKS) >= 6
+    assert {"chat", "summarization", "rag", "math", "code_completion", "code_editing", "translation"} <= set(
+        tasks
+    )
+    for name, prompts in tasks.items():
+        assert len(prompts) >= 6, name
+        assert len({p.id for p in prompts}) == len(prompts)
+        assert all(p.task == name and p.messages[-1][0] == "user" for p in prompts)
+    assert all(len(p.messages) >= 3 for p in tasks["chat"])  # multi-turn
+    passage = min(len(p.messages[0][1]) for p in tasks["summarization"] + tasks["rag"])
+    assert passage > 500  # a passage to summarize or answer from
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (["{not json"], "not valid JSON"),
+        (['{"text": "hi"}'], "either"),
+        (['{"prompt": "hi", "messages": []}'], "either"),
+        (['{"messages": []}'], "non-empty list"),
+        (['{"messages": [{"role": "robot", "content": "hi"}]}'], "role"),
+        (['{"messages": [{"role": "user", "content": "  "}]}'], "content"),
+        (['{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}'], "last"),
+        (['{"prompt": "a", "id": "x"}', '{"prompt": "b", "id": "x"}'], "repeat"),
+        (['{"prompt": "a", "task": "no spaces allowed"}'], "task"),
+        ([""], "no prompts"),
+    ],
+)
+def test_bad_prompt_files(tmp_path, lines, message):
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(lines))
+    with pytest.raises(ValueError, match=message):
+        load_prompts(path)
+
+
+def test_prompt_files_add_tasks(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"messages": [{"role": "user", "content": "b"}], "task": "other"}\n')
+    tasks = select_tasks(BenchConfig(tasks=("math",), prompts_file=str(path), prompts_per_task=2))
+    assert list(tasks) == ["math", "mine", "other"] and len(tasks["math"]) == 2
+    assert tasks["mine"][0].id == "mine-1" and tasks["mine"][0].for_model(chat=False) == "a"
+    assert tasks["other"][0].for_model(chat=True) == [{"role": "user", "content": "b"}]
+
+
+# ---------------------------------------------------------------------------------------------- planning
+
+
+def test_plan_methods():
+    labels = [m.label for m in plan_methods(BenchConfig())[0]]
+    assert labels == [
+        "none",
+        "ngram k=4",
+        "ngram k=auto",
+        "transformers",
+        "transformers-lookup k=4",
+    ]
+    notes = plan_methods(BenchConfig())[1]
+    assert any("model" in n and "--draft" in n for n in notes)
+    with_draft = plan_methods(BenchConfig(draft="layers:3", ks=("2", "auto")))[0]
+    assert Method("model", "auto") in with_draft and Method("transformers-assisted", "2") in with_draft
+    assert Method("transformers-assisted", "auto") not in with_draft  # transformers takes a number
+    only_auto, notes = plan_methods(BenchConfig(ks=("auto",), methods=("none", "transformers-lookup")))
+    assert only_auto == [Method("none")] and "numeric K" in notes[0]
+    with pytest.raises(ValueError, match="needs a draft"):
+        plan_methods(BenchConfig(methods=("model",)))
+    assert set(METHODS) >= {"none", "ngram", "model", "transformers", "transformers-assisted"}
+
+
+def test_command_line_reproduces_the_configuration():
+    config = BenchConfig(tasks=("rag",), ks=("2", "auto"), temperatures=(0.0, 0.7), repetitions=5)
+    assert config.command_line() == (
+        "verispec bench --tasks rag --k 2,auto --max-new-tokens 64 --temperature 0,0.7 --repetitions 5"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+def test_predicted_speedup_is_the_analytic_model():
+    cost = CostModel(0.1, [1.0, 1.1, 1.2, 1.3, 1.4, 1.5])
+    # 1000 rounds of K = 3 with α = 0.8 at every position: counts as GenerationStats keeps them
+    rounds, alpha = 1000, 0.8
+    accepted = [round(rounds * alpha ** (i + 1)) for i in range(3)]
+    assert predicted_speedup(rounds, [rounds] * 3, accepted, cost) == pytest.approx(
+        expected_speedup(alpha, 3, 0.1, cost.verify_cost), rel=1e-3
+    )
+    # half the rounds draft nothing (no n-gram match): they cost one step and yield one token
+    mixed = predicted_speedup(2 * rounds, [rounds] * 3, accepted, cost)
+    tokens = rounds * (1 + 0.8 + 0.64 + 0.512) + rounds
+    assert mixed == pytest.approx(tokens / (rounds * cost.round_cost(3) + rounds), rel=1e-3)
+    assert predicted_speedup(10, [], [], cost) == 1.0  # plain decoding
+    assert predicted_speedup(10, [10] * 6, [0] * 6, cost) is None  # K = 6 is beyond the curve
+
+
+def test_transformers_early_exit_is_verispecs():
+    """The transformers assistant for ``layers:N`` computes what ``Llama.first_layers(N)`` computes."""
+    from conftest import SHARED_MODELS
+
+    path = SHARED_MODELS / "stories260K" / "stories260K.bin"
+    if not path.is_file():
+        pytest.skip(f"shared model absent: {path}")
+    model = load_llama2c(path)
+    ids = torch.tensor([[1, 403, 407, 261, 378, 30, 60]])  # [1, 7]
+    for layers in (2, None):
+        native = model.first_layers(layers) if layers else model
+        expected = native.forward(ids, torch.arange(7)[None], native.new_cache())  # [1, 7, V]
+        with torch.no_grad():
+            logits = to_transformers(model, layers)(ids).logits  # [1, 7, V]
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tasks", "poetry"], "unknown task 'poetry'"),
+        (["--methods", "none,magic"], "unknown method 'magic'"),
+        (["--methods", "model"], "needs a draft"),
+        (["--k", "x"], "k must be"),
+        (["--temperature", "-1"], "temperatures"),
+        (["--repetitions", "0"], "repetitions"),
+        (["--max-new-tokens", "0"], "max_new_tokens"),
+    ],
+)
+def test_bad_input_is_one_line_and_status_2(capsys, args, message):
+    status, _, err = run(capsys, "bench", *args)
+    assert status == 2 and err.count("\n") == 1 and message in err
+
+
+def test_bad_prompt_file_is_one_line_and_status_2(capsys, tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"prompt": "fine"}\n{"prompt": \n')
+    status, _, err = run(capsys, "bench", "--prompts", str(path))
+    assert status == 2 and err.count("\n") == 1 and "broken.jsonl:2: not valid JSON" in err
+
+
+def test_incompatible_draft_and_overlong_prompts(capsys, tmp_path, stories_args):
+    from test_hf_adapter import tiny_model  # a random llama with a 97-token vocabulary
+
+    draft = tmp_path / "other-vocabulary"
+    tiny_model("llama").save_pretrained(draft)
+    status, _, err = run(capsys, *stories_args, "--draft", str(draft), "--out", str(tmp_path / "a"))
+    assert status == 2 and err.strip().splitlines()[-1].startswith("verispec: error:") and "vocabulary" in err
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "word " * 600}) + "\n")
+    status, _, err = run(capsys, *stories_args[:5], "--prompts", str(long), "--tasks", "long")
+    assert status == 2 and "overflows the target's context" in err
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+def test_smoke_bench_on_stories260k(capsys, tmp_path, stories_args):
+    out = tmp_path / "out"
+    status, stdout, _ = run(
+        capsys,
+        *stories_args,
+        "--tasks",
+        "stories",
+        "--draft",
+        "layers:2",
+        "--repetitions",
+        "2",
+        "--out",
+        str(out),
+    )
+    assert status == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["complete"] and not results["interrupted"]
+    assert results["config"]["tasks"] == ["stories", "more-stories"]
+    labels = {c["label"] for c in results["cells"]}
+    assert labels == {
+        "none",
+        "ngram k=4",
+        "ngram k=auto",
+        "model k=4",
+        "model k=auto",
+        "transformers",
+        "transformers-assisted k=4",
+        "transformers-lookup k=4",
+    }
+    for cell in results["cells"]:
+        m = cell["metrics"]
+        assert cell["complete"] and len(cell["samples"]) == 2
+        assert m["tokens_per_second"]["median"] > 0 and m["speedup_vs_transformers"] > 0
+        assert m["speedup_vs_none"] > 0 and m["tokens_per_target_call"] >= 1
+        assert sum(m["time_split"].values()) == pytest.approx(1.0) and m["peak_rss_mib"] > 0
+        assert cell["greedy_identity"]["compared"] > 0
+        if not cell["method"].startswith("transformers"):  # verispec: exact, predicted, calibrated
+            assert cell["greedy_identity"]["differ"] == [], cell["label"]
+            assert m["predicted_speedup"] > 0 and m["efficiency"] > 0
+    ngram = next(c for c in results["cells"] if c["label"] == "ngram k=4")["metrics"]
+    assert 0 < ngram["acceptance_rate"] <= 1 and ngram["accepted_per_position"]
+    assert set(results["calibration"]) == {"none", "ngram", "model"}
+    assert results["machine"]["threads"] == 1 and results["machine"]["cpu"]
+    table = (out / "results.md").read_text()
+    assert (
+        "## stories — greedy" in table
+        and "## more-stories — greedy" in table
+        and stdout.strip() == table.strip()
+    )
+    for header in ("tok/s", "× transformers", "× none", "τ", "accept by position", "predicted", "efficiency"):
+        assert header in table
+    assert table.count("| transformers-assisted k=4 |") == 2 and "✓ " in table and "✗" not in table
+    for chart in CHARTS:
+        path = out / f"{chart}.png"
+        assert path.stat().st_size > 10_000
+        pixels = image.imread(path)
+        assert pixels.std() > 0.05  # not a blank canvas
+
+
+def test_an_interrupted_bench_keeps_its_finished_cells(capsys, tmp_path, stories_args, monkeypatch):
+    samples = 0
+    sample = bench.Bench._sample
+
+    def interrupted_on_the_sixth(self, *args):
+        nonlocal samples
+        samples += 1
+        if samples == 6:
+            raise KeyboardInterrupt
+        sample(self, *args)
+
+    monkeypatch.setattr(bench.Bench, "_sample", interrupted_on_the_sixth)
+    out = tmp_path / "out"
+    # two tasks × 2 methods × 2 repetitions: the first task's 4 samples finish, the second task gets one
+    status, _, err = run(
+        capsys,
+        *stories_args,
+        "--tasks",
+        "stories",
+        "--methods",
+        "none,ngram",
+        "--k",
+        "4",
+        "--repetitions",
+        "2",
+        "--out",
+        str(out),
+    )
+    assert status == 130 and err.strip().endswith("verispec: interrupted")
+    results = json.loads((out / "results.json").read_text())
+    assert results["interrupted"] and not results["complete"]
+    finished = {c["label"]: c for c in results["cells"] if c["task"] == "stories"}
+    assert all(c["complete"] and len(c["samples"]) == 2 for c in finished.values())
+    assert finished["ngram k=4"]["metrics"]["speedup_vs_none"] > 0
+    later = [c for c in results["cells"] if c["task"] == "more-stories"]
+    assert [len(c["samples"]) for c in later] == [1, 0] and not any(c["complete"] for c in later)
+    table = (out / "results.md").read_text()
+    assert "interrupted" in table and "## stories — greedy" in table and "†" in table
+    assert (out / "tokens_per_second.png").is_file()
+
+
+def test_ratio_of_medians_handles_missing_baselines():
+    cell = {"samples": [], "label": "x"}
+    assert bench.cell_metrics(cell, None, None, None) == {}
+    assert np.isclose(
+        bench._ratio(
+            {"median": 3.0}, {"metrics": {"tokens_per_second": {"median": 2.0}}}, "tokens_per_second"
+        ),
+        1.5,
+    )
+    assert bench._ratio({"median": 3.0}, None, "tokens_per_second") is None
