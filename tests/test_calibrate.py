@@ -76,14 +76,16 @@ def test_cached_per_identity_and_reused(stories, measured):
     assert drafter_identity(NGramDrafter(2)) != drafter_identity(NGramDrafter(3))
 
 
-def test_force_measures_again_and_keeps_other_drafters(stories, measured):
+def test_force_measures_again_and_drops_other_drafters(stories, measured):
     model, _ = stories
     calibrate(model, NGramDrafter(), repetitions=2)
     calibrate(model, _model_drafter(model, 2), repetitions=2)
     calibrate(model, NGramDrafter(), repetitions=2, force=True)
     assert measured == {"target": 2, "draft": 3}
     path = next(calibration_dir().glob("*.json"))
-    assert len(json.loads(path.read_text())["drafts"]) == 2
+    assert len(json.loads(path.read_text())["drafts"]) == 1  # the early exit is measured again when needed
+    calibrate(model, _model_drafter(model, 2), repetitions=2)
+    assert measured == {"target": 2, "draft": 4}
 
 
 @pytest.mark.parametrize(

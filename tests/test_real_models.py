@@ -81,12 +81,14 @@ def greedy_ids(
 
 
 def test_stories_speculative_greedy_equals_plain_greedy(stories):
-    """11 prompts × 3 drafters (n-gram, 2-layer early exit, bf16-rounded copy) × 2 K policies == greedy."""
+    """11 prompts × 4 drafters (n-gram, 2-layer early exit with its own cache and on the target's,
+    bf16-rounded copy) × 2 K policies == greedy."""
     model, tokenizer = stories
     plain = Speculator((model, tokenizer), drafter="none")
     drafts = [model.first_layers(2), rounded(model)]
     speculators = [Speculator((model, tokenizer), drafter="ngram")]
     speculators += [Speculator((model, tokenizer), draft=(d, tokenizer), drafter="model") for d in drafts]
+    speculators += [Speculator((model, tokenizer), draft="layers:2")]  # early exit reading the target's cache
     rejected = 0
     for prompt in STORY_PROMPTS:
         reference = greedy_ids(plain, prompt, 80)
@@ -127,6 +129,22 @@ def test_first_layers_shares_weights_and_matches_a_copy(stories):
         model.first_layers(model.config.num_layers)
 
 
+def test_early_exit_draft_reads_the_target_cache(stories):
+    """KVCache.first_layers: views of the target cache's first layers (nothing copied) with a length of their
+    own; a 2-layer draft continuing from it computes what it computes from a cache it filled itself."""
+    model, _ = stories
+    draft = model.first_layers(2)
+    tokens = torch.tensor([[1, 403, 261, 378, 60, 30]])  # [1, 6]
+    target_cache, own_cache = model.new_cache(), draft.new_cache()
+    model.forward(tokens[:, :5], torch.arange(5)[None], target_cache)
+    draft.forward(tokens[:, :5], torch.arange(5)[None], own_cache)
+    view = target_cache.first_layers(2)
+    assert view.length == 5 and view.keys.data_ptr() == target_cache.keys.data_ptr()
+    shared = draft.forward(tokens[:, 5:], torch.tensor([[5]]), view)  # [1, 1, V]
+    torch.testing.assert_close(shared, draft.forward(tokens[:, 5:], torch.tensor([[5]]), own_cache))
+    assert view.length == 6 and target_cache.length == 5
+
+
 def test_stories_draft_vocabulary_mismatch(stories):
     model, tokenizer = stories
     other = Llama(dataclasses.replace(model.config, vocab_size=model.vocab_size + 1))
@@ -145,7 +163,8 @@ ALPHA_REAL = 1e-3 / 2
 def test_stories_first_sampled_token_follows_the_target(stories, sampling_kw):
     model, tokenizer = stories
     prompt = "Once upon a time, there was a"
-    speculator = Speculator((model, tokenizer), draft=(model.first_layers(2), tokenizer))
+    speculator = Speculator((model, tokenizer), draft="layers:2")  # early exit reading the target's cache
+    assert speculator.early_exit
     counts = np.zeros(model.vocab_size)
     drafted = accepted = 0
     for seed in range(N_REAL):
@@ -226,7 +245,7 @@ def test_cli_generate_json_contract(shared_model):
     ):
         assert key in stats
     assert stats["new_tokens"] == len(result["token_ids"]) == 30
-    assert stats["drafter"] == "ngram" and stats["k"] == "4"
+    assert stats["drafter"] == "ngram" and stats["k"] == "auto"  # the default K policy
     assert result["text"].startswith(", there was a little girl named Lily")
     streamed = run_cli(
         "generate", *model_args, "--max-new-tokens", "30", "--drafter", "none", stdin="Once upon a time"

@@ -226,14 +226,17 @@ def optimal_k(
     return int(np.argmax(speedup_by_k(alpha, cost.round_costs(k_max))))
 
 
-def speedup_by_k(alpha: float, round_costs: Sequence[float] | np.ndarray) -> np.ndarray:
+def speedup_by_k(
+    alpha: float | Sequence[float] | np.ndarray, round_costs: Sequence[float] | np.ndarray
+) -> np.ndarray:
     """The expected speedup of every draft length at once: [K_max + 1], E[L](α, K) / round_costs[K] for
-    K = 0..K_max, with round_costs from :meth:`CostModel.round_costs` (validated there, so only α is checked
-    here: the per-round hot path of :class:`verispec.policies.CostModelK`)."""
-    alpha = _check_real("alpha", alpha, 0.0, 1.0)
+    K = 0..K_max, with round_costs from :meth:`CostModel.round_costs` (validated there) and α a scalar or
+    per-position rates α_1..α_{K_max} (as for :func:`expected_tokens_per_call`); the per-round hot path of
+    :class:`verispec.policies.CostModelK`."""
     costs = np.asarray(round_costs, dtype=np.float64)  # [K_max + 1]
-    tokens = np.ones_like(costs)  # E[L](α, K) = 1 + α + α·α + …: expected_tokens_per_call's products
-    tokens[1:] += np.cumsum(np.cumprod(np.full(costs.size - 1, alpha)))
+    alphas = _alphas(alpha, costs.size - 1)  # [K_max]
+    tokens = np.ones_like(costs)  # E[L](α, K) = 1 + α_1 + α_1·α_2 + …: expected_tokens_per_call's products
+    tokens[1:] += np.cumsum(np.cumprod(alphas))
     return tokens / costs
 
 

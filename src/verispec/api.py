@@ -18,7 +18,7 @@ from verispec.analysis import CostModel
 from verispec.calibrate import QUICK_REPETITIONS, Calibration, calibrate
 from verispec.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter
 from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
-from verispec.models.base import LanguageModel, Tokenizer
+from verispec.models.base import Cache, LanguageModel, Tokenizer
 from verispec.models.registry import DEFAULT_MODEL, load_model
 from verispec.policies import AdditiveK, ConstantK, CostModelK, KPolicy
 from verispec.sampling import SamplingParams
@@ -110,7 +110,8 @@ class Speculator:
             raise ValueError(f"a draft model was given but drafter is {drafter!r}")
         self.model, self.tokenizer = _load(DEFAULT_MODEL if target is None else target, tokenizer, device)
         self.draft = None
-        if isinstance(draft, str) and draft.startswith(EARLY_EXIT):
+        self.early_exit = isinstance(draft, str) and draft.startswith(EARLY_EXIT)  # shares the target's cache
+        if self.early_exit:
             self.draft = _early_exit(self.model, draft)
         elif draft is not None:
             self.draft, draft_tokenizer = _load(draft, tokenizer, device)
@@ -122,12 +123,15 @@ class Speculator:
         if drafter == "auto":
             drafter = "model" if draft is not None else "ngram"
         self.drafter_name = drafter
-        self._labels = (target if isinstance(target, str) else "", draft if isinstance(draft, str) else "")
+        target_label = DEFAULT_MODEL if target is None else target if isinstance(target, str) else ""
+        self._labels = (target_label, draft if isinstance(draft, str) else "")
         self._calibration: Calibration | None = None
 
-    def _drafter(self, sampling: SamplingParams) -> Drafter:
+    def _drafter(self, sampling: SamplingParams, target_cache: Cache | None = None) -> Drafter:
+        """The drafter for one generation; an early-exit draft reads ``target_cache`` (when given)."""
         if self.draft is not None:
-            return ModelDrafter(self.draft, sampling, target_vocab_size=self.model.vocab_size)
+            shared = target_cache if self.early_exit else None
+            return ModelDrafter(self.draft, sampling, self.model.vocab_size, target_cache=shared)
         return NGramDrafter() if self.drafter_name == "ngram" else NoDrafter()
 
     def calibration(self, *, force: bool = False, repetitions: int = QUICK_REPETITIONS) -> Calibration:
@@ -184,7 +188,8 @@ class Speculator:
         config = EngineConfig(max_new_tokens, sampling, self.tokenizer.eos_token_ids, tuple(stop))
         stats = stats if stats is not None else GenerationStats(self.drafter_name, str(parse_k(k)))
         prompt_ids = self.encode_prompt(prompt, chat)
-        engine = SpeculativeEngine(self.model, self._drafter(sampling), policy, trace)
+        cache = self.model.new_cache()
+        engine = SpeculativeEngine(self.model, self._drafter(sampling, cache), policy, trace, cache)
         text = _TextAssembler(self.tokenizer, config.stop_strings)
         for tokens in engine.stream(prompt_ids, config, stats, text.stop_check if stop else None):
             yield Chunk(text.add(tokens), tokens)

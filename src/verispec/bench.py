@@ -80,6 +80,7 @@ VERISPEC_METHODS = tuple(d for d in DRAFTERS if d != "auto")  # none first, then
 METHODS = (*VERISPEC_METHODS, *PEERS)
 BASELINE, PEER_BASELINE = "none", PEERS[0]
 _ROLES = ("system", "user", "assistant")
+_RECALIBRATION = 10  # repetitions of a calibration the bench measures
 _TASK_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
@@ -185,6 +186,7 @@ class BenchConfig:
     temperatures: 0 is greedy; each one is a separate table.
     prompts_per_task: the first N prompts of each task (None: all).
     threads: torch threads for every method (None: torch's current setting).
+    recalibrate: measure the costs again before the run (else the cached calibration, measured if absent).
     out: the output directory (created).
     """
 
@@ -201,6 +203,7 @@ class BenchConfig:
     prompts_per_task: int | None = None
     threads: int | None = None
     seed: int = 0
+    recalibrate: bool = False
     out: str = ""
 
     def __post_init__(self) -> None:
@@ -252,6 +255,8 @@ class BenchConfig:
         for flag, value in options.items():
             if value is not None:
                 parts += [flag, value]
+        if self.recalibrate:
+            parts.append("--recalibrate")
         return shlex.join(parts)
 
 
@@ -497,7 +502,10 @@ class Bench:
                 assistant = _load_assistant(config)
             self.peer = TransformersPeer(load_transformers(config.target, config.tokenizer), assistant)
         self.calibrations: dict[str, Calibration] = {
-            name: speculator.calibration() for name, speculator in self.speculators.items()
+            name: speculator.calibration(
+                force=config.recalibrate and name == BASELINE, repetitions=_RECALIBRATION
+            )
+            for name, speculator in self.speculators.items()  # the baseline first: it clears the cache
         }
         self.cells = [_Cell(task, t, m) for task in tasks for t in config.temperatures for m in methods]
         self.started_at = _now()
@@ -768,4 +776,3 @@ def _load_assistant(config: BenchConfig):
 
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-

@@ -5,17 +5,19 @@ for one target and one drafter on this machine:
 
 - the verification curve v(k) = T_target(k new tokens) / T_target(1) for k = 1..:data:`K_MAX`: the target's
   cache holds a context of :data:`CONTEXT` positions (seeded random tokens), k tokens are fed and the cache
-  is rolled back; after one untimed pass over every k (first calls build kernels), each k is timed
-  ``repetitions`` times, interleaved with the others so that a slow spell of the machine hits them all
-  alike, and the median kept;
-- the cost ratio c = T_draft / T_target(1): the median time of one ``propose`` of :data:`DRAFT_K` tokens by
-  the drafter itself (a model draft's forwards and greedy picks, an n-gram lookup), on the same context, per
-  drafted token; each proposal is rolled back as after a rejection, and the context grows by one token.
+  is rolled back; after one untimed pass over every k (first calls build kernels), each T(k) is timed
+  ``repetitions`` times, each right after a T(1), and v(k) is the median of those ratios, so that a slow spell
+  of a shared machine cancels out of each pair;
+- the cost ratio c = T_draft / T_target(1): the median, over ``repetitions`` proposals of :data:`DRAFT_K`
+  tokens by the drafter itself (a model draft's forwards and greedy picks, an n-gram lookup) on the same
+  context, of the time per drafted token over a T(1) timed just before; each proposal is rolled back as after
+  a rejection, and the context grows by one token.
 
 The cache holds one JSON file per target in ``$VERISPEC_CACHE/calibration`` (by default
 ``~/.cache/verispec/calibration``), named by a hash of its identity: the model's class and architecture config
 (weights do not change the cost, so checkpoints of one architecture share it), dtype, device, whether the CPU
-fast path is on, and the machine (torch version, thread count, CPU). The drafters measured against that target
+fast path is on, the machine (torch version, thread count, CPU) and the measurement's own settings (context,
+K_MAX, DRAFT_K). The drafters measured against that target
 are kept in the same file under their own identity. Writes are atomic (temporary file, then rename); a file
 that cannot be read back, or that belongs to another identity, is measured again and replaced.
 """
@@ -59,10 +61,11 @@ __all__ = [
 ]
 
 K_MAX = 16  # v(k) is measured for k = 1..K_MAX new tokens: K ≤ K_MAX − 1 draft tokens per round
-CONTEXT = 128  # positions in the cache while timing (capped at half the model's context)
+CONTEXT = 256  # positions in the cache while timing (capped at half the model's context)
 DRAFT_K = 4  # tokens per timed proposal
 QUICK_REPETITIONS = 5  # what a first use of ``--k auto`` measures with; ``verispec calibrate`` defaults to 10
-_VERSION = 1  # of the cache file format
+_VERSION = 2  # of the cache file format
+_METHOD = {"context": CONTEXT, "k_max": K_MAX, "draft_k": DRAFT_K}  # part of the key: how it was measured
 _HF_VERSION = "transformers_version"
 
 
@@ -87,16 +90,19 @@ class TargetCosts:
 
 @dataclass(frozen=True)
 class DraftCosts:
-    """A drafter's measured time per drafted token on this machine."""
+    """A drafter's measured cost per drafted token on this machine."""
 
     label: str
-    seconds_per_token: float
+    cost_ratio: float  # c = T_draft / T_target(1), from pairs of timings
+    seconds_per_token: float  # T_draft (informational)
     repetitions: int
     measured_at: str
 
     def __post_init__(self) -> None:
-        if not _positive(self.seconds_per_token):
-            raise ValueError(f"draft timing must be a number > 0, got {self.seconds_per_token!r}")
+        if not (_positive(self.cost_ratio) and _positive(self.seconds_per_token)):
+            raise ValueError(
+                f"draft costs must be numbers > 0, got {self.cost_ratio!r}, {self.seconds_per_token!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -110,7 +116,7 @@ class Calibration:
     @property
     def cost_ratio(self) -> float:
         """c = T_draft / T_target(1); 0 without a drafter."""
-        return self.draft.seconds_per_token / self.target.seconds[0] if self.draft else 0.0
+        return self.draft.cost_ratio if self.draft else 0.0
 
     @property
     def cost_model(self) -> CostModel:
@@ -188,18 +194,17 @@ def calibrate(
     force: bool = False,
 ) -> Calibration:
     """The costs of ``target`` (and ``drafter``, if given) on this machine: from the cache, or measured with
-    ``repetitions`` timed repetitions and cached. ``force``: measure both again even when cached (other
-    drafters' entries are kept). The labels name the models in the cache file and in notices."""
+    ``repetitions`` timed repetitions and cached. ``force``: measure them again, and drop the entries of other
+    drafters (measured again when next needed). The labels name the models in the cache file and notices."""
     if isinstance(repetitions, bool) or not isinstance(repetitions, int) or repetitions < 1:
         raise ValueError(f"repetitions must be an integer >= 1, got {repetitions!r}")
     target_label = target_label or type(target).__name__
-    identity = {"model": model_identity(target), "machine": _machine_identity()}
+    identity = {"model": model_identity(target), "machine": _machine_identity(), "method": _METHOD}
     path = calibration_dir() / f"{_digest(identity)}.json"
     entry = _read(path, identity)
     if entry is None or force:
         _notice(f"calibrating {target_label} on this machine ({repetitions} repetitions), cached in {path}")
-        drafts = entry["drafts"] if entry else {}  # kept: their timings do not depend on the target's
-        entry = {"version": _VERSION, "identity": identity, "drafts": drafts}
+        entry = {"version": _VERSION, "identity": identity, "drafts": {}}
         entry["target"] = dataclasses.asdict(_measure_target(target, target_label, repetitions))
         _write(path, entry)
     draft = None
@@ -228,45 +233,63 @@ def _context(model: LanguageModel, extra: int) -> list[int]:
     return torch.randint(0, model.vocab_size, (length,), generator=generator).tolist()
 
 
+class _TargetTimer:
+    """Times forwards of the target over k new tokens after a fixed context, rolling the cache back."""
+
+    def __init__(self, model: LanguageModel, context: list[int]) -> None:
+        self.model, self.context, self.device = model, context, model.device
+        self.cache = model.new_cache()
+        positions = torch.arange(len(context), device=self.device)[None]  # [1, L]
+        model.forward(torch.tensor([context], device=self.device), positions, self.cache)
+
+    def seconds(self, k: int) -> float:
+        base = len(self.context)
+        tokens = torch.tensor([self.context[:k]], device=self.device)  # [1, k]
+        positions = torch.arange(base, base + k, device=self.device)[None]  # [1, k]
+        start = time.perf_counter()
+        self.model.forward(tokens, positions, self.cache)
+        elapsed = time.perf_counter() - start
+        self.cache.truncate(base)
+        return elapsed
+
+
 def _measure_target(model: LanguageModel, label: str, repetitions: int) -> TargetCosts:
-    """T_target(k) for k = 1..K_MAX: medians of ``repetitions`` interleaved timings after one untimed pass."""
-    device = model.device
-    context = _context(model, K_MAX)
-    cache = model.new_cache()
-    positions = torch.arange(len(context), device=device)[None]  # [1, L]
-    model.forward(torch.tensor([context], device=device), positions, cache)
-    base = cache.length
-    times: list[list[float]] = [[] for _ in range(K_MAX)]
+    """T_target(k) for k = 1..K_MAX after one untimed pass over every k: each T(k) is timed right after a
+    T(1), v(k) is the median of those ratios (a slow spell of the machine cancels out of each pair), and
+    T_target(k) = v(k) · the median T(1)."""
+    timer = _TargetTimer(model, _context(model, K_MAX))
+    ratios: list[list[float]] = [[] for _ in range(K_MAX)]
+    ones: list[float] = []
     for repetition in range(repetitions + 1):
         for k in range(1, K_MAX + 1):
-            tokens = torch.tensor([context[:k]], device=device)  # [1, k]
-            positions = torch.arange(base, base + k, device=device)[None]  # [1, k]
-            start = time.perf_counter()
-            model.forward(tokens, positions, cache)
-            elapsed = time.perf_counter() - start
-            cache.truncate(base)
+            one, elapsed = timer.seconds(1), timer.seconds(k)
             if repetition:
-                times[k - 1].append(elapsed)
-    seconds = tuple(statistics.median(t) for t in times)
-    return TargetCosts(label, seconds, repetitions, _now())
+                ones.append(one)
+                ratios[k - 1].append(elapsed / one)
+    t1 = statistics.median(ones)
+    return TargetCosts(label, tuple(t1 * statistics.median(r) for r in ratios), repetitions, _now())
 
 
 def _measure_drafter(drafter: Drafter, target: LanguageModel, label: str, repetitions: int) -> DraftCosts:
-    """Seconds per drafted token: medians of ``repetitions`` proposals of DRAFT_K tokens, each rolled back as
-    after a rejection (the first, which fills a model draft's cache with the context, is not timed)."""
+    """c: the median over ``repetitions`` proposals of DRAFT_K tokens, each rolled back as after a rejection,
+    of the time per drafted token over the time of a target forward T(1) timed right before it (the first
+    proposal, which fills a model draft's cache with the context, is not timed)."""
     context = _context(target, repetitions + DRAFT_K + 2)
+    timer = _TargetTimer(target, list(context))
     generator = torch.Generator().manual_seed(0)
     drafter.begin(list(context))
-    times = []
+    ratios, seconds = [], []
     for repetition in range(repetitions + 1):
+        one = timer.seconds(1)
         start = time.perf_counter()
         drafter.propose(context, DRAFT_K, generator)
-        elapsed = time.perf_counter() - start
+        elapsed = max(time.perf_counter() - start, 1e-9) / DRAFT_K
         drafter.observe(0)
         context.append(context[repetition])  # the round commits one token
         if repetition:
-            times.append(elapsed)
-    return DraftCosts(label, max(statistics.median(times) / DRAFT_K, 1e-9), repetitions, _now())
+            ratios.append(elapsed / one)
+            seconds.append(elapsed)
+    return DraftCosts(label, statistics.median(ratios), statistics.median(seconds), repetitions, _now())
 
 
 # ---------------------------------------------------------------------------------------------- the cache

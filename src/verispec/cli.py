@@ -494,6 +494,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int, help="torch threads for every method (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled runs (default: 0)")
     parser.add_argument("--out", metavar="DIR", help="output directory (default: results/bench-TIMESTAMP)")
+    parser.add_argument(
+        "--recalibrate", action="store_true", help="measure the costs again first (default: the cached ones)"
+    )
     parser.set_defaults(func=run_bench)
 
 
@@ -518,6 +521,7 @@ def run_bench(args: argparse.Namespace) -> int:
         threads=args.threads,
         seed=args.seed,
         out=args.out or "",
+        recalibrate=args.recalibrate,
     )
     tasks = select_tasks(config)  # every check that needs no model, before loading one
     methods, notes = plan_methods(config)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from verispec.models.base import LanguageModel
+from verispec.models.base import Cache, LanguageModel
 from verispec.sampling import SamplingParams, probs_from_logits
 
 __all__ = ["Drafter", "ModelDrafter", "NGramDrafter", "NoDrafter", "Proposal"]
@@ -121,11 +121,24 @@ class ModelDrafter:
     Its cache holds a prefix of the committed context; ``propose`` first feeds the committed tokens it has not
     seen (the last emitted token, or the last draft token and the bonus token after a fully accepted round),
     then samples k tokens one forward at a time. ``observe`` rolls the cache back to the committed part.
+
+    An early-exit draft (the target's own first layers, :meth:`verispec.models.llama.Llama.first_layers`)
+    may instead share the target's cache (``target_cache``): those layers of it hold every committed token
+    but the last (the engine's invariant between rounds), as the draft itself would compute them, so each
+    proposal starts from a view of them and feeds only the last token: no cache of its own to fill, not even
+    after rounds at K = 0. The slots it writes beyond the committed ones are those that the target's next
+    forward overwrites before reading them.
     """
 
     name = "model"
 
-    def __init__(self, model: LanguageModel, sampling: SamplingParams, target_vocab_size: int) -> None:
+    def __init__(
+        self,
+        model: LanguageModel,
+        sampling: SamplingParams,
+        target_vocab_size: int,
+        target_cache: Cache | None = None,
+    ) -> None:
         if model.vocab_size != target_vocab_size:
             raise ValueError(
                 f"draft vocabulary ({model.vocab_size} tokens) differs from the target's "
@@ -133,15 +146,22 @@ class ModelDrafter:
             )
         self.model = model
         self.sampling = sampling
-        self.cache = model.new_cache()
+        self.target_cache = target_cache
+        self.cache = model.new_cache() if target_cache is None else self._shared_layers()
         self._committed = 0  # cache slots that hold committed tokens after the last proposal
         self._drafted = 0  # draft tokens fed to the cache by the last proposal
+
+    def _shared_layers(self) -> Cache:
+        """A view of the target cache's first layers, as long as the target cache now is."""
+        return self.target_cache.first_layers(self.model.config.num_layers)
 
     def begin(self, prompt: list[int]) -> None:
         self.cache.truncate(0)
         self._committed = self._drafted = 0
 
     def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+        if self.target_cache is not None:
+            self.cache = self._shared_layers()
         k = min(k, self.model.max_context - len(context))
         if k <= 0:
             self._committed, self._drafted = self.cache.length, 0

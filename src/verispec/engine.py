@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.drafters import Drafter, Proposal
-from verispec.models.base import LanguageModel
+from verispec.models.base import Cache, LanguageModel
 from verispec.policies import KPolicy
 from verispec.sampling import SamplingParams, probs_from_logits
 from verispec.trace import TraceRecorder
@@ -119,16 +119,23 @@ class SpeculativeEngine:
     ``stop_check(new_ids) -> int | None`` (optional) returns how many of the generated tokens to keep when a
     stop string has appeared in them, else None; the tokenizer-aware check lives with the caller.
     ``trace`` (optional) records every round for :mod:`verispec.trace`; without it nothing extra is computed.
+    ``cache`` (optional) is the target's cache, made by ``target.new_cache()`` (default: a new one), for a
+    drafter that reads it.
     """
 
     def __init__(
-        self, target: LanguageModel, drafter: Drafter, k_policy: KPolicy, trace: TraceRecorder | None = None
+        self,
+        target: LanguageModel,
+        drafter: Drafter,
+        k_policy: KPolicy,
+        trace: TraceRecorder | None = None,
+        cache: Cache | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
         self.k_policy = k_policy
         self.trace = trace
-        self.cache = target.new_cache()
+        self.cache = target.new_cache() if cache is None else cache
 
     def stream(
         self,

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers.utils import logging as hf_logging
 
 from verispec.models.llama import Llama
 from verispec.models.llama2c import load_llama2c
@@ -42,21 +43,11 @@ def to_transformers(model: Llama, num_layers: int | None = None) -> LlamaForCaus
         raise ValueError(
             "cannot copy the weights of a model optimized for CPU; load it without the fast path"
         )
-    if c.attention_bias != c.attention_out_bias or c.sliding_window is not None:
-        raise ValueError("only plain Llama architectures convert to LlamaForCausalLM")
+    if c.attention_bias != c.attention_out_bias or c.sliding_window is not None or c.rope_scaling is not None:
+        raise ValueError("only plain Llama architectures (no RoPE scaling) convert to LlamaForCausalLM")
     layers = c.num_layers if num_layers is None else num_layers
     if not 0 < layers <= c.num_layers:
         raise ValueError(f"num_layers must be in [1, {c.num_layers}], got {num_layers!r}")
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
-    if c.rope_scaling is not None:
-        s = c.rope_scaling
-        rope = {**rope, "rope_type": s.kind, "factor": s.factor}
-        if s.kind == "llama3":
-            rope.update(
-                low_freq_factor=s.low_freq_factor,
-                high_freq_factor=s.high_freq_factor,
-                original_max_position_embeddings=s.original_max_position_embeddings,
-            )
     config = LlamaConfig(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
@@ -67,7 +58,7 @@ def to_transformers(model: Llama, num_layers: int | None = None) -> LlamaForCaus
         head_dim=c.head_dim,
         max_position_embeddings=c.max_position_embeddings,
         rms_norm_eps=c.rms_norm_eps,
-        rope_parameters=rope,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
         tie_word_embeddings=c.tie_word_embeddings,
         attention_bias=c.attention_bias,
         mlp_bias=c.mlp_bias,
@@ -94,8 +85,20 @@ def load_transformers(
             raise ValueError(f"{path} is a llama2.c checkpoint: it needs its tokenizer file")
         return to_transformers(load_llama2c(path), num_layers)
     extra = {} if num_layers is None else {"num_hidden_layers": num_layers}
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir(spec)), dtype=torch.float32, **extra)
+    with _quiet():  # the layers left out of an early exit are reported as unexpected weights
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir(spec)), dtype=torch.float32, **extra)
     return model.eval()
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers' warnings off (load reports, deprecation notes of generate's internals), then back."""
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 @dataclass
@@ -188,7 +191,12 @@ class TransformersPeer:
         ids = torch.tensor([prompt_ids])  # [1, L]
         torch.manual_seed(seed)
         target_timer, draft_timer = _ForwardTimer(), _ForwardTimer()
-        with torch.inference_mode(), target_timer.attached(self.model), draft_timer.attached(assistant):
+        with (
+            _quiet(),
+            torch.inference_mode(),
+            target_timer.attached(self.model),
+            draft_timer.attached(assistant),
+        ):
             start = time.perf_counter()
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **options)  # [1, L + new]
             total = time.perf_counter() - start

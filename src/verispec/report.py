@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from verispec.viz import write_atomic
 from verispec.viz.figures import COLOURS, figure_style, new_figure, save_figure
 
-__all__ = ["CHARTS", "COLUMNS", "charts", "markdown", "write_report"]
+__all__ = ["CHARTS", "COLUMNS", "charts", "markdown", "summary", "write_report"]
 
 CHARTS = ("tokens_per_second", "speedup", "predicted_vs_measured", "time_split")
 _SPLIT = ("prefill", "draft", "target", "other")
@@ -110,6 +110,33 @@ def _mode(temperature: float) -> str:
     return "greedy" if temperature == 0 else f"sampled, temperature {temperature:g}"
 
 
+def summary(results: dict, temperature: float) -> list[str]:
+    """A Markdown table of every task at once: tok/s, its speedup over transformers' plain ``generate`` and
+    the efficiency, one row per method (the lines of the table)."""
+    tasks = results["config"]["tasks"]
+    lines = ["| method | " + " | ".join(tasks) + " |", "|" + "---|" * (len(tasks) + 1)]
+    for label in _labels(results):
+        row = [label]
+        for task in tasks:
+            cell = next((c for c in _cells(results, task, temperature) if c["label"] == label), None)
+            m = cell["metrics"] if cell else None
+            if not m:
+                row.append(_MISSING)
+                continue
+            parts = [f"{m['tokens_per_second']['median']:.1f}"]
+            if m["speedup_vs_transformers"]:
+                parts.append(f"{m['speedup_vs_transformers']:.2f}×")
+            if m["efficiency"] and m["predicted_speedup"] != 1.0:
+                parts.append(f"eff {m['efficiency']:.2f}")
+            row.append(" · ".join(parts))
+        lines.append("| " + " | ".join(row) + " |")
+    return [
+        *lines,
+        "",
+        "Each cell: tok/s · speedup over transformers `generate` · efficiency (measured / predicted).",
+    ]
+
+
 def markdown(results: dict) -> str:
     """results.md: the run's context, then one table per task and temperature."""
     config, machine = results["config"], results["machine"]
@@ -137,6 +164,9 @@ def markdown(results: dict) -> str:
             f"v(k) for k = 1..{len(first['verify_cost'])}: {v}; cost ratio c: {ratios or _MISSING}"
         )
     lines += [f"- Not run: {note}" for note in results["notes"]]
+    if len(config["tasks"]) > 1:
+        for temperature in config["temperatures"]:
+            lines += ["", f"## Summary — {_mode(temperature)}", "", *summary(results, temperature)]
     headers = ["method", *(h for h, _, _ in COLUMNS), "greedy = none"]
     for task in config["tasks"]:
         for temperature in config["temperatures"]:
@@ -202,9 +232,13 @@ def _grouped_bars(
     return fig
 
 
-def _speedup_bar(metrics: dict) -> tuple[float, float, float] | None:
-    s = metrics.get("speedup_vs_transformers") or metrics.get("speedup_vs_none")
-    return (s, s, s) if s else None
+def _speedup(results: dict) -> tuple[Callable[[dict], tuple[float, float, float] | None], str]:
+    """The speedup bars (over transformers' plain ``generate``, or over ``none`` when it did not run)."""
+    key = "speedup_vs_transformers"
+    if not any(c["metrics"].get(key) for c in results["cells"] if c["metrics"]):
+        key = "speedup_vs_none"
+    baseline = "transformers generate" if key == "speedup_vs_transformers" else "verispec none"
+    return (lambda m: (m[key], m[key], m[key]) if m.get(key) else None), f"Speedup over {baseline}"
 
 
 def _predicted_figure(results: dict) -> Figure:
@@ -272,12 +306,13 @@ def _split_figure(results: dict) -> Figure:
             ax.set(xlim=(0, 1), xlabel="share of wall time")
             ax.invert_yaxis()
             ax.set_title(f"Where the time goes — {_mode(temperature)}", fontsize=10)
-        axes[0].legend(fontsize=7, ncols=4, loc="lower right")
+        axes[-1].legend(fontsize=7, ncols=4, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     return fig
 
 
 def charts(results: dict, out_dir: str | os.PathLike) -> list[Path]:
     """Write the charts of the module doc into ``out_dir``; returns the paths written."""
+    bar, title = _speedup(results)
     figures = {
         "tokens_per_second": _grouped_bars(
             results,
@@ -289,7 +324,7 @@ def charts(results: dict, out_dir: str | os.PathLike) -> list[Path]:
             "tokens / s",
             "Tokens per second (median, min–max)",
         ),
-        "speedup": _grouped_bars(results, _speedup_bar, "speedup", "Speedup over transformers generate"),
+        "speedup": _grouped_bars(results, bar, "speedup", title),
         "predicted_vs_measured": _predicted_figure(results),
         "time_split": _split_figure(results),
     }

@@ -350,6 +350,19 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of length {self._length} to {length!r}")
         self._length = length
 
+    def first_layers(self, num_layers: int) -> KVCache:
+        """A cache over this one's first ``num_layers`` layers (views: nothing is copied) whose length starts
+        at this one's and then moves on its own: the cache of an early-exit draft (:meth:`Llama.first_layers`)
+        of the model that fills this one, which computes exactly those layers, so the draft finds every slot
+        the full model has written. Slots the draft writes beyond that are the full model's to overwrite."""
+        layers = self.keys.shape[0]
+        if not _is_int(num_layers) or not 0 < num_layers <= layers:
+            raise ValueError(f"num_layers must be an integer in [1, {layers}], got {num_layers!r}")
+        view = object.__new__(KVCache)
+        view.keys, view.values = self.keys[:num_layers], self.values[:num_layers]
+        view._length = self._length
+        return view
+
     def _reserve(self, num_tokens: int) -> tuple[int, int]:
         """The slot range [start, end) the next ``num_tokens`` tokens go to (ValueError past capacity)."""
         start, end = self._length, self._length + num_tokens
