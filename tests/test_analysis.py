@@ -100,7 +100,7 @@ def test_per_position_equals_scalar_for_constant_alpha(alpha, k):
 @given(alphas, ks)
 def test_tokens_bounds(alpha, k):
     tokens = expected_tokens_per_call(alpha, k)
-    assert 1.0 <= tokens <= k + 1 + 1e-12
+    assert tokens >= 1.0 and tokens <= k + 1 + 1e-12
 
 
 @given(alphas, alphas, ks, cost_ratios)
