@@ -4,6 +4,8 @@ peers' weights, bad input, a seconds-long smoke run on stories260K and an interr
 Speed is what the bench reports; nothing here asserts it."""
 
 import json
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -281,7 +283,10 @@ def test_smoke_bench_on_stories260k(capsys, tmp_path, stories_args):
         assert pixels.std() > 0.05  # not a blank canvas
 
 
-def test_an_interrupted_bench_keeps_its_finished_cells(capsys, tmp_path, stories_args, monkeypatch):
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_bench_keeps_its_finished_cells(
+    capsys, tmp_path, stories_args, monkeypatch, signal_name
+):
     samples = 0
     sample = bench.Bench._sample
 
@@ -289,7 +294,7 @@ def test_an_interrupted_bench_keeps_its_finished_cells(capsys, tmp_path, stories
         nonlocal samples
         samples += 1
         if samples == 6:
-            raise KeyboardInterrupt
+            os.kill(os.getpid(), getattr(signal, signal_name))  # Ctrl-C, or a polite kill
         sample(self, *args)
 
     monkeypatch.setattr(bench.Bench, "_sample", interrupted_on_the_sixth)

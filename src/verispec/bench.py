@@ -38,9 +38,12 @@ import platform
 import re
 import resource
 import shlex
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -613,7 +616,13 @@ class Bench:
 
     def run(self, progress: bool = True) -> dict:
         """Warm every method up, then measure every cell; returns the results (also in results.json, with
-        the report beside it). On KeyboardInterrupt the finished cells are written, then it propagates."""
+        the report beside it). On KeyboardInterrupt (Ctrl-C, or a SIGTERM, which is turned into one while the
+        bench runs in the main thread) the finished cells are written with their report, then it
+        propagates."""
+        with _terminate_as_interrupt():
+            return self._run(progress)
+
+    def _run(self, progress: bool) -> dict:
         config = self.config
         per_rep = sum(len(p) for p in self.tasks.values()) * len(config.temperatures) * len(self.methods)
         bar = tqdm(
@@ -752,6 +761,23 @@ class Bench:
             if self.exact_peaks
             else "process peak so far (getrusage)",
         }
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt inside the block (main thread only; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _has_chat_template(tokenizer) -> bool:

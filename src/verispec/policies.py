@@ -81,7 +81,7 @@ class AutoKConfig:
 
     prior: tuple[float, float] = (0.5, 0.5)
     memory: float = 0.9
-    probe_budget: float = 0.03
+    probe_budget: float = 0.02
     k_max: int | None = None
 
     def __post_init__(self) -> None:
