@@ -28,7 +28,7 @@ from verispec.bench import (
 from verispec.cli import main
 from verispec.models.llama2c import load_llama2c
 from verispec.peers import to_transformers
-from verispec.report import CHARTS
+from verispec.report import CHARTS, goals
 
 STORY_PROMPTS = [
     {"id": "lily", "prompt": "Once upon a time, there was a little girl named Lily.", "task": "stories"},
@@ -274,7 +274,8 @@ def test_smoke_bench_on_stories260k(capsys, tmp_path, stories_args):
     )
     for header in ("tok/s", "× transformers", "× none", "τ", "accept by position", "predicted", "efficiency"):
         assert header in table
-    assert "## Summary — greedy" in table and "✓ " in table and "✗" not in table
+    assert "## Summary — greedy" in table and "✓ " in table and " differ: " not in table
+    assert "## Goals — greedy" in table and "| none ≥ 1.1× transformers | stories |" in table
     assert table.count("| transformers-assisted k=4 |") == 3  # a row in the summary and in each task
     for chart in CHARTS:
         path = out / f"{chart}.png"
@@ -337,3 +338,43 @@ def test_ratio_of_medians_handles_missing_baselines():
         1.5,
     )
     assert bench._ratio({"median": 3.0}, None, "tokens_per_second") is None
+
+
+def _cell(task: str, method: str, k: str, tps: float, efficiency: float | None = None) -> dict:
+    label = method if not k else f"{method} k={k}"
+    metrics = {"tokens_per_second": {"median": tps}, "efficiency": efficiency}
+    return {"task": task, "temperature": 0.0, "method": method, "k": k, "label": label, "samples": [1],
+            "metrics": metrics}  # fmt: skip
+
+
+def test_goals_are_judged_from_the_medians():
+    cells = [
+        _cell("summarization", "none", "", 40.0),
+        _cell("summarization", "transformers", "", 20.0),
+        _cell("summarization", "transformers-lookup", "4", 30.0),
+        _cell("summarization", "ngram", "4", 52.0, 0.97),
+        _cell("summarization", "ngram", "auto", 48.0, 0.90),
+        _cell("chat", "none", "", 21.0),
+        _cell("chat", "transformers", "", 20.0),
+        _cell("chat", "model", "2", 30.0, 1.0),
+        _cell("chat", "transformers-assisted", "2", 10.0),
+    ]
+    results = {"config": {"tasks": ["summarization", "chat"], "temperatures": [0.0]}, "cells": cells}
+    judged = [line.split(" | ") for line in goals(results) if line.endswith(("✓ |", "missed |"))]
+    rows = {f"{goal.lstrip('| ')} @ {task}": " | ".join(rest) for goal, task, *rest in judged}
+    assert rows["none ≥ 1.1× transformers @ summarization"].endswith("2.000 | ✓ |")
+    assert rows["none ≥ 1.1× transformers @ chat"].endswith("1.050 | ✗ missed |")
+    assert rows["ngram ≥ 2.5× transformers (ngram k=4) @ summarization"].endswith("2.600 | ✓ |")
+    assert rows["ngram ≥ 1.5× transformers lookup (transformers-lookup k=4) @ summarization"].endswith(
+        "1.733 | ✓ |"
+    )
+    assert rows["ngram k=auto efficiency ≥ 0.95 @ summarization"].endswith("0.900 | ✗ missed |")
+    assert rows["ngram k=auto ≥ 0.95× ngram k=4 (best fixed) @ summarization"].endswith(
+        "0.923 | ✗ missed |"
+    )
+    assert rows["ngram k=auto ≥ 0.95× none @ summarization"].endswith("1.200 | ✓ |")
+    assert rows["model k=2 ≥ 2× transformers-assisted @ chat"].endswith("3.000 | ✓ |")
+    assert not any(
+        "ngram" in key and "chat" in key for key in rows
+    )  # chat is not a copy task, no ngram cells
+    assert goals({"config": {"tasks": ["chat"], "temperatures": [0.0]}, "cells": []}) == []

@@ -581,6 +581,48 @@ def run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- drafter-data
+
+
+def add_drafter_data_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec drafter-data``."""
+    parser = subparsers.add_parser(
+        "drafter-data",
+        help="build the training data of a learned drafter: the target's own answers to a prompt set",
+        description="Have the target answer a generated set of chat prompts (half greedily, half sampled at "
+        "temperature 1) and store every token with the target's final hidden state, split into train and "
+        "held-out sets (see verispec.eagle.data). Needs no model hub and no corpus.",
+    )
+    parser.add_argument(
+        "--target", default="smollm2-135m", metavar="SPEC", help="the target (default: %(default)s)"
+    )
+    parser.add_argument("--out", required=True, metavar="DIR", help="the data set directory")
+    parser.add_argument("--prompts", type=int, default=1024, help="prompts to answer (default: %(default)s)")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=192, help="longest answer in tokens (default: %(default)s)"
+    )
+    parser.add_argument("--batch-size", type=int, default=32, help="prompts per batch (default: %(default)s)")
+    parser.add_argument(
+        "--heldout", type=float, default=0.05, help="fraction of prompts held out (default: %(default)s)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="prompt set and sampling seed (default: 0)")
+    parser.set_defaults(func=run_drafter_data)
+
+
+def run_drafter_data(args: argparse.Namespace) -> int:
+    """Run ``verispec drafter-data``: build the data set and print what it holds."""
+    from verispec.eagle.data import DataConfig, build_dataset
+
+    config = DataConfig(args.prompts, args.max_new_tokens, args.batch_size, args.heldout, args.seed)
+    meta = build_dataset(args.target, args.out, config)
+    print(
+        f"{meta['num_sequences']} sequences ({meta['splits']['train']} train, {meta['splits']['heldout']} "
+        f"held out), {meta['num_tokens']} tokens of which {meta['answer_tokens']} answer tokens, in "
+        f"{meta['seconds']:.0f} s; written to {args.out}"
+    )
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- entry point
 
 
@@ -595,6 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_viz_parser(subparsers)
     add_bench_parser(subparsers)
     add_calibrate_parser(subparsers)
+    add_drafter_data_parser(subparsers)
     return parser
 
 

@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from verispec.viz import write_atomic
 from verispec.viz.figures import COLOURS, figure_style, new_figure, save_figure
 
-__all__ = ["CHARTS", "COLUMNS", "charts", "markdown", "summary", "write_report"]
+__all__ = ["CHARTS", "COLUMNS", "charts", "goals", "markdown", "summary", "write_report"]
 
 CHARTS = ("tokens_per_second", "speedup", "predicted_vs_measured", "time_split")
 _SPLIT = ("prefill", "draft", "target", "other")
@@ -137,6 +137,92 @@ def summary(results: dict, temperature: float) -> list[str]:
     ]
 
 
+# ---------------------------------------------------------------------------------------------- goals
+
+_COPY_TASKS = ("summarization", "rag", "code_editing")  # where the answer copies its input
+
+
+def _tps(cell: dict) -> float:
+    return cell["metrics"]["tokens_per_second"]["median"]
+
+
+def _best(cells: list[dict], method: str, fixed_k: bool = False) -> dict | None:
+    """The fastest cell of ``method`` (only numeric K when ``fixed_k``), or None."""
+    mine = [c for c in cells if c["method"] == method and not (fixed_k and not c["k"].isdigit())]
+    return max(mine, key=_tps, default=None)
+
+
+def _goal_rows(results: dict, temperature: float) -> list[tuple[str, str, float, float]]:
+    """(goal, where, measured, required) for every goal the run has the cells to judge; a goal is met when
+    measured >= required."""
+    rows = []
+    for task in results["config"]["tasks"]:
+        cells = _cells(results, task, temperature)
+        by_label = {c["label"]: c for c in cells}
+        plain, none = by_label.get("transformers"), by_label.get("none")
+        if plain and none:
+            rows.append(("none ≥ 1.1× transformers", task, _tps(none) / _tps(plain), 1.1))
+        ngram, lookup = _best(cells, "ngram"), _best(cells, "transformers-lookup")
+        if task in _COPY_TASKS and ngram and plain:
+            rows.append(
+                (f"ngram ≥ 2.5× transformers ({ngram['label']})", task, _tps(ngram) / _tps(plain), 2.5)
+            )
+        if task in _COPY_TASKS and ngram and lookup:
+            rows.append(
+                (
+                    f"ngram ≥ 1.5× transformers lookup ({lookup['label']})",
+                    task,
+                    _tps(ngram) / _tps(lookup),
+                    1.5,
+                )
+            )
+        for cell in cells:
+            peer = by_label.get(f"transformers-assisted k={cell['k']}")
+            if cell["method"] == "model" and peer:
+                rows.append(
+                    (f"{cell['label']} ≥ 2× transformers-assisted", task, _tps(cell) / _tps(peer), 2.0)
+                )
+            if cell["method"] in ("none", "transformers", "transformers-assisted", "transformers-lookup"):
+                continue
+            efficiency = cell["metrics"]["efficiency"]
+            if efficiency is not None:
+                rows.append((f"{cell['label']} efficiency ≥ 0.95", task, efficiency, 0.95))
+            fixed = _best(cells, cell["method"], fixed_k=True)
+            if cell["k"] == "auto" and fixed:
+                rows.append(
+                    (
+                        f"{cell['label']} ≥ 0.95× {fixed['label']} (best fixed)",
+                        task,
+                        _tps(cell) / _tps(fixed),
+                        0.95,
+                    )
+                )
+            if cell["k"] == "auto" and none:
+                rows.append((f"{cell['label']} ≥ 0.95× none", task, _tps(cell) / _tps(none), 0.95))
+    return rows
+
+
+def goals(results: dict) -> list[str]:
+    """The project's speed goals on its reference machine (README, "Benchmarks"), judged from this run's
+    medians: the lines of one Markdown table per temperature, empty when the run has no cells to judge."""
+    lines = []
+    for temperature in results["config"]["temperatures"]:
+        rows = _goal_rows(results, temperature)
+        if not rows:
+            continue
+        lines += [
+            "",
+            f"## Goals — {_mode(temperature)}",
+            "",
+            "| goal | task | measured | met |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {g} | {task} | {x:.3f} | {'✓' if x >= need else '✗ missed'} |" for g, task, x, need in rows
+        ]
+    return lines
+
+
 def markdown(results: dict) -> str:
     """results.md: the run's context, then one table per task and temperature."""
     config, machine = results["config"], results["machine"]
@@ -164,6 +250,7 @@ def markdown(results: dict) -> str:
             f"v(k) for k = 1..{len(first['verify_cost'])}: {v}; cost ratio c: {ratios or _MISSING}"
         )
     lines += [f"- Not run: {note}" for note in results["notes"]]
+    lines += goals(results)
     if len(config["tasks"]) > 1:
         for temperature in config["temperatures"]:
             lines += ["", f"## Summary — {_mode(temperature)}", "", *summary(results, temperature)]

@@ -34,7 +34,16 @@ from verispec.models.hf import HFModel, HFTokenizer
 from verispec.models.llama import Llama
 from verispec.models.llama2c import Llama2cTokenizer, load_llama2c
 
-__all__ = ["BACKENDS", "DEFAULT_MODEL", "LLAMA_FAMILY", "MODELS", "PyPIModel", "load_model", "model_dir"]
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_MODEL",
+    "LLAMA_FAMILY",
+    "MODELS",
+    "PyPIModel",
+    "load_model",
+    "load_tokenizer",
+    "model_dir",
+]
 
 
 @dataclass(frozen=True)
@@ -103,10 +112,10 @@ def load_model(
             raise ValueError(
                 f"{path} is a llama2.c checkpoint: pass tokenizer= its tokenizer file (tok*.bin)"
             )
-        tok = _load_tokenizer(tokenizer)  # the quick checks first
+        tok = load_tokenizer(tokenizer)  # the quick checks first
         return load_llama2c(path, device=device, dtype=dtype, fast=True), tok
     directory = model_dir(spec)
-    tok = _load_tokenizer(directory if tokenizer is None else tokenizer)
+    tok = load_tokenizer(directory if tokenizer is None else tokenizer)
     return _load_directory(directory, device, dtype, backend), tok
 
 
@@ -153,7 +162,7 @@ def _load_directory(
         raise ValueError(f"cannot load {directory} with transformers: {first_line(err)}") from err
 
 
-def _load_tokenizer(spec: str | Path) -> Tokenizer:
+def load_tokenizer(spec: str | Path) -> Tokenizer:
     """A llama2.c tokenizer (``.bin``) or the transformers tokenizer of a SPEC's directory."""
     path = Path(str(spec)).expanduser()
     if path.suffix == ".bin":

@@ -1,0 +1,521 @@
+"""Training data for learned drafters, made offline: the target's own answers to a generated prompt set.
+
+A learned drafter should predict what the target will say, so the best data is the target itself talking
+(self-distillation, as Medusa-2 and EAGLE's later versions do). No model hub or text corpus is needed:
+
+- :func:`chat_prompts` writes a deterministic, varied set of chat requests from templates and word lists
+  (explanations, advice, stories, comparisons, lists, e-mails, math word problems, code, translation) plus
+  summarization and question-answering requests over passages taken from the Python standard library's
+  module docstrings — text every Python installation carries. None of them is a bench prompt.
+- :func:`build_dataset` has the target answer each prompt in its chat template — half greedily, half sampled
+  at temperature 1, so that the drafter sees what it must predict at both settings — in batches with
+  transformers' ``generate`` on the same weights, and keeps the target's final hidden state at every position
+  (what ``Llama.forward_hidden`` returns, from which the next token's logits are computed).
+
+The data set is a directory: ``meta.json`` and ``train.safetensors`` / ``heldout.safetensors``, each holding
+``tokens`` int32 [T_total] (sequences concatenated: prompt, then the answer), ``hidden`` float16 [T_total, H],
+``offsets`` int64 [S+1] (sequence s is ``tokens[offsets[s]:offsets[s+1]]``) and ``prompt_lengths`` int64 [S].
+The last token of each sequence is dropped: generation never feeds it, so it has no hidden state.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["DataConfig", "build_dataset", "chat_prompts", "load_split"]
+
+_TOPICS = (
+    "photosynthesis",
+    "the water cycle",
+    "black holes",
+    "volcanoes",
+    "earthquakes",
+    "the immune system",
+    "vaccines",
+    "climate change",
+    "the stock market",
+    "inflation",
+    "compound interest",
+    "credit scores",
+    "the internet",
+    "encryption",
+    "machine learning",
+    "neural networks",
+    "blockchains",
+    "electric cars",
+    "solar panels",
+    "wind turbines",
+    "nuclear power",
+    "the moon landing",
+    "the Roman Empire",
+    "the French Revolution",
+    "the printing press",
+    "ancient Egypt",
+    "the Renaissance",
+    "the Silk Road",
+    "the human heart",
+    "sleep",
+    "meditation",
+    "nutrition",
+    "vitamins",
+    "jet lag",
+    "coffee",
+    "tea",
+    "bread baking",
+    "composting",
+    "honey bees",
+    "whales",
+    "octopuses",
+    "rainforests",
+    "deserts",
+    "glaciers",
+    "the ocean tides",
+    "rainbows",
+    "lightning",
+    "magnets",
+    "gravity",
+    "the speed of light",
+    "atoms",
+    "DNA",
+    "evolution",
+    "dinosaurs",
+    "the solar system",
+    "Mars",
+    "satellites",
+    "GPS",
+    "airplanes",
+    "bicycles",
+    "trains",
+    "bridges",
+    "skyscrapers",
+    "recycling",
+    "plastic pollution",
+    "democracy",
+    "taxes",
+    "supply and demand",
+    "remote work",
+    "public speaking",
+    "time management",
+    "chess",
+    "football",
+    "the Olympic Games",
+    "jazz",
+    "classical music",
+    "painting",
+    "photography",
+    "poetry",
+    "libraries",
+    "museums",
+    "languages",
+    "dictionaries",
+    "maps",
+    "clocks",
+    "calendars",
+    "batteries",
+    "smartphones",
+    "video games",
+    "databases",
+    "spreadsheets",
+    "operating systems",
+    "cloud computing",
+)
+_AUDIENCES = ("a ten-year-old", "a beginner", "my grandmother", "a busy manager", "a high-school student")
+_ACTIVITIES = (
+    "learn a new language",
+    "save money each month",
+    "start running",
+    "sleep better",
+    "cook for a family of four",
+    "prepare for a job interview",
+    "keep houseplants alive",
+    "organize a small office",
+    "learn to play guitar",
+    "write a cover letter",
+    "plan a birthday party",
+    "study for an exam",
+    "reduce screen time",
+    "make new friends",
+    "train a puppy",
+    "start a vegetable garden",
+    "pack for a week-long trip",
+    "improve my handwriting",
+    "learn to swim",
+    "fix a flat bicycle tire",
+    "paint a room",
+    "negotiate a salary",
+    "start a podcast",
+    "keep a journal",
+    "read more books",
+    "move to a new city",
+    "host a dinner party",
+    "learn to code",
+)
+_THINGS = (
+    "a lighthouse keeper",
+    "a lost robot",
+    "a dragon who is afraid of fire",
+    "a small village by the sea",
+    "a cat that can talk",
+    "a time traveller",
+    "a forgotten library",
+    "a brave little boat",
+    "an old clock",
+    "a girl who collects clouds",
+    "a baker and a giant",
+    "a fox in the city",
+    "the last tree on Earth",
+    "a detective mouse",
+    "a friendly ghost",
+    "a snowman in summer",
+    "two rival chefs",
+    "a moon rabbit",
+)
+_PAIRS = (
+    ("cats", "dogs"),
+    ("tea", "coffee"),
+    ("trains", "planes"),
+    ("Python", "JavaScript"),
+    ("renting", "buying a house"),
+    ("books", "films"),
+    ("summer", "winter"),
+    ("cities", "the countryside"),
+    ("email", "phone calls"),
+    ("running", "swimming"),
+    ("paper books", "e-readers"),
+    ("solar power", "wind power"),
+    ("SQL", "NoSQL databases"),
+    ("working from home", "working in an office"),
+    ("saving", "investing"),
+    ("lists", "tuples in Python"),
+)
+_PEOPLE = ("my landlord", "a colleague", "my manager", "a customer", "my neighbour", "a teacher", "a hotel")
+_REASONS = (
+    "a broken heater",
+    "a missed deadline",
+    "a refund for a damaged order",
+    "a schedule change",
+    "thanking them for their help",
+    "a noisy party",
+    "booking a meeting room",
+    "a late payment",
+)
+_CODE_TASKS = (
+    "reverses a string",
+    "checks whether a number is prime",
+    "counts the words in a text",
+    "returns the largest element of a list",
+    "merges two sorted lists",
+    "computes a factorial",
+    "removes duplicates from a list while keeping order",
+    "converts Celsius to Fahrenheit",
+    "checks whether a string is a palindrome",
+    "returns the Fibonacci numbers below n",
+    "reads a CSV file and sums a column",
+    "finds the most common letter in a string",
+    "validates an email address",
+    "flattens a nested list",
+    "computes the average of a list of numbers",
+)
+_SENTENCES = (
+    "Where is the train station?",
+    "I would like a cup of coffee, please.",
+    "The weather is lovely today.",
+    "My sister lives in a small town near the sea.",
+    "Could you help me carry these boxes?",
+    "We are going to the museum tomorrow morning.",
+    "This book is more interesting than the film.",
+    "Please close the window when you leave.",
+    "How much does this jacket cost?",
+    "I have been learning to cook for two years.",
+)
+_LANGUAGES = ("French", "Spanish", "German", "Italian", "Portuguese")
+
+_TEMPLATES = (
+    "Explain {topic} in simple terms.",
+    "Explain {topic} to {audience}.",
+    "What is {topic}? Answer in three sentences.",
+    "Give me five interesting facts about {topic}.",
+    "Why is {topic} important?",
+    "Write a short poem about {topic}.",
+    "What are common misconceptions about {topic}?",
+    "How do I {activity}?",
+    "Give me some tips to {activity}.",
+    "I want to {activity}. Where should I start?",
+    "Make a step-by-step plan to {activity} in one month.",
+    "Write a short story about {thing}.",
+    "Tell me a bedtime story about {thing}.",
+    "Compare {a} and {b}.",
+    "What are the pros and cons of {a} versus {b}?",
+    "Write a polite email to {person} about {reason}.",
+    "Write a short message to {person} about {reason}.",
+    "Write a Python function that {code}.",
+    "How would you write a function that {code}? Explain your approach.",
+    "Translate into {language}: {sentence}",
+)
+
+
+def _math_problem(rng: random.Random) -> str:
+    a, b, c = rng.randint(2, 40), rng.randint(2, 40), rng.randint(2, 9)
+    return rng.choice(
+        (
+            f"A shop sells pencils at {c} dollars each. Anna buys {a} pencils and Ben buys {b}. "
+            "How much do they spend in total?",
+            f"A train travels {a * 10} kilometres in {c} hours. What is its average speed?",
+            f"Tom has {a + b} apples. He gives {b} to his friends and buys {c} more. How many does he have?",
+            f"A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
+            f"There are {a} students in a class and {c} of them are absent. What fraction is present?",
+        )
+    )
+
+
+def _stdlib_passages() -> list[str]:
+    """Paragraphs of 40–160 words from the standard library's module docstrings, read without importing."""
+    root = Path(os.__file__).parent
+    passages = []
+    for name in sorted(sys.stdlib_module_names):
+        file = root / f"{name}.py"
+        if not file.is_file():
+            file = root / name / "__init__.py"
+        try:
+            doc = ast.get_docstring(ast.parse(file.read_text(encoding="utf-8")))
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for paragraph in (doc or "").split("\n\n"):
+            words = paragraph.split()
+            if 40 <= len(words) <= 160 and paragraph.count(">>>") == 0:
+                passages.append(" ".join(words))
+    return passages
+
+
+def chat_prompts(count: int, seed: int = 0) -> list[str]:
+    """``count`` distinct user requests (deterministic in ``seed``); see the module docstring."""
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    rng = random.Random(seed)
+    passages = _stdlib_passages()
+    prompts: dict[str, None] = {}
+    for _ in range(count * 50):
+        if len(prompts) == count:
+            break
+        kind = rng.random()
+        if kind < 0.1:
+            prompts[_math_problem(rng)] = None
+        elif kind < 0.25 and passages:
+            passage = rng.choice(passages)
+            request = rng.choice(
+                (
+                    "Summarize the following text in two sentences.",
+                    "Summarize this passage for a beginner.",
+                    "What is the main idea of this text?",
+                    "Explain this documentation in plain words.",
+                    "List the key points of this text.",
+                )
+            )
+            prompts[f"{request}\n\n{passage}"] = None
+        else:
+            a, b = rng.choice(_PAIRS)
+            fields = {
+                "topic": rng.choice(_TOPICS),
+                "audience": rng.choice(_AUDIENCES),
+                "activity": rng.choice(_ACTIVITIES),
+                "thing": rng.choice(_THINGS),
+                "a": a,
+                "b": b,
+                "person": rng.choice(_PEOPLE),
+                "reason": rng.choice(_REASONS),
+                "code": rng.choice(_CODE_TASKS),
+                "language": rng.choice(_LANGUAGES),
+                "sentence": rng.choice(_SENTENCES),
+            }
+            prompts[rng.choice(_TEMPLATES).format(**fields)] = None
+    if len(prompts) < count:
+        raise ValueError(f"only {len(prompts)} distinct prompts can be made, {count} were asked for")
+    return list(prompts)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What :func:`build_dataset` generates; validated with ValueError."""
+
+    num_prompts: int = 1024
+    max_new_tokens: int = 192
+    batch_size: int = 32
+    heldout_fraction: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "max_new_tokens", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError(f"heldout_fraction must lie in (0, 1), got {self.heldout_fraction!r}")
+
+
+def _answer_batch(
+    model,
+    prompts: list[list[int]],
+    pad_id: int,
+    eos: frozenset[int],
+    sample: bool,
+    max_new_tokens: int,
+    generator_seed: int,
+) -> list[tuple[list[int], Tensor]]:
+    """The target's answers to a batch of token prompts, each as (prompt + answer tokens minus the last,
+    hidden [L - 1, H]) — hidden state i is the one computed when token i was fed."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, width], left-padded
+    attention = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, width]
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p) :] = torch.tensor(p)
+        attention[b, width - len(p) :] = 1
+    torch.manual_seed(generator_seed)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=attention,
+        max_new_tokens=max_new_tokens,
+        do_sample=sample,
+        temperature=1.0 if sample else None,
+        top_k=0 if sample else None,
+        top_p=1.0 if sample else None,
+        pad_token_id=pad_id,
+        eos_token_id=sorted(eos),
+        output_hidden_states=True,
+        return_dict_in_generate=True,
+    )
+    generated = out.sequences[:, width:]  # [B, G]
+    # hidden_states[step][-1]: the last layer's output (after the final norm) for the tokens fed at that step
+    steps = [h[-1] for h in out.hidden_states]  # [B, width, H], then [B, 1, H] per generated token
+    answers = []
+    for b, p in enumerate(prompts):
+        tokens = generated[b].tolist()
+        end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+        hidden = [steps[0][b, width - len(p) :]] + [steps[j][b] for j in range(1, end)]  # fed tokens only
+        answers.append((p + tokens[: end - 1], torch.cat(hidden).to(torch.float16)))
+    return answers
+
+
+def _write_split(path: Path, sequences: list[tuple[list[int], int, Tensor]]) -> None:
+    """Atomically write (tokens, prompt length, hidden) sequences to a safetensors file."""
+    from safetensors.torch import save_file
+
+    lengths = torch.tensor([len(t) for t, _, _ in sequences])
+    tensors = {
+        "tokens": torch.tensor([x for t, _, _ in sequences for x in t], dtype=torch.int32),  # [T_total]
+        "hidden": torch.cat([h for _, _, h in sequences]),  # [T_total, H] float16
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),  # [S+1]
+        "prompt_lengths": torch.tensor([n for _, n, _ in sequences], dtype=torch.long),  # [S]
+    }
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def build_dataset(
+    target: str, out: str | Path, config: DataConfig = DataConfig(), progress: bool = True
+) -> dict:
+    """Generate the data set of ``target`` (a model SPEC) into directory ``out``; returns its meta data.
+
+    Prompt i is answered greedily when i is even, sampled at temperature 1 when odd; a random
+    ``heldout_fraction`` of the prompts (by seed) forms the held-out split."""
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    from verispec.models.registry import load_tokenizer, model_dir
+
+    out = Path(out)
+    directory = model_dir(target)
+    tokenizer = load_tokenizer(directory)
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    eos = frozenset(tokenizer.eos_token_ids)
+    pad_id = min(eos) if eos else 0
+    texts = chat_prompts(config.num_prompts, config.seed)
+    prompts = [tokenizer.encode(tokenizer.chat_prompt(t), add_bos=True) for t in texts]
+    order = list(range(len(prompts)))
+    random.Random(config.seed).shuffle(order)
+    heldout = set(order[: max(1, round(config.heldout_fraction * len(order)))])
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    splits: dict[str, list] = {"train": [], "heldout": []}
+    bar = tqdm(total=len(prompts), desc="target answers", unit="prompt", disable=not progress)
+    with torch.inference_mode():
+        for sample in (False, True):
+            mine = [i for i in range(len(prompts)) if i % 2 == int(sample)]
+            mine.sort(key=lambda i: len(prompts[i]))  # similar lengths batch with little padding
+            for start in range(0, len(mine), config.batch_size):
+                batch = mine[start : start + config.batch_size]
+                answers = _answer_batch(
+                    model,
+                    [prompts[i] for i in batch],
+                    pad_id,
+                    eos,
+                    sample,
+                    config.max_new_tokens,
+                    config.seed * 100003 + start,
+                )
+                for i, (tokens, hidden) in zip(batch, answers, strict=True):
+                    splits["heldout" if i in heldout else "train"].append((tokens, len(prompts[i]), hidden))
+                bar.update(len(batch))
+    bar.close()
+    for name, sequences in splits.items():
+        _write_split(out / f"{name}.safetensors", sequences)
+    meta = {
+        "target": str(target),
+        "hidden_size": int(model.config.hidden_size),
+        "vocab_size": int(tokenizer.vocab_size),
+        "num_sequences": len(prompts),
+        "num_tokens": sum(len(t) for seqs in splits.values() for t, _, _ in seqs),
+        "answer_tokens": sum(len(t) - n for seqs in splits.values() for t, n, _ in seqs),
+        "splits": {name: len(seqs) for name, seqs in splits.items()},
+        "generation": {
+            "prompts": "verispec.eagle.data.chat_prompts",
+            "num_prompts": config.num_prompts,
+            "max_new_tokens": config.max_new_tokens,
+            "batch_size": config.batch_size,
+            "sampling": "even prompts greedy, odd prompts temperature 1",
+            "seed": config.seed,
+            "threads": torch.get_num_threads(),
+        },
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def load_split(directory: str | Path, split: str) -> dict[str, Tensor]:
+    """One split ("train" or "heldout") of a data set made by :func:`build_dataset`, checked."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(directory) / f"{split}.safetensors"
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist: build the data set with `verispec drafter-data` first")
+    try:
+        data = load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path} is not a readable safetensors file: {err}") from err
+    missing = {"tokens", "hidden", "offsets", "prompt_lengths"} - set(data)
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(sorted(missing))}: not a verispec drafter data set")
+    if (
+        data["hidden"].shape[0] != data["tokens"].shape[0]
+        or int(data["offsets"][-1]) != data["tokens"].shape[0]
+    ):
+        raise ValueError(f"{path} is inconsistent: tokens, hidden and offsets disagree")
+    return data
