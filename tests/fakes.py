@@ -69,6 +69,9 @@ class TableLM:
         rows = [self.table[seq[start + j], seq[start + j + 1]] for j in range(1, t + 1)]
         return torch.stack(rows).unsqueeze(0)
 
+    def prefill(self, tokens: Tensor, positions: Tensor, cache: TokenCache) -> None:
+        self.forward(tokens, positions, cache)
+
     def greedy(self, prompt: list[int], n: int, eos: frozenset[int] = frozenset()) -> list[int]:
         """Reference greedy decoding without any cache: argmax of the table, token by token."""
         ids = list(prompt)

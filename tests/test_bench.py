@@ -122,6 +122,8 @@ def test_plan_methods():
         "none",
         "ngram k=4",
         "ngram k=auto",
+        "eagle k=4",  # the drafter shipped for the default target
+        "eagle k=auto",
         "transformers",
         "transformers-lookup k=4",
     ]

@@ -11,23 +11,29 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from verispec.analysis import CostModel
 from verispec.calibrate import QUICK_REPETITIONS, Calibration, calibrate
 from verispec.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter
+from verispec.eagle.drafter import EagleDrafter, shipped_drafter
+from verispec.eagle.model import EagleHead
 from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
 from verispec.models.base import Cache, LanguageModel, Tokenizer
 from verispec.models.registry import DEFAULT_MODEL, load_model
 from verispec.policies import AdditiveK, ConstantK, CostModelK, KPolicy
 from verispec.sampling import SamplingParams
 from verispec.trace import TraceRecorder
+from verispec.tree import TreeShape
+from verispec.tree_drafters import ModelTreeDrafter, NGramTreeDrafter, TreeDrafter
 
 __all__ = [
     "DEFAULT_K",
     "DRAFTERS",
     "MODEL_DRAFTERS",
+    "TREE_DRAFTERS",
     "Chunk",
     "GenerationResult",
     "Speculator",
@@ -36,8 +42,9 @@ __all__ = [
     "parse_k",
 ]
 
-DRAFTERS = ("auto", "none", "model", "ngram")
+DRAFTERS = ("auto", "none", "model", "ngram", "eagle")
 MODEL_DRAFTERS = frozenset({"model"})  # the drafters that need a draft model (--draft SPEC)
+TREE_DRAFTERS = frozenset({"ngram", "model"})  # the drafters that can propose token trees
 DEFAULT_K = "auto"
 EARLY_EXIT = "layers:"  # draft SPEC prefix: the target's first N layers
 
@@ -91,7 +98,13 @@ class Speculator:
     target, draft: model SPECs (see :func:`verispec.models.registry.load_model`) or already loaded
     (model, tokenizer) pairs; the target defaults to ``smollm2-135m``. The draft may also be ``layers:N``:
     the target's own first N layers (early exit, sharing the target's weights).
-    drafter: "none", "ngram", "model" (needs ``draft``) or "auto" (model when a draft is given, else ngram).
+    drafter: "none", "ngram", "model" (needs ``draft``), "eagle" (a learned drafter: ``drafter_path``, or the
+    one verispec ships for the target) or "auto" (model when a draft is given, else the shipped learned
+    drafter when it exists and matches the target, else ngram).
+    tree: a token-tree shape (:class:`~verispec.tree.TreeShape`): the ngram or model drafter then proposes a
+    tree each round (several n-gram matches; the draft's top-k children at each node), which the target
+    scores in one forward; K is then not used.
+    drafter_path: a learned drafter file (``verispec train-drafter``) for the target, for "eagle" or "auto".
     """
 
     def __init__(
@@ -101,13 +114,17 @@ class Speculator:
         drafter: str = "auto",
         tokenizer: str | None = None,
         device: str = "cpu",
+        tree: TreeShape | None = None,
+        drafter_path: str | Path | None = None,
     ) -> None:
         if drafter not in DRAFTERS:
             raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
         if drafter in MODEL_DRAFTERS and draft is None:
             raise ValueError(f"drafter {drafter!r} needs a draft model (--draft SPEC)")
-        if draft is not None and drafter in ("none", "ngram"):
+        if draft is not None and drafter in ("none", "ngram", "eagle"):
             raise ValueError(f"a draft model was given but drafter is {drafter!r}")
+        if draft is not None and drafter_path is not None:
+            raise ValueError("give a draft model (--draft) or a drafter file (--drafter-path), not both")
         self.model, self.tokenizer = _load(DEFAULT_MODEL if target is None else target, tokenizer, device)
         self.draft = None
         self.early_exit = isinstance(draft, str) and draft.startswith(EARLY_EXIT)  # shares the target's cache
@@ -120,15 +137,35 @@ class Speculator:
                     f"the draft's tokenizer has {draft_tokenizer.vocab_size} tokens, the target's "
                     f"{self.tokenizer.vocab_size}: the draft must share the target's tokenizer"
                 )
-        if drafter == "auto":
-            drafter = "model" if draft is not None else "ngram"
-        self.drafter_name = drafter
         target_label = DEFAULT_MODEL if target is None else target if isinstance(target, str) else ""
+        self.head = None  # the learned drafter's
+        if drafter == "eagle" or drafter_path is not None or (drafter == "auto" and draft is None):
+            self.head = _learned_head(self.model, drafter, drafter_path, target_label)
+        if drafter == "auto":
+            drafter = "model" if draft is not None else "eagle" if self.head is not None else "ngram"
+        if tree is not None:
+            if drafter not in TREE_DRAFTERS:
+                raise ValueError(f"token trees need the ngram or model drafter, not {drafter!r}")
+            tree.check_fits(self.model.max_context)
+        self.tree = tree
+        self.drafter_name = drafter
         self._labels = (target_label, draft if isinstance(draft, str) else "")
         self._calibration: Calibration | None = None
 
-    def _drafter(self, sampling: SamplingParams, target_cache: Cache | None = None) -> Drafter:
-        """The drafter for one generation; an early-exit draft reads ``target_cache`` (when given)."""
+    def _drafter(self, sampling: SamplingParams, target_cache: Cache | None = None) -> Drafter | TreeDrafter:
+        """The drafter for one generation (a tree drafter with ``tree``); an early-exit draft reads
+        ``target_cache`` (when given)."""
+        chain = self._chain_drafter(sampling, target_cache)
+        if self.tree is None:
+            return chain
+        if isinstance(chain, ModelDrafter):
+            return ModelTreeDrafter(chain, self.tree)
+        return NGramTreeDrafter(self.tree, chain)
+
+    def _chain_drafter(self, sampling: SamplingParams, target_cache: Cache | None = None) -> Drafter:
+        """The chain drafter (what :meth:`calibration` measures; a tree drafter branches it)."""
+        if self.head is not None:
+            return EagleDrafter(self.head, sampling)
         if self.draft is not None:
             shared = target_cache if self.early_exit else None
             return ModelDrafter(self.draft, sampling, self.model.vocab_size, target_cache=shared)
@@ -138,7 +175,7 @@ class Speculator:
         """The costs of this target and drafter on this machine (:mod:`verispec.calibrate`): read from the
         cache, or measured (seconds) and cached on first use; ``force`` measures them again."""
         if self._calibration is None or force:
-            drafter = self._drafter(SamplingParams(temperature=0))
+            drafter = self._chain_drafter(SamplingParams(temperature=0))
             self._calibration = calibrate(
                 self.model,
                 None if isinstance(drafter, NoDrafter) else drafter,
@@ -151,12 +188,18 @@ class Speculator:
 
     def k_policy(self, k: int | str) -> KPolicy:
         """The K policy ``k`` names (see :func:`parse_k`), "auto" over this speculator's calibrated costs
-        (drafter "none" drafts nothing whatever K, so it needs none)."""
+        (drafter "none" drafts nothing whatever K, so it needs none; tree rounds do not use K)."""
+        if self.tree is not None:
+            return ConstantK(0)
         if parse_k(k) != "auto":
             return k_policy(k)
         if self.drafter_name == "none":
             return ConstantK(0)
         return k_policy(k, self.calibration().cost_model)
+
+    def k_label(self, k: int | str) -> str:
+        """How stats name the draft size: K (see :func:`parse_k`), or the tree's shape."""
+        return str(parse_k(k)) if self.tree is None else f"tree {self.tree.name}"
 
     def encode_prompt(self, prompt: str | Sequence[Mapping[str, str]], chat: bool = False) -> list[int]:
         """The prompt's token ids: ``prompt`` as it is, or (``chat``) in the model's chat template, where it
@@ -186,7 +229,9 @@ class Speculator:
         sampling = sampling or SamplingParams()
         policy = self.k_policy(k)
         config = EngineConfig(max_new_tokens, sampling, self.tokenizer.eos_token_ids, tuple(stop))
-        stats = stats if stats is not None else GenerationStats(self.drafter_name, str(parse_k(k)))
+        stats = stats if stats is not None else GenerationStats(self.drafter_name, self.k_label(k))
+        if trace is not None and self.tree is not None:
+            raise ValueError("token-fate traces record chain rounds only, not token trees")
         prompt_ids = self.encode_prompt(prompt, chat)
         cache = self.model.new_cache()
         engine = SpeculativeEngine(self.model, self._drafter(sampling, cache), policy, trace, cache)
@@ -199,7 +244,7 @@ class Speculator:
 
     def generate(self, prompt: str | Sequence[Mapping[str, str]], **options) -> GenerationResult:
         """The whole generation at once; options as for :meth:`stream`."""
-        stats = GenerationStats(self.drafter_name, str(parse_k(options.get("k", DEFAULT_K))))
+        stats = GenerationStats(self.drafter_name, self.k_label(options.get("k", DEFAULT_K)))
         chunks = list(self.stream(prompt, stats=stats, **options))
         return GenerationResult(
             text="".join(c.text for c in chunks),
@@ -262,6 +307,30 @@ def _early_exit(model: LanguageModel, spec: str) -> LanguageModel:
     return first_layers(int(count))
 
 
+def _learned_head(
+    model: LanguageModel, drafter: str, path: str | Path | None, target_label: str
+) -> EagleHead | None:
+    """The learned drafter's head: read from ``path``, else the file shipped for the target; "auto" takes
+    the shipped one only when it exists and matches the target (None otherwise)."""
+    if drafter not in ("auto", "eagle"):
+        raise ValueError(f"a drafter file was given but drafter is {drafter!r}")
+    chosen = path if path is not None else shipped_drafter(target_label)
+    if chosen is None:
+        if drafter == "auto":
+            return None
+        raise ValueError(
+            "drafter 'eagle' needs a drafter file (--drafter-path FILE, made by verispec train-drafter): "
+            f"verispec ships none for {target_label or 'this target'!r}"
+        )
+    fast = bool(getattr(model, "optimized_for_cpu", False))  # on the CPU fast path like its target
+    if drafter == "auto" and path is None:
+        try:
+            return EagleHead.load(chosen, model, target_label, fast)
+        except ValueError:  # a shipped file for another version of the target: fall back to ngram
+            return None
+    return EagleHead.load(chosen, model, target_label, fast)
+
+
 def _load(spec: str | tuple[LanguageModel, Tokenizer], tokenizer: str | None, device: str):
     if isinstance(spec, tuple):
         return spec
@@ -284,10 +353,14 @@ def generate(
     seed: int | None = None,
     chat: bool = False,
     stop: tuple[str, ...] = (),
+    tree: TreeShape | str | None = None,
+    drafter_path: str | None = None,
 ) -> GenerationResult:
-    """Generate text for ``prompt`` with speculative decoding; the same arguments as ``verispec generate``."""
+    """Generate text for ``prompt`` with speculative decoding; the same arguments as ``verispec generate``
+    (``tree``: a :class:`~verispec.tree.TreeShape`, or "WxD" or a JSON shape file)."""
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-    speculator = Speculator(target, draft, drafter, tokenizer)
+    shape = TreeShape.parse(tree) if isinstance(tree, str) else tree
+    speculator = Speculator(target, draft, drafter, tokenizer, tree=shape, drafter_path=drafter_path)
     return speculator.generate(
         prompt, k=k, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat, stop=tuple(stop)
     )

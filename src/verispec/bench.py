@@ -7,8 +7,11 @@ question answering over a passage (RAG), math word problems, code completion, co
 
 Methods (:func:`plan_methods`): verispec ``none`` (plain decoding in the engine: the baseline of every
 speedup), then every other drafter of :data:`verispec.api.DRAFTERS` (those that need a draft model only with
-``--draft``), once per ``--k``; and the transformers peers of :mod:`verispec.peers`: plain ``generate``,
-assisted generation with the same draft and each numeric K, prompt lookup with each numeric K.
+``--draft``, ``eagle`` only with a learned drafter for the target: ``--drafter-path`` or the one verispec
+ships), once per ``--k``; and the transformers peers of :mod:`verispec.peers`: plain ``generate``,
+assisted generation with the same draft and each numeric K, prompt lookup with each numeric K. With
+``--trees``, the tree methods ``ngram-tree`` and ``model-tree`` run once per tree shape, each beside its chain
+method at K = N − 1 for a tree of N nodes: the same target-forward size, compared in the report.
 
 Timing: the same prompts and max_new_tokens for every method; each method runs once untimed first; then
 ``repetitions`` rounds in which every method runs every prompt of the task in turn (method-major, and the
@@ -19,10 +22,11 @@ the same seed for every method at a given (repetition, prompt).
 
 Metrics per method × task (:func:`cell_metrics`): tokens/s end to end (prompt prefill included) and decoding
 tokens/s (prefill excluded); speedups vs transformers plain ``generate`` and vs verispec ``none``; tokens per
-target call τ; acceptance rate and per-position acceptance; the split of wall time into prefill, draft,
-target (verification forwards) and other; peak RSS; the speedup the analytic model predicts from the
-measured acceptance and the calibrated costs (:func:`predicted_speedup`), and efficiency = measured decoding
-speedup vs ``none`` / predicted. Every greedy output is compared with ``none``'s, token for token.
+target call τ and the mean positions per verification forward (verispec); acceptance rate and per-position
+acceptance; the split of wall time into prefill, draft, target (verification forwards) and other; peak RSS;
+the speedup the analytic model predicts from the measured acceptance and the calibrated costs
+(:func:`predicted_speedup`; chains only), and efficiency = measured decoding speedup vs ``none`` /
+predicted. Every greedy output is compared with ``none``'s, token for token.
 
 ``results.json`` is rewritten atomically after every sample, so an interrupted bench keeps every finished
 cell; the report (:mod:`verispec.report`) is drawn from it.
@@ -54,13 +58,15 @@ from tqdm import tqdm
 
 from verispec import __version__
 from verispec.analysis import CostModel, expected_tokens_per_call
-from verispec.api import DRAFTERS, EARLY_EXIT, MODEL_DRAFTERS, Speculator, parse_k
+from verispec.api import DRAFTERS, EARLY_EXIT, MODEL_DRAFTERS, TREE_DRAFTERS, Speculator, parse_k
 from verispec.calibrate import Calibration, cpu_name
+from verispec.eagle.drafter import shipped_drafter
 from verispec.engine import GenerationStats
 from verispec.models.registry import DEFAULT_MODEL
 from verispec.peers import PEERS, TransformersPeer, load_transformers
 from verispec.report import write_report
 from verispec.sampling import SamplingParams
+from verispec.tree import TreeShape
 from verispec.viz import write_atomic
 from verispec.viz.charts import chart_directory
 
@@ -80,7 +86,8 @@ __all__ = [
 
 TASKS = ("chat", "summarization", "rag", "math", "code_completion", "code_editing", "translation")
 VERISPEC_METHODS = tuple(d for d in DRAFTERS if d != "auto")  # none first, then every drafter
-METHODS = (*VERISPEC_METHODS, *PEERS)
+TREE_METHODS = tuple(f"{d}-tree" for d in VERISPEC_METHODS if d in TREE_DRAFTERS)  # run with --trees
+METHODS = (*VERISPEC_METHODS, *TREE_METHODS, *PEERS)
 BASELINE, PEER_BASELINE = "none", PEERS[0]
 _ROLES = ("system", "user", "assistant")
 _RECALIBRATION = 10  # repetitions of a calibration the bench measures
@@ -185,7 +192,11 @@ class BenchConfig:
 
     tasks: built-in task names (None: all of them); the tasks of ``prompts_file`` are always added.
     methods: names from :data:`METHODS` (None: all that apply; those needing a draft only with ``draft``).
+    drafter_path: the learned drafter of the eagle method (None: the one shipped for the target, if any).
     ks: draft lengths, each an integer or "auto" (and "additive"); K-free methods run once.
+    trees: token-tree shapes ("WxD" or a JSON shape file) for the tree methods (``ngram-tree``,
+    ``model-tree``), which run only with them; each tree of N nodes also brings its chain method at
+    K = N − 1, the same target-forward size.
     temperatures: 0 is greedy; each one is a separate table.
     prompts_per_task: the first N prompts of each task (None: all).
     threads: torch threads for every method (None: torch's current setting).
@@ -196,10 +207,12 @@ class BenchConfig:
     target: str = DEFAULT_MODEL
     tokenizer: str | None = None
     draft: str | None = None
+    drafter_path: str | None = None
     tasks: tuple[str, ...] | None = None
     prompts_file: str | None = None
     methods: tuple[str, ...] | None = None
     ks: tuple[str, ...] = ("4", "auto")
+    trees: tuple[str, ...] = ()
     max_new_tokens: int = 64
     temperatures: tuple[float, ...] = (0.0,)
     repetitions: int = 3
@@ -223,6 +236,12 @@ class BenchConfig:
         if not self.ks:
             raise ValueError("give at least one K")
         object.__setattr__(self, "ks", tuple(dict.fromkeys(str(parse_k(k)) for k in self.ks)))
+        object.__setattr__(self, "trees", tuple(dict.fromkeys(self.trees)))
+        for spec in self.trees:
+            TreeShape.parse(spec)  # ValueError for a malformed shape
+        asked = [m for m in self.methods or () if m in TREE_METHODS]
+        if asked and not self.trees:
+            raise ValueError(f"method {asked[0]!r} needs tree shapes (--trees WxD or a shape file)")
         if not self.temperatures or not all(
             isinstance(t, (int, float)) and math.isfinite(t) and t >= 0 for t in self.temperatures
         ):
@@ -244,10 +263,12 @@ class BenchConfig:
             "--target": None if self.target == DEFAULT_MODEL else self.target,
             "--tokenizer": self.tokenizer,
             "--draft": self.draft,
+            "--drafter-path": self.drafter_path,
             "--tasks": None if self.tasks is None else ",".join(self.tasks),
             "--prompts": self.prompts_file,
             "--methods": None if self.methods is None else ",".join(self.methods),
             "--k": ",".join(self.ks),
+            "--trees": ",".join(self.trees) or None,
             "--max-new-tokens": str(self.max_new_tokens),
             "--temperature": ",".join(f"{t:g}" for t in self.temperatures),
             "--repetitions": str(self.repetitions),
@@ -295,20 +316,33 @@ class Method:
         return self.name in PEERS
 
 
+def learned_drafter(config: BenchConfig) -> str | None:
+    """The learned drafter of the eagle method: ``drafter_path``, else the file shipped for the target."""
+    if config.drafter_path is not None:
+        return config.drafter_path
+    shipped = shipped_drafter(config.target)
+    return None if shipped is None else str(shipped)
+
+
 def plan_methods(config: BenchConfig) -> tuple[list[Method], list[str]]:
     """The methods to run, and notes on those left out (and why). ValueError when an explicitly chosen
     method cannot run (a draft-model method without ``--draft``)."""
     chosen = METHODS if config.methods is None else config.methods
-    needs_draft = {*MODEL_DRAFTERS, "transformers-assisted"}
+    needs_draft = {*MODEL_DRAFTERS, *(f"{d}-tree" for d in MODEL_DRAFTERS), "transformers-assisted"}
     numeric = [k for k in config.ks if k.isdigit()]
     methods, notes = [], []
     for name in METHODS:
-        if name not in chosen:
+        if name not in chosen or (name in TREE_METHODS and not config.trees):
             continue
         if name in needs_draft and config.draft is None:
             if config.methods is not None:
                 raise ValueError(f"method {name!r} needs a draft model (--draft SPEC)")
             notes.append(f"{name}: no --draft given")
+            continue
+        if name == "eagle" and learned_drafter(config) is None:
+            if config.methods is not None:
+                raise ValueError("method 'eagle' needs a learned drafter (--drafter-path FILE)")
+            notes.append("eagle: no learned drafter for this target (--drafter-path FILE)")
             continue
         if name in (BASELINE, PEER_BASELINE):
             methods.append(Method(name))
@@ -316,6 +350,10 @@ def plan_methods(config: BenchConfig) -> tuple[list[Method], list[str]]:
             methods += [Method(name, k) for k in numeric]
             if not numeric:
                 notes.append(f"{name}: runs only at numeric K (--k gave {', '.join(config.ks)})")
+        elif name in TREE_METHODS:
+            for spec in config.trees:  # the tree, then its chain at the same forward size
+                chain = Method(name.removesuffix("-tree"), str(TreeShape.parse(spec).num_nodes - 1))
+                methods += [Method(name, spec)] + ([chain] if chain not in methods else [])
         else:
             methods += [Method(name, k) for k in config.ks]
     return methods, notes
@@ -375,6 +413,7 @@ def cell_metrics(cell: dict, none: dict | None, peer: dict | None, cost: CostMod
         return {}
     total = {key: sum(s[key] for s in samples) for key in ("tokens", "seconds", "prefill", "draft", "target")}
     calls, drafted = sum(s["calls"] for s in samples), sum(s["drafted"] for s in samples)
+    scored = sum(s.get("tree_nodes", 0) for s in samples) or drafted  # tree rounds score nodes, not depth
     speed = _spread([s["tokens"] / s["seconds"] for s in samples])
     decode = _spread([s["decode_tokens"] / max(s["seconds"] - s["prefill"], 1e-9) for s in samples])
     by_position = [
@@ -389,6 +428,7 @@ def cell_metrics(cell: dict, none: dict | None, peer: dict | None, cost: CostMod
         "tokens_per_second": speed,
         "decode_tokens_per_second": decode,
         "tokens_per_target_call": total["tokens"] / calls if calls else None,
+        "forward_size": 1 + scored / calls if calls and cell["method"] not in PEERS else None,
         "acceptance_rate": sum(s["accepted"] for s in samples) / drafted if drafted else None,
         "accepted_per_position": [a / d for a, d in zip(by_position, drafted_by_position, strict=True)],
         "time_split": {
@@ -482,9 +522,12 @@ class Bench:
         self.tokenizer = base.tokenizer
         loaded = (base.model, base.tokenizer)
         self.speculators = {BASELINE: base}
-        for name in dict.fromkeys(m.name for m in methods if not m.is_peer and m.name != BASELINE):
+        chains = (m.name for m in methods if not m.is_peer and m.name not in (BASELINE, *TREE_METHODS))
+        for name in dict.fromkeys(chains):
             draft = config.draft if name in MODEL_DRAFTERS else None
-            self.speculators[name] = Speculator(loaded, draft=draft, drafter=name)
+            path = learned_drafter(config) if name == "eagle" else None
+            self.speculators[name] = Speculator(loaded, draft=draft, drafter=name, drafter_path=path)
+        self.trees = {m.label: self._tree_speculator(m) for m in methods if m.name in TREE_METHODS}
         self.chat = _has_chat_template(self.tokenizer)
         self.prompt_ids = {
             (p.task, p.id): base.encode_prompt(p.for_model(self.chat), self.chat)
@@ -515,6 +558,16 @@ class Bench:
         self.load_at_start = os.getloadavg()
         self.exact_peaks = _reset_peak_memory()
 
+    def _tree_speculator(self, method: Method) -> Speculator:
+        """A tree method's speculator: its chain method's models (already loaded), drafting the tree."""
+        chain = self.speculators[method.name.removesuffix("-tree")]  # planned with every tree method
+        if chain.early_exit:  # layers:N reads the target's cache: named again, nothing to load
+            draft = self.config.draft
+        else:
+            draft = None if chain.draft is None else (chain.draft, self.tokenizer)
+        tree = TreeShape.parse(method.k)
+        return Speculator((chain.model, self.tokenizer), draft=draft, drafter=chain.drafter_name, tree=tree)
+
     # ------------------------------------------------------------------ generation
 
     def _sampling(self, temperature: float, repetition: int, index: int) -> SamplingParams:
@@ -534,7 +587,7 @@ class Bench:
     def _generate_verispec(
         self, method: Method, prompt: Prompt, sampling: SamplingParams
     ) -> tuple[list[int], dict]:
-        speculator = self.speculators[method.name]
+        speculator = self.trees.get(method.label) or self.speculators[method.name]
         k = method.k or 0
         stats = GenerationStats(method.name, str(k))
         start = time.perf_counter()
@@ -560,6 +613,7 @@ class Bench:
             "accepted": stats.accepted,
             "drafted_per_position": list(stats.drafted_per_position),
             "accepted_per_position": list(stats.accepted_per_position_counts),
+            "tree_nodes": stats.tree_nodes,
         }
 
     def _generate_peer(
@@ -676,6 +730,9 @@ class Bench:
                     "complete": len(cell.samples) == config.repetitions,
                     "samples": cell.samples,
                     "peer_acceptance_unknown": cell.method.name == "transformers-lookup",
+                    "tree_nodes": TreeShape.parse(cell.method.k).num_nodes
+                    if cell.method.name in TREE_METHODS
+                    else None,
                 }
             )
         by_key = {(c["task"], c["temperature"], c["label"]): c for c in cells}

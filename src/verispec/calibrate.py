@@ -42,6 +42,7 @@ import torch
 
 from verispec.analysis import CostModel
 from verispec.drafters import Drafter, ModelDrafter, NGramDrafter
+from verispec.eagle.drafter import EagleDrafter
 from verispec.models.base import LanguageModel
 from verispec.models.gguf import cache_dir
 
@@ -173,6 +174,8 @@ def drafter_identity(drafter: Drafter) -> dict:
         return {"drafter": drafter.name, "model": model_identity(drafter.model)}
     if isinstance(drafter, NGramDrafter):
         return {"drafter": drafter.name, "max_ngram": drafter.max_ngram, "min_ngram": drafter.min_ngram}
+    if isinstance(drafter, EagleDrafter):
+        return {"drafter": drafter.name, "draft_vocab": drafter.head.draft_vocab_size}
     return {"drafter": drafter.name}
 
 
@@ -273,11 +276,19 @@ def _measure_target(model: LanguageModel, label: str, repetitions: int) -> Targe
 def _measure_drafter(drafter: Drafter, target: LanguageModel, label: str, repetitions: int) -> DraftCosts:
     """c: the median over ``repetitions`` proposals of DRAFT_K tokens, each rolled back as after a rejection,
     of the time per drafted token over the time of a target forward T(1) timed right before it (the first
-    proposal, which fills a model draft's cache with the context, is not timed)."""
+    proposal, which fills a model draft's cache with the context, is not timed). A drafter that reads the
+    target's hidden states is handed those of every committed position, as the engine hands them."""
     context = _context(target, repetitions + DRAFT_K + 2)
     timer = _TargetTimer(target, list(context))
     generator = torch.Generator().manual_seed(0)
     drafter.begin(list(context))
+    hidden = None
+    if getattr(drafter, "reads_target_hidden", False):
+        final = context + context[: repetitions + 1]  # the context after the last repetition
+        tokens = torch.tensor([final], device=target.device)  # [1, L']
+        positions = torch.arange(len(final), device=target.device)[None]  # [1, L']
+        hidden = target.forward_hidden(tokens, positions, target.new_cache())[0]  # [L', H]
+        drafter.observe_hidden(hidden[: len(context) - 1])
     ratios, seconds = [], []
     for repetition in range(repetitions + 1):
         one = timer.seconds(1)
@@ -286,6 +297,8 @@ def _measure_drafter(drafter: Drafter, target: LanguageModel, label: str, repeti
         elapsed = max(time.perf_counter() - start, 1e-9) / DRAFT_K
         drafter.observe(0)
         context.append(context[repetition])  # the round commits one token
+        if hidden is not None:
+            drafter.observe_hidden(hidden[len(context) - 2 : len(context) - 1])  # [1, H]
         if repetition:
             ratios.append(elapsed / one)
             seconds.append(elapsed)

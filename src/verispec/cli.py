@@ -170,7 +170,13 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that choose the models and the drafter (generate, demo)."""
     _add_model_specs(parser)
     parser.add_argument(
-        "--drafter", default="auto", help="auto (model with --draft, else ngram; default), none, model, ngram"
+        "--drafter",
+        default="auto",
+        help="auto (model with --draft, else the learned drafter shipped for the target, else ngram; "
+        "default), none, model, ngram, eagle (a learned drafter: --drafter-path or the shipped one)",
+    )
+    parser.add_argument(
+        "--drafter-path", metavar="FILE", help="a learned drafter (verispec train-drafter) for the target"
     )
     parser.add_argument(
         "--k",
@@ -209,7 +215,35 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         help="print the text as a token-fate trace (ANSI colours on a terminal, else [recovered] {bonus} "
         "~rejected~ markers) instead of streaming it",
     )
+    tree = parser.add_argument_group(
+        "token trees",
+        "the ngram or model drafter proposes a tree of alternatives each round, scored by the target in one "
+        "forward (--k is then not used)",
+    )
+    tree.add_argument("--tree-width", type=int, metavar="W", help="children of every tree node")
+    tree.add_argument("--tree-depth", type=int, metavar="D", help="draft tokens on each root-to-leaf path")
+    tree.add_argument(
+        "--tree-shape",
+        metavar="FILE",
+        help="a JSON tree shape: a list of paths of child ranks, e.g. [[0], [1], [0, 0]]",
+    )
     parser.set_defaults(func=run_generate)
+
+
+def _tree_shape(args: argparse.Namespace):
+    """The tree shape that --tree-width/--tree-depth or --tree-shape give, or None (chain rounds)."""
+    from verispec.tree import TreeShape
+
+    sized = args.tree_width is not None or args.tree_depth is not None
+    if sized and args.tree_shape is not None:
+        raise ValueError("give either --tree-width and --tree-depth or --tree-shape, not both")
+    if args.tree_shape is not None:
+        return TreeShape.load(args.tree_shape)
+    if not sized:
+        return None
+    if args.tree_width is None or args.tree_depth is None:
+        raise ValueError("--tree-width and --tree-depth go together")
+    return TreeShape.full(args.tree_width, args.tree_depth)
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float) -> None:
@@ -238,7 +272,12 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValueError("--show-trace and --json both write to standard output: choose one")
     if args.trace is not None:
         check_writable(args.trace)
-    speculator = Speculator(args.target, args.draft, args.drafter, args.tokenizer)
+    tree = _tree_shape(args)
+    if tree is not None and (args.trace is not None or args.show_trace):
+        raise ValueError("token-fate traces record chain rounds only, not token trees")
+    speculator = Speculator(
+        args.target, args.draft, args.drafter, args.tokenizer, tree=tree, drafter_path=args.drafter_path
+    )
     recorder = TraceRecorder() if args.trace is not None or args.show_trace else None
     options = dict(
         k=args.k,
@@ -253,7 +292,7 @@ def run_generate(args: argparse.Namespace) -> int:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats}))
         stats = result.stats
     else:
-        live = GenerationStats(speculator.drafter_name, str(args.k))
+        live = GenerationStats(speculator.drafter_name, speculator.k_label(args.k))
         for chunk in speculator.stream(prompt, stats=live, **options):
             if not args.show_trace:  # the trace shows the text instead
                 print(chunk.text, end="", flush=True)
@@ -334,7 +373,9 @@ def run_demo(args: argparse.Namespace) -> int:
     greedy = SamplingParams(temperature=0)
     options = dict(k=args.k, max_new_tokens=args.max_new_tokens, sampling=greedy, chat=True)
     plain = Speculator(args.target, drafter="none", tokenizer=args.tokenizer)
-    fast = Speculator((plain.model, plain.tokenizer), args.draft, args.drafter)
+    fast = Speculator(
+        (plain.model, plain.tokenizer), args.draft, args.drafter, drafter_path=args.drafter_path
+    )
     plain.generate(args.prompt, **dict(options, max_new_tokens=4))  # warm-up: first-call overheads
     results = {}
     for name, speculator in (("none", plain), (fast.drafter_name, fast)):
@@ -477,10 +518,23 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"comma-separated (default: all that apply): {', '.join(METHODS)}",
     )
     parser.add_argument(
+        "--drafter-path",
+        metavar="FILE",
+        help="the learned drafter of the eagle method (default: the one shipped for the target, if any)",
+    )
+    parser.add_argument(
         "--k",
         type=_list_of(str, "values"),
         default="4,auto",
         help="draft lengths, comma-separated: N or auto (default: %(default)s); transformers use the numbers",
+    )
+    parser.add_argument(
+        "--trees",
+        type=_list_of(str, "tree shapes"),
+        default=(),
+        help="token-tree shapes for the ngram-tree and model-tree methods, comma-separated: WxD (width x "
+        "depth) or a JSON shape file; each tree of N nodes runs beside its chain method at K = N - 1 "
+        "(default: none)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=64, help="per prompt (default: %(default)s)")
     parser.add_argument(
@@ -510,10 +564,12 @@ def run_bench(args: argparse.Namespace) -> int:
         target=args.target or BenchConfig.target,
         tokenizer=args.tokenizer,
         draft=args.draft,
+        drafter_path=args.drafter_path,
         tasks=args.tasks,
         prompts_file=args.prompts,
         methods=args.methods,
         ks=args.k,
+        trees=args.trees,
         max_new_tokens=args.max_new_tokens,
         temperatures=args.temperature,
         repetitions=args.repetitions,
@@ -606,20 +662,103 @@ def add_drafter_data_parser(subparsers: argparse._SubParsersAction) -> None:
         "--heldout", type=float, default=0.05, help="fraction of prompts held out (default: %(default)s)"
     )
     parser.add_argument("--seed", type=int, default=0, help="prompt set and sampling seed (default: 0)")
+    parser.add_argument(
+        "--follow-ups",
+        type=int,
+        metavar="N",
+        help="instead: copy the data set --from DIR and add second turns to its first N chats of each split",
+    )
+    parser.add_argument("--from", dest="source", metavar="DIR", help="the data set --follow-ups extends")
     parser.set_defaults(func=run_drafter_data)
 
 
 def run_drafter_data(args: argparse.Namespace) -> int:
     """Run ``verispec drafter-data``: build the data set and print what it holds."""
-    from verispec.eagle.data import DataConfig, build_dataset
+    from verispec.eagle.data import DataConfig, add_follow_ups, build_dataset
 
     config = DataConfig(args.prompts, args.max_new_tokens, args.batch_size, args.heldout, args.seed)
-    meta = build_dataset(args.target, args.out, config)
+    if (args.follow_ups is None) != (args.source is None):
+        raise ValueError("--follow-ups N and --from DIR go together")
+    if args.source is not None:
+        meta = add_follow_ups(args.source, args.out, args.follow_ups, config)
+    else:
+        meta = build_dataset(args.target, args.out, config)
     print(
         f"{meta['num_sequences']} sequences ({meta['splits']['train']} train, {meta['splits']['heldout']} "
         f"held out), {meta['num_tokens']} tokens of which {meta['answer_tokens']} answer tokens, in "
         f"{meta['seconds']:.0f} s; written to {args.out}"
     )
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- train-drafter
+
+
+def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec train-drafter``."""
+    from verispec.eagle.train import TrainConfig  # light: no model is loaded
+
+    defaults = TrainConfig()
+    parser = subparsers.add_parser(
+        "train-drafter",
+        help="train a learned drafter (EAGLE-style head) for a target on its drafter-data set",
+        description="Train a one-layer EAGLE-style draft head that predicts the target's next hidden state "
+        "from its current one and the next token, with logits over a reduced draft vocabulary (see "
+        "verispec.eagle.train). Writes DIR/drafter.safetensors, DIR/checkpoint.pt and DIR/log.jsonl; "
+        "--resume continues an interrupted run.",
+    )
+    parser.add_argument("--target", metavar="SPEC", help="the target (default: smollm2-135m)")
+    parser.add_argument("--tokenizer", metavar="FILE", help="tokenizer file, for llama2.c checkpoints")
+    parser.add_argument("--data", required=True, metavar="DIR", help="the data set (verispec drafter-data)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the training run's directory")
+    parser.add_argument("--kind", default=defaults.kind, help="drafter kind (default: %(default)s)")
+    for flag, help_text in (
+        ("steps", "optimizer steps"),
+        ("batch-tokens", "slots per batch"),
+        ("window", "slots per window (batch_tokens // window windows per batch)"),
+        ("draft-vocab", "size of the draft vocabulary: the most frequent answer tokens"),
+        ("unroll", "extra steps unrolled on the head's own features"),
+        ("checkpoint-every", "steps between checkpoints"),
+        ("eval-every", "steps between held-out evaluations"),
+        ("seed", "seed of initialisation, batches and noise"),
+        ("lr", "peak learning rate"),
+        ("ce-weight", "weight of the cross-entropy against the feature loss"),
+        ("noise", "half-width of the uniform feature noise, relative to the features' RMS"),
+        ("ce-target", "token (the target's next token) or distribution (its own on the draft vocabulary)"),
+    ):
+        default = getattr(defaults, flag.replace("-", "_"))  # an int, float or str: the flag's type
+        parser.add_argument(
+            f"--{flag}", type=type(default), default=default, help=f"{help_text} (default: {default})"
+        )
+    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    parser.set_defaults(func=run_train_drafter)
+
+
+def run_train_drafter(args: argparse.Namespace) -> int:
+    """Run ``verispec train-drafter``: validate, load the target, train, print where the drafter is."""
+    from verispec.eagle.train import TrainConfig, read_data_meta, train_drafter
+    from verispec.models.registry import DEFAULT_MODEL, load_model
+
+    config = TrainConfig(
+        kind=args.kind,
+        steps=args.steps,
+        batch_tokens=args.batch_tokens,
+        window=args.window,
+        lr=args.lr,
+        draft_vocab=args.draft_vocab,
+        ce_weight=args.ce_weight,
+        noise=args.noise,
+        ce_target=args.ce_target,
+        unroll=args.unroll,
+        eval_every=args.eval_every,
+        checkpoint_every=args.checkpoint_every,
+        seed=args.seed,
+    )
+    read_data_meta(args.data)  # before loading a model
+    label = args.target or DEFAULT_MODEL
+    model, _ = load_model(label, tokenizer=args.tokenizer)
+    path = train_drafter(model, args.data, args.out, config, target_label=label, resume=args.resume)
+    print(f"drafter written to {path}")
     return 0
 
 
@@ -638,6 +777,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(subparsers)
     add_calibrate_parser(subparsers)
     add_drafter_data_parser(subparsers)
+    add_train_drafter_parser(subparsers)
     return parser
 
 

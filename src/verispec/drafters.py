@@ -9,11 +9,16 @@ the distributions q it sampled them from, and is then told how many of them the 
   the condition under which rejection sampling is exact; a drafter without probabilities returns ``q = None``
   and is verified as single guesses (still exact);
 - ``observe`` is called once after every ``propose`` with the number of accepted tokens, before the next
-  ``propose``, so a stateful drafter can roll its cache back to the committed context.
+  ``propose``, so a stateful drafter can roll its cache back to the committed context;
+- a drafter with ``reads_target_hidden = True`` (the learned drafter, :mod:`verispec.eagle.drafter`) also
+  gets ``observe_hidden(hidden)``, hidden: [T, H], the target's final hidden states at the next T committed
+  positions, in order (the prompt's but its last token after ``begin``, then each round's committed ones,
+  before ``observe``); the engine computes them only for such a drafter.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -85,11 +90,15 @@ class NGramDrafter:
         last 2 tokens "the cat" match at position 0 → propose "sat on the"
 
     Copy-heavy outputs (summaries, edits, answers quoting a passage) accept long runs of these guesses.
+    By default a match needs two tokens (``min_ngram=2``): a single matching token is a weak signal, and on
+    the bench's greedy SmolLM2-135M outputs, dropping those guesses saves more verification positions than
+    it loses accepted tokens (predicted decoding speedup +3–7 % on summarization, RAG, code editing and code
+    completion, ±1 % elsewhere).
     """
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
         if not (isinstance(min_ngram, int) and isinstance(max_ngram, int) and 1 <= min_ngram <= max_ngram):
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min {min_ngram!r}, max {max_ngram!r}")
         self.max_ngram = max_ngram
@@ -101,15 +110,20 @@ class NGramDrafter:
     def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
         if k <= 0:
             return Proposal.empty()
+        best = next(self.continuations(context, k), None)
+        return Proposal.empty() if best is None else Proposal(tokens=torch.from_numpy(best), q=None)
+
+    def continuations(self, context: list[int], k: int) -> Iterator[np.ndarray]:
+        """The (up to k) tokens that followed each earlier occurrence of the context's last n tokens, best
+        first: the longest n first, and for each n the latest occurrence first. Each is [1..k] int64."""
         ids = np.asarray(context, dtype=np.int64)  # [N]
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
             # windows[i] = ids[i : i + n] for every start i whose window ends before the last token
             windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # [N - n, n]
             hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return Proposal(tokens=torch.from_numpy(ids[start : start + k].copy()), q=None)
-        return Proposal.empty()
+            for hit in hits[::-1]:
+                start = int(hit) + n
+                yield ids[start : start + k].copy()
 
     def observe(self, num_accepted: int) -> None:
         pass

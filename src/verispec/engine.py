@@ -7,6 +7,12 @@ verifies, and truncates the target's cache to the committed tokens: rollback onl
 
 Stopping is exact: at an end-of-sequence token, at a stop string, at exactly ``max_new_tokens`` (k is capped
 so that no round can overshoot, and surplus tokens are never committed), or at the target's context limit.
+
+With a tree drafter (:mod:`verispec.tree_drafters`) each round is a tree round instead: propose a token tree
+rooted at ids[-1] → run the target ONCE over all its nodes (node i at position len(ids) − 1 + depth[i],
+attending to the committed context and its ancestors) → verify the tree (:mod:`verispec.tree_verify`) →
+compact the accepted path's cache entries into place after the committed ones, dropping the rest. The tree's
+depth is capped like k, so stopping stays exact; the K policy is not consulted.
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.drafters import Drafter, Proposal
-from verispec.models.base import Cache, LanguageModel
+from verispec.models.base import Cache, LanguageModel, TreeCache
 from verispec.policies import KPolicy
 from verispec.sampling import SamplingParams, probs_from_logits
 from verispec.trace import TraceRecorder
+from verispec.tree import TreeProposal
+from verispec.tree_drafters import TreeDrafter
+from verispec.tree_verify import TreeVerdict, tree_greedy_verify, tree_rejection_sample
 from verispec.verify import Verdict, greedy_verify, rejection_sample, single_guess_sample
 
 __all__ = ["EngineConfig", "GenerationStats", "SpeculativeEngine"]
@@ -54,6 +63,7 @@ class GenerationStats:
     target_calls: int = 0  # verification rounds (the prompt's prefill is not one)
     drafted: int = 0
     accepted: int = 0
+    tree_nodes: int = 0  # draft nodes the target scored in tree rounds (there, drafted adds up tree depths)
     drafted_per_position: list[int] = field(default_factory=list)  # rounds that drafted a token at position i
     accepted_per_position_counts: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
@@ -102,6 +112,7 @@ class GenerationStats:
             "accepted_per_position": self.accepted_per_position,
             "drafted": self.drafted,
             "accepted": self.accepted,
+            "tree_nodes": self.tree_nodes,
             "tokens_per_second": self.tokens_per_second,
             "prefill_seconds": self.prefill_seconds,
             "draft_seconds": self.draft_seconds,
@@ -121,12 +132,14 @@ class SpeculativeEngine:
     ``trace`` (optional) records every round for :mod:`verispec.trace`; without it nothing extra is computed.
     ``cache`` (optional) is the target's cache, made by ``target.new_cache()`` (default: a new one), for a
     drafter that reads it.
+    A :class:`~verispec.tree_drafters.TreeDrafter` makes every round a tree round (module docstring); its
+    target must take a tree mask and its cache compact (:class:`~verispec.models.base.TreeCache`).
     """
 
     def __init__(
         self,
         target: LanguageModel,
-        drafter: Drafter,
+        drafter: Drafter | TreeDrafter,
         k_policy: KPolicy,
         trace: TraceRecorder | None = None,
         cache: Cache | None = None,
@@ -136,6 +149,18 @@ class SpeculativeEngine:
         self.k_policy = k_policy
         self.trace = trace
         self.cache = target.new_cache() if cache is None else cache
+        self.reads_hidden = getattr(drafter, "reads_target_hidden", False)
+        if self.reads_hidden and not hasattr(target, "forward_hidden"):
+            raise ValueError(f"the {drafter.name} drafter needs a target with hidden states (a native model)")
+        self.tree = isinstance(drafter, TreeDrafter)
+        if self.tree:
+            drafter.shape.check_fits(target.max_context)
+            if not isinstance(self.cache, TreeCache):
+                raise ValueError(
+                    f"token trees need a cache that compacts; {type(self.cache).__name__} does not"
+                )
+            if trace is not None:
+                raise ValueError("token-fate traces record chain rounds only, not token trees")
 
     def stream(
         self,
@@ -155,8 +180,10 @@ class SpeculativeEngine:
         start = time.perf_counter()
         ids = list(prompt)
         self.cache.truncate(0)
-        self._forward(ids[:-1], 0)  # prefill: every prompt token but the last
+        hidden = self._prefill(ids[:-1])  # every prompt token but the last
         self.drafter.begin(prompt)
+        if hidden is not None:
+            self.drafter.observe_hidden(hidden)
         stats.prefill_seconds = time.perf_counter() - start
         new = 0
         while True:
@@ -164,7 +191,11 @@ class SpeculativeEngine:
             if room <= 0:
                 stats.stop_reason = "max_new_tokens" if new == config.max_new_tokens else "context"
                 break
-            emitted = self._round(ids, min(self.k_policy.next_k(), room - 1), config, generator, stats)[:room]
+            if self.tree:
+                emitted = self._tree_round(ids, room, config, generator, stats)
+            else:
+                emitted = self._round(ids, min(self.k_policy.next_k(), room - 1), config, generator, stats)
+            emitted = emitted[:room]
             stop = self._stop_index(emitted, config.eos_token_ids)
             keep = emitted if stop is None else emitted[: stop + 1]
             cut = stop_check(ids[len(prompt) :] + keep) if stop_check else None
@@ -193,13 +224,15 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         proposal = self.drafter.propose(ids, k, generator) if k > 0 else Proposal.empty()
         t1 = time.perf_counter()
-        logits = self._forward([ids[-1], *proposal.tokens.tolist()], len(ids) - 1)  # [1, k'+1, V]
+        logits, hidden = self._forward([ids[-1], *proposal.tokens.tolist()], len(ids) - 1)  # [1, k'+1, V]
         t2 = time.perf_counter()
         verdict = self._verify(proposal, logits, config, generator)
         if self.trace is not None:
             self.trace.record(proposal, logits, verdict, config.sampling)
         emitted, accepted, drafted = verdict.row(0), int(verdict.num_accepted[0]), len(proposal.tokens)
         self.cache.truncate(len(ids) - 1 + len(emitted))  # keep the committed tokens but the new last one
+        if hidden is not None:
+            self.drafter.observe_hidden(hidden[0, : len(emitted)])  # [len(emitted), H]: the committed ones
         self.drafter.observe(accepted)
         self.k_policy.observe(drafted, accepted)
         stats.record_round(drafted, accepted)
@@ -221,14 +254,78 @@ class SpeculativeEngine:
         q = proposal.q.to(logits.device).unsqueeze(0)  # [1, k', V]
         return rejection_sample(draft, q, p, generator, eos_token_id=eos)
 
-    def _forward(self, tokens: list[int], start: int) -> torch.Tensor:
-        """Feeds ``tokens`` at positions start.. into the target's cache; returns logits [1, T, V]."""
+    def _tree_round(
+        self,
+        ids: list[int],
+        room: int,
+        config: EngineConfig,
+        generator: torch.Generator,
+        stats: GenerationStats,
+    ) -> list[int]:
+        """One tree round: propose a tree → score every node in ONE target forward → verify → compact the
+        accepted path into place. ``room``: the tokens the round may still emit (the tree's depth < room)."""
+        root = len(ids) - 1  # the root's slot: the last committed token, fed first
+        shape = self.drafter.shape.capped(room - 1, self.cache.capacity - root)
+        t0 = time.perf_counter()
+        tree = self.drafter.propose_tree(ids, shape, generator)
+        t1 = time.perf_counter()
+        logits = self._forward_tree(tree, root)  # [N, V]
+        t2 = time.perf_counter()
+        verdict = self._verify_tree(tree, logits, config, generator)
+        kept = verdict.accepted_nodes[: len(verdict.tokens) - 1]  # all but an accepted end-of-sequence token
+        self.cache.compact(len(ids), [root + node for node in kept])
+        stats.record_round(tree.max_depth, verdict.num_accepted)
+        stats.tree_nodes += tree.num_nodes - 1
+        stats.draft_seconds += t1 - t0
+        stats.target_seconds += t2 - t1
+        return verdict.tokens
+
+    def _verify_tree(
+        self, tree: TreeProposal, logits: torch.Tensor, config: EngineConfig, generator: torch.Generator
+    ) -> TreeVerdict:
+        """logits: [N, V] target logits at the tree's nodes."""
+        tokens, parents = tree.tokens.to(logits.device), tree.parents.to(logits.device)  # [N], [N]
+        eos = sorted(config.eos_token_ids) or None
+        if config.sampling.greedy:
+            return tree_greedy_verify(tokens, parents, logits, eos_token_id=eos)
+        p = probs_from_logits(logits, config.sampling)  # [N, V]
+        q = None if tree.q is None else tree.q.to(logits.device)  # [N, V]
+        return tree_rejection_sample(tokens, parents, p, q, generator, eos_token_id=eos)
+
+    def _forward_tree(self, tree: TreeProposal, start: int) -> torch.Tensor:
+        """Feeds the tree's nodes into the target's cache from slot ``start``, node i at position start +
+        depth[i], attending to its ancestors; returns logits [N, V]."""
         device = self.target.device
+        tokens = tree.tokens.to(device).unsqueeze(0)  # [1, N]
+        positions = (start + tree.depth).to(device).unsqueeze(0)  # [1, N]
+        return self.target.forward(tokens, positions, self.cache, tree_mask=tree.mask.to(device))[0]
+
+    def _prefill(self, tokens: list[int]) -> torch.Tensor | None:
+        """Feeds ``tokens`` into the empty cache without computing logits; returns the target's final hidden
+        states [T, H] for a drafter that reads them, else None."""
         if not tokens:
-            return torch.empty(1, 0, self.target.vocab_size, device=device)
+            return None
+        batch, positions = self._inputs(tokens, 0)
+        if self.reads_hidden:
+            return self.target.forward_hidden(batch, positions, self.cache)[0]
+        self.target.prefill(batch, positions, self.cache)
+        return None
+
+    def _forward(self, tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feeds ``tokens`` (at least one) at positions start.. into the target's cache; returns logits
+        [1, T, V] and, for a drafter that reads them, the final hidden states [1, T, H], else None."""
+        batch, positions = self._inputs(tokens, start)
+        if not self.reads_hidden:
+            return self.target.forward(batch, positions, self.cache), None
+        hidden = self.target.forward_hidden(batch, positions, self.cache)  # [1, T, H]
+        return self.target.logits(hidden), hidden
+
+    def _inputs(self, tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch [1, T] of ``tokens`` and their positions [1, T] from ``start``, on the target device."""
+        device = self.target.device
         batch = torch.tensor([tokens], dtype=torch.long, device=device)  # [1, T]
         positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)  # [1, T]
-        return self.target.forward(batch, positions, self.cache)
+        return batch, positions
 
     @staticmethod
     def _stop_index(tokens: list[int], eos: frozenset[int]) -> int | None:

@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from verispec.viz import write_atomic
 from verispec.viz.figures import COLOURS, figure_style, new_figure, save_figure
 
-__all__ = ["CHARTS", "COLUMNS", "charts", "goals", "markdown", "summary", "write_report"]
+__all__ = ["CHARTS", "COLUMNS", "charts", "goals", "markdown", "summary", "tree_comparison", "write_report"]
 
 CHARTS = ("tokens_per_second", "speedup", "predicted_vs_measured", "time_split")
 _SPLIT = ("prefill", "draft", "target", "other")
@@ -223,6 +223,42 @@ def goals(results: dict) -> list[str]:
     return lines
 
 
+def tree_comparison(results: dict) -> list[str]:
+    """Chain against tree at equal target-forward sizes: each tree cell of N nodes beside its chain method's
+    cell at K = N − 1 (both score at most N positions per forward); the lines of one Markdown table per
+    temperature, empty without tree cells."""
+    lines = []
+    for temperature in results["config"]["temperatures"]:
+        rows = []
+        for task in results["config"]["tasks"]:
+            cells = _cells(results, task, temperature)
+            by_label = {c["label"]: c for c in cells}
+            for tree in (c for c in cells if c.get("tree_nodes")):
+                chain = by_label.get(f"{tree['method'].removesuffix('-tree')} k={tree['tree_nodes'] - 1}")
+                if chain is None:
+                    continue
+                t, c = tree["metrics"], chain["metrics"]
+                rows.append(
+                    f"| {task} | {tree['label']} | {chain['label']} | {tree['tree_nodes']} | "
+                    f"{t['forward_size']:.2f} / {c['forward_size']:.2f} | "
+                    f"{t['tokens_per_target_call']:.2f} / {c['tokens_per_target_call']:.2f} | "
+                    f"{_tps(tree):.1f} / {_tps(chain):.1f} | {_tps(tree) / _tps(chain):.2f}× |"
+                )
+        if rows:
+            lines += [
+                "",
+                f"## Chain vs tree at equal forward sizes — {_mode(temperature)}",
+                "",
+                "| task | tree | chain | N | positions per forward | τ | tok/s | tree / chain |",
+                "|---|---|---|---|---|---|---|---|",
+                *rows,
+                "",
+                "A tree of N nodes against the chain of K = N − 1 draft tokens: both feed the target at "
+                "most N positions per forward. Pairs of numbers: tree / chain; τ: tokens per forward.",
+            ]
+    return lines
+
+
 def markdown(results: dict) -> str:
     """results.md: the run's context, then one table per task and temperature."""
     config, machine = results["config"], results["machine"]
@@ -251,6 +287,7 @@ def markdown(results: dict) -> str:
         )
     lines += [f"- Not run: {note}" for note in results["notes"]]
     lines += goals(results)
+    lines += tree_comparison(results)
     if len(config["tasks"]) > 1:
         for temperature in config["temperatures"]:
             lines += ["", f"## Summary — {_mode(temperature)}", "", *summary(results, temperature)]

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["DataConfig", "build_dataset", "chat_prompts", "load_split"]
+__all__ = ["DataConfig", "add_follow_ups", "build_dataset", "chat_prompts", "load_split"]
 
 _TOPICS = (
     "photosynthesis",
@@ -353,6 +353,7 @@ class DataConfig:
     batch_size: int = 32
     heldout_fraction: float = 0.05
     seed: int = 0
+    progress: bool = True  # a tqdm progress bar
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_new_tokens", "batch_size"):
@@ -421,68 +422,98 @@ def _write_split(path: Path, sequences: list[tuple[list[int], int, Tensor]]) -> 
     os.close(fd)
     try:
         save_file(tensors, tmp)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 is for the temporary file only
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def build_dataset(
-    target: str, out: str | Path, config: DataConfig = DataConfig(), progress: bool = True
-) -> dict:
-    """Generate the data set of ``target`` (a model SPEC) into directory ``out``; returns its meta data.
+_FOLLOW_UPS = (
+    "Can you give me a concrete example?",
+    "Summarize your answer in one sentence.",
+    "Can you explain that more simply?",
+    "What is the most important point?",
+    "Thanks! Can you add two more tips?",
+    "Rewrite that for a ten-year-old.",
+    "What should I do first?",
+    "Is there anything I should avoid?",
+    "Make it shorter, please.",
+    "Why is that?",
+)
 
-    Prompt i is answered greedily when i is even, sampled at temperature 1 when odd; a random
-    ``heldout_fraction`` of the prompts (by seed) forms the held-out split."""
-    from tqdm import tqdm
+
+def _load_target(target: str):
+    """(transformers model, verispec tokenizer) of a model SPEC, for batched generation."""
     from transformers import AutoModelForCausalLM
 
     from verispec.models.registry import load_tokenizer, model_dir
 
-    out = Path(out)
     directory = model_dir(target)
     tokenizer = load_tokenizer(directory)
-    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval(), tokenizer
+
+
+def _answer_all(model, tokenizer, prompts: list[list[int]], heldout: set[int], config: DataConfig, desc: str):
+    """The target's answers to every prompt (even indices greedy, odd sampled), batched by length; returns
+    {"train": [...], "heldout": [...]} of (tokens, prompt length, hidden) in generation order."""
+    from tqdm import tqdm
+
     eos = frozenset(tokenizer.eos_token_ids)
     pad_id = min(eos) if eos else 0
-    texts = chat_prompts(config.num_prompts, config.seed)
-    prompts = [tokenizer.encode(tokenizer.chat_prompt(t), add_bos=True) for t in texts]
-    order = list(range(len(prompts)))
-    random.Random(config.seed).shuffle(order)
-    heldout = set(order[: max(1, round(config.heldout_fraction * len(order)))])
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
     splits: dict[str, list] = {"train": [], "heldout": []}
-    bar = tqdm(total=len(prompts), desc="target answers", unit="prompt", disable=not progress)
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not config.progress)
     with torch.inference_mode():
         for sample in (False, True):
-            mine = [i for i in range(len(prompts)) if i % 2 == int(sample)]
-            mine.sort(key=lambda i: len(prompts[i]))  # similar lengths batch with little padding
+            mine = sorted(
+                (i for i in range(len(prompts)) if i % 2 == int(sample)), key=lambda i: len(prompts[i])
+            )
             for start in range(0, len(mine), config.batch_size):
                 batch = mine[start : start + config.batch_size]
+                seed = config.seed * 100003 + start
                 answers = _answer_batch(
-                    model,
-                    [prompts[i] for i in batch],
-                    pad_id,
-                    eos,
-                    sample,
-                    config.max_new_tokens,
-                    config.seed * 100003 + start,
+                    model, [prompts[i] for i in batch], pad_id, eos, sample, config.max_new_tokens, seed
                 )
                 for i, (tokens, hidden) in zip(batch, answers, strict=True):
                     splits["heldout" if i in heldout else "train"].append((tokens, len(prompts[i]), hidden))
                 bar.update(len(batch))
     bar.close()
+    return splits
+
+
+def _finish(out: Path, splits: dict[str, list], meta: dict, started: float) -> dict:
+    """Write the splits and meta.json (with the counts) into ``out``; returns the meta data."""
+    out.mkdir(parents=True, exist_ok=True)
     for name, sequences in splits.items():
         _write_split(out / f"{name}.safetensors", sequences)
+    meta |= {
+        "num_sequences": sum(len(seqs) for seqs in splits.values()),
+        "num_tokens": sum(len(t) for seqs in splits.values() for t, _, _ in seqs),
+        "answer_tokens": sum(len(t) - n for seqs in splits.values() for t, n, _ in seqs),
+        "splits": {name: len(seqs) for name, seqs in splits.items()},
+        "seconds": round(meta.get("seconds", 0) + time.perf_counter() - started, 1),
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig()) -> dict:
+    """Generate the data set of ``target`` (a model SPEC) into directory ``out``; returns its meta data.
+
+    Prompt i is answered greedily when i is even, sampled at temperature 1 when odd; a random
+    ``heldout_fraction`` of the prompts (by seed) forms the held-out split."""
+    started = time.perf_counter()
+    model, tokenizer = _load_target(target)
+    texts = chat_prompts(config.num_prompts, config.seed)
+    prompts = [tokenizer.encode(tokenizer.chat_prompt(t), add_bos=True) for t in texts]
+    order = list(range(len(prompts)))
+    random.Random(config.seed).shuffle(order)
+    heldout = set(order[: max(1, round(config.heldout_fraction * len(order)))])
+    splits = _answer_all(model, tokenizer, prompts, heldout, config, "target answers")
     meta = {
         "target": str(target),
         "hidden_size": int(model.config.hidden_size),
         "vocab_size": int(tokenizer.vocab_size),
-        "num_sequences": len(prompts),
-        "num_tokens": sum(len(t) for seqs in splits.values() for t, _, _ in seqs),
-        "answer_tokens": sum(len(t) - n for seqs in splits.values() for t, n, _ in seqs),
-        "splits": {name: len(seqs) for name, seqs in splits.items()},
         "generation": {
             "prompts": "verispec.eagle.data.chat_prompts",
             "num_prompts": config.num_prompts,
@@ -492,10 +523,61 @@ def build_dataset(
             "seed": config.seed,
             "threads": torch.get_num_threads(),
         },
-        "seconds": round(time.perf_counter() - started, 1),
     }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
+    return _finish(Path(out), splits, meta, started)
+
+
+def add_follow_ups(
+    source: str | Path, out: str | Path, count: int, config: DataConfig = DataConfig()
+) -> dict:
+    """A new data set in ``out``: every sequence of ``source`` (made by :func:`build_dataset`), plus second
+    turns — the first ``count`` conversations of each split continued with a follow-up request
+    (``_FOLLOW_UPS``, by seed) and the target's answer — so that the drafter also sees multi-turn chats.
+    A follow-up stays in its conversation's split. Returns the new meta data."""
+    started = time.perf_counter()
+    source = Path(source)
+    meta = json.loads((source / "meta.json").read_text())
+    if count < 1:
+        raise ValueError(f"follow-ups must be >= 1, got {count}")
+    model, tokenizer = _load_target(meta["target"])
+    generation = meta["generation"]
+    texts = chat_prompts(generation["num_prompts"], generation["seed"])
+    by_prompt = {tuple(tokenizer.encode(tokenizer.chat_prompt(t), add_bos=True)): t for t in texts}
+    rng = random.Random(config.seed)
+    splits: dict[str, list] = {}
+    conversations, heldout = [], set()
+    for name in ("train", "heldout"):
+        data = load_split(source, name)
+        offsets, lengths = data["offsets"].tolist(), data["prompt_lengths"].tolist()
+        splits[name] = [
+            (data["tokens"][a:b].tolist(), n, data["hidden"][a:b])
+            for a, b, n in zip(offsets, offsets[1:], lengths, strict=False)
+        ]
+        for tokens, n, _ in splits[name][:count]:
+            question = by_prompt.get(tuple(tokens[:n]))
+            if question is None:
+                raise ValueError(
+                    f"{source} was not made from verispec's prompt set: cannot rebuild its chats"
+                )
+            answer = tokenizer.decode(tokens[n:])
+            heldout.update([len(conversations)] if name == "heldout" else [])
+            conversations.append(
+                [
+                    {"role": "user", "content": question},
+                    {"role": "assistant", "content": answer},
+                    {"role": "user", "content": rng.choice(_FOLLOW_UPS)},
+                ]
+            )
+    prompts = [tokenizer.encode(tokenizer.chat_prompt(c), add_bos=True) for c in conversations]
+    second = _answer_all(model, tokenizer, prompts, heldout, config, "follow-up answers")
+    merged = {name: splits[name] + second[name] for name in splits}
+    meta["generation"]["follow_ups"] = {
+        "per_split": count,
+        "requests": "verispec.eagle.data._FOLLOW_UPS",
+        "max_new_tokens": config.max_new_tokens,
+        "seed": config.seed,
+    }
+    return _finish(Path(out), merged, meta, started)
 
 
 def load_split(directory: str | Path, split: str) -> dict[str, Tensor]:

@@ -8,6 +8,16 @@ Guarantees the engine relies on:
 - ``cache.truncate(n)`` forgets every slot from n on in O(1): rollback is moving the length back. Slots below
   n are never modified by a later ``forward``.
 - The same inputs give the same logits (no hidden state outside the cache).
+
+Token trees (:mod:`verispec.tree`) need more, from a :class:`TreeLanguageModel` and its :class:`TreeCache`:
+
+- ``forward(..., tree_mask=M)`` with M: [T, T] bool changes only whom the new tokens attend to: token j of the
+  call attends to every committed slot and to the new tokens i with M[j, i] (M[j, j] must be True); positions
+  are the caller's (committed length + depth for a tree). Its T entries are appended as without a mask.
+- ``cache.compact(start, keep)`` moves the entries of the slots ``keep`` (ascending, each in
+  [start, length)) to slots start, start + 1, …, and drops every slot after them: the length becomes
+  start + len(keep). The moved entries equal (up to rounding) those a plain forward over the kept tokens at
+  those slots would have written: each was computed attending to its own ancestors only.
 """
 
 from __future__ import annotations
@@ -54,6 +64,33 @@ class LanguageModel(Protocol):
         """tokens: [B, T] int64; positions: [B, T] int64 (RoPE positions, normally cache.length + arange(T)).
 
         Returns logits: [B, T, vocab_size] float32. Appends T slots to ``cache``."""
+        ...
+
+    def prefill(self, tokens: Tensor, positions: Tensor, cache: Cache) -> None:
+        """Appends T slots to ``cache`` exactly as :meth:`forward` would, without computing the logits (a
+        prompt's prefill needs none: the output head over every prompt position is most of its cost)."""
+        ...
+
+
+@runtime_checkable
+class TreeCache(Cache, Protocol):
+    """A cache that can keep an accepted path of a token tree and drop the rest."""
+
+    def compact(self, start: int, keep: Sequence[int]) -> None:
+        """Move the entries of slots ``keep`` (ascending, in [start, length)) to start, start + 1, …; the
+        length becomes start + len(keep) (ValueError for slots out of that range or not ascending)."""
+        ...
+
+
+@runtime_checkable
+class TreeLanguageModel(LanguageModel, Protocol):
+    """A language model that scores a whole token tree in one forward."""
+
+    def forward(
+        self, tokens: Tensor, positions: Tensor, cache: Cache, tree_mask: Tensor | None = None
+    ) -> Tensor:
+        """As :meth:`LanguageModel.forward`; tree_mask: [T, T] bool, new token j attends to new token i iff
+        tree_mask[j, i] (None: causal). ValueError when this model cannot take a custom mask."""
         ...
 
 

@@ -9,6 +9,8 @@ cannot be cut back to an earlier length, and are refused with a ValueError.
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -20,6 +22,8 @@ from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer, Dyn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 __all__ = ["HFCache", "HFModel", "HFTokenizer"]
+
+_MASKABLE = ("eager", "sdpa")  # attention implementations that apply a custom 4-D mask as given
 
 
 class HFCache:
@@ -46,6 +50,25 @@ class HFCache:
             self.inner.crop(length - self._length)  # a negative count removes that many trailing tokens
             self._length = length
 
+    def compact(self, start: int, keep: Sequence[int]) -> None:
+        """Move the entries of slots ``keep`` (ascending, each in [start, length)) to slots start, start + 1,
+        …, and drop every slot after them (each layer's keys and values gathered along the sequence)."""
+        keep = list(keep)
+        _check_int("compact start", start, 0, self._length)
+        bounds = [start - 1, *keep, self._length]
+        if not all(isinstance(s, int) for s in keep) or any(a >= b for a, b in itertools.pairwise(bounds)):
+            raise ValueError(f"slots to keep must ascend within [{start}, {self._length}), got {keep}")
+        index = torch.tensor([*range(start), *keep], dtype=torch.int64)  # [start + len(keep)]
+        for layer in self.inner.layers:
+            if not layer.is_initialized or layer.keys is None:  # nothing stored yet, or another layer's cache
+                continue
+            # keys, values: [B, kv_heads, length, head_dim]
+            layer.keys = layer.keys.index_select(-2, index.to(layer.keys.device))
+            layer.values = layer.values.index_select(-2, index.to(layer.values.device))
+            if hasattr(layer, "cumulative_length"):  # a sliding-window layer, below its window
+                layer.cumulative_length = layer.keys.shape[-2]
+        self._length = start + len(keep)
+
     def _append(self, count: int) -> None:
         """Record that a forward pass appended ``count`` slots."""
         self._length += count
@@ -66,6 +89,7 @@ class HFModel:
         if not isinstance(positions, int) or positions < 1:
             raise ValueError(f"{type(model).__name__}'s config gives no max_position_embeddings")
         self.max_context = min(positions, limit)
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     @classmethod
     def from_pretrained(
@@ -91,10 +115,20 @@ class HFModel:
         _check_int("capacity", capacity, 1, self.max_context)
         return HFCache(self._config, batch_size, capacity)
 
-    def forward(self, tokens: Tensor, positions: Tensor, cache: HFCache) -> Tensor:
+    def forward(
+        self, tokens: Tensor, positions: Tensor, cache: HFCache, tree_mask: Tensor | None = None
+    ) -> Tensor:
         """tokens: [B, T] int64; positions: [B, T] int64. Returns logits [B, T, vocab_size] float32.
 
-        Appends T slots to ``cache``."""
+        Appends T slots to ``cache``. tree_mask: [T, T] bool (a token tree: new token j attends to the
+        committed slots and to the new tokens i with tree_mask[j, i]), passed to the model as a custom 4-D
+        mask; ValueError for a model that does not take one."""
+        self._check_step(tokens, positions, cache)
+        mask = None if tree_mask is None else self._tree_attention_mask(tree_mask, cache.length)
+        return self._run(tokens, positions, cache, attention_mask=mask).logits.float()  # [B, T, V]
+
+    def _check_step(self, tokens: Tensor, positions: Tensor, cache: HFCache) -> None:
+        """ValueError unless tokens [B, T] and positions [B, T] (int64) fit ``cache``, one of ours."""
         if not isinstance(cache, HFCache):
             raise ValueError(f"HFModel needs a cache from its own new_cache(), got {type(cache).__name__}")
         if tokens.dim() != 2 or tokens.shape[0] != cache.batch_size or tokens.shape[1] < 1:
@@ -108,12 +142,44 @@ class HFModel:
             raise ValueError(
                 f"{count} more tokens overflow the cache ({cache.length} of {cache.capacity} slots used)"
             )
+
+    def prefill(self, tokens: Tensor, positions: Tensor, cache: HFCache) -> None:
+        """Appends T slots to ``cache`` as :meth:`forward` does; the output head runs on the last position
+        only where the model takes ``logits_to_keep``."""
+        self._check_step(tokens, positions, cache)
+        keep = {"logits_to_keep": 1} if self._keeps_logits else {}
+        self._run(tokens, positions, cache, **keep)
+
+    def _run(self, tokens: Tensor, positions: Tensor, cache: HFCache, **options):
+        """One forward of the wrapped model that appends T slots to ``cache``; returns its output."""
         with torch.inference_mode():
             out = self._model(
-                input_ids=tokens, position_ids=positions, past_key_values=cache.inner, use_cache=True
+                input_ids=tokens,
+                position_ids=positions,
+                past_key_values=cache.inner,
+                use_cache=True,
+                **options,
             )
-        cache._append(count)
-        return out.logits.float()  # [B, T, V]
+        cache._append(tokens.shape[1])
+        return out
+
+    def _tree_attention_mask(self, tree_mask: Tensor, start: int) -> Tensor:
+        """The custom 4-D additive mask [1, 1, T, start + T] of a tree_mask [T, T] bool: 0 where attended,
+        the dtype's minimum elsewhere. ValueError when the model would not apply it as given."""
+        implementation = getattr(self._config, "_attn_implementation", None)
+        if not getattr(self._model, "_supports_attention_backend", False) or implementation not in _MASKABLE:
+            raise ValueError(
+                f"{type(self._model).__name__} with {implementation} attention does not take a custom 4-D "
+                "attention mask: token trees need eager or sdpa attention in a model built on transformers' "
+                "attention interface"
+            )
+        t = tree_mask.shape[0]
+        if tree_mask.shape != (t, t) or tree_mask.dtype != torch.bool or not bool(tree_mask.diagonal().all()):
+            raise ValueError("tree_mask must be a [T, T] bool tensor letting every token attend to itself")
+        visible = torch.cat([tree_mask.new_ones(t, start), tree_mask], dim=1).to(self.device)  # [T, start+T]
+        dtype = self._model.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)  # [T, start + T]
+        return mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]  # [1, 1, T, start + T]
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:

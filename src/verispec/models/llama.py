@@ -16,9 +16,10 @@ little more than a forward over one.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -350,6 +351,24 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of length {self._length} to {length!r}")
         self._length = length
 
+    def compact(self, start: int, keep: Sequence[int]) -> None:
+        """Move the entries of slots ``keep`` (ascending, each in [start, length)) to slots start, start + 1,
+        …, and drop every slot after them: a token tree's accepted path kept in place, the rest dropped. One
+        gather over every layer at once; nothing moves when ``keep`` is already start, start + 1, …"""
+        keep = list(keep)
+        if not _is_int(start) or not 0 <= start <= self._length:
+            raise ValueError(f"cannot compact a cache of length {self._length} from slot {start!r}")
+        bounds = [start - 1, *keep, self._length]
+        if not all(_is_int(s) for s in keep) or any(a >= b for a, b in itertools.pairwise(bounds)):
+            raise ValueError(f"slots to keep must ascend within [{start}, {self._length}), got {keep}")
+        end = start + len(keep)
+        if keep != list(range(start, end)):
+            index = torch.tensor(keep, dtype=torch.int64, device=self.keys.device)  # [len(keep)]
+            # keys, values: [layers, B, kv_heads, capacity, head_dim]; index_select copies before the write
+            self.keys[:, :, :, start:end] = self.keys.index_select(3, index)
+            self.values[:, :, :, start:end] = self.values.index_select(3, index)
+        self._length = end
+
     def first_layers(self, num_layers: int) -> KVCache:
         """A cache over this one's first ``num_layers`` layers (views: nothing is copied) whose length starts
         at this one's and then moves on its own: the cache of an early-exit draft (:meth:`Llama.first_layers`)
@@ -362,6 +381,27 @@ class KVCache:
         view.keys, view.values = self.keys[:num_layers], self.values[:num_layers]
         view._length = self._length
         return view
+
+    def grown(self, extra: int) -> KVCache:
+        """A new cache holding copies of this one's committed slots, with room for ``extra`` more: a copy that
+        autograd follows, so that training can extend one context along several branches (the unrolled
+        draft steps of :mod:`verispec.eagle.train`) without writing into tensors it still needs."""
+        if not _is_int(extra) or extra < 0:
+            raise ValueError(f"extra must be an integer >= 0, got {extra!r}")
+        layers, batch, heads, _, head_dim = self.keys.shape
+        grown = KVCache(
+            layers,
+            batch,
+            heads,
+            self._length + extra,
+            head_dim,
+            dtype=self.keys.dtype,
+            device=self.keys.device,
+        )
+        grown.keys[:, :, :, : self._length] = self.keys[:, :, :, : self._length]
+        grown.values[:, :, :, : self._length] = self.values[:, :, :, : self._length]
+        grown._length = self._length
+        return grown
 
     def _reserve(self, num_tokens: int) -> tuple[int, int]:
         """The slot range [start, end) the next ``num_tokens`` tokens go to (ValueError past capacity)."""
@@ -492,6 +532,36 @@ class _DecoderLayer(nn.Module):
         self.mlp = _MLP(config, device, dtype)
 
 
+def run_layers(
+    layers: Sequence[_DecoderLayer],
+    h: Tensor,
+    positions: Tensor,
+    cache: KVCache,
+    inv_freq: Tensor,
+    mask: Tensor | None = None,
+) -> Tensor:
+    """Run the residual stream h [B, T, hidden] through ``layers`` (layer i on the cache's layer i) at RoPE
+    ``positions`` [B, T] int64, appending T slots to ``cache``; returns [B, T, hidden] before any final norm.
+
+    inv_freq: [head_dim // 2] float32 RoPE inverse frequencies. mask: [T, cache.length + T] bool (True =
+    attend); None: causal, new token i sees every committed slot and new tokens 0..i. Shared by
+    :class:`Llama` and the learned drafters of :mod:`verispec.eagle`."""
+    t = h.shape[1]
+    start, end = cache._reserve(t)
+    # RoPE angles in float32, as transformers computes them
+    freqs = positions[..., None].float() * inv_freq  # [B, T, head_dim // 2]
+    angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, head_dim]
+    cos, sin = angles.cos().to(h.dtype), angles.sin().to(h.dtype)  # [B, 1, T, head_dim]
+    if mask is None and t > 1:
+        mask = torch.ones(t, end, dtype=torch.bool, device=h.device).tril(diagonal=start)  # [T, end]
+    for i, layer in enumerate(layers):
+        x = layer.input_layernorm(h)  # [B, T, hidden]
+        h = h + layer.self_attn(x, cos, sin, cache.keys[i], cache.values[i], start, mask)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    cache._length = end
+    return h
+
+
 class _Body(nn.Module):
     """The transformer without its head; named ``model`` in :class:`Llama` to match transformers' names."""
 
@@ -501,6 +571,26 @@ class _Body(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)  # [vocab, hidden]
         self.layers = nn.ModuleList(_DecoderLayer(config, device, dtype) for _ in range(config.num_layers))
         self.norm = _RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+
+
+def _checked_tree_mask(tree_mask: Tensor, t: int) -> Tensor:
+    """tree_mask: [T, T] bool, each new token attending to itself; ValueError otherwise."""
+    if tree_mask.shape != (t, t) or tree_mask.dtype != torch.bool:
+        raise ValueError(
+            f"tree_mask must be a [{t}, {t}] bool tensor, got {tree_mask.dtype} {list(tree_mask.shape)}"
+        )
+    if not bool(tree_mask.diagonal().all()):
+        raise ValueError("tree_mask must let every new token attend to itself")
+    return tree_mask
+
+
+def pack_linears(module: nn.Module, batch_size_hint: int, min_weight_elements: int) -> None:
+    """Pack every :class:`_Linear` of ``module`` with at least ``min_weight_elements`` weights for oneDNN,
+    tuned for ``batch_size_hint`` rows per call (see :meth:`Llama.optimize_for_cpu`; the caller has checked
+    that oneDNN works)."""
+    for m in module.modules():
+        if isinstance(m, _Linear) and not m.packed and m.weight.numel() >= min_weight_elements:
+            m.pack(batch_size_hint)
 
 
 def _onednn_linear_works() -> bool:
@@ -644,13 +734,7 @@ class Llama(nn.Module):
             raise ValueError(f"min_weight_elements must be an integer >= 0, got {min_weight_elements!r}")
         if self.device.type != "cpu" or self.dtype != torch.float32 or not _onednn_linear_works():
             return False
-        for module in self.modules():
-            if (
-                isinstance(module, _Linear)
-                and not module.packed
-                and module.weight.numel() >= min_weight_elements
-            ):
-                module.pack(batch_size_hint)
+        pack_linears(self, batch_size_hint, min_weight_elements)
         if self.lm_head is None and self.model.embed_tokens.weight.numel() >= min_weight_elements:
             self._onednn_head = True
         return self.optimized_for_cpu
@@ -693,28 +777,19 @@ class Llama(nn.Module):
             device=self.device,
         )
 
-    def forward_hidden(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+    def forward_hidden(
+        self, tokens: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None = None
+    ) -> Tensor:
         """The final hidden states (after the last norm, transformers' ``last_hidden_state``), for learned
-        drafters. tokens: [B, T] int64; positions: [B, T] int64. Returns [B, T, hidden] in the model's dtype.
-        Appends T slots to ``cache``."""
+        drafters. tokens: [B, T] int64; positions: [B, T] int64; tree_mask: [T, T] bool or None (see
+        :meth:`forward`). Returns [B, T, hidden] in the model's dtype. Appends T slots to ``cache``."""
         self._check_inputs(tokens, positions, cache)
-        b, t = tokens.shape
-        start, end = cache._reserve(t)
-        # RoPE angles in float32, as transformers computes them
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, head_dim // 2]
-        angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, head_dim]
-        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)  # [B, 1, T, head_dim]
-        # new token i sees slots 0 .. start + i
         mask = None
-        if t > 1:
-            mask = torch.ones(t, end, dtype=torch.bool, device=tokens.device).tril(diagonal=start)  # [T, end]
+        if tree_mask is not None:  # a token tree: the committed slots, then the masked new tokens
+            t = tokens.shape[1]
+            mask = torch.cat([tree_mask.new_ones(t, cache.length), _checked_tree_mask(tree_mask, t)], 1)
         h = self.model.embed_tokens(tokens)  # [B, T, hidden]
-        for i, layer in enumerate(self.model.layers):
-            x = layer.input_layernorm(h)  # [B, T, hidden]
-            h = h + layer.self_attn(x, cos, sin, cache.keys[i], cache.values[i], start, mask)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        cache._length = end
-        return self.model.norm(h)
+        return self.model.norm(run_layers(self.model.layers, h, positions, cache, self.inv_freq, mask))
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden: [B, T, hidden] from :meth:`forward_hidden` → logits [B, T, vocab_size] float32."""
@@ -727,12 +802,19 @@ class Llama(nn.Module):
             out = F.linear(hidden, self.model.embed_tokens.weight)  # [B, T, vocab]
         return out.float()
 
-    def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+    def forward(
+        self, tokens: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None = None
+    ) -> Tensor:
         """tokens: [B, T] int64; positions: [B, T] int64 (RoPE positions, normally cache.length + arange(T)).
 
         Returns logits: [B, T, vocab_size] float32. Appends T slots to ``cache``; token j attends to every
-        committed slot and to new tokens 0..j."""
-        return self.logits(self.forward_hidden(tokens, positions, cache))
+        committed slot and to new tokens 0..j, or, given ``tree_mask`` [T, T] bool (a token tree, positions
+        = committed length + depth), to the new tokens i with tree_mask[j, i]."""
+        return self.logits(self.forward_hidden(tokens, positions, cache, tree_mask))
+
+    def prefill(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> None:
+        """Appends T slots to ``cache`` as :meth:`forward` does, without the output head."""
+        self.forward_hidden(tokens, positions, cache)
 
     def _check_inputs(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> None:
         if not isinstance(cache, KVCache):

@@ -1,0 +1,1 @@
+"""Learned drafters (EAGLE-style): training data, model, training and the drafter."""

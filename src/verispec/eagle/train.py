@@ -1,0 +1,492 @@
+"""Training an EAGLE draft head (:class:`verispec.eagle.model.EagleHead`) on a data set of
+:mod:`verispec.eagle.data`: the target's own answers, with its final hidden state at every position.
+
+The recipe, on CPU in hours:
+
+- draft vocabulary: the ``draft_vocab`` most frequent tokens of the training split's answers;
+- batches: ``batch_tokens // window`` random windows of up to ``window`` slots, each in one sequence
+  (sequences drawn in proportion to their length), read with teacher forcing on the target's true features,
+  uniform noise of half-width ``noise`` × the features' RMS added to them (EAGLE's augmentation);
+- unrolled steps (``unroll``): the head then runs again on its own predicted features, each slot attending to
+  the true-feature slots before the draft began and to the predicted ones after, exactly as drafting step
+  s + 1 sees them — this is what keeps acceptance up at draft positions 2..K;
+- loss, averaged over the steps: smooth L1 of the predicted feature against the true one, plus ``ce_weight`` ×
+  the cross-entropy of the draft logits against the token the target wrote next (its own sample: that is
+  distillation); only slots that predict an answer token count, and tokens outside the draft vocabulary
+  only in the feature loss;
+- AdamW (β = 0.9, 0.95), learning rate warmed up linearly over ``warmup`` steps then cosine-decayed to 10 %,
+  gradient norm clipped at ``grad_clip``;
+- every ``eval_every`` steps: the held-out top-1 accuracy at each draft position (teacher-forced tokens, the
+  head's own features), shown on the progress bar and appended to ``log.jsonl``;
+- every ``checkpoint_every`` steps: ``checkpoint.pt`` (weights, optimizer, step, random state) and the
+  drafter file ``drafter.safetensors``, each written atomically; ``resume`` continues from the checkpoint and
+  ends exactly where an uninterrupted run ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm import tqdm
+
+from verispec.eagle.data import load_split
+from verispec.eagle.model import KINDS, EagleHead, native_target, target_fingerprint
+from verispec.models.llama import Llama
+
+__all__ = [
+    "Batch",
+    "TrainConfig",
+    "TrainingData",
+    "batch_loss",
+    "draft_index",
+    "read_data_meta",
+    "sample_batch",
+    "train_drafter",
+    "unrolled_features",
+]
+
+CHECKPOINT = "checkpoint.pt"
+DRAFTER = "drafter.safetensors"
+LOG = "log.jsonl"
+EVAL_POSITIONS = 4  # draft positions whose held-out accuracy is reported
+CE_TARGETS = ("token", "distribution")  # the target's next token, or its distribution on the draft vocabulary
+_IGNORE = -100  # cross-entropy target of a slot that does not count
+_FEATURE_CHECK_TOKENS = 32  # positions of the data set recomputed to check that it belongs to the target
+_FEATURE_CHECK_TOLERANCE = 0.02  # relative error allowed (the data set stores float16)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How a drafter is trained (see the module docstring); validated with ValueError."""
+
+    kind: str = "eagle"
+    steps: int = 2000
+    batch_tokens: int = 2048
+    window: int = 256
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.0
+    draft_vocab: int = 8192
+    ce_weight: float = 0.1
+    ce_target: str = "token"
+    noise: float = 0.05
+    unroll: int = 1
+    grad_clip: float = 0.5
+    eval_every: int = 50
+    eval_tokens: int = 4096
+    checkpoint_every: int = 50
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown drafter kind {self.kind!r}; verispec trains {', '.join(KINDS)}")
+        if self.ce_target not in CE_TARGETS:
+            raise ValueError(f"ce_target must be one of {', '.join(CE_TARGETS)}, got {self.ce_target!r}")
+        for name in (
+            "steps",
+            "batch_tokens",
+            "window",
+            "draft_vocab",
+            "eval_every",
+            "eval_tokens",
+            "checkpoint_every",
+        ):
+            _check(name, getattr(self, name), int, 1)
+        for name in ("warmup", "unroll", "seed"):
+            _check(name, getattr(self, name), int, 0)
+        if self.batch_tokens < self.window:
+            raise ValueError(f"batch_tokens ({self.batch_tokens}) must be at least window ({self.window})")
+        for name in ("weight_decay", "ce_weight", "noise"):
+            _check(name, getattr(self, name), float, 0)
+        for name in ("lr", "grad_clip"):
+            _check(name, getattr(self, name), float, 0)
+            if getattr(self, name) == 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step ``step`` (0-based): linear warmup, then cosine decay to 10 %."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
+        return self.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _check(name: str, value: object, kind: type, low: float) -> None:
+    ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value < low:
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"{name} must be {what} >= {low}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """One split of a data set, with each token's index in the draft vocabulary."""
+
+    tokens: Tensor  # [N] int64, every sequence concatenated
+    hidden: Tensor  # [N, H] float16: the target's final hidden state at each position
+    starts: Tensor  # [S] int64: first position of each sequence
+    lengths: Tensor  # [S] int64
+    prompt_lengths: Tensor  # [S] int64
+    draft_index: Tensor  # [V] int64: position of each target token in the draft vocabulary, or -100
+
+    @classmethod
+    def from_split(cls, split: dict[str, Tensor], draft_index: Tensor) -> TrainingData:
+        """From a split as :func:`verispec.eagle.data.load_split` returns it."""
+        offsets = split["offsets"].long()  # [S+1]
+        return cls(
+            tokens=split["tokens"].long(),
+            hidden=split["hidden"],
+            starts=offsets[:-1],
+            lengths=offsets[1:] - offsets[:-1],
+            prompt_lengths=split["prompt_lengths"].long(),
+            draft_index=draft_index,
+        )
+
+
+def draft_index(draft_vocab: Tensor, vocab_size: int) -> Tensor:
+    """For each target token, its position in ``draft_vocab`` [Vd], or -100 (not drafted): [V] int64."""
+    index = torch.full((vocab_size,), _IGNORE, dtype=torch.long)  # [V]
+    index[draft_vocab] = torch.arange(draft_vocab.shape[0])
+    return index
+
+
+def _answer_tokens(split: dict[str, Tensor]) -> Tensor:
+    """The tokens the target wrote (after each prompt) in a split: [M] int64."""
+    offsets, prompts = split["offsets"].tolist(), split["prompt_lengths"].tolist()
+    keep = torch.zeros(split["tokens"].shape[0], dtype=torch.bool)  # [N]
+    for start, end, prompt in zip(offsets[:-1], offsets[1:], prompts, strict=True):
+        keep[start + prompt : end] = True
+    return split["tokens"][keep].long()
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Windows of slots t (see :mod:`verispec.eagle.model`) from sequences of a data set, right-padded."""
+
+    tokens: Tensor  # [B, W] int64: x_{t+1}
+    features: Tensor  # [B, W+1, H] float32: f_t for the W slots, then f of the slot after the window
+    next_tokens: Tensor  # [B, W] int64: draft-vocabulary index of x_{t+2}, -100 where it does not count
+    mask: Tensor  # [B, W] bool: slots whose predicted token is an answer token (not padding)
+    positions: Tensor  # [B, W] int64: the slots t
+
+
+def _window(data: TrainingData, seq: Tensor, start: Tensor, width: int) -> Batch:
+    """The windows of ``width`` slots beginning at slot ``start`` [B] of sequences ``seq`` [B]."""
+    offsets = torch.arange(width + 1)  # [W+1]
+    slot = start[:, None] + offsets  # [B, W+1]
+    last = data.lengths[seq, None] - 1  # [B, 1] last position of each sequence
+    base = data.starts[seq, None]  # [B, 1]
+    valid = slot[:, :-1] < last  # [B, W] a slot t needs f_{t+1}
+    tokens = data.tokens[base + torch.minimum(slot[:, :-1] + 1, last)]  # [B, W]
+    features = data.hidden[base + torch.minimum(slot, last)].float()  # [B, W+1, H]
+    has_next = slot[:, :-1] + 2 <= last  # [B, W]
+    following = data.tokens[base + torch.minimum(slot[:, :-1] + 2, last)]  # [B, W]
+    mask = valid & (slot[:, :-1] + 2 >= data.prompt_lengths[seq, None])  # [B, W]
+    next_tokens = torch.where(mask & has_next, data.draft_index[following], _IGNORE)  # [B, W]
+    return Batch(tokens * valid, features, next_tokens, mask, slot[:, :-1] * valid)
+
+
+def sample_batch(data: TrainingData, windows: int, width: int, generator: torch.Generator) -> Batch:
+    """``windows`` random windows of at most ``width`` slots (sequences drawn by length, starts uniform)."""
+    slots = (data.lengths - 1).clamp(min=0)  # [S] slots of each sequence
+    seq = torch.multinomial(slots.double(), windows, replacement=True, generator=generator)  # [B]
+    room = (slots[seq] - width).clamp(min=0) + 1  # [B] possible starts
+    start = (torch.rand(windows, generator=generator, dtype=torch.float64) * room).long()  # [B]
+    return _window(data, seq, start, int(min(width, int(slots[seq].max()))))
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+def _unrolled_mask(width: int, step: int) -> Tensor:
+    """Attention of unrolled step ``step`` ≥ 1 over the cache of steps 0..step: [W, (step+1)·W] bool.
+    Slot t sees the true-feature slots ≤ t − step and, of each step j ≥ 1, the slot t − step + j (its own at
+    j = step): what drafting step ``step`` sees when the draft began after slot t − step."""
+    t = torch.arange(width)
+    blocks = [t[None, :] <= t[:, None] - step]  # [W, W] step 0
+    blocks += [t[None, :] == t[:, None] - step + j for j in range(1, step + 1)]  # [W, W] each
+    return torch.cat(blocks, dim=1)
+
+
+def unrolled_features(head: EagleHead, batch: Batch, unroll: int, noise: float, generator: torch.Generator):
+    """The predicted features f̂_{t+1} of each step 0..unroll: a list of [B, W, H]. Step 0 reads the true
+    features (plus uniform noise of half-width ``noise``); step s reads at slot t what step s − 1 predicted
+    at slot t − 1."""
+    b, w = batch.tokens.shape
+    cache = head.new_cache(b, w)
+    inputs = batch.features[:, :-1]  # [B, W, H]
+    if noise > 0:
+        inputs = inputs + (2 * torch.rand(inputs.shape, generator=generator) - 1) * noise
+    out = head(batch.tokens, inputs, batch.positions, cache)  # [B, W, H]
+    outs = [out]
+    for step in range(1, unroll + 1):
+        cache = cache.grown(w)
+        shifted = torch.cat((batch.features[:, :1], out[:, :-1]), dim=1)  # [B, W, H]
+        out = head(batch.tokens, shifted, batch.positions, cache, _unrolled_mask(w, step))
+        outs.append(out)
+    return outs
+
+
+def _answer_slots(predicted: Tensor, batch: Batch, step: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(predicted, true features, slot mask) of the slots of one unrolled step whose loss counts: [M, H],
+    [M, H], [B, W] bool. At step s the draft must begin after a true-feature slot: slots t >= s."""
+    mask = batch.mask.clone()  # [B, W]
+    mask[:, :step] = False
+    return predicted[mask], batch.features[:, 1:][mask], mask
+
+
+def _step_terms(
+    head: EagleHead, predicted: Tensor, batch: Batch, step: int, ce_target: str
+) -> tuple[Tensor, Tensor]:
+    """(feature loss, cross-entropy) of one unrolled step's predictions [B, W, H]."""
+    picked, true, mask = _answer_slots(predicted, batch, step)  # [M, H], [M, H], [B, W]
+    regression = F.smooth_l1_loss(picked, true).nan_to_num(0.0)
+    logits = head.logits(picked)  # [M, Vd]
+    if ce_target == "distribution":
+        with torch.no_grad():
+            target_probs = head.logits(true).softmax(-1)  # [M, Vd]: the target's own, on the draft vocabulary
+        return regression, -(target_probs * logits.log_softmax(-1)).sum(-1).mean().nan_to_num(0.0)
+    targets = batch.next_tokens[mask]  # [M]
+    ce = F.cross_entropy(logits, targets, ignore_index=_IGNORE, reduction="sum")
+    return regression, ce / (targets != _IGNORE).sum().clamp(min=1)
+
+
+def _agreement(head: EagleHead, predicted: Tensor, batch: Batch, step: int) -> Tensor:
+    """[agreeing, counted]: the slots of one unrolled step whose draft argmax is the target's own (on the
+    draft vocabulary), and all counted slots."""
+    picked, true, _ = _answer_slots(predicted, batch, step)  # [M, H] each
+    agreeing = (head.logits(picked).argmax(-1) == head.logits(true).argmax(-1)).sum()
+    return torch.stack((agreeing, agreeing.new_tensor(picked.shape[0])))
+
+
+def batch_loss(
+    head: EagleHead, batch: Batch, config: TrainConfig, noise: float, generator: torch.Generator
+) -> Tensor:
+    """The training loss of ``batch`` (a scalar): over the steps 0..config.unroll, the mean of the feature
+    loss + ce_weight × the cross-entropy; ``noise``: the feature noise's half-width (0: none)."""
+    outs = unrolled_features(head, batch, config.unroll, noise, generator)
+    terms = [_step_terms(head, f, batch, step, config.ce_target) for step, f in enumerate(outs)]
+    return sum(reg + config.ce_weight * ce for reg, ce in terms) / len(terms)
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def _draft_vocabulary(answers: Tensor, size: int, vocab: int) -> Tensor:
+    """The ``size`` most frequent of the ``answers`` tokens (ties: lower id first), ascending:
+    [min(size, V)] int64."""
+    counts = torch.bincount(answers, minlength=vocab)  # [V]
+    order = torch.argsort(counts, descending=True, stable=True)  # [V]
+    return order[: min(size, vocab)].sort().values
+
+
+def read_data_meta(directory: str | Path) -> dict:
+    """The ``meta.json`` of the drafter data set in ``directory``; ValueError when there is none."""
+    meta_path = Path(directory) / "meta.json"
+    if not meta_path.is_file():
+        raise ValueError(
+            f"no drafter data set in {directory} (no meta.json): build it with verispec drafter-data"
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{meta_path} is not readable JSON: {err}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path} does not hold a JSON object")
+    return meta
+
+
+def _check_data(directory: Path, target: Llama, label: str) -> tuple[dict, dict[str, Tensor]]:
+    """The data set's meta.json and held-out split, after checking that the data set exists and was made by
+    ``target``: its sizes, and the hidden states of the first held-out positions recomputed by the target."""
+    meta = read_data_meta(directory)
+    sizes = (meta.get("hidden_size"), meta.get("vocab_size"))
+    if sizes != (target.config.hidden_size, target.vocab_size):
+        raise ValueError(
+            f"the data set in {directory} was made by target {meta.get('target')!r} (hidden size {sizes[0]}, "
+            f"vocabulary {sizes[1]}), not by {label!r} ({target.config.hidden_size}, {target.vocab_size})"
+        )
+    held = load_split(directory, "heldout")
+    n = min(_FEATURE_CHECK_TOKENS, int(held["offsets"][1]))
+    tokens = held["tokens"][:n].long()[None]  # [1, n]
+    with torch.no_grad():
+        ours = target.forward_hidden(tokens, torch.arange(n)[None], target.new_cache(1, n))[0].float()
+    error = float((ours - held["hidden"][:n].float()).norm() / ours.norm())
+    if error > _FEATURE_CHECK_TOLERANCE:
+        raise ValueError(
+            f"the data set in {directory} was made by target {meta.get('target')!r}: its hidden states "
+            f"differ from those of {label!r} (relative error {error:.3f})"
+        )
+    return meta, held
+
+
+def _evaluate(head: EagleHead, data: TrainingData, max_tokens: int, window: int) -> list[float]:
+    """Held-out agreement with the target's greedy choice at draft positions 1..EVAL_POSITIONS (teacher-forced
+    tokens, the head's own features; an estimate of greedy acceptance): whole sequences in a fixed shuffled
+    order (greedy and sampled answers mixed), one window each, until ``max_tokens`` slots."""
+    totals = torch.zeros(EVAL_POSITIONS, 2, dtype=torch.long)  # [positions, (agreeing, counted)]
+    used, generator = 0, torch.Generator().manual_seed(0)  # the order; no noise is drawn
+    with torch.no_grad():
+        for seq in torch.randperm(data.starts.shape[0], generator=generator).tolist():
+            width = int(min(window, data.lengths[seq] - 1))
+            if width < 1:
+                continue
+            batch = _window(data, torch.tensor([seq]), torch.zeros(1, dtype=torch.long), width)
+            outs = unrolled_features(head, batch, EVAL_POSITIONS - 1, 0.0, generator)
+            for step, predicted in enumerate(outs):
+                totals[step] += _agreement(head, predicted, batch, step)
+            used += width
+            if used >= max_tokens:
+                break
+    return (totals[:, 0] / totals[:, 1].clamp(min=1)).tolist()
+
+
+def _write_atomic(path: Path, obj: object) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def train_drafter(
+    target: Llama,
+    data_dir: str | Path,
+    out_dir: str | Path,
+    config: TrainConfig = TrainConfig(),
+    *,
+    target_label: str = "",
+    resume: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Train a drafter for ``target`` on the data set in ``data_dir``; returns the drafter file written into
+    ``out_dir`` (with ``checkpoint.pt`` and ``log.jsonl``). ``resume`` continues from the checkpoint in
+    ``out_dir``, which must have been written with the same settings for the same target. ValueError for an
+    unsupported target, a missing or foreign data set, or a checkpoint that cannot be resumed."""
+    target = native_target(target)
+    label = target_label or "the target"
+    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    meta, heldout_split = _check_data(data_dir, target, label)
+    checkpoint_path = out_dir / CHECKPOINT
+    if resume and not checkpoint_path.is_file():
+        raise ValueError(f"nothing to resume: {out_dir} holds no {CHECKPOINT}")
+    if not resume and checkpoint_path.exists():
+        raise ValueError(f"{out_dir} already holds a training run: pass --resume, or choose another --out")
+    fingerprint = target_fingerprint(target)
+    settings = dataclasses.asdict(config)
+    train_split = load_split(data_dir, "train")
+    answers = _answer_tokens(train_split)  # [M]
+    draft_vocab = _draft_vocabulary(answers, config.draft_vocab, target.vocab_size)  # [Vd]
+    index = draft_index(draft_vocab, target.vocab_size)  # [V]
+    train = TrainingData.from_split(train_split, index)
+    heldout = TrainingData.from_split(heldout_split, index)
+    coverage = float(index[answers].ne(_IGNORE).float().mean())
+    noise = config.noise * float(train.hidden[:65536].float().pow(2).mean().sqrt())
+
+    generator = torch.Generator().manual_seed(config.seed)
+    metadata = {"kind": config.kind, "target": target_label, "target_fingerprint": fingerprint}
+    head = EagleHead.create(target, draft_vocab, generator, metadata)
+    for param in head.parameters():
+        param.requires_grad_(True)
+    optimizer = torch.optim.AdamW(
+        head.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
+    )
+    step, seconds, accuracy = 0, 0.0, [0.0] * EVAL_POSITIONS
+    if resume:
+        state = torch.load(checkpoint_path, weights_only=True)
+        saved = {**dataclasses.asdict(TrainConfig()), **state["settings"]}  # newer settings: their defaults
+        changed = [k for k in settings if saved[k] != settings[k]]
+        if changed:
+            raise ValueError(f"cannot resume the run in {out_dir}: settings {', '.join(changed)} differ")
+        if state["target_fingerprint"] != fingerprint:
+            raise ValueError(f"cannot resume the run in {out_dir}: it was made for another target")
+        if not torch.equal(state["draft_vocab"], draft_vocab):
+            raise ValueError(f"cannot resume the run in {out_dir}: the data set has changed")
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["rng"])
+        step, seconds, accuracy = state["step"], state["seconds"], state["accuracy"]
+        log = out_dir / LOG  # evaluations after the checkpoint are made again
+        if log.is_file():
+            kept = [line for line in log.read_text().splitlines() if json.loads(line)["step"] <= step]
+            log.write_text("".join(f"{line}\n" for line in kept))
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        head.metadata["training"] = {
+            **settings,
+            "steps_done": step,
+            "seconds": round(seconds, 1),
+            "heldout_top1_per_position": [round(a, 4) for a in accuracy],
+            "draft_vocab_coverage": round(coverage, 4),
+            "data": {k: meta.get(k) for k in ("target", "num_sequences", "num_tokens", "generation")},
+        }
+        head.save(out_dir / DRAFTER)
+        _write_atomic(
+            checkpoint_path,
+            {
+                "target_fingerprint": fingerprint,
+                "settings": settings,
+                "draft_vocab": draft_vocab,
+                "head": head.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "rng": generator.get_state(),
+                "step": step,
+                "seconds": seconds,
+                "accuracy": accuracy,
+            },
+        )
+
+    windows = config.batch_tokens // config.window
+    bar = tqdm(total=config.steps, initial=step, desc=f"training {config.kind} drafter", disable=not progress)
+    if progress:
+        bar.write(
+            f"draft vocabulary: {draft_vocab.shape[0]} tokens, covering {coverage:.1%} of the answers",
+            file=sys.stderr,
+        )
+    while step < config.steps:
+        began = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr_at(step)
+        batch = sample_batch(train, windows, config.window, generator)
+        loss = batch_loss(head, batch, config, noise, generator)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
+        optimizer.step()
+        step += 1
+        seconds += time.perf_counter() - began
+        loss_value = loss.item()
+        if step % config.eval_every == 0 or step == config.steps:
+            accuracy = _evaluate(head, heldout, config.eval_tokens, config.window)
+            record = {
+                "step": step,
+                "loss": loss_value,
+                "seconds": round(seconds, 1),
+                "heldout_top1": accuracy,
+            }
+            with (out_dir / LOG).open("a") as log:
+                log.write(json.dumps(record) + "\n")
+        bar.set_postfix(loss=f"{loss_value:.3f}", top1="/".join(f"{a:.2f}" for a in accuracy))
+        bar.update(1)
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            save()
+    bar.close()
+    return out_dir / DRAFTER

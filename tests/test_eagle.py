@@ -1,0 +1,682 @@
+"""The learned (EAGLE-style) drafter: its file, its training, and exactness in the engine.
+
+Targets are tiny random Llamas (and stories260K from ``../shared/models`` where present); their training data
+sets are made here, in the format of :mod:`verispec.eagle.data`, by the target itself: its sampled answers to
+random prompts, with ``forward_hidden`` at every position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from scipy import stats as scipy_stats
+
+from fakes import LetterTokenizer, TableLM
+from test_real_models import STORY_PROMPTS
+from verispec import api as api_module
+from verispec import cli
+from verispec.api import Speculator
+from verispec.bench import BenchConfig, Method, plan_methods
+from verispec.calibrate import DRAFT_K
+from verispec.drafters import Proposal
+from verispec.eagle import train as train_module
+from verispec.eagle.data import load_split
+from verispec.eagle.drafter import EagleDrafter
+from verispec.eagle.model import EagleHead, native_target, target_fingerprint
+from verispec.eagle.train import (
+    Batch,
+    TrainConfig,
+    TrainingData,
+    batch_loss,
+    draft_index,
+    sample_batch,
+    train_drafter,
+    unrolled_features,
+)
+from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
+from verispec.models.llama import Llama, LlamaConfig
+from verispec.models.registry import load_model
+from verispec.policies import ConstantK
+from verispec.sampling import SamplingParams, probs_from_logits
+
+VOCAB = 64
+GREEDY = SamplingParams(temperature=0)
+TINY_TRAINING = TrainConfig(
+    steps=100,
+    batch_tokens=128,
+    window=32,
+    draft_vocab=48,
+    lr=3e-3,
+    warmup=4,
+    eval_every=100,
+    eval_tokens=256,
+    checkpoint_every=100,
+)
+
+
+def tiny_target(seed: int = 0, vocab: int = VOCAB) -> Llama:
+    """A random 2-layer Llama whose next-token distributions are peaked (weights of scale 0.3)."""
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    model = Llama(config)
+    g = torch.Generator().manual_seed(seed)
+    model.load_weights(
+        (
+            name,
+            torch.ones(p.shape) if name.endswith("norm.weight") else 0.3 * torch.randn(p.shape, generator=g),
+        )
+        for name, p in model.named_parameters()
+    )
+    return model
+
+
+def hidden_states(model: Llama, ids: list[int]) -> torch.Tensor:
+    """The target's final hidden states at every position of ``ids``: [len(ids), H]."""
+    tokens, positions = torch.tensor([ids]), torch.arange(len(ids))[None]  # [1, L]
+    return model.forward_hidden(tokens, positions, model.new_cache(1, len(ids)))[0]
+
+
+def make_dataset(
+    model: Llama, directory: Path, prompts: list[list[int]], answer: int, seed: int = 0, label: str = "tiny"
+) -> Path:
+    """A data set in verispec.eagle.data's format: the model's sampled answers (every fourth held out)."""
+    g = torch.Generator().manual_seed(seed)
+    splits: dict[str, list] = {"train": [], "heldout": []}
+    for i, prompt in enumerate(prompts):
+        ids, cache = list(prompt), model.new_cache()
+        logits = model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache)[0, -1]  # [V]
+        for _ in range(answer):
+            ids.append(int(torch.multinomial(logits.softmax(-1), 1, generator=g)))
+            logits = model.forward(torch.tensor([ids[-1:]]), torch.tensor([[cache.length]]), cache)[0, -1]
+        ids = ids[:-1]  # the last token has no hidden state
+        split = "heldout" if i % 4 == 0 else "train"
+        splits[split].append((ids, len(prompt), hidden_states(model, ids).half()))
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, seqs in splits.items():
+        lengths = torch.tensor([len(ids) for ids, _, _ in seqs])
+        tensors = {
+            "tokens": torch.tensor([t for ids, _, _ in seqs for t in ids], dtype=torch.int32),
+            "hidden": torch.cat([h for _, _, h in seqs]),
+            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+            "prompt_lengths": torch.tensor([n for _, n, _ in seqs]),
+        }
+        save_file(tensors, str(directory / f"{name}.safetensors"))
+    meta = {
+        "target": label,
+        "hidden_size": model.config.hidden_size,
+        "vocab_size": model.vocab_size,
+        "num_sequences": len(prompts),
+        "num_tokens": sum(len(ids) for seqs in splits.values() for ids, _, _ in seqs),
+        "splits": {name: len(seqs) for name, seqs in splits.items()},
+    }
+    (directory / "meta.json").write_text(json.dumps(meta))
+    return directory
+
+
+def random_prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, vocab, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(count)
+    ]
+
+
+def fresh_head(model: Llama, draft_vocab: torch.Tensor, seed: int = 0) -> EagleHead:
+    metadata = {"kind": "eagle", "target": "tiny", "target_fingerprint": target_fingerprint(model)}
+    return EagleHead.create(model, draft_vocab, torch.Generator().manual_seed(seed), metadata)
+
+
+@pytest.fixture(scope="module")
+def target() -> Llama:
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def dataset(target, tmp_path_factory) -> Path:
+    return make_dataset(target, tmp_path_factory.mktemp("data"), random_prompts(24, VOCAB, 1), answer=40)
+
+
+@pytest.fixture(scope="module")
+def trained(target, dataset, tmp_path_factory) -> Path:
+    """A drafter trained for 100 steps on the tiny data set (about a second)."""
+    return train_drafter(target, dataset, tmp_path_factory.mktemp("run"), TINY_TRAINING, progress=False)
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def test_save_load_round_trip(target, tmp_path):
+    """The file holds the trained tensors (float16) and the draft vocabulary, never the target's embeddings;
+    loading gives back the same head: weights, vocabulary, metadata, outputs."""
+    head = fresh_head(target, torch.arange(0, VOCAB, 3))
+    head.metadata["training"] = {"steps": 3}
+    path = head.save(tmp_path / "drafter.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        names = set(f.keys())
+    assert names == {*head.state_dict(), "draft_vocab"}
+    assert not any("embed" in name or "head_weight" in name for name in names)
+    loaded = EagleHead.load(path, target, "tiny")
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor.half().float()), name
+    assert torch.equal(loaded.draft_vocab, head.draft_vocab)
+    assert loaded.metadata["training"] == {"steps": 3} and loaded.metadata["target"] == "tiny"
+    assert torch.equal(loaded.head_weight, target.model.embed_tokens.weight[head.draft_vocab])  # tied head
+    tokens, features = torch.tensor([[5, 9, 2]]), torch.randn(1, 3, 32)  # [1, 3], [1, 3, H]
+    positions = torch.arange(3)[None]  # [1, 3]
+    with torch.no_grad():
+        for tensor in head.state_dict().values():
+            tensor.copy_(tensor.half().float())  # the float16 storage is the only difference
+        expected = head(tokens, features, positions, head.new_cache(1, 3))
+        torch.testing.assert_close(loaded(tokens, features, positions, loaded.new_cache(1, 3)), expected)
+
+
+def test_fingerprint_names_the_weights(target):
+    same = tiny_target(0)
+    assert target_fingerprint(same) == target_fingerprint(target)
+    half = Llama(target.config, dtype=torch.bfloat16)
+    half.load_weights(target.state_dict().items())
+    assert target_fingerprint(half) == target_fingerprint(target)  # a half-precision copy is the same target
+    assert target_fingerprint(tiny_target(1)) != target_fingerprint(target)
+    with torch.no_grad():
+        same.model.layers[1].post_attention_layernorm.weight[3] += 0.25
+    assert target_fingerprint(same) != target_fingerprint(target)
+
+
+def one_line_error(call, match: str) -> str:
+    with pytest.raises(ValueError, match=match) as info:
+        call()
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_corrupt_and_foreign_files_are_refused(target, tmp_path):
+    good = fresh_head(target, torch.arange(VOCAB)).save(tmp_path / "good.safetensors")
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json" + bytes(100))
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(good.read_bytes()[:200])
+    plain = tmp_path / "plain.safetensors"
+    save_file({"x": torch.zeros(2)}, str(plain))
+    medusa = tmp_path / "medusa.safetensors"
+    with safe_open(str(good), framework="pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    save_file(tensors, str(medusa), metadata={**metadata, "kind": "medusa"})
+    for path, match in (
+        (garbage, "not a readable drafter file"),
+        (truncated, "not a readable drafter file"),
+        (plain, "not a verispec drafter file"),
+        (medusa, "kind 'medusa'"),
+        (tmp_path / "absent.safetensors", "no such drafter file"),
+    ):
+        one_line_error(lambda p=path: EagleHead.load(p, target, "tiny"), match)
+
+
+def test_a_drafter_for_another_target_is_refused(target, tmp_path):
+    other = tiny_target(seed=1)
+    path = fresh_head(other, torch.arange(VOCAB)).save(tmp_path / "other.safetensors")
+    message = one_line_error(lambda: EagleHead.load(path, target, "mine"), "trained for target")
+    assert (
+        target_fingerprint(other) in message and target_fingerprint(target) in message and "'mine'" in message
+    )
+    tokenizer = LetterTokenizer(VOCAB)
+    one_line_error(
+        lambda: Speculator((target, tokenizer), drafter="eagle", drafter_path=str(path)), "trained for target"
+    )
+
+
+def test_unsupported_targets_are_refused(dataset, tmp_path):
+    table = TableLM(VOCAB, seed=0)
+    one_line_error(lambda: native_target(table), "native Llama-family")
+    one_line_error(
+        lambda: train_drafter(table, dataset, tmp_path / "run", TINY_TRAINING), "native Llama-family"
+    )
+    with pytest.raises(ValueError, match="unknown drafter kind"):
+        TrainConfig(kind="medusa")
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("ce_target", ["token", "distribution"])
+def test_training_lowers_the_loss(target, dataset, trained, ce_target, tmp_path):
+    """The held-out loss of a fixed batch, before (the same seeded initialisation) and after 100 steps, the
+    cross-entropy fitting the target's next tokens or its distributions."""
+    config = dataclasses.replace(TINY_TRAINING, ce_target=ce_target)
+    path = (
+        trained if ce_target == "token" else train_drafter(target, dataset, tmp_path, config, progress=False)
+    )
+    head = EagleHead.load(path, target)
+    data = TrainingData.from_split(load_split(dataset, "heldout"), draft_index(head.draft_vocab, VOCAB))
+    batch = sample_batch(data, 8, 32, torch.Generator().manual_seed(5))
+    untrained = fresh_head(target, head.draft_vocab, seed=config.seed)
+    with torch.no_grad():
+        before = batch_loss(untrained, batch, config, 0.0, torch.Generator())
+        after = batch_loss(head, batch, config, 0.0, torch.Generator())
+    assert after < 0.8 * before
+    log = [json.loads(line) for line in (path.parent / "log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == 100 and len(log[-1]["heldout_top1"]) == 4
+    assert head.metadata["training"]["steps_done"] == 100
+    assert head.metadata["training"]["ce_target"] == ce_target
+
+
+def test_unrolled_steps_see_what_drafting_sees(target):
+    """Unrolled training step s at slot t equals the head run as the drafter runs it: the true-feature slots
+    up to t − s, then s steps on its own predicted features (with the window's tokens as the drafts)."""
+    head = fresh_head(target, torch.arange(VOCAB), seed=4)
+    g = torch.Generator().manual_seed(0)
+    width = 12
+    tokens = torch.randint(0, VOCAB, (1, width), generator=g)  # [1, W]
+    features = torch.randn(1, width + 1, 32, generator=g)  # [1, W+1, H]
+    positions = torch.arange(width)[None]  # [1, W]
+    batch = Batch(
+        tokens,
+        features,
+        torch.zeros(1, width, dtype=torch.long),
+        torch.ones(1, width, dtype=torch.bool),
+        positions,
+    )
+    with torch.no_grad():
+        steps = unrolled_features(head, batch, 3, 0.0, g)
+        for begin in (1, 5, 8):  # the draft begins after slot begin − 1
+            cache = head.new_cache(1, width)
+            out = head(tokens[:, :begin], features[:, :begin], positions[:, :begin], cache)[
+                :, -1:
+            ]  # [1, 1, H]
+            torch.testing.assert_close(out[0, 0], steps[0][0, begin - 1])
+            for s in range(1, 4):
+                slot = begin - 1 + s
+                out = head(tokens[:, slot : slot + 1], out, positions[:, slot : slot + 1], cache)
+                torch.testing.assert_close(out[0, 0], steps[s][0, slot], atol=1e-5, rtol=1e-5)
+
+
+def test_resume_continues_exactly(target, dataset, tmp_path, monkeypatch):
+    """Interrupted after the checkpoint of step 3 (in step 5, after an evaluation at step 4), resumed: the
+    same weights, optimizer state and logged evaluations as an uninterrupted run of 6 steps."""
+    config = TrainConfig(
+        steps=6, batch_tokens=64, window=32, draft_vocab=48, eval_every=2, checkpoint_every=3, eval_tokens=64
+    )
+    whole = train_drafter(target, dataset, tmp_path / "whole", config, progress=False)
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return sample_batch(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "sample_batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(target, dataset, tmp_path / "cut", config, progress=False)
+    monkeypatch.undo()
+    assert torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["step"] == 3
+    one_line_error(lambda: train_drafter(target, dataset, tmp_path / "cut", config), "already holds")
+    changed = TrainConfig(**{**config.__dict__, "lr": 5e-3})
+    one_line_error(
+        lambda: train_drafter(target, dataset, tmp_path / "cut", changed, resume=True), "settings lr differ"
+    )
+    resumed = train_drafter(target, dataset, tmp_path / "cut", config, resume=True, progress=False)
+    a, b = load_file(str(whole)), load_file(str(resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    state_a = torch.load(whole.parent / "checkpoint.pt", weights_only=True)
+    state_b = torch.load(resumed.parent / "checkpoint.pt", weights_only=True)
+    for key, value in state_a["optimizer"]["state"].items():
+        assert torch.equal(value["exp_avg"], state_b["optimizer"]["state"][key]["exp_avg"])
+    logs = [
+        [json.loads(line) for line in (p.parent / "log.jsonl").read_text().splitlines()]
+        for p in (whole, resumed)
+    ]
+    assert [record["step"] for record in logs[0]] == [2, 4, 6]
+    assert [(r["loss"], r["heldout_top1"]) for r in logs[0]] == [
+        (r["loss"], r["heldout_top1"]) for r in logs[1]
+    ]
+
+
+def test_bad_training_input(target, dataset, tmp_path):
+    one_line_error(lambda: train_drafter(target, tmp_path / "none", tmp_path / "run"), "no drafter data set")
+    one_line_error(lambda: train_drafter(tiny_target(seed=3), dataset, tmp_path / "run"), "hidden states")
+    one_line_error(lambda: train_drafter(target, dataset, tmp_path / "run", resume=True), "nothing to resume")
+    for bad in ({"steps": 0}, {"lr": 0.0}, {"window": 64, "batch_tokens": 32}, {"noise": -1.0}):
+        with pytest.raises(ValueError):
+            TrainConfig(**bad)
+
+
+# ---------------------------------------------------------------------------------------------- drafting
+
+
+def plain_and_eagle(target, path: Path):
+    tokenizer = LetterTokenizer(VOCAB)
+    plain = Speculator((target, tokenizer), drafter="none")
+    eagle = Speculator((target, tokenizer), drafter="eagle", drafter_path=str(path))
+    return plain, eagle
+
+
+def test_greedy_equals_plain_greedy_tiny(target, trained, tmp_path):
+    """Trained and random drafters, 6 prompts × K ∈ {1, 3, additive}: token for token the target's greedy
+    output; both accepted and rejected drafts occur."""
+    random_path = fresh_head(target, torch.arange(0, VOCAB, 2), seed=9).save(tmp_path / "random.safetensors")
+    drafted = accepted = 0
+    for path in (trained, random_path):
+        plain, eagle = plain_and_eagle(target, path)
+        assert eagle.drafter_name == "eagle"
+        for prompt in ("abc", "hello", "qqqzzz", "the", "mnopqrs", "x"):
+            reference = plain.generate(prompt, k=0, max_new_tokens=60, sampling=GREEDY).token_ids
+            for k in (1, 3, "additive"):
+                stats = GenerationStats("eagle", str(k))
+                out = eagle.stream(prompt, k=k, max_new_tokens=60, sampling=GREEDY, stats=stats)
+                assert [t for chunk in out for t in chunk.token_ids] == reference, (path.name, prompt, k)
+                drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    assert 0 < accepted < drafted
+
+
+def test_auto_takes_the_shipped_drafter_only_when_it_matches(target, trained, tmp_path, monkeypatch):
+    tokenizer = LetterTokenizer(VOCAB)
+    foreign = fresh_head(tiny_target(seed=1), torch.arange(VOCAB)).save(tmp_path / "foreign.safetensors")
+    monkeypatch.setattr(api_module, "shipped_drafter", lambda label: trained)
+    assert Speculator((target, tokenizer)).drafter_name == "eagle"
+    assert Speculator((target, tokenizer), draft=(target, tokenizer)).drafter_name == "model"
+    monkeypatch.setattr(api_module, "shipped_drafter", lambda label: foreign)
+    assert Speculator((target, tokenizer)).drafter_name == "ngram"
+    one_line_error(lambda: Speculator((target, tokenizer), drafter="eagle"), "trained for target")
+    monkeypatch.setattr(api_module, "shipped_drafter", lambda label: None)
+    assert Speculator((target, tokenizer)).drafter_name == "ngram"
+    one_line_error(lambda: Speculator((target, tokenizer), drafter="eagle"), "needs a drafter file")
+    one_line_error(
+        lambda: Speculator((target, tokenizer), draft=(target, tokenizer), drafter_path=str(trained)),
+        "not both",
+    )
+
+
+def drafter_with_context(target, head, context: list[int], sampling: SamplingParams) -> EagleDrafter:
+    drafter = EagleDrafter(head, sampling)
+    drafter.begin(context)
+    drafter.observe_hidden(hidden_states(target, context)[:-1])
+    return drafter
+
+
+@pytest.mark.parametrize("sampling_kw", [{}, {"temperature": 0.7, "top_k": 5}, {"top_p": 0.5}])
+def test_q_is_a_distribution_on_the_draft_vocabulary(target, trained, sampling_kw):
+    """q sums to 1, is zero outside the draft vocabulary, and is what probs_from_logits gives for the
+    full-vocabulary logits that are −inf outside it."""
+    head = EagleHead.load(trained, target)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[head.draft_vocab] = False
+    context = [3, 14, 15, 9, 2, 6]
+    sampling = SamplingParams(**sampling_kw)
+    drafter = drafter_with_context(target, head, context, sampling)
+    proposal = drafter.propose(context, 4, torch.Generator().manual_seed(0))
+    q = proposal.q  # [4, V]
+    assert q.shape == (4, VOCAB) and proposal.tokens.shape == (4,)
+    assert (q >= 0).all() and (q[:, outside] == 0).all()
+    torch.testing.assert_close(q.sum(-1), torch.ones(4, dtype=q.dtype))
+    assert (q[torch.arange(4), proposal.tokens] > 0).all()
+    n = len(context) - 1
+    with torch.no_grad():
+        tokens, positions = torch.tensor([context[1:]]), torch.arange(n)[None]  # [1, n]
+        feature = head(tokens, hidden_states(target, context)[None, :n], positions, head.new_cache(1, n))
+    full = torch.full((VOCAB,), float("-inf"))  # [V]
+    full[head.draft_vocab] = head.logits(feature[0, -1:])[0]
+    torch.testing.assert_close(q[0], probs_from_logits(full, sampling))
+    greedy = drafter_with_context(target, head, context, GREEDY).propose(context, 4, torch.Generator())
+    assert greedy.q is None and not outside[greedy.tokens].any()
+
+
+def test_cpu_fast_path_drafts_the_same(target, trained, tmp_path):
+    plain, fast = EagleHead.load(trained, target), EagleHead.load(trained, target)
+    if not fast.optimize_for_cpu(min_weight_elements=0):
+        pytest.skip("this torch has no working oneDNN linears")
+    context = [3, 14, 15, 9, 2, 6, 33, 1]
+    for sampling in (GREEDY, SamplingParams(temperature=0.9)):
+        a = drafter_with_context(target, plain, context, sampling).propose(context, 5, torch.Generator())
+        b = drafter_with_context(target, fast, context, sampling).propose(context, 5, torch.Generator())
+        assert torch.equal(a.tokens, b.tokens)
+        if a.q is not None:
+            torch.testing.assert_close(a.q, b.q)
+    one_line_error(lambda: fast.save(tmp_path / "packed.safetensors"), "optimized for CPU")
+
+
+def test_rollback_leaves_the_state_of_a_fresh_drafter(target, trained):
+    """Rounds of propose → commit some drafts and one more token → observe: after each, the drafter's cache
+    holds exactly the true-feature slots, and its next proposal (tokens and q) is that of a new drafter given
+    the whole committed context at once; a proposal rolled back entirely can be made again, identically."""
+    head = EagleHead.load(trained, target)
+    sampling = SamplingParams(temperature=0.8)
+    g = torch.Generator().manual_seed(2)
+    context = [7, 1, 30, 22]
+    drafter = drafter_with_context(target, head, context, sampling)
+    for k, accepted in ((4, 0), (3, 3), (2, 1), (5, 5), (1, 0), (4, 2)):
+        first = drafter.propose(context, k, torch.Generator().manual_seed(len(context)))
+        drafter.observe(0)  # proposing again for the same context drafts the same
+        proposal = drafter.propose(context, k, torch.Generator().manual_seed(len(context)))
+        assert torch.equal(first.tokens, proposal.tokens) and torch.equal(first.q, proposal.q)
+        fresh = drafter_with_context(target, head, context, sampling)
+        again = fresh.propose(context, k, torch.Generator().manual_seed(len(context)))
+        assert torch.equal(proposal.tokens, again.tokens)
+        torch.testing.assert_close(proposal.q, again.q)
+        committed = len(context)
+        context = (
+            context + proposal.tokens[:accepted].tolist() + [int(torch.randint(0, VOCAB, (1,), generator=g))]
+        )
+        drafter.observe_hidden(hidden_states(target, context)[committed - 1 : len(context) - 1])
+        drafter.observe(accepted)
+        assert drafter.cache.length == committed - 1  # the slots fed with true features
+
+
+def test_k_auto_calibrates_real_proposals(target, trained, tmp_path, monkeypatch):
+    """--k auto: the calibration hands the drafter the target's hidden states, so every timed proposal drafts
+    DRAFT_K tokens; generation at K auto stays the target's greedy output."""
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    lengths = []
+    propose = EagleDrafter.propose
+
+    def counted(self, context, k, generator):
+        proposal = propose(self, context, k, generator)
+        lengths.append(len(proposal.tokens))
+        return proposal
+
+    monkeypatch.setattr(EagleDrafter, "propose", counted)
+    plain, eagle = plain_and_eagle(target, trained)
+    calibration = eagle.calibration(repetitions=3)
+    assert lengths == [DRAFT_K] * 4 and calibration.cost_ratio > 0
+    for prompt in ("abc", "mnopqrs"):
+        reference = plain.generate(prompt, k=0, max_new_tokens=40, sampling=GREEDY).token_ids
+        assert eagle.generate(prompt, k="auto", max_new_tokens=40, sampling=GREEDY).token_ids == reference
+
+
+class RecordingDrafter:
+    """Reads the target's hidden states and records them; drafts the target's greedy next token, then the
+    last token again (single guesses: some accepted, some rejected)."""
+
+    name = "recording"
+    reads_target_hidden = True
+
+    def __init__(self, model: Llama) -> None:
+        self.model = model
+        self.hidden: list[torch.Tensor] = []
+
+    def begin(self, prompt: list[int]) -> None:
+        self.hidden = []
+
+    def observe_hidden(self, hidden: torch.Tensor) -> None:
+        self.hidden.append(hidden.clone())
+
+    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+        best = int(self.model.logits(hidden_states(self.model, context)[-1:])[0].argmax())
+        return Proposal(tokens=torch.tensor([best] + context[-1:] * (k - 1)), q=None)
+
+    def observe(self, num_accepted: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(seed=4)], ids=["greedy", "sampled"])
+def test_engine_hands_over_the_committed_hidden_states(target, sampling):
+    """The drafter receives f_0..f_{n-1} of the final sequence x_0..x_n, in order, nothing else."""
+    drafter = RecordingDrafter(target)
+    engine = SpeculativeEngine(target, drafter, ConstantK(3))
+    prompt = [5, 17, 40, 2]
+    stats = GenerationStats("recording", "3")
+    new = [t for chunk in engine.stream(prompt, EngineConfig(30, sampling), stats) for t in chunk]
+    assert stats.accepted > 0 and stats.drafted > stats.accepted
+    received = torch.cat(drafter.hidden)  # [n, H]
+    torch.testing.assert_close(received, hidden_states(target, prompt + new[:-1]), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="hidden states"):
+        SpeculativeEngine(TableLM(VOCAB, seed=0), drafter, ConstantK(3))
+
+
+# Chi-square through the engine: the first sampled token of N seeded generations with the learned drafter
+# (k = 1) against the target's own next-token distribution; cells with expected count < 5 are merged.
+N = 3000
+ALPHA = 1e-3
+
+
+def first_token_chi_square(speculator: Speculator, model: Llama, prompt_ids: list[int], prompt, sampling_kw):
+    counts = np.zeros(model.vocab_size)
+    drafted = accepted = 0
+    for seed in range(N):
+        stats = GenerationStats("eagle", "1")
+        sampling = SamplingParams(seed=seed, **sampling_kw)
+        chunks = speculator.stream(prompt, k=1, max_new_tokens=2, sampling=sampling, stats=stats)
+        counts[next(iter(chunks)).token_ids[0]] += 1
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    assert 0 < accepted < drafted  # both branches of the verifier were taken
+    logits = model.forward(torch.tensor([prompt_ids]), torch.arange(len(prompt_ids))[None], model.new_cache())
+    expected = probs_from_logits(logits[0, -1].double(), SamplingParams(**sampling_kw)).numpy() * N
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] < 1e-9:
+        obs, exp = obs[:-1], exp[:-1]
+    return scipy_stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def test_first_sampled_token_follows_the_target_tiny(target, trained):
+    _, eagle = plain_and_eagle(target, trained)
+    prompt = "hello"
+    assert first_token_chi_square(eagle, target, eagle.encode_prompt(prompt), prompt, {}) > ALPHA
+
+
+# ---------------------------------------------------------------------------------------------- stories260K
+
+
+@pytest.fixture(scope="module")
+def stories(shared_model, tmp_path_factory):
+    """stories260K, a small data set of its own stories and a drafter trained on it for 60 steps."""
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    model, tokenizer = load_model(root / "stories260K.bin", tokenizer=root / "tok512.bin")
+    prompts = [tokenizer.encode(p) for p in STORY_PROMPTS * 2]
+    data = make_dataset(model, tmp_path_factory.mktemp("stories-data"), prompts, answer=80, label="stories")
+    config = dataclasses.replace(
+        TINY_TRAINING,
+        steps=60,
+        batch_tokens=256,
+        window=64,
+        draft_vocab=256,
+        eval_every=60,
+        checkpoint_every=60,
+    )
+    out = tmp_path_factory.mktemp("stories-run")
+    path = train_drafter(model, data, out, config, target_label="stories260K", progress=False)
+    return model, tokenizer, path, root
+
+
+def test_stories_greedy_equals_plain_greedy(stories):
+    model, tokenizer, path, _ = stories
+    plain = Speculator((model, tokenizer), drafter="none")
+    eagle = Speculator((model, tokenizer), drafter="eagle", drafter_path=str(path))
+    drafted = accepted = 0
+    for prompt in STORY_PROMPTS:
+        reference = plain.generate(prompt, k=0, max_new_tokens=80, sampling=GREEDY).token_ids
+        for k in (2, 4):
+            stats = GenerationStats("eagle", str(k))
+            out = eagle.stream(prompt, k=k, max_new_tokens=80, sampling=GREEDY, stats=stats)
+            assert [t for chunk in out for t in chunk.token_ids] == reference, (prompt, k)
+            drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    assert 0 < accepted < drafted
+
+
+def test_stories_first_sampled_token_follows_the_target(stories):
+    model, tokenizer, path, _ = stories
+    eagle = Speculator((model, tokenizer), drafter="eagle", drafter_path=str(path))
+    prompt = "Once upon a time, there was a"
+    assert first_token_chi_square(eagle, model, tokenizer.encode(prompt), prompt, {}) > ALPHA
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+def test_bench_lists_eagle_when_a_drafter_applies(trained):
+    with_file = plan_methods(BenchConfig(target="stories.bin", drafter_path=str(trained)))[0]
+    assert Method("eagle", "4") in with_file and Method("eagle", "auto") in with_file
+    methods, notes = plan_methods(BenchConfig(target="stories.bin"))
+    assert not any(m.name == "eagle" for m in methods) and any(
+        n.startswith("eagle: no learned") for n in notes
+    )
+    with pytest.raises(ValueError, match="learned drafter"):
+        plan_methods(BenchConfig(target="stories.bin", methods=("eagle",)))
+    assert "--drafter-path" in BenchConfig(drafter_path="d.safetensors").command_line()
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """main(argv) in-process: (status, stdout, stderr)."""
+    status = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def assert_usage_error(result: tuple[int, str, str], message: str) -> None:
+    status, _, err = result
+    assert status == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_cli_train_drafter_bad_input(dataset, tmp_path, capsys):
+    assert_usage_error(
+        run_cli(capsys, "train-drafter", "--data", str(dataset), "--out", str(tmp_path), "--kind", "medusa"),
+        "unknown drafter kind",
+    )
+    assert_usage_error(
+        run_cli(capsys, "train-drafter", "--data", str(tmp_path / "absent"), "--out", str(tmp_path)),
+        "no drafter data set",
+    )
+
+
+def test_cli_train_then_generate(stories, trained, tmp_path, capsys):
+    """train-drafter on stories260K's data set, then generate with it; a drafter for another target, a
+    corrupt file and a file without the eagle drafter are one-line errors."""
+    model, tokenizer, path, root = stories
+    model_args = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
+    data = make_dataset(model, tmp_path / "data", [tokenizer.encode(p) for p in STORY_PROMPTS], answer=30)
+    run = ["--data", str(data), "--out", str(tmp_path / "run"), "--steps", "3", "--draft-vocab", "100"]
+    status, out, err = run_cli(
+        capsys, "train-drafter", *model_args, *run, "--batch-tokens", "64", "--window", "32"
+    )
+    assert status == 0, err
+    drafter = tmp_path / "run" / "drafter.safetensors"
+    assert f"drafter written to {drafter}" in out
+    assert EagleHead.load(drafter, model).draft_vocab_size == 100
+    eagle = ["--drafter", "eagle", "--drafter-path", str(drafter), "--k", "3", "--temperature", "0"]
+    status, out, err = run_cli(capsys, "generate", "Once upon a time", *model_args, *eagle, "--json")
+    assert status == 0, err
+    assert json.loads(out)["stats"]["drafter"] == "eagle"
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(b"not a safetensors file")
+    for extra, message in (
+        (["--drafter", "eagle", "--drafter-path", str(trained)], "trained for target"),
+        (["--drafter", "eagle", "--drafter-path", str(corrupt)], "not a readable drafter file"),
+        (["--drafter", "ngram", "--drafter-path", str(drafter)], "drafter file was given"),
+        (["--drafter", "eagle"], "needs a drafter file"),
+    ):
+        assert_usage_error(run_cli(capsys, "generate", "Once", *model_args, *extra), message)
