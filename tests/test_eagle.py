@@ -45,6 +45,7 @@ from verispec.models.llama import Llama, LlamaConfig
 from verispec.models.registry import load_model
 from verispec.policies import ConstantK
 from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.tree import TreeShape
 
 VOCAB = 64
 GREEDY = SamplingParams(temperature=0)
@@ -389,6 +390,7 @@ def test_auto_takes_the_shipped_drafter_only_when_it_matches(target, trained, tm
     monkeypatch.setattr(api_module, "shipped_drafter", lambda label: trained)
     assert Speculator((target, tokenizer)).drafter_name == "eagle"
     assert Speculator((target, tokenizer), draft=(target, tokenizer)).drafter_name == "model"
+    assert Speculator((target, tokenizer), tree=TreeShape.full(2, 2)).drafter_name == "ngram"
     monkeypatch.setattr(api_module, "shipped_drafter", lambda label: foreign)
     assert Speculator((target, tokenizer)).drafter_name == "ngram"
     one_line_error(lambda: Speculator((target, tokenizer), drafter="eagle"), "trained for target")

@@ -122,6 +122,20 @@ def test_logits_after_rollbacks_match_a_fresh_full_forward(saved):
     torch.testing.assert_close(feed(0, 20, seq), full, rtol=0, atol=1e-5)
 
 
+def test_prefill_fills_the_cache_as_forward_does(saved):
+    hf, model = saved
+    torch.manual_seed(2)
+    seq = torch.randint(0, VOCAB, (2, 12))  # [B=2, 12]
+    cache = hf.new_cache(batch_size=2)
+    assert hf.prefill(seq[:, :9], torch.arange(9).expand(2, -1), cache) is None and cache.length == 9
+    last = hf.forward(seq[:, 9:], torch.arange(9, 12).expand(2, -1), cache)  # [2, 3, V]
+    with torch.no_grad():
+        full = model(seq).logits  # [2, 12, V]
+    torch.testing.assert_close(last, full[:, 9:], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="overflow"):
+        hf.prefill(seq, torch.arange(12).expand(2, -1), hf.new_cache(batch_size=2, capacity=8))
+
+
 def test_sliding_window_models_are_capped_below_the_window_and_exact():
     torch.manual_seed(0)
     config = MistralConfig(

@@ -143,6 +143,12 @@ def test_logits_match_transformers_through_prefill_decode_and_rollback(saved, ca
     torch.testing.assert_close(chunk, hf_logits(hf, other)[:, 13:20], atol=ATOL, rtol=0)
     torch.testing.assert_close(chunk, fresh_logits(model, other)[:, 13:20], atol=ATOL, rtol=0)
 
+    # a prefill without logits leaves the cache as a forward does
+    cache.truncate(0)
+    assert model.prefill(ids[:, :17], positions(0, ids[:, :17]), cache) is None and cache.length == 17
+    rest = model(ids[:, 17:], positions(17, ids[:, 17:]), cache)  # [2, 3, V]
+    torch.testing.assert_close(rest, ref[:, 17:], atol=ATOL, rtol=0)
+
 
 def test_hidden_states_match_transformers_and_give_the_logits(saved):
     hf, directory = saved["llama-gqa-untied"]

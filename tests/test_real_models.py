@@ -16,7 +16,9 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
+from verispec import cli
 from verispec.api import Speculator
+from verispec.eagle.drafter import shipped_drafter
 from verispec.engine import GenerationStats
 from verispec.models.llama import Llama
 from verispec.models.registry import load_model
@@ -204,6 +206,24 @@ def test_smollm2_speculative_greedy_equals_plain_greedy(smollm2):
         reference = greedy_ids(plain, prompt, 40, chat=True)
         assert greedy_ids(ngram, prompt, 40, chat=True) == reference
         assert greedy_ids(cut, prompt, 40, k=3, chat=True) == reference
+
+
+def test_smollm2_shipped_learned_drafter_is_exact(smollm2, capsys):
+    """The drafter shipped for SmolLM2-135M: picked by default, greedy == plain greedy on 3 chat prompts; the
+    demo runs it beside ngram and finds every output identical."""
+    model, tokenizer = smollm2
+    shipped = shipped_drafter("smollm2-135m")
+    assert shipped is not None, "the package ships a drafter for smollm2-135m"
+    plain = Speculator((model, tokenizer), drafter="none")
+    learned = Speculator((model, tokenizer), drafter_path=shipped)
+    assert learned.drafter_name == "eagle"
+    for prompt in SMOL_PROMPTS:
+        assert greedy_ids(learned, prompt, 40, chat=True) == greedy_ids(plain, prompt, 40, chat=True)
+    assert cli.main(["demo", "--max-new-tokens", "24", "--k", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name in ("none", "ngram", "eagle"):
+        assert any(line.strip().startswith(f"{name}: 24 tokens") for line in lines), name
+    assert sum("identical to none: yes" in line for line in lines) == 2
 
 
 def test_smollm2_knows_paris(smollm2):

@@ -90,7 +90,10 @@ def traces(shared_model, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
         page = out / f"{name}.html"
         model = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
         sampling = ["--temperature", "1", "--seed", "3", "--max-new-tokens", "40"]
-        prompt = "Once upon a time, there was a little girl named Lily. She"
+        prompt = (  # it repeats itself, so that prompt lookup finds two-token matches
+            "Once upon a time, there was a little girl named Lily. She liked to play with her ball. "
+            "Lily and her mom went to the park. She liked to play"
+        )
         argv = ["generate", prompt, *model, *extra, *sampling, "--json", "--trace", str(page)]
         stdout = io.StringIO()
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
