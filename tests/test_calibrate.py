@@ -137,6 +137,8 @@ def test_cli_calibrate(shared_model, capsys):
     assert data["draft"]["label"] == "ngram" and len(data["verify_cost"]) == K_MAX
     assert main(["calibrate", *model_args, "--repetitions", "0"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+    assert main(["calibrate", *model_args, "--drafter", "eagle"]) == 2  # no learned drafter for stories
+    assert "needs a drafter file" in capsys.readouterr().err
 
 
 def _model_drafter(model, layers: int):

@@ -606,9 +606,13 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
         "calibrate",
         help="measure the target's verification curve and the draft's cost on this machine",
         description="Measure v(k) = T(k new tokens) / T(1) for k = 1..16 and the cost ratio c = T_draft / "
-        "T_target(1) of the drafter (--draft, else the n-gram lookup), and cache them for --k auto.",
+        "T_target(1) of the drafter (--drafter, as generate chooses it), and cache them for --k auto.",
     )
     _add_model_specs(parser)
+    parser.add_argument(
+        "--drafter", default="auto", help="model, ngram, eagle or auto (default: as generate chooses)"
+    )
+    parser.add_argument("--drafter-path", metavar="FILE", help="a learned drafter (verispec train-drafter)")
     parser.add_argument("--repetitions", type=int, default=10, help="timings per k (default: 10)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -628,7 +632,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name} must be an integer >= 1, got {value}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    speculator = Speculator(args.target, args.draft, tokenizer=args.tokenizer)
+    speculator = Speculator(
+        args.target, args.draft, args.drafter, tokenizer=args.tokenizer, drafter_path=args.drafter_path
+    )
     calibration = speculator.calibration(force=True, repetitions=args.repetitions)
     if args.json:
         print(json.dumps(calibration.to_dict(), indent=2))
