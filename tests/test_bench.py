@@ -360,8 +360,14 @@ def test_goals_are_judged_from_the_medians():
         _cell("chat", "transformers", "", 20.0),
         _cell("chat", "model", "2", 30.0, 1.0),
         _cell("chat", "transformers-assisted", "2", 10.0),
+        _cell("chat", "eagle", "4", 42.0, 0.96),
     ]
-    results = {"config": {"tasks": ["summarization", "chat"], "temperatures": [0.0]}, "cells": cells}
+    cells[-1]["metrics"]["tokens_per_target_call"] = 2.4
+    results = {
+        "config": {"tasks": ["summarization", "chat"], "temperatures": [0.0]},
+        "cells": cells,
+        "calibration": {"eagle": {"cost_ratio": 0.08}},
+    }
     judged = [line.split(" | ") for line in goals(results) if line.endswith(("✓ |", "missed |"))]
     rows = {f"{goal.lstrip('| ')} @ {task}": " | ".join(rest) for goal, task, *rest in judged}
     assert rows["none ≥ 1.1× transformers @ summarization"].endswith("2.000 | ✓ |")
@@ -371,12 +377,11 @@ def test_goals_are_judged_from_the_medians():
         "1.733 | ✓ |"
     )
     assert rows["ngram k=auto efficiency ≥ 0.95 @ summarization"].endswith("0.900 | ✗ missed |")
-    assert rows["ngram k=auto ≥ 0.95× ngram k=4 (best fixed) @ summarization"].endswith(
-        "0.923 | ✗ missed |"
-    )
+    assert rows["ngram k=auto ≥ 0.95× ngram k=4 (best fixed) @ summarization"].endswith("0.923 | ✗ missed |")
     assert rows["ngram k=auto ≥ 0.95× none @ summarization"].endswith("1.200 | ✓ |")
     assert rows["model k=2 ≥ 2× transformers-assisted @ chat"].endswith("3.000 | ✓ |")
-    assert not any(
-        "ngram" in key and "chat" in key for key in rows
-    )  # chat is not a copy task, no ngram cells
+    assert rows["eagle k=4 ≥ 1.8× none @ chat"].endswith("2.000 | ✓ |")
+    assert rows["eagle k=4 τ ≥ 2.5 @ chat"].endswith("2.400 | ✗ missed |")
+    assert rows["eagle: target step / draft step ≥ 10 @ calibration"].endswith("12.500 | ✓ |")
+    assert not any("ngram" in key and "chat" in key for key in rows)  # chat is not a copy task
     assert goals({"config": {"tasks": ["chat"], "temperatures": [0.0]}, "cells": []}) == []

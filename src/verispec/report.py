@@ -140,6 +140,7 @@ def summary(results: dict, temperature: float) -> list[str]:
 # ---------------------------------------------------------------------------------------------- goals
 
 _COPY_TASKS = ("summarization", "rag", "code_editing")  # where the answer copies its input
+_LEARNED_TASKS = ("chat", "rag")  # where the learned drafter's goals are set (open answers, QA)
 
 
 def _tps(cell: dict) -> float:
@@ -199,6 +200,13 @@ def _goal_rows(results: dict, temperature: float) -> list[tuple[str, str, float,
                 )
             if cell["k"] == "auto" and none:
                 rows.append((f"{cell['label']} ≥ 0.95× none", task, _tps(cell) / _tps(none), 0.95))
+            if cell["method"] == "eagle" and task in _LEARNED_TASKS and temperature == 0 and none:
+                rows.append((f"{cell['label']} ≥ 1.8× none", task, _tps(cell) / _tps(none), 1.8))
+                if cell["k"] == "4":
+                    rows.append(("eagle k=4 τ ≥ 2.5", task, cell["metrics"]["tokens_per_target_call"], 2.5))
+    eagle = results.get("calibration", {}).get("eagle")
+    if rows and eagle and eagle["cost_ratio"] > 0:  # a draft step ≤ 10 % of a target step
+        rows.append(("eagle: target step / draft step ≥ 10", "calibration", 1 / eagle["cost_ratio"], 10.0))
     return rows
 
 
