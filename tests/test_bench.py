@@ -302,21 +302,15 @@ def test_an_interrupted_bench_keeps_its_finished_cells(
 
     monkeypatch.setattr(bench.Bench, "_sample", interrupted_on_the_sixth)
     out = tmp_path / "out"
-    # two tasks × 2 methods × 2 repetitions: the first task's 4 samples finish, the second task gets one
-    status, _, err = run(
-        capsys,
-        *stories_args,
-        "--tasks",
-        "stories",
-        "--methods",
-        "none,ngram",
-        "--k",
-        "4",
-        "--repetitions",
-        "2",
-        "--out",
-        str(out),
-    )
+    # Python's own Ctrl-C handler, also where SIGINT was ignored at startup (a background job under `&`)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:  # two tasks × 2 methods × 2 repetitions: the first task's 4 samples finish, the second gets one
+        status, _, err = run(
+            capsys, *stories_args, "--tasks", "stories", "--methods", "none,ngram", "--k", "4",
+            "--repetitions", "2", "--out", str(out),
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert status == 130 and err.strip().endswith("verispec: interrupted")
     results = json.loads((out / "results.json").read_text())
     assert results["interrupted"] and not results["complete"]
