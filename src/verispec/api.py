@@ -139,7 +139,8 @@ class Speculator:
                 )
         target_label = DEFAULT_MODEL if target is None else target if isinstance(target, str) else ""
         self.head = None  # the learned drafter's
-        if drafter == "eagle" or drafter_path is not None or (drafter == "auto" and draft is tree is None):
+        auto_learned = drafter == "auto" and draft is None and tree is None  # trees take ngram or model
+        if drafter == "eagle" or drafter_path is not None or auto_learned:
             self.head = _learned_head(self.model, drafter, drafter_path, target_label)
         if drafter == "auto":
             drafter = "model" if draft is not None else "eagle" if self.head is not None else "ngram"
