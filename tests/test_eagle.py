@@ -240,6 +240,21 @@ def test_a_drafter_for_another_target_is_refused(target, tmp_path):
     )
 
 
+def test_a_loaded_target_is_named_by_its_label(target, trained, tmp_path, monkeypatch):
+    """``target_label`` names a loaded target: the shipped drafter is looked up under it; errors say it."""
+    tokenizer = LetterTokenizer(VOCAB)
+    asked = []
+    monkeypatch.setattr(api_module, "shipped_drafter", lambda label: asked.append(label) or trained)
+    assert Speculator((target, tokenizer), target_label="tiny-0").drafter_name == "eagle"
+    assert asked == ["tiny-0"]
+    foreign = fresh_head(tiny_target(seed=1), torch.arange(VOCAB)).save(tmp_path / "foreign.safetensors")
+    message = one_line_error(
+        lambda: Speculator((target, tokenizer), drafter_path=str(foreign), target_label="tiny-0"),
+        "trained for target",
+    )
+    assert "'tiny-0'" in message
+
+
 def test_unsupported_targets_are_refused(dataset, tmp_path):
     table = TableLM(VOCAB, seed=0)
     one_line_error(lambda: native_target(table), "native Llama-family")
@@ -271,6 +286,7 @@ def test_training_lowers_the_loss(target, dataset, trained, ce_target, tmp_path)
     assert after < 0.8 * before
     log = [json.loads(line) for line in (path.parent / "log.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == 100 and len(log[-1]["heldout_top1"]) == 4
+    assert len(log[-1]["train_top1"]) == 4 and all(0 < a <= 1 for a in log[-1]["train_top1"])
     assert head.metadata["training"]["steps_done"] == 100
     assert head.metadata["training"]["ce_target"] == ce_target
 

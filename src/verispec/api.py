@@ -105,6 +105,8 @@ class Speculator:
     tree each round (several n-gram matches; the draft's top-k children at each node), which the target
     scores in one forward; K is then not used.
     drafter_path: a learned drafter file (``verispec train-drafter``) for the target, for "eagle" or "auto".
+    target_label: names a loaded target (default: its SPEC) in messages and calibration notices, and picks
+    the drafter verispec ships for it.
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class Speculator:
         device: str = "cpu",
         tree: TreeShape | None = None,
         drafter_path: str | Path | None = None,
+        target_label: str | None = None,
     ) -> None:
         if drafter not in DRAFTERS:
             raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
@@ -137,7 +140,8 @@ class Speculator:
                     f"the draft's tokenizer has {draft_tokenizer.vocab_size} tokens, the target's "
                     f"{self.tokenizer.vocab_size}: the draft must share the target's tokenizer"
                 )
-        target_label = DEFAULT_MODEL if target is None else target if isinstance(target, str) else ""
+        if target_label is None:
+            target_label = DEFAULT_MODEL if target is None else target if isinstance(target, str) else ""
         self.head = None  # the learned drafter's
         auto_learned = drafter == "auto" and draft is None and tree is None  # trees take ngram or model
         if drafter == "eagle" or drafter_path is not None or auto_learned:

@@ -526,7 +526,9 @@ class Bench:
         for name in dict.fromkeys(chains):
             draft = config.draft if name in MODEL_DRAFTERS else None
             path = learned_drafter(config) if name == "eagle" else None
-            self.speculators[name] = Speculator(loaded, draft=draft, drafter=name, drafter_path=path)
+            self.speculators[name] = Speculator(
+                loaded, draft=draft, drafter=name, drafter_path=path, target_label=str(config.target)
+            )
         self.trees = {m.label: self._tree_speculator(m) for m in methods if m.name in TREE_METHODS}
         self.chat = _has_chat_template(self.tokenizer)
         self.prompt_ids = {
@@ -566,7 +568,13 @@ class Bench:
         else:
             draft = None if chain.draft is None else (chain.draft, self.tokenizer)
         tree = TreeShape.parse(method.k)
-        return Speculator((chain.model, self.tokenizer), draft=draft, drafter=chain.drafter_name, tree=tree)
+        return Speculator(
+            (chain.model, self.tokenizer),
+            draft=draft,
+            drafter=chain.drafter_name,
+            tree=tree,
+            target_label=str(self.config.target),
+        )
 
     # ------------------------------------------------------------------ generation
 

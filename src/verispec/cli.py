@@ -678,23 +678,47 @@ def add_drafter_data_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="prompt set and sampling seed (default: 0)")
     parser.add_argument(
+        "--first-prompt",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start at prompt N of the prompt set, to add new prompts to an earlier data set (default: 0)",
+    )
+    parser.add_argument(
         "--follow-ups",
         type=int,
         metavar="N",
         help="instead: copy the data set --from DIR and add second turns to its first N chats of each split",
     )
     parser.add_argument("--from", dest="source", metavar="DIR", help="the data set --follow-ups extends")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="DIR",
+        help="instead: write the union of these data sets (same target) into --out",
+    )
     parser.set_defaults(func=run_drafter_data)
 
 
 def run_drafter_data(args: argparse.Namespace) -> int:
     """Run ``verispec drafter-data``: build the data set and print what it holds."""
-    from verispec.eagle.data import DataConfig, add_follow_ups, build_dataset
+    from verispec.eagle.data import DataConfig, add_follow_ups, build_dataset, merge_datasets
 
-    config = DataConfig(args.prompts, args.max_new_tokens, args.batch_size, args.heldout, args.seed)
+    config = DataConfig(
+        args.prompts,
+        args.max_new_tokens,
+        args.batch_size,
+        args.heldout,
+        args.seed,
+        first_prompt=args.first_prompt,
+    )
     if (args.follow_ups is None) != (args.source is None):
         raise ValueError("--follow-ups N and --from DIR go together")
-    if args.source is not None:
+    if args.merge is not None and args.source is not None:
+        raise ValueError("--merge and --follow-ups are separate steps")
+    if args.merge is not None:
+        meta = merge_datasets(args.merge, args.out)
+    elif args.source is not None:
         meta = add_follow_ups(args.source, args.out, args.follow_ups, config)
     else:
         meta = build_dataset(args.target, args.out, config)
@@ -751,7 +775,8 @@ def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_train_drafter(args: argparse.Namespace) -> int:
     """Run ``verispec train-drafter``: validate, load the target, train, print where the drafter is."""
-    from verispec.eagle.train import TrainConfig, read_data_meta, train_drafter
+    from verispec.eagle.data import read_data_meta
+    from verispec.eagle.train import TrainConfig, train_drafter
     from verispec.models.registry import DEFAULT_MODEL, load_model
 
     config = TrainConfig(

@@ -33,7 +33,15 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["DataConfig", "add_follow_ups", "build_dataset", "chat_prompts", "load_split"]
+__all__ = [
+    "DataConfig",
+    "add_follow_ups",
+    "build_dataset",
+    "chat_prompts",
+    "load_split",
+    "merge_datasets",
+    "read_data_meta",
+]
 
 _TOPICS = (
     "photosynthesis",
@@ -354,12 +362,14 @@ class DataConfig:
     heldout_fraction: float = 0.05
     seed: int = 0
     progress: bool = True  # a tqdm progress bar
+    first_prompt: int = 0  # answer prompts first_prompt .. first_prompt + num_prompts - 1 of the prompt set
 
     def __post_init__(self) -> None:
-        for name in ("num_prompts", "max_new_tokens", "batch_size"):
+        for name in ("num_prompts", "max_new_tokens", "batch_size", "first_prompt"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            low = 0 if name == "first_prompt" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if not 0 < self.heldout_fraction < 1:
             raise ValueError(f"heldout_fraction must lie in (0, 1), got {self.heldout_fraction!r}")
 
@@ -497,6 +507,12 @@ def _finish(out: Path, splits: dict[str, list], meta: dict, started: float) -> d
     return meta
 
 
+def _prompt_texts(first: int, count: int, seed: int) -> list[str]:
+    """Prompts ``first`` .. ``first + count - 1`` of the prompt set of ``seed`` (chat_prompts makes its
+    prompts one after another, so a longer set begins with a shorter one)."""
+    return chat_prompts(first + count, seed)[first:]
+
+
 def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig()) -> dict:
     """Generate the data set of ``target`` (a model SPEC) into directory ``out``; returns its meta data.
 
@@ -504,7 +520,7 @@ def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig(
     ``heldout_fraction`` of the prompts (by seed) forms the held-out split."""
     started = time.perf_counter()
     model, tokenizer = _load_target(target)
-    texts = chat_prompts(config.num_prompts, config.seed)
+    texts = _prompt_texts(config.first_prompt, config.num_prompts, config.seed)
     prompts = [tokenizer.encode(tokenizer.chat_prompt(t), add_bos=True) for t in texts]
     order = list(range(len(prompts)))
     random.Random(config.seed).shuffle(order)
@@ -516,6 +532,7 @@ def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig(
         "vocab_size": int(tokenizer.vocab_size),
         "generation": {
             "prompts": "verispec.eagle.data.chat_prompts",
+            "first_prompt": config.first_prompt,
             "num_prompts": config.num_prompts,
             "max_new_tokens": config.max_new_tokens,
             "batch_size": config.batch_size,
@@ -527,6 +544,32 @@ def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig(
     return _finish(Path(out), splits, meta, started)
 
 
+def read_data_meta(directory: str | Path) -> dict:
+    """The ``meta.json`` of the drafter data set in ``directory``; ValueError when there is none."""
+    meta_path = Path(directory) / "meta.json"
+    if not meta_path.is_file():
+        raise ValueError(
+            f"no drafter data set in {directory} (no meta.json): build it with verispec drafter-data"
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{meta_path} is not readable JSON: {err}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path} does not hold a JSON object")
+    return meta
+
+
+def _sequences(directory: str | Path, split: str) -> list[tuple[list[int], int, Tensor]]:
+    """The (tokens, prompt length, hidden [L, H]) sequences of one split of a data set."""
+    data = load_split(directory, split)
+    offsets, lengths = data["offsets"].tolist(), data["prompt_lengths"].tolist()
+    return [
+        (data["tokens"][a:b].tolist(), n, data["hidden"][a:b])
+        for a, b, n in zip(offsets, offsets[1:], lengths, strict=False)
+    ]
+
+
 def add_follow_ups(
     source: str | Path, out: str | Path, count: int, config: DataConfig = DataConfig()
 ) -> dict:
@@ -536,23 +579,22 @@ def add_follow_ups(
     A follow-up stays in its conversation's split. Returns the new meta data."""
     started = time.perf_counter()
     source = Path(source)
-    meta = json.loads((source / "meta.json").read_text())
+    meta = read_data_meta(source)
     if count < 1:
         raise ValueError(f"follow-ups must be >= 1, got {count}")
+    generation = meta.get("generation")
+    if not isinstance(generation, dict) or "num_prompts" not in generation:
+        raise ValueError(
+            f"{source} does not record one prompt set (a merged data set?): add follow-ups before merging"
+        )
     model, tokenizer = _load_target(meta["target"])
-    generation = meta["generation"]
-    texts = chat_prompts(generation["num_prompts"], generation["seed"])
+    texts = _prompt_texts(generation.get("first_prompt", 0), generation["num_prompts"], generation["seed"])
     by_prompt = {tuple(tokenizer.encode(tokenizer.chat_prompt(t), add_bos=True)): t for t in texts}
     rng = random.Random(config.seed)
     splits: dict[str, list] = {}
     conversations, heldout = [], set()
     for name in ("train", "heldout"):
-        data = load_split(source, name)
-        offsets, lengths = data["offsets"].tolist(), data["prompt_lengths"].tolist()
-        splits[name] = [
-            (data["tokens"][a:b].tolist(), n, data["hidden"][a:b])
-            for a, b, n in zip(offsets, offsets[1:], lengths, strict=False)
-        ]
+        splits[name] = _sequences(source, name)
         for tokens, n, _ in splits[name][:count]:
             question = by_prompt.get(tuple(tokens[:n]))
             if question is None:
@@ -578,6 +620,31 @@ def add_follow_ups(
         "seed": config.seed,
     }
     return _finish(Path(out), merged, meta, started)
+
+
+def merge_datasets(sources: list[str | Path], out: str | Path) -> dict:
+    """A new data set in ``out`` holding every sequence of ``sources`` (each made by :func:`build_dataset` or
+    :func:`add_follow_ups` for one target), split by split: the way to grow a data set with new prompts
+    (``DataConfig.first_prompt``). Returns the new meta data; ValueError for fewer than two sources, a
+    missing one, or sources made by different targets."""
+    started = time.perf_counter()
+    if len(sources) < 2:
+        raise ValueError(f"merging needs at least two data sets, got {len(sources)}")
+    metas = [read_data_meta(source) for source in sources]
+    made_by = {(m.get("target"), m.get("hidden_size"), m.get("vocab_size")) for m in metas}
+    if len(made_by) > 1:
+        raise ValueError(f"the data sets were made by different targets: {sorted(map(str, made_by))}")
+    splits: dict[str, list] = {}
+    for name in ("train", "heldout"):
+        splits[name] = [seq for source in sources for seq in _sequences(source, name)]
+    meta = {
+        "target": metas[0]["target"],
+        "hidden_size": metas[0]["hidden_size"],
+        "vocab_size": metas[0]["vocab_size"],
+        "generation": {"merged": [m.get("generation") for m in metas]},
+        "seconds": sum(m.get("seconds", 0) for m in metas),
+    }
+    return _finish(Path(out), splits, meta, started)
 
 
 def load_split(directory: str | Path, split: str) -> dict[str, Tensor]:

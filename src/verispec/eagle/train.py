@@ -17,7 +17,8 @@ The recipe, on CPU in hours:
 - AdamW (β = 0.9, 0.95), learning rate warmed up linearly over ``warmup`` steps then cosine-decayed to 10 %,
   gradient norm clipped at ``grad_clip``;
 - every ``eval_every`` steps: the held-out top-1 accuracy at each draft position (teacher-forced tokens, the
-  head's own features), shown on the progress bar and appended to ``log.jsonl``;
+  head's own features), shown on the progress bar and appended to ``log.jsonl`` with the same measure on the
+  training split (its gap to the held-out one says whether more data or more steps would help);
 - every ``checkpoint_every`` steps: ``checkpoint.pt`` (weights, optimizer, step, random state) and the
   drafter file ``drafter.safetensors``, each written atomically; ``resume`` continues from the checkpoint and
   ends exactly where an uninterrupted run ends.
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from verispec.eagle.data import load_split
+from verispec.eagle.data import load_split, read_data_meta
 from verispec.eagle.model import KINDS, EagleHead, native_target, target_fingerprint
 from verispec.models.llama import Llama
 
@@ -50,7 +51,6 @@ __all__ = [
     "TrainingData",
     "batch_loss",
     "draft_index",
-    "read_data_meta",
     "sample_batch",
     "train_drafter",
     "unrolled_features",
@@ -294,22 +294,6 @@ def _draft_vocabulary(answers: Tensor, size: int, vocab: int) -> Tensor:
     return order[: min(size, vocab)].sort().values
 
 
-def read_data_meta(directory: str | Path) -> dict:
-    """The ``meta.json`` of the drafter data set in ``directory``; ValueError when there is none."""
-    meta_path = Path(directory) / "meta.json"
-    if not meta_path.is_file():
-        raise ValueError(
-            f"no drafter data set in {directory} (no meta.json): build it with verispec drafter-data"
-        )
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{meta_path} is not readable JSON: {err}") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"{meta_path} does not hold a JSON object")
-    return meta
-
-
 def _check_data(directory: Path, target: Llama, label: str) -> tuple[dict, dict[str, Tensor]]:
     """The data set's meta.json and held-out split, after checking that the data set exists and was made by
     ``target``: its sizes, and the hidden states of the first held-out positions recomputed by the target."""
@@ -481,6 +465,7 @@ def train_drafter(
                 "loss": loss_value,
                 "seconds": round(seconds, 1),
                 "heldout_top1": accuracy,
+                "train_top1": _evaluate(head, train, config.eval_tokens, config.window),
             }
             with (out_dir / LOG).open("a") as log:
                 log.write(json.dumps(record) + "\n")

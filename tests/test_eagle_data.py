@@ -1,0 +1,356 @@
+"""The learned drafter's training data (:mod:`verispec.eagle.data`): the prompt set, ``DataConfig``, and data
+sets built, extended and merged end to end on a tiny random transformers Llama (with a byte-level tokenizer
+that has a chat template, both made here), every stored hidden state and greedy answer checked against
+verispec's native Llama loaded from the same directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from test_eagle import assert_usage_error, run_cli
+from test_hf_adapter import save_tokenizer
+from verispec.eagle import data as data_module
+from verispec.eagle.data import (
+    DataConfig,
+    add_follow_ups,
+    build_dataset,
+    chat_prompts,
+    load_split,
+    merge_datasets,
+)
+from verispec.models.registry import load_model
+
+VOCAB = 4 + 256  # save_tokenizer's vocabulary: four special tokens, then the 256 byte symbols
+EOS = {1, 3}  # </s> and <|end|> (its generation_config.json)
+CONFIG = DataConfig(
+    num_prompts=6, max_new_tokens=8, batch_size=3, heldout_fraction=0.25, seed=0, progress=False
+)
+HELDOUT = 2  # max(1, round(0.25 * 6))
+REAL_STDLIB_PASSAGES = data_module._stdlib_passages
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stdlib_passages():
+    """The standard-library passages, read once: reading them parses every stdlib module (over a second per
+    ``chat_prompts`` call). The same list is handed back on each call, so the prompts do not change."""
+    found = REAL_STDLIB_PASSAGES()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(data_module, "_stdlib_passages", lambda: list(found))
+        yield found
+
+
+# --- the prompt set -----------------------------------------------------------------------------------------
+
+
+def test_chat_prompts_are_deterministic_distinct_and_counted(stdlib_passages):
+    assert stdlib_passages and REAL_STDLIB_PASSAGES() == stdlib_passages  # the passages themselves are fixed
+    for count in (1, 7, 200):
+        prompts = chat_prompts(count, seed=3)
+        assert len(prompts) == count == len(set(prompts))
+        assert all(isinstance(p, str) and p.strip() for p in prompts)
+        assert chat_prompts(count, seed=3) == prompts
+    many = chat_prompts(200, seed=3)
+    assert chat_prompts(200, seed=4) != many
+    passages = set(stdlib_passages)  # the summarization requests quote a passage after a blank line
+    assert any(p.split("\n\n", 1)[-1] in passages for p in many)
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="count must be >= 1"):
+            chat_prompts(bad)
+
+
+@pytest.mark.parametrize("seed", [0, 11])
+def test_a_longer_prompt_set_begins_with_a_shorter_one(seed):
+    """What ``first_prompt`` relies on: prompts k.. of a longer set are new prompts, not a reshuffle."""
+    longer = chat_prompts(80, seed)
+    for n in (1, 9, 50, 79):
+        assert chat_prompts(n, seed) == longer[:n]
+    assert data_module._prompt_texts(30, 25, seed) == longer[30:55]
+
+
+# --- DataConfig ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        *[(f, v) for f in ("num_prompts", "max_new_tokens", "batch_size") for v in (0, -1, True, 2.0)],
+        *[("first_prompt", v) for v in (-1, True, False, 1.5)],
+        *[("heldout_fraction", v) for v in (0, 1, 0.0, 1.0, -0.1, 1.5, float("nan"))],
+    ],
+)
+def test_data_config_rejects_bad_values(field, value):
+    with pytest.raises(ValueError, match=field) as err:
+        DataConfig(**{field: value})
+    assert "\n" not in str(err.value)
+
+
+def test_data_config_accepts_good_values():
+    assert DataConfig(first_prompt=0).first_prompt == 0
+    config = DataConfig(num_prompts=1, max_new_tokens=1, batch_size=1, heldout_fraction=0.5, first_prompt=9)
+    assert (config.num_prompts, config.first_prompt, config.heldout_fraction) == (1, 9, 0.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.num_prompts = 2  # type: ignore[misc]
+
+
+# --- data sets of a tiny random Llama -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    """A transformers-format directory: a random Llama whose vocabulary covers the tokenizer's ids, and a
+    byte-level tokenizer with a chat template (EOS ids 1 and 3)."""
+    directory = tmp_path_factory.mktemp("target")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight[3] *= 4  # <|end|> (an EOS) likelier: some answers stop before max_new_tokens
+    model.save_pretrained(directory)
+    return save_tokenizer(directory, add_bos=True)  # after the model: its generation_config.json wins
+
+
+@pytest.fixture(scope="module")
+def native(target):
+    """(verispec's native Llama, tokenizer) of the same directory."""
+    model, tokenizer = load_model(str(target))
+    assert type(model).__name__ == "Llama"
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def built(target, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """Two data sets of the target: prompts 0..5 ("a") and, with first_prompt = 6, prompts 6..11 ("b")."""
+    root = tmp_path_factory.mktemp("data")
+    later = dataclasses.replace(CONFIG, first_prompt=6)
+    return {
+        "a": (root / "a", build_dataset(str(target), root / "a", CONFIG)),
+        "b": (root / "b", build_dataset(str(target), root / "b", later)),
+    }
+
+
+def sequences(directory: Path, split: str) -> list[tuple[list[int], int, torch.Tensor]]:
+    """(tokens, prompt length, hidden [L, H]) of each sequence of a split, read through ``load_split``."""
+    data = load_split(directory, split)
+    offsets = data["offsets"].tolist()
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert len(offsets) == len(data["prompt_lengths"]) + 1
+    return [
+        (data["tokens"][a:b].tolist(), n, data["hidden"][a:b])
+        for a, b, n in zip(offsets[:-1], offsets[1:], data["prompt_lengths"].tolist(), strict=True)
+    ]
+
+
+def check_against_target(native, tokens: list[int], prompt_length: int, hidden: torch.Tensor) -> bool:
+    """Assert that ``hidden`` holds the target's final hidden states at ``tokens`` (float16 rounding) and that
+    the sequence is a possible answer of at most max_new_tokens - 1 kept tokens; True when every answer token
+    is the greedy one and the dropped last token would have been an EOS (or the length is the limit)."""
+    model, _ = native
+    assert 0 < prompt_length <= len(tokens)
+    answer = tokens[prompt_length:]
+    assert len(answer) <= CONFIG.max_new_tokens - 1 and not EOS & set(answer)
+    with torch.inference_mode():
+        ids = torch.tensor([tokens])  # [1, L]
+        states = model.forward_hidden(ids, torch.arange(len(tokens))[None], model.new_cache(1, len(tokens)))
+        logits = model.logits(states)[0]  # [L, V]
+    assert hidden.dtype == torch.float16 and hidden.shape == states.shape[1:]
+    torch.testing.assert_close(hidden.float(), states[0], rtol=1e-3, atol=1e-3)
+    best = logits.max(-1).values  # [L]
+    steps = range(prompt_length - 1, len(tokens) - 1)
+    greedy = all(logits[p, tokens[p + 1]] >= best[p] - 1e-4 for p in steps)
+    last = logits[-1].argmax().item()
+    return greedy and (len(answer) == CONFIG.max_new_tokens - 1 or last in EOS)
+
+
+def answered(native, directory: Path, first: int, count: int) -> dict[str, list[tuple[int, list[int], int]]]:
+    """split → (prompt index in the data set, tokens, prompt length) of each sequence, after asserting that
+    the data set answers exactly prompts first .. first + count - 1 of the prompt set, once each."""
+    _, tokenizer = native
+    texts = chat_prompts(first + count, CONFIG.seed)[first:]
+    index = {tuple(tokenizer.encode(tokenizer.chat_prompt(t), add_bos=True)): i for i, t in enumerate(texts)}
+    assert len(index) == count
+    found = {
+        split: [(index.get(tuple(t[:n])), t, n) for t, n, _ in sequences(directory, split)]
+        for split in ("train", "heldout")
+    }
+    assert sorted(i for seqs in found.values() for i, _, _ in seqs if i is not None) == list(range(count))
+    assert all(i is not None for seqs in found.values() for i, _, _ in seqs)
+    return found
+
+
+@pytest.mark.parametrize("name", ["a", "b"])
+def test_build_dataset_writes_the_splits_and_their_counts(built, target, name):
+    directory, meta = built[name]
+    assert json.loads((directory / "meta.json").read_text()) == meta
+    assert (meta["target"], meta["hidden_size"], meta["vocab_size"]) == (str(target), 32, VOCAB)
+    assert meta["generation"]["first_prompt"] == (0 if name == "a" else 6)
+    assert meta["generation"]["num_prompts"] == CONFIG.num_prompts
+    splits = {split: sequences(directory, split) for split in ("train", "heldout")}
+    assert meta["splits"] == {split: len(seqs) for split, seqs in splits.items()}
+    assert meta["splits"]["heldout"] == HELDOUT
+    assert meta["num_sequences"] == CONFIG.num_prompts == sum(meta["splits"].values())
+    every = [seq for seqs in splits.values() for seq in seqs]
+    assert meta["num_tokens"] == sum(len(t) for t, _, _ in every)
+    assert 0 < meta["answer_tokens"] == sum(len(t) - n for t, n, _ in every)
+    for split in ("train", "heldout"):
+        data = load_split(directory, split)
+        assert data["tokens"].dtype == torch.int32 and data["hidden"].dtype == torch.float16
+        assert data["hidden"].shape == (data["tokens"].shape[0], 32)
+        assert data["offsets"].dtype == data["prompt_lengths"].dtype == torch.int64
+
+
+@pytest.mark.parametrize(("name", "first"), [("a", 0), ("b", 6)])
+def test_build_dataset_stores_the_targets_answers_and_hidden_states(built, native, name, first):
+    """Prompts first..first+5 answered once each; every hidden state (greedy and sampled prompts, answered in
+    left-padded batches of 3 prompts of different lengths) is the target's; even prompts are greedy."""
+    directory, _ = built[name]
+    found = answered(native, directory, first, CONFIG.num_prompts)
+    data = {split: sequences(directory, split) for split in found}
+    prompt_lengths, answer_lengths = set(), set()
+    sampled_off_greedy = 0
+    for split, seqs in found.items():
+        for (i, tokens, n), (_, _, hidden) in zip(seqs, data[split], strict=True):
+            prompt_lengths.add(n)
+            answer_lengths.add(len(tokens) - n)
+            follows_greedy = check_against_target(native, tokens, n, hidden)
+            if i % 2 == 0:
+                assert follows_greedy, f"prompt {first + i} is greedy, but its answer is not"
+            else:
+                sampled_off_greedy += not follows_greedy
+    assert sampled_off_greedy > 0  # the odd prompts are sampled at temperature 1
+    assert len(prompt_lengths) > 2  # so the batches are padded
+    assert min(answer_lengths) < CONFIG.max_new_tokens - 1 == max(answer_lengths)  # some stopped at an EOS
+
+
+def test_merge_datasets_keeps_every_sequence(built, tmp_path):
+    (a, meta_a), (b, meta_b) = built["a"], built["b"]
+    meta = merge_datasets([a, str(b)], tmp_path / "merged")
+    assert json.loads((tmp_path / "merged" / "meta.json").read_text()) == meta
+    for split in ("train", "heldout"):
+        merged = sequences(tmp_path / "merged", split)
+        parts = sequences(a, split) + sequences(b, split)
+        assert len(merged) == len(parts) == meta_a["splits"][split] + meta_b["splits"][split]
+        for (tokens, n, hidden), (tokens_0, n_0, hidden_0) in zip(merged, parts, strict=True):
+            assert (tokens, n) == (tokens_0, n_0) and torch.equal(hidden, hidden_0)
+    for key in ("num_sequences", "num_tokens", "answer_tokens"):
+        assert meta[key] == meta_a[key] + meta_b[key]
+    assert meta["splits"] == {s: meta_a["splits"][s] + meta_b["splits"][s] for s in ("train", "heldout")}
+    assert [meta[k] for k in ("target", "hidden_size", "vocab_size")] == [
+        meta_a[k] for k in ("target", "hidden_size", "vocab_size")
+    ]
+    assert meta["generation"] == {"merged": [meta_a["generation"], meta_b["generation"]]}
+
+
+def test_merge_datasets_bad_input(built, tmp_path, monkeypatch):
+    a, b = built["a"][0], built["b"][0]
+    other = tmp_path / "other"  # b, as if made by a target of another hidden size
+    shutil.copytree(b, other)
+    meta = json.loads((other / "meta.json").read_text())
+    (other / "meta.json").write_text(json.dumps(meta | {"hidden_size": 64}))
+    out = tmp_path / "out"
+    cases = [
+        ([a], "at least two data sets"),
+        ([], "at least two data sets"),
+        ([a, tmp_path / "absent"], "no drafter data set"),
+        ([a, other], "different targets"),
+    ]
+    for sources, message in cases:
+        with pytest.raises(ValueError, match=message) as err:
+            merge_datasets(sources, out)
+        assert "\n" not in str(err.value) and not out.exists()
+    # follow-ups go to each data set before merging: refused before any model is loaded
+    merge_datasets([a, b], tmp_path / "merged")
+
+    def no_model(target):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(data_module, "_load_target", no_model)
+    cases = [
+        (tmp_path / "merged", 1, "a merged data set"),
+        (a, 0, "follow-ups must"),
+        (tmp_path / "absent", 1, "no drafter data set"),
+    ]
+    for source, count, message in cases:
+        with pytest.raises(ValueError, match=message) as err:
+            add_follow_ups(source, out, count, CONFIG)
+        assert "\n" not in str(err.value) and not out.exists()
+
+
+def test_add_follow_ups_continues_the_first_conversations_of_each_split(built, native, tmp_path):
+    """Every old sequence, then 2 second turns per split: the old prompt and answer, a follow-up request, and
+    the target's answer (greedy for even conversations, with the target's hidden states throughout)."""
+    source, old_meta = built["a"]
+    _, tokenizer = native
+    meta = add_follow_ups(source, tmp_path / "more", 2, CONFIG)
+    assert json.loads((tmp_path / "more" / "meta.json").read_text()) == meta
+    assert meta["splits"] == {s: old_meta["splits"][s] + 2 for s in ("train", "heldout")}
+    assert meta["num_sequences"] == old_meta["num_sequences"] + 4
+    assert meta["generation"]["follow_ups"]["per_split"] == 2
+    conversation = 0  # the conversations are numbered train first, then held out; even ones are greedy
+    for split in ("train", "heldout"):
+        old, new = sequences(source, split), sequences(tmp_path / "more", split)
+        assert len(new) == len(old) + 2
+        for (tokens, n, hidden), (tokens_0, n_0, hidden_0) in zip(new, old, strict=False):
+            assert (tokens, n) == (tokens_0, n_0) and torch.equal(hidden, hidden_0)
+        seconds = {}  # the decoded second-turn prompt → its sequence
+        for tokens, n, hidden in new[len(old) :]:
+            check_against_target(native, tokens, n, hidden)  # asserts the hidden states
+            seconds[tokenizer.decode(tokens[:n])] = (tokens, n, hidden)
+        for tokens_0, n_0, _ in old[:2]:
+            question, answer = tokenizer.decode(tokens_0[:n_0]), tokenizer.decode(tokens_0[n_0:])
+            matches = [
+                key for key in seconds if any(key == question + answer + f for f in data_module._FOLLOW_UPS)
+            ]
+            assert len(matches) == 1, (question, answer, list(seconds))
+            tokens, n, hidden = seconds.pop(matches[0])
+            assert tokens[:n_0] == tokens_0[:n_0]  # the old prompt's tokens begin the new prompt
+            if conversation % 2 == 0:
+                assert check_against_target(native, tokens, n, hidden)
+            conversation += 1
+        assert not seconds
+
+
+# --- the command line ---------------------------------------------------------------------------------------
+
+
+def test_cli_drafter_data_merge(built, tmp_path, capsys):
+    a, b = str(built["a"][0]), str(built["b"][0])
+    status, out, _ = run_cli(capsys, "drafter-data", "--merge", a, b, "--out", str(tmp_path / "merged"))
+    assert status == 0 and f"{2 * CONFIG.num_prompts} sequences" in out
+    assert (tmp_path / "merged" / "train.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--merge", "A"], "at least two data sets"),
+        (["--merge", "A", "B", "--follow-ups", "1", "--from", "A"], "separate steps"),
+        (["--follow-ups", "1"], "go together"),
+        (["--follow-ups", "1", "--from", "MISSING"], "no drafter data set"),
+        (["--prompts", "0"], "num_prompts must be"),
+    ],
+)
+def test_cli_drafter_data_bad_input(built, tmp_path, capsys, extra, message):
+    a = str(built["a"][0])
+    names = {"A": a, "B": str(built["b"][0]), "MISSING": str(tmp_path / "absent")}
+    argv = [names.get(x, x) for x in extra]
+    result = run_cli(capsys, "drafter-data", *argv, "--out", str(tmp_path / "x"))
+    assert_usage_error(result, message)
+    assert "Traceback" not in result[2] and not (tmp_path / "x").exists()
