@@ -638,9 +638,9 @@ def merge_datasets(sources: list[str | Path], out: str | Path) -> dict:
     for name in ("train", "heldout"):
         splits[name] = [seq for source in sources for seq in _sequences(source, name)]
     meta = {
-        "target": metas[0]["target"],
-        "hidden_size": metas[0]["hidden_size"],
-        "vocab_size": metas[0]["vocab_size"],
+        "target": metas[0].get("target"),
+        "hidden_size": metas[0].get("hidden_size"),
+        "vocab_size": metas[0].get("vocab_size"),
         "generation": {"merged": [m.get("generation") for m in metas]},
         "seconds": sum(m.get("seconds", 0) for m in metas),
     }
