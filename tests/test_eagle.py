@@ -28,7 +28,7 @@ from verispec.calibrate import DRAFT_K
 from verispec.drafters import Proposal
 from verispec.eagle import train as train_module
 from verispec.eagle.data import load_split
-from verispec.eagle.drafter import EagleDrafter
+from verispec.eagle.drafter import EagleDrafter, EagleTreeDrafter
 from verispec.eagle.model import EagleHead, native_target, target_fingerprint
 from verispec.eagle.train import (
     Batch,
@@ -363,6 +363,41 @@ def test_resume_continues_exactly(target, dataset, tmp_path, monkeypatch):
     ]
 
 
+def test_init_starts_from_a_trained_drafter(target, dataset, trained, tmp_path):
+    """``init`` loads a trained drafter's weights and draft vocabulary: one step at a vanishing learning rate
+    leaves its file as it was (float16), where a run without it starts from the seeded random head."""
+    head = EagleHead.load(trained, target)
+    config = dataclasses.replace(
+        TINY_TRAINING, steps=1, lr=1e-12, warmup=0, draft_vocab=head.draft_vocab_size, init=str(trained)
+    )
+    tuned = train_drafter(target, dataset, tmp_path / "tuned", config, progress=False)
+    a, b = load_file(str(trained)), load_file(str(tuned))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert EagleHead.load(tuned, target).metadata["training"]["init"] == str(trained)
+    fresh = train_drafter(
+        target, dataset, tmp_path / "fresh", dataclasses.replace(config, init=""), progress=False
+    )
+    assert not torch.equal(load_file(str(fresh))["fc.weight"], a["fc.weight"])
+    other = tiny_target(seed=3)
+    foreign = train_drafter(
+        other,
+        make_dataset(other, tmp_path / "d3", random_prompts(4, VOCAB, 2), answer=8),
+        tmp_path / "f",
+        dataclasses.replace(TINY_TRAINING, steps=1),
+        progress=False,
+    )
+    for init, vocab, message in (
+        (foreign, head.draft_vocab_size, "trained for target"),
+        (tmp_path / "absent.safetensors", head.draft_vocab_size, "no such drafter file"),
+        (trained, head.draft_vocab_size - 1, "draft vocabulary of"),
+    ):
+        changed = dataclasses.replace(config, init=str(init), draft_vocab=vocab)
+        one_line_error(lambda c=changed: train_drafter(target, dataset, tmp_path / "bad", c), message)
+        assert not (tmp_path / "bad").exists()
+    with pytest.raises(ValueError, match="init must be"):
+        TrainConfig(init=None)  # type: ignore[arg-type]
+
+
 def test_bad_training_input(target, dataset, tmp_path):
     one_line_error(lambda: train_drafter(target, tmp_path / "none", tmp_path / "run"), "no drafter data set")
     one_line_error(lambda: train_drafter(tiny_target(seed=3), dataset, tmp_path / "run"), "hidden states")
@@ -406,7 +441,7 @@ def test_auto_takes_the_shipped_drafter_only_when_it_matches(target, trained, tm
     monkeypatch.setattr(api_module, "shipped_drafter", lambda label: trained)
     assert Speculator((target, tokenizer)).drafter_name == "eagle"
     assert Speculator((target, tokenizer), draft=(target, tokenizer)).drafter_name == "model"
-    assert Speculator((target, tokenizer), tree=TreeShape.full(2, 2)).drafter_name == "ngram"
+    assert Speculator((target, tokenizer), tree=TreeShape.full(2, 2)).drafter_name == "eagle"
     monkeypatch.setattr(api_module, "shipped_drafter", lambda label: foreign)
     assert Speculator((target, tokenizer)).drafter_name == "ngram"
     one_line_error(lambda: Speculator((target, tokenizer), drafter="eagle"), "trained for target")
@@ -562,13 +597,21 @@ ALPHA = 1e-3
 
 
 def first_token_chi_square(speculator: Speculator, model: Llama, prompt_ids: list[int], prompt, sampling_kw):
+    def first(sampling: SamplingParams, stats: GenerationStats) -> int:
+        chunks = speculator.stream(prompt, k=1, max_new_tokens=2, sampling=sampling, stats=stats)
+        return next(iter(chunks)).token_ids[0]
+
+    return chi_square_of_first_tokens(first, model, prompt_ids, sampling_kw)
+
+
+def chi_square_of_first_tokens(first, model: Llama, prompt_ids: list[int], sampling_kw) -> float:
+    """The p-value of the first tokens that ``first(sampling, stats)`` samples with seeds 0..N-1 against the
+    target's own next-token distribution after ``prompt_ids``."""
     counts = np.zeros(model.vocab_size)
     drafted = accepted = 0
     for seed in range(N):
         stats = GenerationStats("eagle", "1")
-        sampling = SamplingParams(seed=seed, **sampling_kw)
-        chunks = speculator.stream(prompt, k=1, max_new_tokens=2, sampling=sampling, stats=stats)
-        counts[next(iter(chunks)).token_ids[0]] += 1
+        counts[first(SamplingParams(seed=seed, **sampling_kw), stats)] += 1
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
     assert 0 < accepted < drafted  # both branches of the verifier were taken
     logits = model.forward(torch.tensor([prompt_ids]), torch.arange(len(prompt_ids))[None], model.new_cache())
@@ -585,6 +628,116 @@ def test_first_sampled_token_follows_the_target_tiny(target, trained):
     _, eagle = plain_and_eagle(target, trained)
     prompt = "hello"
     assert first_token_chi_square(eagle, target, eagle.encode_prompt(prompt), prompt, {}) > ALPHA
+
+
+# ---------------------------------------------------------------------------------------------- token trees
+
+TREE_SHAPES = [
+    TreeShape.full(2, 3),
+    TreeShape.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]),
+    TreeShape.chain(4),
+]
+
+
+def path_feature(head: EagleHead, drafter: EagleDrafter, context: list[int], path: list[int]) -> torch.Tensor:
+    """The oracle: the feature [H] the head predicts after drafting ``path`` one token at a time on a fresh
+    cache, as the chain drafter does (each token read with the feature the previous step predicted)."""
+    cache, n = head.new_cache(), len(context) - 1
+    features = drafter._features[:n].unsqueeze(0)  # [1, n, H]
+    feature = head(torch.tensor([context[1:]]), features, torch.arange(n)[None], cache)[:, -1:]  # [1, 1, H]
+    for i, token in enumerate(path):
+        feature = head(torch.tensor([[token]]), feature, torch.tensor([[n + i]]), cache)
+    return feature[0, 0]
+
+
+@pytest.mark.parametrize("shape", TREE_SHAPES, ids=lambda s: s.name)
+def test_tree_nodes_are_the_heads_top_tokens_on_their_paths(target, trained, shape):
+    """Every inner node's children are drafted from the feature the head predicts after that node's path
+    (the oracle drafts the path as a chain) and are its top tokens; siblings differ, the leftmost path is
+    the chain drafter's own proposal, the same context gives the same tree, and the head's cache is back at
+    the committed slots after each round."""
+    head = EagleHead.load(trained, target)
+    read: list[torch.Tensor] = []  # the features the tree drafter drafts children from, in order
+    logits = head.logits
+    head.logits = lambda features: (read.append(features.clone()), logits(features))[1]  # type: ignore
+    g = torch.Generator().manual_seed(3)
+    for length in (2, 7, 19):
+        context = torch.randint(0, VOCAB, (length,), generator=g).tolist()
+        chain = drafter_with_context(target, head, context, GREEDY)
+        tree_drafter = EagleTreeDrafter(drafter_with_context(target, head, context, GREEDY), shape)
+        read.clear()
+        tree = tree_drafter.propose_tree(context, shape, g)
+        assert tree_drafter.drafter.cache.length == length - 1
+        again = tree_drafter.propose_tree(context, shape, g)
+        assert torch.equal(again.tokens, tree.tokens) and torch.equal(again.parents, tree.parents)
+        assert tree.num_nodes == shape.num_nodes and tree.q is None and int(tree.tokens[0]) == context[-1]
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        kids: dict[int, list[int]] = {}
+        for node in range(1, len(tokens)):
+            kids.setdefault(parents[node], []).append(node)
+        assert len(read) == 2 * len(kids)  # one read per inner node (ascending: breadth-first), twice
+        for node, feature in zip(sorted(kids), read, strict=False):
+            path, walk = [], node
+            while walk > 0:
+                path.insert(0, tokens[walk])
+                walk = parents[walk]
+            expected = path_feature(head, chain, context, path)
+            torch.testing.assert_close(feature, expected, atol=1e-5, rtol=1e-5)
+            top = head.draft_vocab[logits(expected).topk(len(kids[node])).indices].tolist()
+            assert [tokens[c] for c in kids[node]] == top, (length, node)
+        leftmost, node = [], 0
+        while node in kids:
+            node = kids[node][0]
+            leftmost.append(tokens[node])
+        assert leftmost == chain.propose(context, shape.max_depth, g).tokens.tolist()
+
+
+@pytest.mark.parametrize("shape", TREE_SHAPES[:2], ids=lambda s: s.name)
+def test_tree_greedy_equals_plain_greedy(target, trained, shape, tmp_path):
+    """Trained and random heads drafting trees: token for token the target's greedy output; some nodes are
+    accepted, some rejected."""
+    random_path = fresh_head(target, torch.arange(0, VOCAB, 2), seed=9).save(tmp_path / "random.safetensors")
+    tokenizer = LetterTokenizer(VOCAB)
+    plain = Speculator((target, tokenizer), drafter="none")
+    accepted = nodes = 0
+    for path in (trained, random_path):
+        tree = Speculator((target, tokenizer), drafter="eagle", drafter_path=str(path), tree=shape)
+        for prompt in ("abc", "hello", "qqqzzz", "x"):
+            reference = plain.generate(prompt, k=0, max_new_tokens=50, sampling=GREEDY).token_ids
+            stats = GenerationStats("eagle", "tree")
+            out = tree.stream(prompt, max_new_tokens=50, sampling=GREEDY, stats=stats)
+            assert [t for chunk in out for t in chunk.token_ids] == reference, (path.name, prompt)
+            accepted, nodes = accepted + stats.accepted, nodes + stats.tree_nodes
+    assert 0 < accepted < nodes
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(seed=4)], ids=["greedy", "sampled"])
+def test_tree_rounds_hand_over_the_committed_path(target, trained, sampling):
+    """After a generation with tree rounds, the head holds the target's hidden states f_0..f_{n-1} of the
+    final sequence: the accepted path's, in order, none of a rejected node."""
+    drafter = EagleTreeDrafter(EagleDrafter(EagleHead.load(trained, target), sampling), TreeShape.full(2, 2))
+    engine = SpeculativeEngine(target, drafter, ConstantK(0))
+    prompt = [5, 17, 40, 2]
+    stats = GenerationStats("eagle", "tree")
+    new = [t for chunk in engine.stream(prompt, EngineConfig(30, sampling), stats) for t in chunk]
+    assert 0 < stats.accepted < stats.tree_nodes
+    held = drafter.drafter._features[: drafter.drafter._num_features]  # [n, H]
+    torch.testing.assert_close(held, hidden_states(target, prompt + new[:-1]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["top-k", "sampled"])
+def test_tree_first_sampled_token_follows_the_target(target, trained, sampled):
+    """Chi-square of the first sampled token with eagle trees: top-k children verified as single guesses,
+    and sampled children verified with their q."""
+    head = EagleHead.load(trained, target)
+    prompt_ids = LetterTokenizer(VOCAB).encode("hello")
+
+    def first(sampling: SamplingParams, stats: GenerationStats) -> int:
+        drafter = EagleTreeDrafter(EagleDrafter(head, sampling), TreeShape.full(2, 2), sampled=sampled)
+        engine = SpeculativeEngine(target, drafter, ConstantK(0))
+        return next(engine.stream(prompt_ids, EngineConfig(2, sampling), stats))[0]
+
+    assert chi_square_of_first_tokens(first, target, prompt_ids, {}) > ALPHA
 
 
 # ---------------------------------------------------------------------------------------------- stories260K
@@ -646,6 +799,18 @@ def test_bench_lists_eagle_when_a_drafter_applies(trained):
     with pytest.raises(ValueError, match="learned drafter"):
         plan_methods(BenchConfig(target="stories.bin", methods=("eagle",)))
     assert "--drafter-path" in BenchConfig(drafter_path="d.safetensors").command_line()
+    trees = BenchConfig(
+        target="stories.bin", drafter_path=str(trained), trees=("2x2",), methods=("eagle-tree",)
+    )
+    assert plan_methods(trees)[0] == [
+        Method("eagle-tree", "2x2"),
+        Method("eagle", "6"),
+    ]  # the tree, its chain
+    methods, notes = plan_methods(dataclasses.replace(trees, drafter_path=None, methods=None))
+    assert not any(m.name.startswith("eagle") for m in methods)
+    assert any(n.startswith("eagle-tree: no learned") for n in notes)
+    with pytest.raises(ValueError, match="'eagle-tree' needs a learned drafter"):
+        plan_methods(dataclasses.replace(trees, drafter_path=None))
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -668,6 +833,12 @@ def test_cli_train_drafter_bad_input(dataset, tmp_path, capsys):
     assert_usage_error(
         run_cli(capsys, "train-drafter", "--data", str(tmp_path / "absent"), "--out", str(tmp_path)),
         "no drafter data set",
+    )
+    assert_usage_error(
+        run_cli(
+            capsys, "train-drafter", "--data", str(dataset), "--out", str(tmp_path), "--init", "absent.st"
+        ),
+        "no such drafter file: absent.st",
     )
 
 

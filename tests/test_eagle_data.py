@@ -83,6 +83,9 @@ def test_a_longer_prompt_set_begins_with_a_shorter_one(seed):
         *[(f, v) for f in ("num_prompts", "max_new_tokens", "batch_size") for v in (0, -1, True, 2.0)],
         *[("first_prompt", v) for v in (-1, True, False, 1.5)],
         *[("heldout_fraction", v) for v in (0, 1, 0.0, 1.0, -0.1, 1.5, float("nan"))],
+        *[("seed", v) for v in (-1, True, 0.5, "0")],
+        *[("turns", v) for v in (0, -1, True, 1.0)],
+        *[("questions", v) for v in ("", "users", None, "Target")],
     ],
 )
 def test_data_config_rejects_bad_values(field, value):
@@ -97,16 +100,28 @@ def test_data_config_accepts_good_values():
     assert (config.num_prompts, config.first_prompt, config.heldout_fraction) == (1, 9, 0.5)
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.num_prompts = 2  # type: ignore[misc]
+    assert DataConfig(questions="target", turns=3).turns == 3
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"turns": 2}, "several turns need target-written questions"),
+        ({"questions": "target", "first_prompt": 4}, "change the seed"),
+    ],
+)
+def test_data_config_rejects_bad_combinations(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DataConfig(**fields)
 
 
 # --- data sets of a tiny random Llama -----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory) -> Path:
-    """A transformers-format directory: a random Llama whose vocabulary covers the tokenizer's ids, and a
-    byte-level tokenizer with a chat template (EOS ids 1 and 3)."""
-    directory = tmp_path_factory.mktemp("target")
+def save_target(directory: Path, end_boost: float) -> Path:
+    """A transformers-format directory: a random Llama whose vocabulary covers the tokenizer's ids, its
+    ``<|end|>`` (an EOS) logit scaled by ``end_boost``, and a byte-level tokenizer with a chat template (EOS
+    ids 1 and 3)."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -122,9 +137,15 @@ def target(tmp_path_factory) -> Path:
     )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
-        model.lm_head.weight[3] *= 4  # <|end|> (an EOS) likelier: some answers stop before max_new_tokens
+        model.lm_head.weight[3] *= end_boost
     model.save_pretrained(directory)
     return save_tokenizer(directory, add_bos=True)  # after the model: its generation_config.json wins
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    """The test target: <|end|> likelier (×4), so that some answers stop before max_new_tokens."""
+    return save_target(tmp_path_factory.mktemp("target"), 4.0)
 
 
 @pytest.fixture(scope="module")
@@ -327,6 +348,91 @@ def test_add_follow_ups_continues_the_first_conversations_of_each_split(built, n
         assert not seconds
 
 
+# --- conversations the target writes itself -----------------------------------------------------------------
+
+SELF_CONFIG = dataclasses.replace(CONFIG, num_prompts=8, questions="target", turns=2)
+
+
+@pytest.fixture(scope="module")
+def chatty(tmp_path_factory) -> tuple[Path, tuple]:
+    """A target that writes user turns of every kind (seed 0, 16 draws: some empty, some past the 95-token
+    limit, most between): <|end|> only ×1.5 (the test target ends a user turn at once). (directory, (native
+    Llama, tokenizer))."""
+    directory = save_target(tmp_path_factory.mktemp("chatty"), 1.5)
+    return directory, load_model(str(directory))
+
+
+@pytest.fixture(scope="module")
+def self_written(chatty, tmp_path_factory) -> tuple[Path, dict]:
+    directory = tmp_path_factory.mktemp("self") / "data"
+    return directory, build_dataset(str(chatty[0]), directory, SELF_CONFIG)
+
+
+def test_a_user_turn_prefix_opens_a_user_turn(native):
+    """The prefix the target continues is the conversation in the chat template up to where a user turn's
+    text begins: whatever the user writes, the full prompt's tokens begin with it."""
+    _, tokenizer = native
+    for conversation in ([], [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]):
+        prefix = data_module._user_turn_prefix(tokenizer, conversation)
+        for text in ("a question?", "x"):
+            full = tokenizer.encode(
+                tokenizer.chat_prompt([*conversation, {"role": "user", "content": text}]), add_bos=True
+            )
+            assert full[: len(prefix)] == prefix
+            assert tokenizer.decode(full[len(prefix) :]) == text  # the rest: the text (and <|end|>)
+
+
+def test_target_written_chats_are_the_targets_turns_and_answers(self_written, chatty):
+    """Both user turns are written by the target (its chat template continued), every answer and hidden
+    state is the target's, and each second turn continues a first turn of its own split."""
+    directory, meta = self_written
+    native = chatty[1]
+    _, tokenizer = native
+    assert json.loads((directory / "meta.json").read_text()) == meta
+    generation = meta["generation"]
+    assert generation["turns"] == 2 and "written by the target" in generation["prompts"]
+    assert "first_prompt" not in generation
+    splits = {split: sequences(directory, split) for split in ("train", "heldout")}
+    assert meta["splits"] == {split: len(seqs) for split, seqs in splits.items()}
+    assert all(meta["splits"].values()) and meta["num_sequences"] <= 2 * SELF_CONFIG.num_prompts
+    greedy, second_turns = 0, 0
+    for seqs in splits.values():  # the test template writes each message as <|user|> (2) text <|end|> (3)
+        firsts = [(t[:n], t[n:]) for t, n, _ in seqs if t[:n].count(2) == 1]
+        seconds = [t[:n] for t, n, _ in seqs if t[:n].count(2) == 3]  # question, answer, question
+        assert len(firsts) + len(seconds) == len(seqs) and firsts
+        assert len(firsts) <= SELF_CONFIG.num_prompts and len(seconds) <= len(firsts)
+        second_turns += len(seconds)
+        for prompt in seconds:  # the conversation so far: a first turn of this split, then its answer
+            answer = prompt[prompt.index(2, 2) + 1 : prompt.index(3, prompt.index(2, 2))]
+            assert any(
+                prompt[: len(q)] == q and tokenizer.decode(answer) == tokenizer.decode(a).strip()
+                for q, a in firsts
+            )
+        for tokens, n, hidden in seqs:
+            greedy += check_against_target(native, tokens, n, hidden)
+            question = tokens[: n - 1][
+                len(tokens[: n - 1]) - tokens[: n - 1][::-1].index(2) :
+            ]  # last user turn
+            assert tokens[n - 1] == 3 and 2 not in question and tokenizer.decode(question).strip()
+    assert second_turns > 0
+    assert 0 < greedy < meta["num_sequences"]  # half the conversations are answered greedily
+
+
+def test_target_written_turns_that_run_too_long_are_dropped(chatty, tmp_path, monkeypatch):
+    """A user turn that reaches the length limit is not a turn: with a limit of 2 tokens none survives, and
+    the data set is refused with one line, leaving nothing behind."""
+    monkeypatch.setattr(data_module, "_USER_TURN_TOKENS", 2)
+    with pytest.raises(ValueError, match="no usable user turn") as err:
+        build_dataset(str(chatty[0]), tmp_path / "out", SELF_CONFIG)
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
+
+
+def test_follow_ups_refuse_target_written_chats(self_written, tmp_path):
+    with pytest.raises(ValueError, match="target-written chats"):
+        add_follow_ups(self_written[0], tmp_path / "out", 1, CONFIG)
+    assert not (tmp_path / "out").exists()
+
+
 # --- the command line ---------------------------------------------------------------------------------------
 
 
@@ -345,6 +451,9 @@ def test_cli_drafter_data_merge(built, tmp_path, capsys):
         (["--follow-ups", "1"], "go together"),
         (["--follow-ups", "1", "--from", "MISSING"], "no drafter data set"),
         (["--prompts", "0"], "num_prompts must be"),
+        (["--turns", "2"], "several turns need target-written questions"),
+        (["--questions", "target", "--turns", "0"], "turns must be"),
+        (["--questions", "target", "--first-prompt", "3"], "change the seed"),
     ],
 )
 def test_cli_drafter_data_bad_input(built, tmp_path, capsys, extra, message):

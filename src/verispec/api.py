@@ -18,7 +18,7 @@ import torch
 from verispec.analysis import CostModel
 from verispec.calibrate import QUICK_REPETITIONS, Calibration, calibrate
 from verispec.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter
-from verispec.eagle.drafter import EagleDrafter, shipped_drafter
+from verispec.eagle.drafter import EagleDrafter, EagleTreeDrafter, shipped_drafter
 from verispec.eagle.model import EagleHead
 from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
 from verispec.models.base import Cache, LanguageModel, Tokenizer
@@ -44,7 +44,7 @@ __all__ = [
 
 DRAFTERS = ("auto", "none", "model", "ngram", "eagle")
 MODEL_DRAFTERS = frozenset({"model"})  # the drafters that need a draft model (--draft SPEC)
-TREE_DRAFTERS = frozenset({"ngram", "model"})  # the drafters that can propose token trees
+TREE_DRAFTERS = frozenset({"ngram", "model", "eagle"})  # the drafters that can propose token trees
 DEFAULT_K = "auto"
 EARLY_EXIT = "layers:"  # draft SPEC prefix: the target's first N layers
 
@@ -101,9 +101,9 @@ class Speculator:
     drafter: "none", "ngram", "model" (needs ``draft``), "eagle" (a learned drafter: ``drafter_path``, or the
     one verispec ships for the target) or "auto" (model when a draft is given, else the shipped learned
     drafter when it exists and matches the target, else ngram).
-    tree: a token-tree shape (:class:`~verispec.tree.TreeShape`): the ngram or model drafter then proposes a
-    tree each round (several n-gram matches; the draft's top-k children at each node), which the target
-    scores in one forward; K is then not used.
+    tree: a token-tree shape (:class:`~verispec.tree.TreeShape`): the ngram, model or eagle drafter then
+    proposes a tree each round (several n-gram matches; the draft's or the learned head's top-k children at
+    each node), which the target scores in one forward; K is then not used.
     drafter_path: a learned drafter file (``verispec train-drafter``) for the target, for "eagle" or "auto".
     target_label: names a loaded target (default: its SPEC) in messages and calibration notices, and picks
     the drafter verispec ships for it.
@@ -143,14 +143,14 @@ class Speculator:
         if target_label is None:
             target_label = DEFAULT_MODEL if target is None else target if isinstance(target, str) else ""
         self.head = None  # the learned drafter's
-        auto_learned = drafter == "auto" and draft is None and tree is None  # trees take ngram or model
+        auto_learned = drafter == "auto" and draft is None
         if drafter == "eagle" or drafter_path is not None or auto_learned:
             self.head = _learned_head(self.model, drafter, drafter_path, target_label)
         if drafter == "auto":
             drafter = "model" if draft is not None else "eagle" if self.head is not None else "ngram"
         if tree is not None:
             if drafter not in TREE_DRAFTERS:
-                raise ValueError(f"token trees need the ngram or model drafter, not {drafter!r}")
+                raise ValueError(f"token trees need the ngram, model or eagle drafter, not {drafter!r}")
             tree.check_fits(self.model.max_context)
         self.tree = tree
         self.drafter_name = drafter
@@ -165,6 +165,8 @@ class Speculator:
             return chain
         if isinstance(chain, ModelDrafter):
             return ModelTreeDrafter(chain, self.tree)
+        if isinstance(chain, EagleDrafter):
+            return EagleTreeDrafter(chain, self.tree)
         return NGramTreeDrafter(self.tree, chain)
 
     def _chain_drafter(self, sampling: SamplingParams, target_cache: Cache | None = None) -> Drafter:

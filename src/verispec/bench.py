@@ -339,10 +339,10 @@ def plan_methods(config: BenchConfig) -> tuple[list[Method], list[str]]:
                 raise ValueError(f"method {name!r} needs a draft model (--draft SPEC)")
             notes.append(f"{name}: no --draft given")
             continue
-        if name == "eagle" and learned_drafter(config) is None:
+        if name in ("eagle", "eagle-tree") and learned_drafter(config) is None:
             if config.methods is not None:
-                raise ValueError("method 'eagle' needs a learned drafter (--drafter-path FILE)")
-            notes.append("eagle: no learned drafter for this target (--drafter-path FILE)")
+                raise ValueError(f"method {name!r} needs a learned drafter (--drafter-path FILE)")
+            notes.append(f"{name}: no learned drafter for this target (--drafter-path FILE)")
             continue
         if name in (BASELINE, PEER_BASELINE):
             methods.append(Method(name))
@@ -573,6 +573,7 @@ class Bench:
             draft=draft,
             drafter=chain.drafter_name,
             tree=tree,
+            drafter_path=learned_drafter(self.config) if chain.drafter_name == "eagle" else None,
             target_label=str(self.config.target),
         )
 

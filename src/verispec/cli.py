@@ -217,8 +217,8 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     tree = parser.add_argument_group(
         "token trees",
-        "the ngram or model drafter proposes a tree of alternatives each round, scored by the target in one "
-        "forward (--k is then not used)",
+        "the ngram, model or eagle drafter proposes a tree of alternatives each round, scored by the target "
+        "in one forward (--k is then not used)",
     )
     tree.add_argument("--tree-width", type=int, metavar="W", help="children of every tree node")
     tree.add_argument("--tree-depth", type=int, metavar="D", help="draft tokens on each root-to-leaf path")
@@ -541,9 +541,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "--trees",
         type=_list_of(str, "tree shapes"),
         default=(),
-        help="token-tree shapes for the ngram-tree and model-tree methods, comma-separated: WxD (width x "
-        "depth) or a JSON shape file; each tree of N nodes runs beside its chain method at K = N - 1 "
-        "(default: none)",
+        help="token-tree shapes for the ngram-tree, model-tree and eagle-tree methods, comma-separated: WxD "
+        "(width x depth) or a JSON shape file; each tree of N nodes runs beside its chain method at "
+        "K = N - 1 (default: none)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=64, help="per prompt (default: %(default)s)")
     parser.add_argument(
@@ -685,6 +685,20 @@ def add_drafter_data_parser(subparsers: argparse._SubParsersAction) -> None:
         help="start at prompt N of the prompt set, to add new prompts to an earlier data set (default: 0)",
     )
     parser.add_argument(
+        "--questions",
+        choices=("templates", "target"),
+        default="templates",
+        help="who writes the user turns: verispec's prompt templates, or the target itself, sampled from its "
+        "chat template (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        metavar="N",
+        help="user turns per target-written conversation; each answered turn is one sequence (default: 1)",
+    )
+    parser.add_argument(
         "--follow-ups",
         type=int,
         metavar="N",
@@ -711,6 +725,8 @@ def run_drafter_data(args: argparse.Namespace) -> int:
         args.heldout,
         args.seed,
         first_prompt=args.first_prompt,
+        questions=args.questions,
+        turns=args.turns,
     )
     if (args.follow_ups is None) != (args.source is None):
         raise ValueError("--follow-ups N and --from DIR go together")
@@ -769,6 +785,12 @@ def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
         parser.add_argument(
             f"--{flag}", type=type(default), default=default, help=f"{help_text} (default: {default})"
         )
+    parser.add_argument(
+        "--init",
+        default="",
+        metavar="FILE",
+        help="start from this drafter (fine-tuning it on --data), keeping its draft vocabulary",
+    )
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     parser.set_defaults(func=run_train_drafter)
 
@@ -793,8 +815,11 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every,
         seed=args.seed,
+        init=args.init,
     )
     read_data_meta(args.data)  # before loading a model
+    if args.init and not os.path.isfile(args.init):
+        raise ValueError(f"no such drafter file: {args.init}")
     label = args.target or DEFAULT_MODEL
     model, _ = load_model(label, tokenizer=args.tokenizer)
     path = train_drafter(model, args.data, args.out, config, target_label=label, resume=args.resume)

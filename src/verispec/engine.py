@@ -269,11 +269,13 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         tree = self.drafter.propose_tree(ids, shape, generator)
         t1 = time.perf_counter()
-        logits = self._forward_tree(tree, root)  # [N, V]
+        logits, hidden = self._forward_tree(tree, root)  # [N, V], [N, H] or None
         t2 = time.perf_counter()
         verdict = self._verify_tree(tree, logits, config, generator)
         kept = verdict.accepted_nodes[: len(verdict.tokens) - 1]  # all but an accepted end-of-sequence token
         self.cache.compact(len(ids), [root + node for node in kept])
+        if hidden is not None:
+            self.drafter.observe_hidden(hidden[[0, *kept]])  # [1 + len(kept), H]: the committed path
         stats.record_round(tree.max_depth, verdict.num_accepted)
         stats.tree_nodes += tree.num_nodes - 1
         stats.draft_seconds += t1 - t0
@@ -292,13 +294,18 @@ class SpeculativeEngine:
         q = None if tree.q is None else tree.q.to(logits.device)  # [N, V]
         return tree_rejection_sample(tokens, parents, p, q, generator, eos_token_id=eos)
 
-    def _forward_tree(self, tree: TreeProposal, start: int) -> torch.Tensor:
+    def _forward_tree(self, tree: TreeProposal, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feeds the tree's nodes into the target's cache from slot ``start``, node i at position start +
-        depth[i], attending to its ancestors; returns logits [N, V]."""
+        depth[i], attending to its ancestors; returns logits [N, V] and, for a drafter that reads them, the
+        final hidden states [N, H], else None."""
         device = self.target.device
         tokens = tree.tokens.to(device).unsqueeze(0)  # [1, N]
         positions = (start + tree.depth).to(device).unsqueeze(0)  # [1, N]
-        return self.target.forward(tokens, positions, self.cache, tree_mask=tree.mask.to(device))[0]
+        mask = tree.mask.to(device)  # [N, N]
+        if not self.reads_hidden:
+            return self.target.forward(tokens, positions, self.cache, tree_mask=mask)[0], None
+        hidden = self.target.forward_hidden(tokens, positions, self.cache, tree_mask=mask)[0]  # [N, H]
+        return self.target.logits(hidden), hidden
 
     def _prefill(self, tokens: list[int]) -> torch.Tensor | None:
         """Feeds ``tokens`` into the empty cache without computing logits; returns the target's final hidden

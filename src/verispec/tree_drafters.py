@@ -28,7 +28,7 @@ from verispec.drafters import ModelDrafter, NGramDrafter
 from verispec.sampling import probs_from_logits
 from verispec.tree import TreeProposal, TreeShape
 
-__all__ = ["ModelTreeDrafter", "NGramTreeDrafter", "TreeDrafter"]
+__all__ = ["BranchedTreeDrafter", "ModelTreeDrafter", "NGramTreeDrafter", "TreeDrafter"]
 
 
 @runtime_checkable
@@ -67,7 +67,34 @@ class NGramTreeDrafter:
         return shape.merge(context[-1], self.lookup.continuations(context, shape.max_depth))
 
 
-class ModelTreeDrafter:
+class BranchedTreeDrafter:
+    """What the tree drafters that branch a chain drafter share: the chain ``drafter`` (its ``sampling``, the
+    engine's parameters), the ``shape``, and whether children are sampled (only at a temperature > 0)."""
+
+    def __init__(self, drafter, shape: TreeShape, sampled: bool = False) -> None:
+        self.drafter = drafter
+        self.shape = shape
+        self.sampled = sampled and not drafter.sampling.greedy
+
+    def begin(self, prompt: list[int]) -> None:
+        self.drafter.begin(prompt)
+
+    def _proposal(
+        self, shape: TreeShape, root: int, tokens: dict[int, int], q_rows: dict[int, Tensor | None]
+    ) -> TreeProposal:
+        """The tree of the filled shape nodes ``tokens`` (node → token; node 0 holds ``root``); with sampled
+        children, q stacks each node's ``q_rows`` [V] under a point mass on the root (committed, never
+        verified)."""
+        nodes = sorted(tokens)
+        q = None
+        if self.sampled and len(nodes) > 1:
+            point = torch.zeros_like(q_rows[nodes[1]])  # [V]
+            point[root] = 1.0
+            q = torch.stack([point, *(q_rows[n] for n in nodes[1:])]).cpu()  # [N, V]
+        return shape.select(nodes, [tokens[n] for n in nodes], q)
+
+
+class ModelTreeDrafter(BranchedTreeDrafter):
     """A draft model's tree: at every node of the shape, its children are the draft's ``c`` most likely next
     tokens (c = the node's children in the shape; deterministic, verified as single guesses), or with
     ``sampled`` (and a sampling temperature > 0) c independent samples of the draft's q, verified with q.
@@ -80,12 +107,7 @@ class ModelTreeDrafter:
     name = "model"
 
     def __init__(self, drafter: ModelDrafter, shape: TreeShape, sampled: bool = False) -> None:
-        self.drafter = drafter
-        self.shape = shape
-        self.sampled = sampled and not drafter.sampling.greedy
-
-    def begin(self, prompt: list[int]) -> None:
-        self.drafter.begin(prompt)
+        super().__init__(drafter, shape, sampled)
 
     def propose_tree(self, context: list[int], shape: TreeShape, generator: torch.Generator) -> TreeProposal:
         self.drafter.propose(context, 0, generator)  # drafts nothing: brings an early exit's cache view up
@@ -111,13 +133,7 @@ class ModelTreeDrafter:
             logits = dict(
                 zip(frontier, self._score(shape, inner, tokens, committed)[-len(frontier) :], strict=True)
             )
-        nodes = sorted(tokens)
-        q = None
-        if self.sampled and len(nodes) > 1:
-            root = torch.zeros_like(q_rows[nodes[1]])  # [V]
-            root[context[-1]] = 1.0  # the root's row: a point mass (it is committed, never verified)
-            q = torch.stack([root, *(q_rows[n] for n in nodes[1:])]).cpu()  # [N, V]
-        return shape.select(nodes, [tokens[n] for n in nodes], q)
+        return self._proposal(shape, context[-1], tokens, q_rows)
 
     def _children(
         self, logits: Tensor, count: int, generator: torch.Generator

@@ -363,15 +363,27 @@ class DataConfig:
     seed: int = 0
     progress: bool = True  # a tqdm progress bar
     first_prompt: int = 0  # answer prompts first_prompt .. first_prompt + num_prompts - 1 of the prompt set
+    questions: str = "templates"  # who writes the user turns: "templates" (chat_prompts) or "target" (itself)
+    turns: int = 1  # user turns per conversation ("target" questions only)
 
     def __post_init__(self) -> None:
-        for name in ("num_prompts", "max_new_tokens", "batch_size", "first_prompt"):
+        for name in ("num_prompts", "max_new_tokens", "batch_size", "first_prompt", "turns", "seed"):
             value = getattr(self, name)
-            low = 0 if name == "first_prompt" else 1
+            low = {"first_prompt": 0, "seed": 0}.get(name, 1)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if not 0 < self.heldout_fraction < 1:
             raise ValueError(f"heldout_fraction must lie in (0, 1), got {self.heldout_fraction!r}")
+        if self.questions not in ("templates", "target"):
+            raise ValueError(f'questions must be "templates" or "target", got {self.questions!r}')
+        if self.questions == "templates" and self.turns != 1:
+            raise ValueError(
+                "several turns need target-written questions (template chats get follow-ups instead)"
+            )
+        if self.questions == "target" and self.first_prompt:
+            raise ValueError(
+                "first_prompt numbers the template prompt set: for more target-written chats, change the seed"
+            )
 
 
 def _answer_batch(
@@ -464,30 +476,132 @@ def _load_target(target: str):
     return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval(), tokenizer
 
 
-def _answer_all(model, tokenizer, prompts: list[list[int]], heldout: set[int], config: DataConfig, desc: str):
-    """The target's answers to every prompt (even indices greedy, odd sampled), batched by length; returns
-    {"train": [...], "heldout": [...]} of (tokens, prompt length, hidden) in generation order."""
+def _generate_all(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    sampled: list[bool],
+    max_new_tokens: int,
+    seed: int,
+    config,
+    desc: str,
+) -> list[tuple[list[int], Tensor]]:
+    """The target's continuation of every prompt (greedy, or sampled at temperature 1 where ``sampled``), as
+    :func:`_answer_batch` returns them, in prompt order: batched by length within the greedy and the sampled
+    prompts; a batch starting at position ``start`` of its group samples with seed ``seed + start``."""
     from tqdm import tqdm
 
     eos = frozenset(tokenizer.eos_token_ids)
     pad_id = min(eos) if eos else 0
-    splits: dict[str, list] = {"train": [], "heldout": []}
+    out: list = [None] * len(prompts)
     bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not config.progress)
     with torch.inference_mode():
         for sample in (False, True):
             mine = sorted(
-                (i for i in range(len(prompts)) if i % 2 == int(sample)), key=lambda i: len(prompts[i])
+                (i for i in range(len(prompts)) if sampled[i] == sample), key=lambda i: len(prompts[i])
             )
             for start in range(0, len(mine), config.batch_size):
                 batch = mine[start : start + config.batch_size]
-                seed = config.seed * 100003 + start
                 answers = _answer_batch(
-                    model, [prompts[i] for i in batch], pad_id, eos, sample, config.max_new_tokens, seed
+                    model, [prompts[i] for i in batch], pad_id, eos, sample, max_new_tokens, seed + start
                 )
-                for i, (tokens, hidden) in zip(batch, answers, strict=True):
-                    splits["heldout" if i in heldout else "train"].append((tokens, len(prompts[i]), hidden))
+                for i, answer in zip(batch, answers, strict=True):
+                    out[i] = answer
                 bar.update(len(batch))
     bar.close()
+    return out
+
+
+def _answer_all(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    heldout: set[int],
+    config: DataConfig,
+    desc: str,
+    stream: int = 0,
+):
+    """The target's answers to every prompt (even indices greedy, odd sampled); returns {"train": [...],
+    "heldout": [...]} of (tokens, prompt length, hidden) in prompt order. ``stream`` numbers independent
+    sampling streams of one seed (0: first answers)."""
+    sampled = [i % 2 == 1 for i in range(len(prompts))]
+    seed = config.seed * 100003 + stream * _STREAM
+    answers = _generate_all(model, tokenizer, prompts, sampled, config.max_new_tokens, seed, config, desc)
+    splits: dict[str, list] = {"train": [], "heldout": []}
+    for i, (tokens, hidden) in enumerate(answers):
+        splits["heldout" if i in heldout else "train"].append((tokens, len(prompts[i]), hidden))
+    return splits
+
+
+_STREAM = 1_000_000  # seed offset between sampling streams (larger than any batch start)
+_USER_TURN_TOKENS = 96  # the longest user turn the target may write
+_MARK = "VERISPEC-USER-TURN"
+
+
+def _user_turn_prefix(tokenizer, conversation: list[dict[str, str]]) -> list[int]:
+    """The token ids of ``conversation`` in the chat template, followed by the opening of a user turn."""
+    text = tokenizer.chat_prompt([*conversation, {"role": "user", "content": _MARK}])
+    return tokenizer.encode(text[: text.index(_MARK)], add_bos=True)
+
+
+def _write_user_turns(
+    model, tokenizer, conversations: list[list[dict[str, str]]], config: DataConfig, turn: int
+) -> list[str | None]:
+    """The next user turn of each conversation, written by the target itself (Magpie-style: the chat template
+    up to a user turn's text, sampled at temperature 1 until the turn ends), or None where it wrote nothing
+    or ran past ``_USER_TURN_TOKENS``."""
+    prefixes = [_user_turn_prefix(tokenizer, c) for c in conversations]
+    seed = config.seed * 100003 + (2 * turn + 1) * _STREAM
+    written = _generate_all(
+        model,
+        tokenizer,
+        prefixes,
+        [True] * len(prefixes),
+        _USER_TURN_TOKENS,
+        seed,
+        config,
+        f"user turns {turn + 1}",
+    )
+    turns: list[str | None] = []
+    for prefix, (tokens, _) in zip(prefixes, written, strict=True):
+        text = tokenizer.decode(tokens[len(prefix) :]).strip()
+        # _answer_batch drops the last token: a turn that hit the limit keeps _USER_TURN_TOKENS - 1
+        finished = len(tokens) - len(prefix) < _USER_TURN_TOKENS - 1
+        turns.append(text if text and finished else None)
+    return turns
+
+
+def _self_written(model, tokenizer, heldout: set[int], config: DataConfig) -> dict[str, list]:
+    """Conversations the target writes on both sides: ``config.turns`` rounds of a user turn it writes
+    (:func:`_write_user_turns`) and its answer (even conversations greedy, odd sampled). Every answered turn
+    is one sequence (the conversation so far, then the answer); a conversation ends early where a user turn
+    fails. Conversation i goes to the held-out split when i is in ``heldout``."""
+    alive = {i: [] for i in range(config.num_prompts)}  # conversation index -> messages so far
+    splits: dict[str, list] = {"train": [], "heldout": []}
+    for turn in range(config.turns):
+        order = sorted(alive)
+        questions = _write_user_turns(model, tokenizer, [alive[i] for i in order], config, turn)
+        alive = {
+            i: [*alive[i], {"role": "user", "content": q}]
+            for i, q in zip(order, questions, strict=True)
+            if q is not None
+        }
+        order = sorted(alive)
+        prompts = [tokenizer.encode(tokenizer.chat_prompt(alive[i]), add_bos=True) for i in order]
+        sampled = [i % 2 == 1 for i in order]
+        seed = config.seed * 100003 + (2 * turn + 2) * _STREAM
+        answers = _generate_all(
+            model, tokenizer, prompts, sampled, config.max_new_tokens, seed, config, f"answers {turn + 1}"
+        )
+        for i, prompt, (tokens, hidden) in zip(order, prompts, answers, strict=True):
+            splits["heldout" if i in heldout else "train"].append((tokens, len(prompt), hidden))
+            reply = tokenizer.decode(tokens[len(prompt) :]).strip()
+            alive[i] = [*alive[i], {"role": "assistant", "content": reply}]
+    for name, sequences in splits.items():
+        if not sequences:
+            raise ValueError(
+                f"the target wrote no usable user turn for the {name} split: ask for more prompts"
+            )
     return splits
 
 
@@ -520,19 +634,28 @@ def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig(
     ``heldout_fraction`` of the prompts (by seed) forms the held-out split."""
     started = time.perf_counter()
     model, tokenizer = _load_target(target)
-    texts = _prompt_texts(config.first_prompt, config.num_prompts, config.seed)
-    prompts = [tokenizer.encode(tokenizer.chat_prompt(t), add_bos=True) for t in texts]
-    order = list(range(len(prompts)))
+    order = list(range(config.num_prompts))
     random.Random(config.seed).shuffle(order)
     heldout = set(order[: max(1, round(config.heldout_fraction * len(order)))])
-    splits = _answer_all(model, tokenizer, prompts, heldout, config, "target answers")
+    if config.questions == "target":
+        tokenizer.chat_prompt("")  # ValueError before any generation when the target has no chat template
+        splits = _self_written(model, tokenizer, heldout, config)
+        prompts = {
+            "prompts": "written by the target (verispec.eagle.data._write_user_turns)",
+            "turns": config.turns,
+            "user_turn_tokens": _USER_TURN_TOKENS,
+        }
+    else:
+        texts = _prompt_texts(config.first_prompt, config.num_prompts, config.seed)
+        prompt_ids = [tokenizer.encode(tokenizer.chat_prompt(t), add_bos=True) for t in texts]
+        splits = _answer_all(model, tokenizer, prompt_ids, heldout, config, "target answers")
+        prompts = {"prompts": "verispec.eagle.data.chat_prompts", "first_prompt": config.first_prompt}
     meta = {
         "target": str(target),
         "hidden_size": int(model.config.hidden_size),
         "vocab_size": int(tokenizer.vocab_size),
         "generation": {
-            "prompts": "verispec.eagle.data.chat_prompts",
-            "first_prompt": config.first_prompt,
+            **prompts,
             "num_prompts": config.num_prompts,
             "max_new_tokens": config.max_new_tokens,
             "batch_size": config.batch_size,
@@ -587,6 +710,8 @@ def add_follow_ups(
         raise ValueError(
             f"{source} does not record one prompt set (a merged data set?): add follow-ups before merging"
         )
+    if "turns" in generation:
+        raise ValueError(f"{source} holds target-written chats: ask for more turns with --turns instead")
     model, tokenizer = _load_target(meta["target"])
     texts = _prompt_texts(generation.get("first_prompt", 0), generation["num_prompts"], generation["seed"])
     by_prompt = {tuple(tokenizer.encode(tokenizer.chat_prompt(t), add_bos=True)): t for t in texts}

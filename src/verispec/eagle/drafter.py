@@ -15,6 +15,11 @@ top-k, top-p, min-p, in that order, ties broken by token id) treats those −inf
 so q is computed on the draft vocabulary alone, sampled there, and handed to the verifier with zeros
 elsewhere: exactly the distribution the token was drawn from (greedy: the draft vocabulary's argmax,
 q = None).
+
+:class:`EagleTreeDrafter` branches the same head into a token tree (:mod:`verispec.tree_drafters` states the
+guarantees): node v at depth d reads the feature its parent's head forward predicted at position n + d − 1,
+attending to the true-feature slots and its ancestors' slots — exactly what the chain drafter sees on v's
+path — and its children are the head's top tokens (single guesses) or independent samples of its q.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ from torch import Tensor
 from verispec.drafters import Proposal
 from verispec.eagle.model import EagleHead
 from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.tree import TreeProposal, TreeShape
+from verispec.tree_drafters import BranchedTreeDrafter
 
-__all__ = ["SHIPPED", "EagleDrafter", "shipped_drafter"]
+__all__ = ["SHIPPED", "EagleDrafter", "EagleTreeDrafter", "shipped_drafter"]
 
 SHIPPED = {"smollm2-135m": "smollm2-135m-eagle.safetensors"}  # target short name → file in data/drafters
 
@@ -61,21 +68,34 @@ class EagleDrafter:
         self._features[self._num_features : end] = hidden
         self._num_features = end
 
-    @torch.inference_mode()
-    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+    def catch_up(self, context: list[int]) -> Tensor | None:
+        """Feeds the true-feature slots the head's cache lacks, up to the last committed token's, and returns
+        f̂_n [1, 1, H], the feature the first draft token is read from; None when the context is one token or
+        the target's states of the context are not all in."""
         n = len(context) - 1  # the last committed token's position
-        k = min(k, self.cache.capacity - n + 1)  # draft slots n .. n + k - 2
-        if k <= 0 or n == 0 or self._num_features < n:
-            return Proposal.empty()
-        device = self._features.device
+        if n == 0 or self._num_features < n:
+            return None
         start = self.cache.length
         if start < n:  # true-feature slots to feed (none when proposing again for the same context)
+            device = self._features.device
             tokens = torch.tensor([context[start + 1 : n + 1]], device=device)  # [1, n - start]
             positions = torch.arange(start, n, device=device).unsqueeze(0)  # [1, n - start]
             features = self._features[start:n].unsqueeze(0)  # [1, n - start, H]
             self._next = self.head(tokens, features, positions, self.cache)[:, -1:]
             self._committed = n
-        feature = self._next  # [1, 1, H]
+        return self._next
+
+    def full_q(self, q_draft: Tensor) -> Tensor:
+        """q_draft: [Vd], a distribution on the draft vocabulary → the same on the target's vocabulary [V]."""
+        return q_draft.new_zeros(self.head.vocab_size).index_copy_(0, self.head.draft_vocab, q_draft)
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+        n = len(context) - 1
+        k = min(k, self.cache.capacity - n + 1)  # draft slots n .. n + k - 2
+        feature = self.catch_up(context) if k > 0 else None  # [1, 1, H]
+        if feature is None:
+            return Proposal.empty()
         drafts, qs = [], []
         for i in range(k):
             logits = self.head.logits(feature[0])[0]  # [Vd]
@@ -84,16 +104,101 @@ class EagleDrafter:
             else:
                 q_draft = probs_from_logits(logits, self.sampling)  # [Vd]
                 token = self.head.draft_vocab[torch.multinomial(q_draft, 1, generator=generator)]
-                q = q_draft.new_zeros(self.head.vocab_size)  # [V]
-                qs.append(q.index_copy_(0, self.head.draft_vocab, q_draft))
+                qs.append(self.full_q(q_draft))
             drafts.append(token)
             if i < k - 1:
-                position = torch.tensor([[n + i]], device=device)  # [1, 1]
+                position = torch.tensor([[n + i]], device=feature.device)  # [1, 1]
                 feature = self.head(token.view(1, 1), feature, position, self.cache)  # [1, 1, H]
         return Proposal(tokens=torch.cat(drafts).cpu(), q=torch.stack(qs).cpu() if qs else None)
 
     def observe(self, num_accepted: int) -> None:
         self.cache.truncate(self._committed)
+
+
+class EagleTreeDrafter(BranchedTreeDrafter):
+    """The learned head's token tree (module docstring): at every node of the shape, its children are the
+    head's c most likely next tokens on the draft vocabulary (c = the node's children in the shape;
+    deterministic, verified as single guesses), or with ``sampled`` (and a temperature > 0) c independent
+    samples of its q, verified with q. Each depth is one head forward over that depth's inner nodes; the
+    head's cache is cut back to the true-feature slots after the round."""
+
+    name = "eagle"
+    reads_target_hidden = True  # the engine calls observe_hidden with the committed positions' states
+
+    def __init__(self, drafter: EagleDrafter, shape: TreeShape, sampled: bool = False) -> None:
+        super().__init__(drafter, shape, sampled)
+
+    def observe_hidden(self, hidden: Tensor) -> None:
+        """hidden: [T, H], the target's final hidden states at the next T committed positions."""
+        self.drafter.observe_hidden(hidden)
+
+    @torch.inference_mode()
+    def propose_tree(self, context: list[int], shape: TreeShape, generator: torch.Generator) -> TreeProposal:
+        drafter, head = self.drafter, self.drafter.head
+        root_feature = drafter.catch_up(context)  # [1, 1, H]
+        committed = drafter.cache.length
+        if root_feature is None or committed >= drafter.cache.capacity:
+            return shape.select([0], [context[-1]])
+        shape = shape.capped(shape.max_depth, drafter.cache.capacity - committed)  # inner nodes take slots
+        children = shape.children()
+        tokens, q_rows = {0: context[-1]}, {}
+        features = {0: root_feature[0, 0]}  # node → the feature its children are drafted from [H]
+        slots: dict[int, int] = {}  # inner node → its slot in the head's cache
+        frontier = [0]
+        for depth in range(1, shape.max_depth + 1):
+            for node in frontier:
+                picked = self._children(head.logits(features[node]), len(children[node]), generator)
+                for child, token, q_row in zip(children[node], *picked, strict=False):  # fewer: Vd ran out
+                    tokens[child], q_rows[child] = token, q_row
+            frontier = [c for node in frontier for c in children[node] if c in tokens and children[c]]
+            if not frontier:
+                break
+            out = self._forward(frontier, depth, tokens, features, slots, shape, committed, len(context) - 1)
+            for i, node in enumerate(frontier):
+                features[node] = out[i]
+        drafter.cache.truncate(committed)
+        return self._proposal(shape, context[-1], tokens, q_rows)
+
+    def _children(
+        self, logits: Tensor, count: int, generator: torch.Generator
+    ) -> tuple[list[int], list[Tensor | None]]:
+        """``count`` children of a node from its draft logits [Vd]: their tokens, and for each the q [V] it
+        was sampled from (None: they are the top ``count`` tokens)."""
+        vocab = self.drafter.head.draft_vocab  # [Vd]
+        if not self.sampled:
+            count = min(count, vocab.shape[0])
+            return vocab[logits.topk(count).indices].tolist(), [None] * count
+        q_draft = probs_from_logits(logits, self.drafter.sampling)  # [Vd]
+        picked = torch.multinomial(q_draft, count, replacement=True, generator=generator)  # [count]
+        return vocab[picked].tolist(), [self.drafter.full_q(q_draft)] * count
+
+    def _forward(
+        self,
+        frontier: list[int],
+        depth: int,
+        tokens: dict[int, int],
+        features: dict[int, Tensor],
+        slots: dict[int, int],
+        shape: TreeShape,
+        committed: int,
+        n: int,
+    ) -> Tensor:
+        """The head's predicted features [M, H] after the ``frontier`` nodes (all of depth ``depth``): node v
+        reads its token and its parent's feature at position n + depth − 1, attending to the ``committed``
+        true-feature slots, its ancestors' slots and itself; records the slots the nodes take."""
+        head, cache = self.drafter.head, self.drafter.cache
+        device, base, m = head.inv_freq.device, cache.length, len(frontier)
+        feed = torch.tensor([[tokens[v] for v in frontier]], device=device)  # [1, M]
+        inputs = torch.stack([features[int(shape.parents[v])] for v in frontier]).unsqueeze(0)  # [1, M, H]
+        positions = torch.full((1, m), n + depth - 1, device=device)  # [1, M]
+        mask = torch.zeros(m, base + m, dtype=torch.bool, device=device)  # [M, base + M]
+        mask[:, :committed] = True
+        for i, v in enumerate(frontier):
+            ancestors = [slots[a] for a in shape.mask[v].nonzero().flatten().tolist() if a in slots]
+            mask[i, ancestors] = True
+            mask[i, base + i] = True
+            slots[v] = base + i
+        return head(feed, inputs, positions, cache, mask)[0]
 
 
 def shipped_drafter(target_label: str) -> Path | None:

@@ -87,8 +87,13 @@ class TrainConfig:
     eval_tokens: int = 4096
     checkpoint_every: int = 50
     seed: int = 0
+    init: str = (
+        ""  # a drafter file to start from (fine-tuning on new data), its draft vocabulary kept; "": none
+    )
 
     def __post_init__(self) -> None:
+        if not isinstance(self.init, str):
+            raise ValueError(f"init must be a drafter file path (a string), got {self.init!r}")
         if self.kind not in KINDS:
             raise ValueError(f"unknown drafter kind {self.kind!r}; verispec trains {', '.join(KINDS)}")
         if self.ce_target not in CE_TARGETS:
@@ -377,7 +382,16 @@ def train_drafter(
     settings = dataclasses.asdict(config)
     train_split = load_split(data_dir, "train")
     answers = _answer_tokens(train_split)  # [M]
-    draft_vocab = _draft_vocabulary(answers, config.draft_vocab, target.vocab_size)  # [Vd]
+    start = EagleHead.load(config.init, target, target_label) if config.init else None
+    if start is None:
+        draft_vocab = _draft_vocabulary(answers, config.draft_vocab, target.vocab_size)  # [Vd]
+    elif start.draft_vocab_size != config.draft_vocab:
+        raise ValueError(
+            f"the drafter {config.init} to start from has a draft vocabulary of "
+            f"{start.draft_vocab_size} tokens, not draft_vocab = {config.draft_vocab}"
+        )
+    else:
+        draft_vocab = start.draft_vocab  # [Vd]
     index = draft_index(draft_vocab, target.vocab_size)  # [V]
     train = TrainingData.from_split(train_split, index)
     heldout = TrainingData.from_split(heldout_split, index)
@@ -387,6 +401,8 @@ def train_drafter(
     generator = torch.Generator().manual_seed(config.seed)
     metadata = {"kind": config.kind, "target": target_label, "target_fingerprint": fingerprint}
     head = EagleHead.create(target, draft_vocab, generator, metadata)
+    if start is not None:
+        head.load_state_dict(start.state_dict())
     for param in head.parameters():
         param.requires_grad_(True)
     optimizer = torch.optim.AdamW(
