@@ -702,6 +702,8 @@ def test_tree_greedy_equals_plain_greedy(target, trained, shape, tmp_path):
     accepted = nodes = 0
     for path in (trained, random_path):
         tree = Speculator((target, tokenizer), drafter="eagle", drafter_path=str(path), tree=shape)
+        sampled = tree._drafter(SamplingParams(temperature=1.0))  # sampled children above temperature 0
+        assert isinstance(sampled, EagleTreeDrafter) and sampled.sampled and not tree._drafter(GREEDY).sampled
         for prompt in ("abc", "hello", "qqqzzz", "x"):
             reference = plain.generate(prompt, k=0, max_new_tokens=50, sampling=GREEDY).token_ids
             stats = GenerationStats("eagle", "tree")

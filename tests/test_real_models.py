@@ -231,8 +231,11 @@ def test_smollm2_shipped_learned_drafter_is_exact(smollm2, capsys):
     plain = Speculator((model, tokenizer), drafter="none")
     learned = Speculator((model, tokenizer), drafter_path=shipped)
     assert learned.drafter_name == "eagle"
+    tree = Speculator((model, tokenizer), drafter_path=shipped, tree=TreeShape.from_paths([[0], [1], [0, 0]]))
     for prompt in SMOL_PROMPTS:
-        assert greedy_ids(learned, prompt, 40, chat=True) == greedy_ids(plain, prompt, 40, chat=True)
+        reference = greedy_ids(plain, prompt, 40, chat=True)
+        assert greedy_ids(learned, prompt, 40, chat=True) == reference
+        assert greedy_ids(tree, prompt, 40, chat=True) == reference
     assert cli.main(["demo", "--max-new-tokens", "24", "--k", "4"]) == 0
     lines = capsys.readouterr().out.splitlines()
     for name in ("none", "ngram", "eagle"):

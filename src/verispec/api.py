@@ -102,8 +102,9 @@ class Speculator:
     one verispec ships for the target) or "auto" (model when a draft is given, else the shipped learned
     drafter when it exists and matches the target, else ngram).
     tree: a token-tree shape (:class:`~verispec.tree.TreeShape`): the ngram, model or eagle drafter then
-    proposes a tree each round (several n-gram matches; the draft's or the learned head's top-k children at
-    each node), which the target scores in one forward; K is then not used.
+    proposes a tree each round (several n-gram matches; the draft's top-k children at each node; the learned
+    head's top-k when greedy, else independent samples of its q), which the target scores in one forward; K is
+    then not used.
     drafter_path: a learned drafter file (``verispec train-drafter``) for the target, for "eagle" or "auto".
     target_label: names a loaded target (default: its SPEC) in messages and calibration notices, and picks
     the drafter verispec ships for it.
@@ -166,7 +167,7 @@ class Speculator:
         if isinstance(chain, ModelDrafter):
             return ModelTreeDrafter(chain, self.tree)
         if isinstance(chain, EagleDrafter):
-            return EagleTreeDrafter(chain, self.tree)
+            return EagleTreeDrafter(chain, self.tree, sampled=True)  # top-k when greedy
         return NGramTreeDrafter(self.tree, chain)
 
     def _chain_drafter(self, sampling: SamplingParams, target_cache: Cache | None = None) -> Drafter:

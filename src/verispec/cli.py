@@ -370,17 +370,14 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     """Run ``verispec demo``: exit status 1 if any speculative output differs from plain decoding's."""
     from verispec.api import Speculator
-    from verispec.eagle.drafter import shipped_drafter
     from verispec.models.registry import DEFAULT_MODEL
 
     greedy = SamplingParams(temperature=0)
     options = dict(k=args.k, max_new_tokens=args.max_new_tokens, sampling=greedy, chat=True)
     plain = Speculator(args.target, drafter="none", tokenizer=args.tokenizer)
     loaded = (plain.model, plain.tokenizer)  # shared: the target is loaded once
-    path = args.drafter_path
-    if path is None and args.drafter == "auto" and args.draft is None:
-        path = shipped_drafter(args.target or DEFAULT_MODEL)  # what auto takes for a target given by name
-    chosen = Speculator(loaded, args.draft, args.drafter, drafter_path=path)
+    label = args.target or DEFAULT_MODEL  # names the loaded target: auto finds the drafter shipped for it
+    chosen = Speculator(loaded, args.draft, args.drafter, drafter_path=args.drafter_path, target_label=label)
     speculators = {"none": plain}
     if args.drafter == "auto" and args.draft is None and chosen.drafter_name != "ngram":
         speculators["ngram"] = Speculator(loaded, drafter="ngram")  # prompt lookup beside the learned drafter
