@@ -519,13 +519,11 @@ def _answer_all(
     heldout: set[int],
     config: DataConfig,
     desc: str,
-    stream: int = 0,
 ):
     """The target's answers to every prompt (even indices greedy, odd sampled); returns {"train": [...],
-    "heldout": [...]} of (tokens, prompt length, hidden) in prompt order. ``stream`` numbers independent
-    sampling streams of one seed (0: first answers)."""
+    "heldout": [...]} of (tokens, prompt length, hidden) in prompt order."""
     sampled = [i % 2 == 1 for i in range(len(prompts))]
-    seed = config.seed * 100003 + stream * _STREAM
+    seed = config.seed * 100003
     answers = _generate_all(model, tokenizer, prompts, sampled, config.max_new_tokens, seed, config, desc)
     splits: dict[str, list] = {"train": [], "heldout": []}
     for i, (tokens, hidden) in enumerate(answers):
@@ -533,7 +531,7 @@ def _answer_all(
     return splits
 
 
-_STREAM = 1_000_000  # seed offset between sampling streams (larger than any batch start)
+_STREAM = 1_000_000  # seed offset between the sampling streams of target-written chats (> any batch start)
 _USER_TURN_TOKENS = 96  # the longest user turn the target may write
 _MARK = "VERISPEC-USER-TURN"
 
