@@ -79,6 +79,15 @@ class BranchedTreeDrafter:
     def begin(self, prompt: list[int]) -> None:
         self.drafter.begin(prompt)
 
+    def _pick(self, logits: Tensor, count: int, generator: torch.Generator) -> tuple[Tensor, Tensor | None]:
+        """``count`` children of a node from its draft logits [W] (over the draft's own vocabulary): the top
+        ``count`` indices and None, or (``sampled``) ``count`` independent samples and the q [W] they were
+        drawn from."""
+        if not self.sampled:
+            return logits.topk(min(count, logits.shape[-1])).indices, None
+        q = probs_from_logits(logits, self.drafter.sampling)  # [W]
+        return torch.multinomial(q, count, replacement=True, generator=generator), q
+
     def _proposal(
         self, shape: TreeShape, root: int, tokens: dict[int, int], q_rows: dict[int, Tensor | None]
     ) -> TreeProposal:
@@ -105,9 +114,7 @@ class ModelTreeDrafter(BranchedTreeDrafter):
     is cut back to the committed tokens: no draft slot outlives the round."""
 
     name = "model"
-
-    def __init__(self, drafter: ModelDrafter, shape: TreeShape, sampled: bool = False) -> None:
-        super().__init__(drafter, shape, sampled)
+    drafter: ModelDrafter
 
     def propose_tree(self, context: list[int], shape: TreeShape, generator: torch.Generator) -> TreeProposal:
         self.drafter.propose(context, 0, generator)  # drafts nothing: brings an early exit's cache view up
@@ -123,8 +130,8 @@ class ModelTreeDrafter(BranchedTreeDrafter):
         tokens, q_rows = {0: context[-1]}, {}
         for depth in range(1, shape.max_depth + 1):
             for node, node_logits in logits.items():
-                picked, q = self._children(node_logits, len(children[node]), generator)
-                for child, token in zip(children[node][: len(picked)], picked, strict=True):
+                picked, q = self._pick(node_logits, len(children[node]), generator)
+                for child, token in zip(children[node][: len(picked)], picked.tolist(), strict=True):
                     tokens[child], q_rows[child] = token, q
             inner = [n for n in sorted(tokens) if n and children[n]]  # their children come from the draft
             frontier = [n for n in inner if int(shape.depth[n]) == depth]  # the last ones (BFS order)
@@ -134,16 +141,6 @@ class ModelTreeDrafter(BranchedTreeDrafter):
                 zip(frontier, self._score(shape, inner, tokens, committed)[-len(frontier) :], strict=True)
             )
         return self._proposal(shape, context[-1], tokens, q_rows)
-
-    def _children(
-        self, logits: Tensor, count: int, generator: torch.Generator
-    ) -> tuple[list[int], Tensor | None]:
-        """``count`` children of a node from its draft logits [V]: their tokens, and the q [V] they were
-        sampled from (None: they are the top ``count`` tokens)."""
-        if not self.sampled:
-            return logits.topk(min(count, logits.shape[-1])).indices.tolist(), None
-        q = probs_from_logits(logits, self.drafter.sampling)  # [V]
-        return torch.multinomial(q, count, replacement=True, generator=generator).tolist(), q
 
     def _score(self, shape: TreeShape, inner: list[int], tokens: dict[int, int], committed: int) -> Tensor:
         """The draft's logits [len(inner), V] at the inner nodes (ascending, ancestors of one another first),

@@ -636,7 +636,6 @@ def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig(
     random.Random(config.seed).shuffle(order)
     heldout = set(order[: max(1, round(config.heldout_fraction * len(order)))])
     if config.questions == "target":
-        tokenizer.chat_prompt("")  # ValueError before any generation when the target has no chat template
         splits = _self_written(model, tokenizer, heldout, config)
         prompts = {
             "prompts": "written by the target (verispec.eagle.data._write_user_turns)",

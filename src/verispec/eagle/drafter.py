@@ -124,9 +124,7 @@ class EagleTreeDrafter(BranchedTreeDrafter):
 
     name = "eagle"
     reads_target_hidden = True  # the engine calls observe_hidden with the committed positions' states
-
-    def __init__(self, drafter: EagleDrafter, shape: TreeShape, sampled: bool = False) -> None:
-        super().__init__(drafter, shape, sampled)
+    drafter: EagleDrafter
 
     def observe_hidden(self, hidden: Tensor) -> None:
         """hidden: [T, H], the target's final hidden states at the next T committed positions."""
@@ -147,9 +145,10 @@ class EagleTreeDrafter(BranchedTreeDrafter):
         frontier = [0]
         for depth in range(1, shape.max_depth + 1):
             for node in frontier:
-                picked = self._children(head.logits(features[node]), len(children[node]), generator)
-                for child, token, q_row in zip(children[node], *picked, strict=False):  # fewer: Vd ran out
-                    tokens[child], q_rows[child] = token, q_row
+                picked, q = self._pick(head.logits(features[node]), len(children[node]), generator)
+                q_row = None if q is None else drafter.full_q(q)  # [V]
+                for child, token in zip(children[node], head.draft_vocab[picked].tolist(), strict=False):
+                    tokens[child], q_rows[child] = token, q_row  # fewer children where Vd ran out
             frontier = [c for node in frontier for c in children[node] if c in tokens and children[c]]
             if not frontier:
                 break
@@ -158,19 +157,6 @@ class EagleTreeDrafter(BranchedTreeDrafter):
                 features[node] = out[i]
         drafter.cache.truncate(committed)
         return self._proposal(shape, context[-1], tokens, q_rows)
-
-    def _children(
-        self, logits: Tensor, count: int, generator: torch.Generator
-    ) -> tuple[list[int], list[Tensor | None]]:
-        """``count`` children of a node from its draft logits [Vd]: their tokens, and for each the q [V] it
-        was sampled from (None: they are the top ``count`` tokens)."""
-        vocab = self.drafter.head.draft_vocab  # [Vd]
-        if not self.sampled:
-            count = min(count, vocab.shape[0])
-            return vocab[logits.topk(count).indices].tolist(), [None] * count
-        q_draft = probs_from_logits(logits, self.drafter.sampling)  # [Vd]
-        picked = torch.multinomial(q_draft, count, replacement=True, generator=generator)  # [count]
-        return vocab[picked].tolist(), [self.drafter.full_q(q_draft)] * count
 
     def _forward(
         self,

@@ -87,9 +87,8 @@ class TrainConfig:
     eval_tokens: int = 4096
     checkpoint_every: int = 50
     seed: int = 0
-    init: str = (
-        ""  # a drafter file to start from (fine-tuning on new data), its draft vocabulary kept; "": none
-    )
+    # a drafter file to start from (fine-tuning on new data), its draft vocabulary kept; "": none
+    init: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.init, str):
