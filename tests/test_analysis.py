@@ -11,6 +11,7 @@ from verispec.analysis import (
     DEFAULT_K_MAX,
     CostModel,
     acceptance_rate,
+    best_tree_size,
     break_even_alpha,
     expected_speedup,
     expected_tokens_per_call,
@@ -170,6 +171,35 @@ def brute_force_k(alpha: float, c: float, curve, k_max: int) -> int:
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.6, 0.8, 0.9, 0.97])
 def test_optimal_k_matches_brute_force(curve, c, alpha):
     assert optimal_k(alpha, c, curve, k_max=8) == brute_force_k(alpha, c, curve, 8)
+
+
+@given(
+    st.lists(st.floats(0, 1), max_size=12),
+    st.sampled_from(CURVES),
+    st.sampled_from([0.0, 0.05, 0.3]),
+    st.integers(1, 5),
+)
+def test_best_tree_size_maximizes_tokens_per_cost(scores, curve, c, steps):
+    """best_tree_size against a brute force over every size: the expected tokens 1 + the n best path
+    probabilities over v(n + 1) + the drafting already spent; the smallest best size."""
+    scores = sorted(scores, reverse=True)
+    cost = CostModel(c, curve)
+    n_max = len(scores) if cost.max_k is None else min(len(scores), cost.max_k)
+    rates = [(1 + sum(scores[:n])) / (cost.verify(n + 1) + steps * c) for n in range(n_max + 1)]
+    best = max(rates)
+    assert best_tree_size(scores, cost, steps) == next(
+        n for n, r in enumerate(rates) if r >= best * (1 - 1e-12)
+    )
+
+
+def test_best_tree_size_examples():
+    measured = CostModel(0.058, [1.0, 1.25, 1.28, 1.25, 1.32, 1.36, 1.49, 1.53])
+    assert best_tree_size([0.1, 0.05], measured, 1) == 0  # not worth verifying: a plain step
+    assert best_tree_size([0.9, 0.5, 0.3, 0.2, 0.1], measured, 3) == 5
+    assert best_tree_size([0.99] * 20, measured, 4) == 7  # the curve's end bounds the tree
+    assert best_tree_size([], measured, 1) == 0
+    with pytest.raises(ValueError):
+        best_tree_size([0.5], measured, -1)
 
 
 def test_optimal_k_linear_curve_example():

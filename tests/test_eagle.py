@@ -22,6 +22,7 @@ from fakes import LetterTokenizer, TableLM
 from test_real_models import STORY_PROMPTS
 from verispec import api as api_module
 from verispec import cli
+from verispec.analysis import CostModel, best_tree_size
 from verispec.api import Speculator
 from verispec.bench import BenchConfig, Method, plan_methods
 from verispec.calibrate import DRAFT_K
@@ -46,6 +47,7 @@ from verispec.models.registry import load_model
 from verispec.policies import ConstantK
 from verispec.sampling import SamplingParams, probs_from_logits
 from verispec.tree import TreeShape
+from verispec.tree_drafters import NGramTreeDrafter
 
 VOCAB = 64
 GREEDY = SamplingParams(temperature=0)
@@ -657,9 +659,11 @@ def test_tree_nodes_are_the_heads_top_tokens_on_their_paths(target, trained, sha
     the chain drafter's own proposal, the same context gives the same tree, and the head's cache is back at
     the committed slots after each round."""
     head = EagleHead.load(trained, target)
-    read: list[torch.Tensor] = []  # the features the tree drafter drafts children from, in order
+    read: list[torch.Tensor] = []  # the features the tree drafter drafts children from, in order (rows)
     logits = head.logits
-    head.logits = lambda features: (read.append(features.clone()), logits(features))[1]  # type: ignore
+    head.logits = lambda features: (read.extend(features.reshape(-1, features.shape[-1])), logits(features))[
+        1
+    ]  # type: ignore
     g = torch.Generator().manual_seed(3)
     for length in (2, 7, 19):
         context = torch.randint(0, VOCAB, (length,), generator=g).tolist()
@@ -740,6 +744,226 @@ def test_tree_first_sampled_token_follows_the_target(target, trained, sampled):
         return next(engine.stream(prompt_ids, EngineConfig(2, sampling), stats))[0]
 
     assert chi_square_of_first_tokens(first, target, prompt_ids, {}) > ALPHA
+
+
+# ---------------------------------------------------------------------------------------------- dynamic trees
+
+
+def path_probability(head: EagleHead, chain: EagleDrafter, context: list[int], path: list[int]) -> float:
+    """The oracle: the product of the head's probabilities (softmax) of the path's tokens, each read from the
+    feature the head predicts after the tokens before it, drafted as a chain on a fresh cache."""
+    probability = 1.0
+    for i, token in enumerate(path):
+        probs = head.logits(path_feature(head, chain, context, path[:i])).softmax(-1)  # [Vd]
+        probability *= float(probs[int((head.draft_vocab == token).nonzero())])
+    return probability
+
+
+def node_paths(tree) -> list[tuple[int, ...]]:
+    """Each node's path of tokens below the root: [N] tuples."""
+    paths: list[tuple[int, ...]] = [()]
+    for node in range(1, tree.num_nodes):
+        paths.append((*paths[int(tree.parents[node])], int(tree.tokens[node])))
+    return paths
+
+
+@pytest.mark.parametrize("budget", [1, 3, 5])
+def test_dynamic_tree_verifies_the_likeliest_paths(target, trained, budget):
+    """A 2x2 shape of budget N: both depth-1 nodes are expanded (the beam is the shape's width), so the tree
+    verifies, of the static tree's six draft nodes, the N whose path probability (the oracle drafts each
+    path as a chain) is highest; single guesses, every ancestor kept, the head's cache back at the committed
+    slots."""
+    head = EagleHead.load(trained, target)
+    shape, g = TreeShape.full(2, 2), torch.Generator().manual_seed(5)
+    dynamic = shape.with_budget(budget)
+    for length in (2, 7, 19):
+        context = torch.randint(0, VOCAB, (length,), generator=g).tolist()
+        chain = drafter_with_context(target, head, context, GREEDY)
+        static = EagleTreeDrafter(drafter_with_context(target, head, context, GREEDY), shape)
+        candidates = node_paths(static.propose_tree(context, shape, g))[1:]
+        probability = {path: path_probability(head, chain, context, list(path)) for path in candidates}
+        drafter = EagleTreeDrafter(drafter_with_context(target, head, context, GREEDY), dynamic)
+        tree = drafter.propose_tree(context, dynamic, g)
+        assert tree.num_nodes == budget + 1 and tree.q is None and drafter.drafter.cache.length == length - 1
+        chosen = node_paths(tree)[1:]
+        assert all(path[:-1] in {(), *chosen} for path in chosen)  # every ancestor is in the tree
+        best = sorted(candidates, key=probability.get, reverse=True)[:budget]
+        assert sorted(chosen) == sorted(best), (length, probability)
+
+
+def test_dynamic_tree_expands_only_the_likeliest_nodes_of_each_depth(target, trained):
+    """A 3x3 shape whose budget covers every candidate: each depth expands the 3 likeliest nodes of the depth
+    before (3 + 9 + 9 draft nodes, not the shape's 39), and the expanded depth-2 nodes are the 3 of highest
+    path probability."""
+    head = EagleHead.load(trained, target)
+    shape = TreeShape.full(3, 3).with_budget(39)
+    context = [3, 9, 27, 17, 51, 26]
+    chain = drafter_with_context(target, head, context, GREEDY)
+    tree = EagleTreeDrafter(drafter_with_context(target, head, context, GREEDY), shape).propose_tree(
+        context, shape, torch.Generator()
+    )
+    paths = node_paths(tree)
+    assert [int((tree.depth == d).sum()) for d in (1, 2, 3)] == [3, 9, 9]
+    second = [p for p in paths if len(p) == 2]
+    expanded = {p[:2] for p in paths if len(p) == 3}
+    probability = {p: path_probability(head, chain, context, list(p)) for p in second}
+    assert expanded == set(sorted(second, key=probability.get, reverse=True)[:3])
+
+
+def test_auto_budget_sizes_trees_by_the_costs(target, trained):
+    """Budget auto: a verification that costs more than any tree can pay for gives the root alone (a plain
+    step); free verification and drafting give every drafted node; a head forward dearer than what a depth
+    could bring stops the expansion at depth 1; in between, the size best_tree_size picks from the drafted
+    nodes' path probabilities."""
+    head = EagleHead.load(trained, target)
+    shape = TreeShape.full(2, 3).with_budget("auto")
+    context = [3, 9, 27, 17, 51, 26]
+
+    def tree(cost: CostModel):
+        drafter = EagleTreeDrafter(drafter_with_context(target, head, context, GREEDY), shape, cost=cost)
+        return drafter.propose_tree(context, shape, torch.Generator())
+
+    assert tree(CostModel(0.0, [1.0] + [50.0] * 15)).num_nodes == 1
+    everything = tree(CostModel(0.0, None))
+    assert everything.num_nodes == 1 + 2 + 4 + 4  # the beam of 2 expands two nodes at depths 1 and 2
+    shallow = tree(CostModel(10.0, None))  # a head forward costs more than any children could bring
+    assert shallow.num_nodes == 1 + 2 and shallow.max_depth == 1
+    chain = drafter_with_context(target, head, context, GREEDY)
+    scores = sorted(
+        (path_probability(head, chain, context, list(p)) for p in node_paths(everything)[1:]), reverse=True
+    )
+    middle = CostModel(0.05, [1.0, 1.3, 1.4, 1.5, 1.6, 1.9, 2.2, 2.6, 3.0, 3.5, 4.0, 4.5])
+    assert tree(middle).num_nodes == 1 + best_tree_size(scores, middle, 3)
+    with pytest.raises(ValueError, match="calibrated costs"):
+        EagleTreeDrafter(drafter_with_context(target, head, context, GREEDY), shape)
+
+
+@pytest.mark.parametrize("spec", ["2x3:2", "3x3:5", "2x3:auto"])
+def test_dynamic_tree_greedy_equals_plain_greedy(target, trained, spec, tmp_path):
+    """Trained and random heads drafting dynamic trees (auto: sized by a cost model): token for token the
+    target's greedy output; some nodes accepted, some rejected."""
+    random_head = fresh_head(target, torch.arange(0, VOCAB, 2), seed=9)
+    cost = CostModel(0.05, [1.0, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.6])
+    plain = Speculator((target, LetterTokenizer(VOCAB)), drafter="none")
+    accepted = nodes = 0
+    for head in (EagleHead.load(trained, target), random_head):
+        for prompt in ("abc", "hello", "qqqzzz", "x"):
+            ids = plain.encode_prompt(prompt)
+            reference = plain.generate(prompt, k=0, max_new_tokens=50, sampling=GREEDY).token_ids
+            shape = TreeShape.parse(spec)
+            drafter = EagleTreeDrafter(EagleDrafter(head, GREEDY), shape, cost=cost)
+            stats = GenerationStats("eagle", spec)
+            engine = SpeculativeEngine(target, drafter, ConstantK(0))
+            out = [t for chunk in engine.stream(ids, EngineConfig(50, GREEDY), stats) for t in chunk]
+            assert out == reference, (spec, prompt)
+            accepted, nodes = accepted + stats.accepted, nodes + stats.tree_nodes
+    assert 0 < accepted < nodes
+
+
+def test_dynamic_tree_first_sampled_token_follows_the_target(target, trained):
+    """Chi-square of the first sampled token with a dynamic tree: its top-k children, chosen by the head's
+    probabilities, are verified as single guesses."""
+    head = EagleHead.load(trained, target)
+    prompt_ids = LetterTokenizer(VOCAB).encode("hello")
+    shape = TreeShape.full(3, 2).with_budget(3)
+
+    def first(sampling: SamplingParams, stats: GenerationStats) -> int:
+        engine = SpeculativeEngine(
+            target, EagleTreeDrafter(EagleDrafter(head, sampling), shape), ConstantK(0)
+        )
+        return next(engine.stream(prompt_ids, EngineConfig(2, sampling), stats))[0]
+
+    assert chi_square_of_first_tokens(first, target, prompt_ids, {}) > ALPHA
+
+
+def test_dynamic_trees_need_the_eagle_drafter_and_single_guesses(target, trained):
+    tokenizer = LetterTokenizer(VOCAB)
+    dynamic = TreeShape.parse("2x2:3")
+    for drafter in ("ngram", "model"):
+        draft = (target, tokenizer) if drafter == "model" else None
+        one_line_error(
+            lambda d=drafter, m=draft: Speculator((target, tokenizer), m, drafter=d, tree=dynamic),
+            rf"dynamic trees \(2x2:3\) need the eagle drafter, not '{drafter}'",
+        )
+    one_line_error(lambda: NGramTreeDrafter(dynamic), "need the eagle drafter")
+    head = EagleHead.load(trained, target)
+    one_line_error(
+        lambda: EagleTreeDrafter(EagleDrafter(head, SamplingParams()), dynamic, sampled=True),
+        "cannot sample them",
+    )
+    eagle = Speculator((target, tokenizer), drafter="eagle", drafter_path=str(trained), tree=dynamic)
+    assert not eagle._drafter(SamplingParams()).sampled  # top-k above temperature 0 too
+
+
+# ---------------------------------------------------------------------------------------------- layers
+
+
+def test_a_grown_head_computes_what_it_grew_from(target, trained, tmp_path):
+    """adopt: a 3-layer head holding a 1-layer head's weights predicts the same features (its new layers
+    start as no-ops) and drafts the same tokens; its file keeps its layer count; a head cannot shrink."""
+    small = EagleHead.load(trained, target)
+    big = EagleHead.create(target, small.draft_vocab, torch.Generator().manual_seed(1), small.metadata, 3)
+    tokens, features = torch.randint(0, VOCAB, (2, 9)), torch.randn(2, 9, 32)
+    positions = torch.arange(9).expand(2, 9)
+    before = big(tokens, features, positions, big.new_cache(2, 16))
+    big.adopt(small)
+    after = big(tokens, features, positions, big.new_cache(2, 16))
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, small(tokens, features, positions, small.new_cache(2, 16)))
+    loaded = EagleHead.load(big.save(tmp_path / "big.safetensors"), target)
+    assert loaded.num_layers == 3 and loaded.new_cache().keys.shape[0] == 3
+    context = [5, 17, 40, 2, 9]
+    assert torch.equal(
+        drafter_with_context(target, loaded, context, GREEDY).propose(context, 4, torch.Generator()).tokens,
+        drafter_with_context(target, small, context, GREEDY).propose(context, 4, torch.Generator()).tokens,
+    )
+    one_line_error(lambda: small.adopt(loaded), "cannot start a 1-layer head from a 3-layer one")
+    for bad in (0, 9, True):
+        one_line_error(
+            lambda b=bad: EagleHead(target, small.draft_vocab, small.metadata, b), "decoder layers"
+        )
+
+
+def test_a_drafter_file_with_a_bad_layer_count_is_refused(target, trained, tmp_path):
+    tensors = load_file(str(trained))
+    with safe_open(str(trained), framework="pt") as f:
+        metadata = f.metadata()
+    for bad in ("0", "two", "99"):
+        path = tmp_path / f"layers-{bad}.safetensors"
+        save_file(tensors, str(path), metadata={**metadata, "num_layers": bad})
+        one_line_error(lambda p=path: EagleHead.load(p, target), "num_layers")
+
+
+def test_training_grows_a_drafter_by_a_layer(target, dataset, trained, tmp_path):
+    """layers = 2 from a 1-layer drafter: training runs through both layers (each layer's cache its own
+    tensor, so backward finds what it saved), lowers the loss from the grown head's, and writes a 2-layer
+    drafter; more layers in init than asked is refused."""
+    small = EagleHead.load(trained, target)
+    config = dataclasses.replace(
+        TINY_TRAINING, steps=30, draft_vocab=small.draft_vocab_size, init=str(trained), layers=2, unroll=1
+    )
+    grown = EagleHead.create(target, small.draft_vocab, torch.Generator(), small.metadata, 2)
+    grown.adopt(small)
+    data = TrainingData.from_split(load_split(dataset, "train"), draft_index(small.draft_vocab, VOCAB))
+    batch = sample_batch(data, 8, 32, torch.Generator().manual_seed(0))
+
+    def loss(head: EagleHead) -> float:
+        with torch.no_grad():
+            return float(batch_loss(head, batch, config, 0.0, torch.Generator()))
+
+    path = train_drafter(target, dataset, tmp_path / "grown", config, progress=False)
+    trained_big = EagleHead.load(path, target)
+    assert trained_big.num_layers == 2 and loss(trained_big) < loss(grown)
+    assert loss(grown) == pytest.approx(loss(small), rel=1e-5)
+    one_line_error(
+        lambda: train_drafter(
+            target, dataset, tmp_path / "shrink", dataclasses.replace(config, init=str(path), layers=1)
+        ),
+        "has 2 layers, more than layers = 1",
+    )
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="layers"):
+            TrainConfig(layers=bad)
 
 
 # ---------------------------------------------------------------------------------------------- stories260K

@@ -7,12 +7,14 @@ import json
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from test_hf_adapter import tiny_model
 from toy import single_threaded
 from verispec.models import Llama, LlamaConfig, TreeCache
 from verispec.models.hf import HFModel
-from verispec.tree import TreeShape
+from verispec.tree import TreeShape, likeliest_nodes
 
 ATOL = 1e-4
 # "top-1, top-2; after top-1 its two best; after those the best": 6 nodes, depth 3
@@ -122,6 +124,47 @@ def test_capped_shapes_are_breadth_first_prefixes():
     assert shape.capped(1, 100).paths == ((), (0,), (1,))
     assert shape.capped(3, 5).paths == shape.paths[:5]
     assert shape.capped(0, 100).num_nodes == 1
+
+
+def test_dynamic_shapes_parse_and_keep_their_budget(tmp_path):
+    """SPEC:N and SPEC:auto name dynamic trees: the same nodes, a budget that capping keeps, at most N + 1
+    positions per forward; with_budget(None) makes a shape static again; bad budgets are refused."""
+    path = tmp_path / "e3.json"
+    path.write_text(json.dumps([[0], [1], [0, 0]]))
+    dynamic = TreeShape.parse("3x4:6")
+    assert (dynamic.name, dynamic.budget, dynamic.max_forward) == ("3x4:6", 6, 7)
+    assert dynamic.paths == TreeShape.full(3, 4).paths and TreeShape.full(3, 4).max_forward == 121
+    assert dynamic.capped(2, 100).budget == 6 and dynamic.capped(2, 100).name == "3x4:6"
+    auto = TreeShape.parse(f"{path}:auto")
+    assert (auto.name, auto.budget, auto.max_forward) == ("e3:auto", "auto", 4)
+    assert TreeShape.parse("2x2:50").max_forward == 7  # never more than the shape
+    static = dynamic.with_budget(None)
+    assert static.budget is None and static.name == "3x4" and static.with_budget(2).name == "3x4:2"
+    for bad in (0, -1, True, "many", 2.5):
+        with pytest.raises(ValueError, match="node budget"):
+            TreeShape.full(2, 2).with_budget(bad)
+    with pytest.raises(ValueError, match="not valid JSON|cannot read"):
+        TreeShape.parse("3x4:six")  # not a budget: read as a file name
+
+
+@given(st.data())
+def test_likeliest_nodes_hold_every_ancestor(data):
+    """On random trees whose scores are path probabilities (a node's score: its parent's × a probability,
+    ties included), likeliest_nodes returns the root and the ``count`` best-scoring draft nodes, ancestors
+    always included."""
+    n = data.draw(st.integers(2, 30))
+    parents = [-1] + [data.draw(st.integers(0, i - 1)) for i in range(1, n)]
+    probs = [data.draw(st.sampled_from([0.0, 0.25, 0.5, 1.0]) | st.floats(0, 1)) for _ in range(n)]
+    scores = [1.0]
+    for i in range(1, n):
+        scores.append(scores[parents[i]] * probs[i])
+    count = data.draw(st.integers(0, n + 2))
+    chosen = likeliest_nodes(scores, count)
+    assert chosen[0] == 0 and chosen == sorted(set(chosen)) and len(chosen) == 1 + min(count, n - 1)
+    assert all(parents[i] in chosen for i in chosen[1:])
+    left = [scores[i] for i in range(1, n) if i not in chosen]
+    if left and len(chosen) > 1:
+        assert min(scores[i] for i in chosen[1:]) >= max(left)
 
 
 def test_merge_builds_the_prefix_tree_within_the_shape():

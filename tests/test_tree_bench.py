@@ -29,6 +29,26 @@ def test_each_tree_runs_beside_its_chain_at_the_same_forward_size(tmp_path):
     assert Method("ngram", "3") in plan_methods(BenchConfig(trees=(str(shape),)))[0]  # 4 nodes
 
 
+def test_dynamic_trees_run_beside_the_chain_of_their_budget():
+    """A dynamic tree of budget N feeds at most N + 1 positions: its chain is K = N; budget auto runs beside
+    K auto; the ngram and model trees cannot take a budget (a note says so)."""
+    config = BenchConfig(
+        methods=("ngram-tree", "eagle-tree"), drafter_path="d.safetensors", trees=("3x4:5", "2x3:auto", "2x2")
+    )
+    methods, notes = plan_methods(config)
+    assert [m.label for m in methods] == [
+        "ngram-tree k=2x2",
+        "ngram k=6",
+        "eagle-tree k=3x4:5",
+        "eagle k=5",
+        "eagle-tree k=2x3:auto",
+        "eagle k=auto",
+        "eagle-tree k=2x2",
+        "eagle k=6",
+    ]
+    assert "ngram-tree 3x4:5: dynamic trees need the eagle drafter" in notes
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -57,6 +77,8 @@ def test_tree_comparison_table_pairs_tree_and_chain():
             cell("ngram-tree k=2x2", "ngram-tree", "2x2", 30.0, 2.5, 6.5, nodes=7),
             cell("ngram k=6", "ngram", "6", 20.0, 2.0, 7.0),
             cell("model-tree k=3x1", "model-tree", "3x1", 10.0, 1.5, 4.0, nodes=4),  # its chain did not run
+            {**cell("eagle-tree k=2x3:auto", "eagle-tree", "2x3:auto", 12.0, 1.8, 3.1), "chain_k": "auto"},
+            cell("eagle k=auto", "eagle", "auto", 10.0, 1.6, 2.5),
         ],
     }
     lines = tree_comparison(results)
@@ -64,8 +86,12 @@ def test_tree_comparison_table_pairs_tree_and_chain():
     assert (
         "| t | ngram-tree k=2x2 | ngram k=6 | 7 | 6.50 / 7.00 | 2.50 / 2.00 | 30.0 / 20.0 | 1.50× |" in lines
     )
+    assert (
+        "| t | eagle-tree k=2x3:auto | eagle k=auto | auto | 3.10 / 2.50 | 1.80 / 1.60 | 12.0 / 10.0 "
+        "| 1.20× |" in lines
+    )
     assert not any("model-tree" in line for line in lines)
-    assert tree_comparison({**results, "cells": results["cells"][1:]}) == []
+    assert tree_comparison({**results, "cells": results["cells"][1:3]}) == []
 
 
 def test_tree_bench_on_stories260k(capsys, tmp_path, shared_model):

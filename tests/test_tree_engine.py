@@ -338,6 +338,13 @@ def test_stories_tree_greedy_equals_plain_greedy(stories):
         (["--tree-width", "2", "--tree-depth", "2", "--tree-shape", "x.json"], "not both"),
         (["--tree-shape", "/nonexistent/shape.json"], "cannot read"),
         (["--tree-width", "2", "--tree-depth", "2", "--show-trace"], "traces"),
+        (["--tree-nodes", "4"], "--tree-nodes needs a tree"),
+        (["--tree-width", "2", "--tree-depth", "2", "--tree-nodes", "0"], "node budget"),
+        (["--tree-width", "2", "--tree-depth", "2", "--tree-nodes", "many"], "--tree-nodes takes"),
+        (
+            ["--drafter", "ngram", "--tree-width", "2", "--tree-depth", "2", "--tree-nodes", "2"],
+            "eagle drafter",
+        ),
     ],
 )
 def test_cli_bad_tree_options_are_one_line_errors(capsys, flags, message):

@@ -32,12 +32,14 @@ __all__ = [
     "CostModel",
     "VerifyCost",
     "acceptance_rate",
+    "best_tree_size",
     "break_even_alpha",
     "expected_speedup",
     "expected_tokens_per_call",
     "optimal_k",
     "speedup_by_k",
     "speedup_from_tokens",
+    "tree_rates",
 ]
 
 VerifyCost = Callable[[int], float] | Sequence[float] | np.ndarray | None
@@ -238,6 +240,26 @@ def speedup_by_k(
     tokens = np.ones_like(costs)  # E[L](α, K) = 1 + α_1 + α_1·α_2 + …: expected_tokens_per_call's products
     tokens[1:] += np.cumsum(np.cumprod(alphas))
     return tokens / costs
+
+
+def tree_rates(scores: Sequence[float], cost: CostModel, draft_steps: int) -> np.ndarray:
+    """The expected tokens per unit time of a dynamic tree that verifies its n best draft nodes, for every
+    n ∈ 0..min(len(scores), v's range − 1): (1 + scores[0] + … + scores[n−1]) / (v(n + 1) + draft_steps·c).
+
+    scores: the candidate draft nodes' path probabilities, highest first: a node's chance of being accepted
+    when the draft is calibrated (its probability of agreeing with the target is what it believes), so
+    their sum is the expected number of accepted tokens. draft_steps: the draft forwards the tree took,
+    spent whatever n is chosen."""
+    spent = _check_k(draft_steps, "draft_steps") * cost.cost_ratio
+    n_max = len(scores) if cost.max_k is None else min(len(scores), cost.max_k)
+    tokens = 1.0 + np.concatenate(([0.0], np.cumsum(np.asarray(scores[:n_max], dtype=np.float64))))
+    return tokens / np.array([cost.verify(n + 1) + spent for n in range(n_max + 1)])
+
+
+def best_tree_size(scores: Sequence[float], cost: CostModel, draft_steps: int) -> int:
+    """How many draft nodes a dynamic tree should verify: the argmax of :func:`tree_rates` (the smallest on
+    ties; 0 is a plain step)."""
+    return int(np.argmax(tree_rates(scores, cost, draft_steps)))
 
 
 def break_even_alpha(k: int, cost_ratio: float = 0.0, verify_cost: VerifyCost = None) -> float | None:

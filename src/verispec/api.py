@@ -26,7 +26,7 @@ from verispec.models.registry import DEFAULT_MODEL, load_model
 from verispec.policies import AdditiveK, ConstantK, CostModelK, KPolicy
 from verispec.sampling import SamplingParams
 from verispec.trace import TraceRecorder
-from verispec.tree import TreeShape
+from verispec.tree import AUTO, TreeShape
 from verispec.tree_drafters import ModelTreeDrafter, NGramTreeDrafter, TreeDrafter
 
 __all__ = [
@@ -104,7 +104,8 @@ class Speculator:
     tree: a token-tree shape (:class:`~verispec.tree.TreeShape`): the ngram, model or eagle drafter then
     proposes a tree each round (several n-gram matches; the draft's top-k children at each node; the learned
     head's top-k when greedy, else independent samples of its q), which the target scores in one forward; K is
-    then not used.
+    then not used. A dynamic shape (with a node budget, e.g. ``TreeShape.parse("3x4:auto")``) needs the eagle
+    drafter; budget "auto" sizes each tree by the calibrated costs (:meth:`calibration`).
     drafter_path: a learned drafter file (``verispec train-drafter``) for the target, for "eagle" or "auto".
     target_label: names a loaded target (default: its SPEC) in messages and calibration notices, and picks
     the drafter verispec ships for it.
@@ -152,6 +153,8 @@ class Speculator:
         if tree is not None:
             if drafter not in TREE_DRAFTERS:
                 raise ValueError(f"token trees need the ngram, model or eagle drafter, not {drafter!r}")
+            if tree.budget is not None and drafter != "eagle":
+                raise ValueError(f"dynamic trees ({tree.name}) need the eagle drafter, not {drafter!r}")
             tree.check_fits(self.model.max_context)
         self.tree = tree
         self.drafter_name = drafter
@@ -167,7 +170,10 @@ class Speculator:
         if isinstance(chain, ModelDrafter):
             return ModelTreeDrafter(chain, self.tree)
         if isinstance(chain, EagleDrafter):
-            return EagleTreeDrafter(chain, self.tree, sampled=True)  # top-k when greedy
+            if self.tree.budget is None:
+                return EagleTreeDrafter(chain, self.tree, sampled=True)  # top-k when greedy
+            cost = self.calibration().cost_model if self.tree.budget == AUTO else None
+            return EagleTreeDrafter(chain, self.tree, cost=cost)
         return NGramTreeDrafter(self.tree, chain)
 
     def _chain_drafter(self, sampling: SamplingParams, target_cache: Cache | None = None) -> Drafter:

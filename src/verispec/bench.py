@@ -324,6 +324,18 @@ def learned_drafter(config: BenchConfig) -> str | None:
     return None if shipped is None else str(shipped)
 
 
+def chain_k(shape: TreeShape) -> str:
+    """The K of the chain method a tree method runs beside: the same most positions per forward (a dynamic
+    tree sized by the costs: K auto, sized by them too)."""
+    return "auto" if shape.budget == "auto" else str(shape.max_forward - 1)
+
+
+def _tree_sizes(spec: str) -> dict[str, object]:
+    """A tree cell's most positions per forward (None when the costs size it) and its chain's K."""
+    shape = TreeShape.parse(spec)
+    return {"tree_nodes": None if shape.budget == "auto" else shape.max_forward, "chain_k": chain_k(shape)}
+
+
 def plan_methods(config: BenchConfig) -> tuple[list[Method], list[str]]:
     """The methods to run, and notes on those left out (and why). ValueError when an explicitly chosen
     method cannot run (a draft-model method without ``--draft``)."""
@@ -352,7 +364,11 @@ def plan_methods(config: BenchConfig) -> tuple[list[Method], list[str]]:
                 notes.append(f"{name}: runs only at numeric K (--k gave {', '.join(config.ks)})")
         elif name in TREE_METHODS:
             for spec in config.trees:  # the tree, then its chain at the same forward size
-                chain = Method(name.removesuffix("-tree"), str(TreeShape.parse(spec).num_nodes - 1))
+                shape = TreeShape.parse(spec)
+                if shape.budget is not None and name != "eagle-tree":
+                    notes.append(f"{name} {spec}: dynamic trees need the eagle drafter")
+                    continue
+                chain = Method(name.removesuffix("-tree"), chain_k(shape))
                 methods += [Method(name, spec)] + ([chain] if chain not in methods else [])
         else:
             methods += [Method(name, k) for k in config.ks]
@@ -739,9 +755,11 @@ class Bench:
                     "complete": len(cell.samples) == config.repetitions,
                     "samples": cell.samples,
                     "peer_acceptance_unknown": cell.method.name == "transformers-lookup",
-                    "tree_nodes": TreeShape.parse(cell.method.k).num_nodes
-                    if cell.method.name in TREE_METHODS
-                    else None,
+                    **(
+                        _tree_sizes(cell.method.k)
+                        if cell.method.name in TREE_METHODS
+                        else {"tree_nodes": None}
+                    ),
                 }
             )
         by_key = {(c["task"], c["temperature"], c["label"]): c for c in cells}

@@ -227,23 +227,39 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="a JSON tree shape: a list of paths of child ranks, e.g. [[0], [1], [0, 0]]",
     )
+    tree.add_argument(
+        "--tree-nodes",
+        metavar="N|auto",
+        help="a dynamic tree (eagle drafter, EAGLE-2): each round expands the likeliest nodes of the shape "
+        "and verifies its N likeliest draft nodes, or with auto as many as this machine's calibrated costs "
+        "pay for",
+    )
     parser.set_defaults(func=run_generate)
 
 
 def _tree_shape(args: argparse.Namespace):
     """The tree shape that --tree-width/--tree-depth or --tree-shape give, or None (chain rounds)."""
-    from verispec.tree import TreeShape
+    from verispec.tree import AUTO, TreeShape
 
     sized = args.tree_width is not None or args.tree_depth is not None
     if sized and args.tree_shape is not None:
         raise ValueError("give either --tree-width and --tree-depth or --tree-shape, not both")
     if args.tree_shape is not None:
-        return TreeShape.load(args.tree_shape)
-    if not sized:
+        shape = TreeShape.load(args.tree_shape)
+    elif not sized:
+        if args.tree_nodes is not None:
+            raise ValueError("--tree-nodes needs a tree: --tree-width and --tree-depth, or --tree-shape")
         return None
-    if args.tree_width is None or args.tree_depth is None:
+    elif args.tree_width is None or args.tree_depth is None:
         raise ValueError("--tree-width and --tree-depth go together")
-    return TreeShape.full(args.tree_width, args.tree_depth)
+    else:
+        shape = TreeShape.full(args.tree_width, args.tree_depth)
+    nodes = args.tree_nodes
+    if nodes is None:
+        return shape
+    if not (nodes == AUTO or nodes.isdigit()):
+        raise ValueError(f"--tree-nodes takes an integer >= 1 or {AUTO}, got {nodes!r}")
+    return shape.with_budget(AUTO if nodes == AUTO else int(nodes))
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float) -> None:
@@ -754,7 +770,8 @@ def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "train-drafter",
         help="train a learned drafter (EAGLE-style head) for a target on its drafter-data set",
-        description="Train a one-layer EAGLE-style draft head that predicts the target's next hidden state "
+        description="Train an EAGLE-style draft head (one decoder layer unless --layers) that predicts the "
+        "target's next hidden state "
         "from its current one and the next token, with logits over a reduced draft vocabulary (see "
         "verispec.eagle.train). Writes DIR/drafter.safetensors, DIR/checkpoint.pt and DIR/log.jsonl; "
         "--resume continues an interrupted run.",
@@ -770,6 +787,7 @@ def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
         ("window", "slots per window (batch_tokens // window windows per batch)"),
         ("draft-vocab", "size of the draft vocabulary: the most frequent answer tokens"),
         ("unroll", "extra steps unrolled on the head's own features"),
+        ("layers", "decoder layers of the head (beyond --init's: new layers that start as no-ops)"),
         ("checkpoint-every", "steps between checkpoints"),
         ("eval-every", "steps between held-out evaluations"),
         ("seed", "seed of initialisation, batches and noise"),
@@ -813,6 +831,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         seed=args.seed,
         init=args.init,
+        layers=args.layers,
     )
     read_data_meta(args.data)  # before loading a model
     if args.init and not os.path.isfile(args.init):

@@ -233,21 +233,22 @@ def goals(results: dict) -> list[str]:
 
 def tree_comparison(results: dict) -> list[str]:
     """Chain against tree at equal target-forward sizes: each tree cell of N nodes beside its chain method's
-    cell at K = N − 1 (both score at most N positions per forward); the lines of one Markdown table per
-    temperature, empty without tree cells."""
+    cell at K = N − 1 (both score at most N positions per forward; a dynamic tree sized by the costs beside
+    K auto); the lines of one Markdown table per temperature, empty without tree cells."""
     lines = []
     for temperature in results["config"]["temperatures"]:
         rows = []
         for task in results["config"]["tasks"]:
             cells = _cells(results, task, temperature)
             by_label = {c["label"]: c for c in cells}
-            for tree in (c for c in cells if c.get("tree_nodes")):
-                chain = by_label.get(f"{tree['method'].removesuffix('-tree')} k={tree['tree_nodes'] - 1}")
+            for tree in (c for c in cells if c.get("tree_nodes") or c.get("chain_k")):
+                k = tree.get("chain_k") or tree["tree_nodes"] - 1  # results before dynamic trees: no chain_k
+                chain = by_label.get(f"{tree['method'].removesuffix('-tree')} k={k}")
                 if chain is None:
                     continue
                 t, c = tree["metrics"], chain["metrics"]
                 rows.append(
-                    f"| {task} | {tree['label']} | {chain['label']} | {tree['tree_nodes']} | "
+                    f"| {task} | {tree['label']} | {chain['label']} | {tree['tree_nodes'] or 'auto'} | "
                     f"{t['forward_size']:.2f} / {c['forward_size']:.2f} | "
                     f"{t['tokens_per_target_call']:.2f} / {c['tokens_per_target_call']:.2f} | "
                     f"{_tps(tree):.1f} / {_tps(chain):.1f} | {_tps(tree) / _tps(chain):.2f}× |"
@@ -262,7 +263,8 @@ def tree_comparison(results: dict) -> list[str]:
                 *rows,
                 "",
                 "A tree of N nodes against the chain of K = N − 1 draft tokens: both feed the target at "
-                "most N positions per forward. Pairs of numbers: tree / chain; τ: tokens per forward.",
+                "most N positions per forward (N auto: a dynamic tree sized by the calibrated costs, against "
+                "K auto). Pairs of numbers: tree / chain; τ: tokens per forward.",
             ]
     return lines
 

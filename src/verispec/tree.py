@@ -12,6 +12,12 @@ ancestor of its nodes (fewer nodes is always allowed: an n-gram lookup may find 
 token at each. :meth:`TreeShape.merge` builds one from several candidate continuations by merging their
 common prefixes; :meth:`TreeShape.select` makes one from chosen nodes.
 
+A shape with a *budget* is dynamic (EAGLE-2, Li et al. 2024): its nodes are the candidates, and each round the
+drafter expands its likeliest nodes depth by depth and verifies only the ``budget`` draft nodes of highest
+path probability (the product of the draft's probabilities along the path), or, with budget ``"auto"``, as
+many of them as the calibrated costs pay for (:func:`verispec.analysis.best_tree_size`). Written ``SPEC:N``
+or ``SPEC:auto``, e.g. ``3x4:6``.
+
 The target scores a whole tree in one forward: node i sits at position (committed length − 1 + depth[i]) and
 attends to the committed context and to its ancestors, itself included (``TreeProposal.mask``).
 
@@ -22,6 +28,8 @@ refused with a one-line ValueError.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import json
 from collections.abc import Iterable, Sequence
@@ -31,9 +39,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_NODES", "TreeProposal", "TreeShape"]
+__all__ = ["AUTO", "MAX_NODES", "TreeProposal", "TreeShape", "likeliest_nodes"]
 
 MAX_NODES = 1024  # the most nodes (root included) a shape may have, whatever the context
+AUTO = "auto"  # the budget of a dynamic tree sized by the cost model each round
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,8 @@ class TreeProposal:
 @dataclass(frozen=True, eq=False)
 class TreeShape:
     """The nodes a round may draft, compiled once. Build with :meth:`from_paths`, :meth:`full`, :meth:`chain`,
-    :meth:`from_parents` or :meth:`load`; ``name`` labels it in stats and tables."""
+    :meth:`from_parents`, :meth:`load` or :meth:`parse`; ``name`` labels it in stats and tables;
+    :meth:`with_budget` makes it dynamic (module docstring)."""
 
     name: str
     paths: tuple[tuple[int, ...], ...]  # [N]: every node's path of child ranks, () for the root, BFS order
@@ -73,11 +83,31 @@ class TreeShape:
     depth: Tensor  # [N] int64: len(paths[i])
     rank: Tensor  # [N] int64: the last entry of paths[i] (0 for the root)
     mask: Tensor  # [N, N] bool: mask[i, j] iff node j is node i or one of its ancestors
+    budget: int | str | None = None  # None: static; draft nodes a dynamic round verifies, or AUTO
 
     @property
     def num_nodes(self) -> int:
         """Nodes in all, the root included: the size of the target's forward over a full tree."""
         return len(self.paths)
+
+    @property
+    def max_forward(self) -> int:
+        """The most nodes (root included) one round feeds the target: every node of a static shape, at most
+        budget + 1 of a dynamic one (AUTO: bounded by the shape alone)."""
+        if isinstance(self.budget, int):
+            return min(self.budget + 1, self.num_nodes)
+        return self.num_nodes
+
+    def with_budget(self, budget: int | str | None) -> TreeShape:
+        """This shape made dynamic: each round verifies its ``budget`` likeliest draft nodes (an integer
+        >= 1), or as many as the costs pay for (AUTO); None: static again."""
+        valid = budget is None or budget == AUTO
+        valid |= isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1
+        if not valid:
+            raise ValueError(f"a tree's node budget is an integer >= 1 or {AUTO!r}, got {budget!r}")
+        base = self.name.rsplit(":", 1)[0] if self.budget is not None else self.name
+        name = base if budget is None else f"{base}:{budget}"
+        return dataclasses.replace(self, name=name, budget=budget)
 
     @property
     def max_depth(self) -> int:
@@ -192,7 +222,11 @@ class TreeShape:
 
     @classmethod
     def parse(cls, spec: str) -> TreeShape:
-        """``WxD`` (a full tree of width W and depth D) or the name of a JSON shape file."""
+        """``WxD`` (a full tree of width W and depth D) or the name of a JSON shape file, either followed by
+        ``:N`` or ``:auto`` for a dynamic tree of that node budget (module docstring)."""
+        base, sep, budget = spec.rpartition(":")
+        if sep and (budget.isdigit() or budget == AUTO):
+            return cls.parse(base).with_budget(AUTO if budget == AUTO else int(budget))
         width, sep, depth = spec.partition("x")
         if sep and width.isdigit() and depth.isdigit():
             return cls.full(int(width), int(depth))
@@ -223,14 +257,24 @@ class TreeShape:
             depth=self.depth[:n],
             rank=self.rank[:n],
             mask=self.mask[:n, :n],
+            budget=self.budget,
         )
 
     def children(self) -> list[list[int]]:
-        """children()[i]: node i's children, in rank order."""
+        """children()[i]: node i's children, in rank order (computed once per shape: read, do not change)."""
+        return self._children
+
+    @functools.cached_property
+    def _children(self) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in self.paths]
-        for i in range(1, self.num_nodes):
-            out[int(self.parents[i])].append(i)
+        for i, parent in enumerate(self.parent_list[1:], 1):
+            out[parent].append(i)
         return out
+
+    @functools.cached_property
+    def parent_list(self) -> list[int]:
+        """``parents`` as a list of ints (computed once per shape)."""
+        return self.parents.tolist()
 
     def select(self, nodes: Sequence[int], tokens: Sequence[int], q: Tensor | None = None) -> TreeProposal:
         """The tree of the given shape ``nodes`` (ascending, starting with the root 0, holding every ancestor
@@ -269,3 +313,11 @@ class TreeShape:
                 break
         nodes = sorted(chosen)
         return self.select(nodes, [chosen[n] for n in nodes])
+
+
+def likeliest_nodes(scores: Sequence[float], count: int) -> list[int]:
+    """The root and the ``count`` draft nodes of highest score, ascending: ``scores`` [N] holds each node's
+    path probability (scores[0], the root's, is not ranked), so no node outscores its parent; ties go to the
+    earlier node and parents come first, so the chosen nodes hold every ancestor of each."""
+    ranked = sorted(range(1, len(scores)), key=lambda i: (-scores[i], i))
+    return [0, *sorted(ranked[: max(0, count)])]

@@ -10,7 +10,9 @@ committed token. Guarantees, the tree counterparts of :mod:`verispec.drafters`':
   hold different tokens: the tree is verified as single guesses, exactly;
 - with ``q``, the children of a node are independent samples (with replacement) of one distribution, the
   draft's after :func:`verispec.sampling.probs_from_logits` with the engine's parameters, given as each
-  child's row of ``q``: the condition under which tree rejection sampling is exact.
+  child's row of ``q``: the condition under which tree rejection sampling is exact;
+- a shape with a node budget (dynamic, :mod:`verispec.tree`) is taken only by drafters that rank their nodes
+  (``dynamic``: the learned head's); the others refuse it with a ValueError.
 
 Two drafters: :class:`NGramTreeDrafter` merges several prompt-lookup matches into a prefix tree;
 :class:`ModelTreeDrafter` branches a draft model into its top-k (or sampled) children at every node, scoring
@@ -47,6 +49,11 @@ class TreeDrafter(Protocol):
         ...
 
 
+def _static_only(shape: TreeShape, drafter: str) -> None:
+    if shape.budget is not None:
+        raise ValueError(f"dynamic trees ({shape.name}) need the eagle drafter, not {drafter!r}")
+
+
 class NGramTreeDrafter:
     """Prompt lookup, branched: the continuations of several earlier occurrences of the context's suffix —
     the longest n-gram first, then the latest occurrence — merged into a prefix tree (single guesses).
@@ -57,6 +64,7 @@ class NGramTreeDrafter:
     name = "ngram"
 
     def __init__(self, shape: TreeShape, lookup: NGramDrafter | None = None) -> None:
+        _static_only(shape, "ngram")
         self.shape = shape
         self.lookup = NGramDrafter() if lookup is None else lookup  # its n-gram lengths
 
@@ -71,7 +79,11 @@ class BranchedTreeDrafter:
     """What the tree drafters that branch a chain drafter share: the chain ``drafter`` (its ``sampling``, the
     engine's parameters), the ``shape``, and whether children are sampled (only at a temperature > 0)."""
 
+    dynamic = False  # whether it takes shapes with a node budget
+
     def __init__(self, drafter, shape: TreeShape, sampled: bool = False) -> None:
+        if not self.dynamic:
+            _static_only(shape, drafter.name)
         self.drafter = drafter
         self.shape = shape
         self.sampled = sampled and not drafter.sampling.greedy

@@ -19,7 +19,12 @@ q = None).
 :class:`EagleTreeDrafter` branches the same head into a token tree (:mod:`verispec.tree_drafters` states the
 guarantees): node v at depth d reads the feature its parent's head forward predicted at position n + d − 1,
 attending to the true-feature slots and its ancestors' slots — exactly what the chain drafter sees on v's
-path — and its children are the head's top tokens (single guesses) or independent samples of its q.
+path — and its children are the head's top tokens (single guesses) or independent samples of its q. With a
+dynamic shape (a node budget, :mod:`verispec.tree`) it grows the tree as EAGLE-2 does: each depth expands only
+the shape-width likeliest nodes of the depth before (by path probability: the product of the head's
+probabilities along the path), and the round verifies the budget's likeliest draft nodes, or as many as the
+cost model pays for; the children are always top tokens, verified as single guesses (choosing among sampled
+children by their values would bias them).
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from verispec.analysis import CostModel, best_tree_size, tree_rates
 from verispec.drafters import Proposal
 from verispec.eagle.model import EagleHead
 from verispec.sampling import SamplingParams, probs_from_logits
-from verispec.tree import TreeProposal, TreeShape
+from verispec.tree import AUTO, TreeProposal, TreeShape, likeliest_nodes
 from verispec.tree_drafters import BranchedTreeDrafter
 
 __all__ = ["SHIPPED", "EagleDrafter", "EagleTreeDrafter", "shipped_drafter"]
@@ -124,7 +130,25 @@ class EagleTreeDrafter(BranchedTreeDrafter):
 
     name = "eagle"
     reads_target_hidden = True  # the engine calls observe_hidden with the committed positions' states
+    dynamic = True  # takes shapes with a node budget
     drafter: EagleDrafter
+
+    def __init__(
+        self, drafter: EagleDrafter, shape: TreeShape, sampled: bool = False, cost: CostModel | None = None
+    ) -> None:
+        """cost: the calibrated costs of target and head, which a dynamic shape of budget "auto" sizes its
+        trees by (and stops expanding where a further head forward would not pay for itself)."""
+        if shape.budget is not None and sampled and not drafter.sampling.greedy:
+            raise ValueError(
+                f"the dynamic tree {shape.name} verifies top-k children as single guesses: "
+                "it cannot sample them"
+            )
+        if shape.budget == AUTO and cost is None:
+            raise ValueError(
+                f"the dynamic tree {shape.name} is sized by the cost model: give the calibrated costs"
+            )
+        super().__init__(drafter, shape, sampled)
+        self.cost = cost
 
     def observe_hidden(self, hidden: Tensor) -> None:
         """hidden: [T, H], the target's final hidden states at the next T committed positions."""
@@ -138,25 +162,60 @@ class EagleTreeDrafter(BranchedTreeDrafter):
         if root_feature is None or committed >= drafter.cache.capacity:
             return shape.select([0], [context[-1]])
         shape = shape.capped(shape.max_depth, drafter.cache.capacity - committed)  # inner nodes take slots
-        children = shape.children()
-        tokens, q_rows = {0: context[-1]}, {}
+        children, dynamic = shape.children(), shape.budget is not None
+        beam = max(len(c) for c in children) if dynamic else shape.num_nodes  # nodes expanded per depth
+        tokens, q_rows, scores = {0: context[-1]}, {}, {0: 1.0}  # scores: path probabilities (dynamic)
         features = {0: root_feature[0, 0]}  # node → the feature its children are drafted from [H]
-        slots: dict[int, int] = {}  # inner node → its slot in the head's cache
-        frontier = [0]
+        slots: dict[
+            int, list[int]
+        ] = {}  # inner node → its inner ancestors' slots in the head's cache, then its own
+        frontier, forwards = [0], 1  # forwards: the head forwards of the round, the catch-up included
         for depth in range(1, shape.max_depth + 1):
-            for node in frontier:
-                picked, q = self._pick(head.logits(features[node]), len(children[node]), generator)
+            logits = head.logits(torch.stack([features[node] for node in frontier]))  # [M, Vd]
+            probs = self._confidence(logits) if dynamic else None  # [M, Vd]
+            for i, node in enumerate(frontier):
+                picked, q = self._pick(logits[i], len(children[node]), generator)
                 q_row = None if q is None else drafter.full_q(q)  # [V]
-                for child, token in zip(children[node], head.draft_vocab[picked].tolist(), strict=False):
-                    tokens[child], q_rows[child] = token, q_row  # fewer children where Vd ran out
-            frontier = [c for node in frontier for c in children[node] if c in tokens and children[c]]
-            if not frontier:
+                chosen = head.draft_vocab[picked].tolist()
+                # fewer children where the draft vocabulary ran out
+                for child, token in zip(children[node], chosen, strict=False):
+                    tokens[child], q_rows[child] = token, q_row
+                if dynamic:
+                    for child, p in zip(children[node], probs[i, picked].tolist(), strict=False):
+                        scores[child] = scores[node] * p
+            made = [c for node in frontier for c in children[node] if c in tokens and children[c]]
+            # dynamic: the beam's likeliest (static: all of them), breadth-first
+            frontier = sorted(sorted(made, key=lambda c: (-scores.get(c, 0.0), c))[:beam])
+            if not frontier or (dynamic and not self._worth_expanding(frontier, scores, forwards)):
                 break
             out = self._forward(frontier, depth, tokens, features, slots, shape, committed, len(context) - 1)
-            for i, node in enumerate(frontier):
-                features[node] = out[i]
+            features.update(zip(frontier, out, strict=True))
+            forwards += 1
         drafter.cache.truncate(committed)
+        if dynamic:
+            nodes = sorted(tokens)
+            ranked = [scores[v] for v in nodes]  # [M]: the root first
+            count = shape.budget
+            if count == AUTO:
+                count = best_tree_size(sorted(ranked[1:], reverse=True), self.cost, forwards)
+            tokens = {nodes[i]: tokens[nodes[i]] for i in likeliest_nodes(ranked, count)}
         return self._proposal(shape, context[-1], tokens, q_rows)
+
+    def _worth_expanding(self, frontier: list[int], scores: dict[int, float], forwards: int) -> bool:
+        """Whether the ``frontier`` nodes are worth one more head forward: always without the cost model;
+        with it, when the children they could add — at most their own path probabilities in expected
+        accepted tokens — would pay for the forward at the rate the round reaches without them."""
+        if self.cost is None:
+            return True
+        drafted = sorted((s for node, s in scores.items() if node), reverse=True)
+        rate = float(tree_rates(drafted, self.cost, forwards).max())
+        return sum(scores[node] for node in frontier) >= rate * self.cost.cost_ratio
+
+    def _confidence(self, logits: Tensor) -> Tensor:
+        """The head's probabilities [M, Vd] from its logits [M, Vd]: a single guess's chance of acceptance
+        when the head is calibrated (greedy: the softmax; else after the engine's sampling transform)."""
+        sampling = self.drafter.sampling
+        return logits.softmax(-1) if sampling.greedy else probs_from_logits(logits, sampling)
 
     def _forward(
         self,
@@ -164,26 +223,25 @@ class EagleTreeDrafter(BranchedTreeDrafter):
         depth: int,
         tokens: dict[int, int],
         features: dict[int, Tensor],
-        slots: dict[int, int],
+        slots: dict[int, list[int]],
         shape: TreeShape,
         committed: int,
         n: int,
     ) -> Tensor:
         """The head's predicted features [M, H] after the ``frontier`` nodes (all of depth ``depth``): node v
         reads its token and its parent's feature at position n + depth − 1, attending to the ``committed``
-        true-feature slots, its ancestors' slots and itself; records the slots the nodes take."""
+        true-feature slots, its ancestors' slots and itself; records the slots of each node's lineage."""
         head, cache = self.drafter.head, self.drafter.cache
         device, base, m = head.inv_freq.device, cache.length, len(frontier)
+        parents = shape.parent_list
         feed = torch.tensor([[tokens[v] for v in frontier]], device=device)  # [1, M]
-        inputs = torch.stack([features[int(shape.parents[v])] for v in frontier]).unsqueeze(0)  # [1, M, H]
+        inputs = torch.stack([features[parents[v]] for v in frontier]).unsqueeze(0)  # [1, M, H]
         positions = torch.full((1, m), n + depth - 1, device=device)  # [1, M]
         mask = torch.zeros(m, base + m, dtype=torch.bool, device=device)  # [M, base + M]
         mask[:, :committed] = True
         for i, v in enumerate(frontier):
-            ancestors = [slots[a] for a in shape.mask[v].nonzero().flatten().tolist() if a in slots]
-            mask[i, ancestors] = True
-            mask[i, base + i] = True
-            slots[v] = base + i
+            slots[v] = [*slots.get(parents[v], ()), base + i]  # its inner ancestors' slots, then its own
+            mask[i, slots[v]] = True
         return head(feed, inputs, positions, cache, mask)[0]
 
 

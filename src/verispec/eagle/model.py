@@ -5,7 +5,7 @@ hidden state f_t at position t (after its last norm: the state whose logits pred
 f̂_{t+1}, from which the target's own output head, restricted to a *draft vocabulary* (the most frequent
 target tokens of the training data), gives the logits of x_{t+2}::
 
-    (embed(x_{t+1}), f_t) → fc (2H → H) → one Llama decoder layer → RMSNorm → f̂_{t+1} → target head rows
+    (embed(x_{t+1}), f_t) → fc (2H → H) → Llama decoder layer(s) → RMSNorm → f̂_{t+1} → target head rows
 
 Drafting feeds the target's true features of the committed tokens, then runs on its own predictions
 (Li et al. 2024, EAGLE). The embeddings and the head rows come from the target, frozen and never stored: a
@@ -46,6 +46,7 @@ _VERSION = "1"
 KINDS = ("eagle",)  # the drafter kinds verispec trains
 _FINGERPRINT_ROWS = 512  # embedding rows sampled by target_fingerprint
 _INIT_STD = 0.02  # standard deviation of fresh weights, as Llama initialises them
+MAX_LAYERS = 8  # the most decoder layers a head may have
 
 
 def native_target(model: LanguageModel) -> Llama:
@@ -83,13 +84,16 @@ def _head_rows(target: Llama, ids: Tensor, chunk: int = 256) -> Tensor:
 
 
 class EagleHead(nn.Module):
-    """The draft head of a target (see the module docstring). Trainable: ``fc``, ``layers[0]``, ``norm``.
+    """The draft head of a target (see the module docstring). Trainable: ``fc``, ``layers``, ``norm``.
 
     Build a fresh one with :meth:`create` or read a file with :meth:`load`; ``config`` is the target's with
-    one layer. ``draft_vocab`` [Vd] int64 holds the target token id of each draft logit, ascending.
+    ``num_layers`` layers (one, as in EAGLE, unless asked). ``draft_vocab`` [Vd] int64 holds the target token
+    id of each draft logit, ascending.
     """
 
-    def __init__(self, target: Llama, draft_vocab: Tensor, metadata: dict[str, Any]) -> None:
+    def __init__(
+        self, target: Llama, draft_vocab: Tensor, metadata: dict[str, Any], num_layers: int = 1
+    ) -> None:
         super().__init__()
         target = native_target(target)
         ids = torch.as_tensor(draft_vocab, dtype=torch.long)  # [Vd]
@@ -98,11 +102,19 @@ class EagleHead(nn.Module):
             raise ValueError("the draft vocabulary must be a non-empty ascending list of distinct token ids")
         if int(ids[0]) < 0 or int(ids[-1]) >= vocab:
             raise ValueError(f"draft vocabulary ids must lie in [0, {vocab}), the target's vocabulary")
-        self.config = dataclasses.replace(target.config, num_layers=1)
+        if (
+            isinstance(num_layers, bool)
+            or not isinstance(num_layers, int)
+            or not 1 <= num_layers <= MAX_LAYERS
+        ):
+            raise ValueError(f"a draft head has 1 to {MAX_LAYERS} decoder layers, got {num_layers!r}")
+        self.config = dataclasses.replace(target.config, num_layers=num_layers)
         self.metadata = dict(metadata)  # kind, target label and fingerprint, training settings
         h, device = self.config.hidden_size, target.device
         self.fc = _Linear(2 * h, h, True, device, torch.float32)
-        self.layers = nn.ModuleList([_DecoderLayer(self.config, device, torch.float32)])
+        self.layers = nn.ModuleList(
+            [_DecoderLayer(self.config, device, torch.float32) for _ in range(num_layers)]
+        )
         self.norm = _RMSNorm(h, self.config.rms_norm_eps, device, torch.float32)
         self.draft_vocab = nn.Buffer(ids.to(device), persistent=False)  # [Vd]
         # frozen, borrowed from the target: token embeddings (shared, not copied) and the head's rows
@@ -119,10 +131,11 @@ class EagleHead(nn.Module):
         draft_vocab: Tensor,
         generator: torch.Generator,
         metadata: dict[str, Any],
+        num_layers: int = 1,
     ) -> EagleHead:
         """A fresh head with seeded random weights: N(0, 0.02²) matrices and zero biases, unit norms but the
         output norm, which starts as the target's final norm (its output then has the target's scale)."""
-        head = cls(target, draft_vocab, metadata)
+        head = cls(target, draft_vocab, metadata, num_layers)
         with torch.no_grad():
             for name, param in head.named_parameters():
                 if name == "norm.weight":
@@ -143,18 +156,45 @@ class EagleHead(nn.Module):
     def draft_vocab_size(self) -> int:
         return self.draft_vocab.shape[0]
 
-    def new_cache(self, batch_size: int = 1, capacity: int | None = None) -> KVCache:
-        """An empty cache of the head's one layer (default capacity: the target's context)."""
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    def adopt(self, other: EagleHead) -> None:
+        """Take the weights of ``other``, a head of the same target and draft vocabulary with at most this
+        head's layers: its fc, layers and norm; this head's further layers get zero output projections
+        (attention ``o_proj``, MLP ``down_proj``), so that they add nothing to the residual stream until
+        trained and the two heads compute the same features."""
+        if other.num_layers > self.num_layers or not torch.equal(other.draft_vocab, self.draft_vocab):
+            raise ValueError(
+                f"cannot start a {self.num_layers}-layer head from a {other.num_layers}-layer one"
+                if other.num_layers > self.num_layers
+                else "cannot start a head from one with another draft vocabulary"
+            )
+        with torch.no_grad():
+            own = self.state_dict()
+            for name, tensor in other.state_dict().items():
+                own[name].copy_(tensor)
+            for layer in self.layers[other.num_layers :]:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+
+    def new_cache(
+        self, batch_size: int = 1, capacity: int | None = None, separate_layers: bool = False
+    ) -> KVCache:
+        """An empty cache of the head's layers (default capacity: the target's context; ``separate_layers``
+        for training, see :class:`~verispec.models.llama.KVCache`)."""
         c = self.config
         capacity = c.max_context if capacity is None else capacity
         return KVCache(
-            1,
+            self.num_layers,
             batch_size,
             c.num_kv_heads,
             capacity,
             c.head_dim,
             dtype=torch.float32,
             device=self.inv_freq.device,
+            separate_layers=separate_layers,
         )
 
     def forward(
@@ -203,6 +243,7 @@ class EagleHead(nn.Module):
             "version": _VERSION,
             "hidden_size": str(self.config.hidden_size),
             "draft_vocab_size": str(self.draft_vocab_size),
+            "num_layers": str(self.num_layers),
             **{k: v if isinstance(v, str) else json.dumps(v) for k, v in self.metadata.items()},
         }
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -255,10 +296,13 @@ class EagleHead(nn.Module):
         info = {
             k: v
             for k, v in metadata.items()
-            if k not in ("format", "version", "hidden_size", "draft_vocab_size")
+            if k not in ("format", "version", "hidden_size", "draft_vocab_size", "num_layers")
         }
         info["training"] = json.loads(info.get("training", "{}"))
-        head = cls(target, tensors.pop("draft_vocab").long(), info)
+        layers = metadata.get("num_layers", "1")  # files written before heads had a layer count: one
+        if not layers.isdigit() or not 1 <= int(layers) <= MAX_LAYERS:
+            raise ValueError(f"{path}: num_layers {layers!r} is not a layer count in [1, {MAX_LAYERS}]")
+        head = cls(target, tensors.pop("draft_vocab").long(), info, int(layers))
         expected = head.state_dict()
         if set(tensors) != set(expected):
             raise ValueError(

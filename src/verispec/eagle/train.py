@@ -42,7 +42,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from verispec.eagle.data import load_split, read_data_meta
-from verispec.eagle.model import KINDS, EagleHead, native_target, target_fingerprint
+from verispec.eagle.model import KINDS, MAX_LAYERS, EagleHead, native_target, target_fingerprint
 from verispec.models.llama import Llama
 
 __all__ = [
@@ -89,6 +89,7 @@ class TrainConfig:
     seed: int = 0
     # a drafter file to start from (fine-tuning on new data), its draft vocabulary kept; "": none
     init: str = ""
+    layers: int = 1  # decoder layers of the head (more than init's: the new ones start as no-ops)
 
     def __post_init__(self) -> None:
         if not isinstance(self.init, str):
@@ -109,6 +110,9 @@ class TrainConfig:
             _check(name, getattr(self, name), int, 1)
         for name in ("warmup", "unroll", "seed"):
             _check(name, getattr(self, name), int, 0)
+        _check("layers", self.layers, int, 1)
+        if self.layers > MAX_LAYERS:
+            raise ValueError(f"layers must be at most {MAX_LAYERS}, got {self.layers!r}")
         if self.batch_tokens < self.window:
             raise ValueError(f"batch_tokens ({self.batch_tokens}) must be at least window ({self.window})")
         for name in ("weight_decay", "ce_weight", "noise"):
@@ -231,7 +235,7 @@ def unrolled_features(head: EagleHead, batch: Batch, unroll: int, noise: float, 
     features (plus uniform noise of half-width ``noise``); step s reads at slot t what step s − 1 predicted
     at slot t − 1."""
     b, w = batch.tokens.shape
-    cache = head.new_cache(b, w)
+    cache = head.new_cache(b, w, separate_layers=True)
     inputs = batch.features[:, :-1]  # [B, W, H]
     if noise > 0:
         inputs = inputs + (2 * torch.rand(inputs.shape, generator=generator) - 1) * noise
@@ -389,6 +393,11 @@ def train_drafter(
             f"the drafter {config.init} to start from has a draft vocabulary of "
             f"{start.draft_vocab_size} tokens, not draft_vocab = {config.draft_vocab}"
         )
+    elif start.num_layers > config.layers:
+        raise ValueError(
+            f"the drafter {config.init} to start from has {start.num_layers} layers, more than "
+            f"layers = {config.layers}"
+        )
     else:
         draft_vocab = start.draft_vocab  # [Vd]
     index = draft_index(draft_vocab, target.vocab_size)  # [V]
@@ -399,9 +408,9 @@ def train_drafter(
 
     generator = torch.Generator().manual_seed(config.seed)
     metadata = {"kind": config.kind, "target": target_label, "target_fingerprint": fingerprint}
-    head = EagleHead.create(target, draft_vocab, generator, metadata)
+    head = EagleHead.create(target, draft_vocab, generator, metadata, config.layers)
     if start is not None:
-        head.load_state_dict(start.state_dict())
+        head.adopt(start)
     for param in head.parameters():
         param.requires_grad_(True)
     optimizer = torch.optim.AdamW(

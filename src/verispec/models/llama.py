@@ -303,6 +303,10 @@ class KVCache:
     Slots ``[0, length)`` are committed; a forward writes its T new tokens at ``length .. length + T - 1`` and
     moves ``length`` on. ``truncate`` only moves ``length`` back, so rolling back rejected draft tokens costs
     nothing and never copies.
+
+    ``separate_layers``: each layer's keys and values in a tensor of its own (``keys[i]`` reads the same
+    either way), for training through the cache: a layer's write then leaves the tensors autograd saved for
+    the layers before it untouched. Engine caches hold every layer in one tensor (one gather compacts all).
     """
 
     def __init__(
@@ -315,6 +319,7 @@ class KVCache:
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        separate_layers: bool = False,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -326,9 +331,14 @@ class KVCache:
             if not _is_int(value) or value <= 0:
                 raise ValueError(f"{name} must be an integer > 0, got {value!r}")
         shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
-        # keys, values: [layers, B, kv_heads, capacity, head_dim]; keys are stored after RoPE
-        self.keys = torch.empty(shape, dtype=dtype, device=device)
-        self.values = torch.empty(shape, dtype=dtype, device=device)
+        # keys, values: [layers, B, kv_heads, capacity, head_dim] (separate_layers: a list of the layers'
+        # [B, kv_heads, capacity, head_dim]); keys are stored after RoPE
+        if separate_layers:
+            self.keys = [torch.empty(shape[1:], dtype=dtype, device=device) for _ in range(num_layers)]
+            self.values = [torch.empty(shape[1:], dtype=dtype, device=device) for _ in range(num_layers)]
+        else:
+            self.keys = torch.empty(shape, dtype=dtype, device=device)
+            self.values = torch.empty(shape, dtype=dtype, device=device)
         self._length = 0
 
     @property
@@ -339,11 +349,15 @@ class KVCache:
     @property
     def capacity(self) -> int:
         """Slots available in all."""
-        return self.keys.shape[3]
+        return self.keys[0].shape[2]
 
     @property
     def batch_size(self) -> int:
-        return self.keys.shape[1]
+        return self.keys[0].shape[0]
+
+    @property
+    def separate_layers(self) -> bool:
+        return isinstance(self.keys, list)
 
     def truncate(self, length: int) -> None:
         """Drop every slot from ``length`` on (0 ≤ length ≤ self.length; ValueError otherwise)."""
@@ -363,6 +377,8 @@ class KVCache:
             raise ValueError(f"slots to keep must ascend within [{start}, {self._length}), got {keep}")
         end = start + len(keep)
         if keep != list(range(start, end)):
+            if self.separate_layers:
+                raise ValueError("a cache of separate layers (for training) does not compact")
             index = torch.tensor(keep, dtype=torch.int64, device=self.keys.device)  # [len(keep)]
             # keys, values: [layers, B, kv_heads, capacity, head_dim]; index_select copies before the write
             self.keys[:, :, :, start:end] = self.keys.index_select(3, index)
@@ -374,7 +390,7 @@ class KVCache:
         at this one's and then moves on its own: the cache of an early-exit draft (:meth:`Llama.first_layers`)
         of the model that fills this one, which computes exactly those layers, so the draft finds every slot
         the full model has written. Slots the draft writes beyond that are the full model's to overwrite."""
-        layers = self.keys.shape[0]
+        layers = len(self.keys)
         if not _is_int(num_layers) or not 0 < num_layers <= layers:
             raise ValueError(f"num_layers must be an integer in [1, {layers}], got {num_layers!r}")
         view = object.__new__(KVCache)
@@ -388,18 +404,20 @@ class KVCache:
         draft steps of :mod:`verispec.eagle.train`) without writing into tensors it still needs."""
         if not _is_int(extra) or extra < 0:
             raise ValueError(f"extra must be an integer >= 0, got {extra!r}")
-        layers, batch, heads, _, head_dim = self.keys.shape
+        batch, heads, _, head_dim = self.keys[0].shape
         grown = KVCache(
-            layers,
+            len(self.keys),
             batch,
             heads,
             self._length + extra,
             head_dim,
-            dtype=self.keys.dtype,
-            device=self.keys.device,
+            dtype=self.keys[0].dtype,
+            device=self.keys[0].device,
+            separate_layers=self.separate_layers,
         )
-        grown.keys[:, :, :, : self._length] = self.keys[:, :, :, : self._length]
-        grown.values[:, :, :, : self._length] = self.values[:, :, :, : self._length]
+        for i in range(len(self.keys)):
+            grown.keys[i][:, :, : self._length] = self.keys[i][:, :, : self._length]
+            grown.values[i][:, :, : self._length] = self.values[i][:, :, : self._length]
         grown._length = self._length
         return grown
 
@@ -822,7 +840,8 @@ class Llama(nn.Module):
         c = self.config
         expected = (c.num_layers, cache.batch_size, c.num_kv_heads, cache.capacity, c.head_dim)
         if (
-            tuple(cache.keys.shape) != expected
+            cache.separate_layers
+            or tuple(cache.keys.shape) != expected
             or cache.keys.dtype != self.dtype
             or cache.keys.device != self.device
         ):
