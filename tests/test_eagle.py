@@ -25,7 +25,7 @@ from verispec import cli
 from verispec.analysis import CostModel, best_tree_size
 from verispec.api import Speculator
 from verispec.bench import BenchConfig, Method, plan_methods
-from verispec.calibrate import DRAFT_K
+from verispec.calibrate import DRAFT_K, drafter_identity
 from verispec.drafters import Proposal
 from verispec.eagle import train as train_module
 from verispec.eagle.data import load_split
@@ -918,6 +918,9 @@ def test_a_grown_head_computes_what_it_grew_from(target, trained, tmp_path):
         drafter_with_context(target, small, context, GREEDY).propose(context, 4, torch.Generator()).tokens,
     )
     one_line_error(lambda: small.adopt(loaded), "cannot start a 1-layer head from a 3-layer one")
+    # the calibration cache keeps the costs of heads of different sizes apart
+    identities = [drafter_identity(EagleDrafter(h, GREEDY)) for h in (small, loaded)]
+    assert identities[0] != identities[1]
     for bad in (0, 9, True):
         one_line_error(
             lambda b=bad: EagleHead(target, small.draft_vocab, small.metadata, b), "decoder layers"

@@ -169,13 +169,18 @@ def model_identity(model: LanguageModel) -> dict:
 
 
 def drafter_identity(drafter: Drafter) -> dict:
-    """What a drafter's cost depends on: its kind, and its model's identity or its lookup's parameters."""
+    """What a drafter's cost depends on: its kind, and its model's identity, its lookup's parameters or its
+    learned head's size (draft vocabulary and layers; the rest is the target's)."""
     if isinstance(drafter, ModelDrafter):
         return {"drafter": drafter.name, "model": model_identity(drafter.model)}
     if isinstance(drafter, NGramDrafter):
         return {"drafter": drafter.name, "max_ngram": drafter.max_ngram, "min_ngram": drafter.min_ngram}
     if isinstance(drafter, EagleDrafter):
-        return {"drafter": drafter.name, "draft_vocab": drafter.head.draft_vocab_size}
+        return {
+            "drafter": drafter.name,
+            "draft_vocab": drafter.head.draft_vocab_size,
+            "layers": drafter.head.num_layers,
+        }
     return {"drafter": drafter.name}
 
 
