@@ -29,7 +29,7 @@ from verispec.calibrate import DRAFT_K, drafter_identity
 from verispec.drafters import Proposal
 from verispec.eagle import train as train_module
 from verispec.eagle.data import load_split
-from verispec.eagle.drafter import EagleDrafter, EagleTreeDrafter
+from verispec.eagle.drafter import DEFAULT_TREE, EagleDrafter, EagleTreeDrafter
 from verispec.eagle.model import EagleHead, native_target, target_fingerprint
 from verispec.eagle.train import (
     Batch,
@@ -876,6 +876,16 @@ def test_dynamic_tree_first_sampled_token_follows_the_target(target, trained):
     assert chi_square_of_first_tokens(first, target, prompt_ids, {}) > ALPHA
 
 
+def test_tree_auto_is_the_learned_drafters_default_tree(target, trained):
+    tokenizer = LetterTokenizer(VOCAB)
+    eagle = Speculator((target, tokenizer), drafter="eagle", drafter_path=str(trained), tree="auto")
+    assert eagle.tree is DEFAULT_TREE and eagle.k_label("auto") == "tree e3"
+    assert Speculator((target, tokenizer), drafter="ngram", tree="auto").tree is None
+    one_line_error(
+        lambda: Speculator((target, tokenizer), drafter="ngram", tree="3x3"), "must be a TreeShape"
+    )
+
+
 def test_dynamic_trees_need_the_eagle_drafter_and_single_guesses(target, trained):
     tokenizer = LetterTokenizer(VOCAB)
     dynamic = TreeShape.parse("2x2:3")
@@ -1088,7 +1098,18 @@ def test_cli_train_then_generate(stories, trained, tmp_path, capsys):
     eagle = ["--drafter", "eagle", "--drafter-path", str(drafter), "--k", "3", "--temperature", "0"]
     status, out, err = run_cli(capsys, "generate", "Once upon a time", *model_args, *eagle, "--json")
     assert status == 0, err
-    assert json.loads(out)["stats"]["drafter"] == "eagle"
+    chain = json.loads(out)
+    assert chain["stats"]["drafter"] == "eagle" and chain["stats"]["k"] == "3"
+    # without --k the learned drafter drafts its default tree; the same greedy tokens
+    default = [a for a in eagle if a not in ("--k", "3")]
+    status, out, err = run_cli(capsys, "generate", "Once upon a time", *model_args, *default, "--json")
+    assert status == 0, err
+    tree = json.loads(out)
+    assert tree["stats"]["k"] == "tree e3" and tree["token_ids"] == chain["token_ids"]
+    status, out, err = run_cli(
+        capsys, "generate", "Once upon a time", *model_args, "--drafter", "ngram", "--json"
+    )
+    assert status == 0 and json.loads(out)["stats"]["k"] == "auto", err  # no tree for the other drafters
     corrupt = tmp_path / "corrupt.safetensors"
     corrupt.write_bytes(b"not a safetensors file")
     for extra, message in (

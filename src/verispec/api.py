@@ -18,7 +18,7 @@ import torch
 from verispec.analysis import CostModel
 from verispec.calibrate import QUICK_REPETITIONS, Calibration, calibrate
 from verispec.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter
-from verispec.eagle.drafter import EagleDrafter, EagleTreeDrafter, shipped_drafter
+from verispec.eagle.drafter import DEFAULT_TREE, EagleDrafter, EagleTreeDrafter, shipped_drafter
 from verispec.eagle.model import EagleHead
 from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
 from verispec.models.base import Cache, LanguageModel, Tokenizer
@@ -105,7 +105,9 @@ class Speculator:
     proposes a tree each round (several n-gram matches; the draft's top-k children at each node; the learned
     head's top-k when greedy, else independent samples of its q), which the target scores in one forward; K is
     then not used. A dynamic shape (with a node budget, e.g. ``TreeShape.parse("3x4:auto")``) needs the eagle
-    drafter; budget "auto" sizes each tree by the calibrated costs (:meth:`calibration`).
+    drafter; budget "auto" sizes each tree by the calibrated costs (:meth:`calibration`). ``tree="auto"``:
+    the learned drafter's :data:`~verispec.eagle.drafter.DEFAULT_TREE` where the drafter is eagle, chain
+    rounds otherwise.
     drafter_path: a learned drafter file (``verispec train-drafter``) for the target, for "eagle" or "auto".
     target_label: names a loaded target (default: its SPEC) in messages and calibration notices, and picks
     the drafter verispec ships for it.
@@ -118,7 +120,7 @@ class Speculator:
         drafter: str = "auto",
         tokenizer: str | None = None,
         device: str = "cpu",
-        tree: TreeShape | None = None,
+        tree: TreeShape | str | None = None,
         drafter_path: str | Path | None = None,
         target_label: str | None = None,
     ) -> None:
@@ -150,6 +152,10 @@ class Speculator:
             self.head = _learned_head(self.model, drafter, drafter_path, target_label)
         if drafter == "auto":
             drafter = "model" if draft is not None else "eagle" if self.head is not None else "ngram"
+        if tree == AUTO:
+            tree = DEFAULT_TREE if drafter == "eagle" else None
+        elif tree is not None and not isinstance(tree, TreeShape):
+            raise ValueError(f"tree must be a TreeShape, {AUTO!r} or None, got {tree!r}")
         if tree is not None:
             if drafter not in TREE_DRAFTERS:
                 raise ValueError(f"token trees need the ngram, model or eagle drafter, not {drafter!r}")
@@ -371,9 +377,10 @@ def generate(
     drafter_path: str | None = None,
 ) -> GenerationResult:
     """Generate text for ``prompt`` with speculative decoding; the same arguments as ``verispec generate``
-    (``tree``: a :class:`~verispec.tree.TreeShape`, or "WxD" or a JSON shape file)."""
+    (``tree``: a :class:`~verispec.tree.TreeShape`, "WxD" or a JSON shape file, either with ":N" or ":auto"
+    for a dynamic tree, or "auto": the learned drafter's default tree, see :class:`Speculator`)."""
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-    shape = TreeShape.parse(tree) if isinstance(tree, str) else tree
+    shape = TreeShape.parse(tree) if isinstance(tree, str) and tree != AUTO else tree
     speculator = Speculator(target, draft, drafter, tokenizer, tree=shape, drafter_path=drafter_path)
     return speculator.generate(
         prompt, k=k, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat, stop=tuple(stop)

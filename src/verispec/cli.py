@@ -180,9 +180,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--k",
-        default="auto",
-        help="draft tokens per round: N >= 0, 'additive', or 'auto' (default: the K that the calibrated "
-        "costs and the running acceptance rate favour, 0 included)",
+        help="draft tokens per round: N >= 0, 'additive', or 'auto' (the K that the calibrated costs and the "
+        "running acceptance rate favour, 0 included); default: auto, and with the learned drafter its token "
+        "tree [[0], [1], [0, 0]] instead of a chain",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default: 128)")
 
@@ -279,24 +279,28 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float)
 def run_generate(args: argparse.Namespace) -> int:
     """Run ``verispec generate``."""
     from verispec.api import Speculator, parse_k  # loads transformers: only for the commands that need it
+    from verispec.tree import AUTO
 
     prompt = args.prompt if args.prompt is not None else _read_stdin()
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
-    parse_k(args.k)  # validate everything before loading a model
+    k = AUTO if args.k is None else parse_k(args.k)  # validate everything before loading a model
     EngineConfig(args.max_new_tokens, sampling, stop_strings=tuple(args.stop))
     if args.show_trace and args.json:
         raise ValueError("--show-trace and --json both write to standard output: choose one")
     if args.trace is not None:
         check_writable(args.trace)
     tree = _tree_shape(args)
-    if tree is not None and (args.trace is not None or args.show_trace):
+    tracing = args.trace is not None or args.show_trace
+    if tree is not None and tracing:
         raise ValueError("token-fate traces record chain rounds only, not token trees")
+    if tree is None and args.k is None and not tracing:
+        tree = AUTO  # the learned drafter's tree, where it drafts
     speculator = Speculator(
         args.target, args.draft, args.drafter, args.tokenizer, tree=tree, drafter_path=args.drafter_path
     )
     recorder = TraceRecorder() if args.trace is not None or args.show_trace else None
     options = dict(
-        k=args.k,
+        k=k,
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,
         chat=args.chat,
@@ -308,7 +312,7 @@ def run_generate(args: argparse.Namespace) -> int:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats}))
         stats = result.stats
     else:
-        live = GenerationStats(speculator.drafter_name, speculator.k_label(args.k))
+        live = GenerationStats(speculator.drafter_name, speculator.k_label(k))
         for chunk in speculator.stream(prompt, stats=live, **options):
             if not args.show_trace:  # the trace shows the text instead
                 print(chunk.text, end="", flush=True)
@@ -385,15 +389,20 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run ``verispec demo``: exit status 1 if any speculative output differs from plain decoding's."""
-    from verispec.api import Speculator
+    from verispec.api import Speculator, parse_k
     from verispec.models.registry import DEFAULT_MODEL
+    from verispec.tree import AUTO
 
     greedy = SamplingParams(temperature=0)
-    options = dict(k=args.k, max_new_tokens=args.max_new_tokens, sampling=greedy, chat=True)
+    k = AUTO if args.k is None else parse_k(args.k)
+    options = dict(k=k, max_new_tokens=args.max_new_tokens, sampling=greedy, chat=True)
     plain = Speculator(args.target, drafter="none", tokenizer=args.tokenizer)
     loaded = (plain.model, plain.tokenizer)  # shared: the target is loaded once
     label = args.target or DEFAULT_MODEL  # names the loaded target: auto finds the drafter shipped for it
-    chosen = Speculator(loaded, args.draft, args.drafter, drafter_path=args.drafter_path, target_label=label)
+    tree = AUTO if args.k is None else None  # the learned drafter's tree, unless a K is asked for
+    chosen = Speculator(
+        loaded, args.draft, args.drafter, drafter_path=args.drafter_path, target_label=label, tree=tree
+    )
     speculators = {"none": plain}
     if args.drafter == "auto" and args.draft is None and chosen.drafter_name != "ngram":
         speculators["ngram"] = Speculator(loaded, drafter="ngram")  # prompt lookup beside the learned drafter
