@@ -66,7 +66,7 @@ from verispec.models.registry import DEFAULT_MODEL
 from verispec.peers import PEERS, TransformersPeer, load_transformers
 from verispec.report import write_report
 from verispec.sampling import SamplingParams
-from verispec.tree import TreeShape
+from verispec.tree import AUTO, TreeShape
 from verispec.viz import write_atomic
 from verispec.viz.charts import chart_directory
 
@@ -327,13 +327,13 @@ def learned_drafter(config: BenchConfig) -> str | None:
 def chain_k(shape: TreeShape) -> str:
     """The K of the chain method a tree method runs beside: the same most positions per forward (a dynamic
     tree sized by the costs: K auto, sized by them too)."""
-    return "auto" if shape.budget == "auto" else str(shape.max_forward - 1)
+    return AUTO if shape.budget == AUTO else str(shape.max_forward - 1)
 
 
 def _tree_sizes(spec: str) -> dict[str, object]:
     """A tree cell's most positions per forward (None when the costs size it) and its chain's K."""
     shape = TreeShape.parse(spec)
-    return {"tree_nodes": None if shape.budget == "auto" else shape.max_forward, "chain_k": chain_k(shape)}
+    return {"tree_nodes": None if shape.budget == AUTO else shape.max_forward, "chain_k": chain_k(shape)}
 
 
 def plan_methods(config: BenchConfig) -> tuple[list[Method], list[str]]:
