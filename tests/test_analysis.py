@@ -181,7 +181,7 @@ def test_optimal_k_matches_brute_force(curve, c, alpha):
 )
 def test_best_tree_size_maximizes_tokens_per_cost(scores, curve, c, steps):
     """best_tree_size against a brute force over every size: the expected tokens 1 + the n best path
-    probabilities over v(n + 1) + the drafting already spent; the smallest best size."""
+    probabilities over v(n + 1) + the drafting already spent; the smallest best size (within 1e-12)."""
     scores = sorted(scores, reverse=True)
     cost = CostModel(c, curve)
     n_max = len(scores) if cost.max_k is None else min(len(scores), cost.max_k)
@@ -190,6 +190,11 @@ def test_best_tree_size_maximizes_tokens_per_cost(scores, curve, c, steps):
     assert best_tree_size(scores, cost, steps) == next(
         n for n, r in enumerate(rates) if r >= best * (1 - 1e-12)
     )
+
+
+def test_best_tree_size_does_not_verify_what_adds_nothing():
+    assert best_tree_size([1e-12], CostModel(0.0, None), 1) == 0  # found by hypothesis: a free but empty node
+    assert best_tree_size([1e-9], CostModel(0.0, None), 1) == 1
 
 
 def test_best_tree_size_examples():

@@ -51,6 +51,7 @@ DEFAULT_K_MAX = 32
 
 _ONE_TOL = 1e-6  # how far from 1 a probability vector's sum, and v(1), may be
 _BISECT_TOL = 1e-12  # width of the final bracket of break_even_alpha
+_TIE_TOL = 1e-12  # relative difference under which best_tree_size takes two rates as equal
 
 
 # ---------------------------------------------------------------------------------------------- validation
@@ -257,9 +258,11 @@ def tree_rates(scores: Sequence[float], cost: CostModel, draft_steps: int) -> np
 
 
 def best_tree_size(scores: Sequence[float], cost: CostModel, draft_steps: int) -> int:
-    """How many draft nodes a dynamic tree should verify: the argmax of :func:`tree_rates` (the smallest on
-    ties; 0 is a plain step)."""
-    return int(np.argmax(tree_rates(scores, cost, draft_steps)))
+    """How many draft nodes a dynamic tree should verify: the smallest n whose :func:`tree_rates` entry is
+    within a relative 1e-12 of the best (a node that adds nothing measurable is not verified; 0 is a plain
+    step)."""
+    rates = tree_rates(scores, cost, draft_steps)
+    return int(np.flatnonzero(rates >= rates.max() * (1 - _TIE_TOL))[0])
 
 
 def break_even_alpha(k: int, cost_ratio: float = 0.0, verify_cost: VerifyCost = None) -> float | None:
