@@ -879,7 +879,7 @@ def test_dynamic_tree_first_sampled_token_follows_the_target(target, trained):
 def test_tree_auto_is_the_learned_drafters_default_tree(target, trained):
     tokenizer = LetterTokenizer(VOCAB)
     eagle = Speculator((target, tokenizer), drafter="eagle", drafter_path=str(trained), tree="auto")
-    assert eagle.tree is DEFAULT_TREE and eagle.k_label("auto") == "tree e3"
+    assert eagle.tree is DEFAULT_TREE and eagle.k_label("auto") == "tree c4"
     assert Speculator((target, tokenizer), drafter="ngram", tree="auto").tree is None
     one_line_error(
         lambda: Speculator((target, tokenizer), drafter="ngram", tree="3x3"), "must be a TreeShape"
@@ -1105,7 +1105,7 @@ def test_cli_train_then_generate(stories, trained, tmp_path, capsys):
     status, out, err = run_cli(capsys, "generate", "Once upon a time", *model_args, *default, "--json")
     assert status == 0, err
     tree = json.loads(out)
-    assert tree["stats"]["k"] == "tree e3" and tree["token_ids"] == chain["token_ids"]
+    assert tree["stats"]["k"] == "tree c4" and tree["token_ids"] == chain["token_ids"]
     status, out, err = run_cli(
         capsys, "generate", "Once upon a time", *model_args, "--drafter", "ngram", "--json"
     )

@@ -182,7 +182,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--k",
         help="draft tokens per round: N >= 0, 'additive', or 'auto' (the K that the calibrated costs and the "
         "running acceptance rate favour, 0 included); default: auto, and with the learned drafter its token "
-        "tree [[0], [1], [0, 0]] instead of a chain",
+        "tree [[0], [1], [2], [0, 0]] instead of a chain",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default: 128)")
 

@@ -45,9 +45,9 @@ from verispec.tree_drafters import BranchedTreeDrafter
 __all__ = ["DEFAULT_TREE", "SHIPPED", "EagleDrafter", "EagleTreeDrafter", "shipped_drafter"]
 
 SHIPPED = {"smollm2-135m": "smollm2-135m-eagle.safetensors"}  # target short name → file in data/drafters
-# the tree `verispec generate` and `demo` draft with a learned drafter unless given a K or a tree: the best
-# and second-best first token, the best after the best; the fastest for the shipped drafter in docs/bench
-DEFAULT_TREE = TreeShape.from_paths([[0], [1], [0, 0]], name="e3")
+# the tree `verispec generate` and `demo` draft with a learned drafter unless given a K or a tree: the three
+# best first tokens, the best after the best; the fastest for the shipped drafter in docs/bench/small-trees.md
+DEFAULT_TREE = TreeShape.from_paths([[0], [1], [2], [0, 0]], name="c4")
 
 
 class EagleDrafter:
