@@ -972,7 +972,7 @@ def test_training_grows_a_drafter_by_a_layer(target, dataset, trained, tmp_path)
         lambda: train_drafter(
             target, dataset, tmp_path / "shrink", dataclasses.replace(config, init=str(path), layers=1)
         ),
-        "has 2 layers, more than layers = 1",
+        "cannot start a 1-layer head from a 2-layer one",
     )
     for bad in (0, 9):
         with pytest.raises(ValueError, match="layers"):

@@ -27,7 +27,7 @@ from verispec.policies import AdditiveK, ConstantK, CostModelK, KPolicy
 from verispec.sampling import SamplingParams
 from verispec.trace import TraceRecorder
 from verispec.tree import AUTO, TreeShape
-from verispec.tree_drafters import ModelTreeDrafter, NGramTreeDrafter, TreeDrafter
+from verispec.tree_drafters import ModelTreeDrafter, NGramTreeDrafter, TreeDrafter, check_static
 
 __all__ = [
     "DEFAULT_K",
@@ -159,8 +159,8 @@ class Speculator:
         if tree is not None:
             if drafter not in TREE_DRAFTERS:
                 raise ValueError(f"token trees need the ngram, model or eagle drafter, not {drafter!r}")
-            if tree.budget is not None and drafter != "eagle":
-                raise ValueError(f"dynamic trees ({tree.name}) need the eagle drafter, not {drafter!r}")
+            if drafter != "eagle":
+                check_static(tree, drafter)
             tree.check_fits(self.model.max_context)
         self.tree = tree
         self.drafter_name = drafter

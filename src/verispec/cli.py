@@ -239,7 +239,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _tree_shape(args: argparse.Namespace):
     """The tree shape that --tree-width/--tree-depth or --tree-shape give, or None (chain rounds)."""
-    from verispec.tree import AUTO, TreeShape
+    from verispec.tree import AUTO, TreeShape, parse_budget
 
     sized = args.tree_width is not None or args.tree_depth is not None
     if sized and args.tree_shape is not None:
@@ -254,12 +254,12 @@ def _tree_shape(args: argparse.Namespace):
         raise ValueError("--tree-width and --tree-depth go together")
     else:
         shape = TreeShape.full(args.tree_width, args.tree_depth)
-    nodes = args.tree_nodes
-    if nodes is None:
+    if args.tree_nodes is None:
         return shape
-    if not (nodes == AUTO or nodes.isdigit()):
-        raise ValueError(f"--tree-nodes takes an integer >= 1 or {AUTO}, got {nodes!r}")
-    return shape.with_budget(AUTO if nodes == AUTO else int(nodes))
+    budget = parse_budget(args.tree_nodes)
+    if budget is None:
+        raise ValueError(f"--tree-nodes takes an integer >= 1 or {AUTO}, got {args.tree_nodes!r}")
+    return shape.with_budget(budget)
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float) -> None:
@@ -298,7 +298,7 @@ def run_generate(args: argparse.Namespace) -> int:
     speculator = Speculator(
         args.target, args.draft, args.drafter, args.tokenizer, tree=tree, drafter_path=args.drafter_path
     )
-    recorder = TraceRecorder() if args.trace is not None or args.show_trace else None
+    recorder = TraceRecorder() if tracing else None
     options = dict(
         k=k,
         max_new_tokens=args.max_new_tokens,

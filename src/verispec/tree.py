@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["AUTO", "MAX_NODES", "TreeProposal", "TreeShape", "likeliest_nodes"]
+__all__ = ["AUTO", "MAX_NODES", "TreeProposal", "TreeShape", "likeliest_nodes", "parse_budget"]
 
 MAX_NODES = 1024  # the most nodes (root included) a shape may have, whatever the context
 AUTO = "auto"  # the budget of a dynamic tree sized by the cost model each round
@@ -224,9 +224,10 @@ class TreeShape:
     def parse(cls, spec: str) -> TreeShape:
         """``WxD`` (a full tree of width W and depth D) or the name of a JSON shape file, either followed by
         ``:N`` or ``:auto`` for a dynamic tree of that node budget (module docstring)."""
-        base, sep, budget = spec.rpartition(":")
-        if sep and (budget.isdigit() or budget == AUTO):
-            return cls.parse(base).with_budget(AUTO if budget == AUTO else int(budget))
+        base, sep, suffix = spec.rpartition(":")
+        budget = parse_budget(suffix) if sep else None
+        if budget is not None:
+            return cls.parse(base).with_budget(budget)
         width, sep, depth = spec.partition("x")
         if sep and width.isdigit() and depth.isdigit():
             return cls.full(int(width), int(depth))
@@ -313,6 +314,11 @@ class TreeShape:
                 break
         nodes = sorted(chosen)
         return self.select(nodes, [chosen[n] for n in nodes])
+
+
+def parse_budget(text: str) -> int | str | None:
+    """A node budget written as text — digits or ``auto`` — or None when the text is not one."""
+    return AUTO if text == AUTO else int(text) if text.isdigit() else None
 
 
 def likeliest_nodes(scores: Sequence[float], count: int) -> list[int]:

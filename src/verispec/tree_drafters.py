@@ -30,7 +30,7 @@ from verispec.drafters import ModelDrafter, NGramDrafter
 from verispec.sampling import probs_from_logits
 from verispec.tree import TreeProposal, TreeShape
 
-__all__ = ["BranchedTreeDrafter", "ModelTreeDrafter", "NGramTreeDrafter", "TreeDrafter"]
+__all__ = ["BranchedTreeDrafter", "ModelTreeDrafter", "NGramTreeDrafter", "TreeDrafter", "check_static"]
 
 
 @runtime_checkable
@@ -49,7 +49,8 @@ class TreeDrafter(Protocol):
         ...
 
 
-def _static_only(shape: TreeShape, drafter: str) -> None:
+def check_static(shape: TreeShape, drafter: str) -> None:
+    """ValueError, one line, when ``shape`` has a node budget: only the eagle drafter takes dynamic trees."""
     if shape.budget is not None:
         raise ValueError(f"dynamic trees ({shape.name}) need the eagle drafter, not {drafter!r}")
 
@@ -64,7 +65,7 @@ class NGramTreeDrafter:
     name = "ngram"
 
     def __init__(self, shape: TreeShape, lookup: NGramDrafter | None = None) -> None:
-        _static_only(shape, "ngram")
+        check_static(shape, "ngram")
         self.shape = shape
         self.lookup = NGramDrafter() if lookup is None else lookup  # its n-gram lengths
 
@@ -83,7 +84,7 @@ class BranchedTreeDrafter:
 
     def __init__(self, drafter, shape: TreeShape, sampled: bool = False) -> None:
         if not self.dynamic:
-            _static_only(shape, drafter.name)
+            check_static(shape, drafter.name)
         self.drafter = drafter
         self.shape = shape
         self.sampled = sampled and not drafter.sampling.greedy

@@ -522,13 +522,31 @@ def _answer_all(
 ):
     """The target's answers to every prompt (even indices greedy, odd sampled); returns {"train": [...],
     "heldout": [...]} of (tokens, prompt length, hidden) in prompt order."""
-    sampled = [i % 2 == 1 for i in range(len(prompts))]
-    seed = config.seed * 100003
-    answers = _generate_all(model, tokenizer, prompts, sampled, config.max_new_tokens, seed, config, desc)
     splits: dict[str, list] = {"train": [], "heldout": []}
-    for i, (tokens, hidden) in enumerate(answers):
-        splits["heldout" if i in heldout else "train"].append((tokens, len(prompts[i]), hidden))
+    order = list(range(len(prompts)))
+    _answer_into(splits, model, tokenizer, order, prompts, heldout, config.seed * 100003, config, desc)
     return splits
+
+
+def _answer_into(
+    splits: dict[str, list],
+    model,
+    tokenizer,
+    order: list[int],
+    prompts: list[list[int]],
+    heldout: set[int],
+    seed: int,
+    config: DataConfig,
+    desc: str,
+) -> list[list[int]]:
+    """Answers ``prompts[j]``, the prompt of conversation ``order[j]`` (even conversations greedy, odd
+    sampled), appending (tokens, prompt length, hidden) to that conversation's split of ``splits``; returns
+    the answered sequences' tokens."""
+    sampled = [i % 2 == 1 for i in order]
+    answers = _generate_all(model, tokenizer, prompts, sampled, config.max_new_tokens, seed, config, desc)
+    for i, prompt, (tokens, hidden) in zip(order, prompts, answers, strict=True):
+        splits["heldout" if i in heldout else "train"].append((tokens, len(prompt), hidden))
+    return [tokens for tokens, _ in answers]
 
 
 _STREAM = 1_000_000  # seed offset between the sampling streams of target-written chats (> any batch start)
@@ -586,13 +604,11 @@ def _self_written(model, tokenizer, heldout: set[int], config: DataConfig) -> di
         }
         order = sorted(alive)
         prompts = [tokenizer.encode(tokenizer.chat_prompt(alive[i]), add_bos=True) for i in order]
-        sampled = [i % 2 == 1 for i in order]
         seed = config.seed * 100003 + (2 * turn + 2) * _STREAM
-        answers = _generate_all(
-            model, tokenizer, prompts, sampled, config.max_new_tokens, seed, config, f"answers {turn + 1}"
+        answered = _answer_into(
+            splits, model, tokenizer, order, prompts, heldout, seed, config, f"answers {turn + 1}"
         )
-        for i, prompt, (tokens, hidden) in zip(order, prompts, answers, strict=True):
-            splits["heldout" if i in heldout else "train"].append((tokens, len(prompt), hidden))
+        for i, prompt, tokens in zip(order, prompts, answered, strict=True):
             reply = tokenizer.decode(tokens[len(prompt) :]).strip()
             alive[i] = [*alive[i], {"role": "assistant", "content": reply}]
     for name, sequences in splits.items():

@@ -166,12 +166,10 @@ class EagleTreeDrafter(BranchedTreeDrafter):
             return shape.select([0], [context[-1]])
         shape = shape.capped(shape.max_depth, drafter.cache.capacity - committed)  # inner nodes take slots
         children, dynamic = shape.children(), shape.budget is not None
-        beam = max(len(c) for c in children) if dynamic else shape.num_nodes  # nodes expanded per depth
+        beam = max(map(len, children))  # the nodes a dynamic tree expands per depth: the shape's width
         tokens, q_rows, scores = {0: context[-1]}, {}, {0: 1.0}  # scores: path probabilities (dynamic)
         features = {0: root_feature[0, 0]}  # node → the feature its children are drafted from [H]
-        slots: dict[
-            int, list[int]
-        ] = {}  # inner node → its inner ancestors' slots in the head's cache, then its own
+        slots: dict[int, list[int]] = {}  # inner node → its inner ancestors' slots in the cache, then its own
         frontier, forwards = [0], 1  # forwards: the head forwards of the round, the catch-up included
         for depth in range(1, shape.max_depth + 1):
             logits = head.logits(torch.stack([features[node] for node in frontier]))  # [M, Vd]
@@ -186,9 +184,9 @@ class EagleTreeDrafter(BranchedTreeDrafter):
                 if dynamic:
                     for child, p in zip(children[node], probs[i, picked].tolist(), strict=False):
                         scores[child] = scores[node] * p
-            made = [c for node in frontier for c in children[node] if c in tokens and children[c]]
-            # dynamic: the beam's likeliest (static: all of them), breadth-first
-            frontier = sorted(sorted(made, key=lambda c: (-scores.get(c, 0.0), c))[:beam])
+            frontier = [c for node in frontier for c in children[node] if c in tokens and children[c]]
+            if dynamic:  # only the beam's likeliest are expanded, breadth-first
+                frontier = sorted(sorted(frontier, key=lambda c: (-scores[c], c))[:beam])
             if not frontier or (dynamic and not self._worth_expanding(frontier, scores, forwards)):
                 break
             out = self._forward(frontier, depth, tokens, features, slots, shape, committed, len(context) - 1)

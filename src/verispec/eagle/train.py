@@ -393,11 +393,6 @@ def train_drafter(
             f"the drafter {config.init} to start from has a draft vocabulary of "
             f"{start.draft_vocab_size} tokens, not draft_vocab = {config.draft_vocab}"
         )
-    elif start.num_layers > config.layers:
-        raise ValueError(
-            f"the drafter {config.init} to start from has {start.num_layers} layers, more than "
-            f"layers = {config.layers}"
-        )
     else:
         draft_vocab = start.draft_vocab  # [Vd]
     index = draft_index(draft_vocab, target.vocab_size)  # [V]
