@@ -24,12 +24,12 @@ browser:
 	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1; }; }; } || \
 	  echo "chromium could not be installed: the browser tests of the HTML trace will skip"
 
-test: $(STAMP) browser
-	$(BIN)/ruff check src tests
+test: $(STAMP) browser lint
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -5,16 +5,21 @@ Speed is what the bench reports; nothing here asserts it."""
 
 import json
 import os
+import re
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from matplotlib import image
 
-from verispec import bench
-from verispec.analysis import CostModel, expected_speedup
-from verispec.bench import (
+from verispec.analysis.analytic import CostModel, expected_speedup
+from verispec.bench import suite as bench
+from verispec.bench.goals import load_goals
+from verispec.bench.peers import to_transformers
+from verispec.bench.report import CHARTS, goals
+from verispec.bench.suite import (
     METHODS,
     TASKS,
     BenchConfig,
@@ -26,10 +31,10 @@ from verispec.bench import (
     select_tasks,
 )
 from verispec.cli import main
+from verispec.errors import UsageError
 from verispec.models.llama2c import load_llama2c
-from verispec.peers import to_transformers
-from verispec.report import CHARTS, goals
 
+GOALS = Path(__file__).parents[1] / "docs" / "bench" / "goals.toml"
 STORY_PROMPTS = [
     {"id": "lily", "prompt": "Once upon a time, there was a little girl named Lily.", "task": "stories"},
     {"id": "tom", "prompt": "Tom had a red ball. He", "task": "stories"},
@@ -236,13 +241,15 @@ def test_smoke_bench_on_stories260k(capsys, tmp_path, stories_args):
         "layers:2",
         "--repetitions",
         "2",
+        "--goals",
+        str(GOALS),
         "--out",
         str(out),
     )
     assert status == 0
     results = json.loads((out / "results.json").read_text())
     assert results["complete"] and not results["interrupted"]
-    assert results["config"]["tasks"] == ["stories", "more-stories"]
+    assert results["config"]["tasks"] == ["stories", "more-stories"] and results["goals"] == load_goals(GOALS)
     labels = {c["label"] for c in results["cells"]}
     assert labels == {
         "none",
@@ -265,7 +272,7 @@ def test_smoke_bench_on_stories260k(capsys, tmp_path, stories_args):
             assert cell["greedy_identity"]["differ"] == [], cell["label"]
             assert m["predicted_speedup"] > 0 and m["efficiency"] > 0
     ngram = next(c for c in results["cells"] if c["label"] == "ngram k=4")["metrics"]
-    assert 0 < ngram["acceptance_rate"] <= 1 and ngram["accepted_per_position"]
+    assert 0 < ngram["acceptance_rate"] <= 1 and ngram["acceptance_per_position"]
     assert set(results["calibration"]) == {"none", "ngram", "model"}
     assert results["machine"]["threads"] == 1 and results["machine"]["cpu"]
     table = (out / "results.md").read_text()
@@ -326,14 +333,13 @@ def test_an_interrupted_bench_keeps_its_finished_cells(
 
 def test_ratio_of_medians_handles_missing_baselines():
     cell = {"samples": [], "label": "x"}
-    assert bench.cell_metrics(cell, None, None, None) == {}
-    assert np.isclose(
-        bench._ratio(
-            {"median": 3.0}, {"metrics": {"tokens_per_second": {"median": 2.0}}}, "tokens_per_second"
-        ),
-        1.5,
+    assert bench.cell_metrics(cell, None, None, None) is None
+    spread = {"median": 3.0, "min": 3.0, "max": 3.0, "n": 1}
+    other = {"metrics": {"tokens_per_second": {"median": 2.0}, "decode_tokens_per_second": {"median": 1.0}}}
+    assert np.isclose(bench._ratio(spread, other), 1.5) and np.isclose(
+        bench._ratio(spread, other, decode=True), 3
     )
-    assert bench._ratio({"median": 3.0}, None, "tokens_per_second") is None
+    assert bench._ratio(spread, None) is None and bench._ratio(spread, {"metrics": None}) is None
 
 
 def _cell(task: str, method: str, k: str, tps: float, efficiency: float | None = None) -> dict:
@@ -361,6 +367,7 @@ def test_goals_are_judged_from_the_medians():
         "config": {"tasks": ["summarization", "chat"], "temperatures": [0.0]},
         "cells": cells,
         "calibration": {"eagle": {"cost_ratio": 0.08}},
+        "goals": load_goals(GOALS),  # the project's own goals file
     }
     judged = [line.split(" | ") for line in goals(results) if line.endswith(("✓ |", "missed |"))]
     rows = {f"{goal.lstrip('| ')} @ {task}": " | ".join(rest) for goal, task, *rest in judged}
@@ -378,4 +385,33 @@ def test_goals_are_judged_from_the_medians():
     assert rows["eagle k=4 τ ≥ 2.5 @ chat"].endswith("2.400 | ✗ missed |")
     assert rows["eagle: target step / draft step ≥ 10 @ calibration"].endswith("12.500 | ✓ |")
     assert not any("ngram" in key and "chat" in key for key in rows)  # chat is not a copy task
-    assert goals({"config": {"tasks": ["chat"], "temperatures": [0.0]}, "cells": []}) == []
+    assert (
+        goals({"config": {"tasks": ["chat"], "temperatures": [0.0]}, "cells": [], "goals": load_goals(GOALS)})
+        == []
+    )
+    assert goals({**results, "goals": []}) == []  # a run without --goals judges none
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[[goal]]\nname = 'x'\ncells = 'none'\n", "missing field 'at_least'"),
+        ("[[goal]]\nname = 'x'\ncells = 'none'\nat_least = 1\nspeed = 2\n", "unknown field 'speed'"),
+        ("[[goal]]\nname = 'x'\ncells = 'none'\nat_least = '1'\n", "at_least must be a number"),
+        ("[[goal]]\nname = 'x'\ncells = 'every one'\nat_least = 1\n", "cells = 'every one': expected"),
+        ("[[goal]]\nname = 'x'\ncells = 'none'\nover = 'each ngram'\nat_least = 1\n", "over = 'each ngram'"),
+        ("[[goal]]\nname = 'x'\ncells = 'none'\nk = '4'\nat_least = 1\n", "k filters 'each'"),
+        ("[[goals]]\nname = 'x'\n", "unknown table 'goals'"),
+        ("[[goal]\n", "not valid TOML"),
+        ("# nothing\n", "declares no goals"),
+    ],
+)
+def test_bad_goal_files_are_one_line_and_status_2(capsys, tmp_path, text, message):
+    path = tmp_path / "goals.toml"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=re.escape(message)):
+        load_goals(path)
+    status, _, err = run(capsys, "bench", "--goals", str(path))
+    assert status == 2 and err.count("\n") == 1 and message in err
+    status, _, err = run(capsys, "bench", "--goals", str(tmp_path / "absent.toml"))
+    assert status == 2 and "cannot read the goals file" in err

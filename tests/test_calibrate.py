@@ -10,7 +10,7 @@ from verispec import calibrate as calibration_module
 from verispec.api import Speculator
 from verispec.calibrate import K_MAX, calibrate, calibration_dir, drafter_identity, model_identity
 from verispec.cli import main
-from verispec.drafters import NGramDrafter
+from verispec.drafting.ngram import NGramDrafter
 from verispec.models.registry import load_model
 from verispec.policies import ConstantK, CostModelK
 from verispec.sampling import SamplingParams
@@ -142,6 +142,6 @@ def test_cli_calibrate(shared_model, capsys):
 
 
 def _model_drafter(model, layers: int):
-    from verispec.drafters import ModelDrafter
+    from verispec.drafting.draft_model import ModelDrafter
 
     return ModelDrafter(model.first_layers(layers), SamplingParams(temperature=0), model.vocab_size)

@@ -1,8 +1,8 @@
 """The learned (EAGLE-style) drafter: its file, its training, and exactness in the engine.
 
 Targets are tiny random Llamas (and stories260K from ``../shared/models`` where present); their training data
-sets are made here, in the format of :mod:`verispec.eagle.data`, by the target itself: its sampled answers to
-random prompts, with ``forward_hidden`` at every position.
+sets are made here, in the format of :mod:`verispec.drafting.eagle.data`, by the target itself: its sampled
+answers to random prompts, with ``forward_hidden`` at every position.
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ from fakes import LetterTokenizer, TableLM
 from test_real_models import STORY_PROMPTS
 from verispec import api as api_module
 from verispec import cli
-from verispec.analysis import CostModel, best_tree_size
+from verispec.analysis.analytic import CostModel, best_tree_size
 from verispec.api import Speculator
-from verispec.bench import BenchConfig, Method, plan_methods
+from verispec.bench.suite import BenchConfig, Method, plan_methods
 from verispec.calibrate import DRAFT_K, drafter_identity
-from verispec.drafters import Proposal
-from verispec.eagle import train as train_module
-from verispec.eagle.data import load_split
-from verispec.eagle.drafter import DEFAULT_TREE, EagleDrafter, EagleTreeDrafter
-from verispec.eagle.model import EagleHead, native_target, target_fingerprint
-from verispec.eagle.train import (
+from verispec.drafting.base import Proposal
+from verispec.drafting.eagle import train as train_module
+from verispec.drafting.eagle.data import load_split
+from verispec.drafting.eagle.drafter import DEFAULT_TREE, EagleDrafter, EagleTreeDrafter
+from verispec.drafting.eagle.model import EagleHead, native_target, target_fingerprint
+from verispec.drafting.eagle.train import (
     Batch,
     TrainConfig,
     TrainingData,
@@ -41,13 +41,13 @@ from verispec.eagle.train import (
     train_drafter,
     unrolled_features,
 )
+from verispec.drafting.ngram import NGramTreeDrafter
+from verispec.drafting.tree import TreeShape
 from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
 from verispec.models.llama import Llama, LlamaConfig
 from verispec.models.registry import load_model
 from verispec.policies import ConstantK
 from verispec.sampling import SamplingParams, probs_from_logits
-from verispec.tree import TreeShape
-from verispec.tree_drafters import NGramTreeDrafter
 
 VOCAB = 64
 GREEDY = SamplingParams(temperature=0)
@@ -97,7 +97,8 @@ def hidden_states(model: Llama, ids: list[int]) -> torch.Tensor:
 def make_dataset(
     model: Llama, directory: Path, prompts: list[list[int]], answer: int, seed: int = 0, label: str = "tiny"
 ) -> Path:
-    """A data set in verispec.eagle.data's format: the model's sampled answers (every fourth held out)."""
+    """A data set in verispec.drafting.eagle.data's format: the model's sampled answers (every fourth held
+    out)."""
     g = torch.Generator().manual_seed(seed)
     splits: dict[str, list] = {"train": [], "heldout": []}
     for i, prompt in enumerate(prompts):
@@ -557,7 +558,6 @@ class RecordingDrafter:
     last token again (single guesses: some accepted, some rejected)."""
 
     name = "recording"
-    reads_target_hidden = True
 
     def __init__(self, model: Llama) -> None:
         self.model = model
@@ -626,6 +626,7 @@ def chi_square_of_first_tokens(first, model: Llama, prompt_ids: list[int], sampl
     return scipy_stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
+@pytest.mark.slow
 def test_first_sampled_token_follows_the_target_tiny(target, trained):
     _, eagle = plain_and_eagle(target, trained)
     prompt = "hello"
@@ -731,6 +732,7 @@ def test_tree_rounds_hand_over_the_committed_path(target, trained, sampling):
     torch.testing.assert_close(held, hidden_states(target, prompt + new[:-1]), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampled", [False, True], ids=["top-k", "sampled"])
 def test_tree_first_sampled_token_follows_the_target(target, trained, sampled):
     """Chi-square of the first sampled token with eagle trees: top-k children verified as single guesses,
@@ -860,6 +862,7 @@ def test_dynamic_tree_greedy_equals_plain_greedy(target, trained, spec, tmp_path
     assert 0 < accepted < nodes
 
 
+@pytest.mark.slow
 def test_dynamic_tree_first_sampled_token_follows_the_target(target, trained):
     """Chi-square of the first sampled token with a dynamic tree: its top-k children, chosen by the head's
     probabilities, are verified as single guesses."""
@@ -1018,6 +1021,7 @@ def test_stories_greedy_equals_plain_greedy(stories):
     assert 0 < accepted < drafted
 
 
+@pytest.mark.slow
 def test_stories_first_sampled_token_follows_the_target(stories):
     model, tokenizer, path, _ = stories
     eagle = Speculator((model, tokenizer), drafter="eagle", drafter_path=str(path))

@@ -1,7 +1,8 @@
-"""The learned drafter's training data (:mod:`verispec.eagle.data`): the prompt set, ``DataConfig``, and data
-sets built, extended and merged end to end on a tiny random transformers Llama (with a byte-level tokenizer
-that has a chat template, both made here), every stored hidden state and greedy answer checked against
-verispec's native Llama loaded from the same directory."""
+"""The learned drafter's training data (:mod:`verispec.drafting.eagle.data`): the prompt set
+(:mod:`verispec.drafting.eagle.prompts`), ``DataConfig``, and data sets built, extended and merged end to end
+on a tiny random transformers Llama (with a byte-level tokenizer that has a chat template, both made here),
+every stored hidden state and greedy answer checked against verispec's native Llama loaded from the same
+directory."""
 
 from __future__ import annotations
 
@@ -16,15 +17,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from test_eagle import assert_usage_error, run_cli
 from test_hf_adapter import save_tokenizer
-from verispec.eagle import data as data_module
-from verispec.eagle.data import (
-    DataConfig,
-    add_follow_ups,
-    build_dataset,
-    chat_prompts,
-    load_split,
-    merge_datasets,
-)
+from verispec.drafting.eagle import data as data_module
+from verispec.drafting.eagle import prompts as prompts_module
+from verispec.drafting.eagle.data import DataConfig, add_follow_ups, build_dataset, load_split, merge_datasets
+from verispec.drafting.eagle.prompts import FOLLOW_UPS, chat_prompts
 from verispec.models.registry import load_model
 
 VOCAB = 4 + 256  # save_tokenizer's vocabulary: four special tokens, then the 256 byte symbols
@@ -33,7 +29,7 @@ CONFIG = DataConfig(
     num_prompts=6, max_new_tokens=8, batch_size=3, heldout_fraction=0.25, seed=0, progress=False
 )
 HELDOUT = 2  # max(1, round(0.25 * 6))
-REAL_STDLIB_PASSAGES = data_module._stdlib_passages
+REAL_STDLIB_PASSAGES = prompts_module._stdlib_passages
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -42,7 +38,7 @@ def stdlib_passages():
     ``chat_prompts`` call). The same list is handed back on each call, so the prompts do not change."""
     found = REAL_STDLIB_PASSAGES()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(data_module, "_stdlib_passages", lambda: list(found))
+        patch.setattr(prompts_module, "_stdlib_passages", lambda: list(found))
         yield found
 
 
@@ -336,9 +332,7 @@ def test_add_follow_ups_continues_the_first_conversations_of_each_split(built, n
             seconds[tokenizer.decode(tokens[:n])] = (tokens, n, hidden)
         for tokens_0, n_0, _ in old[:2]:
             question, answer = tokenizer.decode(tokens_0[:n_0]), tokenizer.decode(tokens_0[n_0:])
-            matches = [
-                key for key in seconds if any(key == question + answer + f for f in data_module._FOLLOW_UPS)
-            ]
+            matches = [key for key in seconds if any(key == question + answer + f for f in FOLLOW_UPS)]
             assert len(matches) == 1, (question, answer, list(seconds))
             tokens, n, hidden = seconds.pop(matches[0])
             assert tokens[:n_0] == tokens_0[:n_0]  # the old prompt's tokens begin the new prompt

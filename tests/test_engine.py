@@ -11,11 +11,13 @@ from scipy import stats as scipy_stats
 
 import verispec.engine as engine_module
 from fakes import TableLM
-from verispec.drafters import ModelDrafter, NGramDrafter, NoDrafter
+from verispec.drafting.base import NoDrafter
+from verispec.drafting.draft_model import ModelDrafter
+from verispec.drafting.ngram import NGramDrafter
 from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
 from verispec.policies import AdditiveK, ConstantK
 from verispec.sampling import SamplingParams, probs_from_logits
-from verispec.verify import rejection_rule, sample_verdict
+from verispec.verify.chain import rejection_rule, sample_verdict
 
 V = 6
 GREEDY = SamplingParams(temperature=0)
@@ -69,7 +71,7 @@ def test_perfect_draft_needs_one_call_per_k_plus_one_tokens():
     out, stats = run(engine, [1, 2], EngineConfig(max_new_tokens=25, sampling=GREEDY))
     assert len(out) == 25
     assert stats.target_calls == 5  # 5 tokens per round: 4 accepted + 1 bonus
-    assert stats.acceptance_rate == 1.0 and stats.accepted_per_position == [1.0] * 4
+    assert stats.acceptance_rate == 1.0 and stats.acceptance_per_position == [1.0] * 4
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 3, 5, 9])
@@ -225,7 +227,7 @@ def test_engine_chi_square_catches_a_broken_verifier(monkeypatch):
     """The same check fails when the engine resamples rejected tokens from p instead of the residual."""
 
     def resample_from_p(draft_tokens, q, p, generator, eos_token_id=None):
-        rule = rejection_rule(draft_tokens, q, p)
+        rule = rejection_rule(draft_tokens, q=q, p=p)
         return sample_verdict(
             dataclasses.replace(rule, fallback=p.clone()), draft_tokens, generator, eos_token_id
         )

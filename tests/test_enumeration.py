@@ -4,8 +4,8 @@ For a (target, draft) pair of toy models, a verifier's rule and a draft length K
 computes *analytically* the joint distribution of the first N tokens that the full speculative loop emits
 from an empty prompt: draft K tokens autoregressively from q, verify, commit the emitted tokens, repeat until
 N tokens or EOS. Every draft outcome and every accept/reject branch is enumerated; accept probabilities and
-fallback distributions come from the REAL rule functions of :mod:`verispec.verify` in float64, one call per
-context with all V^K drafts batched. This is compared with the target's own ancestral joint distribution
+fallback distributions come from the REAL rule functions of :mod:`verispec.verify.chain` in float64, one call
+per context with all V^K drafts batched. This is compared with the target's own ancestral joint distribution
 (:func:`toy.target_joint`) in total variation.
 
 The same machinery checks the tokens-per-round identity E[tokens] = 1 + Σ_i Π_{j≤i} α_j, and shows that
@@ -35,7 +35,7 @@ from toy import (
     target_joint,
 )
 from verispec.sampling import SamplingParams
-from verispec.verify import Rule, greedy_rule, rejection_rule, single_guess_rule
+from verispec.verify.chain import Rule, greedy_rule, rejection_rule, single_guess_rule
 
 EXACT_TV = 1e-12  # float64 round-off over a few thousand terms is far below this
 BROKEN_TV = 1e-3  # every broken variant below is off by at least this much (most by > 1e-2)
@@ -45,10 +45,10 @@ KS = (1, 2, 3, 4)
 RuleFn = Callable[[Tensor, Tensor, Tensor], Rule]
 
 RULES: dict[str, RuleFn] = {
-    "rejection": lambda x, q, p: rejection_rule(x, q, p, dtype=torch.float64),
+    "rejection": lambda x, q, p: rejection_rule(x, q=q, p=p, dtype=torch.float64),
     # The guesses are drawn from q but verified as point masses, without q: still exact.
-    "single_guess": lambda x, q, p: single_guess_rule(x, p, dtype=torch.float64),
-    "greedy": lambda x, q, p: greedy_rule(x, p),
+    "single_guess": lambda x, q, p: single_guess_rule(x, p=p, dtype=torch.float64),
+    "greedy": lambda x, q, p: greedy_rule(x, p=p),
 }
 
 

@@ -306,6 +306,7 @@ def test_smollm2_tokenizer(smollm2_dir):
     assert ids[0] == 1 and tokenizer.decode(ids).startswith("system\nYou are a helpful AI assistant")
 
 
+@pytest.mark.slow
 def test_smollm2_matches_transformers_reading_the_gguf_directly(smollm2_dir, tmp_path):
     """transformers' own GGUF loading (which needs accelerate) gives the same logits as the converted dir."""
     pytest.importorskip("accelerate", reason="transformers loads GGUF files directly only with accelerate")

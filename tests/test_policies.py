@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from verispec.analysis import CostModel
+from verispec.analysis.analytic import CostModel
 from verispec.api import k_policy, parse_k
 from verispec.policies import AdditiveK, AutoKConfig, ConstantK, CostModelK
 
@@ -19,7 +19,7 @@ STEEP = [1.0 + 0.5 * k for k in range(K_MAX + 1)]  # compute-bound: every extra 
 
 def brute_force_k(alpha: float, c: float, v: list[float]) -> int:
     """argmax_K (1 − α^{K+1}) / (1 − α) / (v(K+1) + K·c): the textbook formula, computed independently of
-    verispec.analysis."""
+    verispec.analysis.analytic."""
     speed = [(1 - alpha ** (k + 1)) / (1 - alpha) / (v[k] + k * c) for k in range(len(v))]
     return speed.index(max(speed))
 

@@ -18,12 +18,12 @@ from scipy import stats as scipy_stats
 
 from verispec import cli
 from verispec.api import Speculator
-from verispec.eagle.drafter import shipped_drafter
+from verispec.drafting.eagle.drafter import shipped_drafter
+from verispec.drafting.tree import TreeShape
 from verispec.engine import GenerationStats
 from verispec.models.llama import Llama
 from verispec.models.registry import load_model
 from verispec.sampling import SamplingParams, probs_from_logits
-from verispec.tree import TreeShape
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -83,6 +83,7 @@ def greedy_ids(
     return speculator.generate(prompt, k=k, max_new_tokens=n, sampling=GREEDY, chat=chat).token_ids
 
 
+@pytest.mark.slow
 def test_stories_speculative_greedy_equals_plain_greedy(stories):
     """11 prompts × 4 drafters (n-gram, 2-layer early exit with its own cache and on the target's,
     bf16-rounded copy) × 2 K policies == greedy."""
@@ -189,6 +190,7 @@ def assert_first_token_follows_the_target(stories, speculator: Speculator, sampl
     assert scipy_stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > ALPHA_REAL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling_kw", [{}, {"temperature": 0.7, "top_k": 40}], ids=["t1", "t0.7-topk40"])
 def test_stories_first_sampled_token_follows_the_target(stories, sampling_kw):
     speculator = Speculator(stories, draft="layers:2")  # early exit reading the target's cache
@@ -196,6 +198,7 @@ def test_stories_first_sampled_token_follows_the_target(stories, sampling_kw):
     assert_first_token_follows_the_target(stories, speculator, sampling_kw)
 
 
+@pytest.mark.slow
 def test_stories_tree_first_sampled_token_follows_the_target(stories):
     """A token tree on a real model: the early exit's top-3 first tokens, each with its top-1 child, verified
     as single guesses by the multi-proposal rule."""
@@ -210,6 +213,7 @@ SMOL_PROMPTS = [
 ]
 
 
+@pytest.mark.slow
 def test_smollm2_speculative_greedy_equals_plain_greedy(smollm2):
     """3 chat prompts × (n-gram, an early-exit draft of 10 of 30 layers) == plain greedy, 40 tokens each."""
     model, tokenizer = smollm2
@@ -222,6 +226,7 @@ def test_smollm2_speculative_greedy_equals_plain_greedy(smollm2):
         assert greedy_ids(cut, prompt, 40, k=3, chat=True) == reference
 
 
+@pytest.mark.slow
 def test_smollm2_shipped_learned_drafter_is_exact(smollm2, capsys):
     """The drafter shipped for SmolLM2-135M: picked by default, greedy == plain greedy on 3 chat prompts; the
     demo runs it beside ngram and finds every output identical."""
@@ -259,6 +264,7 @@ def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess
     )
 
 
+@pytest.mark.slow
 def test_cli_generate_json_contract(shared_model):
     root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
     model_args = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
@@ -273,7 +279,7 @@ def test_cli_generate_json_contract(shared_model):
         "target_calls",
         "tokens_per_target_call",
         "acceptance_rate",
-        "accepted_per_position",
+        "acceptance_per_position",
         "tokens_per_second",
         "draft_seconds",
         "target_seconds",
@@ -305,15 +311,17 @@ def test_cli_generate_json_contract(shared_model):
         (["generate", "hi", "--draft", "layers:x"], "layers:N"),
     ],
 )
-def test_cli_generate_bad_input(args, message):
-    done = run_cli(*args)
-    assert done.returncode == 2
-    assert done.stderr.count("\n") == 1 and message in done.stderr and "Traceback" not in done.stderr
+def test_cli_generate_bad_input(args, message, capsys):
+    """In-process (the exit contract of the process itself: test_cli's subprocess tests)."""
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
 
 
-def test_cli_generate_prompt_errors(shared_model):
+def test_cli_generate_prompt_errors(shared_model, capsys):
     root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
     model_args = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
     for prompt, message in (("   ", "empty"), ("word " * 600, "context")):
-        done = run_cli("generate", prompt, *model_args)
-        assert done.returncode == 2 and message in done.stderr and done.stderr.count("\n") == 1
+        assert cli.main(["generate", prompt, *model_args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1

@@ -1,4 +1,4 @@
-"""Tests of verispec.simulate: the family, Monte-Carlo vs the analytic model, seeding, validation.
+"""Tests of verispec.analysis.simulate: the family, Monte-Carlo vs the analytic model, seeding, validation.
 
 Tolerance of the Monte-Carlo checks: 5 standard errors, computed from the samples themselves. The estimates
 are means of many i.i.d. bounded variables, hence close to normal: a correct simulation lands outside 5 SE
@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from verispec import simulate as sim
-from verispec.analysis import acceptance_rate, expected_speedup, expected_tokens_per_call
-from verispec.simulate import (
+from verispec.analysis import simulate as sim
+from verispec.analysis.analytic import acceptance_rate, expected_speedup, expected_tokens_per_call
+from verispec.analysis.simulate import (
     SimulationConfig,
     agreement_pairs,
     pair_acceptance,

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from fakes import LetterTokenizer, TableLM
-from verispec.drafters import ModelDrafter, NGramDrafter, NoDrafter
+from verispec.drafting.base import NoDrafter
+from verispec.drafting.draft_model import ModelDrafter
+from verispec.drafting.ngram import NGramDrafter
 from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
 from verispec.policies import ConstantK
 from verispec.sampling import SamplingParams, probs_from_logits

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from test_hf_adapter import tiny_model
 from toy import single_threaded
+from verispec.drafting.tree import TreeShape, likeliest_nodes
 from verispec.models import Llama, LlamaConfig, TreeCache
 from verispec.models.hf import HFModel
-from verispec.tree import TreeShape, likeliest_nodes
 
 ATOL = 1e-4
 # "top-1, top-2; after top-1 its two best; after those the best": 6 nodes, depth 3

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from test_bench import isolated  # noqa: F401 (autouse: its own calibration cache, torch's threads restored)
-from verispec.bench import TREE_METHODS, BenchConfig, Method, plan_methods
+from verispec.bench.report import tree_comparison
+from verispec.bench.suite import TREE_METHODS, BenchConfig, Method, plan_methods
 from verispec.cli import main
-from verispec.report import tree_comparison
 
 
 def test_each_tree_runs_beside_its_chain_at_the_same_forward_size(tmp_path):

@@ -17,15 +17,16 @@ from fakes import TableLM, TokenCache
 from test_hf_adapter import tiny_model
 from verispec import cli
 from verispec.api import Speculator, generate
-from verispec.drafters import ModelDrafter, NGramDrafter, NoDrafter
+from verispec.drafting.base import NoDrafter
+from verispec.drafting.draft_model import ModelDrafter, ModelTreeDrafter
+from verispec.drafting.ngram import NGramDrafter, NGramTreeDrafter
+from verispec.drafting.tree import TreeShape
 from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
 from verispec.models.hf import HFModel
 from verispec.models.registry import load_model
 from verispec.policies import ConstantK
 from verispec.sampling import SamplingParams, probs_from_logits
-from verispec.tree import TreeShape
-from verispec.tree_drafters import ModelTreeDrafter, NGramTreeDrafter
-from verispec.tree_verify import SiblingRule, sample_tree_verdict, sibling_rule
+from verispec.verify.tree import SiblingRule, sample_tree_verdict, sibling_rule
 
 V = 6
 GREEDY = SamplingParams(temperature=0)
@@ -124,7 +125,7 @@ def test_per_depth_acceptance_and_forward_sizes():
     out, stats = run(engine, [1, 2], EngineConfig(max_new_tokens=24, sampling=GREEDY))
     assert out == target.greedy([1, 2], 24)
     assert stats.target_calls == 6 and stats.tokens_per_target_call == 4.0
-    assert stats.accepted_per_position == [1.0, 1.0, 1.0] and stats.tree_nodes == 6 * 14
+    assert stats.acceptance_per_position == [1.0, 1.0, 1.0] and stats.tree_nodes == 6 * 14
     assert target.calls[1:] == [15] * 6  # after the prefill: one forward over the whole tree per round
 
 
@@ -245,8 +246,11 @@ def test_engine_chi_square_catches_siblings_without_residuals(monkeypatch):
 
     def stale_siblings(tokens, parents, p, q, generator, eos_token_id=None):
         def rule(u: int, kids: torch.Tensor) -> SiblingRule:
-            right = sibling_rule(p[u], tokens[kids], None if q is None else q[kids])
-            alone = [sibling_rule(p[u], tokens[k : k + 1], None if q is None else q[k : k + 1]) for k in kids]
+            right = sibling_rule(tokens[kids], p_u=p[u], q_children=None if q is None else q[kids])
+            alone = [
+                sibling_rule(tokens[k : k + 1], p_u=p[u], q_children=None if q is None else q[k : k + 1])
+                for k in kids
+            ]
             stale = torch.cat([r.accept_prob for r in alone]) if alone else right.accept_prob
             return SiblingRule(accept_prob=stale, residuals=right.residuals)
 
@@ -389,6 +393,6 @@ def test_cli_generate_with_a_tree(capsys, shared_model, tmp_path):
     )
     assert one_shot.token_ids == plain["token_ids"] and one_shot.stats["k"] == "tree 2x2"
     assert cli.main([*common, "--drafter", "none", "--tree-width", "2", "--tree-depth", "2"]) == 2
-    assert "ngram, model or eagle drafter" in capsys.readouterr().err
+    assert "model, ngram or eagle drafter" in capsys.readouterr().err
     assert cli.main([*common, "--tree-width", "2", "--tree-depth", "9"]) == 2  # 1023 nodes, context 512
     assert "context of" in capsys.readouterr().err

@@ -6,7 +6,7 @@ full tree speculative loop emits from an empty prompt: draft a tree, verify it, 
 repeat until N tokens or EOS. Everything random is enumerated: the drafted tokens of every node (with their
 exact probability), the trial order of every node's children (all m! orders, uniformly — or the one order a
 variant uses), every accept/reject outcome and the recovered or bonus token. Accept probabilities and
-residuals come from the REAL rule functions of :mod:`verispec.tree_verify` in float64, batched over all the
+residuals come from the REAL rule functions of :mod:`verispec.verify.tree` in float64, batched over all the
 drafts of a node.
 
 The enumeration of one round is a recursion over the tree: the children of a node are drafted independently of
@@ -32,7 +32,7 @@ from torch import Tensor
 from test_chisquare import chisquare_pvalue
 from test_enumeration import total_variation
 from toy import GREEDY, SETTINGS, make_pair, reachable_contexts, single_threaded, target_joint
-from verispec.tree_verify import (
+from verispec.verify.tree import (
     SiblingRule,
     TreeVerdict,
     greedy_sibling_rule,
@@ -154,7 +154,7 @@ def sorted_by_token(x: np.ndarray) -> list[np.ndarray]:
 
 
 def sampled_rule(p: Tensor, x: Tensor, q: Tensor | None) -> SiblingRule:
-    return sibling_rule(p, x, q, dtype=torch.float64)
+    return sibling_rule(x, p_u=p, q_children=q, dtype=torch.float64)
 
 
 def greedy_rule(p: Tensor, x: Tensor, q: Tensor | None) -> SiblingRule:
@@ -483,6 +483,7 @@ def exact_round(t: dict[str, Tensor], eos: int) -> tuple[dict[tuple[int, ...], i
     return cells, np.array(probs)
 
 
+@pytest.mark.slow
 def test_torch_sampler_matches_the_enumerated_round_and_broken_is_caught():
     """The torch sampler itself — random trial orders, uniforms, the walk, multinomial draws, float32 — on
     DRAWS drafted trees (irregular shape, siblings from two different drafts, EOS family): the histogram of
@@ -494,7 +495,10 @@ def test_torch_sampler_matches_the_enumerated_round_and_broken_is_caught():
     tokens, p, q = draft_trees(SHAPES[CHI_SHAPE], t, DRAWS, torch.Generator().manual_seed(0))
     parents = torch.tensor(SHAPES[CHI_SHAPE])
     g = torch.Generator().manual_seed(1)
-    good = [tree_rejection_sample(tokens[r], parents, p[r], q[r], g, pair.eos_token_id) for r in range(DRAWS)]
+    good = [
+        tree_rejection_sample(tokens[r], parents, p=p[r], q=q[r], generator=g, eos_token_id=pair.eos_token_id)
+        for r in range(DRAWS)
+    ]
     pvalue = chisquare_pvalue(round_histogram(good, cells), probs)
     assert pvalue >= ALPHA, f"p-value {pvalue:.3g}"
 

@@ -1,9 +1,10 @@
-"""Unit tests for :mod:`verispec.tree_verify`.
+"""Unit tests for :mod:`verispec.verify.tree`.
 
 What is checked here: the closed-form values of the sibling rules on hand-computed examples and against a
 plain-Python reference, the edge cases named in the module's docstring (zero residual, q(x) = 0, repeated
 siblings, leaves, vocabulary sizes), the walk (random trial order, greedy's first matching child, end of
-sequence), identity with the chain verifiers of :mod:`verispec.verify` for the same generator state, input
+sequence), identity with the chain verifiers of :mod:`verispec.verify.chain` for the same generator state,
+input
 validation, and the invariants every tree verdict must hold (hypothesis). Distribution-level exactness is
 proved in test_tree_enumeration.py.
 """
@@ -19,7 +20,8 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from test_verify import gen, ids, random_probs, t64
-from verispec.tree_verify import (
+from verispec.verify.chain import greedy_verify, rejection_sample, single_guess_sample
+from verispec.verify.tree import (
     SiblingRule,
     TreeVerdict,
     greedy_sibling_rule,
@@ -28,7 +30,6 @@ from verispec.tree_verify import (
     tree_greedy_verify,
     tree_rejection_sample,
 )
-from verispec.verify import greedy_verify, rejection_sample, single_guess_sample
 
 F64 = torch.float64
 NAN = float("nan")
@@ -98,7 +99,9 @@ CHAIN = ids([-1, 0, 1, 2])  # parents of a chain of 3 draft tokens
 def test_sibling_rule_hand_example():
     """p = [.5, .3, .2]; child 0 (token 0, q = [.7, .2, .1]) then child 1 (token 1, q = [.1, .8, .1]):
     accept 5/7; r_1 = normalize([0, .1, .1]) = [0, .5, .5]; accept .5/.8; r_2 = normalize([0, 0, .4])."""
-    rule = sibling_rule(t64([0.5, 0.3, 0.2]), ids([0, 1]), t64([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1]]), dtype=F64)
+    rule = sibling_rule(
+        ids([0, 1]), p_u=t64([0.5, 0.3, 0.2]), q_children=t64([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1]]), dtype=F64
+    )
     torch.testing.assert_close(rule.accept_prob, t64([5 / 7, 0.625]))
     torch.testing.assert_close(rule.residuals, t64([[0.5, 0.3, 0.2], [0, 0.5, 0.5], [0, 0, 1]]))
 
@@ -106,7 +109,7 @@ def test_sibling_rule_hand_example():
 def test_single_guess_rule_hand_example():
     """Guesses 0, 0, 1 against p = [.5, .3, .2]: accept .5; the repeated 0 now has r = 0 (accept 0, residual
     unchanged); accept .3/.5 = .6; the last residual is the point mass on 2."""
-    rule = sibling_rule(t64([0.5, 0.3, 0.2]), ids([0, 0, 1]), None, dtype=F64)
+    rule = sibling_rule(ids([0, 0, 1]), p_u=t64([0.5, 0.3, 0.2]), q_children=None, dtype=F64)
     torch.testing.assert_close(rule.accept_prob, t64([0.5, 0.0, 0.6]))
     torch.testing.assert_close(
         rule.residuals, t64([[0.5, 0.3, 0.2], [0, 0.6, 0.4], [0, 0.6, 0.4], [0, 0, 1]])
@@ -118,11 +121,11 @@ def test_repeated_sampled_sibling_moves_the_residual():
     there) but the residual still moves, r_2 = normalize(max(r_1 − q, 0)) ≠ r_1: a repeated proposal is a
     proposal of its own."""
     p, q = t64([0.2, 0.3, 0.5]), t64([0.6, 0.3, 0.1])
-    rule = sibling_rule(p, ids([0, 0]), torch.stack([q, q]), dtype=F64)
+    rule = sibling_rule(ids([0, 0]), p_u=p, q_children=torch.stack([q, q]), dtype=F64)
     torch.testing.assert_close(rule.accept_prob, t64([1 / 3, 0.0]))
     torch.testing.assert_close(rule.residuals[1], t64([0, 0, 1]))  # max(p − q, 0) = [0, 0, .4]
     torch.testing.assert_close(rule.residuals[2], t64([0, 0, 1]))  # max([0, 0, 1] − q, 0) = [0, 0, .9]
-    rule = sibling_rule(t64([0.1, 0.5, 0.4]), ids([0, 0]), torch.stack([q, q]), dtype=F64)
+    rule = sibling_rule(ids([0, 0]), p_u=t64([0.1, 0.5, 0.4]), q_children=torch.stack([q, q]), dtype=F64)
     torch.testing.assert_close(rule.residuals[1], t64([0, 0.4, 0.6]))  # [0, .2, .3]
     torch.testing.assert_close(rule.residuals[2], t64([0, 0.1 / 0.6, 0.5 / 0.6]))  # [0, .1, .5]
 
@@ -147,7 +150,7 @@ def test_sibling_rule_matches_plain_python_reference(seed, m, vp, dv, zero_frac,
     else:
         q = random_probs(g, (m, vq), zero_frac)  # [m, Vq]
         xs = torch.multinomial(q, 1, generator=g).squeeze(1) if m else ids([])
-    rule = sibling_rule(p, xs, q, dtype=F64)
+    rule = sibling_rule(xs, p_u=p, q_children=q, dtype=F64)
     vocab = int(xs.max()) + 1 if q is None and m else vq if q is not None else 0
     accept, residuals = reference_sibling(p.tolist(), xs.tolist(), None if q is None else q.tolist(), vocab)
     torch.testing.assert_close(rule.accept_prob, t64(accept).reshape(m))
@@ -161,11 +164,13 @@ def test_sibling_rule_batched_equals_row_by_row():
     q = random_probs(g, (2, 3, 2, 5), 0.3)  # [2, 3, 2, 5]
     xs = torch.randint(5, (2, 3, 2), generator=g)  # [2, 3, 2]
     for qq in (q, None):
-        batch = sibling_rule(p, xs, qq, dtype=F64)
+        batch = sibling_rule(xs, p_u=p, q_children=qq, dtype=F64)
         assert batch.accept_prob.shape == (2, 3, 2) and batch.residuals.shape == (2, 3, 3, 5)
         for i in range(2):
             for j in range(3):
-                row = sibling_rule(p[i, j], xs[i, j], None if qq is None else qq[i, j], dtype=F64)
+                row = sibling_rule(
+                    xs[i, j], p_u=p[i, j], q_children=None if qq is None else qq[i, j], dtype=F64
+                )
                 torch.testing.assert_close(batch.accept_prob[i, j], row.accept_prob)
                 torch.testing.assert_close(batch.residuals[i, j], row.residuals)
 
@@ -173,7 +178,10 @@ def test_sibling_rule_batched_equals_row_by_row():
 def test_leaf_rule_is_the_bonus_distribution():
     """m = 0 (a leaf): no acceptance, and the one residual is p itself: the bonus distribution."""
     p = t64([0.25, 0.0, 0.75])
-    for rule in (sibling_rule(p, ids([]), torch.zeros(0, 3, dtype=F64), dtype=F64), sibling_rule(p, ids([]))):
+    for rule in (
+        sibling_rule(ids([]), p_u=p, q_children=torch.zeros(0, 3, dtype=F64), dtype=F64),
+        sibling_rule(ids([]), p_u=p),
+    ):
         assert rule.accept_prob.shape == (0,)
         torch.testing.assert_close(rule.residuals, p.reshape(1, 3).to(rule.residuals.dtype))
 
@@ -186,7 +194,7 @@ def test_zero_residual_keeps_the_previous_residual():
     r_1 = r_0 by convention; the next child is then judged against p again."""
     p = t64([0.5, 0.25, 0.25])
     q = t64([[0.5, 0.25, 0.25], [0.0, 0.0, 1.0]])
-    rule = sibling_rule(p, ids([1, 2]), q, dtype=F64)
+    rule = sibling_rule(ids([1, 2]), p_u=p, q_children=q, dtype=F64)
     torch.testing.assert_close(rule.accept_prob, t64([1.0, 0.25]))
     torch.testing.assert_close(rule.residuals[1], p)
     torch.testing.assert_close(rule.residuals[2], t64([2 / 3, 1 / 3, 0.0]))
@@ -194,7 +202,9 @@ def test_zero_residual_keeps_the_previous_residual():
 
 def test_q_zero_at_child_token():
     """q_c(x_c) = 0: accepted with probability 1 when r(x_c) > 0 (ratio +inf), 0 when r(x_c) = 0 too."""
-    rule = sibling_rule(t64([0.5, 0.5, 0.0]), ids([0, 2]), t64([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]]), dtype=F64)
+    rule = sibling_rule(
+        ids([0, 2]), p_u=t64([0.5, 0.5, 0.0]), q_children=t64([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]]), dtype=F64
+    )
     assert rule.accept_prob.tolist() == [1.0, 0.0]
 
 
@@ -205,7 +215,7 @@ def test_child_token_beyond_target_vocab_is_always_rejected():
     tokens, parents = ids([0, 2, 2]), ids([-1, 0, 0])
     for seed in range(20):
         for qq in (q, None):
-            v = tree_rejection_sample(tokens, parents, p, qq, gen(seed))
+            v = tree_rejection_sample(tokens, parents, p=p, q=qq, generator=gen(seed))
             assert v.num_accepted == 0 and v.recovered and v.tokens[0] in (0, 1)
 
 
@@ -215,13 +225,13 @@ def test_one_hot_p_gives_the_greedy_tokens():
     index order and goes on below it; a sampled walk takes either, in random order."""
     p = torch.nn.functional.one_hot(ids([1, 2, 2, 2, 1, 1]), 3).to(F64)  # [6, 3]; p[2] = p[3]: same path
     tokens, parents = ids([0, 0, 1, 1, 2, 0]), ids([-1, 0, 0, 0, 2, 4])
-    greedy = tree_greedy_verify(tokens, parents, p)
+    greedy = tree_greedy_verify(tokens, parents, p=p)
     assert greedy.tokens == [1, 2, 1] and greedy.accepted_nodes == [2, 4] and greedy.recovered
     q = random_probs(gen(2), (6, 3))
     seen = set()
     for seed in range(30):
         for qq in (q, None):
-            v = tree_rejection_sample(tokens, parents, p, qq, gen(seed), dtype=F64)
+            v = tree_rejection_sample(tokens, parents, p=p, q=qq, generator=gen(seed), dtype=F64)
             assert v.tokens == greedy.tokens[: len(v.tokens)]
             seen.add(tuple(v.accepted_nodes))
     assert seen == {(2, 4), (3,)}
@@ -234,10 +244,11 @@ def test_children_are_tried_in_a_uniformly_random_order():
     q = t64([[0.5, 0.5]] * 3)
     tokens, parents = ids([0, 1, 1]), ids([-1, 0, 0])
     first = sum(
-        tree_rejection_sample(tokens, parents, p, q, gen(s)).accepted_nodes == [1] for s in range(400)
+        tree_rejection_sample(tokens, parents, p=p, q=q, generator=gen(s)).accepted_nodes == [1]
+        for s in range(400)
     )
     assert 150 < first < 250
-    assert tree_greedy_verify(tokens, parents, p).accepted_nodes == [1]
+    assert tree_greedy_verify(tokens, parents, p=p).accepted_nodes == [1]
 
 
 def test_single_node_tree_samples_the_bonus_from_p():
@@ -246,11 +257,11 @@ def test_single_node_tree_samples_the_bonus_from_p():
     seen = set()
     for seed in range(40):
         for q in (t64([[1.0, 0.0, 0.0]]), None):
-            v = tree_rejection_sample(ids([2]), ids([-1]), p, q, gen(seed))
+            v = tree_rejection_sample(ids([2]), ids([-1]), p=p, q=q, generator=gen(seed))
             assert v.bonus and v.num_accepted == 0 and v.ended_at_leaf
             seen.add(v.tokens[0])
     assert seen == {0, 2}
-    assert tree_greedy_verify(ids([2]), ids([-1]), t64([[0.1, 3.0, 3.0]])).tokens == [1]
+    assert tree_greedy_verify(ids([2]), ids([-1]), p=t64([[0.1, 3.0, 3.0]])).tokens == [1]
 
 
 # ---------------------------------------------------------------------------------------------- greedy
@@ -271,9 +282,9 @@ def test_greedy_tree_hand_example():
     inf = float("inf")
     logits = t64([[0, 5, 1, -inf], [9, 0, 0, 0], [0, 0, 0, 4], [1, 0, 0, 0], [0, 0, 2, 0]])  # [5, 4]
     tokens, parents = ids([0, 0, 1, 2, 3]), ids([-1, 0, 0, 2, 2])
-    v = tree_greedy_verify(tokens, parents, logits)
+    v = tree_greedy_verify(tokens, parents, p=logits)
     assert v.tokens == [1, 3, 2] and v.accepted_nodes == [2, 4] and v.bonus
-    v = tree_greedy_verify(tokens, parents, logits.softmax(-1))
+    v = tree_greedy_verify(tokens, parents, p=logits.softmax(-1))
     assert v.tokens == [1, 3, 2]
 
 
@@ -292,29 +303,29 @@ def test_accepted_eos_ends_output(eos):
     """An accepted EOS (node 1) is the last token: node 2 below it is not walked, nothing is sampled after."""
     tokens, parents, p = _eos_tree()
     for v in (
-        tree_greedy_verify(tokens, parents, p, eos_token_id=eos),
-        tree_rejection_sample(tokens, parents, p, None, gen(), eos_token_id=eos),
+        tree_greedy_verify(tokens, parents, p=p, eos_token_id=eos),
+        tree_rejection_sample(tokens, parents, p=p, q=None, generator=gen(), eos_token_id=eos),
     ):
         assert v.tokens == [3] and v.accepted_nodes == [1]
         assert not v.bonus and not v.recovered and not v.ended_at_leaf
-    without = tree_greedy_verify(tokens, parents, p)
+    without = tree_greedy_verify(tokens, parents, p=p)
     assert without.tokens == [3, 0, 2] and without.bonus
 
 
 def test_eos_as_recovered_or_bonus_token_is_emitted():
     """EOS emitted as the recovered or the bonus token is kept (it is the last token anyway)."""
     p = torch.nn.functional.one_hot(ids([3, 3]), 4).to(F64)  # [2, 4]
-    recovered = tree_greedy_verify(ids([0, 1]), ids([-1, 0]), p, eos_token_id=3)
+    recovered = tree_greedy_verify(ids([0, 1]), ids([-1, 0]), p=p, eos_token_id=3)
     assert recovered.tokens == [3] and recovered.recovered
     p = torch.nn.functional.one_hot(ids([3, 2]), 4).to(F64)  # [2, 4]
-    bonus = tree_greedy_verify(ids([0, 3]), ids([-1, 0]), p, eos_token_id=2)
+    bonus = tree_greedy_verify(ids([0, 3]), ids([-1, 0]), p=p, eos_token_id=2)
     assert bonus.tokens == [3, 2] and bonus.bonus
 
 
 def test_rejected_eos_does_not_end_output():
     """An EOS on a rejected branch is not emitted and does not stop the walk down another branch."""
     p = torch.nn.functional.one_hot(ids([1, 2, 0]), 4).to(F64)  # [3, 4]
-    v = tree_greedy_verify(ids([0, 3, 1]), ids([-1, 0, 0]), p, eos_token_id=3)
+    v = tree_greedy_verify(ids([0, 3, 1]), ids([-1, 0, 0]), p=p, eos_token_id=3)
     assert v.tokens == [1, 0] and v.accepted_nodes == [2] and v.bonus
 
 
@@ -351,18 +362,28 @@ def test_chain_is_the_chain_verifier_for_the_same_generator(seed, k, vp, dv, zer
     tokens, parents = torch.cat([ids([1]), draft]), torch.arange(-1, k)
     q_nodes = torch.cat([torch.zeros(1, vq, dtype=dtype), q])  # [K+1, Vq], row 0 not read
     cases = [
-        (rejection_sample(draft[None], q[None], p[None], gen(seed), eos_token_id=eos, dtype=dtype), q_nodes),
-        (single_guess_sample(draft[None], p[None], gen(seed), eos_token_id=eos, dtype=dtype), None),
+        (
+            rejection_sample(
+                draft[None], q=q[None], p=p[None], generator=gen(seed), eos_token_id=eos, dtype=dtype
+            ),
+            q_nodes,
+        ),
+        (
+            single_guess_sample(draft[None], p=p[None], generator=gen(seed), eos_token_id=eos, dtype=dtype),
+            None,
+        ),
     ]
     for want, qq in cases:
-        got = tree_rejection_sample(tokens, parents, p, qq, gen(seed), eos_token_id=eos, dtype=dtype)
+        got = tree_rejection_sample(
+            tokens, parents, p=p, q=qq, generator=gen(seed), eos_token_id=eos, dtype=dtype
+        )
         assert got.tokens == want.row(0) and got.num_accepted == int(want.num_accepted[0])
         assert got.accepted_nodes == list(range(1, got.num_accepted + 1))
         assert got.bonus == bool(want.bonus[0]) and got.recovered == bool(want.recovered[0])
     logits = torch.randint(-2, 3, (k + 1, vp), generator=g).double()  # [K+1, V], many ties
     guess = torch.where(torch.rand(k, generator=g) < 0.6, logits[:k].argmax(-1), draft % vp)  # often right
-    want = greedy_verify(guess[None], logits[None], eos_token_id=eos)
-    got = tree_greedy_verify(torch.cat([ids([1]), guess]), parents, logits, eos_token_id=eos)
+    want = greedy_verify(guess[None], p=logits[None], eos_token_id=eos)
+    got = tree_greedy_verify(torch.cat([ids([1]), guess]), parents, p=logits, eos_token_id=eos)
     assert got.tokens == want.row(0) and got.num_accepted == int(want.num_accepted[0])
 
 
@@ -399,10 +420,12 @@ def test_malformed_trees_raise_one_line_errors(tokens, parents, message):
     n = max(tokens.shape[0], 1)
     p = torch.full((n, v), 1 / v)
     calls = [
-        lambda: tree_rejection_sample(tokens, parents, p, p, gen()),
-        lambda: tree_rejection_sample(tokens, parents, p, None, gen()),
-        lambda: tree_greedy_verify(tokens, parents, p),
-        lambda: sample_tree_verdict(tokens, parents, lambda u, kids: sibling_rule(p[u], tokens[kids]), gen()),
+        lambda: tree_rejection_sample(tokens, parents, p=p, q=p, generator=gen()),
+        lambda: tree_rejection_sample(tokens, parents, p=p, q=None, generator=gen()),
+        lambda: tree_greedy_verify(tokens, parents, p=p),
+        lambda: sample_tree_verdict(
+            tokens, parents, lambda u, kids: sibling_rule(tokens[kids], p_u=p[u]), gen()
+        ),
     ]
     for call in calls:
         with pytest.raises(ValueError, match=re.escape(message)) as info:
@@ -427,14 +450,16 @@ def test_bad_probabilities_name_the_node(which, value, message):
     tokens, parents, p, q = _valid()
     (q if which == "q" else p)[2, 1] = value
     with pytest.raises(ValueError, match=re.escape(message)):
-        tree_rejection_sample(tokens, parents, p, q, gen())
+        tree_rejection_sample(tokens, parents, p=p, q=q, generator=gen())
 
 
 def test_q_root_row_is_not_read():
     """q[0] (the root's row) is never used: anything there is accepted."""
     tokens, parents, p, q = _valid()
     q[0] = NAN
-    check_tree_verdict(tree_rejection_sample(tokens, parents, p, q, gen()), tokens, parents, 3, set())
+    check_tree_verdict(
+        tree_rejection_sample(tokens, parents, p=p, q=q, generator=gen()), tokens, parents, 3, set()
+    )
 
 
 @pytest.mark.parametrize(
@@ -454,19 +479,21 @@ def test_bad_shapes_raise_value_error(p, q, message):
     tokens, parents, p0, q0 = _valid()
     tokens = torch.where(torch.arange(4) > 0, 2, tokens)  # draft ids 2: outside a 1-token draft vocabulary
     with pytest.raises(ValueError, match=re.escape(message)):
-        tree_rejection_sample(tokens, parents, p0 if p is None else p, q0 if q is None else q, gen())
+        tree_rejection_sample(
+            tokens, parents, p=p0 if p is None else p, q=q0 if q is None else q, generator=gen()
+        )
 
 
 def test_greedy_validation():
     """Greedy: NaN is named by node, a wrong number of rows is refused; ±inf logits are valid."""
     tokens, parents, p, _ = _valid()
     p[3, 0] = NAN
-    with pytest.raises(ValueError, match=re.escape("logits_or_p has NaN at node 3")):
-        tree_greedy_verify(tokens, parents, p)
-    with pytest.raises(ValueError, match=re.escape("logits_or_p must have shape [4, V]")):
-        tree_greedy_verify(tokens, parents, p[:3])
+    with pytest.raises(ValueError, match=re.escape("p has NaN at node 3")):
+        tree_greedy_verify(tokens, parents, p=p)
+    with pytest.raises(ValueError, match=re.escape("p must have shape [4, V]")):
+        tree_greedy_verify(tokens, parents, p=p[:3])
     logits = t64([[float("-inf"), 1.0, float("inf")]] * 4)
-    assert tree_greedy_verify(ids([0, 2, 0, 0]), parents, logits).tokens[:2] == [2, 2]
+    assert tree_greedy_verify(ids([0, 2, 0, 0]), parents, p=logits).tokens[:2] == [2, 2]
 
 
 @pytest.mark.parametrize(
@@ -486,7 +513,7 @@ def test_greedy_validation():
 def test_sibling_rule_validation(p_u, xs, q, message):
     """sibling_rule refuses inconsistent shapes, bad ids and bad distributions with one-line messages."""
     with pytest.raises(ValueError, match=re.escape(message)):
-        sibling_rule(p_u, xs, q)
+        sibling_rule(xs, p_u=p_u, q_children=q)
 
 
 def test_greedy_sibling_rule_validation():
@@ -502,8 +529,8 @@ def test_greedy_sibling_rule_validation():
 def test_dtype_float32_default_and_float64_on_request():
     """The rule's arithmetic is float32 by default and float64 when asked, on float32 inputs too."""
     p, q = torch.tensor([0.5, 0.5]), torch.tensor([[0.25, 0.75]])
-    assert sibling_rule(p, ids([0]), q).accept_prob.dtype == torch.float32
-    rule = sibling_rule(p, ids([0]), q, dtype=F64)
+    assert sibling_rule(ids([0]), p_u=p, q_children=q).accept_prob.dtype == torch.float32
+    rule = sibling_rule(ids([0]), p_u=p, q_children=q, dtype=F64)
     assert rule.accept_prob.dtype == F64 and rule.residuals.dtype == F64
     assert greedy_sibling_rule(p, ids([0])).accept_prob.dtype == F64
 
@@ -523,7 +550,7 @@ def test_same_seed_same_verdict_different_seeds_differ():
         out = []
         generator = gen(seed)
         for tokens, parents, p, q in trees:
-            out.append(tree_rejection_sample(tokens, parents, p, q, generator))
+            out.append(tree_rejection_sample(tokens, parents, p=p, q=q, generator=generator))
         return out
 
     assert run(1) == run(1)
@@ -557,13 +584,20 @@ def test_tree_verdict_invariants(seed, n, vp, dv, zero_frac, eos, dtype, guesses
     tokens = torch.randint(vp + 2, (n,), generator=g) if guesses else draft_tree(g, parents, q)
     qq = None if guesses else q
     eos_set = set() if eos is None else {eos}
-    v = tree_rejection_sample(tokens, parents, p, qq, gen(seed + 1), eos_token_id=eos, dtype=dtype)
+    v = tree_rejection_sample(
+        tokens, parents, p=p, q=qq, generator=gen(seed + 1), eos_token_id=eos, dtype=dtype
+    )
     check_tree_verdict(v, tokens, parents, vp, eos_set)
     if len(v.tokens) > v.num_accepted:  # the last token was sampled at the node where the walk stopped
         stop = v.accepted_nodes[-1] if v.accepted_nodes else 0
         assert p[stop, v.tokens[-1]] > 0
-    assert tree_rejection_sample(tokens, parents, p, qq, gen(seed + 1), eos_token_id=eos, dtype=dtype) == v
-    greedy = tree_greedy_verify(tokens, parents, p, eos_token_id=eos)
+    assert (
+        tree_rejection_sample(
+            tokens, parents, p=p, q=qq, generator=gen(seed + 1), eos_token_id=eos, dtype=dtype
+        )
+        == v
+    )
+    greedy = tree_greedy_verify(tokens, parents, p=p, eos_token_id=eos)
     check_tree_verdict(greedy, tokens, parents, vp, eos_set)
     path = [0, *greedy.accepted_nodes]
     assert greedy.tokens == [int(p[u].argmax()) for u in path][: len(greedy.tokens)]

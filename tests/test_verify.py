@@ -1,4 +1,4 @@
-"""Unit tests for :mod:`verispec.verify`.
+"""Unit tests for :mod:`verispec.verify.chain`.
 
 What is checked here: the closed-form values of each rule on hand-computed examples and against a plain-Python
 reference, the edge cases named in the module's docstrings, input validation, vocabulary padding, end of
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from verispec.verify import (
+from verispec.verify.chain import (
     Rule,
     Verdict,
     greedy_rule,
@@ -144,7 +144,7 @@ def test_rejection_rule_closed_form_hand_example():
     draft = ids([[0, 0]])  # [1, 2]
     q = t64([[[0.5, 0.25, 0.25], [0.2, 0.3, 0.5]]])  # [1, 2, 3]
     p = t64([[[0.25, 0.5, 0.25], [0.6, 0.2, 0.2], [0.1, 0.7, 0.2]]])  # [1, 3, 3]
-    rule = rejection_rule(draft, q, p, dtype=F64)
+    rule = rejection_rule(draft, q=q, p=p, dtype=F64)
     torch.testing.assert_close(rule.accept_prob, t64([[0.5, 1.0]]))  # 0.25/0.5, min(1, 0.6/0.2)
     torch.testing.assert_close(rule.fallback[0, 0], t64([0.0, 1.0, 0.0]))  # residual [0, .25, 0]
     torch.testing.assert_close(rule.fallback[0, 1], t64([1.0, 0.0, 0.0]))  # residual [.4, 0, 0]
@@ -156,7 +156,7 @@ def test_rejection_rule_residual_normalizes_several_entries():
     """The residual keeps the relative sizes of the positive parts of p - q."""
     p = t64([[[0.5, 0.3, 0.2], [1 / 3, 1 / 3, 1 / 3]]])  # [1, 2, 3]
     q = t64([[[0.2, 0.2, 0.6]]])  # [1, 1, 3]
-    rule = rejection_rule(ids([[2]]), q, p, dtype=F64)
+    rule = rejection_rule(ids([[2]]), q=q, p=p, dtype=F64)
     torch.testing.assert_close(rule.accept_prob, t64([[0.2 / 0.6]]))
     torch.testing.assert_close(rule.fallback[0, 0], t64([0.75, 0.25, 0.0]))  # [.3, .1, 0] / .4
 
@@ -179,7 +179,7 @@ def test_rejection_rule_matches_plain_python_reference(seed, b, k, vp, dv, zero_
     p = random_probs(g, (b, k + 1, vp), zero_frac)
     draft = torch.randint(vq, (b, k), generator=g)  # any draft id the draft has, also ones with q = 0
     lengths = torch.randint(k + 1, (b,), generator=g)
-    rule = rejection_rule(draft, q, p, lengths, dtype=F64)
+    rule = rejection_rule(draft, q=q, p=p, draft_lengths=lengths, dtype=F64)
     acc, fb = reference_rejection(draft, q, p, lengths.tolist())
     torch.testing.assert_close(rule.accept_prob, acc)
     for r in range(b):
@@ -191,7 +191,7 @@ def test_rejection_rule_matches_plain_python_reference(seed, b, k, vp, dv, zero_
 def test_single_guess_rule_hand_example():
     """single guess: accept x with probability p(x); on rejection sample p without x, renormalized."""
     p = t64([[[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]])  # [1, 2, 3]
-    rule = single_guess_rule(ids([[1]]), p, dtype=F64)
+    rule = single_guess_rule(ids([[1]]), p=p, dtype=F64)
     torch.testing.assert_close(rule.accept_prob, t64([[0.3]]))
     torch.testing.assert_close(rule.fallback[0, 0], t64([5 / 7, 0.0, 2 / 7]))
     torch.testing.assert_close(rule.fallback[0, 1], p[0, 1])
@@ -205,8 +205,9 @@ def test_single_guess_rule_is_rejection_with_one_hot_q(seed, b, k, v):
     p = random_probs(g, (b, k + 1, v), zero_frac=0.4)
     draft = torch.randint(v, (b, k), generator=g)
     lengths = torch.randint(k + 1, (b,), generator=g)
-    got = single_guess_rule(draft, p, lengths, dtype=F64)
-    want = rejection_rule(draft, torch.nn.functional.one_hot(draft, v).to(F64), p, lengths, dtype=F64)
+    got = single_guess_rule(draft, p=p, draft_lengths=lengths, dtype=F64)
+    onehot = torch.nn.functional.one_hot(draft, v).to(F64)
+    want = rejection_rule(draft, q=onehot, p=p, draft_lengths=lengths, dtype=F64)
     torch.testing.assert_close(got.accept_prob, want.accept_prob)
     torch.testing.assert_close(got.fallback, want.fallback)
     p_x = p[:, :k].gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [B, K]
@@ -222,7 +223,7 @@ def test_q_zero_at_draft_token():
     draft = ids([[0], [0]])  # [2, 1]
     q = t64([[[0.0, 1.0]], [[0.0, 1.0]]])  # [2, 1, 2]
     p = t64([[[0.5, 0.5], [0.5, 0.5]], [[0.0, 1.0], [0.5, 0.5]]])  # [2, 2, 2]
-    assert rejection_rule(draft, q, p).accept_prob.tolist() == [[1.0], [0.0]]
+    assert rejection_rule(draft, q=q, p=p).accept_prob.tolist() == [[1.0], [0.0]]
 
 
 def test_p_zero_at_draft_token_always_rejected():
@@ -231,8 +232,8 @@ def test_p_zero_at_draft_token_always_rejected():
     draft = torch.zeros(b, 1, dtype=torch.long)  # [200, 1]
     q = t64([[[0.9, 0.1]]]).expand(b, 1, 2)  # [200, 1, 2]
     p = t64([[[0.0, 1.0], [0.5, 0.5]]]).expand(b, 2, 2)  # [200, 2, 2]
-    assert (rejection_rule(draft, q, p).accept_prob == 0).all()
-    v = rejection_sample(draft, q, p, gen(1))
+    assert (rejection_rule(draft, q=q, p=p).accept_prob == 0).all()
+    v = rejection_sample(draft, q=q, p=p, generator=gen(1))
     assert (v.num_accepted == 0).all() and (v.tokens[:, 0] == 1).all() and v.recovered.all()
 
 
@@ -243,7 +244,7 @@ def test_p_equal_q_zero_residual_falls_back_to_p_and_never_rejects():
     q = random_probs(g, (b, k, 5), dtype=torch.float32)  # [100, 3, 5]
     p = torch.cat([q, random_probs(g, (b, 1, 5), dtype=torch.float32)], dim=1)  # [100, 4, 5]
     draft = draft_from(q, g)
-    rule = rejection_rule(draft, q, p)
+    rule = rejection_rule(draft, q=q, p=p)
     assert (rule.accept_prob == 1).all()
     torch.testing.assert_close(rule.fallback, p)
     v = sample_verdict(rule, draft, gen(3))
@@ -254,7 +255,7 @@ def test_zero_residual_where_p_at_most_q_after_rounding():
     """p ≤ q everywhere at a position (rounding can make p slightly below q): the fallback is p itself."""
     p = torch.tensor([[[0.5, 0.5 - 1e-7], [0.5, 0.5]]])  # [1, 2, 2], sums 1 within tolerance
     q = torch.tensor([[[0.5, 0.5]]])  # [1, 1, 2]
-    rule = rejection_rule(ids([[0]]), q, p)
+    rule = rejection_rule(ids([[0]]), q=q, p=p)
     torch.testing.assert_close(rule.fallback[0, 0], p[0, 0])
 
 
@@ -265,14 +266,14 @@ def test_k_zero_is_plain_decoding(kind):
     draft = torch.zeros(b, 0, dtype=torch.long)  # [3, 0]
     p = onehot([[2]] * b, v)  # [3, 1, 4]
     if kind == "rejection":
-        rule = rejection_rule(draft, torch.zeros(b, 0, v, dtype=F64), p, dtype=F64)
-        verdict = rejection_sample(draft, torch.zeros(b, 0, v), p.float(), gen())
+        rule = rejection_rule(draft, q=torch.zeros(b, 0, v, dtype=F64), p=p, dtype=F64)
+        verdict = rejection_sample(draft, q=torch.zeros(b, 0, v), p=p.float(), generator=gen())
     elif kind == "single_guess":
-        rule = single_guess_rule(draft, p, dtype=F64)
-        verdict = single_guess_sample(draft, p.float(), gen())
+        rule = single_guess_rule(draft, p=p, dtype=F64)
+        verdict = single_guess_sample(draft, p=p.float(), generator=gen())
     else:
-        rule = greedy_rule(draft, p)
-        verdict = greedy_verify(draft, p)
+        rule = greedy_rule(draft, p=p)
+        verdict = greedy_verify(draft, p=p)
     assert rule.accept_prob.shape == (b, 0)
     torch.testing.assert_close(rule.fallback, p)
     assert verdict.tokens.tolist() == [[2]] * b
@@ -284,16 +285,16 @@ def test_k_zero_samples_from_p():
     """K = 0 with a spread-out p: emitted tokens lie in p's support, and several different ones occur."""
     b = 300
     p = t64([[[0.5, 0.0, 0.25, 0.25]]]).expand(b, 1, 4)  # [300, 1, 4]
-    v = rejection_sample(torch.zeros(b, 0, dtype=torch.long), torch.zeros(b, 0, 4), p, gen(4))
+    v = rejection_sample(torch.zeros(b, 0, dtype=torch.long), q=torch.zeros(b, 0, 4), p=p, generator=gen(4))
     assert set(v.tokens[:, 0].tolist()) == {0, 2, 3}
 
 
 def test_empty_batch():
     """B = 0 gives empty verdicts of the right shapes."""
     draft = torch.zeros(0, 2, dtype=torch.long)  # [0, 2]
-    v = rejection_sample(draft, torch.zeros(0, 2, 3), torch.zeros(0, 3, 3), gen())
+    v = rejection_sample(draft, q=torch.zeros(0, 2, 3), p=torch.zeros(0, 3, 3), generator=gen())
     assert v.tokens.shape == (0, 3) and v.num_tokens.shape == (0,)
-    assert greedy_verify(draft, torch.zeros(0, 3, 3)).tokens.shape == (0, 3)
+    assert greedy_verify(draft, p=torch.zeros(0, 3, 3)).tokens.shape == (0, 3)
 
 
 # ---------------------------------------------------------------------------------------------- validation
@@ -323,10 +324,10 @@ def test_bad_values_name_row_and_position(which, value, message):
     bad = q if which == "q" else p
     bad[1, 2, 1] = value
     with pytest.raises(ValueError, match=re.escape(message)):
-        rejection_rule(draft, q, p)
+        rejection_rule(draft, q=q, p=p)
     if which == "p":
         with pytest.raises(ValueError, match=re.escape(message)):
-            single_guess_rule(draft, p)
+            single_guess_rule(draft, p=p)
 
 
 @pytest.mark.parametrize("which", ["p", "q"])
@@ -336,7 +337,7 @@ def test_rows_not_summing_to_one(which):
     bad = q if which == "q" else p
     bad[0, 1] *= 1.01
     with pytest.raises(ValueError, match=re.escape(f"{which} does not sum to 1 at row 0, position 1")):
-        rejection_rule(draft, q, p)
+        rejection_rule(draft, q=q, p=p)
 
 
 def test_float32_rounding_within_tolerance_is_accepted():
@@ -344,7 +345,7 @@ def test_float32_rounding_within_tolerance_is_accepted():
     draft, q, p = _valid()
     p[0, 0] *= 1 + 1e-5
     q[1, 2] *= 1 - 1e-5
-    rejection_rule(draft, q, p)
+    rejection_rule(draft, q=q, p=p)
 
 
 def test_greedy_nan_names_row_and_position():
@@ -352,16 +353,16 @@ def test_greedy_nan_names_row_and_position():
     draft, _, p = _valid()
     p[1, 3, 0] = NAN
     with pytest.raises(ValueError, match=re.escape("p has NaN at row 1, position 3")):
-        greedy_verify(draft, p)
+        greedy_verify(draft, p=p)
     with pytest.raises(ValueError, match=re.escape("p has NaN at row 1, position 3")):
-        greedy_rule(draft, p)
+        greedy_rule(draft, p=p)
 
 
 def test_greedy_accepts_infinite_logits():
     """Logits may hold -inf (masked tokens); only NaN is an error for greedy verification."""
     draft = ids([[1]])  # [1, 1]
     p = torch.tensor([[[float("-inf"), 0.0, -1.0], [0.0, float("-inf"), 2.0]]])  # [1, 2, 3]
-    assert greedy_verify(draft, p).row(0) == [1, 2]
+    assert greedy_verify(draft, p=p).row(0) == [1, 2]
 
 
 _B, _K, _V = 2, 3, 4
@@ -393,7 +394,7 @@ def test_invalid_inputs_raise_value_error(draft, q, p, lengths):
     d0, q0, p0 = _valid(_B, _K, _V)
     draft = d0 if draft is None else draft
     with pytest.raises(ValueError):
-        rejection_rule(draft, q0 if q is None else q, p0 if p is None else p, lengths)
+        rejection_rule(draft, q=q0 if q is None else q, p=p0 if p is None else p, draft_lengths=lengths)
 
 
 @pytest.mark.parametrize(
@@ -417,19 +418,19 @@ def test_invalid_inputs_raise_value_error_other_verifiers(fn, draft, p, lengths)
     p = p0 if p is None else p
     call = {"single_guess": single_guess_rule, "greedy_rule": greedy_rule, "greedy_verify": greedy_verify}[fn]
     with pytest.raises(ValueError):
-        call(draft, p, lengths)
+        call(draft, p=p, draft_lengths=lengths)
 
 
 def test_single_guess_rejects_zero_dim_p():
     """A 0-dimensional p is a shape error (ValueError), not an IndexError."""
     with pytest.raises(ValueError):
-        single_guess_rule(ids([[0]]), torch.tensor(1.0))
+        single_guess_rule(ids([[0]]), p=torch.tensor(1.0))
 
 
 def test_sample_verdict_rejects_mismatched_rule():
     """A rule built for another draft shape is refused."""
     draft, q, p = _valid()
-    rule = rejection_rule(draft, q, p)
+    rule = rejection_rule(draft, q=q, p=p)
     with pytest.raises(ValueError, match="rule does not match"):
         sample_verdict(rule, draft[:, :2], gen())
     with pytest.raises(ValueError, match="rule does not match"):
@@ -440,8 +441,8 @@ def test_draft_tokens_int32_accepted():
     """int32 draft tokens and draft lengths work like int64."""
     draft, q, p = _valid()
     lengths = torch.tensor([3, 1], dtype=torch.int32)
-    a = rejection_sample(draft.int(), q, p, gen(6), lengths)
-    b = rejection_sample(draft, q, p, gen(6), lengths.long())
+    a = rejection_sample(draft.int(), q=q, p=p, generator=gen(6), draft_lengths=lengths)
+    b = rejection_sample(draft, q=q, p=p, generator=gen(6), draft_lengths=lengths.long())
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)
 
 
@@ -455,10 +456,10 @@ def test_draft_vocab_larger_than_target():
     q = t64([[[0.1, 0.1, 0.1, 0.3, 0.4]]]).expand(b, 1, vq)  # [200, 1, 5]
     p = random_probs(g, (b, 2, vp))  # [200, 2, 3]
     draft = torch.full((b, 1), 4)  # [200, 1], a token the target does not have
-    rule = rejection_rule(draft, q, p, dtype=F64)
+    rule = rejection_rule(draft, q=q, p=p, dtype=F64)
     assert rule.fallback.shape == (b, 2, vq)
     assert (rule.accept_prob == 0).all() and (rule.fallback[..., vp:] == 0).all()
-    v = rejection_sample(draft, q, p, gen(8))
+    v = rejection_sample(draft, q=q, p=p, generator=gen(8))
     assert (v.num_accepted == 0).all() and (v.tokens[:, 0] < vp).all()
     check_verdict(v, draft, [1] * b, vp)
 
@@ -467,12 +468,12 @@ def test_draft_vocab_smaller_than_target():
     """Vq < Vp: a target token ≥ Vq has q = 0, keeps its full p mass in the residual and can be recovered."""
     q = t64([[[0.5, 0.5]]])  # [1, 1, 2]
     p = t64([[[0.25, 0.25, 0.5], [0.0, 0.0, 1.0]]])  # [1, 2, 3]
-    rule = rejection_rule(ids([[0]]), q, p, dtype=F64)
+    rule = rejection_rule(ids([[0]]), q=q, p=p, dtype=F64)
     torch.testing.assert_close(rule.accept_prob, t64([[0.5]]))
     torch.testing.assert_close(rule.fallback[0, 0], t64([0.0, 0.0, 1.0]))  # residual [0, 0, .5]
     torch.testing.assert_close(rule.fallback[0, 1], p[0, 1])
     b = 100
-    v = rejection_sample(ids([[0]] * b), q.expand(b, 1, 2), p.expand(b, 2, 3), gen(9))
+    v = rejection_sample(ids([[0]] * b), q=q.expand(b, 1, 2), p=p.expand(b, 2, 3), generator=gen(9))
     rejected = v.num_accepted == 0
     assert rejected.any() and (v.tokens[rejected, 0] == 2).all()  # the recovered token is one q lacks
     assert (v.tokens[~rejected] == ids([0, 2])).all()
@@ -483,25 +484,25 @@ def test_draft_id_outside_smaller_draft_vocab_raises():
     q = t64([[[0.5, 0.5]]])  # [1, 1, 2]
     p = t64([[[0.2, 0.2, 0.6], [1 / 3, 1 / 3, 1 / 3]]])  # [1, 2, 3]
     with pytest.raises(ValueError, match="draft vocabulary of size 2"):
-        rejection_rule(ids([[2]]), q, p)
+        rejection_rule(ids([[2]]), q=q, p=p)
 
 
 def test_single_guess_id_beyond_target_vocab_always_rejected():
     """A guess the target does not have (id ≥ Vp) is rejected, and the recovered token comes from p."""
     p = t64([[[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]]])[..., :2]  # [1, 2, 2]
-    rule = single_guess_rule(ids([[5]]), p, dtype=F64)
+    rule = single_guess_rule(ids([[5]]), p=p, dtype=F64)
     assert rule.accept_prob.tolist() == [[0.0]]
     torch.testing.assert_close(rule.fallback[0, 0, :2], p[0, 0])
     assert (rule.fallback[0, :, 2:] == 0).all()
     b = 100
-    v = single_guess_sample(ids([[5]] * b), p.expand(b, 2, 2), gen(10))
+    v = single_guess_sample(ids([[5]] * b), p=p.expand(b, 2, 2), generator=gen(10))
     assert (v.num_accepted == 0).all() and set(v.tokens[:, 0].tolist()) == {0, 1}
 
 
 def test_greedy_draft_id_beyond_target_vocab_rejected():
     """Greedy: a draft id ≥ V never matches the argmax, so it is rejected."""
     p = onehot([[1, 0]], 3)  # [1, 2, 3]
-    assert greedy_verify(ids([[7]]), p).row(0) == [1]
+    assert greedy_verify(ids([[7]]), p=p).row(0) == [1]
 
 
 # ------------------------------------------------------------------------------------------- end of sequence
@@ -518,13 +519,13 @@ def test_accepted_eos_ends_output(verifier):
     """An accepted EOS at index 1 ends the row: 2 tokens, num_accepted 2, no recovered or bonus token."""
     draft, p = _greedy_case([1, EOS, 2], [1, EOS, 2, 4])  # all accepted without EOS handling
     if verifier == "greedy_verify":
-        v = greedy_verify(draft, p, eos_token_id=EOS)
+        v = greedy_verify(draft, p=p, eos_token_id=EOS)
     elif verifier == "greedy_rule":
-        v = sample_verdict(greedy_rule(draft, p), draft, gen(), eos_token_id=EOS)
+        v = sample_verdict(greedy_rule(draft, p=p), draft, gen(), eos_token_id=EOS)
     elif verifier == "rejection":
-        v = rejection_sample(draft, torch.full((1, 3, 5), 0.2), p, gen(), eos_token_id=EOS)
+        v = rejection_sample(draft, q=torch.full((1, 3, 5), 0.2), p=p, generator=gen(), eos_token_id=EOS)
     else:
-        v = single_guess_sample(draft, p, gen(), eos_token_id=EOS)
+        v = single_guess_sample(draft, p=p, generator=gen(), eos_token_id=EOS)
     assert v.tokens.tolist() == [[1, EOS, -1, -1]]
     assert v.num_accepted.tolist() == [2] and v.num_tokens.tolist() == [2]
     assert not v.bonus.any()
@@ -533,14 +534,14 @@ def test_accepted_eos_ends_output(verifier):
 def test_accepted_eos_is_not_recovered():
     """An accepted EOS before the end of the draft is the last token: it is neither recovered nor bonus."""
     draft, p = _greedy_case([1, EOS, 2], [1, EOS, 2, 4])
-    v = greedy_verify(draft, p, eos_token_id=EOS)
+    v = greedy_verify(draft, p=p, eos_token_id=EOS)
     assert not v.recovered.any()
 
 
 def test_accepted_eos_at_end_of_draft():
     """An accepted EOS as the last draft token: no bonus token, num_tokens = K."""
     draft, p = _greedy_case([1, 2, EOS], [1, 2, EOS, 4])
-    v = greedy_verify(draft, p, eos_token_id=EOS)
+    v = greedy_verify(draft, p=p, eos_token_id=EOS)
     assert v.row(0) == [1, 2, EOS] and v.num_tokens.tolist() == [3] and v.num_accepted.tolist() == [3]
     assert not v.bonus.any() and not v.recovered.any()
 
@@ -548,40 +549,40 @@ def test_accepted_eos_at_end_of_draft():
 def test_rejected_eos_does_not_end_output():
     """A rejected EOS is replaced by a recovered token; an EOS after the rejection is irrelevant."""
     draft, p = _greedy_case([EOS, 1, EOS], [2, 1, EOS, 0])
-    v = greedy_verify(draft, p, eos_token_id=EOS)
+    v = greedy_verify(draft, p=p, eos_token_id=EOS)
     assert v.row(0) == [2] and v.recovered.all()
     draft, p = _greedy_case([1, 0, EOS], [1, 2, EOS, 0])
-    v = greedy_verify(draft, p, eos_token_id=EOS)
+    v = greedy_verify(draft, p=p, eos_token_id=EOS)
     assert v.row(0) == [1, 2] and v.num_tokens.tolist() == [2] and v.recovered.all()
 
 
 def test_eos_as_recovered_and_bonus_token():
     """EOS may be the recovered or the bonus token: it is emitted as the last token, counted normally."""
     draft, p = _greedy_case([1, 2], [1, EOS, 0])
-    v = greedy_verify(draft, p, eos_token_id=EOS)
+    v = greedy_verify(draft, p=p, eos_token_id=EOS)
     assert v.row(0) == [1, EOS] and v.num_tokens.tolist() == [2] and v.recovered.all()
     draft, p = _greedy_case([1, 2], [1, 2, EOS])
-    v = greedy_verify(draft, p, eos_token_id=EOS)
+    v = greedy_verify(draft, p=p, eos_token_id=EOS)
     assert v.row(0) == [1, 2, EOS] and v.num_tokens.tolist() == [3] and v.bonus.all()
 
 
 def test_eos_none_keeps_tokens_after_eos():
     """Without eos_token_id an accepted EOS id is an ordinary token."""
     draft, p = _greedy_case([1, EOS, 2], [1, EOS, 2, 4])
-    assert greedy_verify(draft, p).row(0) == [1, EOS, 2, 4]
+    assert greedy_verify(draft, p=p).row(0) == [1, EOS, 2, 4]
 
 
 def test_several_eos_ids():
     """eos_token_id may be a sequence: the first accepted token among them ends the row."""
     draft, p = _greedy_case([1, 4, EOS], [1, 4, EOS, 0])
-    assert greedy_verify(draft, p, eos_token_id=[EOS, 4]).row(0) == [1, 4]
-    assert greedy_verify(draft, p, eos_token_id=(EOS,)).row(0) == [1, 4, EOS]
+    assert greedy_verify(draft, p=p, eos_token_id=[EOS, 4]).row(0) == [1, 4]
+    assert greedy_verify(draft, p=p, eos_token_id=(EOS,)).row(0) == [1, 4, EOS]
 
 
 def test_eos_beyond_row_draft_length_is_ignored():
     """An EOS id in the padding after a row's draft is not part of the row and does not cut it."""
     draft, p = _greedy_case([1, EOS, EOS], [1, 2, 0, 0])
-    v = greedy_verify(draft, p, draft_lengths=ids([1]), eos_token_id=EOS)
+    v = greedy_verify(draft, p=p, draft_lengths=ids([1]), eos_token_id=EOS)
     assert v.row(0) == [1, 2] and v.bonus.all()
 
 
@@ -602,9 +603,9 @@ def test_ragged_rows_use_their_own_bonus_position():
     p[2, 1:] = -1.0
     draft_ok = torch.where(torch.arange(3) < lengths.unsqueeze(1), draft, 0)  # [3, 3], in-vocab everywhere
     for v in (
-        rejection_sample(draft, q, p, gen(), lengths),
-        single_guess_sample(draft_ok, p, gen(), lengths),
-        greedy_verify(draft, p, lengths),
+        rejection_sample(draft, q=q, p=p, generator=gen(), draft_lengths=lengths),
+        single_guess_sample(draft_ok, p=p, generator=gen(), draft_lengths=lengths),
+        greedy_verify(draft, p=p, draft_lengths=lengths),
     ):
         assert [v.row(b) for b in range(3)] == [[0, 1, 2, 3], [0, 4], [4]]
         assert v.num_accepted.tolist() == [3, 1, 0] and v.num_tokens.tolist() == [4, 2, 1]
@@ -617,7 +618,7 @@ def test_ragged_rule_zero_after_draft_and_bonus_at_length():
     g = gen(11)
     q = random_probs(g, (2, 3, 4))  # [2, 3, 4]
     p = random_probs(g, (2, 4, 4))  # [2, 4, 4]
-    rule = rejection_rule(draft_from(q, g), q, p, ids([2, 0]), dtype=F64)
+    rule = rejection_rule(draft_from(q, g), q=q, p=p, draft_lengths=ids([2, 0]), dtype=F64)
     assert (rule.accept_prob[0, 2:] == 0).all() and (rule.accept_prob[1] == 0).all()
     assert (rule.accept_prob[0, :2] > 0).all()
     torch.testing.assert_close(rule.fallback[0, 2], p[0, 2])
@@ -628,7 +629,7 @@ def test_ragged_rejection_gives_recovered_token():
     """A rejection inside a short row: recovered flag set, tokens after it are -1."""
     draft = ids([[1, 2, 0], [1, 0, 0]])  # [2, 3]
     p = onehot([[1, 3, 0, 0], [1, 1, 0, 0]], 4)  # row 0 rejects at 1; row 1 (length 2) rejects at 1
-    v = greedy_verify(draft, p, ids([3, 2]))
+    v = greedy_verify(draft, p=p, draft_lengths=ids([3, 2]))
     assert [v.row(0), v.row(1)] == [[1, 3], [1, 1]]
     assert v.recovered.tolist() == [True, True] and v.bonus.tolist() == [False, False]
     assert v.tokens.tolist() == [[1, 3, -1, -1], [1, 1, -1, -1]]
@@ -638,7 +639,7 @@ def test_negative_padding_after_draft_is_ignored():
     """Draft ids after a row's draft length, -1 padded, are ignored like the q and p entries there."""
     draft = ids([[1, -1]])  # [1, 2]
     p = onehot([[1, 2, 0]], 3)  # [1, 3, 3]
-    assert greedy_verify(draft, p, ids([1])).row(0) == [1, 2]
+    assert greedy_verify(draft, p=p, draft_lengths=ids([1])).row(0) == [1, 2]
 
 
 def test_verdict_helpers():
@@ -661,9 +662,9 @@ def test_greedy_hand_example_and_first_argmax():
     """Accept while x_t = argmax p_t (first index among ties), then emit the argmax at the mismatch."""
     draft = ids([[2, 0, 3]])  # [1, 3]
     p = t64([[[0, 0, 5, 1], [4, 1, 4, 0], [0, 3, 3, 1], [0, 0, 0, 1]]])  # [1, 4, 4]; ties at 0/2 and 1/2
-    v = greedy_verify(draft, p)
+    v = greedy_verify(draft, p=p)
     assert v.row(0) == [2, 0, 1] and v.num_accepted.tolist() == [2] and v.recovered.all()
-    rule = greedy_rule(draft, p)
+    rule = greedy_rule(draft, p=p)
     assert rule.accept_prob.tolist() == [[1.0, 1.0, 0.0]]
     assert rule.fallback.argmax(-1).tolist() == [[2, 0, 1, 3]]
     assert ((rule.fallback == 0) | (rule.fallback == 1)).all() and (rule.fallback.sum(-1) == 1).all()
@@ -686,12 +687,14 @@ def test_greedy_verify_equals_sampled_greedy_rule(seed, b, k, v, eos):
     guess = torch.randint(v, (b, k), generator=g)
     draft = torch.where(torch.rand(b, k, generator=g) < 0.6, target[:, :k], guess)  # [B, K], often accepted
     lengths = torch.randint(k + 1, (b,), generator=g)
-    want = greedy_verify(draft, logits, lengths, eos_token_id=eos)
+    want = greedy_verify(draft, p=logits, draft_lengths=lengths, eos_token_id=eos)
     check_verdict(want, draft, lengths.tolist(), v, None if eos is None else {eos})
     for s in (seed, seed + 1):
-        got = sample_verdict(greedy_rule(draft, logits, lengths), draft, gen(s), eos_token_id=eos)
+        got = sample_verdict(
+            greedy_rule(draft, p=logits, draft_lengths=lengths), draft, gen(s), eos_token_id=eos
+        )
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.num_accepted, want.num_accepted)
-    soft = greedy_verify(draft, logits.softmax(-1), lengths, eos_token_id=eos)
+    soft = greedy_verify(draft, p=logits.softmax(-1), draft_lengths=lengths, eos_token_id=eos)
     assert torch.equal(soft.tokens, want.tokens) and torch.equal(soft.num_tokens, want.num_tokens)
 
 
@@ -712,10 +715,10 @@ def test_rejection_with_one_hot_p_is_greedy(seed, b, k, v, zero_frac):
     q = random_probs(g, (b, k, v), zero_frac, dtype=torch.float32)  # [B, K, V]
     draft = torch.where(torch.rand(b, k, generator=g) < 0.5, target[:, :k], draft_from(q, g))
     lengths = torch.randint(k + 1, (b,), generator=g)
-    want = greedy_verify(draft, p, lengths)
+    want = greedy_verify(draft, p=p, draft_lengths=lengths)
     for got in (
-        rejection_sample(draft, q, p, gen(seed), lengths),
-        single_guess_sample(draft, p, gen(seed + 1), lengths),
+        rejection_sample(draft, q=q, p=p, generator=gen(seed), draft_lengths=lengths),
+        single_guess_sample(draft, p=p, generator=gen(seed + 1), draft_lengths=lengths),
     ):
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.num_accepted, want.num_accepted)
 
@@ -726,14 +729,14 @@ def test_rejection_with_one_hot_p_is_greedy(seed, b, k, v, zero_frac):
 def test_dtype_float32_default_and_float64_on_request():
     """Rule tensors are float32 by default and float64 when asked; greedy_rule is float64."""
     draft, q, p = _valid()
-    assert rejection_rule(draft, q, p).accept_prob.dtype == torch.float32
-    assert rejection_rule(draft, q, p).fallback.dtype == torch.float32
+    assert rejection_rule(draft, q=q, p=p).accept_prob.dtype == torch.float32
+    assert rejection_rule(draft, q=q, p=p).fallback.dtype == torch.float32
     q64, p64 = q.double() / q.double().sum(-1, keepdim=True), p.double() / p.double().sum(-1, keepdim=True)
-    for rule in (rejection_rule(draft, q64, p64, dtype=F64), single_guess_rule(draft, p64, dtype=F64)):
+    for rule in (rejection_rule(draft, q=q64, p=p64, dtype=F64), single_guess_rule(draft, p=p64, dtype=F64)):
         assert rule.accept_prob.dtype == F64 and rule.fallback.dtype == F64
-    assert single_guess_rule(draft, p).accept_prob.dtype == torch.float32
-    assert greedy_rule(draft, p).accept_prob.dtype == F64
-    v = rejection_sample(draft, q64, p64, gen(), dtype=F64)
+    assert single_guess_rule(draft, p=p).accept_prob.dtype == torch.float32
+    assert greedy_rule(draft, p=p).accept_prob.dtype == F64
+    v = rejection_sample(draft, q=q64, p=p64, generator=gen(), dtype=F64)
     check_verdict(v, draft, [3, 3], 4)
 
 
@@ -742,7 +745,7 @@ def test_float64_arithmetic_on_float32_inputs():
     g = gen(12)
     q = torch.randn(4, 3, 50, generator=g).softmax(-1)  # [4, 3, 50] float32
     p = torch.randn(4, 4, 50, generator=g).softmax(-1)  # [4, 4, 50] float32
-    rule = rejection_rule(draft_from(q, g), q, p, dtype=F64)
+    rule = rejection_rule(draft_from(q, g), q=q, p=p, dtype=F64)
     assert rule.accept_prob.dtype == F64
 
 
@@ -758,14 +761,14 @@ def test_same_seed_same_verdict_different_seeds_differ():
     def run(seed: int) -> Verdict:
         torch.manual_seed(seed + 1000)  # perturb the global generator: it must not matter
         torch.rand(7)
-        return rejection_sample(draft, q, p, gen(seed))
+        return rejection_sample(draft, q=q, p=p, generator=gen(seed))
 
     a, a2, c = run(1), run(1), run(2)
     assert torch.equal(a.tokens, a2.tokens) and torch.equal(a.num_accepted, a2.num_accepted)
     assert not torch.equal(a.tokens, c.tokens)
-    s1 = single_guess_sample(draft, p, gen(1))
-    assert torch.equal(s1.tokens, single_guess_sample(draft, p, gen(1)).tokens)
-    assert not torch.equal(s1.tokens, single_guess_sample(draft, p, gen(2)).tokens)
+    s1 = single_guess_sample(draft, p=p, generator=gen(1))
+    assert torch.equal(s1.tokens, single_guess_sample(draft, p=p, generator=gen(1)).tokens)
+    assert not torch.equal(s1.tokens, single_guess_sample(draft, p=p, generator=gen(2)).tokens)
 
 
 # ---------------------------------------------------------------------------------------------- properties
@@ -792,7 +795,7 @@ def test_rejection_sample_invariants(seed, b, k, vp, dv, zero_frac, eos, dtype):
     p = random_probs(g, (b, k + 1, vp), zero_frac, dtype=dtype)  # [B, K+1, Vp]
     draft = draft_from(q, g)  # [B, K]
     lengths = torch.randint(k + 1, (b,), generator=g)  # [B]
-    rule = rejection_rule(draft, q, p, lengths, dtype=dtype)
+    rule = rejection_rule(draft, q=q, p=p, draft_lengths=lengths, dtype=dtype)
     assert rule.accept_prob.dtype == dtype and rule.fallback.dtype == dtype
     check_rule(rule, lengths.tolist(), vp)
     v = sample_verdict(rule, draft, gen(seed + 1), eos_token_id=eos)
@@ -803,7 +806,9 @@ def test_rejection_sample_invariants(seed, b, k, vp, dv, zero_frac, eos, dtype):
             assert rule.fallback[r, a, int(v.tokens[r, a])] > 0
         if bool(v.bonus[r]):
             assert p[r, a, int(v.tokens[r, a])] > 0
-    again = rejection_sample(draft, q, p, gen(seed + 1), lengths, eos_token_id=eos, dtype=dtype)
+    again = rejection_sample(
+        draft, q=q, p=p, generator=gen(seed + 1), draft_lengths=lengths, eos_token_id=eos, dtype=dtype
+    )
     assert torch.equal(again.tokens, v.tokens) and torch.equal(again.num_tokens, v.num_tokens)
 
 
@@ -823,9 +828,11 @@ def test_single_guess_sample_invariants(seed, b, k, v, zero_frac, eos):
     p = random_probs(g, (b, k + 1, v), zero_frac, dtype=torch.float32)  # [B, K+1, V]
     draft = torch.randint(v + 2, (b, k), generator=g)  # [B, K], ids up to V+1
     lengths = torch.randint(k + 1, (b,), generator=g)
-    rule = single_guess_rule(draft, p, lengths)
+    rule = single_guess_rule(draft, p=p, draft_lengths=lengths)
     check_rule(rule, lengths.tolist(), v)
-    verdict = single_guess_sample(draft, p, gen(seed + 1), lengths, eos_token_id=eos)
+    verdict = single_guess_sample(
+        draft, p=p, generator=gen(seed + 1), draft_lengths=lengths, eos_token_id=eos
+    )
     check_verdict(verdict, draft, lengths.tolist(), v, None if eos is None else {eos})
     for r in range(b):
         a, m = int(verdict.num_accepted[r]), int(verdict.num_tokens[r])

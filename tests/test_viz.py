@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from verispec import cli
-from verispec.analysis import acceptance_rate
-from verispec.simulate import SimulationConfig, simulate
+from verispec.analysis.analytic import acceptance_rate
+from verispec.analysis.simulate import SimulationConfig, simulate
 from verispec.viz import visible_text, write_atomic
 from verispec.viz.charts import CHARTS, simulation_charts
 from verispec.viz.figures import COLOURS, figure_paths, save_figure

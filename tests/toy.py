@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from verispec.sampling import SamplingParams, probs_from_logits
-from verispec.verify import (
+from verispec.verify.chain import (
     Rule,
     Verdict,
     greedy_verify,
@@ -241,15 +241,16 @@ Verifier = Callable[[Tensor, Tensor, Tensor, torch.Generator, "int | None"], Ver
 
 
 def rejection_verifier(x: Tensor, q: Tensor, p: Tensor, g: torch.Generator, eos: int | None) -> Verdict:
-    return rejection_sample(x, q, p, g, eos_token_id=eos)
+    return rejection_sample(x, q=q, p=p, generator=g, eos_token_id=eos)
 
 
 def single_guess_verifier(x: Tensor, q: Tensor, p: Tensor, g: torch.Generator, eos: int | None) -> Verdict:
-    return single_guess_sample(x, p, g, eos_token_id=eos)  # the guesses' probabilities are not used
+    # the guesses' probabilities are not used
+    return single_guess_sample(x, p=p, generator=g, eos_token_id=eos)
 
 
 def greedy_verifier(x: Tensor, q: Tensor, p: Tensor, g: torch.Generator, eos: int | None) -> Verdict:
-    return greedy_verify(x, p, eos_token_id=eos)
+    return greedy_verify(x, p=p, eos_token_id=eos)
 
 
 VERIFIERS: dict[str, Verifier] = {
@@ -349,7 +350,7 @@ def broken_rejection(breakage: Callable[[Rule, Tensor], Rule]) -> Verifier:
     """A rejection-sampling verifier whose rule is altered by ``breakage`` before sampling the verdict."""
 
     def verify(x: Tensor, q: Tensor, p: Tensor, g: torch.Generator, eos: int | None) -> Verdict:
-        return sample_verdict(breakage(rejection_rule(x, q, p), p), x, g, eos_token_id=eos)
+        return sample_verdict(breakage(rejection_rule(x, q=q, p=p), p), x, g, eos_token_id=eos)
 
     return verify
 

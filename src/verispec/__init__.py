@@ -1,21 +1,26 @@
 """verispec: exact speculative decoding for language models.
 
-p is always the target's distribution and q the draft's. See :mod:`verispec.verify` for the vocabulary of
-accepted, recovered and bonus tokens, and :mod:`verispec.tree_verify` for verifying a token tree.
+    >>> import verispec
+    >>> result = verispec.generate("Once upon a time", drafter="ngram", max_new_tokens=32, temperature=0)
+
+The public names, all importable from here: :func:`generate` and :class:`Speculator` (load a target and a
+drafter, then generate, streamed or whole), :class:`SamplingParams` and :func:`probs_from_logits` (the one
+transform that defines the sampled distribution), the pure verifiers of :mod:`verispec.verify` and
+:class:`UsageError`, the exception for a caller's mistake.
+
+p is always the target's distribution and q the draft's, passed by keyword. See :mod:`verispec.verify.chain`
+for the vocabulary of accepted, recovered and bonus tokens, and :mod:`verispec.verify.tree` for verifying a
+token tree. The generation API (which loads transformers) is imported on first use.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from verispec.errors import UsageError
 from verispec.sampling import SamplingParams, probs_from_logits
-from verispec.tree_verify import (
-    SiblingRule,
-    TreeRule,
-    TreeVerdict,
-    greedy_sibling_rule,
-    sample_tree_verdict,
-    sibling_rule,
-    tree_greedy_verify,
-    tree_rejection_sample,
-)
-from verispec.verify import (
+from verispec.verify.chain import (
     Rule,
     Verdict,
     greedy_rule,
@@ -26,14 +31,50 @@ from verispec.verify import (
     single_guess_rule,
     single_guess_sample,
 )
+from verispec.verify.tree import (
+    SiblingRule,
+    TreeRule,
+    TreeVerdict,
+    greedy_sibling_rule,
+    sample_tree_verdict,
+    sibling_rule,
+    tree_greedy_verify,
+    tree_rejection_sample,
+)
+
+if TYPE_CHECKING:
+    from verispec.api import Chunk, GenerationResult, Speculator, generate
+    from verispec.drafting.tree import TreeShape
+
+_LAZY = {  # name → module, imported on first access (the generation API loads transformers)
+    "Chunk": "verispec.api",
+    "GenerationResult": "verispec.api",
+    "Speculator": "verispec.api",
+    "generate": "verispec.api",
+    "TreeShape": "verispec.drafting.tree",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The generation API's names, imported on first use (PEP 562)."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'verispec' has no attribute {name!r}")
+
 
 __all__ = [
+    "Chunk",
+    "GenerationResult",
     "Rule",
     "SamplingParams",
     "SiblingRule",
+    "Speculator",
     "TreeRule",
+    "TreeShape",
     "TreeVerdict",
+    "UsageError",
     "Verdict",
+    "generate",
     "greedy_rule",
     "greedy_sibling_rule",
     "greedy_verify",

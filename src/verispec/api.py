@@ -15,25 +15,24 @@ from pathlib import Path
 
 import torch
 
-from verispec.analysis import CostModel
+from verispec.analysis.analytic import CostModel
 from verispec.calibrate import QUICK_REPETITIONS, Calibration, calibrate
-from verispec.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter
-from verispec.eagle.drafter import DEFAULT_TREE, EagleDrafter, EagleTreeDrafter, shipped_drafter
-from verispec.eagle.model import EagleHead
+from verispec.drafting.base import Drafter, TreeDrafter, check_static
+from verispec.drafting.draft_model import early_exit_layers
+from verispec.drafting.eagle.drafter import DEFAULT_TREE, shipped_drafter
+from verispec.drafting.eagle.model import EagleHead, native_target
+from verispec.drafting.registry import DRAFTERS, DraftInputs, choose_auto, drafter_kind
+from verispec.drafting.tree import AUTO, TreeShape
 from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
-from verispec.models.base import Cache, LanguageModel, Tokenizer
+from verispec.errors import UsageError
+from verispec.models.base import Cache, HiddenStateModel, LanguageModel, Tokenizer
 from verispec.models.registry import DEFAULT_MODEL, load_model
 from verispec.policies import AdditiveK, ConstantK, CostModelK, KPolicy
 from verispec.sampling import SamplingParams
 from verispec.trace import TraceRecorder
-from verispec.tree import AUTO, TreeShape
-from verispec.tree_drafters import ModelTreeDrafter, NGramTreeDrafter, TreeDrafter, check_static
 
 __all__ = [
     "DEFAULT_K",
-    "DRAFTERS",
-    "MODEL_DRAFTERS",
-    "TREE_DRAFTERS",
     "Chunk",
     "GenerationResult",
     "Speculator",
@@ -42,11 +41,7 @@ __all__ = [
     "parse_k",
 ]
 
-DRAFTERS = ("auto", "none", "model", "ngram", "eagle")
-MODEL_DRAFTERS = frozenset({"model"})  # the drafters that need a draft model (--draft SPEC)
-TREE_DRAFTERS = frozenset({"ngram", "model", "eagle"})  # the drafters that can propose token trees
 DEFAULT_K = "auto"
-EARLY_EXIT = "layers:"  # draft SPEC prefix: the target's first N layers
 
 
 @dataclass(frozen=True)
@@ -74,7 +69,7 @@ def parse_k(k: int | str) -> int | str:
         if k in ("additive", "auto"):
             return k
         if not k.isdigit():
-            raise ValueError(f"k must be an integer >= 0, 'additive' or 'auto', got {k!r}")
+            raise UsageError(f"k must be an integer >= 0, 'additive' or 'auto', got {k!r}")
         k = int(k)
     return ConstantK(k).k
 
@@ -83,13 +78,13 @@ def k_policy(k: int | str, cost: CostModel | None = None) -> KPolicy:
     """The K policy that ``k`` (see :func:`parse_k`) names; "auto" needs ``cost``, the calibrated cost model
     of the target and drafter (:meth:`Speculator.calibration` measures or loads it)."""
     k = parse_k(k)
+    if isinstance(k, int):
+        return ConstantK(k)
     if k == "additive":
         return AdditiveK()
-    if k == "auto":
-        if cost is None:
-            raise ValueError("k 'auto' needs the cost model of the target and drafter")
-        return CostModelK(cost)
-    return ConstantK(k)
+    if cost is None:
+        raise UsageError("k 'auto' needs the cost model of the target and drafter")
+    return CostModelK(cost)
 
 
 class Speculator:
@@ -101,13 +96,14 @@ class Speculator:
     drafter: "none", "ngram", "model" (needs ``draft``), "eagle" (a learned drafter: ``drafter_path``, or the
     one verispec ships for the target) or "auto" (model when a draft is given, else the shipped learned
     drafter when it exists and matches the target, else ngram).
-    tree: a token-tree shape (:class:`~verispec.tree.TreeShape`): the ngram, model or eagle drafter then
+    tree: a token-tree shape (:class:`~verispec.drafting.tree.TreeShape`): the ngram, model or eagle drafter
+    then
     proposes a tree each round (several n-gram matches; the draft's top-k children at each node; the learned
     head's top-k when greedy, else independent samples of its q), which the target scores in one forward; K is
     then not used. A dynamic shape (with a node budget, e.g. ``TreeShape.parse("3x4:auto")``) needs the eagle
     drafter; budget "auto" sizes each tree by the calibrated costs (:meth:`calibration`). ``tree="auto"``:
-    the learned drafter's :data:`~verispec.eagle.drafter.DEFAULT_TREE` where the drafter is eagle, chain
-    rounds otherwise.
+    the learned drafter's :data:`~verispec.drafting.eagle.drafter.DEFAULT_TREE` where the drafter is eagle,
+    chain rounds otherwise.
     drafter_path: a learned drafter file (``verispec train-drafter``) for the target, for "eagle" or "auto".
     target_label: names a loaded target (default: its SPEC) in messages and calibration notices, and picks
     the drafter verispec ships for it.
@@ -124,46 +120,54 @@ class Speculator:
         drafter_path: str | Path | None = None,
         target_label: str | None = None,
     ) -> None:
-        if drafter not in DRAFTERS:
-            raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
-        if drafter in MODEL_DRAFTERS and draft is None:
-            raise ValueError(f"drafter {drafter!r} needs a draft model (--draft SPEC)")
-        if draft is not None and drafter in ("none", "ngram", "eagle"):
-            raise ValueError(f"a draft model was given but drafter is {drafter!r}")
+        kind = None if drafter == AUTO else drafter_kind(drafter)
+        if kind is not None and kind.needs_draft_model and draft is None:
+            raise UsageError(f"drafter {drafter!r} needs a draft model (--draft SPEC)")
+        if draft is not None and kind is not None and not kind.needs_draft_model:
+            raise UsageError(f"a draft model was given but drafter is {drafter!r}")
         if draft is not None and drafter_path is not None:
-            raise ValueError("give a draft model (--draft) or a drafter file (--drafter-path), not both")
+            raise UsageError("give a draft model (--draft) or a drafter file (--drafter-path), not both")
+        if drafter_path is not None and kind is not None and not kind.learned:
+            raise UsageError(f"a drafter file was given but drafter is {drafter!r}")
         self.model, self.tokenizer = _load(DEFAULT_MODEL if target is None else target, tokenizer, device)
         self.draft = None
-        self.early_exit = isinstance(draft, str) and draft.startswith(EARLY_EXIT)  # shares the target's cache
-        if self.early_exit:
-            self.draft = _early_exit(self.model, draft)
+        layers = early_exit_layers(draft) if isinstance(draft, str) else None
+        self.early_exit = layers is not None  # the draft shares the target's cache
+        if layers is not None:
+            self.draft = _early_exit(self.model, layers)
         elif draft is not None:
             self.draft, draft_tokenizer = _load(draft, tokenizer, device)
             if draft_tokenizer.vocab_size != self.tokenizer.vocab_size:
-                raise ValueError(
+                raise UsageError(
                     f"the draft's tokenizer has {draft_tokenizer.vocab_size} tokens, the target's "
                     f"{self.tokenizer.vocab_size}: the draft must share the target's tokenizer"
                 )
         if target_label is None:
             target_label = DEFAULT_MODEL if target is None else target if isinstance(target, str) else ""
         self.head = None  # the learned drafter's
-        auto_learned = drafter == "auto" and draft is None
-        if drafter == "eagle" or drafter_path is not None or auto_learned:
-            self.head = _learned_head(self.model, drafter, drafter_path, target_label)
-        if drafter == "auto":
-            drafter = "model" if draft is not None else "eagle" if self.head is not None else "ngram"
+        learned = kind.learned if kind is not None else draft is None  # auto: the shipped one, if any
+        if learned or drafter_path is not None:
+            self.head = _learned_head(self.model, drafter_path, target_label, required=kind is not None)
+        self.kind = kind if kind is not None else choose_auto(draft is not None, self.head is not None)
+        if self.kind.reads_target_hidden and not isinstance(self.model, HiddenStateModel):
+            raise UsageError(
+                f"drafter {self.kind.name!r} reads the target's hidden states: it needs a native target, "
+                f"not a {type(self.model).__name__}"
+            )
         if tree == AUTO:
-            tree = DEFAULT_TREE if drafter == "eagle" else None
+            tree = DEFAULT_TREE if self.kind.learned else None
         elif tree is not None and not isinstance(tree, TreeShape):
-            raise ValueError(f"tree must be a TreeShape, {AUTO!r} or None, got {tree!r}")
+            raise UsageError(f"tree must be a TreeShape, {AUTO!r} or None, got {tree!r}")
         if tree is not None:
-            if drafter not in TREE_DRAFTERS:
-                raise ValueError(f"token trees need the ngram, model or eagle drafter, not {drafter!r}")
-            if drafter != "eagle":
-                check_static(tree, drafter)
+            if not self.kind.takes_trees:
+                *others, last = [name for name, k in DRAFTERS.items() if k.takes_trees]
+                takers = f"{', '.join(others)} or {last}" if others else last
+                raise UsageError(f"token trees need the {takers} drafter, not {self.kind.name!r}")
+            if not self.kind.dynamic_trees:
+                check_static(tree, self.kind.name)
             tree.check_fits(self.model.max_context)
         self.tree = tree
-        self.drafter_name = drafter
+        self.drafter_name = self.kind.name
         self._labels = (target_label, draft if isinstance(draft, str) else "")
         self._calibration: Calibration | None = None
 
@@ -173,23 +177,15 @@ class Speculator:
         chain = self._chain_drafter(sampling, target_cache)
         if self.tree is None:
             return chain
-        if isinstance(chain, ModelDrafter):
-            return ModelTreeDrafter(chain, self.tree)
-        if isinstance(chain, EagleDrafter):
-            if self.tree.budget is None:
-                return EagleTreeDrafter(chain, self.tree, sampled=True)  # top-k when greedy
-            cost = self.calibration().cost_model if self.tree.budget == AUTO else None
-            return EagleTreeDrafter(chain, self.tree, cost=cost)
-        return NGramTreeDrafter(self.tree, chain)
+        assert self.kind.tree is not None  # checked in the constructor
+        cost = self.calibration().cost_model if self.tree.budget == AUTO else None
+        return self.kind.tree(chain, self.tree, cost)
 
     def _chain_drafter(self, sampling: SamplingParams, target_cache: Cache | None = None) -> Drafter:
         """The chain drafter (what :meth:`calibration` measures; a tree drafter branches it)."""
-        if self.head is not None:
-            return EagleDrafter(self.head, sampling)
-        if self.draft is not None:
-            shared = target_cache if self.early_exit else None
-            return ModelDrafter(self.draft, sampling, self.model.vocab_size, target_cache=shared)
-        return NGramDrafter() if self.drafter_name == "ngram" else NoDrafter()
+        shared = target_cache if self.early_exit else None
+        inputs = DraftInputs(sampling, self.model, draft=self.draft, target_cache=shared, head=self.head)
+        return self.kind.chain(inputs)
 
     def calibration(self, *, force: bool = False, repetitions: int = QUICK_REPETITIONS) -> Calibration:
         """The costs of this target and drafter on this machine (:mod:`verispec.calibrate`): read from the
@@ -198,7 +194,7 @@ class Speculator:
             drafter = self._chain_drafter(SamplingParams(temperature=0))
             self._calibration = calibrate(
                 self.model,
-                None if isinstance(drafter, NoDrafter) else drafter,
+                drafter if self.kind.drafts else None,
                 target_label=self._labels[0],
                 draft_label=self._labels[1],
                 repetitions=repetitions,
@@ -213,7 +209,7 @@ class Speculator:
             return ConstantK(0)
         if parse_k(k) != "auto":
             return k_policy(k)
-        if self.drafter_name == "none":
+        if not self.kind.drafts:
             return ConstantK(0)
         return k_policy(k, self.calibration().cost_model)
 
@@ -226,9 +222,9 @@ class Speculator:
         may also be a conversation: {"role", "content"} messages ending with a user turn."""
         if isinstance(prompt, str):
             if not prompt.strip():
-                raise ValueError("the prompt is empty")
+                raise UsageError("the prompt is empty")
         elif not chat or not prompt:
-            raise ValueError("a conversation (a list of messages) needs chat=True and at least one message")
+            raise UsageError("a conversation (a list of messages) needs chat=True and at least one message")
         text = self.tokenizer.chat_prompt(prompt) if chat else prompt
         return self.tokenizer.encode(text, add_bos=True)
 
@@ -251,7 +247,7 @@ class Speculator:
         config = EngineConfig(max_new_tokens, sampling, self.tokenizer.eos_token_ids, tuple(stop))
         stats = stats if stats is not None else GenerationStats(self.drafter_name, self.k_label(k))
         if trace is not None and self.tree is not None:
-            raise ValueError("token-fate traces record chain rounds only, not token trees")
+            raise UsageError("token-fate traces record chain rounds only, not token trees")
         prompt_ids = self.encode_prompt(prompt, chat)
         cache = self.model.new_cache()
         engine = SpeculativeEngine(self.model, self._drafter(sampling, cache), policy, trace, cache)
@@ -316,39 +312,34 @@ class _TextAssembler:
         return piece
 
 
-def _early_exit(model: LanguageModel, spec: str) -> LanguageModel:
-    """The draft named ``layers:N``: the target's first N layers."""
-    count = spec[len(EARLY_EXIT) :]
-    if not count.isdigit():
-        raise ValueError(f"an early-exit draft is written {EARLY_EXIT}N with N an integer, got {spec!r}")
+def _early_exit(model: LanguageModel, layers: int) -> LanguageModel:
+    """The early-exit draft: the target's first ``layers`` layers (native models only)."""
     first_layers = getattr(model, "first_layers", None)
     if first_layers is None:
-        raise ValueError(f"{EARLY_EXIT}N drafts need a native model; this target is a {type(model).__name__}")
-    return first_layers(int(count))
+        raise UsageError(f"early-exit drafts need a native model; this target is a {type(model).__name__}")
+    return first_layers(layers)
 
 
 def _learned_head(
-    model: LanguageModel, drafter: str, path: str | Path | None, target_label: str
+    model: LanguageModel, path: str | Path | None, target_label: str, required: bool
 ) -> EagleHead | None:
-    """The learned drafter's head: read from ``path``, else the file shipped for the target; "auto" takes
-    the shipped one only when it exists and matches the target (None otherwise)."""
-    if drafter not in ("auto", "eagle"):
-        raise ValueError(f"a drafter file was given but drafter is {drafter!r}")
+    """The learned drafter's head: read from ``path``, else the file shipped for the target. Unless
+    ``required`` (drafter "auto"), a missing or mismatched shipped file gives None."""
     chosen = path if path is not None else shipped_drafter(target_label)
     if chosen is None:
-        if drafter == "auto":
+        if not required:
             return None
-        raise ValueError(
+        raise UsageError(
             "drafter 'eagle' needs a drafter file (--drafter-path FILE, made by verispec train-drafter): "
             f"verispec ships none for {target_label or 'this target'!r}"
         )
     fast = bool(getattr(model, "optimized_for_cpu", False))  # on the CPU fast path like its target
-    if drafter == "auto" and path is None:
+    if not required and path is None:
         try:
-            return EagleHead.load(chosen, model, target_label, fast)
-        except ValueError:  # a shipped file for another version of the target: fall back to ngram
+            return EagleHead.load(chosen, native_target(model), target_label, fast)
+        except UsageError:  # a shipped file for another version of the target: fall back to ngram
             return None
-    return EagleHead.load(chosen, model, target_label, fast)
+    return EagleHead.load(chosen, native_target(model), target_label, fast)
 
 
 def _load(spec: str | tuple[LanguageModel, Tokenizer], tokenizer: str | None, device: str):
@@ -377,8 +368,8 @@ def generate(
     drafter_path: str | None = None,
 ) -> GenerationResult:
     """Generate text for ``prompt`` with speculative decoding; the same arguments as ``verispec generate``
-    (``tree``: a :class:`~verispec.tree.TreeShape`, "WxD" or a JSON shape file, either with ":N" or ":auto"
-    for a dynamic tree, or "auto": the learned drafter's default tree, see :class:`Speculator`)."""
+    (``tree``: a :class:`~verispec.drafting.tree.TreeShape`, "WxD" or a JSON shape file, either with ":N" or
+    ":auto" for a dynamic tree, or "auto": the learned drafter's default tree, see :class:`Speculator`)."""
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     shape = TreeShape.parse(tree) if isinstance(tree, str) and tree != AUTO else tree
     speculator = Speculator(target, draft, drafter, tokenizer, tree=shape, drafter_path=drafter_path)

@@ -1,7 +1,7 @@
 """Calibration: what a target forward and a draft step cost on this machine, measured once and cached.
 
-The cost model of :mod:`verispec.analysis` (and so ``--k auto`` and the bench's predicted speedups) needs,
-for one target and one drafter on this machine:
+The cost model of :mod:`verispec.analysis.analytic` (and so ``--k auto`` and the bench's predicted speedups)
+needs, for one target and one drafter on this machine:
 
 - the verification curve v(k) = T_target(k new tokens) / T_target(1) for k = 1..:data:`K_MAX`: the target's
   cache holds a context of :data:`CONTEXT` positions (seeded random tokens), k tokens are fed and the cache
@@ -37,13 +37,17 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from verispec.analysis import CostModel
-from verispec.drafters import Drafter, ModelDrafter, NGramDrafter
-from verispec.eagle.drafter import EagleDrafter
-from verispec.models.base import LanguageModel
+from verispec.analysis.analytic import CostModel
+from verispec.drafting.base import Drafter, HiddenStateReader
+from verispec.drafting.draft_model import ModelDrafter
+from verispec.drafting.eagle.drafter import EagleDrafter
+from verispec.drafting.ngram import NGramDrafter
+from verispec.errors import UsageError
+from verispec.models.base import HiddenStateModel, LanguageModel
 from verispec.models.gguf import cache_dir
 
 __all__ = [
@@ -81,7 +85,7 @@ class TargetCosts:
 
     def __post_init__(self) -> None:
         if len(self.seconds) < 2 or not all(_positive(s) for s in self.seconds):
-            raise ValueError(f"target timings must be at least two numbers > 0, got {self.seconds!r}")
+            raise UsageError(f"target timings must be at least two numbers > 0, got {self.seconds!r}")
 
     @property
     def verify_cost(self) -> tuple[float, ...]:
@@ -101,7 +105,7 @@ class DraftCosts:
 
     def __post_init__(self) -> None:
         if not (_positive(self.cost_ratio) and _positive(self.seconds_per_token)):
-            raise ValueError(
+            raise UsageError(
                 f"draft costs must be numbers > 0, got {self.cost_ratio!r}, {self.seconds_per_token!r}"
             )
 
@@ -152,8 +156,8 @@ def cpu_name() -> str:
 
 def model_identity(model: LanguageModel) -> dict:
     """What a model's cost depends on: its class and architecture config, dtype, device, CPU fast path."""
-    config = getattr(model, "config", None)
-    if dataclasses.is_dataclass(config):
+    config: Any = getattr(model, "config", None)
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
         arch = dataclasses.asdict(config)
     elif hasattr(config, "to_dict"):  # a transformers config; its private and version fields are not shape
         arch = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != _HF_VERSION}
@@ -205,7 +209,7 @@ def calibrate(
     ``repetitions`` timed repetitions and cached. ``force``: measure them again, and drop the entries of other
     drafters (measured again when next needed). The labels name the models in the cache file and notices."""
     if isinstance(repetitions, bool) or not isinstance(repetitions, int) or repetitions < 1:
-        raise ValueError(f"repetitions must be an integer >= 1, got {repetitions!r}")
+        raise UsageError(f"repetitions must be an integer >= 1, got {repetitions!r}")
     target_label = target_label or type(target).__name__
     identity = {"model": model_identity(target), "machine": _machine_identity(), "method": _METHOD}
     path = calibration_dir() / f"{_digest(identity)}.json"
@@ -287,13 +291,15 @@ def _measure_drafter(drafter: Drafter, target: LanguageModel, label: str, repeti
     timer = _TargetTimer(target, list(context))
     generator = torch.Generator().manual_seed(0)
     drafter.begin(list(context))
-    hidden = None
-    if getattr(drafter, "reads_target_hidden", False):
+    hidden, reader = None, drafter if isinstance(drafter, HiddenStateReader) else None
+    if reader is not None:
+        if not isinstance(target, HiddenStateModel):
+            raise UsageError(f"the {drafter.name} drafter needs a target with hidden states (a native model)")
         final = context + context[: repetitions + 1]  # the context after the last repetition
         tokens = torch.tensor([final], device=target.device)  # [1, L']
         positions = torch.arange(len(final), device=target.device)[None]  # [1, L']
         hidden = target.forward_hidden(tokens, positions, target.new_cache())[0]  # [L', H]
-        drafter.observe_hidden(hidden[: len(context) - 1])
+        reader.observe_hidden(hidden[: len(context) - 1])
     ratios, seconds = [], []
     for repetition in range(repetitions + 1):
         one = timer.seconds(1)
@@ -302,8 +308,8 @@ def _measure_drafter(drafter: Drafter, target: LanguageModel, label: str, repeti
         elapsed = max(time.perf_counter() - start, 1e-9) / DRAFT_K
         drafter.observe(0)
         context.append(context[repetition])  # the round commits one token
-        if hidden is not None:
-            drafter.observe_hidden(hidden[len(context) - 2 : len(context) - 1])  # [1, H]
+        if hidden is not None and reader is not None:
+            reader.observe_hidden(hidden[len(context) - 2 : len(context) - 1])  # [1, H]
         if repetition:
             ratios.append(elapsed / one)
             seconds.append(elapsed)
@@ -321,9 +327,9 @@ def _read(path: Path, identity: dict) -> dict | None:
     try:
         entry = json.loads(path.read_text())
         if entry["version"] != _VERSION or entry["identity"] != json.loads(json.dumps(identity, default=str)):
-            raise ValueError("written for another version or identity")
+            raise UsageError("written for another version or identity")
         if len(_target_costs(entry).seconds) != K_MAX:
-            raise ValueError(f"not {K_MAX} timings")
+            raise UsageError(f"not {K_MAX} timings")
         for draft in entry["drafts"].values():
             _draft_costs(draft)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:

@@ -4,10 +4,12 @@ Each subcommand is a pair of functions: ``add_<name>_parser(subparsers)`` declar
 ``run_<name>`` with ``set_defaults(func=...)``; ``run_<name>(args) -> int`` does the work and returns the exit
 status. To add one, write the pair and call ``add_<name>_parser`` from :func:`build_parser`.
 
-Error contract: bad usage (unknown flag or subcommand, unparsable value) and any ValueError raised while
-running (the library's validation convention) print exactly one line ``verispec: error: <message>`` on stderr
-and exit with status 2. Ctrl-C exits with 130 after one line; a closed output pipe (``verispec ... | head``)
-exits quietly with 141 (128 + SIGPIPE, as a process killed by it would).
+Error contract: bad usage (unknown flag or subcommand, unparsable value) and any
+:class:`~verispec.errors.UsageError` raised while running (the library's validation convention) print
+exactly one line ``verispec: error: <message>`` on stderr and exit with status 2. Any other exception is a
+bug (ours or a library's): one line ``verispec: internal error: ...`` asking for a report, exit status 1,
+and its traceback with ``--debug``. Ctrl-C exits with 130 after one line; a closed output pipe
+(``verispec ... | head``) exits quietly with 141 (128 + SIGPIPE, as a process killed by it would).
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from verispec import __version__
+from verispec.analysis.simulate import SimulationConfig, simulate
+from verispec.drafting.registry import AUTO as AUTO_DRAFTER
+from verispec.drafting.registry import DRAFTERS
 from verispec.engine import EngineConfig, GenerationStats
+from verispec.errors import UsageError
 from verispec.sampling import SamplingParams
-from verispec.simulate import SimulationConfig, simulate
 from verispec.trace import Trace, TraceRecorder
 from verispec.viz import check_writable
 
@@ -30,18 +36,19 @@ __all__ = ["add_simulate_parser", "build_parser", "format_table", "main", "run_s
 
 PROG = "verispec"
 
+_INTERNAL_ERROR = 1
 _USAGE_ERROR = 2
 _INTERRUPTED = 130  # 128 + SIGINT
 _BROKEN_PIPE = 141  # 128 + SIGPIPE
 
 
 class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser that raises ValueError instead of printing usage and exiting, so that :func:`main`
+    """An ArgumentParser that raises UsageError instead of printing usage and exiting, so that :func:`main`
     reports every error the same way (subparsers are created with this class too)."""
 
     def error(self, message: str) -> NoReturn:
         """Raise the usage error for :func:`main` to report."""
-        raise ValueError(message)
+        raise UsageError(message)
 
 
 def _list_of(convert: Callable[[str], Any], what: str) -> Callable[[str], tuple]:
@@ -97,7 +104,7 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
         help="Monte-Carlo speculative rounds on toy distributions vs the analytic model",
         description="Simulate speculative rounds on toy draft/target pairs whose acceptance rate equals the "
         "agreement, in sampled and greedy modes, and compare tokens per target call (tau) and speedup "
-        "with the analytic model (see verispec.simulate).",
+        "with the analytic model (see verispec.analysis.simulate).",
     )
     parser.add_argument(
         "--k",
@@ -169,11 +176,12 @@ def _add_model_specs(parser: argparse.ArgumentParser) -> None:
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that choose the models and the drafter (generate, demo)."""
     _add_model_specs(parser)
+    kinds = "; ".join(f"{name}: {kind.summary}" for name, kind in DRAFTERS.items())
     parser.add_argument(
         "--drafter",
-        default="auto",
-        help="auto (model with --draft, else the learned drafter shipped for the target, else ngram; "
-        "default), none, model, ngram, eagle (a learned drafter: --drafter-path or the shipped one)",
+        default=AUTO_DRAFTER,
+        help="auto (default): model with --draft, else the learned drafter shipped for the target (or given "
+        f"by --drafter-path), else ngram; {kinds}",
     )
     parser.add_argument(
         "--drafter-path", metavar="FILE", help="a learned drafter (verispec train-drafter) for the target"
@@ -239,26 +247,26 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _tree_shape(args: argparse.Namespace):
     """The tree shape that --tree-width/--tree-depth or --tree-shape give, or None (chain rounds)."""
-    from verispec.tree import AUTO, TreeShape, parse_budget
+    from verispec.drafting.tree import AUTO, TreeShape, parse_budget
 
     sized = args.tree_width is not None or args.tree_depth is not None
     if sized and args.tree_shape is not None:
-        raise ValueError("give either --tree-width and --tree-depth or --tree-shape, not both")
+        raise UsageError("give either --tree-width and --tree-depth or --tree-shape, not both")
     if args.tree_shape is not None:
         shape = TreeShape.load(args.tree_shape)
     elif not sized:
         if args.tree_nodes is not None:
-            raise ValueError("--tree-nodes needs a tree: --tree-width and --tree-depth, or --tree-shape")
+            raise UsageError("--tree-nodes needs a tree: --tree-width and --tree-depth, or --tree-shape")
         return None
     elif args.tree_width is None or args.tree_depth is None:
-        raise ValueError("--tree-width and --tree-depth go together")
+        raise UsageError("--tree-width and --tree-depth go together")
     else:
         shape = TreeShape.full(args.tree_width, args.tree_depth)
     if args.tree_nodes is None:
         return shape
     budget = parse_budget(args.tree_nodes)
     if budget is None:
-        raise ValueError(f"--tree-nodes takes an integer >= 1 or {AUTO}, got {args.tree_nodes!r}")
+        raise UsageError(f"--tree-nodes takes an integer >= 1 or {AUTO}, got {args.tree_nodes!r}")
     return shape.with_budget(budget)
 
 
@@ -279,20 +287,20 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float)
 def run_generate(args: argparse.Namespace) -> int:
     """Run ``verispec generate``."""
     from verispec.api import Speculator, parse_k  # loads transformers: only for the commands that need it
-    from verispec.tree import AUTO
+    from verispec.drafting.tree import AUTO
 
     prompt = args.prompt if args.prompt is not None else _read_stdin()
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     k = AUTO if args.k is None else parse_k(args.k)  # validate everything before loading a model
     EngineConfig(args.max_new_tokens, sampling, stop_strings=tuple(args.stop))
     if args.show_trace and args.json:
-        raise ValueError("--show-trace and --json both write to standard output: choose one")
+        raise UsageError("--show-trace and --json both write to standard output: choose one")
     if args.trace is not None:
         check_writable(args.trace)
     tree = _tree_shape(args)
     tracing = args.trace is not None or args.show_trace
     if tree is not None and tracing:
-        raise ValueError("token-fate traces record chain rounds only, not token trees")
+        raise UsageError("token-fate traces record chain rounds only, not token trees")
     if tree is None and args.k is None and not tracing:
         tree = AUTO  # the learned drafter's tree, where it drafts
     speculator = Speculator(
@@ -351,7 +359,7 @@ def _output_trace(args: argparse.Namespace, trace: Trace) -> None:
 
 def _read_stdin() -> str:
     if sys.stdin is None or sys.stdin.isatty():
-        raise ValueError("no prompt: give PROMPT or pipe it on standard input")
+        raise UsageError("no prompt: give PROMPT or pipe it on standard input")
     return sys.stdin.read()
 
 
@@ -390,8 +398,8 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     """Run ``verispec demo``: exit status 1 if any speculative output differs from plain decoding's."""
     from verispec.api import Speculator, parse_k
+    from verispec.drafting.tree import AUTO
     from verispec.models.registry import DEFAULT_MODEL
-    from verispec.tree import AUTO
 
     greedy = SamplingParams(temperature=0)
     k = AUTO if args.k is None else parse_k(args.k)
@@ -404,7 +412,7 @@ def run_demo(args: argparse.Namespace) -> int:
         loaded, args.draft, args.drafter, drafter_path=args.drafter_path, target_label=label, tree=tree
     )
     speculators = {"none": plain}
-    if args.drafter == "auto" and args.draft is None and chosen.drafter_name != "ngram":
+    if args.drafter == AUTO_DRAFTER and args.draft is None and chosen.drafter_name != "ngram":
         speculators["ngram"] = Speculator(loaded, drafter="ngram")  # prompt lookup beside the learned drafter
     speculators[chosen.drafter_name] = chosen
     plain.generate(args.prompt, **dict(options, max_new_tokens=4))  # warm-up: first-call overheads
@@ -472,19 +480,19 @@ def add_viz_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_viz_overlap(args: argparse.Namespace) -> int:
     """Run ``verispec viz overlap``: draw the picture, print alpha and the files written."""
-    from verispec.analysis import acceptance_rate
+    from verispec.analysis.analytic import acceptance_rate
     from verispec.viz.figures import figure_paths, save_figure
     from verispec.viz.overlap import overlap_figure
 
     toy = args.p is not None or args.q is not None or args.labels is not None
     if toy == (args.prompt is not None):
-        raise ValueError("give either --p and --q (toy distributions) or --prompt (a model's next token)")
+        raise UsageError("give either --p and --q (toy distributions) or --prompt (a model's next token)")
     figure_paths(args.out)  # validate the output before any work
     if toy:
         if args.p is None or args.q is None:
-            raise ValueError("toy mode needs both --p and --q")
+            raise UsageError("toy mode needs both --p and --q")
         if args.labels is not None and len(args.labels) != len(args.p):
-            raise ValueError(f"--labels names {len(args.labels)} tokens, --p has {len(args.p)}")
+            raise UsageError(f"--labels names {len(args.labels)} tokens, --p has {len(args.p)}")
         names = args.labels or tuple(str(i) for i in range(len(args.p)))
         p, q, label, title = args.p, args.q, names.__getitem__, "toy distributions"
     else:
@@ -504,6 +512,7 @@ def _model_overlap(args: argparse.Namespace):
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
     speculator = Speculator(args.target, args.draft, "model", args.tokenizer)
+    assert speculator.draft is not None  # the model drafter refuses to be built without one
     prompt_ids = speculator.encode_prompt(args.prompt, args.chat)
     p, q = next_token_distributions(speculator.model, speculator.draft, prompt_ids, sampling)
 
@@ -522,7 +531,7 @@ def _model_overlap(args: argparse.Namespace):
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """Declare ``verispec bench``."""
-    from verispec.bench import METHODS, TASKS  # light: no model is loaded
+    from verispec.bench.suite import METHODS, TASKS  # light: no model is loaded
 
     parser = subparsers.add_parser(
         "bench",
@@ -582,13 +591,18 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--recalibrate", action="store_true", help="measure the costs again first (default: the cached ones)"
     )
+    parser.add_argument(
+        "--goals",
+        metavar="FILE",
+        help="a TOML file of speed goals to judge in the report (this project's: docs/bench/goals.toml)",
+    )
     parser.set_defaults(func=run_bench)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run ``verispec bench``: print the Markdown tables; the files go to --out."""
-    from verispec.bench import Bench, BenchConfig, plan_methods, select_tasks
-    from verispec.report import markdown
+    from verispec.bench.report import markdown
+    from verispec.bench.suite import Bench, BenchConfig, plan_methods, select_tasks
     from verispec.viz.charts import chart_directory
 
     config = BenchConfig(
@@ -609,6 +623,7 @@ def run_bench(args: argparse.Namespace) -> int:
         seed=args.seed,
         out=args.out or "",
         recalibrate=args.recalibrate,
+        goals=args.goals,
     )
     tasks = select_tasks(config)  # every check that needs no model, before loading one
     methods, notes = plan_methods(config)
@@ -632,7 +647,9 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_model_specs(parser)
     parser.add_argument(
-        "--drafter", default="auto", help="model, ngram, eagle or auto (default: as generate chooses)"
+        "--drafter",
+        default=AUTO_DRAFTER,
+        help="the drafter to calibrate with the target (default: auto, as generate chooses)",
     )
     parser.add_argument("--drafter-path", metavar="FILE", help="a learned drafter (verispec train-drafter)")
     parser.add_argument("--repetitions", type=int, default=10, help="timings per k (default: 10)")
@@ -645,13 +662,13 @@ def run_calibrate(args: argparse.Namespace) -> int:
     """Run ``verispec calibrate``: measure, cache, and print v(k), c and the best K for a few α."""
     import torch
 
-    from verispec.analysis import optimal_k
+    from verispec.analysis.analytic import optimal_k
     from verispec.api import Speculator
 
     for name in ("repetitions", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise ValueError(f"--{name} must be an integer >= 1, got {value}")
+            raise UsageError(f"--{name} must be an integer >= 1, got {value}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     speculator = Speculator(
@@ -666,7 +683,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         f"{speculator.drafter_name} drafter: c = {calibration.cost_ratio:.4f}; "
         f"T_target(1) = {1e3 * calibration.target.seconds[0]:.2f} ms; {torch.get_num_threads()} threads"
     )
-    rows = [{"k": k, "v": v} for k, v in enumerate(cost.verify_cost, 1)]
+    curve = cost.verify_cost
+    assert isinstance(curve, tuple)  # a calibration measures v(k) as a sequence
+    rows = [{"k": k, "v": v} for k, v in enumerate(curve, 1)]
     print(format_table(rows, (("k new tokens", "k", "d"), ("v(k)", "v", ".3f"))))
     best = (f"α={a:g}: K={optimal_k(a, cost.cost_ratio, cost.verify_cost)}" for a in (0.3, 0.5, 0.7, 0.9))
     print(f"best K: {', '.join(best)}")
@@ -684,7 +703,7 @@ def add_drafter_data_parser(subparsers: argparse._SubParsersAction) -> None:
         help="build the training data of a learned drafter: the target's own answers to a prompt set",
         description="Have the target answer a generated set of chat prompts (half greedily, half sampled at "
         "temperature 1) and store every token with the target's final hidden state, split into train and "
-        "held-out sets (see verispec.eagle.data). Needs no model hub and no corpus.",
+        "held-out sets (see verispec.drafting.eagle.data). Needs no model hub and no corpus.",
     )
     parser.add_argument(
         "--target", default="smollm2-135m", metavar="SPEC", help="the target (default: %(default)s)"
@@ -738,7 +757,7 @@ def add_drafter_data_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_drafter_data(args: argparse.Namespace) -> int:
     """Run ``verispec drafter-data``: build the data set and print what it holds."""
-    from verispec.eagle.data import DataConfig, add_follow_ups, build_dataset, merge_datasets
+    from verispec.drafting.eagle.data import DataConfig, add_follow_ups, build_dataset, merge_datasets
 
     config = DataConfig(
         args.prompts,
@@ -751,9 +770,9 @@ def run_drafter_data(args: argparse.Namespace) -> int:
         turns=args.turns,
     )
     if (args.follow_ups is None) != (args.source is None):
-        raise ValueError("--follow-ups N and --from DIR go together")
+        raise UsageError("--follow-ups N and --from DIR go together")
     if args.merge is not None and args.source is not None:
-        raise ValueError("--merge and --follow-ups are separate steps")
+        raise UsageError("--merge and --follow-ups are separate steps")
     if args.merge is not None:
         meta = merge_datasets(args.merge, args.out)
     elif args.source is not None:
@@ -773,16 +792,16 @@ def run_drafter_data(args: argparse.Namespace) -> int:
 
 def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
     """Declare ``verispec train-drafter``."""
-    from verispec.eagle.train import TrainConfig  # light: no model is loaded
+    from verispec.drafting.eagle.train import TrainConfig  # light: no model is loaded
 
     defaults = TrainConfig()
     parser = subparsers.add_parser(
         "train-drafter",
         help="train a learned drafter (EAGLE-style head) for a target on its drafter-data set",
         description="Train an EAGLE-style draft head (one decoder layer unless --layers) that predicts the "
-        "target's next hidden state "
-        "from its current one and the next token, with logits over a reduced draft vocabulary (see "
-        "verispec.eagle.train). Writes DIR/drafter.safetensors, DIR/checkpoint.pt and DIR/log.jsonl; "
+        "target's next hidden state from its current one and the next token, with logits over a "
+        "reduced draft vocabulary (see verispec.drafting.eagle.train). Writes DIR/drafter.safetensors, "
+        "DIR/checkpoint.pt and DIR/log.jsonl; "
         "--resume continues an interrupted run.",
     )
     parser.add_argument("--target", metavar="SPEC", help="the target (default: smollm2-135m)")
@@ -821,8 +840,8 @@ def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_train_drafter(args: argparse.Namespace) -> int:
     """Run ``verispec train-drafter``: validate, load the target, train, print where the drafter is."""
-    from verispec.eagle.data import read_data_meta
-    from verispec.eagle.train import TrainConfig, train_drafter
+    from verispec.drafting.eagle.data import read_data_meta
+    from verispec.drafting.eagle.train import TrainConfig, train_drafter
     from verispec.models.registry import DEFAULT_MODEL, load_model
 
     config = TrainConfig(
@@ -844,7 +863,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     )
     read_data_meta(args.data)  # before loading a model
     if args.init and not os.path.isfile(args.init):
-        raise ValueError(f"no such drafter file: {args.init}")
+        raise UsageError(f"no such drafter file: {args.init}")
     label = args.target or DEFAULT_MODEL
     model, _ = load_model(label, tokenizer=args.tokenizer)
     path = train_drafter(model, args.data, args.out, config, target_label=label, resume=args.resume)
@@ -859,6 +878,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``verispec`` parser with all its subcommands."""
     parser = _Parser(prog=PROG, description="Exact speculative decoding for language models.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an internal error (a bug to report)"
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_generate_parser(subparsers)
     add_demo_parser(subparsers)
@@ -879,6 +901,7 @@ def _report(message: str, status: int) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: sys.argv[1:]), run the subcommand, return the exit status (module doc)."""
+    args = None
     try:
         try:
             args = build_parser().parse_args(argv)
@@ -887,7 +910,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
         return status
-    except ValueError as exc:
+    except UsageError as exc:
         return _report(f"error: {exc}", _USAGE_ERROR)
     except KeyboardInterrupt:
         return _report("interrupted", _INTERRUPTED)
@@ -897,3 +920,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError):  # stdout is not a real file (e.g. captured); nothing to silence
             pass
         return _BROKEN_PIPE
+    except Exception as exc:  # a bug, ours or a library's: never presented as the user's mistake
+        if args is not None and args.debug:
+            traceback.print_exc()
+        hint = "" if args is not None and args.debug else "; run again with --debug for the traceback"
+        message = f"internal error: {type(exc).__name__}: {exc} (please report it{hint})"
+        return _report(message, _INTERNAL_ERROR)

@@ -8,9 +8,9 @@ verifies, and truncates the target's cache to the committed tokens: rollback onl
 Stopping is exact: at an end-of-sequence token, at a stop string, at exactly ``max_new_tokens`` (k is capped
 so that no round can overshoot, and surplus tokens are never committed), or at the target's context limit.
 
-With a tree drafter (:mod:`verispec.tree_drafters`) each round is a tree round instead: propose a token tree
+With a tree drafter (:mod:`verispec.drafting.base`) each round is a tree round instead: propose a token tree
 rooted at ids[-1] → run the target ONCE over all its nodes (node i at position len(ids) − 1 + depth[i],
-attending to the committed context and its ancestors) → verify the tree (:mod:`verispec.tree_verify`) →
+attending to the committed context and its ancestors) → verify the tree (:mod:`verispec.verify.tree`) →
 compact the accepted path's cache entries into place after the committed ones, dropping the rest. The tree's
 depth is capped like k, so stopping stays exact; the K policy is not consulted.
 """
@@ -23,22 +23,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verispec.drafters import Drafter, Proposal
-from verispec.models.base import Cache, LanguageModel, TreeCache
+from verispec.drafting.base import Drafter, HiddenStateReader, Proposal, TreeDrafter
+from verispec.drafting.tree import TreeProposal
+from verispec.errors import UsageError
+from verispec.models.base import Cache, HiddenStateModel, LanguageModel, TreeCache, TreeLanguageModel
 from verispec.policies import KPolicy
 from verispec.sampling import SamplingParams, probs_from_logits
 from verispec.trace import TraceRecorder
-from verispec.tree import TreeProposal
-from verispec.tree_drafters import TreeDrafter
-from verispec.tree_verify import TreeVerdict, tree_greedy_verify, tree_rejection_sample
-from verispec.verify import Verdict, greedy_verify, rejection_sample, single_guess_sample
+from verispec.verify.chain import Verdict, greedy_verify, rejection_sample, single_guess_sample
+from verispec.verify.tree import TreeVerdict, tree_greedy_verify, tree_rejection_sample
 
 __all__ = ["EngineConfig", "GenerationStats", "SpeculativeEngine"]
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What one generation asks for; validated with ValueError."""
+    """What one generation asks for; validated with UsageError."""
 
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -48,9 +48,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         n = self.max_new_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {n!r}")
+            raise UsageError(f"max_new_tokens must be an integer >= 1, got {n!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
-            raise ValueError("stop strings must be non-empty strings")
+            raise UsageError("stop strings must be non-empty strings")
 
 
 @dataclass
@@ -65,7 +65,7 @@ class GenerationStats:
     accepted: int = 0
     tree_nodes: int = 0  # draft nodes the target scored in tree rounds (there, drafted adds up tree depths)
     drafted_per_position: list[int] = field(default_factory=list)  # rounds that drafted a token at position i
-    accepted_per_position_counts: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)  # rounds that accepted position i
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
@@ -81,11 +81,9 @@ class GenerationStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
-    def accepted_per_position(self) -> list[float]:
+    def acceptance_per_position(self) -> list[float]:
         """Fraction of rounds that drafted position i in which position i was accepted."""
-        return [
-            a / d for a, d in zip(self.accepted_per_position_counts, self.drafted_per_position, strict=True)
-        ]
+        return [a / d for a, d in zip(self.accepted_per_position, self.drafted_per_position, strict=True)]
 
     @property
     def tokens_per_second(self) -> float:
@@ -98,10 +96,10 @@ class GenerationStats:
         grow = drafted - len(self.drafted_per_position)
         if grow > 0:
             self.drafted_per_position += [0] * grow
-            self.accepted_per_position_counts += [0] * grow
+            self.accepted_per_position += [0] * grow
         for i in range(drafted):
             self.drafted_per_position[i] += 1
-            self.accepted_per_position_counts[i] += i < accepted
+            self.accepted_per_position[i] += i < accepted
 
     def as_dict(self) -> dict:
         return {
@@ -109,7 +107,7 @@ class GenerationStats:
             "target_calls": self.target_calls,
             "tokens_per_target_call": self.tokens_per_target_call,
             "acceptance_rate": self.acceptance_rate,
-            "accepted_per_position": self.accepted_per_position,
+            "acceptance_per_position": self.acceptance_per_position,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "tree_nodes": self.tree_nodes,
@@ -132,7 +130,7 @@ class SpeculativeEngine:
     ``trace`` (optional) records every round for :mod:`verispec.trace`; without it nothing extra is computed.
     ``cache`` (optional) is the target's cache, made by ``target.new_cache()`` (default: a new one), for a
     drafter that reads it.
-    A :class:`~verispec.tree_drafters.TreeDrafter` makes every round a tree round (module docstring); its
+    A :class:`~verispec.drafting.base.TreeDrafter` makes every round a tree round (module docstring); its
     target must take a tree mask and its cache compact (:class:`~verispec.models.base.TreeCache`).
     """
 
@@ -149,18 +147,24 @@ class SpeculativeEngine:
         self.k_policy = k_policy
         self.trace = trace
         self.cache = target.new_cache() if cache is None else cache
-        self.reads_hidden = getattr(drafter, "reads_target_hidden", False)
-        if self.reads_hidden and not hasattr(target, "forward_hidden"):
-            raise ValueError(f"the {drafter.name} drafter needs a target with hidden states (a native model)")
-        self.tree = isinstance(drafter, TreeDrafter)
-        if self.tree:
+        self.hidden_reader: HiddenStateReader | None = None  # the drafter, when it reads hidden states
+        self.hidden_target: HiddenStateModel | None = None  # the target, then
+        if isinstance(drafter, HiddenStateReader):
+            if not isinstance(target, HiddenStateModel):
+                raise UsageError(
+                    f"the {drafter.name} drafter needs a target with hidden states (a native model)"
+                )
+            self.hidden_reader, self.hidden_target = drafter, target
+        self.tree: tuple[TreeDrafter, TreeLanguageModel, TreeCache] | None = None  # tree rounds' parts
+        if isinstance(drafter, TreeDrafter):
             drafter.shape.check_fits(target.max_context)
-            if not isinstance(self.cache, TreeCache):
-                raise ValueError(
+            if not isinstance(self.cache, TreeCache) or not isinstance(target, TreeLanguageModel):
+                raise UsageError(
                     f"token trees need a cache that compacts; {type(self.cache).__name__} does not"
                 )
             if trace is not None:
-                raise ValueError("token-fate traces record chain rounds only, not token trees")
+                raise UsageError("token-fate traces record chain rounds only, not token trees")
+            self.tree = (drafter, target, self.cache)
 
     def stream(
         self,
@@ -171,9 +175,9 @@ class SpeculativeEngine:
     ) -> Iterator[list[int]]:
         """Yields the tokens committed by each round; ``stats`` is filled in as it goes."""
         if not prompt:
-            raise ValueError("the prompt is empty: at least one token is needed")
+            raise UsageError("the prompt is empty: at least one token is needed")
         if len(prompt) >= self.target.max_context:
-            raise ValueError(
+            raise UsageError(
                 f"the prompt has {len(prompt)} tokens; the context holds {self.target.max_context}"
             )
         generator = config.sampling.generator(self.target.device)
@@ -182,8 +186,8 @@ class SpeculativeEngine:
         self.cache.truncate(0)
         hidden = self._prefill(ids[:-1])  # every prompt token but the last
         self.drafter.begin(prompt)
-        if hidden is not None:
-            self.drafter.observe_hidden(hidden)
+        if hidden is not None and self.hidden_reader is not None:
+            self.hidden_reader.observe_hidden(hidden)
         stats.prefill_seconds = time.perf_counter() - start
         new = 0
         while True:
@@ -191,10 +195,12 @@ class SpeculativeEngine:
             if room <= 0:
                 stats.stop_reason = "max_new_tokens" if new == config.max_new_tokens else "context"
                 break
-            if self.tree:
-                emitted = self._tree_round(ids, room, config, generator, stats)
+            if self.tree is not None:
+                emitted = self._tree_round(*self.tree, ids, room, config, generator, stats)
             else:
-                emitted = self._round(ids, min(self.k_policy.next_k(), room - 1), config, generator, stats)
+                assert not isinstance(self.drafter, TreeDrafter)  # a tree drafter makes tree rounds only
+                k = min(self.k_policy.next_k(), room - 1)
+                emitted = self._round(self.drafter, ids, k, config, generator, stats)
             emitted = emitted[:room]
             stop = self._stop_index(emitted, config.eos_token_ids)
             keep = emitted if stop is None else emitted[: stop + 1]
@@ -214,6 +220,7 @@ class SpeculativeEngine:
 
     def _round(
         self,
+        drafter: Drafter,
         ids: list[int],
         k: int,
         config: EngineConfig,
@@ -222,7 +229,7 @@ class SpeculativeEngine:
     ) -> list[int]:
         """One round: propose → score k+1 positions in one target forward → verify → commit / roll back."""
         t0 = time.perf_counter()
-        proposal = self.drafter.propose(ids, k, generator) if k > 0 else Proposal.empty()
+        proposal = drafter.propose(ids, k, generator) if k > 0 else Proposal.empty()
         t1 = time.perf_counter()
         logits, hidden = self._forward([ids[-1], *proposal.tokens.tolist()], len(ids) - 1)  # [1, k'+1, V]
         t2 = time.perf_counter()
@@ -231,9 +238,9 @@ class SpeculativeEngine:
             self.trace.record(proposal, logits, verdict, config.sampling)
         emitted, accepted, drafted = verdict.row(0), int(verdict.num_accepted[0]), len(proposal.tokens)
         self.cache.truncate(len(ids) - 1 + len(emitted))  # keep the committed tokens but the new last one
-        if hidden is not None:
-            self.drafter.observe_hidden(hidden[0, : len(emitted)])  # [len(emitted), H]: the committed ones
-        self.drafter.observe(accepted)
+        if hidden is not None and self.hidden_reader is not None:
+            self.hidden_reader.observe_hidden(hidden[0, : len(emitted)])  # [len(emitted), H]: committed ones
+        drafter.observe(accepted)
         self.k_policy.observe(drafted, accepted)
         stats.record_round(drafted, accepted)
         stats.draft_seconds += t1 - t0
@@ -247,15 +254,18 @@ class SpeculativeEngine:
         draft = proposal.tokens.to(logits.device).unsqueeze(0)  # [1, k']
         eos = sorted(config.eos_token_ids) or None
         if config.sampling.greedy:
-            return greedy_verify(draft, logits, eos_token_id=eos)
+            return greedy_verify(draft, p=logits, eos_token_id=eos)
         p = probs_from_logits(logits, config.sampling)  # [1, k'+1, V]
         if proposal.q is None:
-            return single_guess_sample(draft, p, generator, eos_token_id=eos)
+            return single_guess_sample(draft, p=p, generator=generator, eos_token_id=eos)
         q = proposal.q.to(logits.device).unsqueeze(0)  # [1, k', V]
-        return rejection_sample(draft, q, p, generator, eos_token_id=eos)
+        return rejection_sample(draft, q=q, p=p, generator=generator, eos_token_id=eos)
 
     def _tree_round(
         self,
+        drafter: TreeDrafter,
+        target: TreeLanguageModel,
+        cache: TreeCache,
         ids: list[int],
         room: int,
         config: EngineConfig,
@@ -265,17 +275,17 @@ class SpeculativeEngine:
         """One tree round: propose a tree → score every node in ONE target forward → verify → compact the
         accepted path into place. ``room``: the tokens the round may still emit (the tree's depth < room)."""
         root = len(ids) - 1  # the root's slot: the last committed token, fed first
-        shape = self.drafter.shape.capped(room - 1, self.cache.capacity - root)
+        shape = drafter.shape.capped(room - 1, cache.capacity - root)
         t0 = time.perf_counter()
-        tree = self.drafter.propose_tree(ids, shape, generator)
+        tree = drafter.propose_tree(ids, shape, generator)
         t1 = time.perf_counter()
-        logits, hidden = self._forward_tree(tree, root)  # [N, V], [N, H] or None
+        logits, hidden = self._forward_tree(target, cache, tree, root)  # [N, V], [N, H] or None
         t2 = time.perf_counter()
         verdict = self._verify_tree(tree, logits, config, generator)
         kept = verdict.accepted_nodes[: len(verdict.tokens) - 1]  # all but an accepted end-of-sequence token
-        self.cache.compact(len(ids), [root + node for node in kept])
-        if hidden is not None:
-            self.drafter.observe_hidden(hidden[[0, *kept]])  # [1 + len(kept), H]: the committed path
+        cache.compact(len(ids), [root + node for node in kept])
+        if hidden is not None and self.hidden_reader is not None:
+            self.hidden_reader.observe_hidden(hidden[[0, *kept]])  # [1 + len(kept), H]: the committed path
         stats.record_round(tree.max_depth, verdict.num_accepted)
         stats.tree_nodes += tree.num_nodes - 1
         stats.draft_seconds += t1 - t0
@@ -289,23 +299,25 @@ class SpeculativeEngine:
         tokens, parents = tree.tokens.to(logits.device), tree.parents.to(logits.device)  # [N], [N]
         eos = sorted(config.eos_token_ids) or None
         if config.sampling.greedy:
-            return tree_greedy_verify(tokens, parents, logits, eos_token_id=eos)
+            return tree_greedy_verify(tokens, parents, p=logits, eos_token_id=eos)
         p = probs_from_logits(logits, config.sampling)  # [N, V]
         q = None if tree.q is None else tree.q.to(logits.device)  # [N, V]
-        return tree_rejection_sample(tokens, parents, p, q, generator, eos_token_id=eos)
+        return tree_rejection_sample(tokens, parents, p=p, q=q, generator=generator, eos_token_id=eos)
 
-    def _forward_tree(self, tree: TreeProposal, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward_tree(
+        self, target: TreeLanguageModel, cache: TreeCache, tree: TreeProposal, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feeds the tree's nodes into the target's cache from slot ``start``, node i at position start +
         depth[i], attending to its ancestors; returns logits [N, V] and, for a drafter that reads them, the
         final hidden states [N, H], else None."""
-        device = self.target.device
+        device = target.device
         tokens = tree.tokens.to(device).unsqueeze(0)  # [1, N]
         positions = (start + tree.depth).to(device).unsqueeze(0)  # [1, N]
         mask = tree.mask.to(device)  # [N, N]
-        if not self.reads_hidden:
-            return self.target.forward(tokens, positions, self.cache, tree_mask=mask)[0], None
-        hidden = self.target.forward_hidden(tokens, positions, self.cache, tree_mask=mask)[0]  # [N, H]
-        return self.target.logits(hidden), hidden
+        if self.hidden_target is None:
+            return target.forward(tokens, positions, cache, tree_mask=mask)[0], None
+        hidden = self.hidden_target.forward_hidden(tokens, positions, cache, tree_mask=mask)[0]  # [N, H]
+        return self.hidden_target.logits(hidden), hidden
 
     def _prefill(self, tokens: list[int]) -> torch.Tensor | None:
         """Feeds ``tokens`` into the empty cache without computing logits; returns the target's final hidden
@@ -313,8 +325,8 @@ class SpeculativeEngine:
         if not tokens:
             return None
         batch, positions = self._inputs(tokens, 0)
-        if self.reads_hidden:
-            return self.target.forward_hidden(batch, positions, self.cache)[0]
+        if self.hidden_target is not None:
+            return self.hidden_target.forward_hidden(batch, positions, self.cache)[0]
         self.target.prefill(batch, positions, self.cache)
         return None
 
@@ -322,10 +334,10 @@ class SpeculativeEngine:
         """Feeds ``tokens`` (at least one) at positions start.. into the target's cache; returns logits
         [1, T, V] and, for a drafter that reads them, the final hidden states [1, T, H], else None."""
         batch, positions = self._inputs(tokens, start)
-        if not self.reads_hidden:
+        if self.hidden_target is None:
             return self.target.forward(batch, positions, self.cache), None
-        hidden = self.target.forward_hidden(batch, positions, self.cache)  # [1, T, H]
-        return self.target.logits(hidden), hidden
+        hidden = self.hidden_target.forward_hidden(batch, positions, self.cache)  # [1, T, H]
+        return self.hidden_target.logits(hidden), hidden
 
     def _inputs(self, tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch [1, T] of ``tokens`` and their positions [1, T] from ``start``, on the target device."""

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verispec.analysis import CostModel, speedup_by_k
+from verispec.analysis.analytic import CostModel, speedup_by_k
+from verispec.errors import UsageError
 
 __all__ = ["AdditiveK", "AutoKConfig", "ConstantK", "CostModelK", "KPolicy"]
 
@@ -37,7 +38,7 @@ class ConstantK(KPolicy):
 
     def __init__(self, k: int) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"k must be an integer >= 0, got {k!r}")
+            raise UsageError(f"k must be an integer >= 0, got {k!r}")
         self.k = k
         self.name = str(k)
 
@@ -52,7 +53,7 @@ class AdditiveK(KPolicy):
 
     def __init__(self, k_start: int = 4, k_min: int = 1, k_max: int = 16) -> None:
         if not (isinstance(k_min, int) and isinstance(k_max, int) and 1 <= k_min <= k_start <= k_max):
-            raise ValueError(f"need 1 <= k_min <= k_start <= k_max, got {k_min}, {k_start}, {k_max}")
+            raise UsageError(f"need 1 <= k_min <= k_start <= k_max, got {k_min}, {k_start}, {k_max}")
         self.k, self.k_min, self.k_max = k_start, k_min, k_max
 
     def next_k(self) -> int:
@@ -67,7 +68,7 @@ class AdditiveK(KPolicy):
 
 @dataclass(frozen=True)
 class AutoKConfig:
-    """How :class:`CostModelK` estimates the acceptance rates and probes; validated with ValueError.
+    """How :class:`CostModelK` estimates the acceptance rates and probes; validated with UsageError.
 
     prior: (accepted, rejected) pseudo-counts of the Beta prior on the first position's rate (default
     Beta(½, ½)); later positions have priors of the same strength centred on max(its mean, α̂ before them).
@@ -88,13 +89,13 @@ class AutoKConfig:
         if len(self.prior) != 2 or not all(
             isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in self.prior
         ):
-            raise ValueError(f"prior must be two finite pseudo-counts > 0, got {self.prior!r}")
+            raise UsageError(f"prior must be two finite pseudo-counts > 0, got {self.prior!r}")
         for name in ("memory", "probe_budget"):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 < value <= 1):
-                raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+                raise UsageError(f"{name} must be a number in (0, 1], got {value!r}")
         if self.k_max is not None and not (_is_int(self.k_max) and self.k_max >= 0):
-            raise ValueError(f"k_max must be an integer >= 0 or None, got {self.k_max!r}")
+            raise UsageError(f"k_max must be an integer >= 0 or None, got {self.k_max!r}")
 
 
 def _is_int(x: object) -> bool:
@@ -106,7 +107,8 @@ class CostModelK(KPolicy):
 
         K* = argmax_{K = 0..k_max} E[L](α̂_1..α̂_K) / (v(K+1) + K·c),   E[L] = 1 + α̂_1 + α̂_1·α̂_2 + …
 
-    (:func:`verispec.analysis.speedup_by_k`; the smallest K on ties), where v and c are the calibrated costs
+    (:func:`verispec.analysis.analytic.speedup_by_k`; the smallest K on ties), where v and c are the
+    calibrated costs
     of this target and drafter on this machine and α̂_i estimates the probability that draft position i is
     accepted when every position before it was. Acceptance is estimated per position because it is far from
     independent: an n-gram guess whose first token is right is usually copying, and its next tokens are
@@ -129,12 +131,12 @@ class CostModelK(KPolicy):
 
     def __init__(self, cost: CostModel, config: AutoKConfig | None = None) -> None:
         if not isinstance(cost, CostModel):
-            raise ValueError(f"cost must be a CostModel, got {type(cost).__name__}")
+            raise UsageError(f"cost must be a CostModel, got {type(cost).__name__}")
         self.config = config or AutoKConfig()
         k_max = self.config.k_max
         if k_max is None:
             if cost.max_k is None:
-                raise ValueError("give AutoKConfig.k_max for a verification cost without a finite curve")
+                raise UsageError("give AutoKConfig.k_max for a verification cost without a finite curve")
             k_max = cost.max_k
         self.cost = cost
         self._round_costs = cost.round_costs(k_max)  # [k_max + 1]: v(K+1) + K·c

@@ -18,12 +18,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from verispec.errors import UsageError
+
 __all__ = ["SamplingParams", "probs_from_logits"]
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the target samples; validated on construction (ValueError with a one-line message).
+    """How the target samples; validated on construction (UsageError with a one-line message).
 
     temperature: ≥ 0; 0 means greedy decoding.
     top_k: keep the k most likely tokens; 0 keeps all.
@@ -41,18 +43,18 @@ class SamplingParams:
     def __post_init__(self) -> None:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+            raise UsageError(f"temperature must be a finite number >= 0, got {t!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            raise UsageError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+            raise UsageError(f"top_p must be in (0, 1], got {p!r}")
         m = self.min_p
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not (0 <= m < 1):
-            raise ValueError(f"min_p must be in [0, 1), got {m!r}")
+            raise UsageError(f"min_p must be in [0, 1), got {m!r}")
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**63):
-            raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {s!r}")
+            raise UsageError(f"seed must be an integer in [0, 2**63) or None, got {s!r}")
 
     @property
     def greedy(self) -> bool:
@@ -72,19 +74,19 @@ def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
     """The distribution that defines sampling with ``params``.
 
     logits: [..., V] float; -inf marks a token that can never be sampled; NaN, +inf and rows that are all -inf
-    raise ValueError.
+    raise UsageError.
     Returns probs: [..., V] in the dtype of ``logits`` (float32 for half types), each row summing to 1.
     """
     if not torch.is_floating_point(logits):
-        raise ValueError(f"logits must be a floating-point tensor, got {logits.dtype}")
+        raise UsageError(f"logits must be a floating-point tensor, got {logits.dtype}")
     if logits.ndim == 0 or logits.shape[-1] == 0:
-        raise ValueError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
+        raise UsageError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     if torch.isnan(logits).any() or torch.isposinf(logits).any():
-        raise ValueError("logits contain NaN or +inf")
+        raise UsageError("logits contain NaN or +inf")
     if (logits == float("-inf")).all(dim=-1).any():
-        raise ValueError("a row of logits is entirely -inf: no token can be sampled")
+        raise UsageError("a row of logits is entirely -inf: no token can be sampled")
 
     if params.greedy:
         top = logits.argmax(dim=-1, keepdim=True)

@@ -4,7 +4,7 @@ Pass a :class:`TraceRecorder` to the engine (``SpeculativeEngine(..., trace=reco
 ``Speculator.stream(..., trace=recorder)``); without one the engine computes nothing extra. After each round
 the recorder receives the proposal, the target's logits and the verdict, and keeps one :class:`TokenFate` per
 emitted token: its fate (*accepted* draft token, *recovered* token, *bonus* token — the vocabulary of
-:mod:`verispec.verify`), its round, and at its position t of the round:
+:mod:`verispec.verify.chain`), its round, and at its position t of the round:
 
 - ``p``: p_t(x), the probability of the token under the distribution the verifier used — the target's
   logits through :func:`verispec.sampling.probs_from_logits`. At temperature 0 that distribution is the point
@@ -15,7 +15,7 @@ emitted token: its fate (*accepted* draft token, *recovered* token, *bonus* toke
   at a bonus position, where nothing was drafted;
 - ``accept_prob``: min(1, p_t(x_t) / q_t(x_t)), the probability that the verifier accepted the draft token
   x_t at this position (the token itself when accepted, the draft token it replaced when recovered), computed
-  by the library's own :func:`verispec.verify.rejection_rule`; None for a bonus token;
+  by the library's own :func:`verispec.verify.chain.rejection_rule`; None for a bonus token;
 - ``rejected``: for a recovered token, the draft token that was rejected there, with its p and q.
 
 :meth:`TraceRecorder.finish` turns the records into a :class:`Trace` with each token's text and the run's
@@ -34,10 +34,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from verispec.drafters import Proposal
+from verispec.drafting.base import Proposal
+from verispec.errors import UsageError
 from verispec.models.base import Tokenizer
 from verispec.sampling import SamplingParams, probs_from_logits
-from verispec.verify import Verdict, rejection_rule
+from verispec.verify.chain import Verdict, rejection_rule
 
 __all__ = ["FATES", "TokenFate", "TokenProbs", "Trace", "TraceRecorder", "token_texts"]
 
@@ -50,7 +51,7 @@ def _check_prob(name: str, value: float | None, optional: bool = False) -> None:
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, float) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
+        raise UsageError(f"{name} must be a probability in [0, 1], got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class TokenProbs:
 
     def __post_init__(self) -> None:
         if isinstance(self.token_id, bool) or not isinstance(self.token_id, int) or self.token_id < 0:
-            raise ValueError(f"token_id must be an integer >= 0, got {self.token_id!r}")
+            raise UsageError(f"token_id must be an integer >= 0, got {self.token_id!r}")
         _check_prob("p", self.p)
         _check_prob("q", self.q, optional=True)
         _check_prob("p_softmax", self.p_softmax, optional=True)
@@ -83,12 +84,12 @@ class TokenFate:
 
     def __post_init__(self) -> None:
         if self.fate not in FATES:
-            raise ValueError(f"fate must be one of {FATES}, got {self.fate!r}")
+            raise UsageError(f"fate must be one of {FATES}, got {self.fate!r}")
         if isinstance(self.round, bool) or not isinstance(self.round, int) or self.round < 0:
-            raise ValueError(f"round must be an integer >= 0, got {self.round!r}")
+            raise UsageError(f"round must be an integer >= 0, got {self.round!r}")
         _check_prob("accept_prob", self.accept_prob, optional=self.fate == "bonus")
         if (self.rejected is not None) != (self.fate == "recovered"):
-            raise ValueError("exactly the recovered tokens carry the rejected draft token")
+            raise UsageError("exactly the recovered tokens carry the rejected draft token")
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ class Trace:
     def __post_init__(self) -> None:
         rounds = [t.round for t in self.tokens]
         if rounds != sorted(rounds):
-            raise ValueError("trace tokens must be in round order")
+            raise UsageError("trace tokens must be in round order")
 
     def count(self, fate: str) -> int:
         """How many tokens have ``fate``."""
@@ -157,7 +158,7 @@ class TraceRecorder:
             q = torch.nn.functional.one_hot(draft, vocab).to(p.dtype)  # [k', Vq]
         else:
             q = proposal.q.to(p.device, p.dtype)  # [k', Vq]
-        accept = rejection_rule(draft.unsqueeze(0), q.unsqueeze(0), p.unsqueeze(0)).accept_prob[0]  # [k']
+        accept = rejection_rule(draft.unsqueeze(0), q=q.unsqueeze(0), p=p.unsqueeze(0)).accept_prob[0]  # [k']
 
         def probs(t: int, token: int) -> TokenProbs:
             def at(dist: Tensor) -> float:  # dist: [V], zero beyond its vocabulary
@@ -189,9 +190,9 @@ class TraceRecorder:
     ) -> Trace:
         """The trace of the committed tokens, with their texts. stats: the run's ``GenerationStats.as_dict()``
         (the committed tokens are the first ``stats["new_tokens"]`` recorded). A recorder records one
-        generation: ValueError when the stats count another number of rounds."""
+        generation: UsageError when the stats count another number of rounds."""
         if stats["target_calls"] != self.num_rounds:
-            raise ValueError(
+            raise UsageError(
                 f"the recorder saw {self.num_rounds} rounds, the stats count {stats['target_calls']}: "
                 "use one TraceRecorder per generation"
             )

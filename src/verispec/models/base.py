@@ -9,7 +9,8 @@ Guarantees the engine relies on:
   n are never modified by a later ``forward``.
 - The same inputs give the same logits (no hidden state outside the cache).
 
-Token trees (:mod:`verispec.tree`) need more, from a :class:`TreeLanguageModel` and its :class:`TreeCache`:
+Token trees (:mod:`verispec.drafting.tree`) need more, from a :class:`TreeLanguageModel` and its
+:class:`TreeCache`:
 
 - ``forward(..., tree_mask=M)`` with M: [T, T] bool changes only whom the new tokens attend to: token j of the
   call attends to every committed slot and to the new tokens i with M[j, i] (M[j, j] must be True); positions
@@ -42,7 +43,7 @@ class Cache(Protocol):
         ...
 
     def truncate(self, length: int) -> None:
-        """Drop every slot from ``length`` on (0 ≤ length ≤ self.length; ValueError otherwise)."""
+        """Drop every slot from ``length`` on (0 ≤ length ≤ self.length; UsageError otherwise)."""
         ...
 
 
@@ -78,7 +79,7 @@ class TreeCache(Cache, Protocol):
 
     def compact(self, start: int, keep: Sequence[int]) -> None:
         """Move the entries of slots ``keep`` (ascending, in [start, length)) to start, start + 1, …; the
-        length becomes start + len(keep) (ValueError for slots out of that range or not ascending)."""
+        length becomes start + len(keep) (UsageError for slots out of that range or not ascending)."""
         ...
 
 
@@ -90,7 +91,24 @@ class TreeLanguageModel(LanguageModel, Protocol):
         self, tokens: Tensor, positions: Tensor, cache: Cache, tree_mask: Tensor | None = None
     ) -> Tensor:
         """As :meth:`LanguageModel.forward`; tree_mask: [T, T] bool, new token j attends to new token i iff
-        tree_mask[j, i] (None: causal). ValueError when this model cannot take a custom mask."""
+        tree_mask[j, i] (None: causal). UsageError when this model cannot take a custom mask."""
+        ...
+
+
+@runtime_checkable
+class HiddenStateModel(TreeLanguageModel, Protocol):
+    """A language model that also returns its final hidden states, for drafters that read them (the learned
+    heads of :mod:`verispec.drafting.eagle`)."""
+
+    def forward_hidden(
+        self, tokens: Tensor, positions: Tensor, cache: Cache, tree_mask: Tensor | None = None
+    ) -> Tensor:
+        """As :meth:`TreeLanguageModel.forward`, but the final hidden states [B, T, H] (after the last norm)
+        instead of logits; appends the same T cache entries."""
+        ...
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The logits [..., V] of final hidden states [..., H] (the model's head)."""
         ...
 
 
@@ -111,6 +129,6 @@ class Tokenizer(Protocol):
 
     def chat_prompt(self, user_message: str | Sequence[Mapping[str, str]]) -> str:
         """``user_message`` wrapped in the model's chat template, ready to generate the assistant's reply; it
-        may also be a whole conversation, {"role", "content"} messages ending with a user turn. ValueError
+        may also be a whole conversation, {"role", "content"} messages ending with a user turn. UsageError
         when the model has no chat template."""
         ...

@@ -29,6 +29,8 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from verispec.errors import UsageError
+
 __all__ = ["cache_dir", "convert_gguf", "gguf_cache_path", "is_converted"]
 
 _PARTIAL = ".partial-"  # infix of the names of directories under construction
@@ -55,12 +57,12 @@ def is_converted(directory: Path) -> bool:
 def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     """Convert the GGUF file ``gguf`` into the transformers-format directory ``out_dir``, unless that is done.
 
-    Returns ``out_dir``. ValueError (one line) when the file cannot be read or converted; nothing is left
+    Returns ``out_dir``. UsageError (one line) when the file cannot be read or converted; nothing is left
     behind then."""
     if is_converted(out_dir):
         return out_dir
     if not gguf.is_file():
-        raise ValueError(f"no such GGUF file: {gguf}")
+        raise UsageError(f"no such GGUF file: {gguf}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_dead_partials(out_dir)
     partial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{_PARTIAL}{os.getpid()}-", dir=out_dir.parent))
@@ -71,7 +73,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
             os.replace(partial, out_dir)
         except OSError as err:
             if not is_converted(out_dir):  # not a concurrent conversion that finished first
-                raise ValueError(
+                raise UsageError(
                     f"{out_dir} is in the way: not a finished conversion ({first_line(err)})"
                 ) from err
     finally:
@@ -98,14 +100,14 @@ def _write_transformers_dir(gguf: Path, out: Path) -> None:
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
             bar.update()
         except (ValueError, KeyError, OSError, NotImplementedError) as err:
-            raise ValueError(f"cannot convert {gguf}: {first_line(err)}") from err
+            raise UsageError(f"cannot convert {gguf}: {first_line(err)}") from err
         # Tied parameters appear once in named_parameters(), under the name the checkpoint stores.
         missing = sorted(set(dict(skeleton.named_parameters())) - set(tensors))
         if missing:
-            raise ValueError(f"{gguf} lacks {len(missing)} of the model's tensors, e.g. {missing[0]}")
+            raise UsageError(f"{gguf} lacks {len(missing)} of the model's tensors, e.g. {missing[0]}")
         bad = next((key for key, tensor in tensors.items() if not np.isfinite(tensor.numpy()).all()), None)
         if bad is not None:
-            raise ValueError(f"{gguf}: tensor {bad} holds non-finite values")
+            raise UsageError(f"{gguf}: tensor {bad} holds non-finite values")
         bar.set_postfix_str("writing")
         config.architectures = [type(skeleton).__name__]
         config.save_pretrained(out)

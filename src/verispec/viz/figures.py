@@ -8,12 +8,16 @@ amber is a bonus token.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 from matplotlib.figure import Figure
+from matplotlib.typing import RcKeyType
 
+from verispec.errors import UsageError
 from verispec.viz import check_writable, write_atomic
 
 __all__ = ["COLOURS", "FIGURE_FORMATS", "figure_paths", "figure_style", "new_figure", "save_figure"]
@@ -30,7 +34,7 @@ FIGURE_FORMATS = ("png", "svg")
 
 _DPI = 120
 
-_STYLE = {
+_STYLE: dict[RcKeyType, Any] = {
     "font.size": 10,
     "axes.titlesize": 11,
     "axes.spines.top": False,
@@ -57,12 +61,12 @@ def new_figure(width: float, height: float) -> Figure:
 
 def figure_paths(out: str | os.PathLike) -> tuple[Path, ...]:
     """The PNG and SVG paths for ``out``: ``name.png``, ``name.svg`` or ``name`` all give both
-    (``name.png`` and ``name.svg``); any other extension is a ValueError."""
+    (``name.png`` and ``name.svg``); any other extension is a UsageError."""
     out = Path(out)
     if out.suffix.lower() in tuple(f".{f}" for f in FIGURE_FORMATS):
         out = out.with_suffix("")
     elif out.suffix:
-        raise ValueError(f"figure output {out} must end in .png or .svg, or have no extension (both)")
+        raise UsageError(f"figure output {out} must end in .png or .svg, or have no extension (both)")
     return tuple(check_writable(out.with_name(f"{out.name}.{f}")) for f in FIGURE_FORMATS)
 
 
@@ -71,5 +75,5 @@ def save_figure(fig: Figure, out: str | os.PathLike) -> tuple[Path, ...]:
     paths = figure_paths(out)
     with figure_style():
         for path in paths:
-            write_atomic(path, lambda tmp, fmt=path.suffix[1:]: fig.savefig(tmp, format=fmt, dpi=_DPI))
+            write_atomic(path, functools.partial(fig.savefig, format=path.suffix[1:], dpi=_DPI))
     return paths

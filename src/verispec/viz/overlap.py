@@ -5,7 +5,7 @@ For a target distribution p and a draft distribution q over the same vocabulary,
 accepted with probability min(1, p(x) / q(x)). Per token:
 
 - min(p(x), q(x)) is mass that is always accepted (green); its sum is the acceptance probability
-  α = Σ min(p, q) (:func:`verispec.analysis.acceptance_rate`);
+  α = Σ min(p, q) (:func:`verispec.analysis.analytic.acceptance_rate`);
 - (q(x) − p(x))⁺ is q's excess over p (red): the draft mass that can be rejected, 1 − α in all;
 - (p(x) − q(x))⁺ is the residual (blue), also 1 − α in all: a rejection resamples from it, normalized.
 
@@ -22,8 +22,10 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.typing import LineStyleType
 
-from verispec.analysis import acceptance_rate
+from verispec.analysis.analytic import acceptance_rate
+from verispec.errors import UsageError
 from verispec.models.base import LanguageModel
 from verispec.sampling import SamplingParams, probs_from_logits
 from verispec.viz.figures import COLOURS, figure_style, new_figure
@@ -62,17 +64,18 @@ class OverlapBars:
 
 def overlap_bars(p: object, q: object, top: int) -> OverlapBars:
     """The bars for distributions p, q [V] and the ``top`` ≥ 1 tokens of largest max(p, q); one-line
-    ValueError unless p and q are distributions (as :func:`verispec.analysis.acceptance_rate` checks) of the
-    same length."""
+    UsageError unless p and q are distributions (as :func:`verispec.analysis.analytic.acceptance_rate`
+    checks) of the same length."""
     try:
         p, q = (np.asarray(x, dtype=np.float64) for x in (p, q))
     except (TypeError, ValueError):
-        raise ValueError("p and q must be lists of numbers") from None
+        raise UsageError("p and q must be lists of numbers") from None
     if p.ndim != 1 or p.shape != q.shape:
-        raise ValueError(f"p and q must be lists of the same length, got shapes {p.shape} and {q.shape}")
+        raise UsageError(f"p and q must be lists of the same length, got shapes {p.shape} and {q.shape}")
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
-        raise ValueError(f"top must be an integer >= 1, got {top!r}")
+        raise UsageError(f"top must be an integer >= 1, got {top!r}")
     alpha = acceptance_rate(p, q)  # validates: non-empty, finite, non-negative, each summing to 1
+    assert isinstance(alpha, float)  # one α for one pair of distributions [V]
     order = np.lexsort((np.arange(p.size), -np.maximum(p, q)))  # by max(p, q) down, then by id
     shown, others = order[:top], order[top:]
 
@@ -117,9 +120,12 @@ def overlap_figure(
             )
             shown = [f"{v:.2f}" if v >= 0.005 else "" for v in height]  # no clutter of 0.00 labels
             top_ax.bar_label(outline, labels=shown, fontsize=7, padding=1)
+        outlines: tuple[tuple[LineStyleType, str], ...] = (
+            ("-", "p (target): left bar"),
+            ("--", "q (draft): right bar"),
+        )
         legend = [Patch(color=COLOURS[colour], label=text) for colour, text in LEGEND.items()] + [
-            Patch(fill=False, edgecolor="black", linestyle=style, label=text)
-            for style, text in (("-", "p (target): left bar"), ("--", "q (draft): right bar"))
+            Patch(fill=False, edgecolor="black", linestyle=style, label=text) for style, text in outlines
         ]
         fig.legend(handles=legend, loc="outside upper center", ncols=3 if fig_width > 9 else 2, fontsize=8)
         top_ax.set_ylabel("probability")
@@ -146,13 +152,13 @@ def next_token_distributions(
     """p and q [V] float64: the target's and the draft's distributions of the token after ``prompt_ids``,
     both through :func:`verispec.sampling.probs_from_logits` with ``sampling`` (exactly as the engine)."""
     if draft.vocab_size != target.vocab_size:
-        raise ValueError(
+        raise UsageError(
             f"the draft has {draft.vocab_size} tokens, the target {target.vocab_size}: "
             "the draft must share the target's vocabulary"
         )
     limit = min(target.max_context, draft.max_context)
     if not prompt_ids or len(prompt_ids) > limit:
-        raise ValueError(f"the prompt must have 1 to {limit} tokens, got {len(prompt_ids)}")
+        raise UsageError(f"the prompt must have 1 to {limit} tokens, got {len(prompt_ids)}")
 
     def last(model: LanguageModel) -> np.ndarray:
         tokens = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)  # [1, T]

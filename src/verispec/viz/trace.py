@@ -111,6 +111,7 @@ def _tip(t: TokenFate) -> str:
     elif t.fate == "accepted":
         lines.append(f"accept prob min(1, p/q) = {_fmt(t.accept_prob)}")
     else:
+        assert t.rejected is not None  # a recovered token: TokenFate makes it carry the rejected draft token
         lines.append(f"replaced draft {t.rejected.text!r}: {_probs_line('draft', t.rejected)}")
         lines.append(f"rejected with accept prob min(1, p/q) = {_fmt(t.accept_prob)}")
         lines.append("x ~ residual (p - q)+, normalized")
@@ -118,7 +119,9 @@ def _tip(t: TokenFate) -> str:
 
 
 def _rejected_tip(t: TokenFate) -> str:
+    """The hover text of the rejected draft token of a recovered token."""
     r = t.rejected
+    assert r is not None  # a recovered token: TokenFate makes it carry the rejected draft token
     return "\n".join(
         [
             f"{r.text!r} (id {r.token_id}): rejected draft token, round {t.round + 1}",
@@ -237,7 +240,7 @@ a rejection) or one bonus token (sampled from p after a fully accepted draft). A
 
 
 def write_trace_html(trace: Trace, path: str | os.PathLike) -> Path:
-    """Write :func:`trace_html` to ``path`` atomically (one-line ValueError when it cannot be written)."""
+    """Write :func:`trace_html` to ``path`` atomically (one-line UsageError when it cannot be written)."""
     document = trace_html(trace)
     return write_atomic(path, lambda tmp: Path(tmp).write_text(document, encoding="utf-8"))
 

@@ -1,5 +1,5 @@
-"""Training an EAGLE draft head (:class:`verispec.eagle.model.EagleHead`) on a data set of
-:mod:`verispec.eagle.data`: the target's own answers, with its final hidden state at every position.
+"""Training an EAGLE draft head (:class:`verispec.drafting.eagle.model.EagleHead`) on a data set of
+:mod:`verispec.drafting.eagle.data`: the target's own answers, with its final hidden state at every position.
 
 The recipe, on CPU in hours:
 
@@ -41,8 +41,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from verispec.eagle.data import load_split, read_data_meta
-from verispec.eagle.model import KINDS, MAX_LAYERS, EagleHead, native_target, target_fingerprint
+from verispec.drafting.eagle.data import load_split, read_data_meta
+from verispec.drafting.eagle.model import KINDS, MAX_LAYERS, EagleHead, native_target, target_fingerprint
+from verispec.errors import UsageError
+from verispec.models.base import LanguageModel
 from verispec.models.llama import Llama
 
 __all__ = [
@@ -68,7 +70,7 @@ _FEATURE_CHECK_TOLERANCE = 0.02  # relative error allowed (the data set stores f
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How a drafter is trained (see the module docstring); validated with ValueError."""
+    """How a drafter is trained (see the module docstring); validated with UsageError."""
 
     kind: str = "eagle"
     steps: int = 2000
@@ -93,11 +95,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.init, str):
-            raise ValueError(f"init must be a drafter file path (a string), got {self.init!r}")
+            raise UsageError(f"init must be a drafter file path (a string), got {self.init!r}")
         if self.kind not in KINDS:
-            raise ValueError(f"unknown drafter kind {self.kind!r}; verispec trains {', '.join(KINDS)}")
+            raise UsageError(f"unknown drafter kind {self.kind!r}; verispec trains {', '.join(KINDS)}")
         if self.ce_target not in CE_TARGETS:
-            raise ValueError(f"ce_target must be one of {', '.join(CE_TARGETS)}, got {self.ce_target!r}")
+            raise UsageError(f"ce_target must be one of {', '.join(CE_TARGETS)}, got {self.ce_target!r}")
         for name in (
             "steps",
             "batch_tokens",
@@ -112,15 +114,15 @@ class TrainConfig:
             _check(name, getattr(self, name), int, 0)
         _check("layers", self.layers, int, 1)
         if self.layers > MAX_LAYERS:
-            raise ValueError(f"layers must be at most {MAX_LAYERS}, got {self.layers!r}")
+            raise UsageError(f"layers must be at most {MAX_LAYERS}, got {self.layers!r}")
         if self.batch_tokens < self.window:
-            raise ValueError(f"batch_tokens ({self.batch_tokens}) must be at least window ({self.window})")
+            raise UsageError(f"batch_tokens ({self.batch_tokens}) must be at least window ({self.window})")
         for name in ("weight_decay", "ce_weight", "noise"):
             _check(name, getattr(self, name), float, 0)
         for name in ("lr", "grad_clip"):
             _check(name, getattr(self, name), float, 0)
             if getattr(self, name) == 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+                raise UsageError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of step ``step`` (0-based): linear warmup, then cosine decay to 10 %."""
@@ -131,10 +133,14 @@ class TrainConfig:
 
 
 def _check(name: str, value: object, kind: type, low: float) -> None:
-    ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value < low:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float) if kind is float else int)
+        or not math.isfinite(value)
+        or value < low
+    ):
         what = "an integer" if kind is int else "a number"
-        raise ValueError(f"{name} must be {what} >= {low}, got {value!r}")
+        raise UsageError(f"{name} must be {what} >= {low}, got {value!r}")
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -153,7 +159,7 @@ class TrainingData:
 
     @classmethod
     def from_split(cls, split: dict[str, Tensor], draft_index: Tensor) -> TrainingData:
-        """From a split as :func:`verispec.eagle.data.load_split` returns it."""
+        """From a split as :func:`verispec.drafting.eagle.data.load_split` returns it."""
         offsets = split["offsets"].long()  # [S+1]
         return cls(
             tokens=split["tokens"].long(),
@@ -183,7 +189,8 @@ def _answer_tokens(split: dict[str, Tensor]) -> Tensor:
 
 @dataclass(frozen=True)
 class Batch:
-    """Windows of slots t (see :mod:`verispec.eagle.model`) from sequences of a data set, right-padded."""
+    """Windows of slots t (see :mod:`verispec.drafting.eagle.model`) from sequences of a data set,
+    right-padded."""
 
     tokens: Tensor  # [B, W] int64: x_{t+1}
     features: Tensor  # [B, W+1, H] float32: f_t for the W slots, then f of the slot after the window
@@ -288,7 +295,9 @@ def batch_loss(
     loss + ce_weight × the cross-entropy; ``noise``: the feature noise's half-width (0: none)."""
     outs = unrolled_features(head, batch, config.unroll, noise, generator)
     terms = [_step_terms(head, f, batch, step, config.ce_target) for step, f in enumerate(outs)]
-    return sum(reg + config.ce_weight * ce for reg, ce in terms) / len(terms)
+    total = sum(reg + config.ce_weight * ce for reg, ce in terms)
+    assert isinstance(total, Tensor)  # the sum of at least one step's terms (unroll >= 0)
+    return total / len(terms)
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -308,7 +317,7 @@ def _check_data(directory: Path, target: Llama, label: str) -> tuple[dict, dict[
     meta = read_data_meta(directory)
     sizes = (meta.get("hidden_size"), meta.get("vocab_size"))
     if sizes != (target.config.hidden_size, target.vocab_size):
-        raise ValueError(
+        raise UsageError(
             f"the data set in {directory} was made by target {meta.get('target')!r} (hidden size {sizes[0]}, "
             f"vocabulary {sizes[1]}), not by {label!r} ({target.config.hidden_size}, {target.vocab_size})"
         )
@@ -319,7 +328,7 @@ def _check_data(directory: Path, target: Llama, label: str) -> tuple[dict, dict[
         ours = target.forward_hidden(tokens, torch.arange(n)[None], target.new_cache(1, n))[0].float()
     error = float((ours - held["hidden"][:n].float()).norm() / ours.norm())
     if error > _FEATURE_CHECK_TOLERANCE:
-        raise ValueError(
+        raise UsageError(
             f"the data set in {directory} was made by target {meta.get('target')!r}: its hidden states "
             f"differ from those of {label!r} (relative error {error:.3f})"
         )
@@ -334,7 +343,7 @@ def _evaluate(head: EagleHead, data: TrainingData, max_tokens: int, window: int)
     used, generator = 0, torch.Generator().manual_seed(0)  # the order; no noise is drawn
     with torch.no_grad():
         for seq in torch.randperm(data.starts.shape[0], generator=generator).tolist():
-            width = int(min(window, data.lengths[seq] - 1))
+            width = min(window, int(data.lengths[seq]) - 1)
             if width < 1:
                 continue
             batch = _window(data, torch.tensor([seq]), torch.zeros(1, dtype=torch.long), width)
@@ -348,6 +357,7 @@ def _evaluate(head: EagleHead, data: TrainingData, max_tokens: int, window: int)
 
 
 def _write_atomic(path: Path, obj: object) -> None:
+    """Save ``obj`` to ``path`` with torch.save, atomically (a temporary file renamed over it)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
     os.close(fd)
     try:
@@ -358,8 +368,181 @@ def _write_atomic(path: Path, obj: object) -> None:
         raise
 
 
+@dataclass
+class _Run:
+    """A training run: where its files go, what they record about its origin, the head with its optimizer and
+    random stream, and how far it has come."""
+
+    config: TrainConfig
+    out_dir: Path
+    fingerprint: str  # target_fingerprint of the target
+    draft_vocab: Tensor  # [Vd] int64
+    coverage: float  # share of the training answers' tokens that are in the draft vocabulary
+    data: dict[str, object]  # the data set's meta.json entries recorded in the drafter file
+    head: EagleHead
+    optimizer: torch.optim.Optimizer
+    generator: torch.Generator  # every random draw of the run, in order (initialisation, batches, noise)
+    step: int = 0  # steps done
+    seconds: float = 0.0  # time spent in the steps
+    accuracy: list[float] = dataclasses.field(default_factory=lambda: [0.0] * EVAL_POSITIONS)  # last eval
+
+    @property
+    def settings(self) -> dict[str, object]:
+        """The training settings as the checkpoint and the drafter file record them."""
+        return dataclasses.asdict(self.config)
+
+
+def _checkpoint_path(out_dir: Path, resume: bool) -> Path:
+    """The checkpoint file of the run in ``out_dir``, after checking that it exists when resuming and does
+    not otherwise (UsageError)."""
+    path = out_dir / CHECKPOINT
+    if resume and not path.is_file():
+        raise UsageError(f"nothing to resume: {out_dir} holds no {CHECKPOINT}")
+    if not resume and path.exists():
+        raise UsageError(f"{out_dir} already holds a training run: pass --resume, or choose another --out")
+    return path
+
+
+def _choose_draft_vocab(
+    config: TrainConfig, target: Llama, target_label: str, answers: Tensor
+) -> tuple[Tensor, EagleHead | None]:
+    """(draft vocabulary [Vd] int64, drafter to start from or None): that of ``config.init`` when given
+    (its size must be ``config.draft_vocab``), else the most frequent of the ``answers`` [M] tokens."""
+    start = EagleHead.load(config.init, target, target_label) if config.init else None
+    if start is None:
+        return _draft_vocabulary(answers, config.draft_vocab, target.vocab_size), None
+    if start.draft_vocab_size != config.draft_vocab:
+        raise UsageError(
+            f"the drafter {config.init} to start from has a draft vocabulary of "
+            f"{start.draft_vocab_size} tokens, not draft_vocab = {config.draft_vocab}"
+        )
+    return start.draft_vocab, start
+
+
+def _new_head(
+    target: Llama, config: TrainConfig, draft_vocab: Tensor, start: EagleHead | None, metadata: dict[str, str]
+) -> tuple[EagleHead, torch.optim.Optimizer, torch.Generator]:
+    """A trainable head on ``draft_vocab`` [Vd] (seeded random, or grown from ``start``), its AdamW optimizer
+    and the run's random stream, which the initialisation has drawn from."""
+    generator = torch.Generator().manual_seed(config.seed)
+    head = EagleHead.create(target, draft_vocab, generator, metadata, config.layers)
+    if start is not None:
+        head.adopt(start)
+    for param in head.parameters():
+        param.requires_grad_(True)
+    optimizer = torch.optim.AdamW(
+        head.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
+    )
+    return head, optimizer, generator
+
+
+def _resume(run: _Run, checkpoint_path: Path) -> None:
+    """Restore ``run`` from its checkpoint (UsageError when that was written with other settings, for another
+    target or another draft vocabulary) and drop the logged evaluations made after it: they are made again."""
+    state = torch.load(checkpoint_path, weights_only=True)
+    settings = run.settings
+    saved = {**dataclasses.asdict(TrainConfig()), **state["settings"]}  # newer settings: their defaults
+    changed = [k for k in settings if saved[k] != settings[k]]
+    if changed:
+        raise UsageError(f"cannot resume the run in {run.out_dir}: settings {', '.join(changed)} differ")
+    if state["target_fingerprint"] != run.fingerprint:
+        raise UsageError(f"cannot resume the run in {run.out_dir}: it was made for another target")
+    if not torch.equal(state["draft_vocab"], run.draft_vocab):
+        raise UsageError(f"cannot resume the run in {run.out_dir}: the data set has changed")
+    run.head.load_state_dict(state["head"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.generator.set_state(state["rng"])
+    run.step, run.seconds, run.accuracy = state["step"], state["seconds"], state["accuracy"]
+    log = run.out_dir / LOG
+    if log.is_file():
+        kept = [line for line in log.read_text().splitlines() if json.loads(line)["step"] <= run.step]
+        log.write_text("".join(f"{line}\n" for line in kept))
+
+
+def _save(run: _Run) -> None:
+    """Write the drafter file (its training record in the metadata) and the checkpoint of ``run``."""
+    run.head.metadata["training"] = {
+        **run.settings,
+        "steps_done": run.step,
+        "seconds": round(run.seconds, 1),
+        "heldout_top1_per_position": [round(a, 4) for a in run.accuracy],
+        "draft_vocab_coverage": round(run.coverage, 4),
+        "data": run.data,
+    }
+    run.head.save(run.out_dir / DRAFTER)
+    _write_atomic(
+        run.out_dir / CHECKPOINT,
+        {
+            "target_fingerprint": run.fingerprint,
+            "settings": run.settings,
+            "draft_vocab": run.draft_vocab,
+            "head": run.head.state_dict(),
+            "optimizer": run.optimizer.state_dict(),
+            "rng": run.generator.get_state(),
+            "step": run.step,
+            "seconds": run.seconds,
+            "accuracy": run.accuracy,
+        },
+    )
+
+
+def _train_step(run: _Run, train: TrainingData, noise: float) -> float:
+    """One optimizer step of ``run`` on a random batch of ``train``; returns its loss."""
+    config = run.config
+    began = time.perf_counter()
+    for group in run.optimizer.param_groups:
+        group["lr"] = config.lr_at(run.step)
+    batch = sample_batch(train, config.batch_tokens // config.window, config.window, run.generator)
+    loss = batch_loss(run.head, batch, config, noise, run.generator)
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(run.head.parameters(), config.grad_clip)
+    run.optimizer.step()
+    run.step += 1
+    run.seconds += time.perf_counter() - began
+    return loss.item()
+
+
+def _log_evaluation(run: _Run, loss: float, train: TrainingData, heldout: TrainingData) -> None:
+    """Evaluate ``run``'s head on both splits, keep the held-out accuracy and append a line to the log."""
+    config = run.config
+    run.accuracy = _evaluate(run.head, heldout, config.eval_tokens, config.window)
+    record = {
+        "step": run.step,
+        "loss": loss,
+        "seconds": round(run.seconds, 1),
+        "heldout_top1": run.accuracy,
+        "train_top1": _evaluate(run.head, train, config.eval_tokens, config.window),
+    }
+    with (run.out_dir / LOG).open("a") as log:
+        log.write(json.dumps(record) + "\n")
+
+
+def _train_loop(run: _Run, train: TrainingData, heldout: TrainingData, noise: float, progress: bool) -> None:
+    """Step ``run`` to ``config.steps``, evaluating and checkpointing at their intervals and at the end."""
+    config = run.config
+    bar = tqdm(
+        total=config.steps, initial=run.step, desc=f"training {config.kind} drafter", disable=not progress
+    )
+    if progress:
+        bar.write(
+            f"draft vocabulary: {run.draft_vocab.shape[0]} tokens, "
+            f"covering {run.coverage:.1%} of the answers",
+            file=sys.stderr,
+        )
+    while run.step < config.steps:
+        loss = _train_step(run, train, noise)
+        if run.step % config.eval_every == 0 or run.step == config.steps:
+            _log_evaluation(run, loss, train, heldout)
+        bar.set_postfix(loss=f"{loss:.3f}", top1="/".join(f"{a:.2f}" for a in run.accuracy))
+        bar.update(1)
+        if run.step % config.checkpoint_every == 0 or run.step == config.steps:
+            _save(run)
+    bar.close()
+
+
 def train_drafter(
-    target: Llama,
+    target: LanguageModel,
     data_dir: str | Path,
     out_dir: str | Path,
     config: TrainConfig = TrainConfig(),
@@ -370,127 +553,36 @@ def train_drafter(
 ) -> Path:
     """Train a drafter for ``target`` on the data set in ``data_dir``; returns the drafter file written into
     ``out_dir`` (with ``checkpoint.pt`` and ``log.jsonl``). ``resume`` continues from the checkpoint in
-    ``out_dir``, which must have been written with the same settings for the same target. ValueError for an
+    ``out_dir``, which must have been written with the same settings for the same target. UsageError for an
     unsupported target, a missing or foreign data set, or a checkpoint that cannot be resumed."""
     target = native_target(target)
     label = target_label or "the target"
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     meta, heldout_split = _check_data(data_dir, target, label)
-    checkpoint_path = out_dir / CHECKPOINT
-    if resume and not checkpoint_path.is_file():
-        raise ValueError(f"nothing to resume: {out_dir} holds no {CHECKPOINT}")
-    if not resume and checkpoint_path.exists():
-        raise ValueError(f"{out_dir} already holds a training run: pass --resume, or choose another --out")
+    checkpoint_path = _checkpoint_path(out_dir, resume)
     fingerprint = target_fingerprint(target)
-    settings = dataclasses.asdict(config)
     train_split = load_split(data_dir, "train")
     answers = _answer_tokens(train_split)  # [M]
-    start = EagleHead.load(config.init, target, target_label) if config.init else None
-    if start is None:
-        draft_vocab = _draft_vocabulary(answers, config.draft_vocab, target.vocab_size)  # [Vd]
-    elif start.draft_vocab_size != config.draft_vocab:
-        raise ValueError(
-            f"the drafter {config.init} to start from has a draft vocabulary of "
-            f"{start.draft_vocab_size} tokens, not draft_vocab = {config.draft_vocab}"
-        )
-    else:
-        draft_vocab = start.draft_vocab  # [Vd]
+    draft_vocab, start = _choose_draft_vocab(config, target, target_label, answers)  # [Vd]
     index = draft_index(draft_vocab, target.vocab_size)  # [V]
     train = TrainingData.from_split(train_split, index)
     heldout = TrainingData.from_split(heldout_split, index)
-    coverage = float(index[answers].ne(_IGNORE).float().mean())
     noise = config.noise * float(train.hidden[:65536].float().pow(2).mean().sqrt())
-
-    generator = torch.Generator().manual_seed(config.seed)
     metadata = {"kind": config.kind, "target": target_label, "target_fingerprint": fingerprint}
-    head = EagleHead.create(target, draft_vocab, generator, metadata, config.layers)
-    if start is not None:
-        head.adopt(start)
-    for param in head.parameters():
-        param.requires_grad_(True)
-    optimizer = torch.optim.AdamW(
-        head.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
+    head, optimizer, generator = _new_head(target, config, draft_vocab, start, metadata)
+    run = _Run(
+        config=config,
+        out_dir=out_dir,
+        fingerprint=fingerprint,
+        draft_vocab=draft_vocab,
+        coverage=float(index[answers].ne(_IGNORE).float().mean()),
+        data={k: meta.get(k) for k in ("target", "num_sequences", "num_tokens", "generation")},
+        head=head,
+        optimizer=optimizer,
+        generator=generator,
     )
-    step, seconds, accuracy = 0, 0.0, [0.0] * EVAL_POSITIONS
     if resume:
-        state = torch.load(checkpoint_path, weights_only=True)
-        saved = {**dataclasses.asdict(TrainConfig()), **state["settings"]}  # newer settings: their defaults
-        changed = [k for k in settings if saved[k] != settings[k]]
-        if changed:
-            raise ValueError(f"cannot resume the run in {out_dir}: settings {', '.join(changed)} differ")
-        if state["target_fingerprint"] != fingerprint:
-            raise ValueError(f"cannot resume the run in {out_dir}: it was made for another target")
-        if not torch.equal(state["draft_vocab"], draft_vocab):
-            raise ValueError(f"cannot resume the run in {out_dir}: the data set has changed")
-        head.load_state_dict(state["head"])
-        optimizer.load_state_dict(state["optimizer"])
-        generator.set_state(state["rng"])
-        step, seconds, accuracy = state["step"], state["seconds"], state["accuracy"]
-        log = out_dir / LOG  # evaluations after the checkpoint are made again
-        if log.is_file():
-            kept = [line for line in log.read_text().splitlines() if json.loads(line)["step"] <= step]
-            log.write_text("".join(f"{line}\n" for line in kept))
+        _resume(run, checkpoint_path)
     out_dir.mkdir(parents=True, exist_ok=True)
-
-    def save() -> None:
-        head.metadata["training"] = {
-            **settings,
-            "steps_done": step,
-            "seconds": round(seconds, 1),
-            "heldout_top1_per_position": [round(a, 4) for a in accuracy],
-            "draft_vocab_coverage": round(coverage, 4),
-            "data": {k: meta.get(k) for k in ("target", "num_sequences", "num_tokens", "generation")},
-        }
-        head.save(out_dir / DRAFTER)
-        _write_atomic(
-            checkpoint_path,
-            {
-                "target_fingerprint": fingerprint,
-                "settings": settings,
-                "draft_vocab": draft_vocab,
-                "head": head.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "rng": generator.get_state(),
-                "step": step,
-                "seconds": seconds,
-                "accuracy": accuracy,
-            },
-        )
-
-    windows = config.batch_tokens // config.window
-    bar = tqdm(total=config.steps, initial=step, desc=f"training {config.kind} drafter", disable=not progress)
-    if progress:
-        bar.write(
-            f"draft vocabulary: {draft_vocab.shape[0]} tokens, covering {coverage:.1%} of the answers",
-            file=sys.stderr,
-        )
-    while step < config.steps:
-        began = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = config.lr_at(step)
-        batch = sample_batch(train, windows, config.window, generator)
-        loss = batch_loss(head, batch, config, noise, generator)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
-        optimizer.step()
-        step += 1
-        seconds += time.perf_counter() - began
-        loss_value = loss.item()
-        if step % config.eval_every == 0 or step == config.steps:
-            accuracy = _evaluate(head, heldout, config.eval_tokens, config.window)
-            record = {
-                "step": step,
-                "loss": loss_value,
-                "seconds": round(seconds, 1),
-                "heldout_top1": accuracy,
-                "train_top1": _evaluate(head, train, config.eval_tokens, config.window),
-            }
-            with (out_dir / LOG).open("a") as log:
-                log.write(json.dumps(record) + "\n")
-        bar.set_postfix(loss=f"{loss_value:.3f}", top1="/".join(f"{a:.2f}" for a in accuracy))
-        bar.update(1)
-        if step % config.checkpoint_every == 0 or step == config.steps:
-            save()
-    bar.close()
+    _train_loop(run, train, heldout, noise, progress)
     return out_dir / DRAFTER

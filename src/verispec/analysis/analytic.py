@@ -15,7 +15,7 @@ tokens, then the target verifies K+1 positions in one forward pass.
   does not depend on the number of new tokens).
 - Speedup over plain decoding: E[L] / (v(K+1) + K·c). K = 0 is plain decoding: speedup 1 / v(1) = 1.
 
-Every public function validates its arguments and raises ValueError with a one-line message.
+Every public function validates its arguments and raises UsageError with a one-line message.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from verispec.errors import UsageError
 
 __all__ = [
     "DEFAULT_K_MAX",
@@ -58,18 +60,22 @@ _TIE_TOL = 1e-12  # relative difference under which best_tree_size takes two rat
 
 
 def _check_real(name: str, value: object, low: float = -math.inf, high: float = math.inf) -> float:
-    """value as a float, if it is a finite real number (not a bool) in [low, high]; else ValueError."""
-    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
-    if not (ok and low <= float(value) <= high):
+    """value as a float, if it is a finite real number (not a bool) in [low, high]; else UsageError."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or not low <= float(value) <= high
+    ):
         bounds = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
-        raise ValueError(f"{name} must be a finite number {bounds}, got {value!r}")
+        raise UsageError(f"{name} must be a finite number {bounds}, got {value!r}")
     return float(value)
 
 
 def _check_k(k: object, name: str = "k") -> int:
-    """k as an int, if it is an integer (not a bool) ≥ 0; else ValueError."""
+    """k as an int, if it is an integer (not a bool) ≥ 0; else UsageError."""
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
-        raise ValueError(f"{name} must be an integer >= 0, got {k!r}")
+        raise UsageError(f"{name} must be an integer >= 0, got {k!r}")
     return int(k)
 
 
@@ -78,18 +84,18 @@ def _alphas(alpha: float | Sequence[float] | np.ndarray, k: int | None) -> np.nd
     given sequence (k, if given, must be its length)."""
     if np.ndim(alpha) == 0:
         if k is None:
-            raise ValueError("k is required when alpha is a single number")
+            raise UsageError("k is required when alpha is a single number")
         return np.full(_check_k(k), _check_real("alpha", alpha, 0.0, 1.0))
     try:
         alphas = np.asarray(alpha, dtype=np.float64)
     except (TypeError, ValueError):
-        raise ValueError(f"alpha must be a number or a sequence of numbers, got {alpha!r}") from None
+        raise UsageError(f"alpha must be a number or a sequence of numbers, got {alpha!r}") from None
     if alphas.ndim != 1:
-        raise ValueError(f"per-position alpha must be one-dimensional, got shape {alphas.shape}")
+        raise UsageError(f"per-position alpha must be one-dimensional, got shape {alphas.shape}")
     if not np.all((alphas >= 0) & (alphas <= 1)):  # also rejects NaN
-        raise ValueError("every per-position alpha must lie in [0, 1]")
+        raise UsageError("every per-position alpha must lie in [0, 1]")
     if k is not None and _check_k(k) != alphas.size:
-        raise ValueError(f"k = {k} does not match the {alphas.size} per-position alphas")
+        raise UsageError(f"k = {k} does not match the {alphas.size} per-position alphas")
     return alphas
 
 
@@ -115,9 +121,9 @@ class CostModel:
             try:
                 curve = np.asarray(v, dtype=np.float64)
             except (TypeError, ValueError):
-                raise ValueError(f"verify_cost must be a callable, a sequence or None, got {v!r}") from None
+                raise UsageError(f"verify_cost must be a callable, a sequence or None, got {v!r}") from None
             if curve.ndim != 1 or curve.size == 0:
-                raise ValueError(f"a verify_cost sequence must be one-dimensional and non-empty, got {v!r}")
+                raise UsageError(f"a verify_cost sequence must be one-dimensional and non-empty, got {v!r}")
             object.__setattr__(self, "verify_cost", tuple(float(x) for x in curve))
         for k in range(1, (self.max_k or 0) + 2):  # every entry of a sequence, v(1) of a callable
             self.verify(k)
@@ -131,21 +137,24 @@ class CostModel:
         """v(k), the cost of a target forward over k ≥ 1 new tokens, validated."""
         k = _check_k(k)
         if k < 1:
-            raise ValueError(f"the verification cost is defined for k >= 1 new tokens, got {k}")
+            raise UsageError(f"the verification cost is defined for k >= 1 new tokens, got {k}")
         v = self.verify_cost
         if v is None:
             return 1.0
         if isinstance(v, tuple):
             if k > len(v):
-                raise ValueError(f"verify_cost has {len(v)} entries (k = 1..{len(v)}), k = {k} is beyond it")
+                raise UsageError(f"verify_cost has {len(v)} entries (k = 1..{len(v)}), k = {k} is beyond it")
             value = v[k - 1]
         else:
+            assert callable(v)  # __post_init__ stored any sequence as a tuple
             value = v(k)
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
-            raise ValueError(f"verify_cost({k}) must be a finite number > 0, got {value!r}")
-        if k == 1 and abs(value - 1.0) > _ONE_TOL:
-            raise ValueError(f"verify_cost(1) must be 1 (v(k) = T_target(k) / T_target(1)), got {value!r}")
-        return float(value)
+        real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        number = float(value) if real else math.nan  # NaN: not a number, refused below
+        if not 0 < number < math.inf:
+            raise UsageError(f"verify_cost({k}) must be a finite number > 0, got {value!r}")
+        if k == 1 and abs(number - 1.0) > _ONE_TOL:
+            raise UsageError(f"verify_cost(1) must be 1 (v(k) = T_target(k) / T_target(1)), got {value!r}")
+        return number
 
     def round_cost(self, k: int) -> float:
         """v(K+1) + K·c: the cost of a round that drafts K tokens and verifies K+1 positions."""
@@ -168,12 +177,12 @@ def acceptance_rate(p: np.ndarray, q: np.ndarray) -> float | np.ndarray:
     """
     p, q = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
     if p.shape != q.shape or p.ndim == 0 or p.shape[-1] == 0:
-        raise ValueError(f"p and q must have one shape [..., V] with V >= 1, got {p.shape} and {q.shape}")
+        raise UsageError(f"p and q must have one shape [..., V] with V >= 1, got {p.shape} and {q.shape}")
     for name, probs in (("p", p), ("q", q)):
         if not np.all(np.isfinite(probs) & (probs >= 0)):
-            raise ValueError(f"{name} must be finite and non-negative")
+            raise UsageError(f"{name} must be finite and non-negative")
         if np.any(np.abs(probs.sum(axis=-1) - 1.0) > _ONE_TOL):
-            raise ValueError(f"{name} must sum to 1 over its last axis (within {_ONE_TOL:g})")
+            raise UsageError(f"{name} must sum to 1 over its last axis (within {_ONE_TOL:g})")
     alpha = np.minimum(p, q).sum(axis=-1)
     return float(alpha) if p.ndim == 1 else alpha
 

@@ -24,6 +24,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from verispec.errors import UsageError
 from verispec.models.llama import Llama
 from verispec.models.llama2c import load_llama2c
 from verispec.models.registry import model_dir
@@ -40,14 +41,14 @@ def to_transformers(model: Llama, num_layers: int | None = None) -> LlamaForCaus
     layers (with the final norm and the head: an early-exit draft)."""
     c = model.config
     if model.optimized_for_cpu:
-        raise ValueError(
+        raise UsageError(
             "cannot copy the weights of a model optimized for CPU; load it without the fast path"
         )
     if c.attention_bias != c.attention_out_bias or c.sliding_window is not None or c.rope_scaling is not None:
-        raise ValueError("only plain Llama architectures (no RoPE scaling) convert to LlamaForCausalLM")
+        raise UsageError("only plain Llama architectures (no RoPE scaling) convert to LlamaForCausalLM")
     layers = c.num_layers if num_layers is None else num_layers
     if not 0 < layers <= c.num_layers:
-        raise ValueError(f"num_layers must be in [1, {c.num_layers}], got {num_layers!r}")
+        raise UsageError(f"num_layers must be in [1, {c.num_layers}], got {num_layers!r}")
     config = LlamaConfig(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
@@ -70,7 +71,7 @@ def to_transformers(model: Llama, num_layers: int | None = None) -> LlamaForCaus
     weights = {k: v for k, v in model.state_dict().items() if not k.startswith(dropped)}
     missing, unexpected = hf.load_state_dict(weights, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
-        raise ValueError(f"weights do not map onto LlamaForCausalLM: {sorted(unexpected or missing)[:3]}")
+        raise UsageError(f"weights do not map onto LlamaForCausalLM: {sorted(unexpected or missing)[:3]}")
     hf.tie_weights()
     return hf
 
@@ -82,7 +83,7 @@ def load_transformers(
     path = Path(spec).expanduser()
     if path.suffix == ".bin":  # llama2.c: no transformers directory; convert the native weights
         if tokenizer is None:
-            raise ValueError(f"{path} is a llama2.c checkpoint: it needs its tokenizer file")
+            raise UsageError(f"{path} is a llama2.c checkpoint: it needs its tokenizer file")
         return to_transformers(load_llama2c(path), num_layers)
     extra = {} if num_layers is None else {"num_hidden_layers": num_layers}
     with _quiet():  # the layers left out of an early exit are reported as unexpected weights
@@ -161,12 +162,13 @@ class TransformersPeer:
         max_new_tokens: int,
         eos_token_ids: frozenset[int],
         temperature: float,
-        seed: int,
+        seed: int | None,
     ) -> PeerRun:
         """One generation by ``method`` (one of :data:`PEERS`), stopping at any of ``eos_token_ids`` or after
-        ``max_new_tokens``; ``temperature`` 0 is greedy, else pure sampling at that temperature (seeded)."""
+        ``max_new_tokens``; ``temperature`` 0 is greedy, else pure sampling at that temperature (seeded with
+        ``seed`` through torch's global generator, the one transformers samples from; None: not reseeded)."""
         if method not in PEERS:
-            raise ValueError(f"unknown transformers method {method!r}; choose one of {', '.join(PEERS)}")
+            raise UsageError(f"unknown transformers method {method!r}; choose one of {', '.join(PEERS)}")
         eos = sorted(eos_token_ids)
         options: dict = dict(
             max_new_tokens=max_new_tokens,
@@ -179,7 +181,7 @@ class TransformersPeer:
         assistant = None
         if method == "transformers-assisted":
             if self.assistant is None:
-                raise ValueError("transformers assisted generation needs a draft model (--draft SPEC)")
+                raise UsageError("transformers assisted generation needs a draft model (--draft SPEC)")
             assistant = self.assistant
             config = assistant.generation_config  # where the candidate generator reads its settings
             config.num_assistant_tokens = k
@@ -189,7 +191,8 @@ class TransformersPeer:
         elif method == "transformers-lookup":
             options["prompt_lookup_num_tokens"] = k
         ids = torch.tensor([prompt_ids])  # [1, L]
-        torch.manual_seed(seed)
+        if seed is not None:
+            torch.manual_seed(seed)
         target_timer, draft_timer = _ForwardTimer(), _ForwardTimer()
         with (
             _quiet(),
@@ -198,7 +201,9 @@ class TransformersPeer:
             draft_timer.attached(assistant),
         ):
             start = time.perf_counter()
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **options)  # [1, L + new]
+            # [1, L + new]; generate comes from GenerationMixin, which transformers mixes into the concrete
+            # model classes only (PreTrainedModel's type does not have it)
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **options)  # type: ignore[operator]
             total = time.perf_counter() - start
         return PeerRun(
             token_ids=out[0, len(prompt_ids) :].tolist(),

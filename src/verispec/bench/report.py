@@ -20,6 +20,17 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
+from verispec.bench.goals import judge
+from verispec.bench.records import (
+    Cell,
+    Identity,
+    Metrics,
+    Results,
+    Spread,
+    TimeSplit,
+    metrics,
+    tokens_per_second,
+)
 from verispec.viz import write_atomic
 from verispec.viz.figures import COLOURS, figure_style, new_figure, save_figure
 
@@ -35,8 +46,8 @@ def _number(spec: str, suffix: str = "") -> Callable[[object], str]:
     return lambda x: _MISSING if x is None else f"{x:{spec}}{suffix}"
 
 
-def _speed(s: dict | None) -> str:
-    return _MISSING if not s else f"{s['median']:.1f} ({s['min']:.1f}–{s['max']:.1f})"
+def _speed(s: Spread) -> str:
+    return f"{s['median']:.1f} ({s['min']:.1f}–{s['max']:.1f})"
 
 
 def _positions(rates: list[float]) -> str:
@@ -44,11 +55,16 @@ def _positions(rates: list[float]) -> str:
     return (shown + (" …" if len(rates) > 4 else "")) or _MISSING
 
 
-def _split(split: dict) -> str:
-    return "/".join(f"{100 * split[part]:.0f}" for part in _SPLIT)
+def _split(split: TimeSplit) -> str:
+    return "/".join(f"{100 * share:.0f}" for share in _shares(split))
 
 
-def _identity(identity: dict | None) -> str:
+def _shares(split: TimeSplit) -> tuple[float, float, float, float]:
+    """The shares in the order of :data:`_SPLIT`."""
+    return split["prefill"], split["draft"], split["target"], split["other"]
+
+
+def _identity(identity: Identity | None) -> str:
     if identity is None or not identity["compared"]:
         return _MISSING
     differ, compared = identity["differ"], identity["compared"]
@@ -57,19 +73,19 @@ def _identity(identity: dict | None) -> str:
     return f"✗ {len(differ)}/{compared} differ: {', '.join(differ)}"
 
 
-# (header, metric key or None for the whole metrics dict, formatter)
-COLUMNS: tuple[tuple[str, str, Callable], ...] = (
-    ("tok/s (min–max)", "tokens_per_second", _speed),
-    ("decode tok/s", "decode_tokens_per_second", lambda s: _MISSING if not s else f"{s['median']:.1f}"),
-    ("× transformers", "speedup_vs_transformers", _number(".2f", "×")),
-    ("× none", "speedup_vs_none", _number(".2f", "×")),
-    ("τ", "tokens_per_target_call", _number(".2f")),
-    ("accept", "acceptance_rate", _number(".2f")),
-    ("accept by position", "accepted_per_position", _positions),
-    ("prefill/draft/target/other %", "time_split", _split),
-    ("peak RSS MiB (+growth)", None, lambda m: f"{m['peak_rss_mib']:.0f} (+{m['rss_growth_mib']:.0f})"),
-    ("predicted", "predicted_speedup", _number(".2f", "×")),
-    ("efficiency", "efficiency", _number(".2f")),
+# (header, the cell's metrics → the column's text)
+COLUMNS: tuple[tuple[str, Callable[[Metrics], str]], ...] = (
+    ("tok/s (min–max)", lambda m: _speed(m["tokens_per_second"])),
+    ("decode tok/s", lambda m: f"{m['decode_tokens_per_second']['median']:.1f}"),
+    ("× transformers", lambda m: _number(".2f", "×")(m["speedup_vs_transformers"])),
+    ("× none", lambda m: _number(".2f", "×")(m["speedup_vs_none"])),
+    ("τ", lambda m: _number(".2f")(m["tokens_per_target_call"])),
+    ("accept", lambda m: _number(".2f")(m["acceptance_rate"])),
+    ("accept by position", lambda m: _positions(m["acceptance_per_position"])),
+    ("prefill/draft/target/other %", lambda m: _split(m["time_split"])),
+    ("peak RSS MiB (+growth)", lambda m: f"{m['peak_rss_mib']:.0f} (+{m['rss_growth_mib']:.0f})"),
+    ("predicted", lambda m: _number(".2f", "×")(m["predicted_speedup"])),
+    ("efficiency", lambda m: _number(".2f")(m["efficiency"])),
 )
 
 LEGEND = """\
@@ -94,7 +110,7 @@ LEGEND = """\
 """
 
 
-def _cells(results: dict, task: str, temperature: float) -> list[dict]:
+def _cells(results: Results, task: str, temperature: float) -> list[Cell]:
     return [
         c
         for c in results["cells"]
@@ -102,7 +118,7 @@ def _cells(results: dict, task: str, temperature: float) -> list[dict]:
     ]
 
 
-def _label(cell: dict, repetitions: int) -> str:
+def _label(cell: Cell, repetitions: int) -> str:
     return cell["label"] + ("" if len(cell["samples"]) >= repetitions else " †")
 
 
@@ -110,7 +126,7 @@ def _mode(temperature: float) -> str:
     return "greedy" if temperature == 0 else f"sampled, temperature {temperature:g}"
 
 
-def summary(results: dict, temperature: float) -> list[str]:
+def summary(results: Results, temperature: float) -> list[str]:
     """A Markdown table of every task at once: tok/s, its speedup over transformers' plain ``generate`` and
     the efficiency, one row per method (the lines of the table)."""
     tasks = results["config"]["tasks"]
@@ -119,8 +135,8 @@ def summary(results: dict, temperature: float) -> list[str]:
         row = [label]
         for task in tasks:
             cell = next((c for c in _cells(results, task, temperature) if c["label"] == label), None)
-            m = cell["metrics"] if cell else None
-            if not m:
+            m = metrics(cell) if cell else None
+            if m is None:
                 row.append(_MISSING)
                 continue
             parts = [f"{m['tokens_per_second']['median']:.1f}"]
@@ -139,83 +155,14 @@ def summary(results: dict, temperature: float) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- goals
 
-_COPY_TASKS = ("summarization", "rag", "code_editing")  # where the answer copies its input
-_LEARNED_TASKS = ("chat", "rag")  # where the learned drafter's goals are set (open answers, QA)
 
-
-def _tps(cell: dict) -> float:
-    return cell["metrics"]["tokens_per_second"]["median"]
-
-
-def _best(cells: list[dict], method: str, fixed_k: bool = False) -> dict | None:
-    """The fastest cell of ``method`` (only numeric K when ``fixed_k``), or None."""
-    mine = [c for c in cells if c["method"] == method and not (fixed_k and not c["k"].isdigit())]
-    return max(mine, key=_tps, default=None)
-
-
-def _goal_rows(results: dict, temperature: float) -> list[tuple[str, str, float, float]]:
-    """(goal, where, measured, required) for every goal the run has the cells to judge; a goal is met when
-    measured >= required."""
-    rows = []
-    for task in results["config"]["tasks"]:
-        cells = _cells(results, task, temperature)
-        by_label = {c["label"]: c for c in cells}
-        plain, none = by_label.get("transformers"), by_label.get("none")
-        if plain and none:
-            rows.append(("none ≥ 1.1× transformers", task, _tps(none) / _tps(plain), 1.1))
-        ngram, lookup = _best(cells, "ngram"), _best(cells, "transformers-lookup")
-        if task in _COPY_TASKS and ngram and plain:
-            rows.append(
-                (f"ngram ≥ 2.5× transformers ({ngram['label']})", task, _tps(ngram) / _tps(plain), 2.5)
-            )
-        if task in _COPY_TASKS and ngram and lookup:
-            rows.append(
-                (
-                    f"ngram ≥ 1.5× transformers lookup ({lookup['label']})",
-                    task,
-                    _tps(ngram) / _tps(lookup),
-                    1.5,
-                )
-            )
-        for cell in cells:
-            peer = by_label.get(f"transformers-assisted k={cell['k']}")
-            if cell["method"] == "model" and peer:
-                rows.append(
-                    (f"{cell['label']} ≥ 2× transformers-assisted", task, _tps(cell) / _tps(peer), 2.0)
-                )
-            if cell["method"] in ("none", "transformers", "transformers-assisted", "transformers-lookup"):
-                continue
-            efficiency = cell["metrics"]["efficiency"]
-            if efficiency is not None:
-                rows.append((f"{cell['label']} efficiency ≥ 0.95", task, efficiency, 0.95))
-            fixed = _best(cells, cell["method"], fixed_k=True)
-            if cell["k"] == "auto" and fixed:
-                rows.append(
-                    (
-                        f"{cell['label']} ≥ 0.95× {fixed['label']} (best fixed)",
-                        task,
-                        _tps(cell) / _tps(fixed),
-                        0.95,
-                    )
-                )
-            if cell["k"] == "auto" and none:
-                rows.append((f"{cell['label']} ≥ 0.95× none", task, _tps(cell) / _tps(none), 0.95))
-            if cell["method"] == "eagle" and task in _LEARNED_TASKS and temperature == 0 and none:
-                rows.append((f"{cell['label']} ≥ 1.8× none", task, _tps(cell) / _tps(none), 1.8))
-                if cell["k"] == "4":
-                    rows.append(("eagle k=4 τ ≥ 2.5", task, cell["metrics"]["tokens_per_target_call"], 2.5))
-    eagle = results.get("calibration", {}).get("eagle")
-    if rows and eagle and eagle["cost_ratio"] > 0:  # a draft step ≤ 10 % of a target step
-        rows.append(("eagle: target step / draft step ≥ 10", "calibration", 1 / eagle["cost_ratio"], 10.0))
-    return rows
-
-
-def goals(results: dict) -> list[str]:
-    """The project's speed goals on its reference machine (README, "Benchmarks"), judged from this run's
-    medians: the lines of one Markdown table per temperature, empty when the run has no cells to judge."""
+def goals(results: Results) -> list[str]:
+    """The goals recorded with the run (``verispec bench --goals FILE``, :mod:`verispec.bench.goals`), judged
+    from its medians: the lines of one Markdown table per temperature, empty when none can be judged."""
     lines = []
     for temperature in results["config"]["temperatures"]:
-        rows = _goal_rows(results, temperature)
+        cells = {task: _cells(results, task, temperature) for task in results["config"]["tasks"]}
+        rows = judge(results, temperature, cells)
         if not rows:
             continue
         lines += [
@@ -226,12 +173,13 @@ def goals(results: dict) -> list[str]:
             "|---|---|---|---|",
         ]
         lines += [
-            f"| {g} | {task} | {x:.3f} | {'✓' if x >= need else '✗ missed'} |" for g, task, x, need in rows
+            f"| {row.goal} | {row.where} | {row.measured:.3f} | {'✓' if row.met else '✗ missed'} |"
+            for row in rows
         ]
     return lines
 
 
-def tree_comparison(results: dict) -> list[str]:
+def tree_comparison(results: Results) -> list[str]:
     """Chain against tree at equal target-forward sizes: each tree cell of N nodes beside its chain method's
     cell at K = N − 1 (both score at most N positions per forward; a dynamic tree sized by the costs beside
     K auto); the lines of one Markdown table per temperature, empty without tree cells."""
@@ -242,16 +190,17 @@ def tree_comparison(results: dict) -> list[str]:
             cells = _cells(results, task, temperature)
             by_label = {c["label"]: c for c in cells}
             for tree in (c for c in cells if c.get("tree_nodes") or c.get("chain_k")):
-                k = tree.get("chain_k") or tree["tree_nodes"] - 1  # results before dynamic trees: no chain_k
+                k = tree.get("chain_k") or f"{(tree['tree_nodes'] or 1) - 1}"  # results before dynamic trees
                 chain = by_label.get(f"{tree['method'].removesuffix('-tree')} k={k}")
                 if chain is None:
                     continue
-                t, c = tree["metrics"], chain["metrics"]
+                t, c = metrics(tree), metrics(chain)
+                speed, chain_speed = tokens_per_second(tree), tokens_per_second(chain)
                 rows.append(
                     f"| {task} | {tree['label']} | {chain['label']} | {tree['tree_nodes'] or 'auto'} | "
                     f"{t['forward_size']:.2f} / {c['forward_size']:.2f} | "
                     f"{t['tokens_per_target_call']:.2f} / {c['tokens_per_target_call']:.2f} | "
-                    f"{_tps(tree):.1f} / {_tps(chain):.1f} | {_tps(tree) / _tps(chain):.2f}× |"
+                    f"{speed:.1f} / {chain_speed:.1f} | {speed / chain_speed:.2f}× |"
                 )
         if rows:
             lines += [
@@ -269,7 +218,7 @@ def tree_comparison(results: dict) -> list[str]:
     return lines
 
 
-def markdown(results: dict) -> str:
+def markdown(results: Results) -> str:
     """results.md: the run's context, then one table per task and temperature."""
     config, machine = results["config"], results["machine"]
     status = "complete" if results["complete"] else "interrupted: finished cells only"
@@ -301,7 +250,7 @@ def markdown(results: dict) -> str:
     if len(config["tasks"]) > 1:
         for temperature in config["temperatures"]:
             lines += ["", f"## Summary — {_mode(temperature)}", "", *summary(results, temperature)]
-    headers = ["method", *(h for h, _, _ in COLUMNS), "greedy = none"]
+    headers = ["method", *(h for h, _ in COLUMNS), "greedy = none"]
     for task in config["tasks"]:
         for temperature in config["temperatures"]:
             cells = _cells(results, task, temperature)
@@ -310,9 +259,8 @@ def markdown(results: dict) -> str:
             lines += ["", f"## {task} — {_mode(temperature)}", ""]
             lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
             for cell in cells:
-                m = cell["metrics"]
                 row = [_label(cell, config["repetitions"])]
-                row += [fmt(m if key is None else m.get(key)) for _, key, fmt in COLUMNS]
+                row += [column(metrics(cell)) for _, column in COLUMNS]
                 row.append(_identity(cell.get("greedy_identity")))
                 lines.append("| " + " | ".join(row) + " |")
     if any(c["samples"] and len(c["samples"]) < config["repetitions"] for c in results["cells"]):
@@ -329,12 +277,12 @@ def _colours(labels: list[str]) -> dict[str, tuple]:
     return {label: palette(i % 10) for i, label in enumerate(labels)}
 
 
-def _labels(results: dict) -> list[str]:
+def _labels(results: Results) -> list[str]:
     return list(dict.fromkeys(c["label"] for c in results["cells"] if c["samples"] and c["metrics"]))
 
 
 def _grouped_bars(
-    results: dict, value: Callable[[dict], tuple[float, float, float] | None], ylabel: str, title: str
+    results: Results, value: Callable[[Metrics], tuple[float, float, float] | None], ylabel: str, title: str
 ) -> Figure:
     """One panel per temperature: tasks along x, one bar per method (value: (height, low, high) or None)."""
     config, labels = results["config"], _labels(results)
@@ -348,10 +296,12 @@ def _grouped_bars(
         width = 0.8 / max(1, len(labels))
         for ax, temperature in zip(axes, temperatures, strict=True):
             for j, label in enumerate(labels):
-                xs, heights, errors = [], [], [[], []]
+                xs: list[float] = []
+                heights: list[float] = []
+                errors: tuple[list[float], list[float]] = ([], [])
                 for i, task in enumerate(config["tasks"]):
                     cell = next((c for c in _cells(results, task, temperature) if c["label"] == label), None)
-                    bar = value(cell["metrics"]) if cell else None
+                    bar = value(metrics(cell)) if cell else None
                     if bar is None:
                         continue
                     xs.append(i + (j - (len(labels) - 1) / 2) * width)
@@ -366,7 +316,7 @@ def _grouped_bars(
     return fig
 
 
-def _speedup(results: dict) -> tuple[Callable[[dict], tuple[float, float, float] | None], str]:
+def _speedup(results: Results) -> tuple[Callable[[Metrics], tuple[float, float, float] | None], str]:
     """The speedup bars (over transformers' plain ``generate``, or over ``none`` when it did not run)."""
     key = "speedup_vs_transformers"
     if not any(c["metrics"].get(key) for c in results["cells"] if c["metrics"]):
@@ -375,7 +325,7 @@ def _speedup(results: dict) -> tuple[Callable[[dict], tuple[float, float, float]
     return (lambda m: (m[key], m[key], m[key]) if m.get(key) else None), f"Speedup over {baseline}"
 
 
-def _predicted_figure(results: dict) -> Figure:
+def _predicted_figure(results: Results) -> Figure:
     """Measured decoding speedup over ``none`` against the analytic model's, one point per cell."""
     labels = _labels(results)
     colours = _colours(labels)
@@ -412,7 +362,7 @@ def _predicted_figure(results: dict) -> Figure:
     return fig
 
 
-def _split_figure(results: dict) -> Figure:
+def _split_figure(results: Results) -> Figure:
     """Shares of wall time per method (summed over tasks), one panel per temperature."""
     labels, temperatures = _labels(results), results["config"]["temperatures"]
     with figure_style():
@@ -426,12 +376,8 @@ def _split_figure(results: dict) -> Figure:
                     for c in results["cells"]
                     if c["label"] == label and c["temperature"] == temperature and c["metrics"]
                 ]
-                shares.append(
-                    [
-                        np.mean([c["metrics"]["time_split"][p] for c in cells]) if cells else 0.0
-                        for p in _SPLIT
-                    ]
-                )
+                split = [_shares(metrics(c)["time_split"]) for c in cells]
+                shares.append([float(np.mean(part)) if cells else 0.0 for part in zip(*split, strict=True)])
             left = np.zeros(len(labels))
             for i, part in enumerate(_SPLIT):
                 width = np.array([s[i] for s in shares])
@@ -444,7 +390,7 @@ def _split_figure(results: dict) -> Figure:
     return fig
 
 
-def charts(results: dict, out_dir: str | os.PathLike) -> list[Path]:
+def charts(results: Results, out_dir: str | os.PathLike) -> list[Path]:
     """Write the charts of the module doc into ``out_dir``; returns the paths written."""
     bar, title = _speedup(results)
     figures = {
@@ -465,7 +411,7 @@ def charts(results: dict, out_dir: str | os.PathLike) -> list[Path]:
     return [path for name in CHARTS for path in save_figure(figures[name], Path(out_dir) / name)]
 
 
-def write_report(results: dict, out_dir: str | os.PathLike) -> list[Path]:
+def write_report(results: Results, out_dir: str | os.PathLike) -> list[Path]:
     """Write results.md and the charts into ``out_dir``; returns the paths written."""
     text = markdown(results)
     md = write_atomic(Path(out_dir) / "results.md", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))

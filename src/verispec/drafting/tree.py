@@ -15,15 +15,15 @@ common prefixes; :meth:`TreeShape.select` makes one from chosen nodes.
 A shape with a *budget* is dynamic (EAGLE-2, Li et al. 2024): its nodes are the candidates, and each round the
 drafter expands its likeliest nodes depth by depth and verifies only the ``budget`` draft nodes of highest
 path probability (the product of the draft's probabilities along the path), or, with budget ``"auto"``, as
-many of them as the calibrated costs pay for (:func:`verispec.analysis.best_tree_size`). Written ``SPEC:N``
-or ``SPEC:auto``, e.g. ``3x4:6``.
+many of them as the calibrated costs pay for (:func:`verispec.analysis.analytic.best_tree_size`). Written
+``SPEC:N`` or ``SPEC:auto``, e.g. ``3x4:6``.
 
 The target scores a whole tree in one forward: node i sits at position (committed length − 1 + depth[i]) and
 attends to the committed context and to its ancestors, itself included (``TreeProposal.mask``).
 
 Malformed shapes — gaps in depth (a path whose prefix is missing) or in rank (a child of rank r without its
 sibling of rank r − 1), duplicate or negative ranks, cycles in a parents list, more nodes than allowed — are
-refused with a one-line ValueError.
+refused with a one-line UsageError.
 """
 
 from __future__ import annotations
@@ -36,8 +36,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from verispec.errors import UsageError
 
 __all__ = ["AUTO", "MAX_NODES", "TreeProposal", "TreeShape", "likeliest_nodes", "parse_budget"]
 
@@ -49,7 +52,7 @@ AUTO = "auto"  # the budget of a dynamic tree sized by the cost model each round
 class TreeProposal:
     """A concrete token tree for one round: the root (last committed token) and the draft tokens below it.
 
-    Exactness needs (:mod:`verispec.tree_verify`): with ``q``, the children of a node are independent samples,
+    Exactness needs (:mod:`verispec.verify.tree`): with ``q``, the children of a node are independent samples,
     child c's from q[c] (equal sampled siblings stay separate nodes); with ``q`` None, each draft token is a
     deterministic function of its path (top-k children of a draft model, n-gram matches), verified as single
     guesses.
@@ -104,7 +107,7 @@ class TreeShape:
         valid = budget is None or budget == AUTO
         valid |= isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1
         if not valid:
-            raise ValueError(f"a tree's node budget is an integer >= 1 or {AUTO!r}, got {budget!r}")
+            raise UsageError(f"a tree's node budget is an integer >= 1 or {AUTO!r}, got {budget!r}")
         base = self.name.rsplit(":", 1)[0] if self.budget is not None else self.name
         name = base if budget is None else f"{base}:{budget}"
         return dataclasses.replace(self, name=name, budget=budget)
@@ -123,26 +126,26 @@ class TreeShape:
         try:
             given = [tuple(path) for path in paths]
         except TypeError:
-            raise ValueError("a tree shape is a list of paths, each a list of child ranks") from None
+            raise UsageError("a tree shape is a list of paths, each a list of child ranks") from None
         for path in given:
             if not all(isinstance(r, int) and not isinstance(r, bool) for r in path):
-                raise ValueError(f"path {list(path)} must hold integer child ranks")
+                raise UsageError(f"path {list(path)} must hold integer child ranks")
             if any(r < 0 for r in path):
-                raise ValueError(f"path {list(path)} has a negative rank")
+                raise UsageError(f"path {list(path)} has a negative rank")
         drafts = [path for path in given if path]
         if len(set(drafts)) != len(drafts):
             duplicate = next(p for p in drafts if drafts.count(p) > 1)
-            raise ValueError(f"path {list(duplicate)} appears twice")
+            raise UsageError(f"path {list(duplicate)} appears twice")
         if not drafts:
-            raise ValueError("a tree shape needs at least one draft node")
+            raise UsageError("a tree shape needs at least one draft node")
         if len(drafts) + 1 > max_nodes:
-            raise ValueError(f"a tree of {len(drafts) + 1} nodes exceeds the limit of {max_nodes}")
+            raise UsageError(f"a tree of {len(drafts) + 1} nodes exceeds the limit of {max_nodes}")
         known = set(drafts) | {()}
         for path in drafts:
             if path[:-1] not in known:
-                raise ValueError(f"gap in depth: path {list(path)} has no parent {list(path[:-1])}")
+                raise UsageError(f"gap in depth: path {list(path)} has no parent {list(path[:-1])}")
             if path[-1] > 0 and (*path[:-1], path[-1] - 1) not in known:
-                raise ValueError(f"gap in rank: path {list(path)} has no sibling of rank {path[-1] - 1}")
+                raise UsageError(f"gap in rank: path {list(path)} has no sibling of rank {path[-1] - 1}")
         ordered = ((), *sorted(drafts, key=lambda p: (len(p), p)))
         index = {path: i for i, path in enumerate(ordered)}
         n = len(ordered)
@@ -164,10 +167,10 @@ class TreeShape:
         """Every node has ``width`` children, down to ``depth``: (width^(depth+1) − 1) / (width − 1) nodes."""
         for label, value in (("width", width), ("depth", depth)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"tree {label} must be an integer >= 1, got {value!r}")
+                raise UsageError(f"tree {label} must be an integer >= 1, got {value!r}")
         nodes = sum(width**d for d in range(depth + 1))
         if nodes > max_nodes:
-            raise ValueError(f"a {width}x{depth} tree has {nodes} nodes, more than the limit of {max_nodes}")
+            raise UsageError(f"a {width}x{depth} tree has {nodes} nodes, more than the limit of {max_nodes}")
         paths = [p for d in range(1, depth + 1) for p in itertools.product(range(width), repeat=d)]
         return cls.from_paths(paths, name=f"{width}x{depth}", max_nodes=max_nodes)
 
@@ -175,7 +178,7 @@ class TreeShape:
     def chain(cls, k: int) -> TreeShape:
         """A single path of ``k`` draft nodes: the chain round's draft, as a tree."""
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"chain length must be an integer >= 1, got {k!r}")
+            raise UsageError(f"chain length must be an integer >= 1, got {k!r}")
         return cls.from_paths([(0,) * d for d in range(1, k + 1)], name=f"chain{k}")
 
     @classmethod
@@ -184,10 +187,10 @@ class TreeShape:
         are ranked in index order."""
         n = len(parents)
         if n < 2 or parents[0] != -1:
-            raise ValueError("a parents list starts with -1 (the root) and has at least one more node")
+            raise UsageError("a parents list starts with -1 (the root) and has at least one more node")
         for i, parent in enumerate(parents[1:], 1):
             if isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < n:
-                raise ValueError(f"node {i} has parent {parent!r}, not a node index in [0, {n})")
+                raise UsageError(f"node {i} has parent {parent!r}, not a node index in [0, {n})")
         paths: dict[int, tuple[int, ...]] = {0: ()}
         children: dict[int, list[int]] = {}
         for i in range(1, n):
@@ -200,7 +203,7 @@ class TreeShape:
                 stack.append(child)
         if len(paths) < n:
             cut = min(set(range(n)) - set(paths))
-            raise ValueError(f"cycle in the parents list: node {cut} never reaches the root")
+            raise UsageError(f"cycle in the parents list: node {cut} never reaches the root")
         return cls.from_paths([paths[i] for i in range(1, n)], name=name)
 
     @classmethod
@@ -210,15 +213,15 @@ class TreeShape:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except OSError as err:
-            raise ValueError(f"cannot read the tree shape file {path}: {err.strerror or err}") from None
+            raise UsageError(f"cannot read the tree shape file {path}: {err.strerror or err}") from None
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"the tree shape file {path} is not valid JSON: {err}") from None
+            raise UsageError(f"the tree shape file {path} is not valid JSON: {err}") from None
         if not isinstance(data, list) or not all(isinstance(p, list) for p in data):
-            raise ValueError(f"the tree shape file {path} must hold a list of paths (lists of child ranks)")
+            raise UsageError(f"the tree shape file {path} must hold a list of paths (lists of child ranks)")
         try:
             return cls.from_paths(data, name=path.stem)
         except ValueError as err:
-            raise ValueError(f"tree shape file {path}: {err}") from None
+            raise UsageError(f"tree shape file {path}: {err}") from None
 
     @classmethod
     def parse(cls, spec: str) -> TreeShape:
@@ -236,10 +239,10 @@ class TreeShape:
     # ------------------------------------------------------------------ use
 
     def check_fits(self, max_context: int) -> None:
-        """ValueError unless a round over a full tree fits a context of ``max_context`` positions next to at
+        """UsageError unless a round over a full tree fits a context of ``max_context`` positions next to at
         least one committed token."""
         if self.num_nodes >= max_context:
-            raise ValueError(
+            raise UsageError(
                 f"the tree {self.name} has {self.num_nodes} nodes: more than the context of {max_context} "
                 "positions allows"
             )
@@ -291,7 +294,7 @@ class TreeShape:
             q=q,
         )
 
-    def merge(self, root: int, continuations: Iterable[Sequence[int]]) -> TreeProposal:
+    def merge(self, root: int, continuations: Iterable[Sequence[int] | np.ndarray]) -> TreeProposal:
         """The prefix tree of ``continuations`` (token sequences following the root, best first) within this
         shape: each one follows the children already made for its tokens and adds a child (of the next
         free rank) for each new token, until a child the shape does not have; it stops once the tree is full.

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from verispec.errors import UsageError
+
 __all__ = [
     "Rule",
     "Verdict",
@@ -99,7 +101,7 @@ class Verdict:
 
 def _check_draft(draft_tokens: Tensor) -> tuple[int, int]:
     if draft_tokens.ndim != 2 or draft_tokens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
+        raise UsageError(
             f"draft_tokens must be an integer tensor of shape [B, K], got {draft_tokens.dtype} "
             f"{tuple(draft_tokens.shape)}"
         )
@@ -121,15 +123,15 @@ def _layout(draft_tokens: Tensor, draft_lengths: Tensor | None) -> _Layout:
     if draft_lengths is None:
         lengths = torch.full((b,), k, dtype=torch.int64, device=draft_tokens.device)
     elif draft_lengths.shape != (b,) or draft_lengths.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"draft_lengths must be an integer tensor of shape [{b}]")
+        raise UsageError(f"draft_lengths must be an integer tensor of shape [{b}]")
     elif b and (int(draft_lengths.min()) < 0 or int(draft_lengths.max()) > k):
-        raise ValueError(f"draft_lengths must lie in [0, {k}]")
+        raise UsageError(f"draft_lengths must lie in [0, {k}]")
     else:
         lengths = draft_lengths.to(device=draft_tokens.device, dtype=torch.int64)
     cols = torch.arange(k + 1, device=draft_tokens.device)
     drafted, used = cols[:k] < lengths.unsqueeze(1), cols <= lengths.unsqueeze(1)
     if bool(((draft_tokens < 0) & drafted).any()):
-        raise ValueError("draft_tokens must be >= 0")
+        raise UsageError("draft_tokens must be >= 0")
     return _Layout(lengths, drafted, used, torch.where(drafted, draft_tokens.long(), 0))
 
 
@@ -138,19 +140,19 @@ def _check_probs(name: str, probs: Tensor, valid: Tensor, dtype: torch.dtype) ->
     positions are ignored (returned as zeros)."""
     b, positions = valid.shape
     if probs.ndim != 3 or probs.shape[0] != b or probs.shape[1] != positions or probs.shape[2] == 0:
-        raise ValueError(f"{name} must have shape [{b}, {positions}, V], got {tuple(probs.shape)}")
+        raise UsageError(f"{name} must have shape [{b}, {positions}, V], got {tuple(probs.shape)}")
     if not torch.is_floating_point(probs):
-        raise ValueError(f"{name} must be a floating-point tensor, got {probs.dtype}")
+        raise UsageError(f"{name} must be a floating-point tensor, got {probs.dtype}")
     for problem, bad in (("NaN or Inf", ~torch.isfinite(probs)), ("a negative probability", probs < 0)):
         bad = bad & valid.unsqueeze(-1)
         if bad.any():
             row, pos, _ = bad.nonzero()[0].tolist()
-            raise ValueError(f"{name} has {problem} at row {row}, position {pos}")
+            raise UsageError(f"{name} has {problem} at row {row}, position {pos}")
     tol = 1e-9 if probs.dtype == torch.float64 else 1e-3  # checked in the precision the caller computed
     off = ((probs.sum(-1) - 1).abs() > tol) & valid
     if off.any():
         row, pos = off.nonzero()[0].tolist()
-        raise ValueError(f"{name} does not sum to 1 at row {row}, position {pos}")
+        raise UsageError(f"{name} does not sum to 1 at row {row}, position {pos}")
     return torch.where(valid.unsqueeze(-1), probs.to(dtype), 0.0)
 
 
@@ -158,11 +160,11 @@ def _check_scores(scores: Tensor, valid: Tensor) -> Tensor:
     """scores: [B, P, V] probabilities or logits, of which only the argmax is used; valid: [B, P] bool."""
     b, positions = valid.shape
     if scores.ndim != 3 or scores.shape[:2] != (b, positions) or scores.shape[2] == 0:
-        raise ValueError(f"p must have shape [{b}, {positions}, V], got {tuple(scores.shape)}")
+        raise UsageError(f"p must have shape [{b}, {positions}, V], got {tuple(scores.shape)}")
     bad = torch.isnan(scores) & valid.unsqueeze(-1)
     if bad.any():
         row, pos, _ = bad.nonzero()[0].tolist()
-        raise ValueError(f"p has NaN at row {row}, position {pos}")
+        raise UsageError(f"p has NaN at row {row}, position {pos}")
     return scores
 
 
@@ -176,8 +178,9 @@ def _pad_vocab(probs: Tensor, vocab: int) -> Tensor:
 
 def rejection_rule(
     draft_tokens: Tensor,
-    q: Tensor,
+    *,
     p: Tensor,
+    q: Tensor,
     draft_lengths: Tensor | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> Rule:
@@ -198,7 +201,7 @@ def rejection_rule(
     q = _check_probs("q", q, lay.drafted, dtype)
     p = _check_probs("p", p, lay.used, dtype)
     if bool((lay.tokens >= q.shape[-1]).any()):
-        raise ValueError(f"a draft token id is outside the draft vocabulary of size {q.shape[-1]}")
+        raise UsageError(f"a draft token id is outside the draft vocabulary of size {q.shape[-1]}")
     vocab = max(p.shape[-1], q.shape[-1])
     p, q = _pad_vocab(p, vocab), _pad_vocab(q, vocab)
     idx = lay.tokens.unsqueeze(-1)  # [B, K, 1]
@@ -214,7 +217,11 @@ def rejection_rule(
 
 
 def single_guess_rule(
-    draft_tokens: Tensor, p: Tensor, draft_lengths: Tensor | None = None, dtype: torch.dtype = torch.float32
+    draft_tokens: Tensor,
+    *,
+    p: Tensor,
+    draft_lengths: Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Rule:
     """Rejection sampling for drafts that come without probabilities (n-gram / prompt lookup): each guess is
     a point-mass draft q_t = onehot(x_t). Accept x_t with probability p_t(x_t); on rejection sample from p_t
@@ -225,14 +232,14 @@ def single_guess_rule(
     lay = _layout(draft_tokens, draft_lengths)
     b, k = lay.drafted.shape
     if p.ndim != 3:
-        raise ValueError(f"p must have shape [{b}, {k + 1}, V], got {tuple(p.shape)}")
+        raise UsageError(f"p must have shape [{b}, {k + 1}, V], got {tuple(p.shape)}")
     vocab = max(p.shape[-1], int(lay.tokens.max()) + 1 if lay.tokens.numel() else 0)
     q = torch.zeros(b, k, vocab, dtype=dtype, device=draft_tokens.device)  # [B, K, V] point masses
     q.scatter_(-1, lay.tokens.unsqueeze(-1), 1.0)
-    return rejection_rule(draft_tokens, q, p, draft_lengths, dtype=dtype)
+    return rejection_rule(draft_tokens, q=q, p=p, draft_lengths=draft_lengths, dtype=dtype)
 
 
-def greedy_rule(draft_tokens: Tensor, p: Tensor, draft_lengths: Tensor | None = None) -> Rule:
+def greedy_rule(draft_tokens: Tensor, *, p: Tensor, draft_lengths: Tensor | None = None) -> Rule:
     """Greedy verification as a rule: accept x_t iff it is the first argmax of p_t; the fallback is a point
     mass on the argmax. p: [B, K+1, V] target distributions or logits (only the argmax is used)."""
     lay = _layout(draft_tokens, draft_lengths)
@@ -282,7 +289,7 @@ def sample_verdict(
     """
     b, k = _check_draft(draft_tokens)
     if rule.accept_prob.shape != (b, k) or rule.fallback.shape[:2] != (b, k + 1):
-        raise ValueError("rule does not match draft_tokens: need accept_prob [B, K] and fallback [B, K+1, V]")
+        raise UsageError("rule does not match draft_tokens: need accept_prob [B, K] and fallback [B, K+1, V]")
     u = torch.rand(b, k, generator=generator, dtype=rule.accept_prob.dtype, device=draft_tokens.device)
     num_accepted = _accepted_prefix(u < rule.accept_prob)
     stop_dist = rule.fallback[torch.arange(b, device=draft_tokens.device), num_accepted]  # [B, V]
@@ -292,8 +299,9 @@ def sample_verdict(
 
 def rejection_sample(
     draft_tokens: Tensor,
-    q: Tensor | None,
+    *,
     p: Tensor,
+    q: Tensor | None,
     generator: torch.Generator,
     draft_lengths: Tensor | None = None,
     eos_token_id: EosIds = None,
@@ -305,22 +313,36 @@ def rejection_sample(
     draft_tokens: [B, K] int; q: [B, K, Vq] or None; p: [B, K+1, Vp]; draft_lengths: [B] or None.
     """
     if q is None:
-        rule = single_guess_rule(draft_tokens, p, draft_lengths, dtype=dtype)
+        rule = single_guess_rule(draft_tokens, p=p, draft_lengths=draft_lengths, dtype=dtype)
     else:
-        rule = rejection_rule(draft_tokens, q, p, draft_lengths, dtype=dtype)
+        rule = rejection_rule(draft_tokens, q=q, p=p, draft_lengths=draft_lengths, dtype=dtype)
     return sample_verdict(rule, draft_tokens, generator, eos_token_id)
 
 
 def single_guess_sample(
-    draft_tokens: Tensor, p: Tensor, generator: torch.Generator, *args: object, **kwargs: object
+    draft_tokens: Tensor,
+    *,
+    p: Tensor,
+    generator: torch.Generator,
+    draft_lengths: Tensor | None = None,
+    eos_token_id: EosIds = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Verdict:
-    """Exact verification of guesses without draft probabilities: ``rejection_sample`` with q None, taking
-    its other arguments (draft_lengths, eos_token_id, dtype). draft_tokens: [B, K] int; p: [B, K+1, V]."""
-    return rejection_sample(draft_tokens, None, p, generator, *args, **kwargs)
+    """Exact verification of guesses without draft probabilities: :func:`rejection_sample` with q None.
+    draft_tokens: [B, K] int; p: [B, K+1, V]; the other arguments as for :func:`rejection_sample`."""
+    return rejection_sample(
+        draft_tokens,
+        p=p,
+        q=None,
+        generator=generator,
+        draft_lengths=draft_lengths,
+        eos_token_id=eos_token_id,
+        dtype=dtype,
+    )
 
 
 def greedy_verify(
-    draft_tokens: Tensor, p: Tensor, draft_lengths: Tensor | None = None, eos_token_id: EosIds = None
+    draft_tokens: Tensor, *, p: Tensor, draft_lengths: Tensor | None = None, eos_token_id: EosIds = None
 ) -> Verdict:
     """Greedy verification, no randomness: accept the longest prefix with x_t = argmax p_t, then emit the
     target's argmax at the first mismatch (or after the whole draft). Token-identical to greedy decoding.

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from verispec.errors import UsageError
 from verispec.models.base import LanguageModel
 from verispec.models.llama import (
     KVCache,
@@ -51,16 +52,16 @@ MAX_LAYERS = 8  # the most decoder layers a head may have
 
 def native_target(model: LanguageModel) -> Llama:
     """``model`` itself when it is a native Llama-family model (the only targets learned drafters read the
-    hidden states of); ValueError otherwise."""
+    hidden states of); UsageError otherwise."""
     if not isinstance(model, Llama):
-        raise ValueError(
+        raise UsageError(
             "learned drafters need a native Llama-family target (llama, mistral, qwen2 checkpoints); "
             f"this target runs as a {type(model).__name__}"
         )
     return model
 
 
-def target_fingerprint(model: Llama) -> str:
+def target_fingerprint(model: LanguageModel) -> str:
     """A short hash naming the target's weights: its config, a strided sample of the token embeddings and
     every RMSNorm weight, rounded to bfloat16 first (so that float32 and half-precision copies of one
     checkpoint agree). The projection weights are left out: the CPU fast path holds them in a packed form."""
@@ -92,22 +93,22 @@ class EagleHead(nn.Module):
     """
 
     def __init__(
-        self, target: Llama, draft_vocab: Tensor, metadata: dict[str, Any], num_layers: int = 1
+        self, target: LanguageModel, draft_vocab: Tensor, metadata: dict[str, Any], num_layers: int = 1
     ) -> None:
         super().__init__()
         target = native_target(target)
         ids = torch.as_tensor(draft_vocab, dtype=torch.long)  # [Vd]
         vocab = target.vocab_size
         if ids.ndim != 1 or ids.numel() == 0 or not bool((ids[1:] > ids[:-1]).all()):
-            raise ValueError("the draft vocabulary must be a non-empty ascending list of distinct token ids")
+            raise UsageError("the draft vocabulary must be a non-empty ascending list of distinct token ids")
         if int(ids[0]) < 0 or int(ids[-1]) >= vocab:
-            raise ValueError(f"draft vocabulary ids must lie in [0, {vocab}), the target's vocabulary")
+            raise UsageError(f"draft vocabulary ids must lie in [0, {vocab}), the target's vocabulary")
         if (
             isinstance(num_layers, bool)
             or not isinstance(num_layers, int)
             or not 1 <= num_layers <= MAX_LAYERS
         ):
-            raise ValueError(f"a draft head has 1 to {MAX_LAYERS} decoder layers, got {num_layers!r}")
+            raise UsageError(f"a draft head has 1 to {MAX_LAYERS} decoder layers, got {num_layers!r}")
         self.config = dataclasses.replace(target.config, num_layers=num_layers)
         self.metadata = dict(metadata)  # kind, target label and fingerprint, training settings
         h, device = self.config.hidden_size, target.device
@@ -166,7 +167,7 @@ class EagleHead(nn.Module):
         (attention ``o_proj``, MLP ``down_proj``), so that they add nothing to the residual stream until
         trained and the two heads compute the same features."""
         if other.num_layers > self.num_layers or not torch.equal(other.draft_vocab, self.draft_vocab):
-            raise ValueError(
+            raise UsageError(
                 f"cannot start a {self.num_layers}-layer head from a {other.num_layers}-layer one"
                 if other.num_layers > self.num_layers
                 else "cannot start a head from one with another draft vocabulary"
@@ -176,6 +177,7 @@ class EagleHead(nn.Module):
             for name, tensor in other.state_dict().items():
                 own[name].copy_(tensor)
             for layer in self.layers[other.num_layers :]:
+                assert isinstance(layer, _DecoderLayer)  # what __init__ fills the ModuleList with
                 layer.self_attn.o_proj.weight.zero_()
                 layer.mlp.down_proj.weight.zero_()
 
@@ -205,7 +207,9 @@ class EagleHead(nn.Module):
         ``cache``. mask: [T, cache.length + T] bool (True = attend), None for causal attention."""
         embedded = F.embedding(tokens, self.embed_weight).float()  # [B, T, H]
         h = self.fc(torch.cat((embedded, features.float()), dim=-1))  # [B, T, H]
-        return self.norm(run_layers(self.layers, h, positions, cache, self.inv_freq, mask))
+        # run_layers takes the _DecoderLayers of the ModuleList, whose items torch types as plain Modules
+        h = run_layers(self.layers, h, positions, cache, self.inv_freq, mask)  # type: ignore[arg-type]
+        return self.norm(h)
 
     def logits(self, features: Tensor) -> Tensor:
         """features: [M, H] or [B, T, H] → logits over the draft vocabulary [M, Vd] or [B, T, Vd] float32."""
@@ -233,7 +237,7 @@ class EagleHead(nn.Module):
 
         path = Path(path)
         if any(isinstance(m, _Linear) and m.packed for m in self.modules()):
-            raise ValueError("a head optimized for CPU cannot be saved: save it before optimize_for_cpu")
+            raise UsageError("a head optimized for CPU cannot be saved: save it before optimize_for_cpu")
         tensors = {
             name: t.detach().to("cpu", torch.float16).contiguous() for name, t in self.state_dict().items()
         }
@@ -258,41 +262,43 @@ class EagleHead(nn.Module):
         return path
 
     @classmethod
-    def load(cls, path: str | Path, target: Llama, target_label: str = "", fast: bool = False) -> EagleHead:
+    def load(
+        cls, path: str | Path, target: LanguageModel, target_label: str = "", fast: bool = False
+    ) -> EagleHead:
         """The head in ``path`` for ``target`` (``target_label`` names it in errors); ``fast``: then
-        :meth:`optimize_for_cpu`. ValueError, one line, for a missing, corrupt or foreign file, and for a
+        :meth:`optimize_for_cpu`. UsageError, one line, for a missing, corrupt or foreign file, and for a
         drafter trained for another target."""
         from safetensors import SafetensorError, safe_open
 
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"no such drafter file: {path}")
+            raise UsageError(f"no such drafter file: {path}")
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 metadata = f.metadata() or {}
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
         except (SafetensorError, OSError, RuntimeError) as err:
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise ValueError(
+            raise UsageError(
                 f"{path} is not a readable drafter file (corrupt or not safetensors): {first}"
             ) from None
         if metadata.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a verispec drafter file (its metadata has no format {FORMAT!r})")
+            raise UsageError(f"{path} is not a verispec drafter file (its metadata has no format {FORMAT!r})")
         if metadata.get("version") != _VERSION or metadata.get("kind") not in KINDS:
-            raise ValueError(
+            raise UsageError(
                 f"{path} holds a drafter of kind {metadata.get('kind')!r}, version "
                 f"{metadata.get('version')!r}; this verispec reads kinds {', '.join(KINDS)} "
                 f"of version {_VERSION}"
             )
         fingerprint = target_fingerprint(target)
         if metadata.get("target_fingerprint") != fingerprint:
-            raise ValueError(
+            raise UsageError(
                 f"drafter {path} was trained for target {metadata.get('target', '?')!r} (fingerprint "
                 f"{metadata.get('target_fingerprint')}), not for this target {target_label or '?'!r} "
                 f"(fingerprint {fingerprint})"
             )
         if "draft_vocab" not in tensors:
-            raise ValueError(f"{path} has no draft_vocab tensor")
+            raise UsageError(f"{path} has no draft_vocab tensor")
         info = {
             k: v
             for k, v in metadata.items()
@@ -301,17 +307,17 @@ class EagleHead(nn.Module):
         info["training"] = json.loads(info.get("training", "{}"))
         layers = metadata.get("num_layers", "1")  # files written before heads had a layer count: one
         if not layers.isdigit() or not 1 <= int(layers) <= MAX_LAYERS:
-            raise ValueError(f"{path}: num_layers {layers!r} is not a layer count in [1, {MAX_LAYERS}]")
+            raise UsageError(f"{path}: num_layers {layers!r} is not a layer count in [1, {MAX_LAYERS}]")
         head = cls(target, tensors.pop("draft_vocab").long(), info, int(layers))
         expected = head.state_dict()
         if set(tensors) != set(expected):
-            raise ValueError(
+            raise UsageError(
                 f"{path} holds tensors {sorted(set(tensors) ^ set(expected))[:3]} this head does not"
             )
         with torch.no_grad():
             for name, tensor in tensors.items():
                 if tensor.shape != expected[name].shape:
-                    raise ValueError(
+                    raise UsageError(
                         f"{path}: {name} has shape {tuple(tensor.shape)}, "
                         f"expected {tuple(expected[name].shape)}"
                     )

@@ -6,12 +6,12 @@ question answering over a passage (RAG), math word problems, code completion, co
 ``--prompts FILE`` adds a JSONL file of one's own (see :func:`load_prompts`).
 
 Methods (:func:`plan_methods`): verispec ``none`` (plain decoding in the engine: the baseline of every
-speedup), then every other drafter of :data:`verispec.api.DRAFTERS` (those that need a draft model only with
-``--draft``, ``eagle`` only with a learned drafter for the target: ``--drafter-path`` or the one verispec
-ships), once per ``--k``; and the transformers peers of :mod:`verispec.peers`: plain ``generate``,
-assisted generation with the same draft and each numeric K, prompt lookup with each numeric K. With
-``--trees``, the tree methods ``ngram-tree`` and ``model-tree`` run once per tree shape, each beside its chain
-method at K = N − 1 for a tree of N nodes: the same target-forward size, compared in the report.
+speedup), then every other drafter of :data:`verispec.drafting.registry.DRAFTERS` (those that need a draft
+model only with ``--draft``, ``eagle`` only with a learned drafter for the target: ``--drafter-path`` or the
+one verispec ships), once per ``--k``; and the transformers peers of :mod:`verispec.bench.peers`: plain
+``generate``, assisted generation with the same draft and each numeric K, prompt lookup with each numeric K.
+With ``--trees``, the tree methods ``ngram-tree`` and ``model-tree`` run once per tree shape, each beside its
+chain method at K = N − 1 for a tree of N nodes: the same target-forward size, compared in the report.
 
 Timing: the same prompts and max_new_tokens for every method; each method runs once untimed first; then
 ``repetitions`` rounds in which every method runs every prompt of the task in turn (method-major, and the
@@ -29,7 +29,7 @@ the speedup the analytic model predicts from the measured acceptance and the cal
 predicted. Every greedy output is compared with ``none``'s, token for token.
 
 ``results.json`` is rewritten atomically after every sample, so an interrupted bench keeps every finished
-cell; the report (:mod:`verispec.report`) is drawn from it.
+cell; the report (:mod:`verispec.bench.report`) is drawn from it.
 """
 
 from __future__ import annotations
@@ -46,27 +46,35 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from verispec import __version__
-from verispec.analysis import CostModel, expected_tokens_per_call
-from verispec.api import DRAFTERS, EARLY_EXIT, MODEL_DRAFTERS, TREE_DRAFTERS, Speculator, parse_k
+from verispec.analysis.analytic import CostModel, expected_tokens_per_call
+from verispec.api import Speculator, parse_k
+from verispec.bench.goals import load_goals
+from verispec.bench.peers import PEERS, TransformersPeer, load_transformers
+from verispec.bench.records import Calibration as CalibrationRecord
+from verispec.bench.records import Cell, Identity, Machine, Metrics, Results, Sample, Spread
+from verispec.bench.report import write_report
 from verispec.calibrate import Calibration, cpu_name
-from verispec.eagle.drafter import shipped_drafter
+from verispec.drafting.draft_model import early_exit_layers
+from verispec.drafting.eagle.drafter import shipped_drafter
+from verispec.drafting.registry import DRAFTERS
+from verispec.drafting.tree import AUTO, TreeShape
 from verispec.engine import GenerationStats
+from verispec.errors import UsageError
+from verispec.models.base import LanguageModel, Tokenizer
 from verispec.models.registry import DEFAULT_MODEL
-from verispec.peers import PEERS, TransformersPeer, load_transformers
-from verispec.report import write_report
 from verispec.sampling import SamplingParams
-from verispec.tree import AUTO, TreeShape
 from verispec.viz import write_atomic
 from verispec.viz.charts import chart_directory
 
@@ -85,8 +93,8 @@ __all__ = [
 ]
 
 TASKS = ("chat", "summarization", "rag", "math", "code_completion", "code_editing", "translation")
-VERISPEC_METHODS = tuple(d for d in DRAFTERS if d != "auto")  # none first, then every drafter
-TREE_METHODS = tuple(f"{d}-tree" for d in VERISPEC_METHODS if d in TREE_DRAFTERS)  # run with --trees
+VERISPEC_METHODS = tuple(DRAFTERS)  # none first, then every drafter
+TREE_METHODS = tuple(f"{name}-tree" for name, kind in DRAFTERS.items() if kind.takes_trees)  # with --trees
 METHODS = (*VERISPEC_METHODS, *TREE_METHODS, *PEERS)
 BASELINE, PEER_BASELINE = "none", PEERS[0]
 _ROLES = ("system", "user", "assistant")
@@ -118,31 +126,31 @@ def _parse_prompt(line: str, where: str, task: str, index: int) -> Prompt:
     try:
         data = json.loads(line)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
+        raise UsageError(f"{where}: not valid JSON ({err.msg})") from None
     if not isinstance(data, dict) or ("prompt" in data) == ("messages" in data):
-        raise ValueError(f'{where}: expected an object with either "prompt" or "messages"')
+        raise UsageError(f'{where}: expected an object with either "prompt" or "messages"')
     if "prompt" in data:
         messages = [{"role": "user", "content": data["prompt"]}]
     else:
         messages = data["messages"]
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f'{where}: "messages" must be a non-empty list')
+        raise UsageError(f'{where}: "messages" must be a non-empty list')
     pairs = []
     for m in messages:
         ok = isinstance(m, dict) and m.get("role") in _ROLES and isinstance(m.get("content"), str)
         if not ok or not m["content"].strip():
-            raise ValueError(
+            raise UsageError(
                 f"{where}: each message needs a role ({', '.join(_ROLES)}) and non-empty content"
             )
         pairs.append((m["role"], m["content"]))
     if pairs[-1][0] != "user":
-        raise ValueError(f"{where}: the last message must be the user's")
+        raise UsageError(f"{where}: the last message must be the user's")
     task = data.get("task", task)
     if not isinstance(task, str) or not _TASK_NAME.fullmatch(task):
-        raise ValueError(f"{where}: \"task\" must be a name of letters, digits, '_', '.', '-'")
+        raise UsageError(f"{where}: \"task\" must be a name of letters, digits, '_', '.', '-'")
     prompt_id = data.get("id", f"{task}-{index}")
     if not isinstance(prompt_id, str) or not prompt_id:
-        raise ValueError(f'{where}: "id" must be a non-empty string')
+        raise UsageError(f'{where}: "id" must be a non-empty string')
     return Prompt(task, prompt_id, tuple(pairs))
 
 
@@ -150,21 +158,21 @@ def load_prompts(path: str | os.PathLike, default_task: str | None = None) -> li
     """The prompts of a JSONL file: one JSON object per line, ``{"prompt": "..."}`` or
     ``{"messages": [{"role": "user", "content": "..."}, ...]}`` (roles system/user/assistant, ending with the
     user's), with an optional ``"id"`` and ``"task"`` (default: the file's stem). Blank lines are skipped.
-    ValueError naming the file and line for anything else."""
+    UsageError naming the file and line for anything else."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(
+        raise UsageError(
             f"cannot read the prompts file {path}: {getattr(err, 'strerror', None) or err}"
         ) from None
     task = default_task or path.stem
     prompts = [_parse_prompt(line, f"{path}:{n}", task, n) for n, line in enumerate(lines, 1) if line.strip()]
     if not prompts:
-        raise ValueError(f"the prompts file {path} holds no prompts")
+        raise UsageError(f"the prompts file {path} holds no prompts")
     ids = [(p.task, p.id) for p in prompts]
     if len(set(ids)) != len(ids):
-        raise ValueError(f"{path}: prompt ids repeat within a task")
+        raise UsageError(f"{path}: prompt ids repeat within a task")
     return prompts
 
 
@@ -188,7 +196,7 @@ def _split(text: str | Sequence[str]) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """What a bench run measures; validated with one-line ValueErrors before any model is loaded.
+    """What a bench run measures; validated with one-line UsageErrors before any model is loaded.
 
     tasks: built-in task names (None: all of them); the tasks of ``prompts_file`` are always added.
     methods: names from :data:`METHODS` (None: all that apply; those needing a draft only with ``draft``).
@@ -201,6 +209,7 @@ class BenchConfig:
     prompts_per_task: the first N prompts of each task (None: all).
     threads: torch threads for every method (None: torch's current setting).
     recalibrate: measure the costs again before the run (else the cached calibration, measured if absent).
+    goals: a TOML file of speed goals to judge (:mod:`verispec.bench.goals`), recorded with the results.
     out: the output directory (created).
     """
 
@@ -220,6 +229,7 @@ class BenchConfig:
     threads: int | None = None
     seed: int = 0
     recalibrate: bool = False
+    goals: str | None = None
     out: str = ""
 
     def __post_init__(self) -> None:
@@ -227,31 +237,33 @@ class BenchConfig:
             if optional and value is None:
                 return
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
 
         positive("max_new_tokens", self.max_new_tokens)
         positive("repetitions", self.repetitions)
         positive("prompts per task", self.prompts_per_task, optional=True)
         positive("threads", self.threads, optional=True)
         if not self.ks:
-            raise ValueError("give at least one K")
+            raise UsageError("give at least one K")
         object.__setattr__(self, "ks", tuple(dict.fromkeys(str(parse_k(k)) for k in self.ks)))
         object.__setattr__(self, "trees", tuple(dict.fromkeys(self.trees)))
         for spec in self.trees:
-            TreeShape.parse(spec)  # ValueError for a malformed shape
+            TreeShape.parse(spec)  # UsageError for a malformed shape
         asked = [m for m in self.methods or () if m in TREE_METHODS]
         if asked and not self.trees:
-            raise ValueError(f"method {asked[0]!r} needs tree shapes (--trees WxD or a shape file)")
+            raise UsageError(f"method {asked[0]!r} needs tree shapes (--trees WxD or a shape file)")
         if not self.temperatures or not all(
             isinstance(t, (int, float)) and math.isfinite(t) and t >= 0 for t in self.temperatures
         ):
-            raise ValueError(f"temperatures must be finite numbers >= 0, got {self.temperatures!r}")
+            raise UsageError(f"temperatures must be finite numbers >= 0, got {self.temperatures!r}")
         if self.methods is not None:
             unknown = [m for m in self.methods if m not in METHODS]
             if unknown or not self.methods:
-                raise ValueError(
+                raise UsageError(
                     f"unknown method {unknown[0] if unknown else ''!r}; choose from {', '.join(METHODS)}"
                 )
+        if self.goals is not None:
+            load_goals(self.goals)  # UsageError for a missing or malformed file, before any model loads
         if not self.out:
             stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
             object.__setattr__(self, "out", str(Path("results") / f"bench-{stamp}"))
@@ -275,6 +287,7 @@ class BenchConfig:
             "--prompts-per-task": None if self.prompts_per_task is None else str(self.prompts_per_task),
             "--threads": None if self.threads is None else str(self.threads),
             "--seed": str(self.seed) if self.seed else None,
+            "--goals": self.goals,
         }
         for flag, value in options.items():
             if value is not None:
@@ -295,7 +308,7 @@ def select_tasks(config: BenchConfig) -> dict[str, list[Prompt]]:
     names = list(TASKS) if config.tasks is None else list(config.tasks)
     unknown = [t for t in names if t not in known]
     if unknown:
-        raise ValueError(f"unknown task {unknown[0]!r}; choose from {', '.join(known)}")
+        raise UsageError(f"unknown task {unknown[0]!r}; choose from {', '.join(known)}")
     names += [t for t in extra if t not in names]
     return {name: known[name][: config.prompts_per_task] for name in dict.fromkeys(names)}
 
@@ -330,17 +343,12 @@ def chain_k(shape: TreeShape) -> str:
     return AUTO if shape.budget == AUTO else str(shape.max_forward - 1)
 
 
-def _tree_sizes(spec: str) -> dict[str, object]:
-    """A tree cell's most positions per forward (None when the costs size it) and its chain's K."""
-    shape = TreeShape.parse(spec)
-    return {"tree_nodes": None if shape.budget == AUTO else shape.max_forward, "chain_k": chain_k(shape)}
-
-
 def plan_methods(config: BenchConfig) -> tuple[list[Method], list[str]]:
-    """The methods to run, and notes on those left out (and why). ValueError when an explicitly chosen
+    """The methods to run, and notes on those left out (and why). UsageError when an explicitly chosen
     method cannot run (a draft-model method without ``--draft``)."""
     chosen = METHODS if config.methods is None else config.methods
-    needs_draft = {*MODEL_DRAFTERS, *(f"{d}-tree" for d in MODEL_DRAFTERS), "transformers-assisted"}
+    model_drafters = [name for name, kind in DRAFTERS.items() if kind.needs_draft_model]
+    needs_draft = {*model_drafters, *(f"{name}-tree" for name in model_drafters), "transformers-assisted"}
     numeric = [k for k in config.ks if k.isdigit()]
     methods, notes = [], []
     for name in METHODS:
@@ -348,12 +356,13 @@ def plan_methods(config: BenchConfig) -> tuple[list[Method], list[str]]:
             continue
         if name in needs_draft and config.draft is None:
             if config.methods is not None:
-                raise ValueError(f"method {name!r} needs a draft model (--draft SPEC)")
+                raise UsageError(f"method {name!r} needs a draft model (--draft SPEC)")
             notes.append(f"{name}: no --draft given")
             continue
-        if name in ("eagle", "eagle-tree") and learned_drafter(config) is None:
+        kind = DRAFTERS.get(name.removesuffix("-tree"))
+        if kind is not None and kind.learned and learned_drafter(config) is None:
             if config.methods is not None:
-                raise ValueError(f"method {name!r} needs a learned drafter (--drafter-path FILE)")
+                raise UsageError(f"method {name!r} needs a learned drafter (--drafter-path FILE)")
             notes.append(f"{name}: no learned drafter for this target (--drafter-path FILE)")
             continue
         if name in (BASELINE, PEER_BASELINE):
@@ -365,7 +374,7 @@ def plan_methods(config: BenchConfig) -> tuple[list[Method], list[str]]:
         elif name in TREE_METHODS:
             for spec in config.trees:  # the tree, then its chain at the same forward size
                 shape = TreeShape.parse(spec)
-                if shape.budget is not None and name != "eagle-tree":
+                if shape.budget is not None and not (kind is not None and kind.dynamic_trees):
                     notes.append(f"{name} {spec}: dynamic trees need the eagle drafter")
                     continue
                 chain = Method(name.removesuffix("-tree"), chain_k(shape))
@@ -392,7 +401,8 @@ def predicted_speedup(
     where n_d is the number of rounds that drafted d tokens (rounds may draft fewer than K: an n-gram lookup
     without a match, ``--k auto``, the last tokens of a generation) and α_i the measured acceptance at
     position i given that every earlier position was accepted. With a constant K and every round drafting
-    K this is E[L](α, K) / (v(K+1) + K·c), :func:`verispec.analysis.expected_speedup`. ``drafted_per_position
+    K this is E[L](α, K) / (v(K+1) + K·c), :func:`verispec.analysis.analytic.expected_speedup`.
+    ``drafted_per_position
     [i]`` counts the rounds that drafted position i, ``accepted_per_position[i]`` those that accepted it (as
     :class:`~verispec.engine.GenerationStats` keeps them). None when nothing ran or K exceeds the curve."""
     depth = len(drafted_per_position)
@@ -412,70 +422,90 @@ def predicted_speedup(
     return tokens / cost_units
 
 
-def _spread(values: Sequence[float]) -> dict | None:
-    return (
-        {"median": float(np.median(values)), "min": min(values), "max": max(values), "n": len(values)}
-        if values
-        else None
-    )
+def _spread(values: Sequence[float]) -> Spread:
+    """The median, extremes and number of a non-empty list of values."""
+    return {"median": float(np.median(values)), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def cell_metrics(cell: dict, none: dict | None, peer: dict | None, cost: CostModel | None) -> dict:
-    """The metrics of one cell (see the module doc) from its samples; ``none`` and ``peer`` are the cells of
-    verispec ``none`` and transformers plain for the same task and temperature (None: not run), ``cost`` the
-    calibrated cost model of the cell's verispec drafter (None for transformers)."""
+def _positionwise(counts: Iterable[list[int]]) -> list[int]:
+    """Per-position counts summed position by position (the shorter lists padded with zeros)."""
+    total: list[int] = []
+    for row in counts:
+        total += [0] * (len(row) - len(total))
+        for i, count in enumerate(row):
+            total[i] += count
+    return total
+
+
+def add_samples(samples: Sequence[Sample]) -> Sample:
+    """One record for several: counters and per-position counts summed, memory peaks their maximum."""
+    return {
+        "tokens": sum(s["tokens"] for s in samples),
+        "decode_tokens": sum(s["decode_tokens"] for s in samples),
+        "seconds": sum(s["seconds"] for s in samples),
+        "prefill": sum(s["prefill"] for s in samples),
+        "draft": sum(s["draft"] for s in samples),
+        "target": sum(s["target"] for s in samples),
+        "calls": sum(s["calls"] for s in samples),
+        "drafted": sum(s["drafted"] for s in samples),
+        "accepted": sum(s["accepted"] for s in samples),
+        "drafted_per_position": _positionwise(s["drafted_per_position"] for s in samples),
+        "accepted_per_position": _positionwise(s["accepted_per_position"] for s in samples),
+        "tree_nodes": sum(s["tree_nodes"] for s in samples),
+        "peak_rss_mib": max(s["peak_rss_mib"] for s in samples),
+        "rss_growth_mib": max(s["rss_growth_mib"] for s in samples),
+        "prompts": sum(s["prompts"] for s in samples),
+    }
+
+
+def cell_metrics(cell: Cell, none: Cell | None, peer: Cell | None, cost: CostModel | None) -> Metrics | None:
+    """The metrics of one cell (see the module doc) from its samples (None before the first); ``none`` and
+    ``peer`` are the cells of verispec ``none`` and transformers plain for the same task and temperature
+    (None: not run), ``cost`` the calibrated cost model of the cell's verispec drafter (None for
+    transformers)."""
     samples = cell["samples"]
     if not samples:
-        return {}
-    total = {key: sum(s[key] for s in samples) for key in ("tokens", "seconds", "prefill", "draft", "target")}
-    calls, drafted = sum(s["calls"] for s in samples), sum(s["drafted"] for s in samples)
-    scored = sum(s.get("tree_nodes", 0) for s in samples) or drafted  # tree rounds score nodes, not depth
+        return None
+    total = add_samples(samples)
+    calls, drafted, seconds = total["calls"], total["drafted"], total["seconds"]
+    scored = total["tree_nodes"] or drafted  # tree rounds score nodes, not depth
     speed = _spread([s["tokens"] / s["seconds"] for s in samples])
     decode = _spread([s["decode_tokens"] / max(s["seconds"] - s["prefill"], 1e-9) for s in samples])
-    by_position = [
-        sum(s["accepted_per_position"][i] for s in samples if i < len(s["accepted_per_position"]))
-        for i in range(max(len(s["drafted_per_position"]) for s in samples))
-    ]
-    drafted_by_position = [
-        sum(s["drafted_per_position"][i] for s in samples if i < len(s["drafted_per_position"]))
-        for i in range(len(by_position))
-    ]
-    metrics = {
+    accepted_at, drafted_at = total["accepted_per_position"], total["drafted_per_position"]
+    decode_speedup = _ratio(decode, none, decode=True)
+    predicted = None if cost is None else predicted_speedup(calls, drafted_at, accepted_at, cost)
+    return {
         "tokens_per_second": speed,
         "decode_tokens_per_second": decode,
         "tokens_per_target_call": total["tokens"] / calls if calls else None,
         "forward_size": 1 + scored / calls if calls and cell["method"] not in PEERS else None,
-        "acceptance_rate": sum(s["accepted"] for s in samples) / drafted if drafted else None,
-        "accepted_per_position": [a / d for a, d in zip(by_position, drafted_by_position, strict=True)],
+        "acceptance_rate": total["accepted"] / drafted
+        if drafted and not cell.get("peer_acceptance_unknown")
+        else None,
+        "acceptance_per_position": [a / d for a, d in zip(accepted_at, drafted_at, strict=True)],
         "time_split": {
-            "prefill": total["prefill"] / total["seconds"],
-            "draft": total["draft"] / total["seconds"],
-            "target": total["target"] / total["seconds"],
-            "other": 1 - (total["prefill"] + total["draft"] + total["target"]) / total["seconds"],
+            "prefill": total["prefill"] / seconds,
+            "draft": total["draft"] / seconds,
+            "target": total["target"] / seconds,
+            "other": 1 - (total["prefill"] + total["draft"] + total["target"]) / seconds,
         },
-        "peak_rss_mib": max(s["peak_rss_mib"] for s in samples),
-        "rss_growth_mib": max(s["rss_growth_mib"] for s in samples),
-        "speedup_vs_transformers": _ratio(speed, peer, "tokens_per_second"),
-        "speedup_vs_none": _ratio(speed, none, "tokens_per_second"),
-        "decode_speedup_vs_none": _ratio(decode, none, "decode_tokens_per_second"),
-        "predicted_speedup": None,
-        "efficiency": None,
+        "peak_rss_mib": total["peak_rss_mib"],
+        "rss_growth_mib": total["rss_growth_mib"],
+        "speedup_vs_transformers": _ratio(speed, peer),
+        "speedup_vs_none": _ratio(speed, none),
+        "decode_speedup_vs_none": decode_speedup,
+        "predicted_speedup": predicted,
+        "efficiency": decode_speedup / predicted if predicted and decode_speedup else None,
     }
-    if cell.get("peer_acceptance_unknown"):
-        metrics["acceptance_rate"] = None
-    if cost is not None:
-        predicted = predicted_speedup(calls, drafted_by_position, by_position, cost)
-        metrics["predicted_speedup"] = predicted
-        if predicted and metrics["decode_speedup_vs_none"]:
-            metrics["efficiency"] = metrics["decode_speedup_vs_none"] / predicted
-    return metrics
 
 
-def _ratio(spread: dict | None, other: dict | None, key: str) -> float | None:
-    """The median of ``spread`` over the median ``key`` of the cell ``other`` (None where one is absent)."""
-    base = other.get("metrics", {}).get(key) if other else None
-    if not spread or not base:
+def _ratio(spread: Spread, other: Cell | None, decode: bool = False) -> float | None:
+    """The median of ``spread`` over the median tokens/s (``decode``: decoding tokens/s) of the cell
+    ``other`` (None where it is absent or not measured)."""
+    measured = other.get("metrics") if other else None
+    if not measured:
         return None
+    base = measured["decode_tokens_per_second" if decode else "tokens_per_second"]
     return spread["median"] / base["median"]
 
 
@@ -486,13 +516,13 @@ def _memory_mib() -> tuple[float, float]:
     """(current, peak) resident set size of this process in MiB: VmRSS and VmHWM, or getrusage's peak."""
     try:
         status = Path("/proc/self/status").read_text()
-        current, peak = (
-            float(re.search(rf"{k}:\s+(\d+)", status).group(1)) / 1024 for k in ("VmRSS", "VmHWM")
-        )
-        return current, peak
-    except (OSError, AttributeError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        return peak, peak
+    except OSError:
+        status = ""
+    found = [re.search(rf"{k}:\s+(\d+)", status) for k in ("VmRSS", "VmHWM")]
+    if found[0] and found[1]:
+        return float(found[0].group(1)) / 1024, float(found[1].group(1)) / 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak, peak
 
 
 def _reset_peak_memory() -> bool:
@@ -514,7 +544,7 @@ class _Cell:
     task: str
     temperature: float
     method: Method
-    samples: list[dict] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
     outputs: dict[str, list[int]] = field(default_factory=dict)  # prompt id → generated ids (first sample)
 
 
@@ -531,6 +561,7 @@ class Bench:
         """``tasks``, ``methods``: from :func:`select_tasks` and :func:`plan_methods`; ``notes``: the methods
         left out, and why (recorded in the results)."""
         self.config, self.tasks, self.methods, self.notes = config, tasks, methods, list(notes)
+        self.goals = [] if config.goals is None else load_goals(config.goals)
         self.out = chart_directory(config.out)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
@@ -540,8 +571,8 @@ class Bench:
         self.speculators = {BASELINE: base}
         chains = (m.name for m in methods if not m.is_peer and m.name not in (BASELINE, *TREE_METHODS))
         for name in dict.fromkeys(chains):
-            draft = config.draft if name in MODEL_DRAFTERS else None
-            path = learned_drafter(config) if name == "eagle" else None
+            draft = config.draft if DRAFTERS[name].needs_draft_model else None
+            path = learned_drafter(config) if DRAFTERS[name].learned else None
             self.speculators[name] = Speculator(
                 loaded, draft=draft, drafter=name, drafter_path=path, target_label=str(config.target)
             )
@@ -555,11 +586,11 @@ class Bench:
         room = base.model.max_context - config.max_new_tokens
         for (task, prompt_id), ids in self.prompt_ids.items():
             if len(ids) > room:
-                raise ValueError(
+                raise UsageError(
                     f"prompt {prompt_id} of task {task} has {len(ids)} tokens: with {config.max_new_tokens} "
                     f"new tokens it overflows the target's context of {base.model.max_context}"
                 )
-        self.peer = None
+        self.peer: TransformersPeer | None = None
         if any(m.is_peer for m in methods):
             assistant = None
             if any(m.name == "transformers-assisted" for m in methods):
@@ -579,17 +610,18 @@ class Bench:
     def _tree_speculator(self, method: Method) -> Speculator:
         """A tree method's speculator: its chain method's models (already loaded), drafting the tree."""
         chain = self.speculators[method.name.removesuffix("-tree")]  # planned with every tree method
+        draft: str | tuple[LanguageModel, Tokenizer] | None = None
         if chain.early_exit:  # layers:N reads the target's cache: named again, nothing to load
             draft = self.config.draft
-        else:
-            draft = None if chain.draft is None else (chain.draft, self.tokenizer)
+        elif chain.draft is not None:
+            draft = (chain.draft, self.tokenizer)
         tree = TreeShape.parse(method.k)
         return Speculator(
             (chain.model, self.tokenizer),
             draft=draft,
             drafter=chain.drafter_name,
             tree=tree,
-            drafter_path=learned_drafter(self.config) if chain.drafter_name == "eagle" else None,
+            drafter_path=learned_drafter(self.config) if chain.kind.learned else None,
             target_label=str(self.config.target),
         )
 
@@ -598,7 +630,7 @@ class Bench:
     def _sampling(self, temperature: float, repetition: int, index: int) -> SamplingParams:
         return SamplingParams(temperature=temperature, seed=self.config.seed + 1000 * repetition + index)
 
-    def _generate(self, method: Method, prompt: Prompt, sampling: SamplingParams) -> tuple[list[int], dict]:
+    def _generate(self, method: Method, prompt: Prompt, sampling: SamplingParams) -> tuple[list[int], Sample]:
         """One generation: its token ids and its counters and timings."""
         _reset_peak_memory()
         rss_before, _ = _memory_mib()
@@ -607,11 +639,12 @@ class Bench:
         else:
             ids, record = self._generate_verispec(method, prompt, sampling)
         _, peak = _memory_mib()
-        return ids, {**record, "peak_rss_mib": peak, "rss_growth_mib": max(0.0, peak - rss_before)}
+        record["peak_rss_mib"], record["rss_growth_mib"] = peak, max(0.0, peak - rss_before)
+        return ids, record
 
     def _generate_verispec(
         self, method: Method, prompt: Prompt, sampling: SamplingParams
-    ) -> tuple[list[int], dict]:
+    ) -> tuple[list[int], Sample]:
         speculator = self.trees.get(method.label) or self.speculators[method.name]
         k = method.k or 0
         stats = GenerationStats(method.name, str(k))
@@ -637,13 +670,17 @@ class Bench:
             "drafted": stats.drafted,
             "accepted": stats.accepted,
             "drafted_per_position": list(stats.drafted_per_position),
-            "accepted_per_position": list(stats.accepted_per_position_counts),
+            "accepted_per_position": list(stats.accepted_per_position),
             "tree_nodes": stats.tree_nodes,
+            "peak_rss_mib": 0.0,  # measured by _generate
+            "rss_growth_mib": 0.0,
+            "prompts": 1,
         }
 
     def _generate_peer(
         self, method: Method, prompt: Prompt, sampling: SamplingParams
-    ) -> tuple[list[int], dict]:
+    ) -> tuple[list[int], Sample]:
+        assert self.peer is not None, "peers are loaded with the methods that need them"
         run = self.peer.generate(
             self.prompt_ids[(prompt.task, prompt.id)],
             method=method.name,
@@ -667,33 +704,27 @@ class Bench:
             "accepted": accepted if run.draft_calls else 0,
             "drafted_per_position": [],
             "accepted_per_position": [],
+            "tree_nodes": 0,
+            "peak_rss_mib": 0.0,  # measured by _generate
+            "rss_growth_mib": 0.0,
+            "prompts": 1,
         }
 
     def _sample(self, cell: _Cell, repetition: int, tick: Callable[[], None]) -> None:
         """One sample: the cell's method over every prompt of its task."""
-        sample: dict = {}
+        records = []
         for index, prompt in enumerate(self.tasks[cell.task]):
             ids, record = self._generate(
                 cell.method, prompt, self._sampling(cell.temperature, repetition, index)
             )
             cell.outputs.setdefault(prompt.id, ids)
-            for key, value in record.items():
-                if key in ("peak_rss_mib", "rss_growth_mib"):
-                    sample[key] = max(sample.get(key, 0.0), value)
-                elif isinstance(value, list):
-                    grown = sample.setdefault(key, [])
-                    grown += [0] * (len(value) - len(grown))
-                    for i, v in enumerate(value):
-                        grown[i] += v
-                else:
-                    sample[key] = sample.get(key, 0) + value
+            records.append(record)
             tick()
-        sample["prompts"] = len(self.tasks[cell.task])
-        cell.samples.append(sample)
+        cell.samples.append(add_samples(records))
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self, progress: bool = True) -> dict:
+    def run(self, progress: bool = True) -> Results:
         """Warm every method up, then measure every cell; returns the results (also in results.json, with
         the report beside it). On KeyboardInterrupt (Ctrl-C, or a SIGTERM, which is turned into one while the
         bench runs in the main thread) the finished cells are written with their report, then it
@@ -701,7 +732,7 @@ class Bench:
         with _terminate_as_interrupt():
             return self._run(progress)
 
-    def _run(self, progress: bool) -> dict:
+    def _run(self, progress: bool) -> Results:
         config = self.config
         per_rep = sum(len(p) for p in self.tasks.values()) * len(config.temperatures) * len(self.methods)
         bar = tqdm(
@@ -733,35 +764,34 @@ class Bench:
         bar.close()
         return self._finish(interrupted=False)
 
-    def _finish(self, interrupted: bool) -> dict:
+    def _finish(self, interrupted: bool) -> Results:
         results = self.write(finished=True, interrupted=interrupted)
         write_report(results, self.out)
         return results
 
     # ------------------------------------------------------------------ results
 
-    def results(self, finished: bool = False, interrupted: bool = False) -> dict:
+    def results(self, finished: bool = False, interrupted: bool = False) -> Results:
         """Everything measured so far, with the metrics of every cell."""
         config = self.config
-        cells = []
+        cells: list[Cell] = []
         for cell in self.cells:
-            cells.append(
-                {
-                    "task": cell.task,
-                    "temperature": cell.temperature,
-                    "method": cell.method.name,
-                    "k": cell.method.k,
-                    "label": cell.method.label,
-                    "complete": len(cell.samples) == config.repetitions,
-                    "samples": cell.samples,
-                    "peer_acceptance_unknown": cell.method.name == "transformers-lookup",
-                    **(
-                        _tree_sizes(cell.method.k)
-                        if cell.method.name in TREE_METHODS
-                        else {"tree_nodes": None}
-                    ),
-                }
-            )
+            tree = TreeShape.parse(cell.method.k) if cell.method.name in TREE_METHODS else None
+            record: Cell = {
+                "task": cell.task,
+                "temperature": cell.temperature,
+                "method": cell.method.name,
+                "k": cell.method.k,
+                "label": cell.method.label,
+                "complete": len(cell.samples) == config.repetitions,
+                "samples": cell.samples,
+                "peer_acceptance_unknown": cell.method.name == "transformers-lookup",
+                "tree_nodes": None if tree is None or tree.budget == AUTO else tree.max_forward,
+                "outputs": cell.outputs,
+            }
+            if tree is not None:
+                record["chain_k"] = chain_k(tree)
+            cells.append(record)
         by_key = {(c["task"], c["temperature"], c["label"]): c for c in cells}
         for c in cells:  # the baselines first: the other cells' speedups divide by theirs
             if c["label"] in (BASELINE, PEER_BASELINE):
@@ -770,8 +800,7 @@ class Bench:
             none = by_key.get((c["task"], c["temperature"], BASELINE))
             peer = by_key.get((c["task"], c["temperature"], PEER_BASELINE))
             c["metrics"] = cell_metrics(c, none, peer, self._cost(c))
-            c["greedy_identity"] = self._identity(c, none)
-            c["outputs"] = self._cell(c).outputs
+            c["greedy_identity"] = _identity(c, none)
         return {
             "version": 1,
             "verispec": __version__,
@@ -790,7 +819,10 @@ class Bench:
                 "chat_template": self.chat,
             },
             "machine": self._machine(),
-            "calibration": {name: c.to_dict() for name, c in self.calibrations.items()},
+            "calibration": {
+                name: cast(CalibrationRecord, c.to_dict()) for name, c in self.calibrations.items()
+            },
+            "goals": self.goals,
             "notes": self.notes,
             "started_at": self.started_at,
             "finished_at": _now() if finished else None,
@@ -799,36 +831,20 @@ class Bench:
             "cells": cells,
         }
 
-    def write(self, finished: bool = False, interrupted: bool = False) -> dict:
+    def write(self, finished: bool = False, interrupted: bool = False) -> Results:
         """Write results.json atomically; returns what was written."""
         results = self.results(finished, interrupted)
         text = json.dumps(results, indent=1)
         write_atomic(self.out / "results.json", lambda tmp: Path(tmp).write_text(text))
         return results
 
-    def _cell(self, record: dict) -> _Cell:
-        return next(
-            c
-            for c in self.cells
-            if (c.task, c.temperature, c.method.label)
-            == (record["task"], record["temperature"], record["label"])
-        )
-
-    def _cost(self, record: dict) -> CostModel | None:
+    def _cost(self, record: Cell) -> CostModel | None:
         calibration = (
             self.calibrations.get(record["method"]) if record["method"] in self.speculators else None
         )
         return calibration.cost_model if calibration else None
 
-    def _identity(self, record: dict, none: dict | None) -> dict | None:
-        """Greedy cells: the prompts compared with ``none``'s output, and those that differ."""
-        if record["temperature"] != 0 or none is None:
-            return None
-        reference, outputs = self._cell(none).outputs, self._cell(record).outputs
-        compared = [p for p in outputs if p in reference]
-        return {"compared": len(compared), "differ": [p for p in compared if outputs[p] != reference[p]]}
-
-    def _machine(self) -> dict:
+    def _machine(self) -> Machine:
         import transformers
 
         return {
@@ -864,6 +880,15 @@ def _terminate_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _identity(cell: Cell, none: Cell | None) -> Identity | None:
+    """A greedy cell's outputs against ``none``'s: the prompts compared, and those that differ."""
+    if cell["temperature"] != 0 or none is None:
+        return None
+    reference, outputs = none["outputs"], cell["outputs"]
+    compared = [p for p in outputs if p in reference]
+    return {"compared": len(compared), "differ": [p for p in compared if outputs[p] != reference[p]]}
+
+
 def _has_chat_template(tokenizer) -> bool:
     try:
         tokenizer.chat_prompt("hi")
@@ -876,12 +901,10 @@ def _load_assistant(config: BenchConfig):
     """The transformers assistant for the draft: an early exit ``layers:N`` is the target's directory loaded
     with N layers; any other draft SPEC is loaded as it is."""
     draft = config.draft or ""
-    if not draft.startswith(EARLY_EXIT):
+    layers = early_exit_layers(draft)
+    if layers is None:
         return load_transformers(draft, config.tokenizer)
-    count = draft[len(EARLY_EXIT) :]
-    if not count.isdigit():
-        raise ValueError(f"an early-exit draft is written {EARLY_EXIT}N with N an integer, got {draft!r}")
-    return load_transformers(config.target, config.tokenizer, num_layers=int(count))
+    return load_transformers(config.target, config.tokenizer, num_layers=layers)
 
 
 def _now() -> str:

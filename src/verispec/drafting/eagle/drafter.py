@@ -1,13 +1,14 @@
-"""The learned drafter in the engine: an :class:`~verispec.eagle.model.EagleHead` drafting from the target's
-hidden states.
+"""The learned drafter in the engine: an :class:`~verispec.drafting.eagle.model.EagleHead` drafting from the
+target's hidden states.
 
-The engine hands the drafter the target's final hidden state of every committed position
-(``reads_target_hidden``; :meth:`EagleDrafter.observe_hidden`), so that when the committed context is
-x_0..x_n the drafter holds f_0..f_{n-1} (x_n, the last committed token, has not been fed to the target yet).
-The head's own cache holds one slot t per pair (x_{t+1}, f_t) with a *true* feature; ``propose`` feeds the
-pairs it has not seen yet — slots up to n − 1, whose output f̂_n gives the draft of x_{n+1} — then drafts on
-its own predictions: slot n + i reads (x̂_{n+i+1}, f̂_{n+i}). ``observe`` rolls the cache back to the true
-slots by moving its length (the next round overwrites the draft slots with true features).
+The engine hands the drafter the target's final hidden state of every committed position (a
+:class:`~verispec.drafting.base.HiddenStateReader`: :meth:`EagleDrafter.observe_hidden`), so that when the
+committed context is x_0..x_n the drafter holds f_0..f_{n-1} (x_n, the last committed token, has not been fed
+to the target yet). The head's own cache holds one slot t per pair (x_{t+1}, f_t) with a *true* feature;
+``propose`` feeds the pairs it has not seen yet — slots up to n − 1, whose output f̂_n gives the draft of
+x_{n+1} — then drafts on its own predictions: slot n + i reads (x̂_{n+i+1}, f̂_{n+i}). ``observe`` rolls the
+cache back to the true slots by moving its length (the next round overwrites the draft slots with true
+features).
 
 Each draft token is sampled with the engine's parameters from q, the distribution that probs_from_logits
 gives for the full-vocabulary logits that are −inf outside the draft vocabulary. Every transform (temperature,
@@ -16,11 +17,12 @@ so q is computed on the draft vocabulary alone, sampled there, and handed to the
 elsewhere: exactly the distribution the token was drawn from (greedy: the draft vocabulary's argmax,
 q = None).
 
-:class:`EagleTreeDrafter` branches the same head into a token tree (:mod:`verispec.tree_drafters` states the
+:class:`EagleTreeDrafter` branches the same head into a token tree (:mod:`verispec.drafting.base` states the
 guarantees): node v at depth d reads the feature its parent's head forward predicted at position n + d − 1,
 attending to the true-feature slots and its ancestors' slots — exactly what the chain drafter sees on v's
 path — and its children are the head's top tokens (single guesses) or independent samples of its q. With a
-dynamic shape (a node budget, :mod:`verispec.tree`) it grows the tree as EAGLE-2 does: each depth expands only
+dynamic shape (a node budget, :mod:`verispec.drafting.tree`) it grows the tree as EAGLE-2 does: each depth
+expands only
 the shape-width likeliest nodes of the depth before (by path probability: the product of the head's
 probabilities along the path), and the round verifies the budget's likeliest draft nodes, or as many as the
 cost model pays for; the children are always top tokens, verified as single guesses (choosing among sampled
@@ -35,12 +37,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from verispec.analysis import CostModel, best_tree_size, tree_rates
-from verispec.drafters import Proposal
-from verispec.eagle.model import EagleHead
+from verispec.analysis.analytic import CostModel, best_tree_size, tree_rates
+from verispec.drafting.base import BranchedTreeDrafter, Proposal
+from verispec.drafting.eagle.model import EagleHead
+from verispec.drafting.tree import AUTO, TreeProposal, TreeShape, likeliest_nodes
+from verispec.errors import UsageError
 from verispec.sampling import SamplingParams, probs_from_logits
-from verispec.tree import AUTO, TreeProposal, TreeShape, likeliest_nodes
-from verispec.tree_drafters import BranchedTreeDrafter
 
 __all__ = ["DEFAULT_TREE", "SHIPPED", "EagleDrafter", "EagleTreeDrafter", "shipped_drafter"]
 
@@ -54,7 +56,6 @@ class EagleDrafter:
     """Drafts with a learned head reading the target's hidden states (module docstring)."""
 
     name = "eagle"
-    reads_target_hidden = True  # the engine calls observe_hidden with the committed positions' states
 
     def __init__(self, head: EagleHead, sampling: SamplingParams) -> None:
         """head: built for the target (its vocabulary is the target's); sampling: the engine's parameters."""
@@ -132,7 +133,6 @@ class EagleTreeDrafter(BranchedTreeDrafter):
     head's cache is cut back to the true-feature slots after the round."""
 
     name = "eagle"
-    reads_target_hidden = True  # the engine calls observe_hidden with the committed positions' states
     dynamic = True  # takes shapes with a node budget
     drafter: EagleDrafter
 
@@ -142,12 +142,12 @@ class EagleTreeDrafter(BranchedTreeDrafter):
         """cost: the calibrated costs of target and head, which a dynamic shape of budget "auto" sizes its
         trees by (and stops expanding where a further head forward would not pay for itself)."""
         if shape.budget is not None and sampled and not drafter.sampling.greedy:
-            raise ValueError(
+            raise UsageError(
                 f"the dynamic tree {shape.name} verifies top-k children as single guesses: "
                 "it cannot sample them"
             )
         if shape.budget == AUTO and cost is None:
-            raise ValueError(
+            raise UsageError(
                 f"the dynamic tree {shape.name} is sized by the cost model: give the calibrated costs"
             )
         super().__init__(drafter, shape, sampled)
@@ -181,7 +181,7 @@ class EagleTreeDrafter(BranchedTreeDrafter):
                 # fewer children where the draft vocabulary ran out
                 for child, token in zip(children[node], chosen, strict=False):
                     tokens[child], q_rows[child] = token, q_row
-                if dynamic:
+                if probs is not None:  # dynamic
                     for child, p in zip(children[node], probs[i, picked].tolist(), strict=False):
                         scores[child] = scores[node] * p
             frontier = [c for node in frontier for c in children[node] if c in tokens and children[c]]
@@ -198,7 +198,9 @@ class EagleTreeDrafter(BranchedTreeDrafter):
             ranked = [scores[v] for v in nodes]  # [M]: the root first
             count = shape.budget
             if count == AUTO:
+                assert self.cost is not None  # __init__ refuses an "auto" budget without the costs
                 count = best_tree_size(sorted(ranked[1:], reverse=True), self.cost, forwards)
+            assert isinstance(count, int)  # a dynamic shape's budget: an integer or "auto", sized just above
             tokens = {nodes[i]: tokens[nodes[i]] for i in likeliest_nodes(ranked, count)}
         return self._proposal(shape, context[-1], tokens, q_rows)
 

@@ -3,10 +3,8 @@
 A learned drafter should predict what the target will say, so the best data is the target itself talking
 (self-distillation, as Medusa-2 and EAGLE's later versions do). No model hub or text corpus is needed:
 
-- :func:`chat_prompts` writes a deterministic, varied set of chat requests from templates and word lists
-  (explanations, advice, stories, comparisons, lists, e-mails, math word problems, code, translation) plus
-  summarization and question-answering requests over passages taken from the Python standard library's
-  module docstrings — text every Python installation carries. None of them is a bench prompt.
+- :func:`verispec.drafting.eagle.prompts.chat_prompts` writes a deterministic, varied set of chat requests
+  from templates and word lists (see :mod:`verispec.drafting.eagle.prompts`). None of them is a bench prompt.
 - :func:`build_dataset` has the target answer each prompt in its chat template — half greedily, half sampled
   at temperature 1, so that the drafter sees what it must predict at both settings — in batches with
   transformers' ``generate`` on the same weights, and keeps the target's final hidden state at every position
@@ -20,11 +18,9 @@ The last token of each sequence is dropped: generation never feeds it, so it has
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -33,328 +29,22 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from verispec.drafting.eagle.prompts import FOLLOW_UPS, chat_prompts
+from verispec.errors import UsageError
+
 __all__ = [
     "DataConfig",
     "add_follow_ups",
     "build_dataset",
-    "chat_prompts",
     "load_split",
     "merge_datasets",
     "read_data_meta",
 ]
 
-_TOPICS = (
-    "photosynthesis",
-    "the water cycle",
-    "black holes",
-    "volcanoes",
-    "earthquakes",
-    "the immune system",
-    "vaccines",
-    "climate change",
-    "the stock market",
-    "inflation",
-    "compound interest",
-    "credit scores",
-    "the internet",
-    "encryption",
-    "machine learning",
-    "neural networks",
-    "blockchains",
-    "electric cars",
-    "solar panels",
-    "wind turbines",
-    "nuclear power",
-    "the moon landing",
-    "the Roman Empire",
-    "the French Revolution",
-    "the printing press",
-    "ancient Egypt",
-    "the Renaissance",
-    "the Silk Road",
-    "the human heart",
-    "sleep",
-    "meditation",
-    "nutrition",
-    "vitamins",
-    "jet lag",
-    "coffee",
-    "tea",
-    "bread baking",
-    "composting",
-    "honey bees",
-    "whales",
-    "octopuses",
-    "rainforests",
-    "deserts",
-    "glaciers",
-    "the ocean tides",
-    "rainbows",
-    "lightning",
-    "magnets",
-    "gravity",
-    "the speed of light",
-    "atoms",
-    "DNA",
-    "evolution",
-    "dinosaurs",
-    "the solar system",
-    "Mars",
-    "satellites",
-    "GPS",
-    "airplanes",
-    "bicycles",
-    "trains",
-    "bridges",
-    "skyscrapers",
-    "recycling",
-    "plastic pollution",
-    "democracy",
-    "taxes",
-    "supply and demand",
-    "remote work",
-    "public speaking",
-    "time management",
-    "chess",
-    "football",
-    "the Olympic Games",
-    "jazz",
-    "classical music",
-    "painting",
-    "photography",
-    "poetry",
-    "libraries",
-    "museums",
-    "languages",
-    "dictionaries",
-    "maps",
-    "clocks",
-    "calendars",
-    "batteries",
-    "smartphones",
-    "video games",
-    "databases",
-    "spreadsheets",
-    "operating systems",
-    "cloud computing",
-)
-_AUDIENCES = ("a ten-year-old", "a beginner", "my grandmother", "a busy manager", "a high-school student")
-_ACTIVITIES = (
-    "learn a new language",
-    "save money each month",
-    "start running",
-    "sleep better",
-    "cook for a family of four",
-    "prepare for a job interview",
-    "keep houseplants alive",
-    "organize a small office",
-    "learn to play guitar",
-    "write a cover letter",
-    "plan a birthday party",
-    "study for an exam",
-    "reduce screen time",
-    "make new friends",
-    "train a puppy",
-    "start a vegetable garden",
-    "pack for a week-long trip",
-    "improve my handwriting",
-    "learn to swim",
-    "fix a flat bicycle tire",
-    "paint a room",
-    "negotiate a salary",
-    "start a podcast",
-    "keep a journal",
-    "read more books",
-    "move to a new city",
-    "host a dinner party",
-    "learn to code",
-)
-_THINGS = (
-    "a lighthouse keeper",
-    "a lost robot",
-    "a dragon who is afraid of fire",
-    "a small village by the sea",
-    "a cat that can talk",
-    "a time traveller",
-    "a forgotten library",
-    "a brave little boat",
-    "an old clock",
-    "a girl who collects clouds",
-    "a baker and a giant",
-    "a fox in the city",
-    "the last tree on Earth",
-    "a detective mouse",
-    "a friendly ghost",
-    "a snowman in summer",
-    "two rival chefs",
-    "a moon rabbit",
-)
-_PAIRS = (
-    ("cats", "dogs"),
-    ("tea", "coffee"),
-    ("trains", "planes"),
-    ("Python", "JavaScript"),
-    ("renting", "buying a house"),
-    ("books", "films"),
-    ("summer", "winter"),
-    ("cities", "the countryside"),
-    ("email", "phone calls"),
-    ("running", "swimming"),
-    ("paper books", "e-readers"),
-    ("solar power", "wind power"),
-    ("SQL", "NoSQL databases"),
-    ("working from home", "working in an office"),
-    ("saving", "investing"),
-    ("lists", "tuples in Python"),
-)
-_PEOPLE = ("my landlord", "a colleague", "my manager", "a customer", "my neighbour", "a teacher", "a hotel")
-_REASONS = (
-    "a broken heater",
-    "a missed deadline",
-    "a refund for a damaged order",
-    "a schedule change",
-    "thanking them for their help",
-    "a noisy party",
-    "booking a meeting room",
-    "a late payment",
-)
-_CODE_TASKS = (
-    "reverses a string",
-    "checks whether a number is prime",
-    "counts the words in a text",
-    "returns the largest element of a list",
-    "merges two sorted lists",
-    "computes a factorial",
-    "removes duplicates from a list while keeping order",
-    "converts Celsius to Fahrenheit",
-    "checks whether a string is a palindrome",
-    "returns the Fibonacci numbers below n",
-    "reads a CSV file and sums a column",
-    "finds the most common letter in a string",
-    "validates an email address",
-    "flattens a nested list",
-    "computes the average of a list of numbers",
-)
-_SENTENCES = (
-    "Where is the train station?",
-    "I would like a cup of coffee, please.",
-    "The weather is lovely today.",
-    "My sister lives in a small town near the sea.",
-    "Could you help me carry these boxes?",
-    "We are going to the museum tomorrow morning.",
-    "This book is more interesting than the film.",
-    "Please close the window when you leave.",
-    "How much does this jacket cost?",
-    "I have been learning to cook for two years.",
-)
-_LANGUAGES = ("French", "Spanish", "German", "Italian", "Portuguese")
-
-_TEMPLATES = (
-    "Explain {topic} in simple terms.",
-    "Explain {topic} to {audience}.",
-    "What is {topic}? Answer in three sentences.",
-    "Give me five interesting facts about {topic}.",
-    "Why is {topic} important?",
-    "Write a short poem about {topic}.",
-    "What are common misconceptions about {topic}?",
-    "How do I {activity}?",
-    "Give me some tips to {activity}.",
-    "I want to {activity}. Where should I start?",
-    "Make a step-by-step plan to {activity} in one month.",
-    "Write a short story about {thing}.",
-    "Tell me a bedtime story about {thing}.",
-    "Compare {a} and {b}.",
-    "What are the pros and cons of {a} versus {b}?",
-    "Write a polite email to {person} about {reason}.",
-    "Write a short message to {person} about {reason}.",
-    "Write a Python function that {code}.",
-    "How would you write a function that {code}? Explain your approach.",
-    "Translate into {language}: {sentence}",
-)
-
-
-def _math_problem(rng: random.Random) -> str:
-    a, b, c = rng.randint(2, 40), rng.randint(2, 40), rng.randint(2, 9)
-    return rng.choice(
-        (
-            f"A shop sells pencils at {c} dollars each. Anna buys {a} pencils and Ben buys {b}. "
-            "How much do they spend in total?",
-            f"A train travels {a * 10} kilometres in {c} hours. What is its average speed?",
-            f"Tom has {a + b} apples. He gives {b} to his friends and buys {c} more. How many does he have?",
-            f"A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
-            f"There are {a} students in a class and {c} of them are absent. What fraction is present?",
-        )
-    )
-
-
-def _stdlib_passages() -> list[str]:
-    """Paragraphs of 40–160 words from the standard library's module docstrings, read without importing."""
-    root = Path(os.__file__).parent
-    passages = []
-    for name in sorted(sys.stdlib_module_names):
-        file = root / f"{name}.py"
-        if not file.is_file():
-            file = root / name / "__init__.py"
-        try:
-            doc = ast.get_docstring(ast.parse(file.read_text(encoding="utf-8")))
-        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for paragraph in (doc or "").split("\n\n"):
-            words = paragraph.split()
-            if 40 <= len(words) <= 160 and paragraph.count(">>>") == 0:
-                passages.append(" ".join(words))
-    return passages
-
-
-def chat_prompts(count: int, seed: int = 0) -> list[str]:
-    """``count`` distinct user requests (deterministic in ``seed``); see the module docstring."""
-    if count < 1:
-        raise ValueError(f"count must be >= 1, got {count}")
-    rng = random.Random(seed)
-    passages = _stdlib_passages()
-    prompts: dict[str, None] = {}
-    for _ in range(count * 50):
-        if len(prompts) == count:
-            break
-        kind = rng.random()
-        if kind < 0.1:
-            prompts[_math_problem(rng)] = None
-        elif kind < 0.25 and passages:
-            passage = rng.choice(passages)
-            request = rng.choice(
-                (
-                    "Summarize the following text in two sentences.",
-                    "Summarize this passage for a beginner.",
-                    "What is the main idea of this text?",
-                    "Explain this documentation in plain words.",
-                    "List the key points of this text.",
-                )
-            )
-            prompts[f"{request}\n\n{passage}"] = None
-        else:
-            a, b = rng.choice(_PAIRS)
-            fields = {
-                "topic": rng.choice(_TOPICS),
-                "audience": rng.choice(_AUDIENCES),
-                "activity": rng.choice(_ACTIVITIES),
-                "thing": rng.choice(_THINGS),
-                "a": a,
-                "b": b,
-                "person": rng.choice(_PEOPLE),
-                "reason": rng.choice(_REASONS),
-                "code": rng.choice(_CODE_TASKS),
-                "language": rng.choice(_LANGUAGES),
-                "sentence": rng.choice(_SENTENCES),
-            }
-            prompts[rng.choice(_TEMPLATES).format(**fields)] = None
-    if len(prompts) < count:
-        raise ValueError(f"only {len(prompts)} distinct prompts can be made, {count} were asked for")
-    return list(prompts)
-
 
 @dataclass(frozen=True)
 class DataConfig:
-    """What :func:`build_dataset` generates; validated with ValueError."""
+    """What :func:`build_dataset` generates; validated with UsageError."""
 
     num_prompts: int = 1024
     max_new_tokens: int = 192
@@ -371,17 +61,17 @@ class DataConfig:
             value = getattr(self, name)
             low = {"first_prompt": 0, "seed": 0}.get(name, 1)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+                raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
         if not 0 < self.heldout_fraction < 1:
-            raise ValueError(f"heldout_fraction must lie in (0, 1), got {self.heldout_fraction!r}")
+            raise UsageError(f"heldout_fraction must lie in (0, 1), got {self.heldout_fraction!r}")
         if self.questions not in ("templates", "target"):
-            raise ValueError(f'questions must be "templates" or "target", got {self.questions!r}')
+            raise UsageError(f'questions must be "templates" or "target", got {self.questions!r}')
         if self.questions == "templates" and self.turns != 1:
-            raise ValueError(
+            raise UsageError(
                 "several turns need target-written questions (template chats get follow-ups instead)"
             )
         if self.questions == "target" and self.first_prompt:
-            raise ValueError(
+            raise UsageError(
                 "first_prompt numbers the template prompt set: for more target-written chats, change the seed"
             )
 
@@ -449,20 +139,6 @@ def _write_split(path: Path, sequences: list[tuple[list[int], int, Tensor]]) -> 
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-_FOLLOW_UPS = (
-    "Can you give me a concrete example?",
-    "Summarize your answer in one sentence.",
-    "Can you explain that more simply?",
-    "What is the most important point?",
-    "Thanks! Can you add two more tips?",
-    "Rewrite that for a ten-year-old.",
-    "What should I do first?",
-    "Is there anything I should avoid?",
-    "Make it shorter, please.",
-    "Why is that?",
-)
 
 
 def _load_target(target: str):
@@ -592,7 +268,8 @@ def _self_written(model, tokenizer, heldout: set[int], config: DataConfig) -> di
     (:func:`_write_user_turns`) and its answer (even conversations greedy, odd sampled). Every answered turn
     is one sequence (the conversation so far, then the answer); a conversation ends early where a user turn
     fails. Conversation i goes to the held-out split when i is in ``heldout``."""
-    alive = {i: [] for i in range(config.num_prompts)}  # conversation index -> messages so far
+    # conversation index -> messages so far
+    alive: dict[int, list[dict[str, str]]] = {i: [] for i in range(config.num_prompts)}
     splits: dict[str, list] = {"train": [], "heldout": []}
     for turn in range(config.turns):
         order = sorted(alive)
@@ -613,7 +290,7 @@ def _self_written(model, tokenizer, heldout: set[int], config: DataConfig) -> di
             alive[i] = [*alive[i], {"role": "assistant", "content": reply}]
     for name, sequences in splits.items():
         if not sequences:
-            raise ValueError(
+            raise UsageError(
                 f"the target wrote no usable user turn for the {name} split: ask for more prompts"
             )
     return splits
@@ -654,7 +331,7 @@ def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig(
     if config.questions == "target":
         splits = _self_written(model, tokenizer, heldout, config)
         prompts = {
-            "prompts": "written by the target (verispec.eagle.data._write_user_turns)",
+            "prompts": "written by the target (verispec.drafting.eagle.data._write_user_turns)",
             "turns": config.turns,
             "user_turn_tokens": _USER_TURN_TOKENS,
         }
@@ -662,7 +339,10 @@ def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig(
         texts = _prompt_texts(config.first_prompt, config.num_prompts, config.seed)
         prompt_ids = [tokenizer.encode(tokenizer.chat_prompt(t), add_bos=True) for t in texts]
         splits = _answer_all(model, tokenizer, prompt_ids, heldout, config, "target answers")
-        prompts = {"prompts": "verispec.eagle.data.chat_prompts", "first_prompt": config.first_prompt}
+        prompts = {
+            "prompts": "verispec.drafting.eagle.prompts.chat_prompts",
+            "first_prompt": config.first_prompt,
+        }
     meta = {
         "target": str(target),
         "hidden_size": int(model.config.hidden_size),
@@ -681,18 +361,18 @@ def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig(
 
 
 def read_data_meta(directory: str | Path) -> dict:
-    """The ``meta.json`` of the drafter data set in ``directory``; ValueError when there is none."""
+    """The ``meta.json`` of the drafter data set in ``directory``; UsageError when there is none."""
     meta_path = Path(directory) / "meta.json"
     if not meta_path.is_file():
-        raise ValueError(
+        raise UsageError(
             f"no drafter data set in {directory} (no meta.json): build it with verispec drafter-data"
         )
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{meta_path} is not readable JSON: {err}") from None
+        raise UsageError(f"{meta_path} is not readable JSON: {err}") from None
     if not isinstance(meta, dict):
-        raise ValueError(f"{meta_path} does not hold a JSON object")
+        raise UsageError(f"{meta_path} does not hold a JSON object")
     return meta
 
 
@@ -711,32 +391,34 @@ def add_follow_ups(
 ) -> dict:
     """A new data set in ``out``: every sequence of ``source`` (made by :func:`build_dataset`), plus second
     turns — the first ``count`` conversations of each split continued with a follow-up request
-    (``_FOLLOW_UPS``, by seed) and the target's answer — so that the drafter also sees multi-turn chats.
-    A follow-up stays in its conversation's split. Returns the new meta data."""
+    (:data:`verispec.drafting.eagle.prompts.FOLLOW_UPS`, by seed) and the target's answer — so that the
+    drafter also sees multi-turn chats. A follow-up stays in its conversation's split. Returns the new meta
+    data."""
     started = time.perf_counter()
     source = Path(source)
     meta = read_data_meta(source)
     if count < 1:
-        raise ValueError(f"follow-ups must be >= 1, got {count}")
+        raise UsageError(f"follow-ups must be >= 1, got {count}")
     generation = meta.get("generation")
     if not isinstance(generation, dict) or "num_prompts" not in generation:
-        raise ValueError(
+        raise UsageError(
             f"{source} does not record one prompt set (a merged data set?): add follow-ups before merging"
         )
     if "turns" in generation:
-        raise ValueError(f"{source} holds target-written chats: ask for more turns with --turns instead")
+        raise UsageError(f"{source} holds target-written chats: ask for more turns with --turns instead")
     model, tokenizer = _load_target(meta["target"])
     texts = _prompt_texts(generation.get("first_prompt", 0), generation["num_prompts"], generation["seed"])
     by_prompt = {tuple(tokenizer.encode(tokenizer.chat_prompt(t), add_bos=True)): t for t in texts}
     rng = random.Random(config.seed)
     splits: dict[str, list] = {}
-    conversations, heldout = [], set()
+    conversations: list[list[dict[str, str]]] = []  # each: its {"role", "content"} messages
+    heldout: set[int] = set()  # indices of the conversations of the held-out split
     for name in ("train", "heldout"):
         splits[name] = _sequences(source, name)
         for tokens, n, _ in splits[name][:count]:
             question = by_prompt.get(tuple(tokens[:n]))
             if question is None:
-                raise ValueError(
+                raise UsageError(
                     f"{source} was not made from verispec's prompt set: cannot rebuild its chats"
                 )
             answer = tokenizer.decode(tokens[n:])
@@ -745,7 +427,7 @@ def add_follow_ups(
                 [
                     {"role": "user", "content": question},
                     {"role": "assistant", "content": answer},
-                    {"role": "user", "content": rng.choice(_FOLLOW_UPS)},
+                    {"role": "user", "content": rng.choice(FOLLOW_UPS)},
                 ]
             )
     prompts = [tokenizer.encode(tokenizer.chat_prompt(c), add_bos=True) for c in conversations]
@@ -753,7 +435,7 @@ def add_follow_ups(
     merged = {name: splits[name] + second[name] for name in splits}
     meta["generation"]["follow_ups"] = {
         "per_split": count,
-        "requests": "verispec.eagle.data._FOLLOW_UPS",
+        "requests": "verispec.drafting.eagle.prompts.FOLLOW_UPS",
         "max_new_tokens": config.max_new_tokens,
         "seed": config.seed,
     }
@@ -763,15 +445,15 @@ def add_follow_ups(
 def merge_datasets(sources: list[str | Path], out: str | Path) -> dict:
     """A new data set in ``out`` holding every sequence of ``sources`` (each made by :func:`build_dataset` or
     :func:`add_follow_ups` for one target), split by split: the way to grow a data set with new prompts
-    (``DataConfig.first_prompt``). Returns the new meta data; ValueError for fewer than two sources, a
+    (``DataConfig.first_prompt``). Returns the new meta data; UsageError for fewer than two sources, a
     missing one, or sources made by different targets."""
     started = time.perf_counter()
     if len(sources) < 2:
-        raise ValueError(f"merging needs at least two data sets, got {len(sources)}")
+        raise UsageError(f"merging needs at least two data sets, got {len(sources)}")
     metas = [read_data_meta(source) for source in sources]
     made_by = {(m.get("target"), m.get("hidden_size"), m.get("vocab_size")) for m in metas}
     if len(made_by) > 1:
-        raise ValueError(f"the data sets were made by different targets: {sorted(map(str, made_by))}")
+        raise UsageError(f"the data sets were made by different targets: {sorted(map(str, made_by))}")
     splits: dict[str, list] = {}
     for name in ("train", "heldout"):
         splits[name] = [seq for source in sources for seq in _sequences(source, name)]
@@ -792,17 +474,17 @@ def load_split(directory: str | Path, split: str) -> dict[str, Tensor]:
 
     path = Path(directory) / f"{split}.safetensors"
     if not path.is_file():
-        raise ValueError(f"{path} does not exist: build the data set with `verispec drafter-data` first")
+        raise UsageError(f"{path} does not exist: build the data set with `verispec drafter-data` first")
     try:
         data = load_file(str(path))
     except (SafetensorError, OSError) as err:
-        raise ValueError(f"{path} is not a readable safetensors file: {err}") from err
+        raise UsageError(f"{path} is not a readable safetensors file: {err}") from err
     missing = {"tokens", "hidden", "offsets", "prompt_lengths"} - set(data)
     if missing:
-        raise ValueError(f"{path} lacks {', '.join(sorted(missing))}: not a verispec drafter data set")
+        raise UsageError(f"{path} lacks {', '.join(sorted(missing))}: not a verispec drafter data set")
     if (
         data["hidden"].shape[0] != data["tokens"].shape[0]
         or int(data["offsets"][-1]) != data["tokens"].shape[0]
     ):
-        raise ValueError(f"{path} is inconsistent: tokens, hidden and offsets disagree")
+        raise UsageError(f"{path} is inconsistent: tokens, hidden and offsets disagree")
     return data

@@ -6,7 +6,7 @@ of a node are its *siblings*, alternative next tokens after the node's path. The
 p[i] is its (transformed, :func:`verispec.sampling.probs_from_logits`) distribution of the token that follows
 the path root..i. q[i], for i ≥ 1, is the distribution node i's token was sampled from (at its parent's path).
 
-Vocabulary, as in :mod:`verispec.verify`:
+Vocabulary, as in :mod:`verispec.verify.chain`:
 
 - **accepted** tokens: the draft tokens on the path the verifier walks from the root, one node per level;
 - **recovered** token: when the walk stops at a node whose children are all rejected, one token sampled from
@@ -36,8 +36,8 @@ checked statistically:
   from a sibling rule with an explicit generator.
 
 :func:`tree_rejection_sample` and :func:`tree_greedy_verify` do both. A chain (``parents = [-1, 0, 1, ...]``)
-gives exactly the verdicts of :func:`verispec.verify.rejection_sample` (q given or None) and
-:func:`verispec.verify.greedy_verify`, and for the same generator state the very same tokens.
+gives exactly the verdicts of :func:`verispec.verify.chain.rejection_sample` (q given or None) and
+:func:`verispec.verify.chain.greedy_verify`, and for the same generator state the very same tokens.
 
 Exactness (the emitted tokens are distributed exactly as tokens sampled one by one from p) holds when the
 drafts are what the verifier is told:
@@ -74,7 +74,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verispec.verify import EosIds, _pad_vocab
+from verispec.errors import UsageError
+from verispec.verify.chain import EosIds, _pad_vocab
 
 __all__ = [
     "SiblingRule",
@@ -131,30 +132,30 @@ class TreeVerdict:
 
 def _check_ids(name: str, ids: Tensor) -> None:
     if ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be an integer tensor, got {ids.dtype}")
+        raise UsageError(f"{name} must be an integer tensor, got {ids.dtype}")
     if bool((ids < 0).any()):
-        raise ValueError(f"{name} must be >= 0")
+        raise UsageError(f"{name} must be >= 0")
 
 
 def _tree_children(tokens: Tensor, parents: Tensor) -> list[list[int]]:
     """Validates the tree; returns the children of every node in index order."""
     if tokens.ndim != 1 or tokens.numel() == 0:
-        raise ValueError(
+        raise UsageError(
             f"tokens must have shape [N] with N >= 1 (node 0 is the root), got {tuple(tokens.shape)}"
         )
     _check_ids("tokens", tokens)
     n = tokens.shape[0]
     if parents.shape != (n,) or parents.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
+        raise UsageError(
             f"parents must be an integer tensor of shape [{n}], got {parents.dtype} {tuple(parents.shape)}"
         )
     up = parents.tolist()
     if up[0] != -1:
-        raise ValueError(f"parents[0] must be -1 (node 0 is the root), got {up[0]}")
+        raise UsageError(f"parents[0] must be -1 (node 0 is the root), got {up[0]}")
     children: list[list[int]] = [[] for _ in range(n)]
     for i, parent in enumerate(up[1:], start=1):
         if not 0 <= parent < i:
-            raise ValueError(
+            raise UsageError(
                 f"parents[{i}] = {parent}: every node's parent must be an earlier node, in [0, {i})"
             )
         children[parent].append(i)
@@ -165,21 +166,21 @@ def _check_dists(name: str, probs: Tensor, dtype: torch.dtype, first: int = 0, w
     """probs: [R, V] one distribution per row (a node, or a batch row); rows before ``first`` are not read.
     Returns probs in ``dtype``."""
     if not torch.is_floating_point(probs):
-        raise ValueError(f"{name} must be a floating-point tensor, got {probs.dtype}")
+        raise UsageError(f"{name} must be a floating-point tensor, got {probs.dtype}")
     used = probs[first:]
     for problem, bad in (("NaN or Inf", ~torch.isfinite(used)), ("a negative probability", used < 0)):
         if bad.any():
-            raise ValueError(f"{name} has {problem} at {where} {first + int(bad.any(-1).nonzero()[0])}")
+            raise UsageError(f"{name} has {problem} at {where} {first + int(bad.any(-1).nonzero()[0])}")
     tol = 1e-9 if probs.dtype == torch.float64 else 1e-3  # checked in the precision the caller computed
     off = (used.sum(-1) - 1).abs() > tol
     if off.any():
-        raise ValueError(f"{name} does not sum to 1 at {where} {first + int(off.nonzero()[0])}")
+        raise UsageError(f"{name} does not sum to 1 at {where} {first + int(off.nonzero()[0])}")
     return probs.to(dtype)
 
 
 def _check_node_rows(name: str, rows: Tensor, n: int) -> None:
     if rows.ndim != 2 or rows.shape[0] != n or rows.shape[1] == 0:
-        raise ValueError(f"{name} must have shape [{n}, V] (one row per node), got {tuple(rows.shape)}")
+        raise UsageError(f"{name} must have shape [{n}, V] (one row per node), got {tuple(rows.shape)}")
 
 
 def _eos_set(eos_token_id: EosIds) -> frozenset[int]:
@@ -223,7 +224,7 @@ def _sibling_rule(
 
 
 def sibling_rule(
-    p_u: Tensor, child_tokens: Tensor, q_children: Tensor | None = None, dtype: torch.dtype = torch.float32
+    child_tokens: Tensor, *, p_u: Tensor, q_children: Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> SiblingRule:
     """The multi-proposal rule at one node u, for its children tried in the given order.
 
@@ -238,21 +239,21 @@ def sibling_rule(
     recovered-token distribution (the bonus distribution when m = 0).
     """
     if p_u.ndim < 1 or p_u.shape[-1] == 0:
-        raise ValueError(f"p_u must have shape [..., V] with V >= 1, got {tuple(p_u.shape)}")
+        raise UsageError(f"p_u must have shape [..., V] with V >= 1, got {tuple(p_u.shape)}")
     if child_tokens.shape[:-1] != p_u.shape[:-1] or child_tokens.ndim != p_u.ndim:
-        raise ValueError(
+        raise UsageError(
             f"child_tokens must have shape {[*p_u.shape[:-1], 'm']}, got {tuple(child_tokens.shape)}"
         )
     _check_ids("child_tokens", child_tokens)
     _check_dists("p_u", p_u.reshape(-1, p_u.shape[-1]), dtype, where="row")
     if q_children is not None:
         if q_children.shape[:-1] != child_tokens.shape or q_children.shape[-1] == 0:
-            raise ValueError(
+            raise UsageError(
                 f"q_children must have shape {[*child_tokens.shape, 'V']}, got {tuple(q_children.shape)}"
             )
         _check_dists("q_children", q_children.reshape(-1, q_children.shape[-1]), dtype, where="row")
         if bool((child_tokens >= q_children.shape[-1]).any()):
-            raise ValueError(
+            raise UsageError(
                 f"a child token id is outside the draft vocabulary of size {q_children.shape[-1]}"
             )
     return _sibling_rule(p_u, child_tokens, q_children, dtype)
@@ -260,19 +261,19 @@ def sibling_rule(
 
 def greedy_sibling_rule(scores_u: Tensor, child_tokens: Tensor) -> SiblingRule:
     """Greedy verification at one node as a rule: accept a child iff its token is the first argmax of
-    scores_u (torch.argmax's convention, as :func:`verispec.verify.greedy_verify`); every residual is a
+    scores_u (torch.argmax's convention, as :func:`verispec.verify.chain.greedy_verify`); every residual is a
     point mass on that argmax.
 
     scores_u: [..., V] target distribution or logits (only the argmax is used). child_tokens: [..., m] int.
     Returns float64 accept_prob [..., m] (0 or 1) and residuals [..., m+1, V].
     """
     if scores_u.ndim < 1 or scores_u.shape[-1] == 0 or child_tokens.shape[:-1] != scores_u.shape[:-1]:
-        raise ValueError(
+        raise UsageError(
             f"need scores_u [..., V] and child_tokens [..., m], got {tuple(scores_u.shape)} and "
             f"{tuple(child_tokens.shape)}"
         )
     if bool(torch.isnan(scores_u).any()):
-        raise ValueError("scores_u has NaN")
+        raise UsageError("scores_u has NaN")
     target = scores_u.argmax(-1, keepdim=True)  # [..., 1]
     accept_prob = (child_tokens.long() == target).to(torch.float64)  # [..., m]
     point = torch.nn.functional.one_hot(target, scores_u.shape[-1]).to(torch.float64)  # [..., 1, V]
@@ -294,12 +295,12 @@ def _walk(
     """Walks the tree from the root: at node u, the k-th child tried is accepted iff its uniform is below the
     rule's accept_prob[k] (the first such child in trial order); with none, ``draw`` picks the emitted token
     from the last residual. uniforms: [N], uniforms[c] for child c (entry 0 unused)."""
-    node, accepted = 0, []
+    node, accepted = 0, list[int]()
     while True:
         kids = torch.tensor(children[node], dtype=torch.long, device=uniforms.device)  # [m] in trial order
         at = rule(node, kids)
         if at.accept_prob.shape != kids.shape or at.residuals.shape[:1] != (len(kids) + 1,):
-            raise ValueError(
+            raise UsageError(
                 f"the rule at node {node} must give accept_prob [m] and residuals [m+1, V], m = {len(kids)}"
             )
         hits = (uniforms[kids] < at.accept_prob).nonzero()
@@ -346,7 +347,7 @@ def sample_tree_verdict(
     """Draw a tree verdict from ``rule``: one uniform per draft node (in ``dtype``) decides its acceptance
     when it is tried; siblings are tried in a uniformly random order (random keys, drawn only when some node
     has two children or more); the emitted token is sampled from the last residual. The same generator state
-    gives the same verdict; on a chain the draws are those of :func:`verispec.verify.sample_verdict`.
+    gives the same verdict; on a chain the draws are those of :func:`verispec.verify.chain.sample_verdict`.
 
     tokens: [N] int; parents: [N] int (see the module docstring). rule: (node, children in trial order) ->
     :class:`SiblingRule`. eos_token_id: an end-of-sequence id (or several); an accepted one ends the output.
@@ -357,6 +358,7 @@ def sample_tree_verdict(
 def tree_rejection_sample(
     tokens: Tensor,
     parents: Tensor,
+    *,
     p: Tensor,
     q: Tensor | None,
     generator: torch.Generator,
@@ -378,7 +380,7 @@ def tree_rejection_sample(
         _check_node_rows("q", q, n)
         q = _check_dists("q", q, dtype, first=1)
         if bool((tokens[1:] >= q.shape[-1]).any()):
-            raise ValueError(f"a draft token id is outside the draft vocabulary of size {q.shape[-1]}")
+            raise UsageError(f"a draft token id is outside the draft vocabulary of size {q.shape[-1]}")
     elif n > 1:  # one vocabulary for every node, holding every guess (ids the target lacks have p = 0)
         p = _pad_vocab(p, max(p.shape[-1], int(tokens[1:].max()) + 1))
     ids = tokens.long()
@@ -390,24 +392,24 @@ def tree_rejection_sample(
 
 
 def tree_greedy_verify(
-    tokens: Tensor, parents: Tensor, logits_or_p: Tensor, eos_token_id: EosIds = None
+    tokens: Tensor, parents: Tensor, *, p: Tensor, eos_token_id: EosIds = None
 ) -> TreeVerdict:
     """Greedy tree verification, no randomness: from the root, follow the first child (in index order) whose
     token is the target's argmax at the current node; then emit the target's argmax there. Token-identical to
-    the target's greedy decoding, and to :func:`verispec.verify.greedy_verify` on a chain.
+    the target's greedy decoding, and to :func:`verispec.verify.chain.greedy_verify` on a chain.
 
-    tokens: [N] int; parents: [N] int; logits_or_p: [N, V] target logits or distributions (argmax only).
+    tokens: [N] int; parents: [N] int; p: [N, V] target distributions, or logits (only the argmax is used).
     """
     children = _tree_children(tokens, parents)
     n = tokens.shape[0]
-    _check_node_rows("logits_or_p", logits_or_p, n)
-    nan = torch.isnan(logits_or_p).any(-1)
+    _check_node_rows("p", p, n)
+    nan = torch.isnan(p).any(-1)
     if nan.any():
-        raise ValueError(f"logits_or_p has NaN at node {int(nan.nonzero()[0])}")
+        raise UsageError(f"p has NaN at node {int(nan.nonzero()[0])}")
     ids = tokens.long()
 
     def rule(u: int, kids: Tensor) -> SiblingRule:
-        return greedy_sibling_rule(logits_or_p[u], ids[kids])
+        return greedy_sibling_rule(p[u], ids[kids])
 
     def draw(point: Tensor) -> int:
         return int(point.argmax())

@@ -13,9 +13,9 @@ positions of a round independently picks a pair (p, q) at random from a pool of 
 family, then:
 
 - *sampled* mode: draws x ~ q and accepts it with probability min(1, p(x) / q(x)) (the rejection rule of
-  :func:`verispec.verify.rejection_rule`). Every pair accepts with probability α = a.
+  :func:`verispec.verify.chain.rejection_rule`). Every pair accepts with probability α = a.
 - *greedy* mode: drafts x = argmax q and accepts it iff x = argmax p (first argmax, as
-  :func:`verispec.verify.greedy_rule`). The acceptance rate is the fraction β of pairs of the pool whose
+  :func:`verispec.verify.chain.greedy_rule`). The acceptance rate is the fraction β of pairs of the pool whose
   argmaxes agree, which differs from a: it is P(a·max p > (1 − a)·max u). As max p and max u have the same
   distribution, β rises steeply around a = 1/2 (with the defaults: β ≈ 0.03 at a = 0.35, 0.5 at a = 0.5,
   0.97 at a = 0.65, 1 from a ≈ 0.8): greedy acceptance only needs q's largest entry to be p's, whereas
@@ -24,7 +24,7 @@ family, then:
 The number of tokens a round emits is the number of accepted positions before the first rejection, plus one
 (the recovered or bonus token). Positions are independent with acceptance probability α (sampled) or β
 (greedy), known exactly from the pool, so the Monte-Carlo τ and speedup estimate exactly the analytic
-E[L](α or β) and :func:`verispec.analysis.expected_speedup` of :mod:`verispec.analysis`.
+E[L](α or β) and :func:`verispec.analysis.analytic.expected_speedup` of :mod:`verispec.analysis.analytic`.
 
 All randomness comes from ``np.random.Generator`` objects seeded from (seed, agreement) for the pool and from
 (seed, mode, agreement, K) for the rounds: the same seed gives the same numbers, and a cell's numbers do not
@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from verispec.analysis import (
+from verispec.analysis.analytic import (
     CostModel,
     VerifyCost,
     acceptance_rate,
@@ -49,6 +49,7 @@ from verispec.analysis import (
     expected_tokens_per_call,
     speedup_from_tokens,
 )
+from verispec.errors import UsageError
 
 __all__ = [
     "MODES",
@@ -68,26 +69,26 @@ _CHUNK_POSITIONS = 1 << 20  # drafted positions simulated at once: bounds memory
 
 def _tuple_of(name: str, values: object, kind: type, check: Callable[[Any], bool], requirement: str) -> tuple:
     """values (one value or an iterable) as a non-empty tuple of ``kind`` (bools refused), each satisfying
-    ``check``; else ValueError."""
+    ``check``; else UsageError."""
     items = tuple(values) if isinstance(values, Iterable) and not isinstance(values, str) else (values,)
     ok = bool(items) and all(isinstance(x, kind) and not isinstance(x, bool) and check(x) for x in items)
     if not ok:
-        raise ValueError(f"{name} must be a non-empty sequence of {requirement}, got {values!r}")
+        raise UsageError(f"{name} must be a non-empty sequence of {requirement}, got {values!r}")
     return items
 
 
 @dataclass(frozen=True)
 class SimulationConfig:
-    """A grid of simulation cells and how to simulate them; validated on construction (one-line ValueError).
+    """A grid of simulation cells and how to simulate them; validated on construction (one-line UsageError).
 
     ks: draft lengths K ≥ 1. agreements: agreement levels a ∈ [0, 1] (= α of every pair, see the module).
     modes: a subset of ("sampled", "greedy").
-    cost_ratio, verify_cost: the cost of a round, as in :class:`verispec.analysis.CostModel` (v ≡ 1 if None).
-    rounds: rounds per cell, ≥ 2 (for a standard error). seed: integer ≥ 0.
+    cost_ratio, verify_cost: the cost of a round, as in :class:`verispec.analysis.analytic.CostModel` (v ≡ 1
+    if None). rounds: rounds per cell, ≥ 2 (for a standard error). seed: integer ≥ 0.
     vocab_size: V ≥ 2 (the target lives on the first V // 2 tokens).
     pool_size: pairs (p, q) per agreement level, ≥ 1.
     concentration: Dirichlet concentration > 0 of p and u (small: peaked distributions).
-    cost: the validated :class:`verispec.analysis.CostModel` of cost_ratio and verify_cost (derived).
+    cost: the validated :class:`verispec.analysis.analytic.CostModel` of cost_ratio and verify_cost (derived).
     """
 
     ks: tuple[int, ...] = (1, 2, 4, 8)
@@ -115,13 +116,13 @@ class SimulationConfig:
         for name, low in (("rounds", 2), ("seed", 0), ("vocab_size", 2), ("pool_size", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+                raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
         c = self.concentration
         if isinstance(c, bool) or not isinstance(c, numbers.Real) or not 0 < c < math.inf:
-            raise ValueError(f"concentration must be a finite number > 0, got {c!r}")
+            raise UsageError(f"concentration must be a finite number > 0, got {c!r}")
         cost = CostModel(self.cost_ratio, self.verify_cost)
         if cost.max_k is not None and max(self.ks) > cost.max_k:
-            raise ValueError(f"verify_cost covers K <= {cost.max_k}, but ks go up to {max(self.ks)}")
+            raise UsageError(f"verify_cost covers K <= {cost.max_k}, but ks go up to {max(self.ks)}")
         object.__setattr__(self, "cost", cost)
 
 
@@ -211,14 +212,15 @@ def pair_acceptance(p: np.ndarray, q: np.ndarray, mode: str) -> np.ndarray:
     """The exact probability that each pair of the pool accepts a drafted token in ``mode``.
 
     p, q: [M, V] pool of target and draft distributions. Returns [M] float64: Σ_x min(p, q) for "sampled",
-    1.0 where argmax q = argmax p (first argmax) and 0.0 elsewhere for "greedy". ValueError unless p and q
+    1.0 where argmax q = argmax p (first argmax) and 0.0 elsewhere for "greedy". UsageError unless p and q
     are pools of distributions of the same shape and mode is one of :data:`MODES`.
     """
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
     if np.ndim(p) != 2:
-        raise ValueError(f"p and q must be pools of distributions of shape [M, V], got {np.shape(p)}")
+        raise UsageError(f"p and q must be pools of distributions of shape [M, V], got {np.shape(p)}")
     alpha = acceptance_rate(p, q)  # [M]; validates p and q
+    assert isinstance(alpha, np.ndarray)  # one α per pair of the pool
     return alpha if mode == "sampled" else (np.argmax(q, axis=1) == np.argmax(p, axis=1)).astype(np.float64)
 
 
@@ -235,7 +237,7 @@ def simulate_rounds(
     """
     for name, value in (("k", k), ("rounds", rounds)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
     per_pair = pair_acceptance(p, q, mode)  # [M]; validates p, q and mode
     greedy_accept = per_pair > 0.5 if mode == "greedy" else None  # [M] bool
     hist, accepted = np.zeros(k + 1, dtype=np.int64), 0

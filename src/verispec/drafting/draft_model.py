@@ -1,0 +1,169 @@
+"""A draft model: a smaller model with the target's tokenizer (or the target's own first layers) drafting
+autoregressively from its own rolled-back cache, as a chain (:class:`ModelDrafter`) or a tree of its top-k
+or sampled children (:class:`ModelTreeDrafter`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from verispec.drafting.base import BranchedTreeDrafter, Proposal
+from verispec.drafting.tree import TreeProposal, TreeShape
+from verispec.errors import UsageError
+from verispec.models.base import Cache, LanguageModel, TreeLanguageModel
+from verispec.models.llama import KVCache, Llama
+from verispec.sampling import SamplingParams, probs_from_logits
+
+__all__ = ["EARLY_EXIT", "ModelDrafter", "ModelTreeDrafter", "early_exit_layers"]
+
+EARLY_EXIT = "layers:"  # the draft SPEC of an early exit: ``layers:N``, the target's own first N layers
+
+
+def early_exit_layers(spec: str) -> int | None:
+    """N for the draft SPEC ``layers:N`` (an early exit: the target's first N layers), None for any other
+    SPEC; UsageError when the count is not an integer."""
+    if not spec.startswith(EARLY_EXIT):
+        return None
+    count = spec[len(EARLY_EXIT) :]
+    if not count.isdigit():
+        raise UsageError(f"an early-exit draft is written {EARLY_EXIT}N with N an integer, got {spec!r}")
+    return int(count)
+
+
+class ModelDrafter:
+    """A smaller language model with the target's tokenizer drafts autoregressively from its own cache.
+
+    Its cache holds a prefix of the committed context; ``propose`` first feeds the committed tokens it has not
+    seen (the last emitted token, or the last draft token and the bonus token after a fully accepted round),
+    then samples k tokens one forward at a time. ``observe`` rolls the cache back to the committed part.
+
+    An early-exit draft (the target's own first layers, :meth:`verispec.models.llama.Llama.first_layers`)
+    may instead share the target's cache (``target_cache``): those layers of it hold every committed token
+    but the last (the engine's invariant between rounds), as the draft itself would compute them, so each
+    proposal starts from a view of them and feeds only the last token: no cache of its own to fill, not even
+    after rounds at K = 0. The slots it writes beyond the committed ones are those that the target's next
+    forward overwrites before reading them.
+    """
+
+    name = "model"
+
+    def __init__(
+        self,
+        model: LanguageModel,
+        sampling: SamplingParams,
+        target_vocab_size: int,
+        target_cache: Cache | None = None,
+    ) -> None:
+        if model.vocab_size != target_vocab_size:
+            raise UsageError(
+                f"draft vocabulary ({model.vocab_size} tokens) differs from the target's "
+                f"({target_vocab_size}): the draft must use the target's tokenizer"
+            )
+        self.model = model
+        self.sampling = sampling
+        self.shared: tuple[KVCache, int] | None = None  # an early exit's: the target's cache, the layers read
+        if target_cache is not None:
+            if not isinstance(target_cache, KVCache) or not isinstance(model, Llama):
+                raise UsageError("only a native draft (an early exit, layers:N) can read the target's cache")
+            self.shared = (target_cache, model.config.num_layers)
+        self.cache = model.new_cache() if self.shared is None else self._shared_layers(*self.shared)
+        self._committed = 0  # cache slots that hold committed tokens after the last proposal
+        self._drafted = 0  # draft tokens fed to the cache by the last proposal
+
+    @staticmethod
+    def _shared_layers(target_cache: KVCache, num_layers: int) -> Cache:
+        """A view of the target cache's first ``num_layers`` layers, as long as the target cache now is."""
+        return target_cache.first_layers(num_layers)
+
+    def begin(self, prompt: list[int]) -> None:
+        self.cache.truncate(0)
+        self._committed = self._drafted = 0
+
+    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+        if self.shared is not None:
+            self.cache = self._shared_layers(*self.shared)
+        k = min(k, self.model.max_context - len(context))
+        if k <= 0:
+            self._committed, self._drafted = self.cache.length, 0
+            return Proposal.empty()
+        device = self.model.device
+        feed = torch.tensor([context[self.cache.length :]], dtype=torch.long, device=device)  # [1, T]
+        self._committed = len(context)
+        tokens, qs = [], []
+        for _ in range(k):
+            start = self.cache.length
+            positions = torch.arange(start, start + feed.shape[1], device=device).unsqueeze(0)  # [1, T]
+            logits = self.model.forward(feed, positions, self.cache)[0, -1]  # [V]
+            if self.sampling.greedy:
+                token = logits.argmax().view(1)
+            else:
+                q = probs_from_logits(logits, self.sampling)  # [V]
+                token = torch.multinomial(q, 1, generator=generator)
+                qs.append(q)
+            tokens.append(token)
+            feed = token.view(1, 1)
+        self._drafted = k - 1  # the last draft token is never fed
+        return Proposal(tokens=torch.cat(tokens).cpu(), q=torch.stack(qs).cpu() if qs else None)
+
+    def observe(self, num_accepted: int) -> None:
+        self.cache.truncate(self._committed + min(num_accepted, self._drafted))
+
+
+class ModelTreeDrafter(BranchedTreeDrafter):
+    """A draft model's tree: at every node of the shape, its children are the draft's ``c`` most likely next
+    tokens (c = the node's children in the shape; deterministic, verified as single guesses), or with
+    ``sampled`` (and a sampling temperature > 0) c independent samples of the draft's q, verified with q.
+
+    The draft is a :class:`~verispec.drafting.draft_model.ModelDrafter` (its own cache, or an early exit
+    reading the target's). Its cache first takes the committed tokens it has not seen, the root last; then
+    each depth's children come from one tree-attention forward over the tree's inner nodes so far, after which
+    the cache is cut back to the committed tokens: no draft slot outlives the round."""
+
+    name = "model"
+    drafter: ModelDrafter
+
+    def __init__(self, drafter: ModelDrafter, shape: TreeShape, sampled: bool = False) -> None:
+        if not isinstance(drafter.model, TreeLanguageModel):
+            raise UsageError(
+                f"token trees need a draft model that takes a tree mask, not a {type(drafter.model).__name__}"
+            )
+        super().__init__(drafter, shape, sampled)
+        self.tree_model: TreeLanguageModel = drafter.model
+
+    def propose_tree(self, context: list[int], shape: TreeShape, generator: torch.Generator) -> TreeProposal:
+        self.drafter.propose(context, 0, generator)  # drafts nothing: brings an early exit's cache view up
+        model, cache = self.drafter.model, self.drafter.cache
+        committed = len(context)
+        if committed >= cache.capacity:  # no room left in the draft's context: the root alone
+            return shape.select([0], [context[-1]])
+        shape = shape.capped(shape.max_depth, cache.capacity - committed)
+        feed = torch.tensor([context[cache.length :]], dtype=torch.long, device=model.device)  # [1, T]
+        positions = torch.arange(cache.length, committed, device=model.device).unsqueeze(0)  # [1, T]
+        logits = {0: model.forward(feed, positions, cache)[0, -1]}  # node → the draft's next logits [V]
+        children = shape.children()
+        tokens, q_rows = {0: context[-1]}, {}
+        for depth in range(1, shape.max_depth + 1):
+            for node, node_logits in logits.items():
+                picked, q = self._pick(node_logits, len(children[node]), generator)
+                for child, token in zip(children[node][: len(picked)], picked.tolist(), strict=True):
+                    tokens[child], q_rows[child] = token, q
+            inner = [n for n in sorted(tokens) if n and children[n]]  # their children come from the draft
+            frontier = [n for n in inner if int(shape.depth[n]) == depth]  # the last ones (BFS order)
+            if not frontier:
+                break
+            logits = dict(
+                zip(frontier, self._score(shape, inner, tokens, committed)[-len(frontier) :], strict=True)
+            )
+        return self._proposal(shape, context[-1], tokens, q_rows)
+
+    def _score(self, shape: TreeShape, inner: list[int], tokens: dict[int, int], committed: int) -> Tensor:
+        """The draft's logits [len(inner), V] at the inner nodes (ascending, ancestors of one another first),
+        from one tree-attention forward after the committed tokens; the cache is cut back after it."""
+        model, cache = self.tree_model, self.drafter.cache
+        index = torch.tensor(inner, dtype=torch.long)  # [M]
+        feed = torch.tensor([[tokens[n] for n in inner]], dtype=torch.long, device=model.device)  # [1, M]
+        positions = (committed - 1 + shape.depth[index]).to(model.device).unsqueeze(0)  # [1, M]
+        mask = shape.mask[index][:, index].to(model.device)  # [M, M]
+        logits = model.forward(feed, positions, cache, tree_mask=mask)[0]  # [M, V]
+        cache.truncate(committed)
+        return logits

