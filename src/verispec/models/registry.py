@@ -32,7 +32,7 @@ from verispec.errors import UsageError
 from verispec.models.base import LanguageModel, Tokenizer
 from verispec.models.gguf import cache_dir, convert_gguf, first_line, gguf_cache_path, is_converted
 from verispec.models.hf import HFModel, HFTokenizer
-from verispec.models.llama import Llama
+from verispec.models.llama import PRECISIONS, Llama
 from verispec.models.llama2c import Llama2cTokenizer, load_llama2c
 
 __all__ = [
@@ -97,14 +97,19 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     backend: str = "auto",
+    precision: str = "fp32",
 ) -> tuple[LanguageModel, Tokenizer]:
     """The model and tokenizer named by ``spec`` (see the module docstring).
 
     tokenizer: None takes the model's own; otherwise a llama2.c ``tok*.bin`` file or any SPEC whose directory
     holds a transformers tokenizer. backend: "auto" (native for LLAMA_FAMILY, else transformers), "native" or
-    "hf"."""
+    "hf". precision: the weights of the native model's CPU fast path, "fp32", "fp16" or "auto" (the fastest
+    this machine runs; see :meth:`verispec.models.llama.Llama.optimize_for_cpu`); a transformers model runs
+    in ``dtype`` and takes "fp32" or "auto" only."""
     if backend not in BACKENDS:
         raise UsageError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if precision not in (*PRECISIONS, "auto"):
+        raise UsageError(f"precision must be one of {', '.join((*PRECISIONS, 'auto'))}, got {precision!r}")
     path = Path(str(spec)).expanduser()
     if path.suffix == ".bin":
         if not path.is_file():
@@ -114,10 +119,10 @@ def load_model(
                 f"{path} is a llama2.c checkpoint: pass tokenizer= its tokenizer file (tok*.bin)"
             )
         tok = load_tokenizer(tokenizer)  # the quick checks first
-        return load_llama2c(path, device=device, dtype=dtype, fast=True), tok
+        return load_llama2c(path, device=device, dtype=dtype, fast=True, precision=precision), tok
     directory = model_dir(spec)
     tok = load_tokenizer(directory if tokenizer is None else tokenizer)
-    return _load_directory(directory, device, dtype, backend), tok
+    return _load_directory(directory, device, dtype, backend, precision), tok
 
 
 def model_dir(spec: str | Path) -> Path:
@@ -146,17 +151,20 @@ def model_dir(spec: str | Path) -> Path:
 
 
 def _load_directory(
-    directory: Path, device: str | torch.device, dtype: torch.dtype, backend: str
+    directory: Path, device: str | torch.device, dtype: torch.dtype, backend: str, precision: str
 ) -> LanguageModel:
-    """The model in a transformers-format directory, on the backend that ``backend`` selects."""
+    """The model in a transformers-format directory, on the backend that ``backend`` selects, the native one
+    in ``precision``."""
     model_type = json.loads((directory / "config.json").read_text()).get("model_type")
     family = ", ".join(sorted(LLAMA_FAMILY))
     if backend == "native" and model_type not in LLAMA_FAMILY:
         raise UsageError(
             f"the native backend runs {family} models, and {directory} holds a {model_type!r} one"
         )
-    if backend != "hf" and model_type in LLAMA_FAMILY:
-        return Llama.from_pretrained(directory, device=device, dtype=dtype, fast=True)  # fast: CPU float32
+    if backend != "hf" and model_type in LLAMA_FAMILY:  # fast: the CPU fast path, where it applies
+        return Llama.from_pretrained(directory, device=device, dtype=dtype, fast=True, precision=precision)
+    if precision == "fp16":
+        raise UsageError(f"precision fp16 needs the native backend ({family} models)")
     try:
         return HFModel.from_pretrained(directory, device=device, dtype=dtype)
     except (ValueError, KeyError, OSError) as err:  # transformers: unknown architecture, missing weights, …
