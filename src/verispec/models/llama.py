@@ -490,6 +490,21 @@ class _Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def _stacked(*parts: _Linear | None) -> _Linear:
+    """One plain linear layer whose output is the outputs of ``parts`` side by side (their weight rows and
+    biases stacked), on their device and dtype."""
+    linears = [p for p in parts if p is not None]
+    assert len(linears) == len(parts) and not any(p.packed for p in linears), "fuse once, before packing"
+    weight = torch.cat([p.weight for p in linears])  # [sum of outs, in]
+    first = linears[0]
+    fused = _Linear(weight.shape[1], weight.shape[0], first.bias is not None, weight.device, weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(weight)
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in linears if p.bias is not None]))
+    return fused
+
+
 class _RMSNorm(nn.Module):
     """x / rms(x) · weight, normalising in float32 as transformers does."""
 
@@ -520,10 +535,27 @@ class _Attention(nn.Module):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.q_proj = _Linear(h, config.num_heads * d, config.attention_bias, device, dtype)
-        self.k_proj = _Linear(h, config.num_kv_heads * d, config.attention_bias, device, dtype)
-        self.v_proj = _Linear(h, config.num_kv_heads * d, config.attention_bias, device, dtype)
+        kv, bias = config.num_kv_heads * d, config.attention_bias
+        self.q_proj: _Linear | None = _Linear(h, config.num_heads * d, bias, device, dtype)
+        self.k_proj: _Linear | None = _Linear(h, kv, bias, device, dtype)
+        self.v_proj: _Linear | None = _Linear(h, kv, bias, device, dtype)
         self.o_proj = _Linear(config.num_heads * d, h, config.attention_out_bias, device, dtype)
+        self.qkv_proj: _Linear | None = None  # q, k and v in one projection, after fuse()
+        self.qkv_sizes = (config.num_heads * d, kv, kv)
+
+    def fuse(self) -> None:
+        """Compute q, k and v in one projection (their weights stacked): one kernel call instead of three,
+        each output the same dot product of the same input. Irreversible."""
+        self.qkv_proj = _stacked(self.q_proj, self.k_proj, self.v_proj)
+        self.q_proj = self.k_proj = self.v_proj = None
+
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x: [B, T, hidden] → q [B, T, heads·head_dim], k and v [B, T, kv_heads·head_dim]."""
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+            return q, k, v
+        assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(
         self,
@@ -539,9 +571,8 @@ class _Attention(nn.Module):
         [B, kv_heads, capacity, head_dim], written at slots start .. start + T - 1; mask: [T, start + T] bool
         (True = attend), None when every new token may see every slot. Returns [B, T, hidden]."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, heads, T, head_dim]
-        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, kv_heads, T, head_dim]
-        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, kv_heads, T, head_dim]
+        q, k, v = (y.view(b, t, -1, self.head_dim).transpose(1, 2) for y in self._qkv(x))
+        # q: [B, heads, T, head_dim]; k, v: [B, kv_heads, T, head_dim]
         end = start + t
         keys[:, :, start:end] = _rotate(k, cos, sin)
         values[:, :, start:end] = v
@@ -562,13 +593,24 @@ class _MLP(nn.Module):
     def __init__(self, config: LlamaConfig, device: Any, dtype: torch.dtype) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = _Linear(h, i, bias, device, dtype)
-        self.up_proj = _Linear(h, i, bias, device, dtype)
+        self.gate_proj: _Linear | None = _Linear(h, i, bias, device, dtype)
+        self.up_proj: _Linear | None = _Linear(h, i, bias, device, dtype)
         self.down_proj = _Linear(i, h, bias, device, dtype)
+        self.gate_up_proj: _Linear | None = None  # gate and up in one projection, after fuse()
+
+    def fuse(self) -> None:
+        """Compute gate and up in one projection (their weights stacked), as :meth:`_Attention.fuse`."""
+        self.gate_up_proj = _stacked(self.gate_proj, self.up_proj)
+        self.gate_proj = self.up_proj = None
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [B, T, hidden] → [B, T, hidden]."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, T, intermediate] each
+        else:
+            assert self.gate_proj is not None and self.up_proj is not None
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class _DecoderLayer(nn.Module):
@@ -825,7 +867,9 @@ class Llama(nn.Module):
         weights are packed in place; float16 ones replace them; a tied output head runs on oneDNN with the
         embedding's plain weight, or on a float16 copy of it. Weights of fewer than ``min_weight_elements``
         elements stay on ``F.linear``: a packed call's fixed cost (10–25 µs) exceeds what it saves on them.
-        Irreversible; afterwards ``load_weights`` refuses and ``state_dict`` holds packed or emptied tensors.
+        q, k and v, and gate and up, become one projection each (their weights stacked: fewer kernel calls).
+        Irreversible; afterwards ``load_weights`` refuses and ``state_dict`` holds fused, packed or emptied
+        tensors.
         Only float32 models on a CPU; elsewhere (CUDA, half types) the model keeps the plain path, and "fp16"
         is refused. UsageError for a precision this machine cannot run, naming those it can.
         ``batch_size_hint``: the rows (batch × new tokens) per call oneDNN's packing is tuned for. Returns
@@ -845,6 +889,14 @@ class Llama(nn.Module):
         if not on_cpu or self.optimized_for_cpu or (precision == "fp32" and not _onednn_linear_works()):
             return self.optimized_for_cpu
         embed = self.model.embed_tokens.weight  # [vocab, hidden]
+        weights: list[Tensor] = [m.weight for m in self.modules() if isinstance(m, _Linear)]
+        if self.lm_head is None:
+            weights.append(embed)
+        if precision == "fp32" and all(w.numel() < min_weight_elements for w in weights):
+            return False  # nothing to pack: the model stays as it is
+        for m in self.modules():  # fewer, larger kernel calls: 4 projections per layer, not 7
+            if isinstance(m, (_Attention, _MLP)):
+                m.fuse()
         if precision == "fp16":  # every projection rounded alike, those too small to pack too
             with torch.no_grad():
                 for m in self.modules():
