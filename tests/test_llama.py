@@ -252,6 +252,9 @@ def test_cpu_fast_path_matches_plain_path(saved, case):
         fast.load_weights([])
     # by default weights this small stay on F.linear, where oneDNN's fixed cost per call would dominate
     assert not Llama.from_pretrained(saved[case][1], fast=True).optimized_for_cpu
+    auto = Llama.from_pretrained(saved[case][1], fast=True, precision="auto")  # nor does auto round them
+    assert not auto.optimized_for_cpu
+    torch.testing.assert_close(fresh_logits(auto, ids), fresh_logits(plain, ids), atol=0, rtol=0)
 
 
 def fp16_oracle(model: Llama) -> Llama:

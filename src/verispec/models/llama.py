@@ -860,7 +860,8 @@ class Llama(nn.Module):
         """Run the large linear layers on pre-packed weights: in float32 on oneDNN (``precision`` "fp32"), or
         rounded to float16 on fbgemm (``"fp16"``: half the bytes per token; every projection and the output
         head are rounded, the token embeddings are looked up in float32 as before, and the model computes
-        with those weights from then on: another target), ``"auto"`` the fastest this machine runs.
+        with those weights from then on: another target), ``"auto"`` the fastest this machine runs (a model
+        with nothing large enough to pack is then left as it is).
 
         Makes a forward over a few new tokens (a speculative block) cost little more than one over a single
         token, and lowers single-token latency; each row still depends on its own inputs alone. float32
@@ -885,15 +886,15 @@ class Llama(nn.Module):
         if not on_cpu and precision == "fp16":
             where = f"{self.dtype} on {self.device}"
             raise UsageError(f"precision fp16 runs float32 models on a CPU, not {where}")
-        precision = resolve_precision(precision) if on_cpu else "fp32"
+        asked, precision = precision, resolve_precision(precision) if on_cpu else "fp32"
         if not on_cpu or self.optimized_for_cpu or (precision == "fp32" and not _onednn_linear_works()):
             return self.optimized_for_cpu
         embed = self.model.embed_tokens.weight  # [vocab, hidden]
         weights: list[Tensor] = [m.weight for m in self.modules() if isinstance(m, _Linear)]
         if self.lm_head is None:
             weights.append(embed)
-        if precision == "fp32" and all(w.numel() < min_weight_elements for w in weights):
-            return False  # nothing to pack: the model stays as it is
+        if (precision == "fp32" or asked == "auto") and all(w.numel() < min_weight_elements for w in weights):
+            return False  # nothing to pack: the model stays as it is (auto: fp16 would only change it)
         for m in self.modules():  # fewer, larger kernel calls: 4 projections per layer, not 7
             if isinstance(m, (_Attention, _MLP)):
                 m.fuse()
