@@ -110,7 +110,8 @@ class Speculator:
     the drafter verispec ships for it.
     precision: the weights of target and draft models loaded from a SPEC ("fp32", "fp16" or "auto": the
     fastest this machine runs, see :meth:`verispec.models.llama.Llama.optimize_for_cpu`). It is part of the
-    target's identity: fp16 rounds every weight matrix, and the output is exactly that model's.
+    target's identity: fp16 rounds every projection and the output head, and the output is exactly that
+    model's.
     """
 
     def __init__(

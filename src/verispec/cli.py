@@ -28,7 +28,7 @@ from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import DRAFTERS
 from verispec.engine import EngineConfig, GenerationStats
 from verispec.errors import UsageError
-from verispec.models.llama import DEFAULT_PRECISION, PRECISIONS
+from verispec.models.llama import DEFAULT_PRECISION, PRECISION_CHOICES
 from verispec.sampling import SamplingParams
 from verispec.trace import Trace, TraceRecorder
 from verispec.viz import check_writable
@@ -174,7 +174,7 @@ def _add_model_specs(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--precision",
-        choices=(*PRECISIONS, "auto"),
+        choices=PRECISION_CHOICES,
         default=DEFAULT_PRECISION,
         help="weights of the native models on the CPU: fp32, fp16 (every projection and the output head "
         "rounded to float16: another, faster target, whose output is exactly its own) or auto (the fastest "

@@ -156,7 +156,10 @@ class SpeculativeEngine:
                 )
             self.hidden_reader, self.hidden_target = drafter, target
         self.tree: tuple[TreeDrafter, TreeLanguageModel, TreeCache] | None = None  # tree rounds' parts
-        if isinstance(drafter, TreeDrafter):
+        self.chain: Drafter | None = None  # the drafter of chain rounds
+        if not isinstance(drafter, TreeDrafter):
+            self.chain = drafter
+        else:
             drafter.shape.check_fits(target.max_context)
             if not isinstance(self.cache, TreeCache) or not isinstance(target, TreeLanguageModel):
                 raise UsageError(
@@ -198,9 +201,9 @@ class SpeculativeEngine:
             if self.tree is not None:
                 emitted = self._tree_round(*self.tree, ids, room, config, generator, stats)
             else:
-                assert not isinstance(self.drafter, TreeDrafter)  # a tree drafter makes tree rounds only
+                assert self.chain is not None  # a drafter is a chain drafter or a tree drafter
                 k = min(self.k_policy.next_k(), room - 1)
-                emitted = self._round(self.drafter, ids, k, config, generator, stats)
+                emitted = self._round(self.chain, ids, k, config, generator, stats)
             emitted = emitted[:room]
             stop = self._stop_index(emitted, config.eos_token_ids)
             keep = emitted if stop is None else emitted[: stop + 1]

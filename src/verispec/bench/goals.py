@@ -34,11 +34,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from verispec.bench.records import Cell, Results, metrics, tokens_per_second
+from verispec.drafting.registry import DRAFTERS
 from verispec.errors import UsageError
 
 __all__ = ["CalibrationGoal", "Goal", "Judged", "goals_from_records", "judge", "load_goals"]
-
-_PEER_PREFIX = "transformers"  # the peers' method names start with it
 
 
 def _selector(text: object, role: str) -> tuple[str, str]:
@@ -107,14 +106,14 @@ class Goal:
             subjects = [c for c in cells if _is(c, what) and (self.k is None or c["k"] == self.k)]
         rows = []
         for cell in subjects:
-            value = _metric(cell, self.measure)
-            over = None if self.over is None else _reference(cells, self.over, cell)
-            if self.over is not None:
-                if over is None:
-                    continue
-                value = tokens_per_second(cell) / tokens_per_second(over)
+            if self.over is None:
+                value, over_label = _metric(cell, self.measure), ""
+            elif (over := _reference(cells, self.over, cell)) is not None:
+                value, over_label = tokens_per_second(cell) / tokens_per_second(over), over["label"]
+            else:
+                continue
             if value is not None:
-                rows.append((self.name.format(cell=cell["label"], over=over["label"] if over else ""), value))
+                rows.append((self.name.format(cell=cell["label"], over=over_label), value))
         return rows
 
 
@@ -153,8 +152,10 @@ def _metric(cell: Cell, measure: str) -> float | None:
 
 
 def _is(cell: Cell, method: str) -> bool:
+    """Whether ``cell`` runs ``method``; "speculative": any verispec drafter that drafts (chain or tree)."""
     if method == "speculative":
-        return cell["method"] != "none" and not cell["method"].startswith(_PEER_PREFIX)
+        kind = DRAFTERS.get(cell["method"].removesuffix("-tree"))
+        return kind is not None and kind.drafts
     return cell["method"] == method
 
 

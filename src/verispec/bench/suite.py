@@ -442,7 +442,7 @@ def _positionwise(counts: Iterable[list[int]]) -> list[int]:
     return total
 
 
-def add_samples(samples: Sequence[Sample]) -> Sample:
+def _add_samples(samples: Sequence[Sample]) -> Sample:
     """One record for several: counters and per-position counts summed, memory peaks their maximum."""
     return {
         "tokens": sum(s["tokens"] for s in samples),
@@ -471,7 +471,7 @@ def cell_metrics(cell: Cell, none: Cell | None, peer: Cell | None, cost: CostMod
     samples = cell["samples"]
     if not samples:
         return None
-    total = add_samples(samples)
+    total = _add_samples(samples)
     calls, drafted, seconds = total["calls"], total["drafted"], total["seconds"]
     scored = total["tree_nodes"] or drafted  # tree rounds score nodes, not depth
     speed = _spread([s["tokens"] / s["seconds"] for s in samples])
@@ -732,7 +732,7 @@ class Bench:
             cell.outputs.setdefault(prompt.id, ids)
             records.append(record)
             tick()
-        cell.samples.append(add_samples(records))
+        cell.samples.append(_add_samples(records))
 
     # ------------------------------------------------------------------ the loop
 

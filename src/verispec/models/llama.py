@@ -38,16 +38,19 @@ from verispec.models.base import Cache
 __all__ = [
     "DEFAULT_PRECISION",
     "PRECISIONS",
+    "PRECISION_CHOICES",
     "KVCache",
     "Llama",
     "LlamaConfig",
     "RopeScaling",
     "available_precisions",
+    "check_precision",
     "resolve_precision",
 ]
 
 PRECISIONS = ("fp32", "fp16")  # the weight formats of the CPU fast path, most exact first
-DEFAULT_PRECISION = "auto"  # what the API and CLI load in: the fastest format this machine runs
+PRECISION_CHOICES = (*PRECISIONS, "auto")  # what a caller may ask for: "auto" is the fastest available
+DEFAULT_PRECISION = "auto"  # what the API and CLI load in
 
 # transformers model_type → the architecture name its config.json lists
 _SUPPORTED_MODEL_TYPES = {
@@ -698,6 +701,12 @@ def _fp16_linear_works() -> bool:
     return torch.allclose(y, F.linear(x, w.half().float()), atol=1e-3)
 
 
+def check_precision(precision: object) -> None:
+    """UsageError unless ``precision`` is one of :data:`PRECISION_CHOICES` (whatever this machine runs)."""
+    if precision not in PRECISION_CHOICES:
+        raise UsageError(f"precision must be one of {', '.join(PRECISION_CHOICES)}, got {precision!r}")
+
+
 def available_precisions() -> tuple[str, ...]:
     """The precisions of :data:`PRECISIONS` this machine runs on its CPU fast path ("fp32" always: without
     oneDNN it is the plain path)."""
@@ -879,9 +888,7 @@ class Llama(nn.Module):
             raise UsageError(f"batch_size_hint must be an integer > 0, got {batch_size_hint!r}")
         if not _is_int(min_weight_elements) or min_weight_elements < 0:
             raise UsageError(f"min_weight_elements must be an integer >= 0, got {min_weight_elements!r}")
-        if precision not in (*PRECISIONS, "auto"):
-            choices = ", ".join((*PRECISIONS, "auto"))
-            raise UsageError(f"precision must be one of {choices}, got {precision!r}")
+        check_precision(precision)
         on_cpu = self.device.type == "cpu" and self.dtype == torch.float32
         if not on_cpu and precision == "fp16":
             where = f"{self.dtype} on {self.device}"

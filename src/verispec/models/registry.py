@@ -32,7 +32,7 @@ from verispec.errors import UsageError
 from verispec.models.base import LanguageModel, Tokenizer
 from verispec.models.gguf import cache_dir, convert_gguf, first_line, gguf_cache_path, is_converted
 from verispec.models.hf import HFModel, HFTokenizer
-from verispec.models.llama import PRECISIONS, Llama
+from verispec.models.llama import Llama, check_precision
 from verispec.models.llama2c import Llama2cTokenizer, load_llama2c
 
 __all__ = [
@@ -108,8 +108,7 @@ def load_model(
     in ``dtype`` and takes "fp32" or "auto" only."""
     if backend not in BACKENDS:
         raise UsageError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if precision not in (*PRECISIONS, "auto"):
-        raise UsageError(f"precision must be one of {', '.join((*PRECISIONS, 'auto'))}, got {precision!r}")
+    check_precision(precision)  # before any download or conversion
     path = Path(str(spec)).expanduser()
     if path.suffix == ".bin":
         if not path.is_file():
