@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean browser
+.PHONY: demo test lint clean browser peers
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,6 +14,14 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/verispec demo
+
+# llama.cpp as a bench peer (`verispec bench` methods llamacpp, llamacpp-lookup): llama-cpp-python compiled from
+# source for this CPU (about 20 minutes on 2 cores), into .venv. Never part of `make test`.
+LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+peers: $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check scikit-build-core diskcache
+	CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install --disable-pip-version-check \
+	  --no-build-isolation --no-deps $(LLAMA_CPP_PYTHON)
 
 # Headless Chromium for the browser checks of the HTML trace: installed with apt-get when absent and we are
 # root; never fails the build (the tests then skip, saying why).

@@ -121,7 +121,8 @@ def test_prompt_files_add_tasks(tmp_path):
 # ---------------------------------------------------------------------------------------------- planning
 
 
-def test_plan_methods():
+def test_plan_methods(monkeypatch):
+    monkeypatch.setattr(bench, "llamacpp_missing", lambda: "llama.cpp is not installed")
     labels = [m.label for m in plan_methods(BenchConfig())[0]]
     assert labels == [
         "none",
@@ -134,6 +135,7 @@ def test_plan_methods():
     ]
     notes = plan_methods(BenchConfig())[1]
     assert any("model" in n and "--draft" in n for n in notes)
+    assert "llamacpp: llama.cpp is not installed" in notes
     with_draft = plan_methods(BenchConfig(draft="layers:3", ks=("2", "auto")))[0]
     assert Method("model", "auto") in with_draft and Method("transformers-assisted", "2") in with_draft
     assert Method("transformers-assisted", "auto") not in with_draft  # transformers takes a number
@@ -142,6 +144,21 @@ def test_plan_methods():
     with pytest.raises(ValueError, match="needs a draft"):
         plan_methods(BenchConfig(methods=("model",)))
     assert set(METHODS) >= {"none", "ngram", "model", "transformers", "transformers-assisted"}
+
+
+def test_llama_cpp_peers_are_planned_on_a_gguf_target(monkeypatch, tmp_path):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(bench, "llamacpp_missing", lambda: None)
+    config = BenchConfig(target=str(gguf), ks=("3", "auto"), methods=("none", "llamacpp", "llamacpp-lookup"))
+    assert plan_methods(config)[0] == [Method("none"), Method("llamacpp"), Method("llamacpp-lookup", "3")]
+    assert bench.llamacpp_gguf(config) == gguf
+    stories = BenchConfig(target="stories260K.bin", methods=("llamacpp",))
+    with pytest.raises(ValueError, match="method 'llamacpp' cannot run: the target is not from a GGUF"):
+        plan_methods(stories)
+    monkeypatch.setattr(bench, "llamacpp_missing", lambda: "llama.cpp is not installed (`make peers` ...)")
+    with pytest.raises(ValueError, match=r"method 'llamacpp' cannot run: llama.cpp is not installed"):
+        plan_methods(config)
 
 
 def test_command_line_reproduces_the_configuration():
@@ -333,7 +350,7 @@ def test_an_interrupted_bench_keeps_its_finished_cells(
 
 def test_ratio_of_medians_handles_missing_baselines():
     cell = {"samples": [], "label": "x"}
-    assert bench.cell_metrics(cell, None, None, None) is None
+    assert bench.cell_metrics(cell, None, None, None, None) is None
     spread = {"median": 3.0, "min": 3.0, "max": 3.0, "n": 1}
     other = {"metrics": {"tokens_per_second": {"median": 2.0}, "decode_tokens_per_second": {"median": 1.0}}}
     assert np.isclose(bench._ratio(spread, other), 1.5) and np.isclose(
@@ -415,3 +432,28 @@ def test_bad_goal_files_are_one_line_and_status_2(capsys, tmp_path, text, messag
     assert status == 2 and err.count("\n") == 1 and message in err
     status, _, err = run(capsys, "bench", "--goals", str(tmp_path / "absent.toml"))
     assert status == 2 and "cannot read the goals file" in err
+
+
+def test_llama_cpp_peer_generates_from_a_gguf_file(tmp_path):
+    """The peer itself, where llama-cpp-python is installed (`make peers`); CI's machines have none."""
+    if bench.llamacpp_missing() is not None:
+        pytest.skip(bench.llamacpp_missing())
+    from test_gguf import tiny_llama, write_tiny_gguf
+    from verispec.bench.peers import LlamaCppPeer, PeerRequest, PeerRun
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama(), "Q8_0")
+    peer = LlamaCppPeer(gguf, threads=1, context=64)
+
+    def generate(method: str, eos: frozenset[int] = frozenset(), seed: int = 1) -> PeerRun:
+        prompt = [0, 5, 77, 200, 13, 9, 77, 200]
+        return peer.generate(PeerRequest(prompt, method, 2, 6, eos, temperature=0.0, seed=seed))
+
+    runs = {method: generate(method) for method in ("llamacpp", "llamacpp-lookup")}
+    for run in runs.values():
+        assert len(run.token_ids) == 6 and 0 < run.prefill_seconds <= run.total_seconds
+    plain = runs["llamacpp"].token_ids
+    assert generate("llamacpp", seed=2).token_ids == plain  # greedy, from an empty context each time
+    stop = plain[2]
+    assert generate("llamacpp", eos=frozenset({stop})).token_ids == plain[: plain.index(stop) + 1]
+    with pytest.raises(ValueError, match="unknown llama.cpp method 'llamacpp-draft'"):
+        generate("llamacpp-draft")

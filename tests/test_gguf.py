@@ -22,8 +22,10 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import verispec.models.gguf as gguf_module
-from verispec.models.gguf import cache_dir, convert_gguf, gguf_cache_path
+from verispec.kernels.cpu import native_available
+from verispec.models.gguf import cache_dir, convert_gguf, gguf_cache_path, stored_format
 from verispec.models.hf import HFTokenizer
+from verispec.models.llama import Llama
 from verispec.models.registry import DEFAULT_MODEL, MODELS, model_dir
 
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]  # BOS, EOS, chat, GPT-2's unknown
@@ -70,7 +72,7 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def write_tiny_gguf(path: Path, model: LlamaForCausalLM, qtype: str = "F32") -> Path:
     """Write ``model`` (and a byte-level BPE tokenizer with a chat template) to ``path`` as llama.cpp would.
 
-    qtype "Q8_0" stores every matrix as Q8_0 blocks; vectors stay float32."""
+    qtype "Q8_0" or "Q4_1" stores every matrix in such blocks; vectors stay float32."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(config.num_hidden_layers)
@@ -102,9 +104,9 @@ def write_tiny_gguf(path: Path, model: LlamaForCausalLM, qtype: str = "F32") -> 
         elif base.endswith("k_proj"):
             data = _llama_cpp_permute(data, config.num_key_value_heads)
         name = f"{names.get_name(base)}.{suffix}"
-        if qtype == "Q8_0" and data.ndim == 2:
-            q8 = gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(name, gguf.quants.quantize(data, q8), raw_dtype=q8)
+        if qtype != "F32" and data.ndim == 2:
+            blocks = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(name, gguf.quants.quantize(data, blocks), raw_dtype=blocks)
         else:
             writer.add_tensor(name, data)
     writer.write_header_to_file()
@@ -115,14 +117,15 @@ def write_tiny_gguf(path: Path, model: LlamaForCausalLM, qtype: str = "F32") -> 
 
 
 def expected_weights(model: LlamaForCausalLM, qtype: str) -> dict[str, torch.Tensor]:
-    """What the conversion must give back: the model's own weights, through Q8_0 and back for matrices.
+    """What the conversion must give back: the model's own weights, through the blocks and back for matrices.
 
-    Q8_0 blocks run along rows, so the row permutation commutes with quantization."""
+    Blocks run along rows, so the row permutation commutes with quantization."""
     out = {}
     for name, tensor in model.state_dict().items():
-        if qtype == "Q8_0" and tensor.dim() == 2:
-            q8 = gguf.GGMLQuantizationType.Q8_0
-            tensor = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(tensor.numpy(), q8), q8))
+        if qtype != "F32" and tensor.dim() == 2:
+            blocks = gguf.GGMLQuantizationType[qtype]
+            quantized = gguf.quants.quantize(tensor.numpy(), blocks)
+            tensor = torch.from_numpy(gguf.quants.dequantize(quantized, blocks))
         out[name] = tensor
     return out
 
@@ -134,7 +137,7 @@ def cache(tmp_path, monkeypatch) -> Path:
     return tmp_path / "cache" / "models"
 
 
-@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_1"])
 def test_conversion_round_trips_weights_config_and_tokenizer(tmp_path, cache, qtype):
     model = tiny_llama()
     source = write_tiny_gguf(tmp_path / f"tiny-{qtype}.gguf", model, qtype)
@@ -154,6 +157,7 @@ def test_conversion_round_trips_weights_config_and_tokenizer(tmp_path, cache, qt
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_key_value_heads", "vocab_size"):
         assert config[key] == getattr(model.config, key), key
     assert config["tie_word_embeddings"] is False
+    assert stored_format(out) == {"F32": None, "Q8_0": "q8_0", "Q4_1": "q4_1"}[qtype]
     if qtype == "F32":  # the converted directory is the same model: same logits
         ids = torch.tensor([[0, 5, 77, 200, 13, 9]])
         reloaded = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
@@ -173,6 +177,24 @@ def test_conversion_round_trips_weights_config_and_tokenizer(tmp_path, cache, qt
     assert (out / "chat_template.jinja").is_file() or "chat_template" in json.loads(
         (out / "tokenizer_config.json").read_text()
     )
+
+
+@pytest.mark.skipif(native_available() is not None, reason=f"no native kernels: {native_available()}")
+def test_a_q4_1_file_runs_on_its_own_blocks(tmp_path, cache):
+    """precision auto takes the file's format, and the kernels multiply the file's very blocks (not a
+    requantization that merely looks alike): the conversion's float32 values repack block for block."""
+    source = write_tiny_gguf(tmp_path / "tiny-q4.gguf", tiny_llama(), "Q4_1")
+    directory = convert_gguf(source, gguf_cache_path(source))
+    model = Llama.from_pretrained(directory)
+    assert model.optimize_for_cpu(precision="auto", min_weight_elements=0, stored=stored_format(directory))
+    assert model.cpu_precision == "q4_1"
+    assert model._native is not None and model._native_head is not None
+    reader = gguf.GGUFReader(source)
+    raw = {t.name: np.asarray(t.data) for t in reader.tensors}
+    assert np.array_equal(model._native.layers[1].down.blocks(), raw["blk.1.ffn_down.weight"])
+    gate, up = raw["blk.0.ffn_gate.weight"], raw["blk.0.ffn_up.weight"]  # stacked into one projection
+    assert np.array_equal(model._native.layers[0].gate_up.blocks(), np.concatenate([gate, up]))
+    assert model._native_head.format == "q8_0"  # the output head in Q8_0, as llama.cpp files keep it
 
 
 def test_second_conversion_reuses_the_cache(tmp_path, cache, monkeypatch):

@@ -6,7 +6,6 @@ Every model here is tiny and random, built with transformers, saved with ``save_
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ import torch
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from native_oracle import quantizing_oracle
 from verispec.models import KVCache, LanguageModel, Llama, LlamaConfig, RopeScaling
 from verispec.models import llama as llama_module
 from verispec.models.llama import available_precisions, resolve_precision
@@ -257,22 +257,11 @@ def test_cpu_fast_path_matches_plain_path(saved, case):
     torch.testing.assert_close(fresh_logits(auto, ids), fresh_logits(plain, ids), atol=0, rtol=0)
 
 
-def fp16_oracle(model: Llama) -> Llama:
-    """What precision fp16 promises, built on the plain path: every projection rounded to float16, an output
-    head of its own rounded to float16 (a tied one: the embeddings, rounded), token lookups in float32."""
-    oracle = Llama(dataclasses.replace(model.config, tie_word_embeddings=False))
-    state = model.state_dict()
-    head = state["lm_head.weight"] if model.lm_head is not None else state["model.embed_tokens.weight"]
-    rounded = {name: t.half().float() if name.endswith("proj.weight") else t for name, t in state.items()}
-    oracle.load_weights([*rounded.items(), ("lm_head.weight", head.half().float())])
-    return oracle
-
-
 @pytest.mark.parametrize("case", ["llama-gqa-untied", "qwen2-bias-tied"])
 def test_fp16_fast_path_is_the_rounded_model_row_by_row(saved, case):
     if "fp16" not in available_precisions():
-        pytest.skip("fbgemm's float16 linears are unavailable on this CPU; precision fp16 is refused here")
-    oracle = fp16_oracle(Llama.from_pretrained(saved[case][1]))
+        pytest.skip("verispec's native kernels do not run here; precision fp16 is refused")
+    oracle = quantizing_oracle(Llama.from_pretrained(saved[case][1]), "fp16")
     fast = Llama.from_pretrained(saved[case][1])
     assert fast.optimize_for_cpu(min_weight_elements=0, precision="fp16") and fast.cpu_precision == "fp16"
     small = Llama.from_pretrained(saved[case][1], fast=True, precision="fp16")  # tiny weights: not packed
@@ -281,29 +270,34 @@ def test_fp16_fast_path_is_the_rounded_model_row_by_row(saved, case):
     for start, end in [(0, 9), (9, 10), (10, 14), (14, 16)]:  # prefill, decode, verification chunks
         part = ids[:, start:end]
         expected = oracle(part, positions(start, part), caches[oracle])
-        for model in (fast, small):
+        for model in (fast, small):  # a key or value within ~1e-7 of a float16 rounding boundary may round
+            # the other way than in the oracle: one float16 step, ~1e-3 relative, in one cache entry
             torch.testing.assert_close(
-                model(part, positions(start, part), caches[model]), expected, atol=ATOL, rtol=0
+                model(part, positions(start, part), caches[model]), expected, atol=2e-3, rtol=0
             )
-    # a row depends on its own prefix only: the same token scored alone, in a block, beside another row
+    # a row depends on its own prefix only, bit for bit: the same token scored alone, in a block, beside
+    # another row
     alone = fast(ids[:1, :10], positions(0, ids[:1, :10]), fast.new_cache(1, 16))[:, -1]  # [1, V]
     batch = fast(ids[:, :12], positions(0, ids[:, :12]), fast.new_cache(2, 16))[:1, 9]  # [1, V]
-    torch.testing.assert_close(batch, alone, atol=ATOL, rtol=0)
+    assert torch.equal(batch, alone)
     plain = Llama.from_pretrained(saved[case][1])
     assert (oracle(ids, positions(0, ids), oracle.new_cache(2, 16)) != fresh_logits(plain, ids)).any()
 
 
 def test_precision_errors(saved, monkeypatch):
     model = Llama.from_pretrained(saved["llama-gqa-untied"][1])
-    with pytest.raises(ValueError, match="precision must be one of fp32, fp16, auto, got 'int3'"):
+    with pytest.raises(ValueError, match="precision must be one of fp32, fp16, q8_0, q4_1, auto, got 'int3'"):
         model.optimize_for_cpu(precision="int3")
     with pytest.raises(ValueError, match="precision fp16 runs float32 models on a CPU, not torch.bfloat16"):
         Llama(model.config, dtype=torch.bfloat16).optimize_for_cpu(precision="fp16")
-    monkeypatch.setattr(llama_module, "_fp16_linear_works", lambda: False)  # a CPU without fbgemm fp16
-    assert available_precisions() == ("fp32",) and resolve_precision("auto") == "fp32"
-    with pytest.raises(ValueError, match="precision 'fp16' is not available .*; available: fp32, auto"):
+    with pytest.raises(ValueError, match=r"precision q8_0 needs .* multiple of 32, .*\[64, 80\]"):
+        model.optimize_for_cpu(precision="q8_0")  # intermediate_size 80: no blocks of 32
+    monkeypatch.setattr(llama_module, "native_available", lambda: "no C++ compiler found")  # no kernels
+    assert available_precisions() == ("fp32",) and resolve_precision("auto", "q4_1") == "fp32"
+    with pytest.raises(ValueError, match=r"precision 'fp16' is not available on this machine \(no C\+\+ "
+                       r"compiler found\); available: fp32, auto"):
         model.optimize_for_cpu(precision="fp16")
-    assert model.cpu_precision is None  # nothing was changed by the refused call
+    assert model.cpu_precision is None  # nothing was changed by the refused calls
 
 
 def test_config_validation_and_hf_parsing(saved):

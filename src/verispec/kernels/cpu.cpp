@@ -1,0 +1,939 @@
+// verispec's native CPU kernels: a Llama-family forward pass over a batch of tokens, with weights in
+// float16, Q8_0 or Q4_1 blocks (the GGUF layouts), and the matrix products, norms and attention it is made of.
+//
+// The one guarantee everything here keeps: a token's outputs are a function of that token's own inputs
+// (its hidden state, its position, the cache slots it may see) and of nothing else in the call. Every
+// output element is computed by one thread, in one fixed order that depends on the matrix's shape alone,
+// never on how many rows share the call, how they are tiled or how many threads run; activations are
+// quantized row by row (one scale per row and block of 32, never per call). So a token scored alone, in a
+// block of draft tokens or beside other sequences gets bit-identical logits, which is what makes
+// speculative verification with these kernels exact.
+//
+// Built by verispec.kernels.build on the machine that runs it (-march=native, OpenMP from the process's
+// own libgomp, the one torch loaded), called through ctypes; the C ABI below is all Python sees.
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(VS_PORTABLE)
+#define VS_AVX2 1
+#include <immintrin.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define VS_AVX512 1  // 512-bit kernels, 16 outputs per group
+#endif
+#endif
+
+enum { VS_F16 = 1, VS_Q8_0 = 2, VS_Q4_1 = 3 };
+enum { QK = 32 };  // elements per quantization block
+
+// A weight matrix W [rows, cols], y = x W^T (+ bias).
+typedef struct {
+    int32_t format;        // VS_F16, VS_Q8_0 or VS_Q4_1
+    int32_t rows, cols;    // cols % 32 == 0 for the block formats, % 8 for float16
+    const void* q;         // F16: uint16 [rows, cols]; Q8_0: int8 [rows, cols]; Q4_1: uint8 [rows, cols / 2]
+    const uint16_t* d;     // Q8_0, Q4_1: float16 block scales [rows, cols / 32]
+    const uint16_t* m;     // Q4_1: float16 block minimums [rows, cols / 32]
+    const float* bias;     // [rows] or NULL
+} vs_matrix;
+
+typedef struct {
+    const float* attn_norm;  // [hidden]
+    const float* mlp_norm;   // [hidden]
+    vs_matrix qkv;           // [(heads + 2 kv_heads) head_dim, hidden]: q, k and v stacked
+    vs_matrix o;             // [hidden, heads head_dim]
+    vs_matrix gate_up;       // [2 intermediate, hidden]: gate and up stacked
+    vs_matrix down;          // [hidden, intermediate]
+} vs_layer;
+
+typedef struct {
+    int32_t hidden, intermediate, heads, kv_heads, head_dim, num_layers;
+    float eps;
+    const vs_layer* layers;  // [num_layers]
+} vs_model;
+
+// N tokens, each of one sequence of the cache. Token i writes its key and value at slot[i] of row seq[i]
+// and attends to that row's slots [0, base[i]) and to the new slots base[i] + j with mask[i, j] (no mask:
+// every slot from base[i] to slot[i], a causal block).
+typedef struct {
+    int32_t n;
+    const float* cos;      // [N, head_dim / 2]: RoPE at each token's position, as transformers computes it
+    const float* sin;      // [N, head_dim / 2]
+    const int32_t* seq;    // [N]
+    const int32_t* slot;   // [N]
+    const int32_t* base;   // [N]
+    const uint8_t* mask;   // [N, mask_cols] or NULL
+    int32_t mask_cols;
+} vs_batch;
+
+// Keys and values in float16. Keys (after RoPE) in tiles of 16 slots, each tile [head_dim][16] so that one
+// vector load holds one dimension of 16 consecutive slots; values slot by slot.
+enum { KT = 16 };  // slots per key tile
+typedef struct {
+    uint16_t* k;  // [layers, batch, kv_heads, capacity / 16, head_dim, 16]
+    uint16_t* v;  // [layers, batch, kv_heads, capacity, head_dim]
+    int32_t batch, capacity;  // capacity: a multiple of 16
+} vs_cache;
+
+// ------------------------------------------------------------------------------------------ float16
+
+static inline float fp16_to_fp32(uint16_t h) {
+#ifdef VS_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {  // subnormal: normalise
+            int e = -1;
+            do { e++; man <<= 1; } while (!(man & 0x400));
+            bits = sign | (uint32_t)(112 - e) << 23 | (man & 0x3ff) << 13;
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | man << 13;
+    } else {
+        bits = sign | (exp + 112) << 23 | man << 13;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+#ifdef VS_AVX2
+static inline float hsum8(__m256 v) {  // fixed order: (lo + hi) then pairwise
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+static inline float dot_f32(const float* a, const float* b, int n) {
+    int k = 0;
+    float sum = 0.0f;
+#ifdef VS_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; k + 8 <= n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
+    sum = hsum8(acc);
+#endif
+    for (; k < n; k++) sum += a[k] * b[k];
+    return sum;
+}
+
+// ------------------------------------------------------------------------------------------ activations
+
+// Q8 activations of n rows of `cols` values: per row and block of 32, d = max|x| / 127, q = round(x / d)
+// (ties to even), sum = the block's sum of q, s = d * sum (what Q4_1's minimums multiply).
+typedef struct {
+    int8_t* q;     // [n, cols]
+    float* d;      // [n, cols / 32]
+    float* s;      // [n, cols / 32]
+    int32_t* sum;  // [n, cols / 32]
+} vs_qrows;
+
+static void quantize_row(const float* x, int cols, int8_t* q, float* d, float* s, int32_t* sums) {
+    for (int b = 0; b < cols / QK; b++) {
+        const float* xb = x + b * QK;
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) {
+            const int v = (int)nearbyintf(xb[j] * inv);
+            q[b * QK + j] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = scale;
+        s[b] = scale * (float)sum;
+        sums[b] = sum;
+    }
+}
+
+typedef struct {  // scratch for quantized activations, grown as needed, freed by the caller
+    char* bytes;
+    size_t capacity;
+} vs_scratch;
+
+// x [n, cols] quantized into the scratch; 0, or -2 when out of memory
+static int quantize(int n, int cols, const float* x, vs_scratch* scratch, vs_qrows* qx, int threads) {
+    const size_t values = (size_t)n * cols, blocks = values / QK;
+    const size_t need = values + 3 * sizeof(float) * blocks + 64;
+    if (need > scratch->capacity) {
+        free(scratch->bytes);
+        scratch->bytes = (char*)malloc(need);
+        scratch->capacity = scratch->bytes ? need : 0;
+        if (!scratch->bytes) return -2;
+    }
+    float* floats = (float*)scratch->bytes;  // the 4-byte arrays first: aligned
+    qx->d = floats;
+    qx->s = floats + blocks;
+    qx->sum = (int32_t*)(floats + 2 * blocks);
+    qx->q = (int8_t*)(floats + 3 * blocks);
+    const int nb = cols / QK;
+#pragma omp parallel for schedule(static) num_threads(threads) if (n > 1)
+    for (int r = 0; r < n; r++)
+        quantize_row(x + (size_t)r * cols, cols, qx->q + (size_t)r * cols, qx->d + (size_t)r * nb,
+                     qx->s + (size_t)r * nb, qx->sum + (size_t)r * nb);
+    return 0;
+}
+
+// ------------------------------------------------------------------------------------------ products
+// y[r, o] = row o of W . row r of x. Threads split the outputs; each thread takes the activation rows in
+// tiles of up to TILE, so that weights, once loaded and unpacked, serve several rows. Tiling only
+// interleaves independent computations: every (o, r) pair runs the same sequence of operations whatever the
+// tile it lands in (templates unrolled over the tile's size), so y[r, o] is a function of W's row o and x's
+// row r alone.
+//
+// float16 W is kept row-major, one output at a time, vectorized along the row (two accumulators, added at
+// the end). Q8_0 and Q4_1 W are kept interleaved: outputs in groups of VS_GROUP, a vector lane per output,
+// each lane summing 4 consecutive products of its output at a time against 4 activation values broadcast
+// to every lane, so that a block's scales multiply whole vectors of outputs:
+//   Q8_0: per group and block, 8 chunks c of VS_GROUP * 4 bytes, byte 4 l + j = q[l][4 c + j] + 128;
+//   Q4_1: per group and block, 4 chunks c, byte 4 l + j = nibble[l][4 c + j] | nibble[l][16 + 4 c + j] << 4;
+//   scales (and Q4_1's minimums): per group and block, VS_GROUP float16 values in lane order.
+// Rows are padded to a multiple of VS_GROUP with zero scales. Block sums are exact integers; the float
+// steps per block are fixed: acc += (d_w d_x) sum, and for Q4_1 a second accumulator of m_w s_x.
+
+enum { TILE = 4 };
+
+#ifdef VS_AVX512
+#define VS_GROUP 16
+#else
+#define VS_GROUP 8
+#endif
+enum { Q8_CHUNKS = 8, Q4_CHUNKS = 4, CHUNK = VS_GROUP * 4 };
+
+static int valid_matrix(const vs_matrix* w) {
+    if (w->rows <= 0 || w->cols <= 0 || !w->q) return 0;
+    if (w->format == VS_F16) return 1;
+    if (w->cols % QK || !w->d) return 0;
+    if (w->format == VS_Q8_0) return 1;
+    if (w->format == VS_Q4_1) return w->m != NULL;
+    return 0;
+}
+
+static inline int32_t load32(const int8_t* p) {  // 4 activation bytes, to broadcast
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+#ifdef VS_AVX512
+
+struct Vec {  // VS_GROUP = 16 lanes
+    typedef __m512 F;
+    typedef __m512i I;
+    static inline F zero() { return _mm512_setzero_ps(); }
+    static inline I izero() { return _mm512_setzero_si512(); }
+    static inline I load(const uint8_t* p) { return _mm512_loadu_si512((const void*)p); }
+    static inline I bcast(const int8_t* p) { return _mm512_set1_epi32(load32(p)); }
+    static inline I low4(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
+    static inline I high4(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
+    static inline I dp(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }  // u unsigned, s signed
+    static inline I isub(I a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+    static inline F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+    static inline F halfs(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+    static inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+    static inline F set1(float v) { return _mm512_set1_ps(v); }
+    static inline void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#define VS_VNNI 1
+
+#elif defined(VS_AVX2)
+
+struct Vec {  // VS_GROUP = 8 lanes
+    typedef __m256 F;
+    typedef __m256i I;
+    static inline F zero() { return _mm256_setzero_ps(); }
+    static inline I izero() { return _mm256_setzero_si256(); }
+    static inline I load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+    static inline I bcast(const int8_t* p) { return _mm256_set1_epi32(load32(p)); }
+    static inline I low4(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+    static inline I high4(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
+    static inline I dp(I acc, I u, I s) {  // u unsigned, s signed; exact while 2 u s fits 16 bits without VNNI
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+        return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+        return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+    }
+    static inline I isub(I a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+    static inline F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+    static inline F halfs(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+    static inline F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    static inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static inline F add(F a, F b) { return _mm256_add_ps(a, b); }
+    static inline F set1(float v) { return _mm256_set1_ps(v); }
+    static inline void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define VS_VNNI 1
+#endif
+
+#endif
+
+#ifdef VS_AVX2
+
+// One group of outputs against R activation rows: out[r * VS_GROUP + l] = y[r, group output l].
+template <int R>
+static inline void group_q8_0(const uint8_t* w, const uint16_t* wd, const int8_t* const* x, const float* const* xd,
+                              const int32_t* const* xsum, int nb, float* out) {
+    typename Vec::F acc[R];
+    for (int r = 0; r < R; r++) acc[r] = Vec::zero();
+    for (int b = 0; b < nb; b++) {
+        typename Vec::I isum[R];
+        for (int r = 0; r < R; r++) isum[r] = Vec::izero();
+        const uint8_t* wb = w + (size_t)b * Q8_CHUNKS * CHUNK;
+        for (int c = 0; c < Q8_CHUNKS; c++) {
+            const typename Vec::I u = Vec::load(wb + c * CHUNK);  // q + 128
+#ifdef VS_VNNI
+            for (int r = 0; r < R; r++) isum[r] = Vec::dp(isum[r], u, Vec::bcast(x[r] + b * QK + 4 * c));
+#else  // no VNNI: signed weights, |w| times x with w's signs (products of at most 127 * 127)
+            const __m256i sw = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
+            const __m256i aw = _mm256_sign_epi8(sw, sw);
+            for (int r = 0; r < R; r++)
+                isum[r] = Vec::dp(isum[r], aw, _mm256_sign_epi8(Vec::bcast(x[r] + b * QK + 4 * c), sw));
+#endif
+        }
+        const typename Vec::F dw = Vec::halfs(wd + (size_t)b * VS_GROUP);
+        for (int r = 0; r < R; r++) {
+#ifdef VS_VNNI
+            isum[r] = Vec::isub(isum[r], 128 * xsum[r][b]);  // (q + 128) x summed, less 128 sum(x): exact
+#else
+            (void)xsum;
+#endif
+            acc[r] = Vec::fma(Vec::mul(dw, Vec::set1(xd[r][b])), Vec::cvt(isum[r]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) Vec::store(out + r * VS_GROUP, acc[r]);
+}
+
+template <int R>
+static inline void group_q4_1(const uint8_t* w, const uint16_t* wd, const uint16_t* wm, const int8_t* const* x,
+                              const float* const* xd, const float* const* xs, int nb, float* out) {
+    typename Vec::F acc[R], mins[R];
+    for (int r = 0; r < R; r++) acc[r] = mins[r] = Vec::zero();
+    for (int b = 0; b < nb; b++) {
+        typename Vec::I isum[R];
+        for (int r = 0; r < R; r++) isum[r] = Vec::izero();
+        const uint8_t* wb = w + (size_t)b * Q4_CHUNKS * CHUNK;
+        for (int c = 0; c < Q4_CHUNKS; c++) {
+            const typename Vec::I v = Vec::load(wb + c * CHUNK);
+            const typename Vec::I lo = Vec::low4(v), hi = Vec::high4(v);
+            for (int r = 0; r < R; r++) {
+                isum[r] = Vec::dp(isum[r], lo, Vec::bcast(x[r] + b * QK + 4 * c));
+                isum[r] = Vec::dp(isum[r], hi, Vec::bcast(x[r] + b * QK + 16 + 4 * c));
+            }
+        }
+        const typename Vec::F dw = Vec::halfs(wd + (size_t)b * VS_GROUP), mw = Vec::halfs(wm + (size_t)b * VS_GROUP);
+        for (int r = 0; r < R; r++) {
+            acc[r] = Vec::fma(Vec::mul(dw, Vec::set1(xd[r][b])), Vec::cvt(isum[r]), acc[r]);
+            mins[r] = Vec::fma(mw, Vec::set1(xs[r][b]), mins[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) Vec::store(out + r * VS_GROUP, Vec::add(acc[r], mins[r]));
+}
+
+#ifdef VS_AVX512
+static inline float hsum16(__m512 v) {  // fixed order: halves, then as hsum8
+    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+}
+#endif
+
+template <int R>
+static inline void tile_f16(const uint16_t* w, const float* const* x, int cols, float* out) {
+    int k = 0;
+    float sums[R];
+#ifdef VS_AVX512
+    __m512 acc[R][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (; k + 32 <= cols; k += 32) {
+        const __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + k)));
+        const __m512 w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + k + 16)));
+        for (int r = 0; r < R; r++) {
+            acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[r] + k), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[r] + k + 16), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) sums[r] = hsum16(_mm512_add_ps(acc[r][0], acc[r][1]));
+#else
+    __m256 acc[R][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (; k + 16 <= cols; k += 16) {
+        const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + k)));
+        const __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + k + 8)));
+        for (int r = 0; r < R; r++) {
+            acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[r] + k), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[r] + k + 8), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) sums[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
+#endif
+    for (int r = 0; r < R; r++) {
+        for (int j = k; j < cols; j++) sums[r] += fp16_to_fp32(w[j]) * x[r][j];
+        out[r] = sums[r];
+    }
+}
+
+#else  // portable: plain loops over the same layouts
+
+template <int R>
+static inline void group_q8_0(const uint8_t* w, const uint16_t* wd, const int8_t* const* x, const float* const* xd,
+                              const int32_t* const* xsum, int nb, float* out) {
+    (void)xsum;
+    for (int r = 0; r < R; r++) {
+        for (int l = 0; l < VS_GROUP; l++) {
+            float acc = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                const uint8_t* wb = w + (size_t)b * Q8_CHUNKS * CHUNK;
+                int sum = 0;
+                for (int c = 0; c < Q8_CHUNKS; c++)
+                    for (int j = 0; j < 4; j++) sum += ((int)wb[c * CHUNK + 4 * l + j] - 128) * x[r][b * QK + 4 * c + j];
+                acc += fp16_to_fp32(wd[(size_t)b * VS_GROUP + l]) * xd[r][b] * (float)sum;
+            }
+            out[r * VS_GROUP + l] = acc;
+        }
+    }
+}
+
+template <int R>
+static inline void group_q4_1(const uint8_t* w, const uint16_t* wd, const uint16_t* wm, const int8_t* const* x,
+                              const float* const* xd, const float* const* xs, int nb, float* out) {
+    for (int r = 0; r < R; r++) {
+        for (int l = 0; l < VS_GROUP; l++) {
+            float acc = 0.0f, mins = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                const uint8_t* wb = w + (size_t)b * Q4_CHUNKS * CHUNK;
+                int sum = 0;
+                for (int c = 0; c < Q4_CHUNKS; c++)
+                    for (int j = 0; j < 4; j++) {
+                        const int byte = wb[c * CHUNK + 4 * l + j];
+                        sum += (byte & 0x0f) * x[r][b * QK + 4 * c + j] + (byte >> 4) * x[r][b * QK + 16 + 4 * c + j];
+                    }
+                acc += fp16_to_fp32(wd[(size_t)b * VS_GROUP + l]) * xd[r][b] * (float)sum;
+                mins += fp16_to_fp32(wm[(size_t)b * VS_GROUP + l]) * xs[r][b];
+            }
+            out[r * VS_GROUP + l] = acc + mins;
+        }
+    }
+}
+
+template <int R>
+static inline void tile_f16(const uint16_t* w, const float* const* x, int cols, float* out) {
+    for (int r = 0; r < R; r++) {
+        float sum = 0.0f;
+        for (int k = 0; k < cols; k++) sum += fp16_to_fp32(w[k]) * x[r][k];
+        out[r] = sum;
+    }
+}
+
+#endif
+
+// rows r0 .. r0 + R - 1 of x against float16 row o: out[r]
+template <int R>
+static inline void tile_rows_f16(const vs_matrix* w, int o, int r0, const float* x, float* out) {
+    const float* xr[R];
+    for (int r = 0; r < R; r++) xr[r] = x + (size_t)(r0 + r) * w->cols;
+    tile_f16<R>((const uint16_t*)w->q + (size_t)o * w->cols, xr, w->cols, out);
+}
+
+// rows r0 .. r0 + R - 1 of the quantized x against group g: out[r * VS_GROUP + l]
+template <int R>
+static inline void tile_group(const vs_matrix* w, int g, int r0, const vs_qrows* qx, float* out) {
+    const int cols = w->cols, nb = cols / QK;
+    const int8_t* xq[R];
+    const float *xd[R], *xs[R];
+    const int32_t* xsum[R];
+    for (int r = 0; r < R; r++) {
+        xq[r] = qx->q + (size_t)(r0 + r) * cols;
+        xd[r] = qx->d + (size_t)(r0 + r) * nb;
+        xs[r] = qx->s + (size_t)(r0 + r) * nb;
+        xsum[r] = qx->sum + (size_t)(r0 + r) * nb;
+    }
+    const uint16_t* wd = w->d + (size_t)g * nb * VS_GROUP;
+    if (w->format == VS_Q8_0)
+        group_q8_0<R>((const uint8_t*)w->q + (size_t)g * nb * Q8_CHUNKS * CHUNK, wd, xq, xd, xsum, nb, out);
+    else
+        group_q4_1<R>((const uint8_t*)w->q + (size_t)g * nb * Q4_CHUNKS * CHUNK, wd, w->m + (size_t)g * nb * VS_GROUP,
+                      xq, xd, xs, nb, out);
+}
+
+// y [n, rows] = x [n, cols] W^T (+ bias); `qx`: x quantized (block formats), ignored for float16.
+static void matmul_rows(const vs_matrix* w, int n, const float* x, const vs_qrows* qx, float* y, int threads) {
+    const int rows = w->rows;
+    if (w->format == VS_F16) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int o = 0; o < rows; o++) {
+            float out[TILE];
+            const float bias = w->bias ? w->bias[o] : 0.0f;
+            for (int r0 = 0; r0 < n; r0 += TILE) {
+                const int size = n - r0 < TILE ? n - r0 : TILE;
+                switch (size) {
+                    case 1: tile_rows_f16<1>(w, o, r0, x, out); break;
+                    case 2: tile_rows_f16<2>(w, o, r0, x, out); break;
+                    case 3: tile_rows_f16<3>(w, o, r0, x, out); break;
+                    default: tile_rows_f16<4>(w, o, r0, x, out); break;
+                }
+                for (int r = 0; r < size; r++) y[(size_t)(r0 + r) * rows + o] = out[r] + bias;
+            }
+        }
+        return;
+    }
+    const int groups = (rows + VS_GROUP - 1) / VS_GROUP;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int g = 0; g < groups; g++) {
+        float out[TILE * VS_GROUP];
+        for (int r0 = 0; r0 < n; r0 += TILE) {
+            const int size = n - r0 < TILE ? n - r0 : TILE;
+            switch (size) {
+                case 1: tile_group<1>(w, g, r0, qx, out); break;
+                case 2: tile_group<2>(w, g, r0, qx, out); break;
+                case 3: tile_group<3>(w, g, r0, qx, out); break;
+                default: tile_group<4>(w, g, r0, qx, out); break;
+            }
+            for (int l = 0; l < VS_GROUP && g * VS_GROUP + l < rows; l++) {
+                const int o = g * VS_GROUP + l;
+                const float bias = w->bias ? w->bias[o] : 0.0f;
+                for (int r = 0; r < size; r++) y[(size_t)(r0 + r) * rows + o] = out[r * VS_GROUP + l] + bias;
+            }
+        }
+    }
+}
+
+static int matmul(const vs_matrix* w, int n, const float* x, float* y, vs_scratch* scratch, int threads) {
+    vs_qrows qx = {NULL, NULL, NULL, NULL};
+    if (w->format != VS_F16) {
+        const int status = quantize(n, w->cols, x, scratch, &qx, threads);
+        if (status) return status;
+    }
+    matmul_rows(w, n, x, &qx, y, threads);
+    return 0;
+}
+
+// ------------------------------------------------------------------------------------------ layer pieces
+
+static void rmsnorm(int n, int dim, const float* x, const float* weight, float eps, float* y, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (n > 1)
+    for (int r = 0; r < n; r++) {
+        const float* xr = x + (size_t)r * dim;
+        float* yr = y + (size_t)r * dim;
+        const float ss = dot_f32(xr, xr, dim);
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        for (int j = 0; j < dim; j++) yr[j] = weight[j] * (xr[j] * inv);
+    }
+}
+
+// x [head_dim] rotated in place at one position (transformers' rotate_half layout)
+static inline void rope(float* x, const float* cos, const float* sin, int half) {
+    for (int j = 0; j < half; j++) {
+        const float a = x[j], b = x[j + half];
+        x[j] = a * cos[j] - b * sin[j];
+        x[j + half] = b * cos[j] + a * sin[j];
+    }
+}
+
+static inline int visible(const vs_batch* batch, int i, int s) {  // may token i see slot s of its row?
+    const int base = batch->base[i];
+    if (s < base) return 1;
+    if (!batch->mask) return s <= batch->slot[i];
+    const int j = s - base;
+    return j < batch->mask_cols && batch->mask[(size_t)i * batch->mask_cols + j];
+}
+
+static inline uint16_t fp32_to_fp16(float f) {
+#ifdef VS_AVX2
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else  // round to nearest even, with subnormals, infinities and NaN
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000;
+    const uint32_t mag = x & 0x7fffffff;
+    if (mag >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (mag > 0x7f800000 ? 0x200 : 0));
+    if (mag >= 0x477ff000) return (uint16_t)(sign | 0x7c00);  // rounds past the largest float16
+    if (mag < 0x38800000) {  // a float16 subnormal (or zero): add the magic number and let the FPU round
+        float v;
+        const uint32_t bits = mag;
+        memcpy(&v, &bits, 4);
+        v += 0.5f;
+        uint32_t r;
+        memcpy(&r, &v, 4);
+        return (uint16_t)(sign | (r - 0x3f000000));
+    }
+    const uint32_t odd = (mag >> 13) & 1;
+    return (uint16_t)(sign | ((mag + 0xc8000fff + odd) >> 13));
+#endif
+}
+
+// exp of a vector of floats: Cephes' polynomial on r = x - n ln 2 (n = round(x / ln 2)), scaled by 2^n;
+// within 2 ulp of expf; inputs below -87.3 give 0. One template for the 16- and 8-lane types below.
+#ifdef VS_AVX2
+template <class V>
+static inline typename V::F vexp(typename V::F x) {
+    typedef typename V::F F;
+    const F lo = V::set1(-87.3f);
+    const F keep = V::ge(x, lo);
+    x = V::min(V::max(x, lo), V::set1(88.3f));
+    const F n = V::round(V::mul(x, V::set1(1.44269504088896341f)));
+    F r = V::fnma(n, V::set1(0.693359375f), x);
+    r = V::fnma(n, V::set1(-2.12194440e-4f), r);
+    F p = V::set1(1.9875691500e-4f);
+    p = V::fma(p, r, V::set1(1.3981999507e-3f));
+    p = V::fma(p, r, V::set1(8.3334519073e-3f));
+    p = V::fma(p, r, V::set1(4.1665795894e-2f));
+    p = V::fma(p, r, V::set1(1.6666665459e-1f));
+    p = V::fma(p, r, V::set1(5.0000001201e-1f));
+    p = V::fma(p, V::mul(r, r), V::add(r, V::set1(1.0f)));
+    return V::select(keep, V::pow2(p, n));
+}
+
+struct F8 {  // 8 floats (AVX2)
+    typedef __m256 F;
+    static inline F set1(float v) { return _mm256_set1_ps(v); }
+    static inline F ge(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
+    static inline F min(F a, F b) { return _mm256_min_ps(a, b); }
+    static inline F max(F a, F b) { return _mm256_max_ps(a, b); }
+    static inline F round(F a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    static inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static inline F add(F a, F b) { return _mm256_add_ps(a, b); }
+    static inline F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    static inline F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+    static inline F pow2(F p, F n) {  // p 2^n, n integral in [-126, 127]
+        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    }
+    static inline F select(F mask, F v) { return _mm256_and_ps(mask, v); }
+};
+#endif
+
+#ifdef VS_AVX512
+struct F16 {  // 16 floats (AVX-512): the same steps as F8
+    typedef __m512 F;
+    static inline F set1(float v) { return _mm512_set1_ps(v); }
+    static inline F ge(F a, F b) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, b, _CMP_GE_OQ), _mm512_castsi512_ps(_mm512_set1_epi32(-1))); }
+    static inline F min(F a, F b) { return _mm512_min_ps(a, b); }
+    static inline F max(F a, F b) { return _mm512_max_ps(a, b); }
+    static inline F round(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+    static inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    static inline F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+    static inline F pow2(F p, F n) { return _mm512_scalef_ps(p, n); }
+    static inline F select(F mask, F v) { return _mm512_and_ps(mask, v); }
+};
+#endif
+
+// s[t] = exp(s[t] - top) for t < len, in place; returns their sum (fixed order: 16 / 8 lanes, then hsum)
+static inline float exp_shifted(float* s, int len, float top) {
+    int t = 0;
+    float total = 0.0f;
+#ifdef VS_AVX512
+    __m512 acc = _mm512_setzero_ps();
+    for (; t + 16 <= len; t += 16) {
+        const __m512 e = vexp<F16>(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(top)));
+        _mm512_storeu_ps(s + t, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    total = hsum16(acc);
+#elif defined(VS_AVX2)
+    __m256 acc = _mm256_setzero_ps();
+    for (; t + 8 <= len; t += 8) {
+        const __m256 e = vexp<F8>(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(top)));
+        _mm256_storeu_ps(s + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    total = hsum8(acc);
+#endif
+    for (; t < len; t++) {
+        s[t] = s[t] == -INFINITY ? 0.0f : expf(s[t] - top);
+        total += s[t];
+    }
+    return total;
+}
+
+enum { ATT_CHUNK = 256, ATT_ROWS = 4 };  // slots per attention task; query heads per task
+
+// scores[r][t - c0] = scale q_r . k_t for the slots t in [c0, c1) of one cache row, R query heads
+template <int R>
+static inline void scores_tile(const uint16_t* ktiles, int hd, const float* const* q, int c0, int c1, float scale,
+                               float (*scores)[ATT_CHUNK]) {
+    for (int t0 = c0; t0 < c1; t0 += KT) {  // c0 is a multiple of 16
+        const uint16_t* tile = ktiles + (size_t)(t0 / KT) * hd * KT;
+        float sums[R][KT];
+#ifdef VS_AVX512
+        __m512 acc[R];
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+        for (int d = 0; d < hd; d++) {
+            const __m512 k = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tile + d * KT)));
+            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k, acc[r]);
+        }
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(sums[r], acc[r]);
+#elif defined(VS_AVX2)
+        __m256 acc[R][2];
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int d = 0; d < hd; d++) {
+            const __m256 k0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(tile + d * KT)));
+            const __m256 k1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(tile + d * KT + 8)));
+            for (int r = 0; r < R; r++) {
+                const __m256 qd = _mm256_set1_ps(q[r][d]);
+                acc[r][0] = _mm256_fmadd_ps(qd, k0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(qd, k1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            _mm256_storeu_ps(sums[r], acc[r][0]);
+            _mm256_storeu_ps(sums[r] + 8, acc[r][1]);
+        }
+#else
+        for (int r = 0; r < R; r++)
+            for (int lane = 0; lane < KT; lane++) {
+                float acc = 0.0f;
+                for (int d = 0; d < hd; d++) acc += q[r][d] * fp16_to_fp32(tile[d * KT + lane]);
+                sums[r][lane] = acc;
+            }
+#endif
+        const int width = c1 - t0 < KT ? c1 - t0 : KT;
+        for (int r = 0; r < R; r++)
+            for (int lane = 0; lane < width; lane++) scores[r][t0 - c0 + lane] = sums[r][lane] * scale;
+    }
+}
+
+// o_r[d] = sum over t in [c0, c1) of p_r[t] v_t[d]
+template <int R>
+static inline void values_tile(const uint16_t* values, int hd, int c0, int c1, float (*p)[ATT_CHUNK], float* const* o) {
+    int d0 = 0;
+#ifdef VS_AVX512
+    for (; d0 + 16 <= hd; d0 += 16) {
+        __m512 acc[R];
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+        for (int t = c0; t < c1; t++) {
+            const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(values + (size_t)t * hd + d0)));
+            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][t - c0]), v, acc[r]);
+        }
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(o[r] + d0, acc[r]);
+    }
+#elif defined(VS_AVX2)
+    for (; d0 + 8 <= hd; d0 += 8) {
+        __m256 acc[R];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (int t = c0; t < c1; t++) {
+            const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(values + (size_t)t * hd + d0)));
+            for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r][t - c0]), v, acc[r]);
+        }
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(o[r] + d0, acc[r]);
+    }
+#endif
+    for (; d0 < hd; d0++)
+        for (int r = 0; r < R; r++) {
+            float acc = 0.0f;
+            for (int t = c0; t < c1; t++) acc += p[r][t - c0] * fp16_to_fp32(values[(size_t)t * hd + d0]);
+            o[r][d0] = acc;
+        }
+}
+
+// one slot of the last visible slot + 1 of token i
+static inline int visible_end(const vs_batch* batch, int i) {
+    if (!batch->mask) return batch->slot[i] + 1;
+    int end = batch->base[i];
+    for (int j = 0; j < batch->mask_cols; j++)
+        if (batch->mask[(size_t)i * batch->mask_cols + j]) end = batch->base[i] + j + 1;
+    return end;
+}
+
+// One task: token i, query heads h0 .. h0 + R - 1 (one kv head's), slots [c0, c1) of its row. Writes, per
+// head, the chunk's max score m, sum of exp(score - m) l, and unnormalised output [hd] to part.
+template <int R>
+static inline void attention_task(const vs_model* m, int layer, const vs_batch* batch, const vs_cache* cache,
+                                  const float* q, int q_stride, int i, int h0, int c0, int c1, float* const* part) {
+    const int hd = m->head_dim, g = h0 / (m->heads / m->kv_heads);
+    const size_t row = ((size_t)layer * cache->batch + batch->seq[i]) * m->kv_heads + g;
+    const uint16_t* keys = cache->k + row * cache->capacity * hd;
+    const uint16_t* values = cache->v + row * cache->capacity * hd;
+    const float* qh[R];
+    for (int r = 0; r < R; r++) qh[r] = q + (size_t)i * q_stride + (size_t)(h0 + r) * hd;
+    float scores[R][ATT_CHUNK];
+    scores_tile<R>(keys, hd, qh, c0, c1, 1.0f / sqrtf((float)hd), scores);
+    const int base = batch->base[i];
+    for (int t = c0 > base ? c0 : base; t < c1; t++)  // the new slots it may not see
+        if (!visible(batch, i, t))
+            for (int r = 0; r < R; r++) scores[r][t - c0] = -INFINITY;
+    float* o[R];
+    for (int r = 0; r < R; r++) {
+        float top = -INFINITY;
+        for (int t = 0; t < c1 - c0; t++) top = fmaxf(top, scores[r][t]);
+        part[r][0] = top;
+        part[r][1] = exp_shifted(scores[r], c1 - c0, top);  // a chunk with a visible slot has a finite top
+        o[r] = part[r] + 2;
+    }
+    values_tile<R>(values, hd, c0, c1, scores, o);
+}
+
+// out [N, heads head_dim]: attention of every token's heads over the visible slots of its cache row, in
+// chunks of ATT_CHUNK slots (tasks), merged in chunk order: the same arithmetic whatever N and the threads.
+static int attention(const vs_model* m, int layer, const vs_batch* batch, const vs_cache* cache, const float* q,
+                     int q_stride, float* out, int threads) {
+    const int n = batch->n, heads = m->heads, hd = m->head_dim, group = heads / m->kv_heads;
+    const int subsets = (group + ATT_ROWS - 1) / ATT_ROWS;  // query-head subsets per kv head
+    int chunks = 1;
+    for (int i = 0; i < n; i++) {
+        const int c = (visible_end(batch, i) + ATT_CHUNK - 1) / ATT_CHUNK;
+        chunks = c > chunks ? c : chunks;
+    }
+    const size_t stride = (size_t)hd + 2;  // per (token, head, chunk): m, l, o[hd]
+    float* parts = (float*)malloc(sizeof(float) * (size_t)n * heads * chunks * stride);
+    if (!parts) return -2;
+    const int tasks = n * m->kv_heads * subsets * chunks;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int task = 0; task < tasks; task++) {
+        const int chunk = task % chunks, rest = task / chunks;
+        const int subset = rest % subsets, g = (rest / subsets) % m->kv_heads, i = rest / subsets / m->kv_heads;
+        const int h0 = g * group + subset * ATT_ROWS;
+        const int rows = group - subset * ATT_ROWS < ATT_ROWS ? group - subset * ATT_ROWS : ATT_ROWS;
+        const int end = visible_end(batch, i), c0 = chunk * ATT_CHUNK;
+        const int c1 = c0 + ATT_CHUNK < end ? c0 + ATT_CHUNK : end;
+        float* part[ATT_ROWS];
+        for (int r = 0; r < rows; r++) part[r] = parts + (((size_t)i * heads + h0 + r) * chunks + chunk) * stride;
+        if (c0 >= c1) {  // nothing of this chunk is visible to token i
+            for (int r = 0; r < rows; r++) part[r][0] = -INFINITY;
+            continue;
+        }
+        switch (rows) {
+            case 1: attention_task<1>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
+            case 2: attention_task<2>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
+            case 3: attention_task<3>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
+            default: attention_task<4>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
+        }
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (n > 1)
+    for (int i = 0; i < n; i++) {
+        for (int h = 0; h < heads; h++) {
+            const float* first = parts + ((size_t)i * heads + h) * chunks * stride;
+            float top = -INFINITY, total = 0.0f;
+            for (int c = 0; c < chunks; c++) top = fmaxf(top, first[c * stride]);
+            float* o = out + (size_t)i * heads * hd + (size_t)h * hd;
+            for (int d = 0; d < hd; d++) o[d] = 0.0f;
+            for (int c = 0; c < chunks; c++) {
+                const float* part = first + c * stride;
+                if (part[0] == -INFINITY) continue;
+                const float w = expf(part[0] - top);
+                total += w * part[1];
+                for (int d = 0; d < hd; d++) o[d] += w * part[2 + d];
+            }
+            const float inv = 1.0f / total;
+            for (int d = 0; d < hd; d++) o[d] *= inv;
+        }
+    }
+    free(parts);
+    return 0;
+}
+
+// ------------------------------------------------------------------------------------------ entry points
+
+// Quantize n rows of x [n, cols] (cols % 32 == 0) into q [n, cols], d, s and sums [n, cols / 32], as the
+// block formats' products do (exposed for tests).
+extern "C" void vs_quantize_rows(int n, int cols, const float* x, int8_t* q, float* d, float* s, int32_t* sums) {
+    for (int r = 0; r < n; r++)
+        quantize_row(x + (size_t)r * cols, cols, q + (size_t)r * cols, d + (size_t)r * (cols / QK),
+                     s + (size_t)r * (cols / QK), sums + (size_t)r * (cols / QK));
+}
+
+// The outputs per group of the interleaved Q8_0 and Q4_1 layouts this build reads.
+extern "C" int vs_group_size(void) { return VS_GROUP; }
+
+// y [n, rows] = x [n, cols] W^T (+ bias). Returns 0, -1 for an invalid matrix, -2 when out of memory.
+extern "C" int vs_matmul(const vs_matrix* w, int n, const float* x, float* y, int threads) {
+    if (!valid_matrix(w) || n < 0) return -1;
+    vs_scratch scratch = {NULL, 0};
+    const int status = matmul(w, n, x, y, &scratch, threads);
+    free(scratch.bytes);
+    return status;
+}
+
+// y [n, dim] = rmsnorm(x) * weight, normalising in float32 as transformers does.
+extern "C" void vs_rmsnorm(int n, int dim, const float* x, const float* weight, float eps, float* y, int threads) {
+    rmsnorm(n, dim, x, weight, eps, y, threads);
+}
+
+// The residual stream h [N, hidden] through layers [first, last) of `m`, writing every token's key and
+// value into `cache` (see vs_batch). Returns 0, -1 for invalid arguments, -2 when out of memory.
+extern "C" int vs_forward(const vs_model* m, int first, int last, const vs_batch* batch, const vs_cache* cache, float* h,
+               int threads) {
+    const int n = batch->n, hidden = m->hidden, hd = m->head_dim, half = hd / 2;
+    if (first < 0 || last > m->num_layers || first > last || n <= 0 || hd % 2 || m->heads % m->kv_heads)
+        return -1;
+    for (int i = 0; i < n; i++) {
+        if (batch->seq[i] < 0 || batch->seq[i] >= cache->batch || batch->slot[i] < batch->base[i] ||
+            batch->slot[i] >= cache->capacity || batch->base[i] < 0)
+            return -1;
+        if (batch->mask && batch->slot[i] - batch->base[i] >= batch->mask_cols) return -1;
+        if (cache->capacity % KT) return -1;
+    }
+    for (int l = first; l < last; l++) {
+        const vs_layer* L = &m->layers[l];
+        if (!valid_matrix(&L->qkv) || !valid_matrix(&L->o) || !valid_matrix(&L->gate_up) || !valid_matrix(&L->down))
+            return -1;
+    }
+    const int qkv_width = (m->heads + 2 * m->kv_heads) * hd, attn_width = m->heads * hd;
+    const int inter = m->intermediate;
+    const int widest = qkv_width > 2 * inter ? qkv_width : 2 * inter;
+    float* x = (float*)malloc(sizeof(float) * (size_t)n * hidden);
+    float* wide = (float*)malloc(sizeof(float) * (size_t)n * widest);
+    float* attn = (float*)malloc(sizeof(float) * (size_t)n * (attn_width > inter ? attn_width : inter));
+    vs_scratch scratch = {NULL, 0};
+    int status = x && wide && attn ? 0 : -2;
+    for (int l = first; l < last && status == 0; l++) {
+        const vs_layer* L = &m->layers[l];
+        rmsnorm(n, hidden, h, L->attn_norm, m->eps, x, threads);
+        status = matmul(&L->qkv, n, x, wide, &scratch, threads);  // wide: [N, qkv_width]
+        if (status) break;
+        for (int i = 0; i < n; i++) {  // RoPE on q and k; k and v into the cache
+            float* row = wide + (size_t)i * qkv_width;
+            const float* c = batch->cos + (size_t)i * half;
+            const float* s = batch->sin + (size_t)i * half;
+            for (int hh = 0; hh < m->heads + m->kv_heads; hh++) rope(row + hh * hd, c, s, half);
+            const int slot = batch->slot[i];
+            for (int g = 0; g < m->kv_heads; g++) {
+                const size_t head = (((size_t)l * cache->batch + batch->seq[i]) * m->kv_heads + g) * cache->capacity * hd;
+                uint16_t* ktile = cache->k + head + (size_t)(slot / KT) * hd * KT + slot % KT;
+                uint16_t* v = cache->v + head + (size_t)slot * hd;
+                const float *key = row + attn_width + g * hd, *value = row + attn_width + (m->kv_heads + g) * hd;
+                for (int d = 0; d < hd; d++) {
+                    ktile[d * KT] = fp32_to_fp16(key[d]);
+                    v[d] = fp32_to_fp16(value[d]);
+                }
+            }
+        }
+        status = attention(m, l, batch, cache, wide, qkv_width, attn, threads);  // attn: [N, attn_width]
+        if (status) break;
+        status = matmul(&L->o, n, attn, x, &scratch, threads);  // x: [N, hidden]
+        if (status) break;
+        for (size_t j = 0; j < (size_t)n * hidden; j++) h[j] += x[j];
+        rmsnorm(n, hidden, h, L->mlp_norm, m->eps, x, threads);
+        status = matmul(&L->gate_up, n, x, wide, &scratch, threads);  // wide: [N, 2 inter]
+        if (status) break;
+#pragma omp parallel for schedule(static) num_threads(threads) if (n > 1)
+        for (int i = 0; i < n; i++) {  // SwiGLU: silu(gate) * up
+            const float* gate = wide + (size_t)i * 2 * inter;
+            float* a = attn + (size_t)i * inter;
+            for (int j = 0; j < inter; j++) a[j] = gate[j] / (1.0f + expf(-gate[j])) * gate[inter + j];
+        }
+        status = matmul(&L->down, n, attn, x, &scratch, threads);  // x: [N, hidden]
+        if (status) break;
+        for (size_t j = 0; j < (size_t)n * hidden; j++) h[j] += x[j];
+    }
+    free(x);
+    free(wide);
+    free(attn);
+    free(scratch.bytes);
+    return status;
+}
+
+extern "C" int vs_abi_version(void) { return 3; }
+

@@ -1,0 +1,404 @@
+"""Python side of the native CPU kernels (``cpu.cpp``): weight packing, and the calls into the library.
+
+Weight formats (:data:`FORMATS`), each a matrix W [rows, cols] multiplied as y = x Wᵀ (+ bias) with float32
+x and y:
+
+- ``fp16``: W rounded to float16; products and sums in float32.
+- ``q8_0``: GGUF's Q8_0 blocks (per row and block of 32 columns, int8 values and a float16 scale); x is
+  quantized the same way, row by row (per row and block: scale max|x| / 127, values rounded to nearest
+  even), and the block dot products are exact integer sums.
+- ``q4_1``: GGUF's Q4_1 blocks (4-bit values, a float16 scale and a float16 minimum per block of 32) against
+  x quantized as for ``q8_0``.
+
+Quantization uses the ``gguf`` package's reference implementation, so a matrix that came from a GGUF file of
+that format is recovered block for block (tested). The kernels keep the blocks' values interleaved by groups
+of outputs (one vector lane per output; ``cpu.cpp`` gives the layout); :meth:`PackedMatrix.blocks` gives the
+GGUF blocks back. Every output element depends on its own row of x alone: activations are quantized per
+row, never with a scale shared across a call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cache
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, quants
+from torch import Tensor
+
+from verispec.errors import UsageError
+from verispec.kernels.build import NativeUnavailable, load
+
+__all__ = [
+    "BLOCK",
+    "FORMATS",
+    "NativeLayer",
+    "NativeStack",
+    "PackedMatrix",
+    "native_available",
+    "quantize_rows",
+    "rmsnorm",
+]
+
+FORMATS = ("fp16", "q8_0", "q4_1")
+BLOCK = 32  # columns per quantization block
+_CODES = {"fp16": 1, "q8_0": 2, "q4_1": 3}
+_BLOCK_BYTES = {"q8_0": 34, "q4_1": 20}  # a GGUF block: float16 d (q4_1: and m), then the 32 values
+_GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_1": GGMLQuantizationType.Q4_1}
+
+_p = ctypes.c_void_p
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [
+        ("format", ctypes.c_int32),
+        ("rows", ctypes.c_int32),
+        ("cols", ctypes.c_int32),
+        ("q", _p),
+        ("d", _p),
+        ("m", _p),
+        ("bias", _p),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("attn_norm", _p),
+        ("mlp_norm", _p),
+        ("qkv", _Matrix),
+        ("o", _Matrix),
+        ("gate_up", _Matrix),
+        ("down", _Matrix),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("hidden", ctypes.c_int32),
+        ("intermediate", ctypes.c_int32),
+        ("heads", ctypes.c_int32),
+        ("kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("num_layers", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+        ("layers", ctypes.POINTER(_Layer)),
+    ]
+
+
+class _Batch(ctypes.Structure):
+    _fields_ = [
+        ("n", ctypes.c_int32),
+        ("cos", _p),
+        ("sin", _p),
+        ("seq", _p),
+        ("slot", _p),
+        ("base", _p),
+        ("mask", _p),
+        ("mask_cols", ctypes.c_int32),
+    ]
+
+
+class _Cache(ctypes.Structure):
+    _fields_ = [("k", _p), ("v", _p), ("batch", ctypes.c_int32), ("capacity", ctypes.c_int32)]
+
+
+@cache
+def _library(variant: str = "native") -> ctypes.CDLL:
+    """The loaded library with its functions' signatures declared (NativeUnavailable when it cannot be)."""
+    lib = load(variant)
+    i32 = ctypes.c_int
+    lib.vs_matmul.argtypes = [ctypes.POINTER(_Matrix), i32, _p, _p, i32]
+    lib.vs_matmul.restype = i32
+    lib.vs_rmsnorm.argtypes = [i32, i32, _p, _p, ctypes.c_float, _p, i32]
+    lib.vs_rmsnorm.restype = None
+    lib.vs_quantize_rows.argtypes = [i32, i32, _p, _p, _p, _p, _p]
+    lib.vs_quantize_rows.restype = None
+    lib.vs_forward.argtypes = [
+        ctypes.POINTER(_Model),
+        i32,
+        i32,
+        ctypes.POINTER(_Batch),
+        ctypes.POINTER(_Cache),
+        _p,
+        i32,
+    ]
+    lib.vs_forward.restype = i32
+    lib.vs_group_size.argtypes = []
+    lib.vs_group_size.restype = i32
+    return lib
+
+
+def native_available() -> str | None:
+    """None when the native kernels run on this machine, else why not (one line)."""
+    try:
+        _library()
+    except NativeUnavailable as err:
+        return str(err)
+    return None
+
+
+def _check_float_rows(x: Tensor, cols: int, what: str) -> None:
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.ndim != 2 or x.shape[1] != cols:
+        raise UsageError(f"{what} must be a float32 CPU tensor [n, {cols}], got {x.dtype} {list(x.shape)}")
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+@dataclass(frozen=True, eq=False)
+class PackedMatrix:
+    """A weight matrix W [rows, cols] in one of :data:`FORMATS`, ready for the native kernels.
+
+    tensors: what the kernels read, kept alive here: fp16 (W as int16 bits [rows, cols]); q8_0 and q4_1 in the
+    kernels' interleaved layout for groups of ``group`` outputs (values; scales as int16 bits; q4_1's
+    minimums), rows padded to a multiple of ``group``."""
+
+    format: str
+    rows: int
+    cols: int
+    tensors: tuple[Tensor, ...]
+    bias: Tensor | None
+    group: int
+    variant: str = "native"  # the build of the kernels it runs on (verispec.kernels.build.VARIANTS)
+    struct: _Matrix = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        pointers = [t.data_ptr() for t in self.tensors] + [None] * (3 - len(self.tensors))
+        struct = _Matrix(_CODES[self.format], self.rows, self.cols, *pointers, _ptr(self.bias))
+        object.__setattr__(self, "struct", struct)
+
+    @staticmethod
+    def fits(format: str, cols: int) -> bool:
+        """Whether a matrix of ``cols`` columns has a ``format`` form (block formats need cols % 32 == 0)."""
+        return format == "fp16" or cols % BLOCK == 0
+
+    @classmethod
+    def pack(
+        cls, weight: Tensor, bias: Tensor | None = None, format: str = "fp16", variant: str = "native"
+    ) -> PackedMatrix:
+        """W [rows, cols] (float32) and its bias [rows] (or None) in ``format``; UsageError for an unknown
+        format or a shape it cannot hold."""
+        if format not in FORMATS:
+            raise UsageError(f"weight format must be one of {', '.join(FORMATS)}, got {format!r}")
+        if weight.ndim != 2 or weight.dtype != torch.float32:
+            raise UsageError(f"weight must be a float32 matrix, got {weight.dtype} {list(weight.shape)}")
+        rows, cols = weight.shape
+        if not cls.fits(format, cols):
+            raise UsageError(f"format {format} needs a multiple of {BLOCK} columns, got {cols}")
+        bias = None if bias is None else bias.detach().float().contiguous()  # [rows]
+        w = weight.detach().contiguous()  # [rows, cols]
+        if format == "fp16":
+            return cls(format, rows, cols, (w.half().view(torch.int16),), bias, 1, variant)
+        blocks = quants.quantize(w.numpy(), _GGML[format])  # uint8 [rows, cols / 32 * block bytes]
+        return cls.from_blocks(format, rows, cols, blocks, bias, variant)
+
+    @classmethod
+    def from_blocks(
+        cls,
+        format: str,
+        rows: int,
+        cols: int,
+        blocks: np.ndarray,
+        bias: Tensor | None = None,
+        variant: str = "native",
+    ) -> PackedMatrix:
+        """From GGUF blocks of ``format`` (uint8 [rows, cols / 32 * bytes per block], as a GGUF file stores
+        them: Q8_0 = float16 d, 32 int8; Q4_1 = float16 d, float16 m, 16 bytes of nibbles)."""
+        nb, group = cols // BLOCK, _library(variant).vs_group_size()
+        raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows, nb, _BLOCK_BYTES[format])
+        padded = -(-rows // group) * group
+        raw = np.concatenate([raw, np.zeros((padded - rows, nb, raw.shape[2]), np.uint8)])  # zero scales
+
+        def grouped(
+            values: np.ndarray,
+        ) -> np.ndarray:  # [padded, nb, *rest] → [groups, nb, *rest-major lanes]
+            lanes = values.reshape(padded // group, group, nb, *values.shape[2:])
+            return np.ascontiguousarray(np.moveaxis(lanes, 1, -2 if values.ndim > 3 else -1))
+
+        def scales(lo: int) -> Tensor:  # float16 bits [rows, nb] → [groups, nb, group] (lanes last)
+            return torch.from_numpy(
+                grouped(np.ascontiguousarray(raw[:, :, lo : lo + 2]).view(np.int16)[..., 0])
+            )
+
+        tensors: tuple[Tensor, ...]
+        if format == "q8_0":
+            q = raw[:, :, 2:34].view(np.int8).astype(np.int16) + 128  # [padded, nb, 32]: unsigned
+            values = grouped(q.astype(np.uint8).reshape(padded, nb, 8, 4))  # [groups, nb, 8 chunks, group, 4]
+            tensors = (torch.from_numpy(values), scales(0))
+        else:
+            nibbles = raw[
+                :, :, 4:20
+            ]  # [padded, nb, 16]: byte j = element j | element j + 16 << 4, GGUF order
+            values = grouped(nibbles.reshape(padded, nb, 4, 4))  # [groups, nb, 4 chunks, group, 4]
+            tensors = (torch.from_numpy(values), scales(0), scales(2))
+        return cls(format, rows, cols, tensors, bias, group, variant)
+
+    def blocks(self) -> np.ndarray:
+        """The GGUF blocks of a q8_0 or q4_1 matrix (uint8 [rows, cols / 32 * bytes per block]), as
+        :meth:`from_blocks` takes them: what a GGUF file of that format stores."""
+        if self.format == "fp16":
+            raise UsageError("a float16 matrix has no blocks")
+        nb = self.cols // BLOCK
+
+        def ungrouped(values: Tensor) -> np.ndarray:  # [groups, nb, ..., group, k] → [rows, nb, ..., k]
+            lanes = np.moveaxis(values.numpy(), -2 if values.ndim > 3 else -1, 1)
+            return lanes.reshape(-1, *lanes.shape[2:])[: self.rows]
+
+        d = ungrouped(self.tensors[1]).view(np.uint8).reshape(self.rows, nb, 2)
+        if self.format == "q8_0":
+            q = (ungrouped(self.tensors[0]).astype(np.int16) - 128).astype(np.int8).view(np.uint8)
+            parts = [d, q.reshape(self.rows, nb, 32)]
+        else:
+            m = ungrouped(self.tensors[2]).view(np.uint8).reshape(self.rows, nb, 2)
+            parts = [d, m, ungrouped(self.tensors[0]).reshape(self.rows, nb, 16)]
+        return np.concatenate(parts, axis=2).reshape(self.rows, -1)
+
+    def dequantized(self) -> Tensor:
+        """The float32 weight [rows, cols] the kernels multiply by (for oracles and tests)."""
+        if self.format == "fp16":
+            return self.tensors[0].view(torch.float16).float()
+        ggml = _GGML[self.format]
+        return torch.from_numpy(quants.dequantize(self.blocks(), ggml).astype(np.float32)).view(
+            self.rows, self.cols
+        )
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """y [n, rows] = x [n, cols] Wᵀ (+ bias), x float32 on the CPU."""
+        _check_float_rows(x, self.cols, "x")
+        x = x.contiguous()
+        y = x.new_empty(x.shape[0], self.rows)  # [n, rows]
+        status = _library(self.variant).vs_matmul(
+            ctypes.byref(self.struct), x.shape[0], x.data_ptr(), y.data_ptr(), torch.get_num_threads()
+        )
+        if status:
+            raise MemoryError("the native matmul ran out of memory")
+        return y
+
+
+def quantize_rows(x: Tensor, variant: str = "native") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """x [n, cols] (cols % 32 == 0) quantized as the block formats' products quantize their input: int8
+    values [n, cols], scales d [n, cols / 32], d · Σ values and Σ values per block [n, cols / 32]."""
+    if x.ndim != 2 or x.shape[1] % BLOCK:
+        raise UsageError(f"x must be [n, cols] with cols a multiple of {BLOCK}, got {list(x.shape)}")
+    _check_float_rows(x, x.shape[1], "x")
+    x = x.contiguous()
+    n, cols = x.shape
+    q = torch.empty(n, cols, dtype=torch.int8)  # [n, cols]
+    d, s = torch.empty(n, cols // BLOCK), torch.empty(n, cols // BLOCK)  # [n, cols / 32] each
+    sums = torch.empty(n, cols // BLOCK, dtype=torch.int32)  # [n, cols / 32]
+    _library(variant).vs_quantize_rows(
+        n, cols, x.data_ptr(), q.data_ptr(), d.data_ptr(), s.data_ptr(), sums.data_ptr()
+    )
+    return q, d, s, sums
+
+
+def rmsnorm(x: Tensor, weight: Tensor, eps: float, variant: str = "native") -> Tensor:
+    """x [n, dim] / rms(x) · weight [dim], as the native forward normalises."""
+    _check_float_rows(x, weight.shape[0], "x")
+    x, weight = x.contiguous(), weight.float().contiguous()
+    y = torch.empty_like(x)  # [n, dim]
+    lib = _library(variant)
+    lib.vs_rmsnorm(
+        x.shape[0], x.shape[1], x.data_ptr(), weight.data_ptr(), eps, y.data_ptr(), torch.get_num_threads()
+    )
+    return y
+
+
+@dataclass(frozen=True)
+class NativeLayer:
+    """One decoder layer's weights for the native forward: the two norms' weights [hidden] and the packed
+    projections (q, k, v stacked; gate and up stacked)."""
+
+    attn_norm: Tensor
+    mlp_norm: Tensor
+    qkv: PackedMatrix
+    o: PackedMatrix
+    gate_up: PackedMatrix
+    down: PackedMatrix
+
+
+class NativeStack:
+    """A stack of Llama decoder layers run by ``vs_forward``: RMSNorm, q/k/v, RoPE, grouped-query attention
+    over a KV cache, SwiGLU, residuals; one call for all layers."""
+
+    def __init__(
+        self,
+        *,
+        hidden: int,
+        intermediate: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        eps: float,
+        layers: Sequence[NativeLayer],
+        variant: str = "native",
+    ) -> None:
+        self.layers = tuple(layers)
+        self.head_dim = head_dim
+        self.variant = variant
+        self._lib = _library(variant)
+        array = (_Layer * len(self.layers))()
+        for i, layer in enumerate(self.layers):
+            norms = (layer.attn_norm.float().contiguous(), layer.mlp_norm.float().contiguous())
+            object.__setattr__(layer, "attn_norm", norms[0])
+            object.__setattr__(layer, "mlp_norm", norms[1])
+            array[i] = _Layer(
+                norms[0].data_ptr(),
+                norms[1].data_ptr(),
+                layer.qkv.struct,
+                layer.o.struct,
+                layer.gate_up.struct,
+                layer.down.struct,
+            )
+        self._array = array
+        self._model = _Model(hidden, intermediate, heads, kv_heads, head_dim, len(self.layers), eps, array)
+
+    def forward(
+        self,
+        h: Tensor,
+        *,
+        num_layers: int,
+        cos: Tensor,
+        sin: Tensor,
+        seq: Tensor,
+        slot: Tensor,
+        base: Tensor,
+        mask: Tensor | None,
+        keys: Tensor,
+        values: Tensor,
+    ) -> None:
+        """Runs the first ``num_layers`` layers over the residual stream h [N, hidden] float32 in place.
+
+        cos, sin: [N, head_dim / 2] float32 RoPE at each token's position; seq, slot, base: [N] int32, token i
+        writes slot[i] of cache row seq[i] and attends to that row's slots [0, base[i]) and to its new slots
+        base[i] + j with mask[i, j] (mask [N, M] bool; None: slots base[i] .. slot[i]); keys [layers, B,
+        kv_heads, capacity / 16, head_dim, 16] and values [layers, B, kv_heads, capacity, head_dim], float16,
+        contiguous (a tiled :class:`~verispec.models.llama.KVCache`). The caller has checked every index."""
+        batch = _Batch(
+            h.shape[0],
+            cos.data_ptr(),
+            sin.data_ptr(),
+            seq.data_ptr(),
+            slot.data_ptr(),
+            base.data_ptr(),
+            None if mask is None else mask.data_ptr(),
+            0 if mask is None else mask.shape[1],
+        )
+        cache = _Cache(keys.data_ptr(), values.data_ptr(), values.shape[1], values.shape[3])
+        status = self._lib.vs_forward(
+            ctypes.byref(self._model),
+            0,
+            num_layers,
+            ctypes.byref(batch),
+            ctypes.byref(cache),
+            h.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status == -2:
+            raise MemoryError("the native forward ran out of memory")
+        if status:
+            raise RuntimeError("the native forward rejected its arguments (a bug: please report it)")

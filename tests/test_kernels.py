@@ -1,0 +1,288 @@
+"""verispec's native CPU kernels against naive oracles, and the invariance that makes them a valid target.
+
+Every build variant this CPU runs (native: AVX-512 where present; avx2; portable C++) is checked against the
+same float64 oracles: the weights dequantized from the packed blocks, the activations quantized by an
+independent torch implementation of the rule (per row and block of 32: scale max|x| / 127, round half to
+even). Then the guarantee speculation needs: a row's outputs are bit-identical whatever else is in the call
+(other rows, their number, the thread count), for the products and for the whole native forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from native_oracle import oracle_quantize, quantizing_oracle
+from verispec.kernels import build
+from verispec.kernels.cpu import FORMATS, PackedMatrix, native_available, quantize_rows, rmsnorm
+from verispec.models import Llama, LlamaConfig
+
+if native_available() is not None:
+    pytest.skip(f"the native kernels do not run here: {native_available()}", allow_module_level=True)
+
+
+def runnable_variants() -> list[str]:
+    out = []
+    for variant in build.VARIANTS:
+        try:
+            build.load(variant)
+        except build.NativeUnavailable:
+            continue
+        out.append(variant)
+    return out
+
+
+VARIANTS = runnable_variants()
+
+
+def oracle_product(matrix: PackedMatrix, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    xs = x.double() if matrix.format == "fp16" else oracle_quantize(x)
+    y = xs @ matrix.dequantized().double().T
+    return y if bias is None else y + bias.double()
+
+
+def random_weight(rows: int, cols: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * cols**-0.5
+    w[0, :32] = 0.0  # an all-zero block
+    w[1, 5] = 3.0  # an outlier in a block
+    return w
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("cols", [32, 96, 576])  # one block, an odd number of blocks, SmolLM2's width
+def test_products_match_the_naive_oracle(variant, fmt, cols):
+    rows = 37  # not a multiple of any tile or thread split
+    w, bias = (
+        random_weight(rows, cols, seed=cols),
+        torch.randn(rows, generator=torch.Generator().manual_seed(1)),
+    )
+    matrix = PackedMatrix.pack(w, bias, fmt, variant=variant)
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(2))  # [9, cols]: 2 tiles and a rest
+    x[3, :32] = 0.0  # an all-zero activation block
+    y = matrix(x)  # [9, rows]
+    expected = oracle_product(matrix, x, bias)
+    scale = expected.abs().max()
+    assert (y.double() - expected).abs().max() <= 2e-6 * scale
+    unrounded = x.double() @ w.double().T + bias.double()  # the format's rounding is visible, but bounded
+    bound = {"fp16": 1e-3, "q8_0": 3e-2, "q4_1": 0.3}[fmt]
+    assert (y.double() - unrounded).abs().max() <= bound * scale
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_row_of_a_product_is_the_same_in_any_company(variant, fmt):
+    matrix = PackedMatrix.pack(random_weight(50, 96, seed=3), None, fmt, variant=variant)
+    x = torch.randn(11, 96, generator=torch.Generator().manual_seed(4))
+    together = matrix(x)
+    alone = torch.cat([matrix(x[i : i + 1]) for i in range(11)])
+    assert torch.equal(together, alone)
+    assert torch.equal(matrix(x[2:7]), together[2:7])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = matrix(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(single, together)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_activation_quantization_is_the_rule(variant):
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(6)) * 3
+    x[0, :32] = 0.0
+    x[1, 40] = 127.5 * (x[1, 32:64].abs().max() / 127)  # not a tie after the division, but near the top
+    q, d, s, sums = quantize_rows(x, variant=variant)
+    dequantized = (q.double().view(5, 3, 32) * d.double()[..., None]).view(5, 96)
+    assert torch.equal(dequantized, oracle_quantize(x))
+    assert torch.equal(sums, q.view(5, 3, 32).sum(-1, dtype=torch.int32))
+    assert torch.equal(s, d * sums.float())
+    assert q.abs().max() <= 127 and torch.equal(q[0, :32], torch.zeros(32, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_gguf_blocks_are_recovered_block_for_block(fmt):
+    """A GGUF file's blocks, dequantized to float32 (as a conversion stores them) and packed again, are the
+    very same blocks: the model computes with the file's own weights."""
+    ggml = {"q8_0": GGMLQuantizationType.Q8_0, "q4_1": GGMLQuantizationType.Q4_1}[fmt]
+    original = quants.quantize(np.random.default_rng(7).standard_normal((24, 128)).astype(np.float32), ggml)
+    dequantized = torch.from_numpy(quants.dequantize(original, ggml).astype(np.float32))
+    from_file = PackedMatrix.from_blocks(fmt, 24, 128, original)
+    repacked = PackedMatrix.pack(dequantized, None, fmt)
+    for a, b in zip(from_file.tensors, repacked.tensors, strict=True):
+        assert torch.equal(a, b)
+    assert np.array_equal(repacked.blocks(), original)  # the kernels' layout holds the very blocks
+    assert torch.equal(repacked.dequantized(), dequantized)
+
+
+def test_packing_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="format q8_0 needs a multiple of 32 columns, got 40"):
+        PackedMatrix.pack(torch.zeros(4, 40), None, "q8_0")
+    with pytest.raises(ValueError, match="weight format must be one of fp16, q8_0, q4_1, got 'q2'"):
+        PackedMatrix.pack(torch.zeros(4, 32), None, "q2")
+    with pytest.raises(ValueError, match=r"x must be a float32 CPU tensor \[n, 32\]"):
+        PackedMatrix.pack(torch.zeros(4, 32), None, "fp16")(torch.zeros(2, 33))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rmsnorm_matches_torch(variant):
+    x, w = torch.randn(6, 96), torch.rand(96) + 0.5
+    expected = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(rmsnorm(x, w, 1e-5, variant=variant), expected, atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------- the whole model
+
+CONFIG = LlamaConfig(
+    vocab_size=80,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    max_position_embeddings=64,
+    rope_theta=1000.0,
+    tie_word_embeddings=True,
+    attention_bias=True,
+)
+
+
+def random_llama(config: LlamaConfig = CONFIG, seed: int = 0) -> Llama:
+    model = Llama(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            else:
+                scale = 1.0 if "embed" in name else p.shape[1] ** -0.5
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+def native(fmt: str) -> Llama:
+    model = random_llama()
+    assert model.optimize_for_cpu(precision=fmt) and model.cpu_precision == fmt
+    return model
+
+
+def pos(start: int, b: int, t: int) -> torch.Tensor:
+    return (start + torch.arange(t)).expand(b, t)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_native_forward_is_the_quantized_model(fmt):
+    model = native(fmt)
+    oracle = quantizing_oracle(random_llama(), fmt)
+    ids = torch.randint(0, 80, (2, 20), generator=torch.Generator().manual_seed(8))
+    caches = {m: m.new_cache(2, 20) for m in (model, oracle)}
+    errors, scale = [], 0.0
+    for start, end in [(0, 11), (11, 12), (12, 16), (16, 20)]:  # prefill, decode, verification blocks
+        part = ids[:, start:end]
+        got, want = (m(part, pos(start, 2, end - start), caches[m]) for m in (model, oracle))
+        errors.append((got - want).abs().amax(-1).flatten())  # [2 T]: each position's largest error
+        scale = max(scale, float(want.abs().max()))
+    error = torch.cat(errors)  # [40]
+    # Summation order moves values by ~1e-6 relative. Without activation quantization (fp16) that is all;
+    # with it, such a move now and then flips one activation's rounding by a step, which then shows in
+    # that position's logits (and its successors'): most positions stay tight, none goes far.
+    tight = (error <= 3e-5 * scale).float().mean()
+    assert tight >= (1.0 if fmt == "fp16" else 0.7)
+    assert error.max() <= 1e-2 * scale
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_native_rows_are_bit_identical_alone_in_a_block_beside_others_and_in_a_tree(fmt):
+    model = native(fmt)
+    ids = torch.randint(0, 80, (2, 12), generator=torch.Generator().manual_seed(9))
+    alone = model(ids[:1, :10], pos(0, 1, 10), model.new_cache(1, 16))[0, -1]  # [V]: position 9 alone
+    block = model(ids[:, :12], pos(0, 2, 12), model.new_cache(2, 16))[0, 9]  # in a block, beside row 1
+    assert torch.equal(block, alone)
+    cache = model.new_cache(1, 16)
+    model.prefill(ids[:1, :9], pos(0, 1, 9), cache)
+    one = model(ids[:1, 9:10], pos(9, 1, 1), cache)[0, 0]  # decoded after a prefill
+    assert torch.equal(one, alone)
+    cache.truncate(9)  # a tree: token 9 with a sibling, each attending to itself only
+    tree = torch.tensor([[True, False], [False, True]])
+    siblings = torch.tensor([[int(ids[0, 9]), (int(ids[0, 9]) + 1) % 80]])
+    assert torch.equal(model(siblings, torch.tensor([[9, 9]]), cache, tree_mask=tree)[0, 0], alone)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if before > 1 else 2)
+        other_threads = model(ids[:1, :10], pos(0, 1, 10), model.new_cache(1, 16))[0, -1]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(other_threads, alone)
+
+
+def test_native_long_prompt_in_chunks_equals_one_block():
+    config = dataclasses.replace(CONFIG, max_position_embeddings=200)
+    model = random_llama(config)
+    assert model.optimize_for_cpu(precision="q8_0")
+    ids = torch.randint(0, 80, (1, 150), generator=torch.Generator().manual_seed(10))
+    whole = model(ids, pos(0, 1, 150), model.new_cache(1, 150))  # 150 > NATIVE_CHUNK: three blocks
+    cache = model.new_cache(1, 150)
+    pieces = [model(ids[:, i : i + 30], pos(i, 1, 30), cache) for i in range(0, 150, 30)]
+    assert torch.equal(torch.cat(pieces, 1), whole)
+
+
+def test_native_cache_after_random_accept_reject_equals_from_scratch():
+    model = native("q4_1")
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 80, (1, 40), generator=g)
+    cache = model.new_cache(1, 40)
+    model.prefill(ids[:, :5], pos(0, 1, 5), cache)
+    committed = 5
+    while committed < 35:
+        k = int(torch.randint(1, 5, (1,), generator=g))
+        block = torch.cat([ids[:, committed : committed + 1], torch.randint(0, 80, (1, k), generator=g)], 1)
+        model(block, pos(committed, 1, k + 1), cache)
+        accepted = int(torch.randint(0, k + 1, (1,), generator=g))
+        ids[:, committed + 1 : committed + 1 + accepted] = block[:, 1 : 1 + accepted]
+        committed += 1 + accepted
+        cache.truncate(committed)
+    last = model(ids[:, committed : committed + 1], pos(committed, 1, 1), cache)[0, 0]
+    fresh = model(ids[:, : committed + 1], pos(0, 1, committed + 1), model.new_cache(1, 40))[0, -1]
+    assert torch.equal(last, fresh)
+
+
+def test_native_early_exit_shares_the_first_layers():
+    model = native("fp16")
+    draft = model.first_layers(1)
+    ids = torch.randint(0, 80, (1, 8), generator=torch.Generator().manual_seed(12))
+    cache = model.new_cache(1, 8)
+    model(ids, pos(0, 1, 8), cache)
+    one_layer = Llama(dataclasses.replace(CONFIG, num_layers=1))
+    state = {k: v for k, v in random_llama().state_dict().items() if ".layers.1." not in k}
+    one_layer.load_state_dict(state)
+    assert one_layer.optimize_for_cpu(precision="fp16")
+    expected = one_layer(ids, pos(0, 1, 8), one_layer.new_cache(1, 8))
+    torch.testing.assert_close(draft(ids, pos(0, 1, 8), draft.new_cache(1, 8)), expected, atol=1e-5, rtol=0)
+    # the draft reads the slots the full model wrote for its layers
+    early = draft(ids[:, 7:8], pos(7, 1, 1), _truncated(cache.first_layers(1), 7))[0, 0]
+    torch.testing.assert_close(early, expected[0, 7], atol=1e-5, rtol=0)
+
+
+def _truncated(cache, length):
+    cache.truncate(length)
+    return cache
+
+
+def test_native_precision_is_refused_for_shapes_it_cannot_hold():
+    odd = random_llama(dataclasses.replace(CONFIG, intermediate_size=80))
+    with pytest.raises(
+        ValueError,
+        match=r"precision q4_1 needs .* multiple of 32, .*\[64, 80\]; available: "
+        r"fp32, fp16, auto",
+    ):
+        odd.optimize_for_cpu(precision="q4_1")
+    assert odd.cpu_precision is None
+    assert odd.optimize_for_cpu(precision="auto", min_weight_elements=0, stored="q4_1")
+    assert odd.cpu_precision == "fp16"  # auto falls back to float16 where the stored format cannot go
