@@ -2,13 +2,23 @@
 ``--k auto`` built on it (stories260K: a calibration takes milliseconds)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from verispec import calibrate as calibration_module
 from verispec.api import Speculator
-from verispec.calibrate import K_MAX, calibrate, calibration_dir, drafter_identity, model_identity
+from verispec.calibrate import (
+    K_MAX,
+    Calibration,
+    DraftCosts,
+    TargetCosts,
+    calibrate,
+    calibration_dir,
+    drafter_identity,
+    model_identity,
+)
 from verispec.cli import main
 from verispec.drafting.ngram import NGramDrafter
 from verispec.models.registry import load_model
@@ -56,6 +66,24 @@ def test_measures_a_curve_and_a_cost_ratio(stories):
     cost = calibration.cost_model
     assert cost.max_k == K_MAX - 1 and cost.cost_ratio == calibration.cost_ratio
     assert calibration.path.parent == calibration_dir() and calibration.path.is_file()
+
+
+def test_costs_at_a_context_interpolate_the_two_measured_contexts():
+    short = (0.010, 0.012, 0.015)  # T(k) for k = 1..3 after 256 positions
+    long = (0.014, 0.018, 0.025)  # after 1024
+    costs = TargetCosts("t", short, 3, "now", context=256, long_seconds=long, long_context=1024)
+    assert costs.seconds_at(256) == short and costs.seconds_at(1024) == pytest.approx(long)
+    assert costs.seconds_at(640) == pytest.approx((0.012, 0.015, 0.020))  # halfway
+    assert costs.seconds_at(1792) == pytest.approx((0.018, 0.024, 0.035))  # linear beyond the long one
+    assert costs.seconds_at(0)[0] == pytest.approx(0.010 - 256 / 768 * 0.004)
+    calibration = Calibration(costs, DraftCosts("d", 0.2, 0.002, 3, "now"), Path("x"))
+    at = calibration.cost_model_at(1024)  # the draft's seconds as measured, over a dearer target step
+    assert at.cost_ratio == pytest.approx(0.002 / 0.014) and at.verify(3) == pytest.approx(0.025 / 0.014)
+    assert calibration.cost_model.cost_ratio == 0.2  # the short context's, as measured in pairs
+    unmeasured = TargetCosts("t", short, 3, "now")  # a model whose context has no room for the long one
+    assert unmeasured.seconds_at(4000) == short
+    with pytest.raises(ValueError, match="long-context timings need as many values, at a longer context"):
+        TargetCosts("t", short, 3, "now", context=256, long_seconds=long[:2], long_context=1024)
 
 
 def test_cached_per_identity_and_reused(stories, measured):

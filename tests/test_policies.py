@@ -8,7 +8,7 @@ import pytest
 
 from verispec.analysis.analytic import CostModel
 from verispec.api import k_policy, parse_k
-from verispec.policies import AdditiveK, AutoKConfig, ConstantK, CostModelK
+from verispec.policies import CONTEXT_STEP, AdditiveK, AutoKConfig, ConstantK, CostModelK
 
 K_MAX = 12
 FLAT = [1.0] * (K_MAX + 1)  # memory-bound: verifying K+1 tokens costs one step
@@ -154,3 +154,22 @@ def test_parse_k_and_k_policy():
     assert isinstance(k_policy("auto", CostModel(0.1, MEASURED)), CostModelK)
     with pytest.raises(ValueError, match="cost model"):
         k_policy("auto")
+
+
+def test_the_round_costs_follow_the_context():
+    """With costs that depend on the context (attention grows with it, verification blocks faster), the
+    policy re-plans when the context moves to another step, and drafts what the costs there favour."""
+    asked: list[int] = []
+
+    def costs_at(context: int) -> CostModel:
+        asked.append(context)
+        return CostModel(0.0, FLAT if context < 1000 else STEEP)
+
+    policy = CostModelK(CostModel(0.0, FLAT), AutoKConfig(prior=(0.6, 0.4)), costs_at=costs_at)
+    short = policy.next_k(100)
+    assert short == brute_force_k(0.6, 0.0, FLAT) and asked == [64]  # the middle of the step [0, 128)
+    assert policy.next_k(120) == short and asked == [64]  # the same step: nothing re-derived
+    assert policy.next_k(2000) == brute_force_k(0.6, 0.0, STEEP) < short
+    assert asked == [64, 2000 // CONTEXT_STEP * CONTEXT_STEP + CONTEXT_STEP // 2]
+    fixed = CostModelK(CostModel(0.0, FLAT), AutoKConfig(prior=(0.6, 0.4)))  # no costs_at: FLAT holds
+    assert fixed.next_k(2000) == short

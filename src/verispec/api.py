@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,9 +75,12 @@ def parse_k(k: int | str) -> int | str:
     return ConstantK(k).k
 
 
-def k_policy(k: int | str, cost: CostModel | None = None) -> KPolicy:
+def k_policy(
+    k: int | str, cost: CostModel | None = None, costs_at: Callable[[int], CostModel] | None = None
+) -> KPolicy:
     """The K policy that ``k`` (see :func:`parse_k`) names; "auto" needs ``cost``, the calibrated cost model
-    of the target and drafter (:meth:`Speculator.calibration` measures or loads it)."""
+    of the target and drafter (:meth:`Speculator.calibration` measures or loads it), and follows the context
+    with ``costs_at`` (see :class:`~verispec.policies.CostModelK`)."""
     k = parse_k(k)
     if isinstance(k, int):
         return ConstantK(k)
@@ -85,7 +88,7 @@ def k_policy(k: int | str, cost: CostModel | None = None) -> KPolicy:
         return AdditiveK()
     if cost is None:
         raise UsageError("k 'auto' needs the cost model of the target and drafter")
-    return CostModelK(cost)
+    return CostModelK(cost, costs_at=costs_at)
 
 
 class Speculator:
@@ -219,7 +222,8 @@ class Speculator:
             return k_policy(k)
         if not self.kind.drafts:
             return ConstantK(0)
-        return k_policy(k, self.calibration().cost_model)
+        calibration = self.calibration()
+        return k_policy(k, calibration.cost_model, calibration.cost_model_at)
 
     def k_label(self, k: int | str) -> str:
         """How stats name the draft size: K (see :func:`parse_k`), or the tree's shape."""

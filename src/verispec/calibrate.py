@@ -7,7 +7,10 @@ needs, for one target and one drafter on this machine:
   cache holds a context of :data:`CONTEXT` positions (seeded random tokens), k tokens are fed and the cache
   is rolled back; after one untimed pass over every k (first calls build kernels), each T(k) is timed
   ``repetitions`` times, each right after a T(1), and v(k) is the median of those ratios, so that a slow spell
-  of a shared machine cancels out of each pair;
+  of a shared machine cancels out of each pair. The same is measured after :data:`LONG_CONTEXT` positions:
+  attention makes every forward dearer as the context grows, and a block of k tokens more so than one
+  token, so that the costs of a round at context L (:meth:`Calibration.cost_model_at`) interpolate the two
+  linearly in L (attention's cost is linear in L);
 - the cost ratio c = T_draft / T_target(1): the median, over ``repetitions`` proposals of :data:`DRAFT_K`
   tokens by the drafter itself (a model draft's forwards and greedy picks, an n-gram lookup) on the same
   context, of the time per drafted token over a T(1) timed just before; each proposal is rolled back as after
@@ -67,10 +70,12 @@ __all__ = [
 
 K_MAX = 16  # v(k) is measured for k = 1..K_MAX new tokens: K ≤ K_MAX − 1 draft tokens per round
 CONTEXT = 256  # positions in the cache while timing (capped at half the model's context)
+LONG_CONTEXT = 1024  # the second context timed (capped likewise): how costs grow with the context
 DRAFT_K = 4  # tokens per timed proposal
 QUICK_REPETITIONS = 5  # what a first use of ``--k auto`` measures with; ``verispec calibrate`` defaults to 10
-_VERSION = 2  # of the cache file format
-_METHOD = {"context": CONTEXT, "k_max": K_MAX, "draft_k": DRAFT_K}  # part of the key: how it was measured
+_VERSION = 3  # of the cache file format
+# part of the key: how it was measured
+_METHOD = {"context": CONTEXT, "long_context": LONG_CONTEXT, "k_max": K_MAX, "draft_k": DRAFT_K}
 _HF_VERSION = "transformers_version"
 
 
@@ -79,18 +84,37 @@ class TargetCosts:
     """A target's measured forward times on this machine."""
 
     label: str  # what it was called when measured (informational)
-    seconds: tuple[float, ...]  # T_target(k) for k = 1..K_MAX, medians in seconds
+    seconds: tuple[float, ...]  # T_target(k) for k = 1..K_MAX, medians in seconds, at `context` positions
     repetitions: int
     measured_at: str  # ISO 8601, UTC
+    context: int = CONTEXT  # the positions in the cache while timing `seconds`
+    long_seconds: tuple[float, ...] = ()  # T_target(k) at `long_context` positions (empty: not measured)
+    long_context: int = 0
 
     def __post_init__(self) -> None:
-        if len(self.seconds) < 2 or not all(_positive(s) for s in self.seconds):
-            raise UsageError(f"target timings must be at least two numbers > 0, got {self.seconds!r}")
+        for timings in (self.seconds, self.long_seconds or self.seconds):
+            if len(timings) < 2 or not all(_positive(s) for s in timings):
+                raise UsageError(f"target timings must be at least two numbers > 0, got {timings!r}")
+        if self.long_seconds and (
+            len(self.long_seconds) != len(self.seconds) or not self.context < self.long_context
+        ):
+            raise UsageError("long-context timings need as many values, at a longer context")
 
     @property
     def verify_cost(self) -> tuple[float, ...]:
-        """v(k) = T_target(k) / T_target(1) for k = 1..K_MAX (v(1) = 1)."""
+        """v(k) = T_target(k) / T_target(1) for k = 1..K_MAX (v(1) = 1), at the short context."""
         return tuple(s / self.seconds[0] for s in self.seconds)
+
+    def seconds_at(self, context: int) -> tuple[float, ...]:
+        """T_target(k) for k = 1..K_MAX after ``context`` positions: linear in the context through the two
+        measured ones (the short one alone when the long one was not measured), never below half the short
+        context's times."""
+        if not self.long_seconds:
+            return self.seconds
+        w = (context - self.context) / (self.long_context - self.context)
+        return tuple(
+            max(s / 2, s + w * (long - s)) for s, long in zip(self.seconds, self.long_seconds, strict=True)
+        )
 
 
 @dataclass(frozen=True)
@@ -125,8 +149,15 @@ class Calibration:
 
     @property
     def cost_model(self) -> CostModel:
-        """v(k) and c as the analytic model takes them."""
+        """v(k) and c as the analytic model takes them, at the short context."""
         return CostModel(self.cost_ratio, self.target.verify_cost)
+
+    def cost_model_at(self, context: int) -> CostModel:
+        """v(k) and c for rounds after ``context`` positions (see :meth:`TargetCosts.seconds_at`): the
+        draft's seconds per token as measured, the target's forwards dearer as the context grows."""
+        seconds = self.target.seconds_at(context)
+        ratio = self.draft.seconds_per_token / seconds[0] if self.draft else 0.0
+        return CostModel(ratio, tuple(s / seconds[0] for s in seconds))
 
     def to_dict(self) -> dict:
         return {
@@ -239,9 +270,10 @@ def calibrate(
 # ---------------------------------------------------------------------------------------------- measuring
 
 
-def _context(model: LanguageModel, extra: int) -> list[int]:
-    """Seeded random tokens: the timing context, with room for ``extra`` more positions."""
-    length = max(2, min(CONTEXT, model.max_context // 2, model.max_context - extra))
+def _context(model: LanguageModel, extra: int, length: int = CONTEXT) -> list[int]:
+    """Seeded random tokens: a timing context of ``length`` positions (capped at half the model's context),
+    with room for ``extra`` more positions."""
+    length = max(2, min(length, model.max_context // 2, model.max_context - extra))
     generator = torch.Generator().manual_seed(0)
     return torch.randint(0, model.vocab_size, (length,), generator=generator).tolist()
 
@@ -267,10 +299,22 @@ class _TargetTimer:
 
 
 def _measure_target(model: LanguageModel, label: str, repetitions: int) -> TargetCosts:
-    """T_target(k) for k = 1..K_MAX after one untimed pass over every k: each T(k) is timed right after a
-    T(1), v(k) is the median of those ratios (a slow spell of the machine cancels out of each pair), and
-    T_target(k) = v(k) · the median T(1)."""
-    timer = _TargetTimer(model, _context(model, K_MAX))
+    """T_target(k) for k = 1..K_MAX at the short and the long context (the long one where the model's
+    context leaves room for it)."""
+    short = _context(model, K_MAX)
+    long = _context(model, K_MAX, LONG_CONTEXT)
+    seconds = _time_forwards(model, short, repetitions)
+    if len(long) <= len(short):
+        return TargetCosts(label, seconds, repetitions, _now(), len(short))
+    long_seconds = _time_forwards(model, long, repetitions)
+    return TargetCosts(label, seconds, repetitions, _now(), len(short), long_seconds, len(long))
+
+
+def _time_forwards(model: LanguageModel, context: list[int], repetitions: int) -> tuple[float, ...]:
+    """T_target(k) for k = 1..K_MAX after ``context``, after one untimed pass over every k: each T(k) is
+    timed right after a T(1), v(k) is the median of those ratios (a slow spell of the machine cancels out of
+    each pair), and T_target(k) = v(k) · the median T(1)."""
+    timer = _TargetTimer(model, context)
     ratios: list[list[float]] = [[] for _ in range(K_MAX)]
     ones: list[float] = []
     for repetition in range(repetitions + 1):
@@ -280,7 +324,7 @@ def _measure_target(model: LanguageModel, label: str, repetitions: int) -> Targe
                 ones.append(one)
                 ratios[k - 1].append(elapsed / one)
     t1 = statistics.median(ones)
-    return TargetCosts(label, tuple(t1 * statistics.median(r) for r in ratios), repetitions, _now())
+    return tuple(t1 * statistics.median(r) for r in ratios)
 
 
 def _measure_drafter(drafter: Drafter, target: LanguageModel, label: str, repetitions: int) -> DraftCosts:
@@ -340,7 +384,10 @@ def _read(path: Path, identity: dict) -> dict | None:
 
 
 def _target_costs(entry: dict) -> TargetCosts:
-    return TargetCosts(**{**entry["target"], "seconds": tuple(entry["target"]["seconds"])})
+    target = entry["target"]
+    return TargetCosts(
+        **{**target, "seconds": tuple(target["seconds"]), "long_seconds": tuple(target["long_seconds"])}
+    )
 
 
 def _draft_costs(cached: dict) -> DraftCosts:

@@ -202,7 +202,7 @@ class SpeculativeEngine:
                 emitted = self._tree_round(*self.tree, ids, room, config, generator, stats)
             else:
                 assert self.chain is not None  # a drafter is a chain drafter or a tree drafter
-                k = min(self.k_policy.next_k(), room - 1)
+                k = min(self.k_policy.next_k(len(ids)), room - 1)
                 emitted = self._round(self.chain, ids, k, config, generator, stats)
             emitted = emitted[:room]
             stop = self._stop_index(emitted, config.eos_token_ids)

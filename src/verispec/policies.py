@@ -1,7 +1,8 @@
 """K policies: how many tokens to draft in each round, learned from the verdicts of earlier rounds.
 
-The engine asks ``next_k()`` before each round and calls ``observe(drafted, accepted)`` after it; it caps the
-answer by the tokens still allowed and the context left, so a policy never has to know about either.
+The engine asks ``next_k(context)`` before each round (``context``: the positions already committed) and calls
+``observe(drafted, accepted)`` after it; it caps the answer by the tokens still allowed and the context left,
+so a policy never has to know about either.
 
 :class:`CostModelK` (``--k auto``) chooses each round's K from a cost model of this machine (see
 :mod:`verispec.calibrate`) and an online estimate of the acceptance rate, K = 0 included.
@@ -10,6 +11,7 @@ answer by the tokens still allowed and the context left, so a policy never has t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +19,9 @@ import numpy as np
 from verispec.analysis.analytic import CostModel, speedup_by_k
 from verispec.errors import UsageError
 
-__all__ = ["AdditiveK", "AutoKConfig", "ConstantK", "CostModelK", "KPolicy"]
+__all__ = ["CONTEXT_STEP", "AdditiveK", "AutoKConfig", "ConstantK", "CostModelK", "KPolicy"]
+
+CONTEXT_STEP = 128  # CostModelK's round costs follow the context in steps of this many positions
 
 
 class KPolicy:
@@ -25,8 +29,9 @@ class KPolicy:
 
     name = "policy"
 
-    def next_k(self) -> int:
-        """The number of tokens to draft in the next round (0: plain decoding)."""
+    def next_k(self, context: int = 0) -> int:
+        """The number of tokens to draft in the next round (0: plain decoding), after ``context``
+        committed positions."""
         raise NotImplementedError
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -42,7 +47,7 @@ class ConstantK(KPolicy):
         self.k = k
         self.name = str(k)
 
-    def next_k(self) -> int:
+    def next_k(self, context: int = 0) -> int:
         return self.k
 
 
@@ -56,7 +61,7 @@ class AdditiveK(KPolicy):
             raise UsageError(f"need 1 <= k_min <= k_start <= k_max, got {k_min}, {k_start}, {k_max}")
         self.k, self.k_min, self.k_max = k_start, k_min, k_max
 
-    def next_k(self) -> int:
+    def next_k(self, context: int = 0) -> int:
         return self.k
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -121,6 +126,11 @@ class CostModelK(KPolicy):
     centred on the larger of the prior's mean and α̂_{i−1}: a position not yet tested is taken to be as good
     as the one before it when that one is good, so a long run of accepted drafts grows K.
 
+    ``costs_at`` (optional) gives the cost model at a context length (:meth:`Calibration.cost_model_at`):
+    forwards grow dearer with the context, verification blocks more so, and the best K with them; the
+    round costs follow the context in steps of :data:`CONTEXT_STEP` positions. Without it, ``cost`` holds
+    everywhere.
+
     K = 0 (plain decoding) is a valid choice. As it yields no evidence, the best K > 0 is still drafted after
     ⌈loss / probe_budget⌉ plain rounds, where loss = v(K+1) + K·c − E[L] is that probe's expected cost in
     plain steps: cheap probes (an n-gram lookup) come every few rounds, dear ones (a model draft) rarely, and
@@ -129,7 +139,12 @@ class CostModelK(KPolicy):
 
     name = "auto"
 
-    def __init__(self, cost: CostModel, config: AutoKConfig | None = None) -> None:
+    def __init__(
+        self,
+        cost: CostModel,
+        config: AutoKConfig | None = None,
+        costs_at: Callable[[int], CostModel] | None = None,
+    ) -> None:
         if not isinstance(cost, CostModel):
             raise UsageError(f"cost must be a CostModel, got {type(cost).__name__}")
         self.config = config or AutoKConfig()
@@ -138,8 +153,9 @@ class CostModelK(KPolicy):
             if cost.max_k is None:
                 raise UsageError("give AutoKConfig.k_max for a verification cost without a finite curve")
             k_max = cost.max_k
-        self.cost = cost
+        self.cost, self.k_max, self.costs_at = cost, k_max, costs_at
         self._round_costs = cost.round_costs(k_max)  # [k_max + 1]: v(K+1) + K·c
+        self._step = -1  # the context step the round costs are for (-1: `cost`'s)
         self._accepted = np.zeros(k_max)  # [k_max] decayed successes at each position
         self._rejected = np.zeros(k_max)  # [k_max] decayed failures at each position
         self._plain_rounds = 0  # consecutive rounds at K = 0
@@ -166,7 +182,12 @@ class CostModelK(KPolicy):
         loss = self._round_costs[probe] * (1 - speedups[probe])  # round cost − E[L], in plain steps
         return best, probe, max(1, math.ceil(loss / self.config.probe_budget))
 
-    def next_k(self) -> int:
+    def next_k(self, context: int = 0) -> int:
+        step = context // CONTEXT_STEP
+        if self.costs_at is not None and step != self._step:
+            self._step = step
+            self._round_costs = self.costs_at(step * CONTEXT_STEP + CONTEXT_STEP // 2).round_costs(self.k_max)
+            self._plan = None
         if self._plan is None:
             self._plan = self._decide()
         best, probe, gap = self._plan

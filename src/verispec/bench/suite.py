@@ -47,6 +47,7 @@ import re
 import resource
 import shlex
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -905,10 +906,16 @@ class Bench:
         return results
 
     def _cost(self, record: Cell) -> CostModel | None:
+        """The calibrated cost model of a verispec cell's drafter at its task's typical context (the mean
+        prompt plus half the new tokens); None for peers."""
         calibration = (
             self.calibrations.get(record["method"]) if record["method"] in self.speculators else None
         )
-        return calibration.cost_model if calibration else None
+        if calibration is None:
+            return None
+        prompts = [len(ids) for (task, _), ids in self.prompt_ids.items() if task == record["task"]]
+        context = statistics.mean(prompts) + self.config.max_new_tokens / 2 if prompts else 0
+        return calibration.cost_model_at(round(context))
 
     def _machine(self) -> Machine:
         import transformers

@@ -658,7 +658,7 @@ static inline float exp_shifted(float* s, int len, float top) {
     return total;
 }
 
-enum { ATT_CHUNK = 256, ATT_ROWS = 4 };  // slots per attention task; query heads per task
+enum { ATT_CHUNK = 128, ATT_ROWS = 4 };  // slots per attention chunk; query heads per tile
 
 // scores[r][t - c0] = scale q_r . k_t for the slots t in [c0, c1) of one cache row, R query heads
 template <int R>
@@ -776,11 +776,13 @@ static inline void attention_task(const vs_model* m, int layer, const vs_batch* 
 }
 
 // out [N, heads head_dim]: attention of every token's heads over the visible slots of its cache row, in
-// chunks of ATT_CHUNK slots (tasks), merged in chunk order: the same arithmetic whatever N and the threads.
+// chunks of ATT_CHUNK slots merged in chunk order: the same arithmetic whatever N and the threads. A thread's
+// task is one cache row, kv head and chunk, for every token of that row (tiles of up to ATT_ROWS of the kv
+// head's query heads), so that the chunk's keys and values come from memory once however many tokens read
+// them.
 static int attention(const vs_model* m, int layer, const vs_batch* batch, const vs_cache* cache, const float* q,
                      int q_stride, float* out, int threads) {
     const int n = batch->n, heads = m->heads, hd = m->head_dim, group = heads / m->kv_heads;
-    const int subsets = (group + ATT_ROWS - 1) / ATT_ROWS;  // query-head subsets per kv head
     int chunks = 1;
     for (int i = 0; i < n; i++) {
         const int c = (visible_end(batch, i) + ATT_CHUNK - 1) / ATT_CHUNK;
@@ -789,26 +791,30 @@ static int attention(const vs_model* m, int layer, const vs_batch* batch, const 
     const size_t stride = (size_t)hd + 2;  // per (token, head, chunk): m, l, o[hd]
     float* parts = (float*)malloc(sizeof(float) * (size_t)n * heads * chunks * stride);
     if (!parts) return -2;
-    const int tasks = n * m->kv_heads * subsets * chunks;
+    const int tasks = cache->batch * m->kv_heads * chunks;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int task = 0; task < tasks; task++) {
-        const int chunk = task % chunks, rest = task / chunks;
-        const int subset = rest % subsets, g = (rest / subsets) % m->kv_heads, i = rest / subsets / m->kv_heads;
-        const int h0 = g * group + subset * ATT_ROWS;
-        const int rows = group - subset * ATT_ROWS < ATT_ROWS ? group - subset * ATT_ROWS : ATT_ROWS;
-        const int end = visible_end(batch, i), c0 = chunk * ATT_CHUNK;
-        const int c1 = c0 + ATT_CHUNK < end ? c0 + ATT_CHUNK : end;
-        float* part[ATT_ROWS];
-        for (int r = 0; r < rows; r++) part[r] = parts + (((size_t)i * heads + h0 + r) * chunks + chunk) * stride;
-        if (c0 >= c1) {  // nothing of this chunk is visible to token i
-            for (int r = 0; r < rows; r++) part[r][0] = -INFINITY;
-            continue;
-        }
-        switch (rows) {
-            case 1: attention_task<1>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
-            case 2: attention_task<2>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
-            case 3: attention_task<3>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
-            default: attention_task<4>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
+        const int chunk = task % chunks, g = (task / chunks) % m->kv_heads, seq = task / chunks / m->kv_heads;
+        for (int i = 0; i < n; i++) {
+            if (batch->seq[i] != seq) continue;
+            const int end = visible_end(batch, i), c0 = chunk * ATT_CHUNK;
+            const int c1 = c0 + ATT_CHUNK < end ? c0 + ATT_CHUNK : end;
+            for (int h0 = g * group; h0 < (g + 1) * group; h0 += ATT_ROWS) {
+                const int rows = (g + 1) * group - h0 < ATT_ROWS ? (g + 1) * group - h0 : ATT_ROWS;
+                float* part[ATT_ROWS];
+                for (int r = 0; r < rows; r++)
+                    part[r] = parts + (((size_t)i * heads + h0 + r) * chunks + chunk) * stride;
+                if (c0 >= c1) {  // nothing of this chunk is visible to token i
+                    for (int r = 0; r < rows; r++) part[r][0] = -INFINITY;
+                    continue;
+                }
+                switch (rows) {
+                    case 1: attention_task<1>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
+                    case 2: attention_task<2>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
+                    case 3: attention_task<3>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
+                    default: attention_task<4>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
+                }
+            }
         }
     }
 #pragma omp parallel for schedule(static) num_threads(threads) if (n > 1)
