@@ -176,9 +176,9 @@ def _add_model_specs(parser: argparse.ArgumentParser) -> None:
         "--precision",
         choices=PRECISION_CHOICES,
         default=DEFAULT_PRECISION,
-        help="weights of the native models on the CPU: fp32, fp16 (every projection and the output head "
-        "rounded to float16: another, faster target, whose output is exactly its own) or auto (the fastest "
-        "this machine runs; default)",
+        help="weights of the native models on the CPU: fp32 (oneDNN), or on verispec's native kernels fp16, "
+        "q8_0 or q4_1 (GGUF blocks, 8-bit activations): each another target, whose output is exactly its own; "
+        "auto (default): the checkpoint's own format where the kernels run it, else fp16, else fp32",
     )
 
 

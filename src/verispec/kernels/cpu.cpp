@@ -136,6 +136,36 @@ typedef struct {
 } vs_qrows;
 
 static void quantize_row(const float* x, int cols, int8_t* q, float* d, float* s, int32_t* sums) {
+#ifdef VS_AVX2
+    // the same arithmetic, 8 lanes at a time: max|x| is exact, x / d rounds to nearest even (the default
+    // rounding mode, which nearbyintf follows too), the packing saturates nothing (|q| <= 127)
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int b = 0; b < cols / QK; b++) {
+        const float* xb = x + b * QK;
+        __m256 v[4];
+        for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(xb + 8 * j);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float amax = _mm_cvtss_f32(h);
+        const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+        __m256i qi[4];
+        for (int j = 0; j < 4; j++) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
+        const __m256i total = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
+        const int sum = _mm_cvtsi128_si32(t);
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256((__m256i*)(q + b * QK), _mm256_permutevar8x32_epi32(packed, order));
+        d[b] = scale;
+        s[b] = scale * (float)sum;
+        sums[b] = sum;
+    }
+#else
     for (int b = 0; b < cols / QK; b++) {
         const float* xb = x + b * QK;
         float amax = 0.0f;
@@ -151,6 +181,7 @@ static void quantize_row(const float* x, int cols, int8_t* q, float* d, float* s
         s[b] = scale * (float)sum;
         sums[b] = sum;
     }
+#endif
 }
 
 typedef struct {  // scratch for quantized activations, grown as needed, freed by the caller
@@ -198,7 +229,12 @@ static int quantize(int n, int cols, const float* x, vs_scratch* scratch, vs_qro
 // Rows are padded to a multiple of VS_GROUP with zero scales. Block sums are exact integers; the float
 // steps per block are fixed: acc += (d_w d_x) sum, and for Q4_1 a second accumulator of m_w s_x.
 
-enum { TILE = 4 };
+enum { TILE = 4 };  // activation rows per float16 tile
+#ifdef VS_AVX512
+#define GROUP_TILE 8  // activation rows per group tile: 32 vector registers hold 8 rows' accumulators
+#else
+#define GROUP_TILE 4
+#endif
 
 #ifdef VS_AVX512
 #define VS_GROUP 16
@@ -490,14 +526,22 @@ static void matmul_rows(const vs_matrix* w, int n, const float* x, const vs_qrow
     const int groups = (rows + VS_GROUP - 1) / VS_GROUP;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int g = 0; g < groups; g++) {
-        float out[TILE * VS_GROUP];
-        for (int r0 = 0; r0 < n; r0 += TILE) {
-            const int size = n - r0 < TILE ? n - r0 : TILE;
+        float out[GROUP_TILE * VS_GROUP];
+        for (int r0 = 0; r0 < n; r0 += GROUP_TILE) {
+            const int size = n - r0 < GROUP_TILE ? n - r0 : GROUP_TILE;
             switch (size) {
                 case 1: tile_group<1>(w, g, r0, qx, out); break;
                 case 2: tile_group<2>(w, g, r0, qx, out); break;
                 case 3: tile_group<3>(w, g, r0, qx, out); break;
+#if GROUP_TILE == 8
+                case 4: tile_group<4>(w, g, r0, qx, out); break;
+                case 5: tile_group<5>(w, g, r0, qx, out); break;
+                case 6: tile_group<6>(w, g, r0, qx, out); break;
+                case 7: tile_group<7>(w, g, r0, qx, out); break;
+                default: tile_group<8>(w, g, r0, qx, out); break;
+#else
                 default: tile_group<4>(w, g, r0, qx, out); break;
+#endif
             }
             for (int l = 0; l < VS_GROUP && g * VS_GROUP + l < rows; l++) {
                 const int o = g * VS_GROUP + l;

@@ -375,8 +375,10 @@ class KVCache:
         self.values: Tensor | list[Tensor]
         if tiled:
             tiles = (*shape[:3], capacity // KEY_TILE, head_dim, KEY_TILE)
-            self.keys = torch.zeros(tiles, dtype=dtype, device=device)
-            self.values = torch.zeros(shape, dtype=dtype, device=device)
+            # uninitialised, as the other layouts: a slot is read only after it is written (the lanes of a
+            # key tile past the last written slot are computed on, and dropped)
+            self.keys = torch.empty(tiles, dtype=dtype, device=device)
+            self.values = torch.empty(shape, dtype=dtype, device=device)
         elif separate_layers:
             self.keys = [torch.empty(shape[1:], dtype=dtype, device=device) for _ in range(num_layers)]
             self.values = [torch.empty(shape[1:], dtype=dtype, device=device) for _ in range(num_layers)]
