@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from fakes import LetterTokenizer, TableLM
 from test_real_models import STORY_PROMPTS
 from verispec import api as api_module
 from verispec import cli
-from verispec.analysis.analytic import CostModel, best_tree_size
+from verispec.analysis.analytic import CostModel, best_tree_size, speedup_by_k
 from verispec.api import Speculator
 from verispec.bench.suite import BenchConfig, Method, plan_methods
 from verispec.calibrate import DRAFT_K, drafter_identity
@@ -246,6 +247,7 @@ def test_a_drafter_for_another_target_is_refused(target, tmp_path):
 def test_a_loaded_target_is_named_by_its_label(target, trained, tmp_path, monkeypatch):
     """``target_label`` names a loaded target: the shipped drafter is looked up under it; errors say it."""
     tokenizer = LetterTokenizer(VOCAB)
+    monkeypatch.setattr(Speculator, "_learned_pays", lambda self, label: True)  # the costs: another test
     asked = []
     monkeypatch.setattr(api_module, "shipped_drafter", lambda label: asked.append(label) or trained)
     assert Speculator((target, tokenizer), target_label="tiny-0").drafter_name == "eagle"
@@ -442,6 +444,7 @@ def test_auto_takes_the_shipped_drafter_only_when_it_matches(target, trained, tm
     tokenizer = LetterTokenizer(VOCAB)
     foreign = fresh_head(tiny_target(seed=1), torch.arange(VOCAB)).save(tmp_path / "foreign.safetensors")
     monkeypatch.setattr(api_module, "shipped_drafter", lambda label: trained)
+    monkeypatch.setattr(Speculator, "_learned_pays", lambda self, label: True)  # the costs: the next test
     assert Speculator((target, tokenizer)).drafter_name == "eagle"
     assert Speculator((target, tokenizer), draft=(target, tokenizer)).drafter_name == "model"
     assert Speculator((target, tokenizer), tree=TreeShape.full(2, 2)).drafter_name == "eagle"
@@ -455,6 +458,32 @@ def test_auto_takes_the_shipped_drafter_only_when_it_matches(target, trained, tm
         lambda: Speculator((target, tokenizer), draft=(target, tokenizer), drafter_path=str(trained)),
         "not both",
     )
+
+
+@pytest.mark.parametrize(("cost_ratio", "verify", "pays"), [(0.05, 1.05, True), (0.3, 1.3, False)])
+def test_auto_takes_the_shipped_drafter_only_where_the_costs_say_it_pays(
+    target, trained, monkeypatch, cost_ratio, verify, pays
+):
+    """At the held-out agreement its file records, the cost model must predict the shipped drafter
+    LEARNED_MARGIN times faster than plain decoding; a drafter named by its path is always taken."""
+    tokenizer = LetterTokenizer(VOCAB)
+    monkeypatch.setattr(api_module, "shipped_drafter", lambda label: trained)
+    heldout = [0.9, 0.85, 0.8]
+    real_load = EagleHead.load
+
+    def load(*args, **kwargs):  # the trained tiny head, recording that agreement
+        head = real_load(*args, **kwargs)
+        head.metadata["training"] = json.dumps({"heldout_top1_per_position": heldout})
+        return head
+
+    monkeypatch.setattr(api_module.EagleHead, "load", staticmethod(load))
+    costs = CostModel(cost_ratio, [1.0] + [verify + 0.1 * i for i in range(15)])
+    calibration = SimpleNamespace(cost_model=costs)
+    monkeypatch.setattr(api_module, "calibrate", lambda *args, **kwargs: calibration)
+    predicted = speedup_by_k(heldout + [heldout[-1]] * 12, costs.round_costs(15)).max()
+    assert (predicted >= api_module.LEARNED_MARGIN) == pays  # the two settings straddle the margin
+    assert Speculator((target, tokenizer)).drafter_name == ("eagle" if pays else "ngram")
+    assert Speculator((target, tokenizer), drafter_path=str(trained)).drafter_name == "eagle"
 
 
 def drafter_with_context(target, head, context: list[int], sampling: SamplingParams) -> EagleDrafter:

@@ -177,7 +177,8 @@ def _add_model_specs(parser: argparse.ArgumentParser) -> None:
         choices=PRECISION_CHOICES,
         default=DEFAULT_PRECISION,
         help="weights of the native models on the CPU: fp32 (oneDNN), or on verispec's native kernels fp16, "
-        "q8_0 or q4_1 (GGUF blocks, 8-bit activations): each another target, whose output is exactly its own; "
+        "q8_0 or q4_1 (GGUF blocks, 8-bit activations): each another target, whose output is exactly its "
+        "own; "
         "auto (default): the checkpoint's own format where the kernels run it, else fp16, else fp32",
     )
 
@@ -413,6 +414,7 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     """Run ``verispec demo``: exit status 1 if any speculative output differs from plain decoding's."""
     from verispec.api import Speculator, parse_k
+    from verispec.drafting.eagle.drafter import shipped_drafter
     from verispec.drafting.tree import AUTO
     from verispec.models.registry import DEFAULT_MODEL
 
@@ -433,8 +435,13 @@ def run_demo(args: argparse.Namespace) -> int:
         precision=args.precision,
     )
     speculators = {"none": plain}
-    if args.drafter == AUTO_DRAFTER and args.draft is None and chosen.drafter_name != "ngram":
-        speculators["ngram"] = Speculator(loaded, drafter="ngram")  # prompt lookup beside the learned drafter
+    if args.drafter == AUTO_DRAFTER and args.draft is None:  # auto's choice and the other one beside it
+        speculators["ngram"] = Speculator(loaded, drafter="ngram")
+        if args.drafter_path is not None or shipped_drafter(label) is not None:
+            speculators["eagle"] = Speculator(
+                loaded, drafter="eagle", drafter_path=args.drafter_path, target_label=label, tree=tree
+            )
+        print(f"drafter auto chooses {chosen.drafter_name} for this target on this machine\n")
     speculators[chosen.drafter_name] = chosen
     plain.generate(args.prompt, **dict(options, max_new_tokens=4))  # warm-up: first-call overheads
     results = {}
