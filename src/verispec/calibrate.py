@@ -50,6 +50,8 @@ from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.eagle.drafter import EagleDrafter
 from verispec.drafting.ngram import NGramDrafter
 from verispec.errors import UsageError
+from verispec.kernels.build import library_path
+from verispec.kernels.cpu import FORMATS
 from verispec.models.base import HiddenStateModel, LanguageModel
 from verispec.models.gguf import cache_dir
 
@@ -187,7 +189,7 @@ def cpu_name() -> str:
 
 def model_identity(model: LanguageModel) -> dict:
     """What a model's cost depends on: its class and architecture config, dtype, device, the precision of its
-    CPU fast path."""
+    CPU fast path, and on the native kernels the build they run (a new source or compiler measures again)."""
     config: Any = getattr(model, "config", None)
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         arch = dataclasses.asdict(config)
@@ -195,12 +197,14 @@ def model_identity(model: LanguageModel) -> dict:
         arch = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != _HF_VERSION}
     else:
         arch = {"vocab_size": model.vocab_size, "max_context": model.max_context}
+    fast_path = getattr(model, "cpu_precision", None)
     return {
         "class": type(model).__name__,
         "config": arch,
         "dtype": str(getattr(model, "dtype", "")),
         "device": str(model.device),
-        "fast_path": getattr(model, "cpu_precision", None),  # the CPU fast path's weights (native models)
+        "fast_path": fast_path,  # the CPU fast path's weights (native models)
+        "kernels": library_path().name if fast_path in FORMATS else None,
     }
 
 

@@ -85,6 +85,7 @@ def _cpu_features() -> str:
     return platform.processor() or platform.machine()
 
 
+@cache
 def library_path(variant: str = "native") -> Path:
     """Where the library for this source, compiler, flags and CPU lives (it may not be built yet)."""
     compiler = _compiler()
