@@ -20,6 +20,7 @@ from native_oracle import oracle_quantize, quantizing_oracle
 from verispec.kernels import build
 from verispec.kernels.cpu import FORMATS, PackedMatrix, native_available, quantize_rows, rmsnorm
 from verispec.models import Llama, LlamaConfig
+from verispec.sampling import SamplingParams
 
 if native_available() is not None:
     pytest.skip(f"the native kernels do not run here: {native_available()}", allow_module_level=True)
@@ -37,6 +38,7 @@ def runnable_variants() -> list[str]:
 
 
 VARIANTS = runnable_variants()
+GREEDY = SamplingParams(temperature=0)
 
 
 def oracle_product(matrix: PackedMatrix, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -286,3 +288,45 @@ def test_native_precision_is_refused_for_shapes_it_cannot_hold():
     assert odd.cpu_precision is None
     assert odd.optimize_for_cpu(precision="auto", min_weight_elements=0, stored="q4_1")
     assert odd.cpu_precision == "fp16"  # auto falls back to float16 where the stored format cannot go
+
+
+def test_a_self_draft_is_the_target_packed_again():
+    """``requantized``: the target's own weights, as its kernels hold them, packed in a lower precision; it
+    computes what a model built from those values in that precision computes, bit for bit."""
+    target = native("q8_0")
+    oracle = random_llama()
+    with torch.no_grad():
+        for name, p in oracle.named_parameters():
+            if name.endswith("proj.weight"):  # the values the q8_0 kernels multiply by
+                p.copy_(PackedMatrix.pack(p.detach(), None, "q8_0").dequantized())
+    assert oracle.optimize_for_cpu(precision="q4_1")
+    ids = torch.randint(0, 80, (1, 12), generator=torch.Generator().manual_seed(13))
+    draft = target.requantized("q4_1")
+    assert draft.cpu_precision == "q4_1" and draft.model.embed_tokens is target.model.embed_tokens
+    expected = oracle(ids, pos(0, 1, 12), oracle.new_cache(1, 12))
+    assert torch.equal(draft(ids, pos(0, 1, 12), draft.new_cache(1, 12)), expected)
+    first = target.requantized("q4_1", num_layers=1)
+    assert first.config.num_layers == 1
+    assert first(ids, pos(0, 1, 12), first.new_cache(1, 12)).shape == (1, 12, 80)
+    with pytest.raises(ValueError, match="needs a target on the native kernels"):
+        random_llama().requantized("q4_1")
+    with pytest.raises(ValueError, match="packed in q8_0 or q4_1"):
+        target.requantized("fp16")
+    with pytest.raises(ValueError, match=r"num_layers must be an integer in \[1, 2\], got 3"):
+        target.requantized("q4_1", num_layers=3)
+
+
+def test_self_drafts_are_exact_through_the_engine():
+    """``--draft self:q4_1`` and ``layers:N:q4_1`` draft for a q8_0 target: greedy output equals plain."""
+    from fakes import LetterTokenizer
+    from verispec.api import Speculator
+
+    target = native("q8_0")
+    loaded = (target, LetterTokenizer(80))
+    plain = Speculator(loaded, drafter="none").generate("abcab", max_new_tokens=20, sampling=GREEDY, k=0)
+    for spec in ("self:q4_1", "layers:1:q4_1"):
+        speculative = Speculator(loaded, draft=spec, drafter="model")
+        output = speculative.generate("abcab", max_new_tokens=20, sampling=GREEDY, k=3)
+        assert output.token_ids == plain.token_ids and output.stats["drafted"] > 0
+    with pytest.raises(ValueError, match=r"a self-draft is written layers:N:PRECISION with N an integer"):
+        Speculator(loaded, draft="layers:x:q4_1", drafter="model")

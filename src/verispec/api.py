@@ -19,7 +19,7 @@ import torch
 from verispec.analysis.analytic import CostModel, speedup_by_k
 from verispec.calibrate import QUICK_REPETITIONS, Calibration, calibrate
 from verispec.drafting.base import Drafter, TreeDrafter, check_static
-from verispec.drafting.draft_model import early_exit_layers
+from verispec.drafting.draft_model import early_exit_layers, self_draft
 from verispec.drafting.eagle.drafter import DEFAULT_TREE, shipped_drafter
 from verispec.drafting.eagle.model import EagleHead, native_target
 from verispec.drafting.registry import DRAFTERS, DraftInputs, choose_auto, drafter_kind
@@ -27,7 +27,7 @@ from verispec.drafting.tree import AUTO, TreeShape
 from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
 from verispec.errors import UsageError
 from verispec.models.base import Cache, HiddenStateModel, LanguageModel, Tokenizer
-from verispec.models.llama import DEFAULT_PRECISION
+from verispec.models.llama import DEFAULT_PRECISION, Llama
 from verispec.models.registry import DEFAULT_MODEL, load_model
 from verispec.policies import AdditiveK, ConstantK, CostModelK, KPolicy
 from verispec.sampling import SamplingParams
@@ -149,9 +149,12 @@ class Speculator:
         )
         self.draft = None
         layers = early_exit_layers(draft) if isinstance(draft, str) else None
+        itself = self_draft(draft) if isinstance(draft, str) else None
         self.early_exit = layers is not None  # the draft shares the target's cache
         if layers is not None:
             self.draft = _early_exit(self.model, layers)
+        elif itself is not None:
+            self.draft = _requantized(self.model, *itself)
         elif draft is not None:
             self.draft, draft_tokenizer = _load(draft, tokenizer, device, precision)
             if draft_tokenizer.vocab_size != self.tokenizer.vocab_size:
@@ -358,6 +361,14 @@ def _early_exit(model: LanguageModel, layers: int) -> LanguageModel:
     if first_layers is None:
         raise UsageError(f"early-exit drafts need a native model; this target is a {type(model).__name__}")
     return first_layers(layers)
+
+
+def _requantized(model: LanguageModel, layers: int | None, precision: str) -> LanguageModel:
+    """The self-draft ``self:PRECISION`` / ``layers:N:PRECISION``: the target's own weights in another
+    precision (native models only)."""
+    if not isinstance(model, Llama):
+        raise UsageError(f"self-drafts need a native model; this target is a {type(model).__name__}")
+    return model.requantized(precision, layers)
 
 
 def _learned_head(

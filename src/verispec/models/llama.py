@@ -1004,6 +1004,52 @@ class Llama(nn.Module):
         draft._native, draft._native_head = self._native, self._native_head  # run for num_layers layers
         return draft
 
+    def requantized(self, precision: str, num_layers: int | None = None) -> Llama:
+        """A draft of this model on the native kernels: its own weights, as the kernels hold them, packed
+        again in ``precision`` (``q8_0`` or ``q4_1``: fewer bytes per weight, a cheaper forward whose
+        distribution stays close to the target's), the first ``num_layers`` layers (default all) with a
+        cache of its own; token embeddings and norms shared. Low-precision self-speculation: the draft
+        reports its own q, so verification stays exact whatever the rounding. UsageError for a target off
+        the native kernels or a precision it cannot hold."""
+        if self._native is None or self._native_head is None:
+            raise UsageError(
+                "a self-draft in another precision needs a target on the native kernels (precision fp16, "
+                f"q8_0 or q4_1), not {self.cpu_precision or 'the plain path'}"
+            )
+        if precision not in ("q8_0", "q4_1") or not all(
+            PackedMatrix.fits(precision, cols) for cols in self._projection_columns()
+        ):
+            raise UsageError(f"a self-draft is packed in q8_0 or q4_1 (with widths of 32), got {precision!r}")
+        n = self.config.num_layers if num_layers is None else num_layers
+        if not _is_int(n) or not 0 < n <= self.config.num_layers:
+            raise UsageError(f"num_layers must be an integer in [1, {self.config.num_layers}], got {n!r}")
+        draft = Llama(dataclasses.replace(self.config, num_layers=n), device="meta", dtype=self.dtype)
+        draft.model.embed_tokens, draft.model.norm = self.model.embed_tokens, self.model.norm
+        draft.model.layers = nn.ModuleList(self.model.layers[:n])  # their released weights: for names only
+        draft.lm_head, draft.inv_freq = self.lm_head, self.inv_freq
+
+        def repacked(m: PackedMatrix, fmt: str = precision) -> PackedMatrix:
+            return PackedMatrix.pack(m.dequantized(), m.bias, fmt)
+
+        layers = [
+            NativeLayer(
+                own.attn_norm, own.mlp_norm, *(repacked(m) for m in (own.qkv, own.o, own.gate_up, own.down))
+            )
+            for own in self._native.layers[:n]
+        ]
+        c = self.config
+        draft._native = NativeStack(
+            hidden=c.hidden_size,
+            intermediate=c.intermediate_size,
+            heads=c.num_heads,
+            kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            eps=c.rms_norm_eps,
+            layers=layers,
+        )
+        draft._native_head = repacked(self._native_head, "q8_0")
+        return draft
+
     # ---------------------------------------------------------------- inference
 
     def new_cache(self, batch_size: int = 1, capacity: int | None = None) -> KVCache:
