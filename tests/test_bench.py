@@ -361,7 +361,11 @@ def test_ratio_of_medians_handles_missing_baselines():
 
 def _cell(task: str, method: str, k: str, tps: float, efficiency: float | None = None) -> dict:
     label = method if not k else f"{method} k={k}"
-    metrics = {"tokens_per_second": {"median": tps}, "efficiency": efficiency}
+    metrics = {
+        "tokens_per_second": {"median": tps},
+        "decode_tokens_per_second": {"median": 1.5 * tps},  # the prefill takes a third of the time
+        "efficiency": efficiency,
+    }
     return {"task": task, "temperature": 0.0, "method": method, "k": k, "label": label, "samples": [1],
             "metrics": metrics}  # fmt: skip
 
@@ -378,8 +382,12 @@ def test_goals_are_judged_from_the_medians():
         _cell("chat", "model", "2", 30.0, 1.0),
         _cell("chat", "transformers-assisted", "2", 10.0),
         _cell("chat", "eagle", "4", 42.0, 0.96),
+        _cell("summarization", "llamacpp", "", 30.0),
+        _cell("summarization", "llamacpp-lookup", "2", 25.0),
+        _cell("chat", "llamacpp", "", 30.0),
     ]
-    cells[-1]["metrics"]["tokens_per_target_call"] = 2.4
+    cells[-3]["metrics"]["decode_tokens_per_second"] = {"median": 65.0}  # a fast decoder, slow prefill
+    next(c for c in cells if c["method"] == "eagle")["metrics"]["tokens_per_target_call"] = 2.4
     results = {
         "config": {"tasks": ["summarization", "chat"], "temperatures": [0.0]},
         "cells": cells,
@@ -401,6 +409,15 @@ def test_goals_are_judged_from_the_medians():
     assert rows["eagle k=4 ≥ 1.8× none @ chat"].endswith("2.000 | ✓ |")
     assert rows["eagle k=4 τ ≥ 2.5 @ chat"].endswith("2.400 | ✗ missed |")
     assert rows["eagle: target step / draft step ≥ 10 @ calibration"].endswith("12.500 | ✓ |")
+    assert rows["none per-token time ≤ 1.5× llama.cpp's @ summarization"].endswith("0.923 | ✓ |")  # 60 / 65
+    assert rows["best speculative (ngram k=4) ≥ 1× llama.cpp @ summarization"].endswith("1.200 | ✓ |")
+    assert rows["best speculative (ngram k=4) ≥ 1.5× llama.cpp on grounded tasks @ summarization"].endswith(
+        "1.200 | ✗ missed |"
+    )
+    assert rows["best speculative (ngram k=4) ≥ 1.5× llama.cpp lookup (llamacpp-lookup k=2) @ summarization"
+                ].endswith("2.080 | ✓ |")  # fmt: skip
+    assert rows["best speculative (eagle k=4) ≥ 1× llama.cpp @ chat"].endswith("1.400 | ✓ |")
+    assert "best speculative (eagle k=4) ≥ 1.5× llama.cpp on grounded tasks @ chat" not in rows
     assert not any("ngram" in key and "chat" in key for key in rows)  # chat is not a copy task
     assert (
         goals({"config": {"tasks": ["chat"], "temperatures": [0.0]}, "cells": [], "goals": load_goals(GOALS)})

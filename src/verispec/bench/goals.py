@@ -8,7 +8,7 @@ A goal names the cells it judges, a measure and the least value it needs::
     cells = "each speculative"  # LABEL | "best METHOD" | "each METHOD" | "each speculative"
     k = "auto"                  # optional, with "each": only the cells at this K
     measure = "tokens_per_second"  # or a metric of the cell: efficiency, tokens_per_target_call, ...
-    over = "best fixed"         # optional, divides tokens/s: LABEL | "best METHOD" | "METHOD same k"
+    over = "best fixed"         # optional, divides the measure: LABEL | "best METHOD" | "METHOD same k"
                                 # (the cell of METHOD at the judged cell's K) | "best fixed" (the judged
                                 # cell's method at its fastest numeric K)
     at_least = 0.95
@@ -92,7 +92,11 @@ class Goal:
         _check(self.name, all(_number(t) for t in self.temperatures), "temperatures must be numbers")
         if self.over is not None:
             _selector(self.over, "over")
-            _check(self.name, self.measure == "tokens_per_second", "'over' divides tokens_per_second only")
+            _check(
+                self.name,
+                self.measure in ("tokens_per_second", "decode_tokens_per_second"),
+                "'over' divides tokens_per_second or decode_tokens_per_second only",
+            )
 
     def judge(self, cells: list[Cell]) -> list[tuple[str, float]]:
         """(row name, measured) for each cell this goal judges among one task's ``cells``."""
@@ -109,7 +113,8 @@ class Goal:
             if self.over is None:
                 value, over_label = _metric(cell, self.measure), ""
             elif (over := _reference(cells, self.over, cell)) is not None:
-                value, over_label = tokens_per_second(cell) / tokens_per_second(over), over["label"]
+                mine, theirs = _metric(cell, self.measure), _metric(over, self.measure)
+                value, over_label = (mine / theirs if mine and theirs else None), over["label"]
             else:
                 continue
             if value is not None:

@@ -754,10 +754,9 @@ class Bench:
         run = peer.generate(request)
         tokens = len(run.token_ids)
         accepted = tokens - run.target_calls  # each round emits its accepted tokens and one more
-        first_call_yields = run.target_calls > 0  # transformers' prefill forward yields the first token
         return run.token_ids, {
             "tokens": tokens,
-            "decode_tokens": max(tokens - 1, 0) if first_call_yields else tokens,
+            "decode_tokens": max(tokens - 1, 0),  # the prefill yields the first token (both peers)
             "seconds": run.total_seconds,
             "prefill": run.prefill_seconds,
             "draft": run.draft_seconds,
