@@ -24,7 +24,7 @@ from verispec.drafting.eagle.drafter import DEFAULT_TREE, shipped_drafter
 from verispec.drafting.eagle.model import EagleHead, native_target
 from verispec.drafting.registry import DRAFTERS, DraftInputs, choose_auto, drafter_kind
 from verispec.drafting.tree import AUTO, TreeShape
-from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
+from verispec.engine import EngineConfig, GenerationStats, Request, SpeculativeEngine
 from verispec.errors import UsageError
 from verispec.models.base import Cache, HiddenStateModel, LanguageModel, Tokenizer
 from verispec.models.llama import DEFAULT_PRECISION, Llama
@@ -67,6 +67,7 @@ class GenerationResult:
     text: str  # the generated text (prompt excluded, stop string excluded)
     token_ids: list[int]  # the generated token ids
     stats: dict  # GenerationStats.as_dict()
+    error: str = ""  # in a batch: why this request was refused (one line), its other fields then empty
 
 
 def parse_k(k: int | str) -> int | str:
@@ -300,6 +301,70 @@ class Speculator:
         tail = text.finish()
         if tail:
             yield Chunk(tail, [])
+
+    def request(
+        self,
+        prompt: str | Sequence[Mapping[str, str]],
+        *,
+        k: int | str = DEFAULT_K,
+        max_new_tokens: int = 128,
+        sampling: SamplingParams | None = None,
+        chat: bool = False,
+        stop: tuple[str, ...] = (),
+    ) -> tuple[Request, _TextAssembler]:
+        """An engine request for ``prompt`` (its own drafter, made for the cache row it is given, its own K
+        policy and stop check; options as for :meth:`stream`), and the text assembler of its output."""
+        sampling = sampling or SamplingParams()
+        config = EngineConfig(max_new_tokens, sampling, self.tokenizer.eos_token_ids, tuple(stop))
+        stats = GenerationStats(self.drafter_name, self.k_label(k))
+        text = _TextAssembler(self.tokenizer, config.stop_strings)
+        request = Request(
+            self.encode_prompt(prompt, chat),
+            config,
+            lambda cache: self._drafter(sampling, cache),
+            self.k_policy(k),
+            stats,
+            text.stop_check if stop else None,
+        )
+        return request, text
+
+    def generate_batch(
+        self, prompts: Sequence[str | Sequence[Mapping[str, str]]], *, slots: int = 8, **options
+    ) -> list[GenerationResult]:
+        """Every prompt generated in a continuous batch of up to ``slots`` sequences (each request joining as
+        a slot frees; options as for :meth:`stream`, but ``trace``), results in the prompts' order. A prompt
+        that cannot be generated (empty, too long for the context) gets a result with ``error`` set; the
+        others are untouched. Each result equals what :meth:`generate` gives for that prompt alone (greedy:
+        token for token; sampled: the same tokens for the same seed)."""
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise UsageError(f"slots must be an integer >= 1, got {slots!r}")
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        engine = SpeculativeEngine(self.model, slots=min(slots, max(1, len(prompts))))
+        waiting = list(enumerate(prompts))
+        running: dict[int, tuple[int, _TextAssembler, list[Chunk]]] = {}  # id(Running) → its prompt's
+        while waiting or engine.running:
+            while waiting and engine.free_slots:
+                index, prompt = waiting.pop(0)
+                try:
+                    request, text = self.request(prompt, **options)
+                    handle = engine.submit(request)
+                except UsageError as err:  # this request only
+                    results[index] = GenerationResult("", [], {}, error=str(err))
+                    continue
+                running[id(handle)] = (index, text, [])
+            for handle, tokens in engine.step():
+                index, text, chunks = running[id(handle)]
+                if tokens:
+                    chunks.append(Chunk(text.add(tokens), tokens))
+                if handle.done:
+                    del running[id(handle)]
+                    tail = text.finish()
+                    results[index] = GenerationResult(
+                        "".join(c.text for c in chunks) + tail,
+                        [t for c in chunks for t in c.token_ids],
+                        handle.request.stats.as_dict(),
+                    )
+        return [r for r in results if r is not None]
 
     def generate(self, prompt: str | Sequence[Mapping[str, str]], **options) -> GenerationResult:
         """The whole generation at once; options as for :meth:`stream`."""

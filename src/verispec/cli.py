@@ -18,8 +18,10 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from verispec import __version__
@@ -223,6 +225,19 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     parser.add_argument(
+        "--batch",
+        metavar="FILE.jsonl",
+        help='generate for every request of a JSONL file ({"id", "prompt"} or {"id", "messages"} per line; '
+        "messages are a chat) in a continuous batch; --json: one JSON line per request",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        metavar="N",
+        help="sequences decoded at once with --batch (default: 8)",
+    )
+    parser.add_argument(
         "--trace",
         metavar="FILE.html",
         help="write a token-fate trace: one self-contained HTML file, each token coloured by its fate",
@@ -299,6 +314,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from verispec.api import Speculator, parse_k  # loads transformers: only for the commands that need it
     from verispec.drafting.tree import AUTO
 
+    if args.batch is not None:
+        return _run_batch(args)
     prompt = args.prompt if args.prompt is not None else _read_stdin()
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     k = AUTO if args.k is None else parse_k(args.k)  # validate everything before loading a model
@@ -346,6 +363,95 @@ def run_generate(args: argparse.Namespace) -> int:
         stats = live.as_dict()
     if recorder is not None:
         _output_trace(args, recorder.finish(speculator.tokenizer, stats, prompt, _trace_settings(args)))
+    return 0
+
+
+def read_requests(path: str) -> list[tuple[str, str | list[dict[str, str]]]]:
+    """(id, prompt or messages) of every line of a JSONL request file; UsageError naming the line for a
+    malformed one (a line without an id gets its line number)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"cannot read {path}: {err}") from err
+    requests, seen = [], set()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UsageError(f"{where}: not JSON ({err.msg})") from err
+        if not isinstance(entry, dict) or ("prompt" in entry) == ("messages" in entry):
+            raise UsageError(f'{where}: a request is an object with "prompt" or "messages" (one of them)')
+        body = entry.get("prompt", entry.get("messages"))
+        if "prompt" in entry and not isinstance(body, str):
+            raise UsageError(f'{where}: "prompt" must be a string')
+        if "messages" in entry and not (
+            isinstance(body, list)
+            and body
+            and all(isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in body)
+        ):
+            raise UsageError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
+        assert isinstance(body, (str, list))  # checked above
+        ident = str(entry.get("id", number))
+        if ident in seen:
+            raise UsageError(f"{where}: id {ident!r} repeats an earlier line's")
+        seen.add(ident)
+        requests.append((ident, body))
+    if not requests:
+        raise UsageError(f"{path} holds no requests")
+    return requests
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    """``verispec generate --batch FILE``: every request in a continuous batch of --max-batch sequences."""
+    from verispec.api import GenerationResult, Speculator, parse_k
+
+    if args.prompt is not None:
+        raise UsageError("give PROMPT or --batch FILE, not both")
+    if args.trace is not None or args.show_trace or _tree_shape(args) is not None:
+        raise UsageError("--batch decodes chains: no traces, no token trees")
+    if isinstance(args.max_batch, bool) or args.max_batch < 1:
+        raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
+    k = parse_k(args.k if args.k is not None else "auto")
+    EngineConfig(args.max_new_tokens, sampling, stop_strings=tuple(args.stop))
+    requests = read_requests(args.batch)  # all checked before a model loads
+    speculator = Speculator(
+        args.target, args.draft, args.drafter, args.tokenizer, drafter_path=args.drafter_path,
+        precision=args.precision,
+    )  # fmt: skip
+    prompts = [body for _, body in requests]
+    chats = [args.chat or isinstance(body, list) for body in prompts]
+    options = dict(k=k, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop))
+    start = time.perf_counter()
+    results: dict[int, GenerationResult] = {}
+    for chat in (False, True):  # plain prompts, then chats (the chat template is a per-batch option)
+        chosen = [i for i, c in enumerate(chats) if c == chat]
+        batch = [prompts[i] for i in chosen]
+        done = speculator.generate_batch(batch, slots=args.max_batch, chat=chat, **options) if batch else []
+        results.update(zip(chosen, done, strict=True))
+    seconds = time.perf_counter() - start
+    tokens = 0
+    for index, (ident, _) in enumerate(requests):
+        result = results[index]
+        tokens += len(result.token_ids)
+        if args.json:
+            record = {"id": ident, "error": result.error} if result.error else {
+                "id": ident, "text": result.text, "token_ids": result.token_ids, "stats": result.stats
+            }  # fmt: skip
+            print(json.dumps(record))
+        elif result.error:
+            print(f"--- {ident}: error: {result.error}")
+        else:
+            print(f"--- {ident} ---\n{result.text.strip()}\n")
+    failed = sum(1 for r in results.values() if r.error)
+    print(
+        f"[batch of {len(requests)}, {args.max_batch} at a time] {tokens} tokens in {seconds:.2f} s: "
+        f"{tokens / seconds:.1f} tokens/s" + (f"; {failed} refused" if failed else ""),
+        file=sys.stderr,
+    )
     return 0
 
 

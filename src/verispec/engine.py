@@ -1,39 +1,59 @@
-"""The speculative decoding engine: prefill, then rounds of propose → score → verify → commit / roll back.
+"""The speculative decoding engine: a continuous batch of sequences, each step propose → score → verify →
+commit / roll back.
 
-Invariant between rounds: ``ids`` is the committed sequence (prompt + generated tokens); the target's cache
-holds every committed token but the last, which is fed as the first token of the next round's forward. A round
-drafts x_1..x_k, runs the target once over [ids[-1], x_1..x_k] (k + 1 positions, giving p_1..p_{k+1}),
-verifies, and truncates the target's cache to the committed tokens: rollback only moves the cache length back.
+Invariant of every sequence between rounds: ``ids`` is its committed sequence (prompt + generated tokens); its
+cache (a row of the target's cache) holds every committed token but the last, which is fed as the first token
+of the next round's forward. A chain round drafts x_1..x_k, scores [ids[-1], x_1..x_k] (k + 1 positions,
+giving p_1..p_{k+1}), verifies, and truncates the row to the committed tokens: rollback only moves its length
+back. A tree round (a :class:`~verispec.drafting.base.TreeDrafter`) proposes a token tree rooted at ids[-1],
+scores every node (node i at position len(ids) − 1 + depth[i], attending to the committed context and its
+ancestors), verifies the tree (:mod:`verispec.verify.tree`) and compacts the accepted path's entries into
+place, dropping the rest; its depth is capped like k and the K policy is not consulted.
 
-Stopping is exact: at an end-of-sequence token, at a stop string, at exactly ``max_new_tokens`` (k is capped
-so that no round can overshoot, and surplus tokens are never committed), or at the target's context limit.
+One step of the engine (:meth:`SpeculativeEngine.step`) does that for every running sequence at once: each
+proposes with its own drafter, K policy and generator; the target scores all of them in ONE forward (sequence
+i contributes its k_i + 1 positions or its tree; a sequence that joined contributes a chunk of its prompt,
+at most ``prefill_chunk`` tokens while others decode, so that they keep streaming); then each is verified,
+committed and rolled back on its own row. A target that scores rows of one cache together
+(:class:`~verispec.models.base.RowModel`: verispec's native kernels) computes every row from that row's own
+tokens and cache entries alone, bit for bit, so what a request gets never depends on the rest of the batch;
+any other target scores the rows one after the other. Batch 1 is just the smallest batch: :meth:`stream`.
 
-With a tree drafter (:mod:`verispec.drafting.base`) each round is a tree round instead: propose a token tree
-rooted at ids[-1] → run the target ONCE over all its nodes (node i at position len(ids) − 1 + depth[i],
-attending to the committed context and its ancestors) → verify the tree (:mod:`verispec.verify.tree`) →
-compact the accepted path's cache entries into place after the committed ones, dropping the rest. The tree's
-depth is capped like k, so stopping stays exact; the K policy is not consulted.
+Stopping is exact, per sequence: at an end-of-sequence token, at a stop string, at exactly
+``max_new_tokens`` (k is capped so that no round can overshoot, and surplus tokens are never committed), or at
+the target's context limit. A sequence leaves the batch when it stops, freeing its slot for the next request.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
 from verispec.drafting.base import Drafter, HiddenStateReader, Proposal, TreeDrafter
 from verispec.drafting.tree import TreeProposal
 from verispec.errors import UsageError
-from verispec.models.base import Cache, HiddenStateModel, LanguageModel, TreeCache, TreeLanguageModel
+from verispec.models.base import (
+    Cache,
+    HiddenStateModel,
+    LanguageModel,
+    RowInput,
+    RowModel,
+    TreeCache,
+    TreeLanguageModel,
+)
 from verispec.policies import KPolicy
 from verispec.sampling import SamplingParams, probs_from_logits
 from verispec.trace import TraceRecorder
 from verispec.verify.chain import Verdict, greedy_verify, rejection_sample, single_guess_sample
 from verispec.verify.tree import TreeVerdict, tree_greedy_verify, tree_rejection_sample
 
-__all__ = ["EngineConfig", "GenerationStats", "SpeculativeEngine"]
+__all__ = ["PREFILL_CHUNK", "EngineConfig", "GenerationStats", "Request", "Running", "SpeculativeEngine"]
+
+PREFILL_CHUNK = 128  # prompt tokens a joining sequence adds to a step while other sequences decode
 
 
 @dataclass(frozen=True)
@@ -68,7 +88,7 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)  # rounds that accepted position i
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
-    target_seconds: float = 0.0
+    target_seconds: float = 0.0  # the target forwards of its rounds (a batch's forward: all of it)
     total_seconds: float = 0.0
     stop_reason: str = ""
 
@@ -122,52 +142,165 @@ class GenerationStats:
         }
 
 
-class SpeculativeEngine:
-    """Generates from ``target`` with ``drafter`` proposals; exact w.r.t. the target's sampling distribution.
+DrafterFor = Callable[[Cache], Drafter | TreeDrafter]  # a drafter made for the cache row a request gets
 
-    ``stop_check(new_ids) -> int | None`` (optional) returns how many of the generated tokens to keep when a
-    stop string has appeared in them, else None; the tokenizer-aware check lives with the caller.
-    ``trace`` (optional) records every round for :mod:`verispec.trace`; without it nothing extra is computed.
-    ``cache`` (optional) is the target's cache, made by ``target.new_cache()`` (default: a new one), for a
-    drafter that reads it.
-    A :class:`~verispec.drafting.base.TreeDrafter` makes every round a tree round (module docstring); its
-    target must take a tree mask and its cache compact (:class:`~verispec.models.base.TreeCache`).
+
+@dataclass(eq=False)
+class Request:
+    """One generation for the engine: its prompt ids, what it asks for, and the parts it decodes with — its
+    own drafter (or a function making one for the cache row it is given: an early exit reads that row), its
+    own K policy, and ``stats`` filled in as it runs. ``stop_check(new_ids) -> int | None`` (optional) returns
+    how many generated tokens to keep when a stop string has appeared in them; ``trace`` (optional, chain
+    rounds only) records every round."""
+
+    prompt: list[int]
+    config: EngineConfig
+    drafter: Drafter | TreeDrafter | DrafterFor
+    k_policy: KPolicy
+    stats: GenerationStats
+    stop_check: Callable[[list[int]], int | None] | None = None
+    trace: TraceRecorder | None = None
+
+
+@dataclass(eq=False)
+class Running:
+    """A request in its slot: the committed ids, the cache row, where it stands. ``done`` once it stopped
+    (``request.stats.stop_reason`` says why); its slot is then free."""
+
+    request: Request
+    slot: int
+    cache: Cache
+    drafter: Drafter | TreeDrafter
+    generator: torch.Generator
+    ids: list[int]
+    started: float
+    prefilled: int = 0  # prompt tokens (all but the last) already in the cache
+    new: int = 0  # tokens committed after the prompt
+    done: bool = False
+    hidden_reader: HiddenStateReader | None = None
+
+    @property
+    def decoding(self) -> bool:
+        return not self.done and self.prefilled >= len(self.request.prompt) - 1
+
+
+@dataclass
+class _Round:
+    """What a sequence scores in this step: a prompt chunk, a chain proposal or a tree."""
+
+    running: Running
+    tokens: list[int]
+    start: int  # the position of the first token (its cache slot)
+    proposal: Proposal | None = None  # a chain round's
+    tree: TreeProposal | None = None  # a tree round's
+    draft_seconds: float = 0.0
+
+
+class SpeculativeEngine:
+    """Generates from ``target`` for up to ``slots`` sequences at once; exact w.r.t. each sequence's
+    sampling distribution whatever else is in the batch.
+
+    ``drafter``, ``k_policy``, ``trace``: what :meth:`stream` decodes with (a request of :meth:`submit`
+    brings its own). ``cache`` (optional, batch 1 only): the target's cache for that one sequence, made by
+    ``target.new_cache()``, for a drafter that reads it; otherwise the engine makes the cache: one row per
+    slot of a target cache (when its rows can be scored together: :class:`~verispec.models.base.RowModel`),
+    else a cache per slot. A tree drafter needs a target that takes a tree mask and a cache that compacts.
     """
 
     def __init__(
         self,
         target: LanguageModel,
-        drafter: Drafter | TreeDrafter,
-        k_policy: KPolicy,
+        drafter: Drafter | TreeDrafter | None = None,
+        k_policy: KPolicy | None = None,
         trace: TraceRecorder | None = None,
         cache: Cache | None = None,
+        *,
+        slots: int = 1,
+        prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
-        self.target = target
-        self.drafter = drafter
-        self.k_policy = k_policy
-        self.trace = trace
-        self.cache = target.new_cache() if cache is None else cache
-        self.hidden_reader: HiddenStateReader | None = None  # the drafter, when it reads hidden states
-        self.hidden_target: HiddenStateModel | None = None  # the target, then
-        if isinstance(drafter, HiddenStateReader):
-            if not isinstance(target, HiddenStateModel):
-                raise UsageError(
-                    f"the {drafter.name} drafter needs a target with hidden states (a native model)"
-                )
-            self.hidden_reader, self.hidden_target = drafter, target
-        self.tree: tuple[TreeDrafter, TreeLanguageModel, TreeCache] | None = None  # tree rounds' parts
-        self.chain: Drafter | None = None  # the drafter of chain rounds
-        if not isinstance(drafter, TreeDrafter):
-            self.chain = drafter
+        for name, value in (("slots", slots), ("prefill_chunk", prefill_chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
+        if cache is not None and slots != 1:
+            raise UsageError("a given cache serves one sequence: slots must be 1")
+        self.target, self.drafter, self.k_policy, self.trace = target, drafter, k_policy, trace
+        self.prefill_chunk = prefill_chunk
+        self.caches: list[Cache]
+        if cache is not None:
+            self.caches = [cache]
+        elif slots > 1 and isinstance(target, RowModel):
+            self.caches = target.new_cache_rows(slots)
         else:
-            drafter.shape.check_fits(target.max_context)
-            if not isinstance(self.cache, TreeCache) or not isinstance(target, TreeLanguageModel):
-                raise UsageError(
-                    f"token trees need a cache that compacts; {type(self.cache).__name__} does not"
-                )
+            self.caches = [target.new_cache() for _ in range(slots)]
+        self.cache = self.caches[0]  # batch 1's
+        self.running: list[Running] = []
+        if drafter is not None:
+            self._check_drafter(drafter, trace, self.cache)
+
+    @property
+    def slots(self) -> int:
+        return len(self.caches)
+
+    @property
+    def free_slots(self) -> int:
+        return self.slots - len(self.running)
+
+    # ------------------------------------------------------------------ requests
+
+    def _check_drafter(self, drafter: Drafter | TreeDrafter, trace: object, cache: Cache) -> None:
+        """UsageError for a drafter this target or cache cannot serve."""
+        if isinstance(drafter, HiddenStateReader) and not isinstance(self.target, HiddenStateModel):
+            raise UsageError(f"the {drafter.name} drafter needs a target with hidden states (a native model)")
+        if isinstance(drafter, TreeDrafter):
+            drafter.shape.check_fits(self.target.max_context)
+            if not isinstance(cache, TreeCache) or not isinstance(self.target, TreeLanguageModel):
+                raise UsageError(f"token trees need a cache that compacts; {type(cache).__name__} does not")
             if trace is not None:
                 raise UsageError("token-fate traces record chain rounds only, not token trees")
-            self.tree = (drafter, target, self.cache)
+
+    def submit(self, request: Request) -> Running:
+        """Admit ``request`` into a free slot (UsageError when none is free, or for a prompt that is empty or
+        does not fit the context); its prompt is scored by the next steps, then it decodes."""
+        prompt = request.prompt
+        if not prompt:
+            raise UsageError("the prompt is empty: at least one token is needed")
+        if len(prompt) >= self.target.max_context:
+            raise UsageError(
+                f"the prompt has {len(prompt)} tokens; the context holds {self.target.max_context}"
+            )
+        if not self.free_slots:
+            raise UsageError(f"all {self.slots} slots are taken: wait for a sequence to finish")
+        taken = {r.slot for r in self.running}
+        slot = next(i for i in range(self.slots) if i not in taken)
+        cache = self.caches[slot]
+        given = request.drafter
+        if isinstance(given, TreeDrafter) or hasattr(given, "propose"):
+            drafter = cast(Drafter | TreeDrafter, given)
+        else:  # a factory: the drafter for this row
+            drafter = given(cache)
+        self._check_drafter(drafter, request.trace, cache)
+        cache.truncate(0)
+        drafter.begin(list(prompt))
+        running = Running(
+            request=request,
+            slot=slot,
+            cache=cache,
+            drafter=drafter,
+            generator=request.config.sampling.generator(self.target.device),
+            ids=list(prompt),
+            started=time.perf_counter(),
+            hidden_reader=drafter if isinstance(drafter, HiddenStateReader) else None,
+        )
+        self.running.append(running)
+        return running
+
+    def cancel(self, running: Running) -> None:
+        """Stop ``running`` now (its stop reason "cancelled") and free its slot."""
+        if running in self.running:
+            self.running.remove(running)
+        if not running.done:
+            running.done = True
+            running.request.stats.stop_reason = "cancelled"
 
     def stream(
         self,
@@ -176,82 +309,144 @@ class SpeculativeEngine:
         stats: GenerationStats,
         stop_check: Callable[[list[int]], int | None] | None = None,
     ) -> Iterator[list[int]]:
-        """Yields the tokens committed by each round; ``stats`` is filled in as it goes."""
-        if not prompt:
-            raise UsageError("the prompt is empty: at least one token is needed")
-        if len(prompt) >= self.target.max_context:
-            raise UsageError(
-                f"the prompt has {len(prompt)} tokens; the context holds {self.target.max_context}"
-            )
-        generator = config.sampling.generator(self.target.device)
-        start = time.perf_counter()
-        ids = list(prompt)
-        self.cache.truncate(0)
-        hidden = self._prefill(ids[:-1])  # every prompt token but the last
-        self.drafter.begin(prompt)
-        if hidden is not None and self.hidden_reader is not None:
-            self.hidden_reader.observe_hidden(hidden)
-        stats.prefill_seconds = time.perf_counter() - start
-        new = 0
-        while True:
-            room = min(config.max_new_tokens - new, self.target.max_context - len(ids))
-            if room <= 0:
-                stats.stop_reason = "max_new_tokens" if new == config.max_new_tokens else "context"
-                break
-            if self.tree is not None:
-                emitted = self._tree_round(*self.tree, ids, room, config, generator, stats)
-            else:
-                assert self.chain is not None  # a drafter is a chain drafter or a tree drafter
-                k = min(self.k_policy.next_k(len(ids)), room - 1)
-                emitted = self._round(self.chain, ids, k, config, generator, stats)
-            emitted = emitted[:room]
-            stop = self._stop_index(emitted, config.eos_token_ids)
-            keep = emitted if stop is None else emitted[: stop + 1]
-            cut = stop_check(ids[len(prompt) :] + keep) if stop_check else None
-            if cut is not None:
-                keep = keep[: max(0, cut - new)]
-            ids += keep
-            new += len(keep)
-            stats.new_tokens = new
-            stats.total_seconds = time.perf_counter() - start
-            if keep:
-                yield keep
-            if cut is not None or stop is not None:
-                stats.stop_reason = "stop_string" if cut is not None else "eos"
-                break
-        stats.total_seconds = time.perf_counter() - start
+        """Batch 1: yields the tokens committed by each round of one sequence decoded with this engine's
+        drafter, K policy and trace; ``stats`` is filled in as it goes."""
+        if self.drafter is None or self.k_policy is None:
+            raise UsageError("stream needs the engine's drafter and K policy")
+        request = Request(prompt, config, self.drafter, self.k_policy, stats, stop_check, self.trace)
+        running = self.submit(request)
+        while not running.done:
+            for done, tokens in self.step():
+                if done is running and tokens:
+                    yield tokens
 
-    def _round(
-        self,
-        drafter: Drafter,
-        ids: list[int],
-        k: int,
-        config: EngineConfig,
-        generator: torch.Generator,
-        stats: GenerationStats,
-    ) -> list[int]:
-        """One round: propose → score k+1 positions in one target forward → verify → commit / roll back."""
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[tuple[Running, list[int]]]:
+        """One step for every running sequence: propose → score all in one target forward → verify →
+        commit / roll back. Returns the tokens each committed (an empty list for a prompt chunk); a sequence
+        that stopped is ``done`` and has left the batch."""
+        decoding = [r for r in self.running if r.decoding]
+        rounds = [self._propose(r) for r in decoding]
+        for r in self.running:
+            if not r.decoding:
+                rounds.append(self._prompt_chunk(r, others=bool(decoding)))
         t0 = time.perf_counter()
-        proposal = drafter.propose(ids, k, generator) if k > 0 else Proposal.empty()
-        t1 = time.perf_counter()
-        logits, hidden = self._forward([ids[-1], *proposal.tokens.tolist()], len(ids) - 1)  # [1, k'+1, V]
-        t2 = time.perf_counter()
-        verdict = self._verify(proposal, logits, config, generator)
-        if self.trace is not None:
-            self.trace.record(proposal, logits, verdict, config.sampling)
+        scored = self._score(rounds)
+        seconds = time.perf_counter() - t0
+        out: list[tuple[Running, list[int]]] = []
+        for rnd, (logits, hidden) in zip(rounds, scored, strict=True):
+            running = rnd.running
+            if rnd.proposal is None and rnd.tree is None:  # a prompt chunk
+                self._prefilled(running, len(rnd.tokens), hidden)
+                out.append((running, []))
+                continue
+            running.request.stats.draft_seconds += rnd.draft_seconds
+            running.request.stats.target_seconds += seconds
+            assert logits is not None
+            emitted = self._settle_tree(rnd, logits, hidden) if rnd.tree is not None else self._settle(
+                rnd, logits, hidden
+            )
+            out.append((running, self._commit(running, emitted)))
+        return out
+
+    def _prompt_chunk(self, running: Running, others: bool) -> _Round:
+        """The next chunk of a joining sequence's prompt (all but its last token): at most prefill_chunk
+        tokens while other sequences decode, else the rest."""
+        prompt = running.request.prompt
+        end = len(prompt) - 1
+        if others:
+            end = min(end, running.prefilled + self.prefill_chunk)
+        return _Round(running, prompt[running.prefilled : end], running.prefilled)
+
+    def _prefilled(self, running: Running, count: int, hidden: torch.Tensor | None) -> None:
+        running.prefilled += count
+        if hidden is not None and running.hidden_reader is not None:
+            running.hidden_reader.observe_hidden(hidden)
+        if running.decoding:
+            running.request.stats.prefill_seconds = time.perf_counter() - running.started
+
+    def _room(self, running: Running) -> int:
+        """The tokens the sequence may still emit."""
+        config = running.request.config
+        return min(config.max_new_tokens - running.new, self.target.max_context - len(running.ids))
+
+    def _propose(self, running: Running) -> _Round:
+        """A decoding sequence's round: its tree, or a chain of its K policy's length (capped by its room)."""
+        ids, drafter, room = running.ids, running.drafter, self._room(running)
+        t0 = time.perf_counter()
+        if isinstance(drafter, TreeDrafter):
+            cache = running.cache
+            assert isinstance(cache, TreeCache)
+            shape = drafter.shape.capped(room - 1, cache.capacity - (len(ids) - 1))
+            tree = drafter.propose_tree(ids, shape, running.generator)
+            return _Round(running, tree.tokens.tolist(), len(ids) - 1, tree=tree,
+                          draft_seconds=time.perf_counter() - t0)  # fmt: skip
+        k = min(running.request.k_policy.next_k(len(ids)), room - 1)
+        proposal = drafter.propose(ids, k, running.generator) if k > 0 else Proposal.empty()
+        return _Round(running, [ids[-1], *proposal.tokens.tolist()], len(ids) - 1, proposal=proposal,
+                      draft_seconds=time.perf_counter() - t0)  # fmt: skip
+
+    def _score(self, rounds: Sequence[_Round]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """(logits [T, V] or None for a prompt chunk, hidden states [T, H] for a drafter that reads them, else
+        None) of every round, from one forward of the target when it scores rows together."""
+        device = self.target.device
+        rows = []
+        for rnd in rounds:
+            tokens = torch.tensor(rnd.tokens, dtype=torch.long, device=device)  # [T]
+            if rnd.tree is not None:
+                positions = (rnd.start + rnd.tree.depth).to(device)  # [T]
+                mask: torch.Tensor | None = rnd.tree.mask.to(device)  # [T, T]
+            else:
+                positions, mask = torch.arange(rnd.start, rnd.start + len(rnd.tokens), device=device), None
+            chunk = rnd.proposal is None and rnd.tree is None
+            rows.append(RowInput(rnd.running.cache, tokens, positions, mask, not chunk,
+                                 rnd.running.hidden_reader is not None))  # fmt: skip
+        if len(rows) > 1 and isinstance(self.target, RowModel) and self.target.scores_together(rows):
+            return self.target.forward_rows(rows)
+        return [self._score_one(row) for row in rows]
+
+    def _score_one(self, row: RowInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One row through the target's batch-1 forward."""
+        tokens, positions = row.tokens.unsqueeze(0), row.positions.unsqueeze(0)  # [1, T] each
+        if row.hidden:
+            model = self.target
+            assert isinstance(model, HiddenStateModel)
+            hidden = model.forward_hidden(tokens, positions, row.cache, tree_mask=row.tree_mask)[0]  # [T, H]
+            return (model.logits(hidden) if row.logits else None), hidden
+        if not row.logits:
+            self.target.prefill(tokens, positions, row.cache)
+            return None, None
+        if row.tree_mask is not None:
+            target = self.target
+            assert isinstance(target, TreeLanguageModel)
+            return target.forward(tokens, positions, row.cache, tree_mask=row.tree_mask)[0], None
+        return self.target.forward(tokens, positions, row.cache)[0], None
+
+    # ------------------------------------------------------------------ verify, commit
+
+    def _settle(self, rnd: _Round, logits: torch.Tensor, hidden: torch.Tensor | None) -> list[int]:
+        """Verify a chain round (logits [k'+1, V]), roll the row back, tell the drafter and K policy."""
+        running, proposal = rnd.running, rnd.proposal
+        assert proposal is not None
+        config, request = running.request.config, running.request
+        verdict = self._verify(proposal, logits.unsqueeze(0), config, running.generator)
+        if request.trace is not None:
+            request.trace.record(proposal, logits.unsqueeze(0), verdict, config.sampling)
         emitted, accepted, drafted = verdict.row(0), int(verdict.num_accepted[0]), len(proposal.tokens)
-        self.cache.truncate(len(ids) - 1 + len(emitted))  # keep the committed tokens but the new last one
-        if hidden is not None and self.hidden_reader is not None:
-            self.hidden_reader.observe_hidden(hidden[0, : len(emitted)])  # [len(emitted), H]: committed ones
+        running.cache.truncate(len(running.ids) - 1 + len(emitted))  # the committed tokens but the new last
+        if hidden is not None and running.hidden_reader is not None:
+            running.hidden_reader.observe_hidden(hidden[: len(emitted)])  # [len(emitted), H]: committed ones
+        drafter = running.drafter
+        assert not isinstance(drafter, TreeDrafter)
         drafter.observe(accepted)
-        self.k_policy.observe(drafted, accepted)
-        stats.record_round(drafted, accepted)
-        stats.draft_seconds += t1 - t0
-        stats.target_seconds += t2 - t1
+        request.k_policy.observe(drafted, accepted)
+        request.stats.record_round(drafted, accepted)
         return emitted
 
+    @staticmethod
     def _verify(
-        self, proposal: Proposal, logits: torch.Tensor, config: EngineConfig, generator: torch.Generator
+        proposal: Proposal, logits: torch.Tensor, config: EngineConfig, generator: torch.Generator
     ) -> Verdict:
         """logits: [1, k'+1, V] target logits for the round."""
         draft = proposal.tokens.to(logits.device).unsqueeze(0)  # [1, k']
@@ -264,39 +459,24 @@ class SpeculativeEngine:
         q = proposal.q.to(logits.device).unsqueeze(0)  # [1, k', V]
         return rejection_sample(draft, q=q, p=p, generator=generator, eos_token_id=eos)
 
-    def _tree_round(
-        self,
-        drafter: TreeDrafter,
-        target: TreeLanguageModel,
-        cache: TreeCache,
-        ids: list[int],
-        room: int,
-        config: EngineConfig,
-        generator: torch.Generator,
-        stats: GenerationStats,
-    ) -> list[int]:
-        """One tree round: propose a tree → score every node in ONE target forward → verify → compact the
-        accepted path into place. ``room``: the tokens the round may still emit (the tree's depth < room)."""
-        root = len(ids) - 1  # the root's slot: the last committed token, fed first
-        shape = drafter.shape.capped(room - 1, cache.capacity - root)
-        t0 = time.perf_counter()
-        tree = drafter.propose_tree(ids, shape, generator)
-        t1 = time.perf_counter()
-        logits, hidden = self._forward_tree(target, cache, tree, root)  # [N, V], [N, H] or None
-        t2 = time.perf_counter()
-        verdict = self._verify_tree(tree, logits, config, generator)
+    def _settle_tree(self, rnd: _Round, logits: torch.Tensor, hidden: torch.Tensor | None) -> list[int]:
+        """Verify a tree round (logits [N, V]) and compact its accepted path into place."""
+        running, tree = rnd.running, rnd.tree
+        assert tree is not None and isinstance(running.cache, TreeCache)
+        verdict = self._verify_tree(tree, logits, running.request.config, running.generator)
         kept = verdict.accepted_nodes[: len(verdict.tokens) - 1]  # all but an accepted end-of-sequence token
-        cache.compact(len(ids), [root + node for node in kept])
-        if hidden is not None and self.hidden_reader is not None:
-            self.hidden_reader.observe_hidden(hidden[[0, *kept]])  # [1 + len(kept), H]: the committed path
+        root = len(running.ids) - 1
+        running.cache.compact(len(running.ids), [root + node for node in kept])
+        if hidden is not None and running.hidden_reader is not None:
+            running.hidden_reader.observe_hidden(hidden[[0, *kept]])  # [1 + len(kept), H]: the committed path
+        stats = running.request.stats
         stats.record_round(tree.max_depth, verdict.num_accepted)
         stats.tree_nodes += tree.num_nodes - 1
-        stats.draft_seconds += t1 - t0
-        stats.target_seconds += t2 - t1
         return verdict.tokens
 
+    @staticmethod
     def _verify_tree(
-        self, tree: TreeProposal, logits: torch.Tensor, config: EngineConfig, generator: torch.Generator
+        tree: TreeProposal, logits: torch.Tensor, config: EngineConfig, generator: torch.Generator
     ) -> TreeVerdict:
         """logits: [N, V] target logits at the tree's nodes."""
         tokens, parents = tree.tokens.to(logits.device), tree.parents.to(logits.device)  # [N], [N]
@@ -307,49 +487,27 @@ class SpeculativeEngine:
         q = None if tree.q is None else tree.q.to(logits.device)  # [N, V]
         return tree_rejection_sample(tokens, parents, p=p, q=q, generator=generator, eos_token_id=eos)
 
-    def _forward_tree(
-        self, target: TreeLanguageModel, cache: TreeCache, tree: TreeProposal, start: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Feeds the tree's nodes into the target's cache from slot ``start``, node i at position start +
-        depth[i], attending to its ancestors; returns logits [N, V] and, for a drafter that reads them, the
-        final hidden states [N, H], else None."""
-        device = target.device
-        tokens = tree.tokens.to(device).unsqueeze(0)  # [1, N]
-        positions = (start + tree.depth).to(device).unsqueeze(0)  # [1, N]
-        mask = tree.mask.to(device)  # [N, N]
-        if self.hidden_target is None:
-            return target.forward(tokens, positions, cache, tree_mask=mask)[0], None
-        hidden = self.hidden_target.forward_hidden(tokens, positions, cache, tree_mask=mask)[0]  # [N, H]
-        return self.hidden_target.logits(hidden), hidden
+    def _commit(self, running: Running, emitted: list[int]) -> list[int]:
+        """Keep what the sequence's stopping rules allow of ``emitted``; retire it when it stopped."""
+        request, config = running.request, running.request.config
+        emitted = emitted[: self._room(running)]
+        stop = next((i for i, t in enumerate(emitted) if t in config.eos_token_ids), None)
+        keep = emitted if stop is None else emitted[: stop + 1]
+        cut = request.stop_check(running.ids[len(request.prompt) :] + keep) if request.stop_check else None
+        if cut is not None:
+            keep = keep[: max(0, cut - running.new)]
+        running.ids += keep
+        running.new += len(keep)
+        stats = request.stats
+        stats.new_tokens = running.new
+        stats.total_seconds = time.perf_counter() - running.started
+        if cut is not None or stop is not None:
+            self._retire(running, "stop_string" if cut is not None else "eos")
+        elif self._room(running) <= 0:
+            self._retire(running, "max_new_tokens" if running.new == config.max_new_tokens else "context")
+        return keep
 
-    def _prefill(self, tokens: list[int]) -> torch.Tensor | None:
-        """Feeds ``tokens`` into the empty cache without computing logits; returns the target's final hidden
-        states [T, H] for a drafter that reads them, else None."""
-        if not tokens:
-            return None
-        batch, positions = self._inputs(tokens, 0)
-        if self.hidden_target is not None:
-            return self.hidden_target.forward_hidden(batch, positions, self.cache)[0]
-        self.target.prefill(batch, positions, self.cache)
-        return None
-
-    def _forward(self, tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Feeds ``tokens`` (at least one) at positions start.. into the target's cache; returns logits
-        [1, T, V] and, for a drafter that reads them, the final hidden states [1, T, H], else None."""
-        batch, positions = self._inputs(tokens, start)
-        if self.hidden_target is None:
-            return self.target.forward(batch, positions, self.cache), None
-        hidden = self.hidden_target.forward_hidden(batch, positions, self.cache)  # [1, T, H]
-        return self.hidden_target.logits(hidden), hidden
-
-    def _inputs(self, tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch [1, T] of ``tokens`` and their positions [1, T] from ``start``, on the target device."""
-        device = self.target.device
-        batch = torch.tensor([tokens], dtype=torch.long, device=device)  # [1, T]
-        positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)  # [1, T]
-        return batch, positions
-
-    @staticmethod
-    def _stop_index(tokens: list[int], eos: frozenset[int]) -> int | None:
-        """Index of the first end-of-sequence token in ``tokens``, or None."""
-        return next((i for i, t in enumerate(tokens) if t in eos), None)
+    def _retire(self, running: Running, reason: str) -> None:
+        running.done = True
+        running.request.stats.stop_reason = reason
+        self.running.remove(running)

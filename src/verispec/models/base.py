@@ -24,6 +24,7 @@ Token trees (:mod:`verispec.drafting.tree`) need more, from a :class:`TreeLangua
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -109,6 +110,40 @@ class HiddenStateModel(TreeLanguageModel, Protocol):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """The logits [..., V] of final hidden states [..., H] (the model's head)."""
+        ...
+
+
+@dataclass(frozen=True, eq=False)
+class RowInput:
+    """One sequence's part of a batched forward (:class:`RowModel`): ``tokens`` [T] int64 at ``positions``
+    [T] int64, appended at the end of ``cache`` (a row of the batch's cache); ``tree_mask`` [T, T] bool or
+    None (causal); whether its ``logits`` and its final ``hidden`` states are wanted."""
+
+    cache: Cache
+    tokens: Tensor
+    positions: Tensor
+    tree_mask: Tensor | None
+    logits: bool
+    hidden: bool
+
+
+@runtime_checkable
+class RowModel(Protocol):
+    """A language model that scores the rows of one cache in one forward, each row exactly as it would be
+    scored alone (bit for bit: a row's outputs never depend on the other rows)."""
+
+    def new_cache_rows(self, rows: int) -> list[Cache]:
+        """Caches of ``rows`` sequences, each with its own length, stored together."""
+        ...
+
+    def scores_together(self, rows: Sequence[RowInput]) -> bool:
+        """Whether :meth:`forward_rows` takes these rows in one forward (rows of one cache from
+        :meth:`new_cache_rows`, each its own)."""
+        ...
+
+    def forward_rows(self, rows: Sequence[RowInput]) -> list[tuple[Tensor | None, Tensor | None]]:
+        """Every row's (logits [T, V] float32 or None, final hidden states [T, H] or None), as wanted;
+        appends each row's T entries to its cache."""
         ...
 
 

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from verispec.errors import UsageError
 from verispec.kernels.cpu import FORMATS, NativeLayer, NativeStack, PackedMatrix, native_available, rmsnorm
-from verispec.models.base import Cache
+from verispec.models.base import Cache, RowInput
 
 __all__ = [
     "DEFAULT_PRECISION",
@@ -365,6 +365,7 @@ class KVCache:
             raise UsageError("a tiled cache holds every layer in one float16 tensor")
         self._capacity = capacity
         self.tiled = tiled
+        self.row: int | None = None  # a row view's index in `whole` (see :meth:`rows`)
         if tiled:
             capacity = -(-capacity // KEY_TILE) * KEY_TILE
         shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
@@ -385,6 +386,7 @@ class KVCache:
         else:
             self.keys = torch.empty(shape, dtype=dtype, device=device)
             self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.whole: tuple[Tensor, Tensor] | None = None  # a row view's: the batch's keys and values tensors
         self._length = 0
 
     @property
@@ -437,6 +439,20 @@ class KVCache:
                     self.keys[:, :, :, slot // KEY_TILE, :, slot % KEY_TILE] = key
         self._length = end
 
+    def rows(self) -> list[KVCache]:
+        """One cache per sequence of this batch cache, each a view of its row (nothing is copied) with a
+        length of its own: the slots of a continuous batch, scored together by :meth:`Llama.forward_rows`."""
+        if not isinstance(self.keys, Tensor) or not isinstance(self.values, Tensor) or self.row is not None:
+            raise UsageError("only a whole cache in one tensor has rows")
+        out = []
+        for i in range(self.batch_size):
+            view = object.__new__(KVCache)
+            view.keys, view.values = self.keys[:, i : i + 1], self.values[:, i : i + 1]
+            view._length, view._capacity, view.tiled = 0, self._capacity, self.tiled
+            view.row, view.whole = i, (self.keys, self.values)
+            out.append(view)
+        return out
+
     def first_layers(self, num_layers: int) -> KVCache:
         """A cache over this one's first ``num_layers`` layers (views: nothing is copied) whose length starts
         at this one's and then moves on its own: the cache of an early-exit draft (:meth:`Llama.first_layers`)
@@ -448,6 +464,8 @@ class KVCache:
         view = object.__new__(KVCache)
         view.keys, view.values = self.keys[:num_layers], self.values[:num_layers]
         view._length, view._capacity, view.tiled = self._length, self._capacity, self.tiled
+        view.row = self.row
+        view.whole = None if self.whole is None else (self.whole[0][:num_layers], self.whole[1][:num_layers])
         return view
 
     def grown(self, extra: int) -> KVCache:
@@ -1110,8 +1128,10 @@ class Llama(nn.Module):
         start, end = cache._reserve(t)
         h = self.model.embed_tokens(tokens).reshape(b * t, -1).contiguous()  # [B·T, hidden] float32
         freqs = positions.reshape(-1, 1).float() * self.inv_freq  # [B·T, head_dim // 2], as transformers
-        rows = torch.arange(b, dtype=torch.int32).repeat_interleave(t)  # [B·T] the cache row of each token
+        first = 0 if cache.row is None else cache.row  # a row view is row `row` of the whole cache
+        rows = (first + torch.arange(b, dtype=torch.int32)).repeat_interleave(t)  # [B·T] each token's row
         slots = (start + torch.arange(t, dtype=torch.int32)).repeat(b)  # [B·T]
+        keys, values = (cache.keys, cache.values) if cache.whole is None else cache.whole
         native.forward(
             h,
             num_layers=self.config.num_layers,
@@ -1121,11 +1141,76 @@ class Llama(nn.Module):
             slot=slots,
             base=torch.full((b * t,), start, dtype=torch.int32),  # [B·T]: every committed slot is visible
             mask=None if tree_mask is None else tree_mask.repeat(b, 1).contiguous(),  # [B·T, T] bool
-            keys=cache.keys,
-            values=cache.values,
+            keys=keys,
+            values=values,
         )
         cache._length = end
         return rmsnorm(h, self.model.norm.weight, self.config.rms_norm_eps).view(b, t, -1)  # [B, T, hidden]
+
+    # ---------------------------------------------------------------- rows of a batch (RowModel)
+
+    def new_cache_rows(self, rows: int) -> list[Cache]:
+        """The rows of one cache of ``rows`` sequences (:meth:`KVCache.rows`)."""
+        return list(self.new_cache(rows).rows())
+
+    def scores_together(self, rows: Sequence[RowInput]) -> bool:
+        """On the native kernels, rows of one cache, each its own, are scored in one forward."""
+        caches = [row.cache for row in rows]
+        if self._native is None or not all(isinstance(c, KVCache) and c.whole is not None for c in caches):
+            return False
+        wholes = {id(c.whole[0]) for c in caches if isinstance(c, KVCache) and c.whole is not None}
+        return len(wholes) == 1 and len({id(c) for c in caches}) == len(caches)
+
+    def forward_rows(self, rows: Sequence[RowInput]) -> list[tuple[Tensor | None, Tensor | None]]:
+        """Every row in ONE native forward (rows that :meth:`scores_together` accepts; else one by one):
+        row i's tokens at its cache row's next slots, attending to that row's committed slots and its own new
+        tokens (causally, or by its tree mask). Each row's outputs are bit-identical to scoring it alone."""
+        if not self.scores_together(rows):
+            raise UsageError("forward_rows takes rows of one native cache, each its own")
+        assert self._native is not None
+        caches = [row.cache for row in rows if isinstance(row.cache, KVCache)]  # all of them (checked)
+        widest = max(len(row.tokens) for row in rows)
+        seq, slot, base, masks, positions, tokens = [], [], [], [], [], []
+        for row, cache in zip(rows, caches, strict=True):
+            assert isinstance(cache, KVCache) and cache.row is not None
+            t = len(row.tokens)
+            self._check_inputs(row.tokens.unsqueeze(0), row.positions.unsqueeze(0), cache)
+            start, _ = cache._reserve(t)
+            mask = torch.ones(t, t, dtype=torch.bool).tril() if row.tree_mask is None else row.tree_mask
+            if row.tree_mask is not None:
+                _checked_tree_mask(row.tree_mask, t)
+            masks.append(F.pad(mask.cpu(), (0, widest - t)))  # [T, widest]: its own new slots only
+            seq.append(torch.full((t,), cache.row, dtype=torch.int32))
+            slot.append(start + torch.arange(t, dtype=torch.int32))
+            base.append(torch.full((t,), start, dtype=torch.int32))
+            positions.append(row.positions)
+            tokens.append(row.tokens)
+        h = self.model.embed_tokens(torch.cat(tokens)).contiguous()  # [N, hidden]
+        freqs = torch.cat(positions).reshape(-1, 1).float() * self.inv_freq  # [N, head_dim // 2]
+        whole = caches[0].whole
+        assert whole is not None
+        self._native.forward(
+            h,
+            num_layers=self.config.num_layers,
+            cos=freqs.cos(),
+            sin=freqs.sin(),
+            seq=torch.cat(seq),
+            slot=torch.cat(slot),
+            base=torch.cat(base),
+            mask=torch.cat(masks).contiguous(),  # [N, widest] bool
+            keys=whole[0],
+            values=whole[1],
+        )
+        for row, cache in zip(rows, caches, strict=True):
+            cache._length += len(row.tokens)
+        hidden = rmsnorm(h, self.model.norm.weight, self.config.rms_norm_eps)  # [N, hidden]
+        parts = list(hidden.split([len(row.tokens) for row in rows]))
+        wanted = [p for p, row in zip(parts, rows, strict=True) if row.logits]
+        logits = list(self.logits(torch.cat(wanted)).split([len(p) for p in wanted])) if wanted else []
+        out: list[tuple[Tensor | None, Tensor | None]] = []
+        for part, row in zip(parts, rows, strict=True):
+            out.append((logits.pop(0) if row.logits else None, part if row.hidden else None))
+        return out
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden: [B, T, hidden] from :meth:`forward_hidden` → logits [B, T, vocab_size] float32."""
