@@ -7,6 +7,8 @@ import itertools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
 import verispec.engine as engine_module
@@ -154,6 +156,34 @@ def test_ngram_drafter_worked_example():
     assert NGramDrafter(2, 2).propose([1, 2, 3, 4], 3, torch.Generator()).tokens.numel() == 0
     with pytest.raises(ValueError):
         NGramDrafter(max_ngram=1, min_ngram=2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 4), min_size=1, max_size=40),
+    st.lists(st.integers(0, 4), max_size=12),
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.integers(1, 5),
+)
+def test_ngram_index_proposes_the_first_continuation(prompt, grown, low, span, k):
+    """The chain drafter's incremental index proposes exactly the first of the scanning lookup's
+    continuations (the longest n-gram, its latest occurrence), as the context grows round by round and when
+    it is replaced by another one."""
+    drafter = NGramDrafter(max_ngram=low + span - 1, min_ngram=low)
+    drafter.begin(prompt)
+    context = list(prompt)
+    for token in [None, *grown]:
+        if token is not None:
+            context.append(token)
+        expected = next(drafter.continuations(context, k), None)
+        got = drafter.propose(context, k, torch.Generator()).tokens.tolist()
+        assert got == ([] if expected is None else expected.tolist())
+    shorter = context[: max(1, len(context) // 2)]  # not a growth of the indexed context: indexed afresh
+    expected = next(drafter.continuations(shorter, k), None)
+    assert drafter.propose(shorter, k, torch.Generator()).tokens.tolist() == (
+        [] if expected is None else expected.tolist()
+    )
 
 
 def test_additive_policy():

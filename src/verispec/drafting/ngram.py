@@ -41,15 +41,33 @@ class NGramDrafter:
             raise UsageError(f"need 1 <= min_ngram <= max_ngram, got min {min_ngram!r}, max {max_ngram!r}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self._seen: list[int] = []  # the context indexed so far
+        self._latest: dict[tuple[int, ...], int] = {}  # n-gram → where its latest continuation starts
 
     def begin(self, prompt: list[int]) -> None:
-        pass
+        self._seen, self._latest = [], {}
+
+    def _index(self, context: list[int]) -> None:
+        """Index every n-gram of the context that ends before its last token (incrementally: the context
+        grows between rounds; another context is indexed afresh)."""
+        if context[: len(self._seen)] != self._seen:
+            self._seen, self._latest = [], {}
+        for end in range(max(len(self._seen), 1), len(context)):  # n-grams ending at `end` - 1
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self._latest[tuple(context[end - n : end])] = end
+        self._seen = context[:-1] if len(context) > 1 else []
 
     def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+        """The first of :meth:`continuations`, from an index kept across rounds (a lookup per n-gram length
+        instead of a scan of the whole context)."""
         if k <= 0:
             return Proposal.empty()
-        best = next(self.continuations(context, k), None)
-        return Proposal.empty() if best is None else Proposal(tokens=torch.from_numpy(best), q=None)
+        self._index(context)
+        for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
+            start = self._latest.get(tuple(context[-n:]))
+            if start is not None:
+                return Proposal(tokens=torch.tensor(context[start : start + k], dtype=torch.long), q=None)
+        return Proposal.empty()
 
     def continuations(self, context: list[int], k: int) -> Iterator[np.ndarray]:
         """The (up to k) tokens that followed each earlier occurrence of the context's last n tokens, best
