@@ -1,0 +1,267 @@
+"""The continuous batch: what a request gets never depends on what else is in the batch.
+
+Greedy outputs equal decoding each request alone, whatever joins or leaves; sampled outputs are the same
+tokens for the same seed alone or batched; on the native kernels the rows are scored in one forward and a
+row's logits equal a fresh batch-1 forward after any accept/reject pattern in the other rows; a chi-square
+through a mixed batch (rows with different drafters and sampling settings) against each row's exact
+distribution; bad requests are refused one by one; ``generate --batch``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+from fakes import LetterTokenizer, TableLM
+from test_engine import noisy_copy
+from test_kernels import CONFIG, random_llama
+from verispec import cli
+from verispec.api import Speculator
+from verispec.drafting.base import NoDrafter
+from verispec.drafting.draft_model import ModelDrafter
+from verispec.drafting.ngram import NGramDrafter
+from verispec.engine import EngineConfig, GenerationStats, Request, SpeculativeEngine
+from verispec.kernels.cpu import native_available
+from verispec.models.base import RowInput
+from verispec.policies import ConstantK
+from verispec.sampling import SamplingParams, probs_from_logits
+
+GREEDY = SamplingParams(temperature=0)
+VOCAB = CONFIG.vocab_size
+PROMPTS = ["abcabcab", "hello", "zyxw", "aaaa", "thecatsatonthecat", "q", "bananabanana"]
+needs_native = pytest.mark.skipif(
+    native_available() is not None, reason=f"no native kernels: {native_available()}"
+)
+
+
+@pytest.fixture(scope="module")
+def native_target():
+    """A tiny random Llama on the native kernels whose greedy text varies (an untied head: a tied one
+    repeats the last token)."""
+    model = random_llama(dataclasses.replace(CONFIG, tie_word_embeddings=False))
+    assert model.optimize_for_cpu(precision="q4_1")
+    return model
+
+
+def speculator(model, drafter: str = "ngram", draft: str | None = None) -> Speculator:
+    return Speculator((model, LetterTokenizer(VOCAB)), draft=draft, drafter=drafter)
+
+
+def count_batched_forwards(model, monkeypatch) -> list[int]:
+    """The row counts of the model's batched forwards, as they happen."""
+    sizes: list[int] = []
+    original = model.forward_rows
+
+    def counted(rows):
+        sizes.append(len(rows))
+        return original(rows)
+
+    monkeypatch.setattr(model, "forward_rows", counted)
+    return sizes
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("drafter", "draft", "k"),
+    [("none", None, 0), ("ngram", None, 3), ("model", "layers:1", 2), ("model", "self:q8_0", "auto")],
+)
+def test_greedy_in_a_batch_equals_decoding_alone(native_target, monkeypatch, drafter, draft, k):
+    spec = speculator(native_target, drafter, draft)
+    options = dict(k=k, max_new_tokens=24, sampling=GREEDY)
+    alone = [spec.generate(p, **options).token_ids for p in PROMPTS]
+    sizes = count_batched_forwards(native_target, monkeypatch)
+    batched = spec.generate_batch(PROMPTS, slots=3, **options)  # 7 requests, 3 at a time: joins and leaves
+    assert [r.token_ids for r in batched] == alone
+    assert max(sizes) == 3  # scored together
+    assert all(r.stats["new_tokens"] == len(r.token_ids) > 0 for r in batched)
+
+
+@needs_native
+def test_same_seed_same_tokens_alone_or_batched(native_target):
+    spec = speculator(native_target, "ngram")
+    sampling = SamplingParams(temperature=1.0, top_k=20, seed=7)
+    options = dict(k=2, max_new_tokens=20, sampling=sampling)
+    alone = [spec.generate(p, **options).token_ids for p in PROMPTS[:4]]
+    assert [r.token_ids for r in spec.generate_batch(PROMPTS[:4], slots=4, **options)] == alone
+    other_seed = SamplingParams(temperature=1.0, top_k=20, seed=8)
+    assert spec.generate(PROMPTS[0], **dict(options, sampling=other_seed)).token_ids != alone[0]
+
+
+@needs_native
+def test_a_row_never_sees_the_others(native_target):
+    """After random accept/reject patterns in every row, each row's logits from one batched forward equal a
+    fresh batch-1 forward over that row's committed tokens, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    rows = native_target.new_cache_rows(3)
+    committed: list[list[int]] = [[] for _ in rows]
+    for _ in range(6):  # each step: every row gets a block, then is rolled back to a random length
+        inputs = []
+        for cache in rows:
+            block = torch.randint(0, VOCAB, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g)
+            start = cache.length
+            inputs.append(RowInput(cache, block, torch.arange(start, start + len(block)), None, True, False))
+        outputs = native_target.forward_rows(inputs)
+        for row, (cache, ids, (logits, _)) in enumerate(zip(rows, committed, outputs, strict=True)):
+            block = inputs[row].tokens.tolist()
+            fresh = native_target(
+                torch.tensor([ids + block]),
+                torch.arange(len(ids) + len(block))[None],
+                native_target.new_cache(),
+            )[0, -len(block) :]
+            assert torch.equal(logits, fresh)
+            keep = int(torch.randint(0, len(block) + 1, (1,), generator=g))
+            ids += block[:keep]
+            cache.truncate(len(ids))
+
+
+@needs_native
+def test_forward_rows_refuses_what_it_cannot_take_together(native_target):
+    rows = native_target.new_cache_rows(2)
+    single = native_target.new_cache()
+    inputs = [
+        RowInput(c, torch.tensor([1, 2]), torch.arange(2), None, True, False) for c in (rows[0], single)
+    ]
+    assert not native_target.scores_together(inputs)
+    assert not native_target.scores_together([inputs[0], inputs[0]])  # a row twice
+    with pytest.raises(ValueError, match="rows of one native cache"):
+        native_target.forward_rows(inputs)
+
+
+def test_bad_requests_are_refused_one_by_one():
+    target = TableLM(8, seed=1, max_context=12)
+    spec = Speculator((target, LetterTokenizer(8)), drafter="ngram")
+    options = dict(k=2, max_new_tokens=4, sampling=GREEDY)
+    results = spec.generate_batch(["abc", "", "abcdefghabcdefgh", "bcd"], slots=2, **options)
+    assert [bool(r.error) for r in results] == [False, True, True, False]
+    assert "the prompt is empty" in results[1].error and "the context holds 12" in results[2].error
+    assert results[0].token_ids == spec.generate("abc", **options).token_ids
+    with pytest.raises(ValueError, match="slots must be an integer >= 1"):
+        spec.generate_batch(["abc"], slots=0)
+    engine = SpeculativeEngine(target, slots=1)
+    request = Request(
+        [1, 2], EngineConfig(3, GREEDY), NoDrafter(), ConstantK(0), GenerationStats("none", "0")
+    )
+    engine.submit(request)
+    with pytest.raises(ValueError, match="all 1 slots are taken"):
+        engine.submit(request)
+
+
+def test_a_cancelled_request_frees_its_slot_at_once():
+    target = TableLM(8, seed=1)
+    engine = SpeculativeEngine(target, slots=1)
+    stats = GenerationStats("none", "0")
+    running = engine.submit(Request([1, 2], EngineConfig(50, GREEDY), NoDrafter(), ConstantK(0), stats))
+    engine.step()
+    engine.cancel(running)
+    assert running.done and stats.stop_reason == "cancelled" and engine.free_slots == 1
+    assert engine.step() == []
+
+
+# Chi-square through a mixed batch: two requests per batch, a model drafter at temperature 1 and prompt
+# lookup at temperature 0.8 with top-p 0.9, each seeded; the first two tokens of each against its exact
+# distribution. N batches, 2 tests, α = 1e-4 / 2 (Bonferroni).
+N_BATCHES = 3000
+ALPHA = 1e-4 / 2
+
+
+def expected_first_two(target: TableLM, prompt_token: int, params: SamplingParams) -> torch.Tensor:
+    v = target.vocab_size
+    first = probs_from_logits(target.table[v, prompt_token].double(), params)  # after a one-token prompt
+    return torch.stack([first[a] * probs_from_logits(target.table[prompt_token, a].double(), params)
+                        for a in range(v)])  # fmt: skip
+
+
+def p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    counts, expected = counts.flatten(), expected.flatten() * counts.sum()
+    keep = expected >= 5  # cells too rare for the approximation are merged
+    obs = torch.cat([counts[keep], counts[~keep].sum().view(1)])
+    exp = torch.cat([expected[keep], expected[~keep].sum().view(1)])
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return scipy_stats.chisquare(obs.numpy(), exp.numpy()).pvalue
+
+
+@pytest.mark.slow
+def test_chi_square_through_a_mixed_batch():
+    target = TableLM(4, seed=21, sharpness=1.2)
+    draft = noisy_copy(target, 22, 1.5)
+    settings = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9)]
+    counts = torch.zeros(2, 4, 4, dtype=torch.float64)
+    engine = SpeculativeEngine(target, slots=2)
+    for seed in range(N_BATCHES):
+        handles = []
+        for row, params in enumerate(settings):
+            sampling = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=2 * seed + row)
+            drafter = ModelDrafter(draft, sampling, 4) if row == 0 else NGramDrafter(2, 1)
+            stats = GenerationStats(drafter.name, "3")
+            handles.append(
+                engine.submit(Request([1 + row], EngineConfig(2, sampling), drafter, ConstantK(3), stats))
+            )
+        outputs: dict[int, list[int]] = {0: [], 1: []}
+        while engine.running:
+            for running, tokens in engine.step():
+                outputs[handles.index(running)] += tokens
+        for row in range(2):
+            first, second = outputs[row]
+            counts[row, first, second] += 1
+    for row, params in enumerate(settings):
+        assert p_value(counts[row], expected_first_two(target, 1 + row, params)) > ALPHA
+
+
+def test_generate_batch_from_a_jsonl_file(tmp_path, capsys, shared_model):
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    requests = tmp_path / "requests.jsonl"
+    lines = [{"id": "a", "prompt": "Once upon a time"}, {"id": "b", "prompt": "Tom had a red ball."},
+             {"prompt": "The sun was hot"}]  # fmt: skip
+    requests.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    model = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
+    argv = [
+        "generate",
+        "--batch",
+        str(requests),
+        "--json",
+        "--max-new-tokens",
+        "12",
+        "--max-batch",
+        "2",
+        *model,
+    ]
+    assert cli.main(argv) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["id"] for r in records] == ["a", "b", "3"]  # a line without an id: its line number
+    for record, line in zip(records, lines, strict=True):
+        assert cli.main(["generate", line["prompt"], "--json", "--max-new-tokens", "12", *model]) == 0
+        assert json.loads(capsys.readouterr().out)["token_ids"] == record["token_ids"]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"id": "a", "prompt": "x"}\nnot json\n', r"requests.jsonl:2: not JSON"),
+        ('{"id": "a"}\n', r'requests.jsonl:1: a request is an object with "prompt" or "messages"'),
+        ('{"prompt": 3}\n', r'requests.jsonl:1: "prompt" must be a string'),
+        ('{"messages": []}\n', r'requests.jsonl:1: "messages" must be a non-empty list'),
+        ('{"id": 1, "prompt": "x"}\n{"id": "1", "prompt": "y"}\n', r"requests.jsonl:2: id '1' repeats"),
+        ("\n\n", r"holds no requests"),
+    ],
+)
+def test_malformed_batch_files_are_one_line_errors(tmp_path, capsys, content, message):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(content)
+    assert cli.main(["generate", "--batch", str(requests)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(message, err)
+
+
+def test_batch_bad_combinations(tmp_path, capsys):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text('{"prompt": "x"}\n')
+    for extra, message in [(["hello"], "PROMPT or --batch"), (["--show-trace"], "no traces"),
+                           (["--max-batch", "0"], "--max-batch must be >= 1")]:  # fmt: skip
+        assert cli.main(["generate", "--batch", str(requests), *extra]) == 2
+        assert message in capsys.readouterr().err
