@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import threading
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from verispec.kernels.cpu import native_available
 from verispec.models.base import RowInput
 from verispec.policies import ConstantK
 from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.scheduler import QueueFull, Scheduler
 
 GREEDY = SamplingParams(temperature=0)
 VOCAB = CONFIG.vocab_size
@@ -265,3 +267,49 @@ def test_batch_bad_combinations(tmp_path, capsys):
                            (["--max-batch", "0"], "--max-batch must be >= 1")]:  # fmt: skip
         assert cli.main(["generate", "--batch", str(requests), *extra]) == 2
         assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- scheduler
+
+
+@needs_native
+def test_scheduler_serves_many_threads_each_as_alone(native_target):
+    spec = speculator(native_target, "ngram")
+    options = dict(k=2, max_new_tokens=16, sampling=GREEDY)
+    alone = {p: spec.generate(p, **options) for p in PROMPTS}
+    got: dict[str, list[int]] = {}
+    texts: dict[str, str] = {}
+
+    def client(prompt: str) -> None:
+        handle = scheduler.submit(prompt, **options)
+        chunks = list(handle)
+        got[prompt] = [t for c in chunks for t in c.token_ids]
+        texts[prompt] = "".join(c.text for c in chunks)
+
+    with Scheduler(spec, slots=3, max_queue=len(PROMPTS)) as scheduler:
+        threads = [threading.Thread(target=client, args=(p,)) for p in PROMPTS]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert got == {p: r.token_ids for p, r in alone.items()}
+    assert texts == {p: r.text for p, r in alone.items()}
+
+
+def test_scheduler_cancel_frees_the_slot_and_a_full_queue_refuses():
+    target = TableLM(8, seed=1)
+    spec = Speculator((target, LetterTokenizer(8)), drafter="none")
+    options = dict(k=0, max_new_tokens=200, sampling=GREEDY)
+    with Scheduler(spec, slots=1, max_queue=1) as scheduler:
+        first = scheduler.submit("abc", **options)
+        second = scheduler.submit("bcd", **dict(options, max_new_tokens=3))
+        with pytest.raises(QueueFull, match="1 requests running and 1 waiting"):
+            scheduler.submit("cde", **options)
+        next(iter(first))  # it runs
+        first.cancel()
+        assert len([t for c in second for t in c.token_ids]) == 3  # the slot went to the waiting one
+        assert first.finished.wait(10) and first.stats.stop_reason == "cancelled"
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            scheduler.submit("", **options)
+    with pytest.raises(ValueError, match="the scheduler is closed"):
+        scheduler.submit("abc", **options)

@@ -8,7 +8,7 @@ import pytest
 
 from verispec.analysis.analytic import CostModel
 from verispec.api import k_policy, parse_k
-from verispec.policies import CONTEXT_STEP, AdditiveK, AutoKConfig, ConstantK, CostModelK
+from verispec.policies import CONTEXT_STEP, AdditiveK, AutoKConfig, ConstantK, CostModelK, plan_batch
 
 K_MAX = 12
 FLAT = [1.0] * (K_MAX + 1)  # memory-bound: verifying K+1 tokens costs one step
@@ -173,3 +173,39 @@ def test_the_round_costs_follow_the_context():
     assert asked == [64, 2000 // CONTEXT_STEP * CONTEXT_STEP + CONTEXT_STEP // 2]
     fixed = CostModelK(CostModel(0.0, FLAT), AutoKConfig(prior=(0.6, 0.4)))  # no costs_at: FLAT holds
     assert fixed.next_k(2000) == short
+
+
+# a forward's cost over n new tokens on a 4-bit CPU target (measured, n = 1..16): cheap extra tokens at first,
+# then nearly what a token step costs
+BATCH_CURVE = [1.0, 1.18, 1.40, 1.58, 1.80, 1.94, 2.14, 2.27, 2.60, 2.88, 3.06, 3.03, 3.35, 3.47, 3.64, 3.95]
+
+
+def test_batch_plan_is_the_single_policy_alone_and_turns_speculation_off_under_load():
+    def plan(rows: int, alpha: float = 0.8) -> list[int]:
+        policies = [policy_at(alpha, 0.01, BATCH_CURVE) for _ in range(rows)]
+        return plan_batch(policies, [100] * rows, [15] * rows)
+
+    assert plan(1) == [policy_at(0.8, 0.01, BATCH_CURVE).next_k(100)]  # batch 1: today's rule
+    assert sum(plan(2)) > 0  # two rows: extra tokens are still cheap
+    assert plan(8) == [0] * 8  # eight rows already fill the forward: no drafts
+    assert sum(plan(2)) > 0  # the load drops: drafts again, no threshold involved
+    assert sum(plan(4, alpha=0.99)) > 0  # near-certain drafts pay at four rows
+    mixed = plan_batch(
+        [policy_at(0.95, 0.01, BATCH_CURVE), policy_at(0.1, 0.01, BATCH_CURVE)], [50, 50], [15, 15]
+    )
+    assert mixed[0] > 0 and mixed[1] == 0  # the tokens go to the row that accepts them
+    assert plan_batch([policy_at(0.95, 0.01, BATCH_CURVE)] * 2, [50, 50], [1, 0]) == [1, 0]  # rooms cap
+
+
+def test_the_batch_plan_maximises_the_rate_on_small_batches():
+    """On two rows and K ≤ 4 the greedy plan reaches the best rate of every allocation (brute force)."""
+    for a, b in [(0.9, 0.2), (0.6, 0.6), (0.3, 0.95)]:
+        policies = [policy_at(a, 0.05, BATCH_CURVE), policy_at(b, 0.05, BATCH_CURVE)]
+        ks = plan_batch(policies, [10, 10], [4, 4])
+
+        def rate(k1: int, k2: int, a: float = a, b: float = b) -> float:
+            tokens = sum((1 - x ** (k + 1)) / (1 - x) for x, k in ((a, k1), (b, k2)))
+            return tokens / (BATCH_CURVE[k1 + k2 + 1] + 0.05 * (k1 + k2))
+
+        best = max(rate(i, j) for i in range(5) for j in range(5))
+        assert rate(*ks) == pytest.approx(best, rel=1e-9)

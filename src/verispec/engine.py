@@ -45,7 +45,7 @@ from verispec.models.base import (
     TreeCache,
     TreeLanguageModel,
 )
-from verispec.policies import KPolicy
+from verispec.policies import CostModelK, KPolicy, plan_batch
 from verispec.sampling import SamplingParams, probs_from_logits
 from verispec.trace import TraceRecorder
 from verispec.verify.chain import Verdict, greedy_verify, rejection_sample, single_guess_sample
@@ -327,7 +327,8 @@ class SpeculativeEngine:
         commit / roll back. Returns the tokens each committed (an empty list for a prompt chunk); a sequence
         that stopped is ``done`` and has left the batch."""
         decoding = [r for r in self.running if r.decoding]
-        rounds = [self._propose(r) for r in decoding]
+        ks = self._plan(decoding)
+        rounds = [self._propose(r, k) for r, k in zip(decoding, ks, strict=True)]
         for r in self.running:
             if not r.decoding:
                 rounds.append(self._prompt_chunk(r, others=bool(decoding)))
@@ -371,8 +372,21 @@ class SpeculativeEngine:
         config = running.request.config
         return min(config.max_new_tokens - running.new, self.target.max_context - len(running.ids))
 
-    def _propose(self, running: Running) -> _Round:
-        """A decoding sequence's round: its tree, or a chain of its K policy's length (capped by its room)."""
+    def _plan(self, decoding: list[Running]) -> list[int | None]:
+        """Each decoding sequence's K for this step: chosen for the whole batch when every one drafts a
+        chain with ``--k auto`` (:func:`~verispec.policies.plan_batch`; a batch of one: its own policy's
+        choice), else None (each asks its own K policy)."""
+        policies = [r.request.k_policy for r in decoding]
+        chains = not any(isinstance(r.drafter, TreeDrafter) for r in decoding)
+        if len(decoding) < 2 or not chains or not all(isinstance(p, CostModelK) for p in policies):
+            return [None] * len(decoding)
+        caps = [self._room(r) - 1 for r in decoding]
+        planned = plan_batch(cast(list[CostModelK], policies), [len(r.ids) for r in decoding], caps)
+        return list(planned)
+
+    def _propose(self, running: Running, planned: int | None = None) -> _Round:
+        """A decoding sequence's round: its tree, or a chain of ``planned`` tokens (None: its K policy's
+        choice), capped by its room."""
         ids, drafter, room = running.ids, running.drafter, self._room(running)
         t0 = time.perf_counter()
         if isinstance(drafter, TreeDrafter):
@@ -382,7 +396,8 @@ class SpeculativeEngine:
             tree = drafter.propose_tree(ids, shape, running.generator)
             return _Round(running, tree.tokens.tolist(), len(ids) - 1, tree=tree,
                           draft_seconds=time.perf_counter() - t0)  # fmt: skip
-        k = min(running.request.k_policy.next_k(len(ids)), room - 1)
+        k = running.request.k_policy.next_k(len(ids)) if planned is None else planned
+        k = min(k, room - 1)
         proposal = drafter.propose(ids, k, running.generator) if k > 0 else Proposal.empty()
         return _Round(running, [ids[-1], *proposal.tokens.tolist()], len(ids) - 1, proposal=proposal,
                       draft_seconds=time.perf_counter() - t0)  # fmt: skip

@@ -11,7 +11,7 @@ so a policy never has to know about either.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +19,7 @@ import numpy as np
 from verispec.analysis.analytic import CostModel, speedup_by_k
 from verispec.errors import UsageError
 
-__all__ = ["CONTEXT_STEP", "AdditiveK", "AutoKConfig", "ConstantK", "CostModelK", "KPolicy"]
+__all__ = ["CONTEXT_STEP", "AdditiveK", "AutoKConfig", "ConstantK", "CostModelK", "KPolicy", "plan_batch"]
 
 CONTEXT_STEP = 128  # CostModelK's round costs follow the context in steps of this many positions
 
@@ -210,3 +210,56 @@ class CostModelK(KPolicy):
         if accepted < tested:
             self._rejected[accepted] += 1
         self._plan = None
+
+
+def _forward_cost(cost: CostModel, n: int) -> float:
+    """V(n): a target forward over n new tokens (of any rows) in units of one single-token step: the
+    calibrated v, extended linearly past its last point."""
+    last = cost.max_k + 1 if cost.max_k is not None else n
+    if n <= last:
+        return cost.verify(n)
+    slope = cost.verify(last) - cost.verify(last - 1) if last > 1 else 1.0
+    return cost.verify(last) + slope * (n - last)
+
+
+def plan_batch(policies: Sequence[CostModelK], contexts: Sequence[int], caps: Sequence[int]) -> list[int]:
+    """Each row's K for one step of a batch whose rows all draft with ``--k auto``: the K_i that maximise the
+    batch's expected committed tokens per unit of time,
+
+        Σ_i E[L_i](K_i) / (V(Σ_i (K_i + 1)) + Σ_i K_i·c_i),
+
+    V the target's cost of one forward of that many new tokens (:func:`_forward_cost`, the first row's
+    calibrated curve at the batch's mean context), c_i and α̂_i each row's own (``caps``: the most each may
+    draft). Draft tokens are added one at a time where they raise the rate most, while any does: when the
+    forward is cheap per extra token (a small batch, memory-bound), rows draft; when a batch is large enough
+    that every extra token costs nearly what a committed token is worth, speculation turns itself off, and
+    back on when the batch shrinks — no threshold. A batch of one is its policy's own choice (``next_k``,
+    probing included), today's single-sequence rule."""
+    if len(policies) == 1:
+        return [min(policies[0].next_k(contexts[0]), caps[0])]
+    context = round(sum(contexts) / len(contexts))
+    first = policies[0]
+    costs = [p.costs_at(context) if p.costs_at is not None else p.cost for p in policies]
+    target = costs[0]
+    alphas = [p.alphas for p in policies]
+    ks = [0] * len(policies)
+    reach = [1.0] * len(policies)  # Π α̂ of each row's drafted positions: its next token's worth
+    tokens, n, drafting = float(len(policies)), len(policies), 0.0
+    rate = tokens / (_forward_cost(target, n) + drafting)
+    while True:
+        best, best_rate = -1, rate
+        for i, (k, cap) in enumerate(zip(ks, caps, strict=True)):
+            if k >= min(cap, first.k_max, len(alphas[i])):
+                continue
+            gain = reach[i] * float(alphas[i][k])
+            candidate = (tokens + gain) / (_forward_cost(target, n + 1) + drafting + costs[i].cost_ratio)
+            if candidate > best_rate:
+                best, best_rate = i, candidate
+        if best < 0:
+            return ks
+        reach[best] *= float(alphas[best][ks[best]])
+        tokens += reach[best]
+        n += 1
+        drafting += costs[best].cost_ratio
+        ks[best] += 1
+        rate = best_rate

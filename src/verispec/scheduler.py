@@ -1,0 +1,197 @@
+"""Continuous batching for many threads: a :class:`Scheduler` runs a speculator's engine in a thread of its
+own; any thread submits requests and reads each one's committed tokens as they come.
+
+Requests wait in a bounded queue (``max_queue``; a full queue refuses at once with :class:`QueueFull`) and
+join the batch between steps as slots free; a request leaves as soon as it stops, or at the next step after
+:meth:`Handle.cancel`, and its slot takes the next waiting request. Only the scheduler's thread touches the
+engine; the others exchange requests and tokens with it through locks and queues, so a caller never blocks
+another's step. What a request gets is what :meth:`verispec.api.Speculator.generate` gives it alone.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from verispec.engine import GenerationStats, Request, Running, SpeculativeEngine
+from verispec.errors import UsageError
+
+if TYPE_CHECKING:
+    from verispec.api import Chunk, Speculator, _TextAssembler
+
+__all__ = ["Handle", "QueueFull", "Scheduler"]
+
+
+class QueueFull(UsageError):
+    """Every slot is busy and the queue is full: try again later (a server's 429)."""
+
+
+_END = object()  # a handle's last item
+
+
+class Handle:
+    """One submitted request. Iterating it yields its :class:`~verispec.api.Chunk`\\ s as they are committed
+    (blocking), ending when it stops; ``stats`` fills in as it goes; :meth:`cancel` stops it."""
+
+    def __init__(self, stats: GenerationStats, text: _TextAssembler) -> None:
+        self.stats = stats
+        self._text = text
+        self._chunks: queue.Queue[object] = queue.Queue()
+        self._cancelled = threading.Event()
+        self.error: BaseException | None = None  # the worker's failure, re-raised to the reader
+        self.running: Running | None = None  # its place in the engine, once admitted
+        self.finished = threading.Event()
+
+    def __iter__(self) -> Iterator[Chunk]:
+        while True:
+            item = self._chunks.get()
+            if item is _END:
+                if self.error is not None:
+                    raise self.error
+                return
+            yield item  # type: ignore[misc]
+
+    def cancel(self) -> None:
+        """Stop this request: it leaves the batch at the next step (its stop reason "cancelled")."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def _emit(self, tokens: list[int]) -> None:
+        from verispec.api import Chunk
+
+        self._chunks.put(Chunk(self._text.add(tokens), tokens))
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        from verispec.api import Chunk
+
+        self.error = error
+        if error is None:
+            tail = self._text.finish()
+            if tail:
+                self._chunks.put(Chunk(tail, []))
+        self._chunks.put(_END)
+        self.finished.set()
+
+
+class Scheduler:
+    """Serves ``speculator`` to many threads: up to ``slots`` sequences decoded together, up to
+    ``max_queue`` more waiting. Use as a context manager, or :meth:`close` it."""
+
+    def __init__(self, speculator: Speculator, slots: int = 8, max_queue: int = 64) -> None:
+        for name, value in (("slots", slots), ("max_queue", max_queue)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "slots" else 0):
+                raise UsageError(f"{name} must be an integer >= {1 if name == 'slots' else 0}, got {value!r}")
+        self.speculator = speculator
+        self.engine = SpeculativeEngine(speculator.model, slots=slots)
+        self.max_queue = max_queue
+        self._waiting: deque[tuple[Handle, Request]] = deque()  # (handle, its engine request)
+        self._handles: dict[int, Handle] = {}  # id(Running) → its handle
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="verispec-scheduler", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> Scheduler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._handles)
+
+    def submit(self, prompt: str | Sequence[Mapping[str, str]], **options) -> Handle:
+        """Queue a generation (options as for :meth:`verispec.api.Speculator.stream`, but ``trace``) and
+        return its handle at once. UsageError for a bad request, :class:`QueueFull` when every slot is busy
+        and ``max_queue`` requests already wait."""
+        request, text = self.speculator.request(prompt, **options)  # a bad request fails here, in the caller
+        if len(request.prompt) >= self.speculator.model.max_context:
+            context = self.speculator.model.max_context
+            raise UsageError(f"the prompt has {len(request.prompt)} tokens; the context holds {context}")
+        handle = Handle(request.stats, text)
+        with self._wake:
+            if self._closed:
+                raise UsageError("the scheduler is closed")
+            if len(self._handles) + len(self._waiting) >= self.engine.slots + self.max_queue:
+                slots = self.engine.slots
+                raise QueueFull(f"{slots} requests running and {self.max_queue} waiting: try again later")
+            self._waiting.append((handle, request))
+            self._wake.notify()
+        return handle
+
+    def close(self) -> None:
+        """Stop the worker: running and waiting requests end as cancelled."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+
+    # ------------------------------------------------------------------ the worker
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not self._closed and not self._waiting and not self._handles:
+                        self._wake.wait()
+                    if self._closed:
+                        break
+                    admitted: list[tuple[Handle, Request]] = []
+                    while self._waiting and len(admitted) < self.engine.free_slots:
+                        admitted.append(self._waiting.popleft())
+                for handle, request in admitted:
+                    self._admit(handle, request)
+                self._cancel_requested()
+                for running, tokens in self.engine.step():
+                    handle = self._handles[id(running)]
+                    if tokens:
+                        handle._emit(tokens)
+                    if running.done:
+                        self._retire(running)
+        except BaseException as err:  # a bug: every request learns of it, none hangs
+            for handle in [*self._handles.values(), *(h for h, _ in self._waiting)]:
+                handle._finish(err)
+            self._handles.clear()
+            self._waiting.clear()
+            raise
+        for running in list(self.engine.running):
+            self.engine.cancel(running)
+            self._retire(running)
+        for handle, _ in self._waiting:
+            handle.stats.stop_reason = "cancelled"
+            handle._finish()
+        self._waiting.clear()
+
+    def _admit(self, handle: Handle, request: Request) -> None:
+        if handle.cancelled:
+            handle.stats.stop_reason = "cancelled"
+            handle._finish()
+            return
+        try:
+            running = self.engine.submit(request)
+        except UsageError as err:
+            handle._finish(err)
+            return
+        handle.running = running
+        self._handles[id(running)] = handle
+
+    def _cancel_requested(self) -> None:
+        for handle in list(self._handles.values()):
+            if handle.cancelled and handle.running is not None and not handle.running.done:
+                self.engine.cancel(handle.running)
+                self._retire(handle.running)
+
+    def _retire(self, running: Running) -> None:
+        handle = self._handles.pop(id(running))
+        handle._finish()
