@@ -178,6 +178,7 @@ class Running:
     new: int = 0  # tokens committed after the prompt
     done: bool = False
     hidden_reader: HiddenStateReader | None = None
+    tree: bool = False  # its drafter proposes token trees
 
     @property
     def decoding(self) -> bool:
@@ -233,6 +234,7 @@ class SpeculativeEngine:
         else:
             self.caches = [target.new_cache() for _ in range(slots)]
         self.cache = self.caches[0]  # batch 1's
+        self._rows = target if isinstance(target, RowModel) else None  # scores rows together
         self.running: list[Running] = []
         if drafter is not None:
             self._check_drafter(drafter, trace, self.cache)
@@ -290,6 +292,7 @@ class SpeculativeEngine:
             ids=list(prompt),
             started=time.perf_counter(),
             hidden_reader=drafter if isinstance(drafter, HiddenStateReader) else None,
+            tree=isinstance(drafter, TreeDrafter),
         )
         self.running.append(running)
         return running
@@ -335,8 +338,9 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         scored = self._score(rounds)
         seconds = time.perf_counter() - t0
+        verdicts = self._verify_greedy_chains(rounds, [logits for logits, _ in scored])
         out: list[tuple[Running, list[int]]] = []
-        for rnd, (logits, hidden) in zip(rounds, scored, strict=True):
+        for index, (rnd, (logits, hidden)) in enumerate(zip(rounds, scored, strict=True)):
             running = rnd.running
             if rnd.proposal is None and rnd.tree is None:  # a prompt chunk
                 self._prefilled(running, len(rnd.tokens), hidden)
@@ -345,9 +349,10 @@ class SpeculativeEngine:
             running.request.stats.draft_seconds += rnd.draft_seconds
             running.request.stats.target_seconds += seconds
             assert logits is not None
-            emitted = self._settle_tree(rnd, logits, hidden) if rnd.tree is not None else self._settle(
-                rnd, logits, hidden
-            )
+            if rnd.tree is not None:
+                emitted = self._settle_tree(rnd, logits, hidden)
+            else:
+                emitted = self._settle(rnd, logits, hidden, verdicts.get(index))
             out.append((running, self._commit(running, emitted)))
         return out
 
@@ -377,7 +382,7 @@ class SpeculativeEngine:
         chain with ``--k auto`` (:func:`~verispec.policies.plan_batch`; a batch of one: its own policy's
         choice), else None (each asks its own K policy)."""
         policies = [r.request.k_policy for r in decoding]
-        chains = not any(isinstance(r.drafter, TreeDrafter) for r in decoding)
+        chains = not any(r.tree for r in decoding)
         if len(decoding) < 2 or not chains or not all(isinstance(p, CostModelK) for p in policies):
             return [None] * len(decoding)
         caps = [self._room(r) - 1 for r in decoding]
@@ -389,16 +394,15 @@ class SpeculativeEngine:
         choice), capped by its room."""
         ids, drafter, room = running.ids, running.drafter, self._room(running)
         t0 = time.perf_counter()
-        if isinstance(drafter, TreeDrafter):
-            cache = running.cache
-            assert isinstance(cache, TreeCache)
+        if running.tree:  # checked on submission: a tree drafter, a cache that compacts
+            drafter, cache = cast(TreeDrafter, drafter), cast(TreeCache, running.cache)
             shape = drafter.shape.capped(room - 1, cache.capacity - (len(ids) - 1))
             tree = drafter.propose_tree(ids, shape, running.generator)
             return _Round(running, tree.tokens.tolist(), len(ids) - 1, tree=tree,
                           draft_seconds=time.perf_counter() - t0)  # fmt: skip
         k = running.request.k_policy.next_k(len(ids)) if planned is None else planned
         k = min(k, room - 1)
-        proposal = drafter.propose(ids, k, running.generator) if k > 0 else Proposal.empty()
+        proposal = cast(Drafter, drafter).propose(ids, k, running.generator) if k > 0 else Proposal.empty()
         return _Round(running, [ids[-1], *proposal.tokens.tolist()], len(ids) - 1, proposal=proposal,
                       draft_seconds=time.perf_counter() - t0)  # fmt: skip
 
@@ -417,8 +421,8 @@ class SpeculativeEngine:
             chunk = rnd.proposal is None and rnd.tree is None
             rows.append(RowInput(rnd.running.cache, tokens, positions, mask, not chunk,
                                  rnd.running.hidden_reader is not None))  # fmt: skip
-        if len(rows) > 1 and isinstance(self.target, RowModel) and self.target.scores_together(rows):
-            return self.target.forward_rows(rows)
+        if len(rows) > 1 and self._rows is not None and self._rows.scores_together(rows):
+            return self._rows.forward_rows(rows)
         return [self._score_one(row) for row in rows]
 
     def _score_one(self, row: RowInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -440,21 +444,59 @@ class SpeculativeEngine:
 
     # ------------------------------------------------------------------ verify, commit
 
-    def _settle(self, rnd: _Round, logits: torch.Tensor, hidden: torch.Tensor | None) -> list[int]:
-        """Verify a chain round (logits [k'+1, V]), roll the row back, tell the drafter and K policy."""
+    def _verify_greedy_chains(
+        self, rounds: Sequence[_Round], logits: Sequence[torch.Tensor | None]
+    ) -> dict[int, tuple[Verdict, int]]:
+        """The greedy chain rounds of this step (untraced), verified together: one ``greedy_verify`` over
+        their padded drafts per set of end-of-sequence tokens (rows of their own lengths; greedy
+        verification draws nothing, so rows share it freely). Round index → (verdict, its row)."""
+        groups: dict[frozenset[int], list[int]] = {}
+        for index, rnd in enumerate(rounds):
+            config = rnd.running.request.config
+            if rnd.proposal is not None and config.sampling.greedy and rnd.running.request.trace is None:
+                groups.setdefault(config.eos_token_ids, []).append(index)
+        out: dict[int, tuple[Verdict, int]] = {}
+        for eos, members in groups.items():
+            if len(members) < 2:
+                continue
+            proposals = [rounds[i].proposal for i in members]
+            width = max(len(p.tokens) for p in proposals if p is not None)
+            scores = [logits[i] for i in members]
+            vocab = next(s for s in scores if s is not None).shape[-1]
+            draft = torch.zeros(len(members), width, dtype=torch.long)  # [B, K]
+            p = torch.zeros(len(members), width + 1, vocab)  # [B, K+1, V]: rows padded past their length
+            for row, (proposal, score) in enumerate(zip(proposals, scores, strict=True)):
+                assert proposal is not None and score is not None
+                n = len(proposal.tokens)
+                draft[row, :n] = proposal.tokens
+                p[row, : n + 1] = score
+            lengths = torch.tensor([len(q.tokens) for q in proposals if q is not None])  # [B]
+            verdict = greedy_verify(draft, p=p, draft_lengths=lengths, eos_token_id=sorted(eos) or None)
+            out.update((index, (verdict, row)) for row, index in enumerate(members))
+        return out
+
+    def _settle(
+        self,
+        rnd: _Round,
+        logits: torch.Tensor,
+        hidden: torch.Tensor | None,
+        verified: tuple[Verdict, int] | None = None,
+    ) -> list[int]:
+        """Verify a chain round (logits [k'+1, V]; ``verified``: its verdict and row, when verified with
+        others), roll the row back, tell the drafter and K policy."""
         running, proposal = rnd.running, rnd.proposal
         assert proposal is not None
         config, request = running.request.config, running.request
-        verdict = self._verify(proposal, logits.unsqueeze(0), config, running.generator)
+        if verified is None:
+            verified = self._verify(proposal, logits.unsqueeze(0), config, running.generator), 0
+        verdict, row = verified
         if request.trace is not None:
             request.trace.record(proposal, logits.unsqueeze(0), verdict, config.sampling)
-        emitted, accepted, drafted = verdict.row(0), int(verdict.num_accepted[0]), len(proposal.tokens)
+        emitted, accepted, drafted = verdict.row(row), int(verdict.num_accepted[row]), len(proposal.tokens)
         running.cache.truncate(len(running.ids) - 1 + len(emitted))  # the committed tokens but the new last
         if hidden is not None and running.hidden_reader is not None:
             running.hidden_reader.observe_hidden(hidden[: len(emitted)])  # [len(emitted), H]: committed ones
-        drafter = running.drafter
-        assert not isinstance(drafter, TreeDrafter)
-        drafter.observe(accepted)
+        cast(Drafter, running.drafter).observe(accepted)
         request.k_policy.observe(drafted, accepted)
         request.stats.record_round(drafted, accepted)
         return emitted
@@ -477,11 +519,12 @@ class SpeculativeEngine:
     def _settle_tree(self, rnd: _Round, logits: torch.Tensor, hidden: torch.Tensor | None) -> list[int]:
         """Verify a tree round (logits [N, V]) and compact its accepted path into place."""
         running, tree = rnd.running, rnd.tree
-        assert tree is not None and isinstance(running.cache, TreeCache)
+        assert tree is not None
+        cache = cast(TreeCache, running.cache)
         verdict = self._verify_tree(tree, logits, running.request.config, running.generator)
         kept = verdict.accepted_nodes[: len(verdict.tokens) - 1]  # all but an accepted end-of-sequence token
         root = len(running.ids) - 1
-        running.cache.compact(len(running.ids), [root + node for node in kept])
+        cache.compact(len(running.ids), [root + node for node in kept])
         if hidden is not None and running.hidden_reader is not None:
             running.hidden_reader.observe_hidden(hidden[[0, *kept]])  # [1 + len(kept), H]: the committed path
         stats = running.request.stats
