@@ -313,3 +313,24 @@ def test_scheduler_cancel_frees_the_slot_and_a_full_queue_refuses():
             scheduler.submit("", **options)
     with pytest.raises(ValueError, match="the scheduler is closed"):
         scheduler.submit("abc", **options)
+
+
+def test_bench_load_runs_and_reports(tmp_path, capsys, shared_model):
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    out = tmp_path / "load"
+    model = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
+    argv = ["bench-load", *model, "--methods", "none,ngram", "--concurrency", "1,2", "--requests", "3",
+            "--max-new-tokens", "4", "--threads", "1", "--out", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    cells = {(c["method"], c["concurrency"]): c for c in results["cells"]}
+    assert set(cells) == {("none", 1), ("none", 2), ("ngram", 1), ("ngram", 2)}
+    for cell in cells.values():
+        assert cell["requests"] == 3 and cell["tokens"] + cell["failures"] > 0
+        assert cell["tokens_per_second"] > 0 and cell["ttft_p50"] <= cell["ttft_p99"]
+    assert (out / "results.md").is_file() and (out / "tokens_per_second.png").is_file()
+    assert "| ngram k=auto | 2 |" in capsys.readouterr().out
+    for bad, message in [(["--methods", "medusa"], "unknown method 'medusa'"),
+                         (["--concurrency", "0"], "concurrency levels must be integers >= 1")]:  # fmt: skip
+        assert cli.main(["bench-load", *model, *bad, "--out", str(tmp_path / "x")]) == 2
+        assert message in capsys.readouterr().err

@@ -769,6 +769,65 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_load_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec bench-load``."""
+    from verispec.bench.load import LOAD_METHODS
+
+    parser = subparsers.add_parser(
+        "bench-load",
+        help="many requests at once: aggregate tokens/s, time to first token, inter-token latency",
+        description="At each concurrency C, C clients keep C requests in flight through a continuous batch "
+        "of C slots; report aggregate tokens/s, time to first token and inter-token latency (p50, p99) per "
+        "method, beside transformers' batched generate; write results.json, results.md and a chart to --out.",
+    )
+    _add_model_specs(parser)
+    parser.add_argument(
+        "--methods",
+        type=_list_of(str, "method names"),
+        default="none,ngram,auto,transformers",
+        help=f"comma-separated, of {', '.join(LOAD_METHODS)} (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--k", type=_list_of(str, "values"), default="auto", help="draft lengths: N or auto (default: auto)"
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=_list_of(int, "integers"),
+        default="1,4,8,16",
+        help="concurrent requests, comma-separated (default: %(default)s)",
+    )
+    parser.add_argument("--requests", type=int, help="requests per concurrency (default: 4 x C, at least 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="per request (default: %(default)s)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--out", metavar="DIR", help="output directory (default: results/bench-load-STAMP)")
+    parser.set_defaults(func=run_bench_load)
+
+
+def run_bench_load(args: argparse.Namespace) -> int:
+    """Run ``verispec bench-load``: print the table; the files go to --out."""
+    import datetime
+
+    from verispec.bench.load import LoadConfig, run_load, write_load_report
+
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    config = LoadConfig(
+        target=args.target or LoadConfig.target,
+        tokenizer=args.tokenizer,
+        precision=args.precision,
+        methods=tuple(args.methods),
+        ks=tuple(args.k),
+        concurrency=tuple(args.concurrency),
+        requests=args.requests,
+        max_new_tokens=args.max_new_tokens,
+        threads=args.threads,
+        out=args.out or f"results/bench-load-{stamp}",
+    )
+    out = write_load_report(run_load(config), config.out)
+    print((out / "results.md").read_text())
+    print(f"results written to {out}", file=sys.stderr)
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- calibrate
 
 
@@ -1027,6 +1086,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_parser(subparsers)
     add_viz_parser(subparsers)
     add_bench_parser(subparsers)
+    add_bench_load_parser(subparsers)
     add_calibrate_parser(subparsers)
     add_drafter_data_parser(subparsers)
     add_train_drafter_parser(subparsers)

@@ -1,0 +1,289 @@
+"""``verispec bench-load``: many requests at once — aggregate throughput, time to first token and inter-token
+latency per method and concurrency, beside transformers' batched ``generate`` on the same weights.
+
+At each concurrency C, C client threads share a list of requests (the bench's task prompts in the chat
+template, cycled), each submitting its next request to a :class:`~verispec.scheduler.Scheduler` of C slots
+as soon as its last one ended, until every request has run: a closed loop that keeps C requests in flight.
+Measured per cell: generated tokens over wall time (aggregate tokens/s), time to first token (submission →
+the first committed token), inter-token latency (the time between committed chunks, spread over the tokens
+of each: what a streaming client sees), their p50 and p99, tokens per target forward and the draft tokens
+per sequence and step. The peer, transformers, generates the same requests greedily in batches of C
+(left-padded), timed whole. ``results.json``, ``results.md`` and a chart (tokens/s against concurrency) are
+written to ``--out``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from verispec.api import Speculator
+from verispec.bench.suite import _has_chat_template, builtin_tasks
+from verispec.errors import UsageError
+from verispec.models.llama import DEFAULT_PRECISION
+from verispec.models.registry import DEFAULT_MODEL
+from verispec.sampling import SamplingParams
+from verispec.scheduler import Scheduler
+from verispec.viz import write_atomic
+
+Prompt = str | Sequence[Mapping[str, str]]  # a prompt, or a conversation
+
+__all__ = ["LOAD_METHODS", "LoadConfig", "run_load", "write_load_report"]
+
+LOAD_METHODS = ("none", "ngram", "eagle", "auto", "transformers")  # auto: the drafter auto picks
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """What ``verispec bench-load`` runs; validated with UsageError. ``ks``: the K of the drafting methods
+    (N or "auto"); ``requests``: per concurrency (default: 4 × the concurrency, at least 8)."""
+
+    target: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    precision: str = DEFAULT_PRECISION
+    methods: tuple[str, ...] = ("none", "ngram", "auto", "transformers")
+    ks: tuple[str, ...] = ("auto",)
+    concurrency: tuple[int, ...] = (1, 4, 8, 16)
+    requests: int | None = None
+    max_new_tokens: int = 64
+    threads: int | None = None
+    out: str = ""
+    prompts: tuple[Prompt, ...] = field(default=())  # default: the bench's task prompts
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in LOAD_METHODS]
+        if unknown or not self.methods:
+            raise UsageError(
+                f"unknown method {unknown[0] if unknown else ''!r}; choose from {', '.join(LOAD_METHODS)}"
+            )
+        if not self.concurrency or any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.concurrency
+        ):
+            raise UsageError(f"concurrency levels must be integers >= 1, got {list(self.concurrency)}")
+        for k in self.ks:
+            if k != "auto" and not (k.isdigit() and int(k) >= 1):
+                raise UsageError(f"k must be N >= 1 or auto, got {k!r}")
+        for name, value in (("requests", self.requests), ("max_new_tokens", self.max_new_tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
+
+    def requests_at(self, concurrency: int) -> int:
+        return self.requests if self.requests is not None else max(8, 4 * concurrency)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _load_prompts(config: LoadConfig, chat: bool) -> list[Prompt]:
+    """The requests' prompts: the config's, else every bench task's (conversations where the model has a
+    chat template)."""
+    if config.prompts:
+        return list(config.prompts)
+    return [prompt.for_model(chat) for task_prompts in builtin_tasks().values() for prompt in task_prompts]
+
+
+def _verispec_cell(
+    spec: Speculator, prompts: list[Prompt], concurrency: int, k: str, config: LoadConfig, chat: bool
+) -> dict:
+    """C clients in a closed loop through a scheduler of C slots."""
+    queue = list(range(config.requests_at(concurrency)))
+    lock = threading.Lock()
+    ttft: list[float] = []
+    itl: list[float] = []
+    tokens, calls, drafted, failures = [0], [0], [0], [0]
+    options = dict(k=int(k) if k.isdigit() else k, max_new_tokens=config.max_new_tokens,
+                   sampling=SamplingParams(temperature=0), chat=chat)  # fmt: skip
+
+    def client(scheduler: Scheduler) -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                index = queue.pop(0)
+            start = time.perf_counter()
+            try:
+                handle = scheduler.submit(prompts[index % len(prompts)], **options)
+                last, count, mine = start, 0, []
+                for chunk in handle:
+                    now = time.perf_counter()
+                    n = len(chunk.token_ids)
+                    if n and count == 0:
+                        with lock:
+                            ttft.append(now - start)
+                    elif n:
+                        mine += [(now - last) / n] * n
+                    if n:
+                        last, count = now, count + n
+                with lock:
+                    itl.extend(mine)
+                    tokens[0] += count
+                    calls[0] += handle.stats.target_calls
+                    drafted[0] += handle.stats.drafted
+            except Exception:  # counted: a load test reports failures, it does not stop at one
+                with lock:
+                    failures[0] += 1
+
+    with Scheduler(spec, slots=concurrency, max_queue=concurrency) as scheduler:
+        threads = [threading.Thread(target=client, args=(scheduler,)) for _ in range(concurrency)]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        seconds = time.perf_counter() - start
+    return {
+        "tokens_per_second": tokens[0] / seconds,
+        "tokens": tokens[0],
+        "seconds": seconds,
+        "requests": config.requests_at(concurrency),
+        "failures": failures[0],
+        "ttft_p50": _percentile(ttft, 0.5),
+        "ttft_p99": _percentile(ttft, 0.99),
+        "itl_p50": _percentile(itl, 0.5),
+        "itl_p99": _percentile(itl, 0.99),
+        "tokens_per_target_call": tokens[0] / calls[0] if calls[0] else None,
+        "drafted_per_round": drafted[0] / calls[0] if calls[0] else None,
+    }
+
+
+def _transformers_cell(
+    model, tokenizer, prompts: list[Prompt], concurrency: int, config: LoadConfig, chat: bool
+) -> dict:
+    """transformers' greedy ``generate`` over the same requests in left-padded batches of C."""
+    ids = [tokenizer.encode(tokenizer.chat_prompt(p) if chat else p) for p in prompts]
+    count = config.requests_at(concurrency)
+    eos = sorted(tokenizer.eos_token_ids)
+    pad = eos[0] if eos else 0
+    generated = 0
+    start = time.perf_counter()
+    for first in range(0, count, concurrency):
+        batch = [ids[i % len(ids)] for i in range(first, min(count, first + concurrency))]
+        width = max(map(len, batch))
+        inputs = torch.tensor([[pad] * (width - len(b)) + b for b in batch])  # [C, L] left-padded
+        mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])  # [C, L]
+        with torch.inference_mode():
+            out = model.generate(inputs, attention_mask=mask, max_new_tokens=config.max_new_tokens,
+                                 do_sample=False, eos_token_id=eos or None, pad_token_id=pad)  # fmt: skip
+        for row in out[:, width:].tolist():
+            stop = next((i for i, t in enumerate(row) if t in eos), None)
+            generated += len(row) if stop is None else stop + 1
+    seconds = time.perf_counter() - start
+    return {"tokens_per_second": generated / seconds, "tokens": generated, "seconds": seconds,
+            "requests": count, "failures": 0}  # fmt: skip
+
+
+def run_load(config: LoadConfig, progress: bool = True) -> dict:
+    """Every method at every concurrency; the results as ``results.json`` records them."""
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    base = Speculator(config.target, drafter="none", tokenizer=config.tokenizer, precision=config.precision)
+    chat = _has_chat_template(base.tokenizer)
+    prompts = _load_prompts(config, chat)
+    loaded = (base.model, base.tokenizer)
+    cells = []
+    for method in config.methods:
+        if method == "transformers":
+            from verispec.bench.peers import load_transformers
+
+            peer = load_transformers(config.target, config.tokenizer)
+            for c in config.concurrency:
+                measured = _transformers_cell(peer, base.tokenizer, prompts, c, config, chat)
+                cells.append({"method": method, "k": "", "concurrency": c, **measured})
+                _say(progress, cells[-1])
+            continue
+        spec = base if method == "none" else Speculator(
+            loaded, drafter=method, target_label=str(config.target), precision=config.precision
+        )  # fmt: skip
+        for k in ("0",) if method == "none" else config.ks:
+            _verispec_cell(spec, prompts, 1, k, dataclasses.replace(config, requests=1), chat)  # warm-up
+            for c in config.concurrency:
+                label = spec.drafter_name if method == "auto" else method
+                measured = _verispec_cell(spec, prompts, c, k, config, chat)
+                cells.append({"method": method, "drafter": label, "k": "" if method == "none" else k,
+                              "concurrency": c, **measured})  # fmt: skip
+                _say(progress, cells[-1])
+    return {
+        "config": {"target": config.target, "precision": config.precision, "methods": list(config.methods),
+                   "ks": list(config.ks), "concurrency": list(config.concurrency),
+                   "max_new_tokens": config.max_new_tokens, "threads": torch.get_num_threads()},
+        "cells": cells,
+    }  # fmt: skip
+
+
+def _say(progress: bool, cell: dict) -> None:
+    if progress:
+        k = f" k={cell['k']}" if cell.get("k") else ""
+        speed = cell["tokens_per_second"]
+        print(f"bench-load: {cell['method']}{k} at {cell['concurrency']}: {speed:.1f} tok/s", flush=True)
+
+
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value * 1e3:.0f}"
+
+
+def write_load_report(results: dict, out: str | Path) -> Path:
+    """results.json, results.md (a table per concurrency, the crossover) and tokens_per_second.png/svg."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(results, indent=1)
+    write_atomic(out / "results.json", lambda tmp: Path(tmp).write_text(text))
+    cells = results["cells"]
+    plain = {c["concurrency"]: c["tokens_per_second"] for c in cells if c["method"] == "none"}
+    header = (
+        "| method | C | tok/s | × none | TTFT p50 / p99 ms | ITL p50 / p99 ms | τ | drafts/round | failures |"
+    )
+    lines = ["# verispec bench-load", "", f"Config: `{json.dumps(results['config'])}`", "", header,
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for c in cells:
+        label = (
+            c["method"]
+            + (f" k={c['k']}" if c.get("k") else "")
+            + (f" ({c['drafter']})" if c["method"] == "auto" else "")
+        )
+        base = plain.get(c["concurrency"])
+        ratio = c["tokens_per_second"] / base if base else None
+        tau = c.get("tokens_per_target_call")
+        drafts = c.get("drafted_per_round")
+        lines.append(
+            f"| {label} | {c['concurrency']} | {c['tokens_per_second']:.1f} | "
+            f"{'—' if ratio is None else f'{ratio:.2f}×'} | "
+            f"{_ms(c.get('ttft_p50'))} / {_ms(c.get('ttft_p99'))} | "
+            f"{_ms(c.get('itl_p50'))} / {_ms(c.get('itl_p99'))} | {'—' if tau is None else f'{tau:.2f}'} | "
+            f"{'—' if drafts is None else f'{drafts:.2f}'} | {c['failures']} |"
+        )
+    write_atomic(out / "results.md", lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
+    _chart(cells, out / "tokens_per_second")
+    return out
+
+
+def _chart(cells: list[dict], path: Path) -> None:
+    from verispec.viz.figures import figure_style, new_figure, save_figure
+
+    with figure_style():
+        fig = new_figure(7, 4)
+        ax = fig.add_subplot()
+        labels = dict.fromkeys(c["method"] + (f" k={c['k']}" if c.get("k") else "") for c in cells)
+        for label in labels:
+            mine = [c for c in cells if c["method"] + (f" k={c['k']}" if c.get("k") else "") == label]
+            ax.plot(
+                [c["concurrency"] for c in mine],
+                [c["tokens_per_second"] for c in mine],
+                marker="o",
+                label=label,
+            )
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("aggregate tokens/s")
+        ax.set_xscale("log", base=2)
+        ax.legend()
+    save_figure(fig, path)
