@@ -1,12 +1,13 @@
 """Builds verispec's native CPU kernels (``cpu.cpp``) for this machine, once, and loads them.
 
 The library is compiled with the system's C++ compiler (``$CXX``, else ``g++``, else ``c++``) for this CPU
-(``-march=native``) with OpenMP, into ``$VERISPEC_CACHE/kernels/`` (default ``~/.cache/verispec/kernels``),
-under a name keyed by the source, the compiler, its flags and the CPU's features, so that a changed source, a
-new compiler or another machine sharing the cache rebuilds, and everything else reuses the file. The build
+(``-march=native``), into ``$VERISPEC_CACHE/kernels/`` (default ``~/.cache/verispec/kernels``), under a name
+keyed by the source, the compiler, its flags and the CPU's features, so that a changed source, a new
+compiler or another machine sharing the cache rebuilds, and everything else reuses the file. The build
 writes a temporary file renamed into place: concurrent builds are safe and a half-written library is never
-loaded. OpenMP comes from the libgomp that torch has already loaded (the same thread pool as torch's own
-kernels), because torch is imported first.
+loaded. OpenMP comes from the libgomp that torch has already loaded (the same thread team as torch's own
+kernels in the process's first thread), because torch is imported first; other threads use the library's
+own pool.
 
 ``load()`` returns the loaded library, or raises :class:`NativeUnavailable` (one line saying why: no compiler,
 a failed build, a CPU the kernels do not support), which callers turn into "precision not available".
@@ -71,7 +72,7 @@ def build_flags(variant: str = "native") -> list[str]:
         "avx2": ["-mavx2", "-mfma", "-mf16c"],
         "portable": ["-DVS_PORTABLE"],
     }[variant]
-    return ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", *arch]
+    return ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-pthread", *arch]
 
 
 def _cpu_features() -> str:

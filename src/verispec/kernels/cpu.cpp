@@ -9,14 +9,25 @@
 // block of draft tokens or beside other sequences gets bit-identical logits, which is what makes
 // speculative verification with these kernels exact.
 //
-// Built by verispec.kernels.build on the machine that runs it (-march=native, OpenMP from the process's
-// own libgomp, the one torch loaded), called through ctypes; the C ABI below is all Python sees.
+// Built by verispec.kernels.build on the machine that runs it (-march=native), called through ctypes; the C
+// ABI below is all Python sees. Loops are split over threads (parallel_for): OpenMP's, shared with torch,
+// in the process's first thread; a pool of the library's own from any other (a server's engine thread).
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(VS_PORTABLE)
 #define VS_AVX2 1
@@ -25,6 +36,127 @@
 #define VS_AVX512 1  // 512-bit kernels, 16 outputs per group
 #endif
 #endif
+
+
+// ------------------------------------------------------------------------------------------ threads
+
+// A pool of worker threads for the loops of a forward called from a thread other than the first. run(n, T,
+// body) calls body(i) for every i in [0, n), thread t taking the contiguous share [t n / T, (t + 1) n / T)
+// (every output element is computed the same way whoever computes it). Between jobs the workers spin for a
+// few milliseconds (yielding the core to any runnable thread), then sleep: a forward runs ~200 short
+// parallel sections, and waking a sleeping thread for each costs more than the section — which is what
+// OpenMP's libgomp does from a second thread, counting more threads than cores. One caller at a time uses
+// the pool; another one meanwhile runs its loop on its own thread.
+class Pool {
+   public:
+    static Pool& get() {
+        static Pool pool;
+        return pool;
+    }
+
+    template <class F>
+    void run(int n, int threads, F& body) {
+        if (threads > n) threads = n;
+        if (threads <= 1 || !call_.try_lock()) {
+            for (int i = 0; i < n; i++) body(i);
+            return;
+        }
+        while ((int)workers_.size() < threads - 1) {
+            const int index = (int)workers_.size() + 1;
+            const long now = generation_.load();  // the job it waits for is the next one
+            workers_.emplace_back([this, index, now] { work(index, now); });
+        }
+        job_ = &invoke<F>;
+        context_ = &body;
+        n_ = n;
+        threads_ = threads;
+        pending_.store((int)workers_.size(), std::memory_order_relaxed);
+        generation_.fetch_add(1, std::memory_order_seq_cst);
+        if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+            { std::lock_guard<std::mutex> lock(sleep_); }
+            wake_.notify_all();
+        }
+        share(0);
+        while (pending_.load(std::memory_order_acquire) > 0) pause();
+        call_.unlock();
+    }
+
+    ~Pool() {
+        stop_.store(true);
+        generation_.fetch_add(1);
+        { std::lock_guard<std::mutex> lock(sleep_); }
+        wake_.notify_all();
+        for (auto& worker : workers_) worker.join();
+    }
+
+   private:
+    template <class F>
+    static void invoke(void* context, int i) { (*static_cast<F*>(context))(i); }
+
+    static inline void pause() { std::this_thread::yield(); }  // spin, but let a runnable thread have the core
+
+    void share(int t) {
+        if (t >= threads_) return;
+        const int begin = (int)((long)n_ * t / threads_), end = (int)((long)n_ * (t + 1) / threads_);
+        for (int i = begin; i < end; i++) job_(context_, i);
+    }
+
+    void work(int index, long seen) {
+        while (true) {
+            const auto start = std::chrono::steady_clock::now();
+            int spins = 0;
+            while (generation_.load(std::memory_order_acquire) == seen) {
+                pause();
+                if (++spins % 1024 == 0 && std::chrono::steady_clock::now() - start > std::chrono::milliseconds(5)) {
+                    std::unique_lock<std::mutex> lock(sleep_);
+                    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+                    wake_.wait(lock, [&] { return generation_.load(std::memory_order_seq_cst) != seen; });
+                    sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+                }
+            }
+            seen = generation_.load(std::memory_order_acquire);
+            if (stop_.load()) return;
+            share(index);
+            pending_.fetch_sub(1, std::memory_order_release);
+        }
+    }
+
+    std::mutex call_, sleep_;
+    std::condition_variable wake_;
+    std::vector<std::thread> workers_;
+    std::atomic<long> generation_{0};
+    std::atomic<int> pending_{0}, sleepers_{0};
+    std::atomic<bool> stop_{false};
+    void (*job_)(void*, int) = nullptr;
+    void* context_ = nullptr;
+    int n_ = 0, threads_ = 1;
+};
+
+// Whether the calling thread is the process's first one: there OpenMP shares torch's thread team (the
+// libgomp torch loaded), whose threads spin between sections as ours do; from any other thread libgomp
+// would start a second team and, counting more threads than cores, stop spinning.
+static inline bool first_thread() {
+#ifdef __linux__
+    static thread_local const bool first = getpid() == (pid_t)syscall(SYS_gettid);
+    return first;
+#else
+    return true;
+#endif
+}
+
+// body(i) for every i in [0, n) on `threads` threads, each taking a contiguous share
+template <class F>
+static inline void parallel_for(int n, int threads, F&& body) {
+    if (threads > n) threads = n;
+    if (threads <= 1) {
+        for (int i = 0; i < n; i++) body(i);
+    } else if (first_thread()) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int i = 0; i < n; i++) body(i);
+    } else {
+        Pool::get().run(n, threads, body);
+    }
+}
 
 enum { VS_F16 = 1, VS_Q8_0 = 2, VS_Q4_1 = 3 };
 enum { QK = 32 };  // elements per quantization block
@@ -205,10 +337,10 @@ static int quantize(int n, int cols, const float* x, vs_scratch* scratch, vs_qro
     qx->sum = (int32_t*)(floats + 2 * blocks);
     qx->q = (int8_t*)(floats + 3 * blocks);
     const int nb = cols / QK;
-#pragma omp parallel for schedule(static) num_threads(threads) if (n > 1)
-    for (int r = 0; r < n; r++)
+    parallel_for(n, threads, [&](int r) {
         quantize_row(x + (size_t)r * cols, cols, qx->q + (size_t)r * cols, qx->d + (size_t)r * nb,
                      qx->s + (size_t)r * nb, qx->sum + (size_t)r * nb);
+    });
     return 0;
 }
 
@@ -506,8 +638,7 @@ static inline void tile_group(const vs_matrix* w, int g, int r0, const vs_qrows*
 static void matmul_rows(const vs_matrix* w, int n, const float* x, const vs_qrows* qx, float* y, int threads) {
     const int rows = w->rows;
     if (w->format == VS_F16) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (int o = 0; o < rows; o++) {
+        parallel_for(rows, threads, [&](int o) {
             float out[TILE];
             const float bias = w->bias ? w->bias[o] : 0.0f;
             for (int r0 = 0; r0 < n; r0 += TILE) {
@@ -520,12 +651,11 @@ static void matmul_rows(const vs_matrix* w, int n, const float* x, const vs_qrow
                 }
                 for (int r = 0; r < size; r++) y[(size_t)(r0 + r) * rows + o] = out[r] + bias;
             }
-        }
+        });
         return;
     }
     const int groups = (rows + VS_GROUP - 1) / VS_GROUP;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int g = 0; g < groups; g++) {
+    parallel_for(groups, threads, [&](int g) {
         float out[GROUP_TILE * VS_GROUP];
         for (int r0 = 0; r0 < n; r0 += GROUP_TILE) {
             const int size = n - r0 < GROUP_TILE ? n - r0 : GROUP_TILE;
@@ -549,7 +679,7 @@ static void matmul_rows(const vs_matrix* w, int n, const float* x, const vs_qrow
                 for (int r = 0; r < size; r++) y[(size_t)(r0 + r) * rows + o] = out[r * VS_GROUP + l] + bias;
             }
         }
-    }
+    });
 }
 
 static int matmul(const vs_matrix* w, int n, const float* x, float* y, vs_scratch* scratch, int threads) {
@@ -565,14 +695,13 @@ static int matmul(const vs_matrix* w, int n, const float* x, float* y, vs_scratc
 // ------------------------------------------------------------------------------------------ layer pieces
 
 static void rmsnorm(int n, int dim, const float* x, const float* weight, float eps, float* y, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (n > 1)
-    for (int r = 0; r < n; r++) {
+    parallel_for(n, threads, [&](int r) {
         const float* xr = x + (size_t)r * dim;
         float* yr = y + (size_t)r * dim;
         const float ss = dot_f32(xr, xr, dim);
         const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
         for (int j = 0; j < dim; j++) yr[j] = weight[j] * (xr[j] * inv);
-    }
+    });
 }
 
 // x [head_dim] rotated in place at one position (transformers' rotate_half layout)
@@ -836,8 +965,7 @@ static int attention(const vs_model* m, int layer, const vs_batch* batch, const 
     float* parts = (float*)malloc(sizeof(float) * (size_t)n * heads * chunks * stride);
     if (!parts) return -2;
     const int tasks = cache->batch * m->kv_heads * chunks;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int task = 0; task < tasks; task++) {
+    parallel_for(tasks, threads, [&](int task) {
         const int chunk = task % chunks, g = (task / chunks) % m->kv_heads, seq = task / chunks / m->kv_heads;
         for (int i = 0; i < n; i++) {
             if (batch->seq[i] != seq) continue;
@@ -860,9 +988,8 @@ static int attention(const vs_model* m, int layer, const vs_batch* batch, const 
                 }
             }
         }
-    }
-#pragma omp parallel for schedule(static) num_threads(threads) if (n > 1)
-    for (int i = 0; i < n; i++) {
+    });
+    parallel_for(n, threads, [&](int i) {
         for (int h = 0; h < heads; h++) {
             const float* first = parts + ((size_t)i * heads + h) * chunks * stride;
             float top = -INFINITY, total = 0.0f;
@@ -879,7 +1006,7 @@ static int attention(const vs_model* m, int layer, const vs_batch* batch, const 
             const float inv = 1.0f / total;
             for (int d = 0; d < hd; d++) o[d] *= inv;
         }
-    }
+    });
     free(parts);
     return 0;
 }
@@ -968,12 +1095,11 @@ extern "C" int vs_forward(const vs_model* m, int first, int last, const vs_batch
         rmsnorm(n, hidden, h, L->mlp_norm, m->eps, x, threads);
         status = matmul(&L->gate_up, n, x, wide, &scratch, threads);  // wide: [N, 2 inter]
         if (status) break;
-#pragma omp parallel for schedule(static) num_threads(threads) if (n > 1)
-        for (int i = 0; i < n; i++) {  // SwiGLU: silu(gate) * up
+        parallel_for(n, threads, [&](int i) {  // SwiGLU: silu(gate) * up
             const float* gate = wide + (size_t)i * 2 * inter;
             float* a = attn + (size_t)i * inter;
             for (int j = 0; j < inter; j++) a[j] = gate[j] / (1.0f + expf(-gate[j])) * gate[inter + j];
-        }
+        });
         status = matmul(&L->down, n, attn, x, &scratch, threads);  // x: [N, hidden]
         if (status) break;
         for (size_t j = 0; j < (size_t)n * hidden; j++) h[j] += x[j];
