@@ -22,7 +22,6 @@ def oracle_quantize(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * d.double()).view(n, cols)
 
 
-
 def float16_cache_attention(attn: _Attention):
     """The plain attention with its cache writes rounded to float16, as the native cache stores them."""
 

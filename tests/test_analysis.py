@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from verispec.analysis.analytic import (
     DEFAULT_K_MAX,
+    BatchCost,
     CostModel,
     acceptance_rate,
     best_tree_size,
@@ -296,3 +297,42 @@ def test_cost_model_normalizes_and_is_frozen():
 def test_bad_arguments_raise_one_line_value_error(call):
     with pytest.raises(ValueError, match=r"^[^\n]+$"):
         call()
+
+
+GRID = BatchCost((1, 2, 4), (1, 2, 4), ((1.0, 1.2, 1.6), (1.5, 1.9, 2.7), (2.4, 3.2, 4.8)))
+
+
+def test_batch_cost_is_the_grid_at_its_points_and_linear_between():
+    for i, b in enumerate(GRID.rows):
+        for j, m in enumerate(GRID.tokens):
+            assert GRID.forward(b, b * m) == GRID.cost[i][j]
+    assert GRID.forward(1, 3) == pytest.approx(1.4)  # one row, 3 tokens: halfway between m = 2 and 4
+    assert GRID.forward(3, 3) == pytest.approx((1.5 + 2.4) / 2)  # 3 rows of one token: halfway in b
+    assert GRID.forward(3, 6) == pytest.approx((1.9 + 3.2) / 2)  # 2 tokens in each of 3 rows
+    assert GRID.forward(2, 3) == pytest.approx((1.5 + 1.9) / 2)  # 1.5 tokens per row
+    assert GRID.forward(8, 8) == pytest.approx(2.4 + (2.4 - 1.5) / 2 * 4)  # past the rows: the last segment
+    assert GRID.forward(1, 8) == pytest.approx(1.6 + 0.4 / 2 * 4)  # past the tokens likewise
+    assert GRID.forward(2, 2) > GRID.forward(1, 2)  # two rows of one token: two caches read, not one
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (((1,), (1, 2), ((1.0, 1.1),)), "rows must be >= 2 increasing integers"),
+        (((1, 1), (1, 2), ((1.0, 1.1), (1.0, 1.1))), "rows must be >= 2 increasing integers"),
+        (((1, 2), (0, 2), ((1.0, 1.1), (1.0, 1.1))), "tokens must be >= 2 increasing integers"),
+        (((1, 2), (1, 2), ((1.0, 1.1),)), "must be 2 x 2 numbers > 0"),
+        (((1, 2), (1, 2), ((1.0, 1.1), (1.0, 0.0))), "must be 2 x 2 numbers > 0"),
+        (((1, 2), (1, 2), ((1.0, 1.1), (1.0, float("nan")))), "must be 2 x 2 numbers > 0"),
+        (((1, 2), (1, 2), "grid"), "must be a grid of numbers|must be 2 x 2"),
+    ],
+)
+def test_batch_cost_refuses_a_bad_grid(args, message):
+    with pytest.raises(ValueError, match=message):
+        BatchCost(*args)
+
+
+@pytest.mark.parametrize("rows, tokens", [(0, 1), (2, 1), (1.5, 2), (True, 2), (1, "2")])
+def test_batch_cost_refuses_a_bad_forward(rows, tokens):
+    with pytest.raises(ValueError, match="a batch forward needs 1 <= rows <= tokens"):
+        GRID.forward(rows, tokens)

@@ -122,6 +122,30 @@ def test_a_row_never_sees_the_others(native_target):
 
 
 @needs_native
+def test_a_copied_row_continues_as_the_row_it_copies(native_target):
+    """copy_from gives another row a prefix's entries (and length): its next logits equal those of the row
+    that computed them, bit for bit, for a prefix that ends mid-tile (19 slots of tiles of 16) and after a
+    rollback of the copy; a cache of another layout or too small is refused."""
+    rows = native_target.new_cache_rows(3)
+    prefix = torch.arange(19) % VOCAB
+    native_target.forward_rows([RowInput(rows[0], prefix, torch.arange(19), None, False, False)])
+    rows[2].copy_from(rows[0])
+    assert rows[2].length == 19
+    rows[2].truncate(11)
+    rows[1].copy_from(rows[2])  # a copy of a rolled-back copy: 11 slots
+    rows[0].truncate(11)
+    block = torch.tensor([5, 6, 7])
+    outputs = native_target.forward_rows(
+        [RowInput(c, block, torch.arange(11, 14), None, True, False) for c in rows]
+    )
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][0], outputs[2][0])
+    with pytest.raises(ValueError, match="another layout or shape, or past capacity"):
+        native_target.new_cache(capacity=8).copy_from(rows[0])
+    with pytest.raises(ValueError, match="another layout or shape"):
+        native_target.new_cache(2).copy_from(rows[0])  # two sequences, not one
+
+
+@needs_native
 def test_forward_rows_refuses_what_it_cannot_take_together(native_target):
     rows = native_target.new_cache_rows(2)
     single = native_target.new_cache()

@@ -10,7 +10,9 @@ import torch
 from verispec import calibrate as calibration_module
 from verispec.api import Speculator
 from verispec.calibrate import (
+    BATCH_ROWS,
     K_MAX,
+    ROW_TOKENS,
     Calibration,
     DraftCosts,
     TargetCosts,
@@ -21,6 +23,7 @@ from verispec.calibrate import (
 )
 from verispec.cli import main
 from verispec.drafting.ngram import NGramDrafter
+from verispec.models.llama import Llama, LlamaConfig
 from verispec.models.registry import load_model
 from verispec.policies import ConstantK, CostModelK
 from verispec.sampling import SamplingParams
@@ -68,10 +71,19 @@ def test_measures_a_curve_and_a_cost_ratio(stories):
     assert calibration.path.parent == calibration_dir() and calibration.path.is_file()
 
 
+def grid(scale: float) -> tuple[tuple[float, ...], ...]:
+    """A batch grid: b rows of m tokens cost scale · (1 + 0.1·(b·m − 1) + 0.5·(b − 1)) seconds."""
+    return tuple(
+        tuple(scale * (1 + 0.1 * (b * m - 1) + 0.5 * (b - 1)) for m in ROW_TOKENS) for b in BATCH_ROWS
+    )
+
+
 def test_costs_at_a_context_interpolate_the_two_measured_contexts():
     short = (0.010, 0.012, 0.015)  # T(k) for k = 1..3 after 256 positions
     long = (0.014, 0.018, 0.025)  # after 1024
-    costs = TargetCosts("t", short, 3, "now", context=256, long_seconds=long, long_context=1024)
+    costs = TargetCosts(
+        "t", short, 3, "now", 256, long, 1024, batch_seconds=grid(0.010), long_batch_seconds=grid(0.014)
+    )
     assert costs.seconds_at(256) == short and costs.seconds_at(1024) == pytest.approx(long)
     assert costs.seconds_at(640) == pytest.approx((0.012, 0.015, 0.020))  # halfway
     assert costs.seconds_at(1792) == pytest.approx((0.018, 0.024, 0.035))  # linear beyond the long one
@@ -80,10 +92,42 @@ def test_costs_at_a_context_interpolate_the_two_measured_contexts():
     at = calibration.cost_model_at(1024)  # the draft's seconds as measured, over a dearer target step
     assert at.cost_ratio == pytest.approx(0.002 / 0.014) and at.verify(3) == pytest.approx(0.025 / 0.014)
     assert calibration.cost_model.cost_ratio == 0.2  # the short context's, as measured in pairs
-    unmeasured = TargetCosts("t", short, 3, "now")  # a model whose context has no room for the long one
-    assert unmeasured.seconds_at(4000) == short
+    # the batch grid in units of one row's T(1) at that context, interpolated like the rest
+    assert costs.batch_cost_at(256).forward(1, 1) == pytest.approx(1.0)
+    assert costs.batch_cost_at(640).forward(4, 8) == pytest.approx(1 + 0.7 + 1.5)
+    assert costs.batch_cost_at(1024) == calibration.batch_cost_at(1024)
+    unmeasured = TargetCosts("t", short, 3, "now", batch_seconds=grid(0.01))  # no room for the long context
+    assert unmeasured.seconds_at(4000) == short and unmeasured.batch_cost_at(4000).forward(2, 2) == 1.6
     with pytest.raises(ValueError, match="long-context timings need as many values, at a longer context"):
-        TargetCosts("t", short, 3, "now", context=256, long_seconds=long[:2], long_context=1024)
+        TargetCosts("t", short, 3, "now", 256, long[:2], 1024, grid(0.01), grid(0.014))
+    with pytest.raises(ValueError, match="batch timings must be 5 x 3 numbers > 0"):
+        TargetCosts("t", short, 3, "now", batch_seconds=grid(0.01)[:2])
+    with pytest.raises(ValueError, match="batch timings at the long context go with single-row ones"):
+        TargetCosts("t", short, 3, "now", batch_seconds=grid(0.01), long_batch_seconds=grid(0.01))
+
+
+def test_the_batch_grid_is_timed_where_rows_share_a_forward(stories):
+    """The native kernels score a batch's rows in one forward: their grid is timed. A target off them is
+    scored one row after another by the engine: its grid is b · T(m), computed, not timed."""
+    model, _ = stories
+    plain = calibrate(model, repetitions=2).target
+    assert plain.batch_seconds == tuple(
+        tuple(b * plain.seconds[m - 1] for m in ROW_TOKENS) for b in BATCH_ROWS
+    )
+    native = Llama(LlamaConfig(64, 64, 96, 2, 4, 2, max_position_embeddings=1024))
+    with torch.no_grad():
+        for weight in native.parameters():  # timing does not care what they hold, quantization does
+            weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    assert native.optimize_for_cpu(precision="q8_0")
+    timed = calibrate(native, repetitions=2).target
+    assert (timed.context, timed.long_context) == (256, 512) and len(timed.long_batch_seconds) == len(
+        BATCH_ROWS
+    )
+    assert timed.batch_seconds != tuple(
+        tuple(b * timed.seconds[m - 1] for m in ROW_TOKENS) for b in BATCH_ROWS
+    )
+    one = timed.batch_cost_at(256).forward(1, 1)  # T(1 row × 1 token) over T(1), timed apart
+    assert 0.5 < one < 2.0
 
 
 def test_cached_per_identity_and_reused(stories, measured):

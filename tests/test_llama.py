@@ -294,8 +294,11 @@ def test_precision_errors(saved, monkeypatch):
         model.optimize_for_cpu(precision="q8_0")  # intermediate_size 80: no blocks of 32
     monkeypatch.setattr(llama_module, "native_available", lambda: "no C++ compiler found")  # no kernels
     assert available_precisions() == ("fp32",) and resolve_precision("auto", "q4_1") == "fp32"
-    with pytest.raises(ValueError, match=r"precision 'fp16' is not available on this machine \(no C\+\+ "
-                       r"compiler found\); available: fp32, auto"):
+    with pytest.raises(
+        ValueError,
+        match=r"precision 'fp16' is not available on this machine \(no C\+\+ "
+        r"compiler found\); available: fp32, auto",
+    ):
         model.optimize_for_cpu(precision="fp16")
     assert model.cpu_precision is None  # nothing was changed by the refused calls
 

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from verispec.analysis.analytic import CostModel
+from verispec.analysis.analytic import BatchCost, CostModel
 from verispec.api import k_policy, parse_k
 from verispec.policies import CONTEXT_STEP, AdditiveK, AutoKConfig, ConstantK, CostModelK, plan_batch
 
@@ -195,6 +195,46 @@ def test_batch_plan_is_the_single_policy_alone_and_turns_speculation_off_under_l
     )
     assert mixed[0] > 0 and mixed[1] == 0  # the tokens go to the row that accepts them
     assert plan_batch([policy_at(0.95, 0.01, BATCH_CURVE)] * 2, [50, 50], [1, 0]) == [1, 0]  # rooms cap
+
+
+def _batch_grid(cost) -> BatchCost:
+    """A batch grid over rows 1..16 and tokens per row 1..8 from ``cost(b, m)``."""
+    rows, tokens = (1, 2, 4, 8, 16), (1, 2, 4, 8)
+    return BatchCost(rows, tokens, tuple(tuple(cost(b, m) for m in tokens) for b in rows))
+
+
+def _curve(n: int) -> float:
+    """BATCH_CURVE, extended past 16 tokens by its last slope."""
+    last = len(BATCH_CURVE)
+    return (
+        BATCH_CURVE[n - 1]
+        if n <= last
+        else BATCH_CURVE[-1] + (n - last) * (BATCH_CURVE[-1] - BATCH_CURVE[-2])
+    )
+
+
+def test_the_batch_plan_prices_rows_by_the_calibrated_grid():
+    """Rows that share one forward share the weights' reads: their new tokens fill it, and speculation stops;
+    rows scored one after another (a target whose rows cannot be scored together) each pay their own
+    forward, so each keeps drafting as it would alone; rows whose caches are dear to read (a long context)
+    make a forward dearer whatever is drafted, so drafts are relatively cheaper there."""
+    shared = _batch_grid(lambda b, m: _curve(b * m))  # one forward of b·m tokens, whatever the rows
+    one_by_one = _batch_grid(lambda b, m: b * _curve(m))
+    long_context = _batch_grid(lambda b, m: _curve(b * m) + 0.6 * (b - 1))  # each extra row: its own cache
+
+    def plan(rows: int, grid: BatchCost) -> list[int]:
+        config = AutoKConfig(prior=(0.8, 0.2))
+        policies = [
+            CostModelK(CostModel(0.01, BATCH_CURVE), config, batch_costs_at=lambda context: grid)
+            for _ in range(rows)
+        ]
+        return plan_batch(policies, [100] * rows, [7] * rows)
+
+    alone = policy_at(0.8, 0.01, [one_by_one.forward(1, n) for n in range(1, 9)]).next_k(100)  # its own line
+    assert plan(16, shared) == [0] * 16  # sixteen rows fill the shared forward
+    assert plan(16, one_by_one) == [alone] * 16  # separate forwards: every row drafts as it would alone
+    assert sum(plan(4, long_context)) > sum(plan(4, shared))  # the rows' cache reads make tokens worth more
+    assert plan(1, shared) == [policy_at(0.8, 0.01, BATCH_CURVE).next_k(100)]  # batch 1: today's rule
 
 
 def test_the_batch_plan_maximises_the_rate_on_small_batches():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.analysis.analytic import CostModel, speedup_by_k
+from verispec.analysis.analytic import BatchCost, CostModel, speedup_by_k
 from verispec.calibrate import QUICK_REPETITIONS, Calibration, calibrate
 from verispec.drafting.base import Drafter, TreeDrafter, check_static
 from verispec.drafting.draft_model import early_exit_layers, self_draft
@@ -83,11 +83,14 @@ def parse_k(k: int | str) -> int | str:
 
 
 def k_policy(
-    k: int | str, cost: CostModel | None = None, costs_at: Callable[[int], CostModel] | None = None
+    k: int | str,
+    cost: CostModel | None = None,
+    costs_at: Callable[[int], CostModel] | None = None,
+    batch_costs_at: Callable[[int], BatchCost] | None = None,
 ) -> KPolicy:
     """The K policy that ``k`` (see :func:`parse_k`) names; "auto" needs ``cost``, the calibrated cost model
-    of the target and drafter (:meth:`Speculator.calibration` measures or loads it), and follows the context
-    with ``costs_at`` (see :class:`~verispec.policies.CostModelK`)."""
+    of the target and drafter (:meth:`Speculator.calibration` measures or loads it), follows the context with
+    ``costs_at`` and plans batches with ``batch_costs_at`` (see :class:`~verispec.policies.CostModelK`)."""
     k = parse_k(k)
     if isinstance(k, int):
         return ConstantK(k)
@@ -95,7 +98,7 @@ def k_policy(
         return AdditiveK()
     if cost is None:
         raise UsageError("k 'auto' needs the cost model of the target and drafter")
-    return CostModelK(cost, costs_at=costs_at)
+    return CostModelK(cost, costs_at=costs_at, batch_costs_at=batch_costs_at)
 
 
 class Speculator:
@@ -253,7 +256,7 @@ class Speculator:
         if not self.kind.drafts:
             return ConstantK(0)
         calibration = self.calibration()
-        return k_policy(k, calibration.cost_model, calibration.cost_model_at)
+        return k_policy(k, calibration.cost_model, calibration.cost_model_at, calibration.batch_cost_at)
 
     def k_label(self, k: int | str) -> str:
         """How stats name the draft size: K (see :func:`parse_k`), or the tree's shape."""

@@ -11,6 +11,13 @@ needs, for one target and one drafter on this machine:
   attention makes every forward dearer as the context grows, and a block of k tokens more so than one
   token, so that the costs of a round at context L (:meth:`Calibration.cost_model_at`) interpolate the two
   linearly in L (attention's cost is linear in L);
+- the cost of a batch (:class:`~verispec.analysis.analytic.BatchCost`): T_target(b rows × m new tokens each)
+  for b in :data:`BATCH_ROWS` and m in :data:`ROW_TOKENS`, every row of one batch cache after the same
+  context, at both contexts, each timed right after a T(1) of one row and kept as the median of those ratios
+  times T(1). Rows share the weights' reads but each reads its own cache, so b rows of m tokens cost more
+  than one row of b·m. A target whose rows cannot be scored together (not
+  :class:`~verispec.models.base.RowModel`, or off the native kernels) is scored one row after another by the
+  engine, and its grid is b · T(m), not timed;
 - the cost ratio c = T_draft / T_target(1): the median, over ``repetitions`` proposals of :data:`DRAFT_K`
   tokens by the drafter itself (a model draft's forwards and greedy picks, an n-gram lookup) on the same
   context, of the time per drafted token over a T(1) timed just before; each proposal is rolled back as after
@@ -44,7 +51,7 @@ from typing import Any
 
 import torch
 
-from verispec.analysis.analytic import CostModel
+from verispec.analysis.analytic import BatchCost, CostModel
 from verispec.drafting.base import Drafter, HiddenStateReader
 from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.eagle.drafter import EagleDrafter
@@ -52,14 +59,17 @@ from verispec.drafting.ngram import NGramDrafter
 from verispec.errors import UsageError
 from verispec.kernels.build import library_path
 from verispec.kernels.cpu import FORMATS
-from verispec.models.base import HiddenStateModel, LanguageModel
+from verispec.models.base import HiddenStateModel, LanguageModel, RowInput, RowModel
 from verispec.models.gguf import cache_dir
+from verispec.models.llama import KVCache
 
 __all__ = [
+    "BATCH_ROWS",
     "CONTEXT",
     "DRAFT_K",
     "K_MAX",
     "QUICK_REPETITIONS",
+    "ROW_TOKENS",
     "Calibration",
     "DraftCosts",
     "TargetCosts",
@@ -74,10 +84,20 @@ K_MAX = 16  # v(k) is measured for k = 1..K_MAX new tokens: K ≤ K_MAX − 1 dr
 CONTEXT = 256  # positions in the cache while timing (capped at half the model's context)
 LONG_CONTEXT = 1024  # the second context timed (capped likewise): how costs grow with the context
 DRAFT_K = 4  # tokens per timed proposal
+BATCH_ROWS = (1, 2, 4, 8, 16)  # the batch grid: rows of one forward ...
+ROW_TOKENS = (1, 2, 4)  # ... times new tokens in each row
 QUICK_REPETITIONS = 5  # what a first use of ``--k auto`` measures with; ``verispec calibrate`` defaults to 10
-_VERSION = 3  # of the cache file format
+_VERSION = 4  # of the cache file format
 # part of the key: how it was measured
-_METHOD = {"context": CONTEXT, "long_context": LONG_CONTEXT, "k_max": K_MAX, "draft_k": DRAFT_K}
+_METHOD = {
+    "context": CONTEXT,
+    "long_context": LONG_CONTEXT,
+    "k_max": K_MAX,
+    "draft_k": DRAFT_K,
+    "batch_rows": BATCH_ROWS,
+    "row_tokens": ROW_TOKENS,
+}
+Grid = tuple[tuple[float, ...], ...]  # [len(BATCH_ROWS)][len(ROW_TOKENS)] seconds
 _HF_VERSION = "transformers_version"
 
 
@@ -92,6 +112,8 @@ class TargetCosts:
     context: int = CONTEXT  # the positions in the cache while timing `seconds`
     long_seconds: tuple[float, ...] = ()  # T_target(k) at `long_context` positions (empty: not measured)
     long_context: int = 0
+    batch_seconds: Grid = ()  # T_target(b rows × m tokens) over BATCH_ROWS × ROW_TOKENS at `context`
+    long_batch_seconds: Grid = ()  # the same at `long_context` (empty: not measured)
 
     def __post_init__(self) -> None:
         for timings in (self.seconds, self.long_seconds or self.seconds):
@@ -101,6 +123,14 @@ class TargetCosts:
             len(self.long_seconds) != len(self.seconds) or not self.context < self.long_context
         ):
             raise UsageError("long-context timings need as many values, at a longer context")
+        shape = (len(BATCH_ROWS), len(ROW_TOKENS))
+        for grid in (self.batch_seconds, self.long_batch_seconds or self.batch_seconds):
+            if len(grid) != shape[0] or not all(
+                len(line) == shape[1] and all(_positive(s) for s in line) for line in grid
+            ):
+                raise UsageError(f"batch timings must be {shape[0]} x {shape[1]} numbers > 0, got {grid!r}")
+        if bool(self.long_batch_seconds) != bool(self.long_seconds):
+            raise UsageError("batch timings at the long context go with single-row ones")
 
     @property
     def verify_cost(self) -> tuple[float, ...]:
@@ -111,12 +141,21 @@ class TargetCosts:
         """T_target(k) for k = 1..K_MAX after ``context`` positions: linear in the context through the two
         measured ones (the short one alone when the long one was not measured), never below half the short
         context's times."""
-        if not self.long_seconds:
-            return self.seconds
+        return self._at(context, self.seconds, self.long_seconds)
+
+    def batch_cost_at(self, context: int) -> BatchCost:
+        """The cost of a forward over rows after ``context`` positions each, in units of one row's T(1)
+        there: the grid interpolated in the context as :meth:`seconds_at` is."""
+        one = self.seconds_at(context)[0]
+        lines = zip(self.batch_seconds, self.long_batch_seconds or self.batch_seconds, strict=True)
+        grid = [self._at(context, short, long if self.long_batch_seconds else ()) for short, long in lines]
+        return BatchCost(BATCH_ROWS, ROW_TOKENS, tuple(tuple(s / one for s in line) for line in grid))
+
+    def _at(self, context: int, short: tuple[float, ...], long: tuple[float, ...]) -> tuple[float, ...]:
+        if not long:
+            return short
         w = (context - self.context) / (self.long_context - self.context)
-        return tuple(
-            max(s / 2, s + w * (long - s)) for s, long in zip(self.seconds, self.long_seconds, strict=True)
-        )
+        return tuple(max(s / 2, s + w * (far - s)) for s, far in zip(short, long, strict=True))
 
 
 @dataclass(frozen=True)
@@ -160,6 +199,11 @@ class Calibration:
         seconds = self.target.seconds_at(context)
         ratio = self.draft.seconds_per_token / seconds[0] if self.draft else 0.0
         return CostModel(ratio, tuple(s / seconds[0] for s in seconds))
+
+    def batch_cost_at(self, context: int) -> BatchCost:
+        """The target's cost of a forward over several rows after ``context`` positions, in the same unit as
+        :meth:`cost_model_at` (see :meth:`TargetCosts.batch_cost_at`)."""
+        return self.target.batch_cost_at(context)
 
     def to_dict(self) -> dict:
         return {
@@ -303,15 +347,81 @@ class _TargetTimer:
 
 
 def _measure_target(model: LanguageModel, label: str, repetitions: int) -> TargetCosts:
-    """T_target(k) for k = 1..K_MAX at the short and the long context (the long one where the model's
-    context leaves room for it)."""
+    """T_target(k) for k = 1..K_MAX and the batch grid at the short and the long context (the long one where
+    the model's context leaves room for it)."""
     short = _context(model, K_MAX)
     long = _context(model, K_MAX, LONG_CONTEXT)
     seconds = _time_forwards(model, short, repetitions)
+    timer = _RowsTimer.of(model)
     if len(long) <= len(short):
-        return TargetCosts(label, seconds, repetitions, _now(), len(short))
+        grid = timer.grid(short, seconds[0], repetitions) if timer else _one_by_one(seconds)
+        return TargetCosts(label, seconds, repetitions, _now(), len(short), batch_seconds=grid)
     long_seconds = _time_forwards(model, long, repetitions)
-    return TargetCosts(label, seconds, repetitions, _now(), len(short), long_seconds, len(long))
+    grids = (
+        (timer.grid(short, seconds[0], repetitions), timer.grid(long, long_seconds[0], repetitions))
+        if timer
+        else (_one_by_one(seconds), _one_by_one(long_seconds))
+    )
+    return TargetCosts(label, seconds, repetitions, _now(), len(short), long_seconds, len(long), *grids)
+
+
+def _one_by_one(seconds: tuple[float, ...]) -> Grid:
+    """The grid of a target whose rows the engine scores one after another: b · T(m)."""
+    return tuple(tuple(b * seconds[m - 1] for m in ROW_TOKENS) for b in BATCH_ROWS)
+
+
+class _RowsTimer:
+    """Times forwards of the rows of one batch cache, every row after the same context, rolling them back."""
+
+    def __init__(self, model: RowModel, caches: list[KVCache]) -> None:
+        self.model, self.caches = model, caches
+
+    @classmethod
+    def of(cls, model: LanguageModel) -> _RowsTimer | None:
+        """A timer for ``model`` if it scores the rows of a batch (of :class:`KVCache` rows, whose context is
+        computed once and copied) in one forward, else None."""
+        if not isinstance(model, RowModel):
+            return None
+        caches = model.new_cache_rows(BATCH_ROWS[-1])
+        rows = [c for c in caches if isinstance(c, KVCache)]
+        timer = cls(model, rows)
+        together = len(rows) == len(caches) and model.scores_together(timer._rows(BATCH_ROWS[-1], [0]))
+        return timer if together else None
+
+    def _rows(self, rows: int, tokens: list[int]) -> list[RowInput]:
+        out = []
+        for cache in self.caches[:rows]:
+            start = cache.length
+            positions = torch.arange(start, start + len(tokens))  # [T]
+            out.append(RowInput(cache, torch.tensor(tokens), positions, None, logits=True, hidden=False))
+        return out
+
+    def seconds(self, rows: int, tokens: list[int]) -> float:
+        inputs = self._rows(rows, tokens)
+        start = time.perf_counter()
+        self.model.forward_rows(inputs)
+        elapsed = time.perf_counter() - start
+        for row in inputs:
+            row.cache.truncate(row.cache.length - len(tokens))
+        return elapsed
+
+    def grid(self, context: list[int], one: float, repetitions: int) -> Grid:
+        """T(b rows × m tokens) after ``context`` (computed in the first row, copied to the others): the
+        median over ``repetitions`` of its ratio to a T(1 row × 1 token) timed right before, times ``one``,
+        after one untimed pass over the grid."""
+        first = self.caches[0]
+        extend = context[first.length :]
+        self.model.forward_rows(self._rows(1, extend))
+        for cache in self.caches[1:]:
+            cache.copy_from(first)
+        ratios: dict[tuple[int, int], list[float]] = {}
+        for repetition in range(repetitions + 1):
+            for b in BATCH_ROWS:
+                for m in ROW_TOKENS:
+                    single, elapsed = self.seconds(1, context[:1]), self.seconds(b, context[:m])
+                    if repetition:
+                        ratios.setdefault((b, m), []).append(elapsed / single)
+        return tuple(tuple(one * statistics.median(ratios[b, m]) for m in ROW_TOKENS) for b in BATCH_ROWS)
 
 
 def _time_forwards(model: LanguageModel, context: list[int], repetitions: int) -> tuple[float, ...]:
@@ -389,9 +499,11 @@ def _read(path: Path, identity: dict) -> dict | None:
 
 def _target_costs(entry: dict) -> TargetCosts:
     target = entry["target"]
-    return TargetCosts(
-        **{**target, "seconds": tuple(target["seconds"]), "long_seconds": tuple(target["long_seconds"])}
-    )
+    curves = {key: tuple(target[key]) for key in ("seconds", "long_seconds")}
+    grids = {
+        key: tuple(tuple(line) for line in target[key]) for key in ("batch_seconds", "long_batch_seconds")
+    }
+    return TargetCosts(**{**target, **curves, **grids})
 
 
 def _draft_costs(cached: dict) -> DraftCosts:

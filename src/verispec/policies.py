@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verispec.analysis.analytic import CostModel, speedup_by_k
+from verispec.analysis.analytic import BatchCost, CostModel, speedup_by_k
 from verispec.errors import UsageError
 
 __all__ = ["CONTEXT_STEP", "AdditiveK", "AutoKConfig", "ConstantK", "CostModelK", "KPolicy", "plan_batch"]
@@ -129,7 +129,8 @@ class CostModelK(KPolicy):
     ``costs_at`` (optional) gives the cost model at a context length (:meth:`Calibration.cost_model_at`):
     forwards grow dearer with the context, verification blocks more so, and the best K with them; the
     round costs follow the context in steps of :data:`CONTEXT_STEP` positions. Without it, ``cost`` holds
-    everywhere.
+    everywhere. ``batch_costs_at`` (optional) gives the target's cost of a forward over several rows at a
+    context length (:meth:`Calibration.batch_cost_at`), for :func:`plan_batch`.
 
     K = 0 (plain decoding) is a valid choice. As it yields no evidence, the best K > 0 is still drafted after
     ⌈loss / probe_budget⌉ plain rounds, where loss = v(K+1) + K·c − E[L] is that probe's expected cost in
@@ -144,6 +145,7 @@ class CostModelK(KPolicy):
         cost: CostModel,
         config: AutoKConfig | None = None,
         costs_at: Callable[[int], CostModel] | None = None,
+        batch_costs_at: Callable[[int], BatchCost] | None = None,
     ) -> None:
         if not isinstance(cost, CostModel):
             raise UsageError(f"cost must be a CostModel, got {type(cost).__name__}")
@@ -153,7 +155,7 @@ class CostModelK(KPolicy):
             if cost.max_k is None:
                 raise UsageError("give AutoKConfig.k_max for a verification cost without a finite curve")
             k_max = cost.max_k
-        self.cost, self.k_max, self.costs_at = cost, k_max, costs_at
+        self.cost, self.k_max, self.costs_at, self.batch_costs_at = cost, k_max, costs_at, batch_costs_at
         self._round_costs = cost.round_costs(k_max)  # [k_max + 1]: v(K+1) + K·c
         self._step = -1  # the context step the round costs are for (-1: `cost`'s)
         self._accepted = np.zeros(k_max)  # [k_max] decayed successes at each position
@@ -212,9 +214,11 @@ class CostModelK(KPolicy):
         self._plan = None
 
 
-def _forward_cost(cost: CostModel, n: int) -> float:
-    """V(n): a target forward over n new tokens (of any rows) in units of one single-token step: the
-    calibrated v, extended linearly past its last point."""
+def _forward_cost(cost: CostModel, batch: BatchCost | None, rows: int, n: int) -> float:
+    """V(b, n): a target forward over n new tokens of b rows in units of one single-token step: the
+    calibrated batch grid, or without one the single-row curve v(n), extended linearly past its last point."""
+    if batch is not None:
+        return batch.forward(rows, n)
     last = cost.max_k + 1 if cost.max_k is not None else n
     if n <= last:
         return cost.verify(n)
@@ -222,44 +226,58 @@ def _forward_cost(cost: CostModel, n: int) -> float:
     return cost.verify(last) + slope * (n - last)
 
 
-def plan_batch(policies: Sequence[CostModelK], contexts: Sequence[int], caps: Sequence[int]) -> list[int]:
-    """Each row's K for one step of a batch whose rows all draft with ``--k auto``: the K_i that maximise the
-    batch's expected committed tokens per unit of time,
+def plan_batch(
+    policies: Sequence[CostModelK],
+    contexts: Sequence[int],
+    caps: Sequence[int],
+    prefill: tuple[int, int] = (0, 0),
+) -> list[int]:
+    """Each row's K for one step of a batch whose decoding rows all draft with ``--k auto``: the K_i that
+    maximise the batch's expected committed tokens per unit of time,
 
-        Σ_i E[L_i](K_i) / (V(Σ_i (K_i + 1)) + Σ_i K_i·c_i),
+        Σ_i E[L_i](K_i) / (V(b, Σ_i (K_i + 1)) + Σ_i K_i·c_i),
 
-    V the target's cost of one forward of that many new tokens (:func:`_forward_cost`, the first row's
-    calibrated curve at the batch's mean context), c_i and α̂_i each row's own (``caps``: the most each may
-    draft). Draft tokens are added one at a time where they raise the rate most, while any does: when the
-    forward is cheap per extra token (a small batch, memory-bound), rows draft; when a batch is large enough
-    that every extra token costs nearly what a committed token is worth, speculation turns itself off, and
-    back on when the batch shrinks — no threshold. A batch of one is its policy's own choice (``next_k``,
-    probing included), today's single-sequence rule."""
-    if len(policies) == 1:
+    V(b, n) the target's cost of one forward of n new tokens over the b rows (:func:`_forward_cost`, the
+    first row's calibrated batch grid at the batch's mean context: rows share the weights' reads, each reads
+    its own cache), c_i and α̂_i each row's own (``caps``: the most each may draft). Draft tokens are added
+    one at a time where they raise the rate most, while any does: when the forward is cheap per extra token
+    (a small batch, memory-bound), rows draft; when a batch is large enough that every extra token costs
+    nearly what a committed token is worth, speculation turns itself off, and back on when the batch
+    shrinks — no threshold. A batch of one is its policy's own choice (``next_k``, probing included), today's
+    single-sequence rule.
+
+    ``prefill``: (rows, tokens) of prompt chunks in the same forward. They are paid for whatever is drafted,
+    so they do not lower the rate a draft token must beat; but they make each extra token dearer (a forward
+    full of prompt tokens is compute-bound): a token is added when its gain per unit of its marginal cost
+    in that forward beats the decoding rows' rate."""
+    extra_rows, extra_tokens = prefill
+    if len(policies) == 1 and not extra_tokens:
         return [min(policies[0].next_k(contexts[0]), caps[0])]
     context = round(sum(contexts) / len(contexts))
     first = policies[0]
     costs = [p.costs_at(context) if p.costs_at is not None else p.cost for p in policies]
     target = costs[0]
+    batch = first.batch_costs_at(context) if first.batch_costs_at is not None else None
+    decoding, rows = len(policies), len(policies) + extra_rows
     alphas = [p.alphas for p in policies]
-    ks = [0] * len(policies)
-    reach = [1.0] * len(policies)  # Π α̂ of each row's drafted positions: its next token's worth
-    tokens, n, drafting = float(len(policies)), len(policies), 0.0
-    rate = tokens / (_forward_cost(target, n) + drafting)
+    ks = [0] * decoding
+    reach = [1.0] * decoding  # Π α̂ of each row's drafted positions: its next token's worth
+    n = decoding + extra_tokens  # the forward's new tokens
+    tokens, spent = float(decoding), _forward_cost(target, batch, decoding, decoding)  # the decoding rows'
     while True:
-        best, best_rate = -1, rate
+        best, best_rate = -1, tokens / spent
+        marginal = _forward_cost(target, batch, rows, n + 1) - _forward_cost(target, batch, rows, n)
         for i, (k, cap) in enumerate(zip(ks, caps, strict=True)):
             if k >= min(cap, first.k_max, len(alphas[i])):
                 continue
             gain = reach[i] * float(alphas[i][k])
-            candidate = (tokens + gain) / (_forward_cost(target, n + 1) + drafting + costs[i].cost_ratio)
+            candidate = (tokens + gain) / (spent + max(marginal, 0.0) + costs[i].cost_ratio)
             if candidate > best_rate:
                 best, best_rate = i, candidate
         if best < 0:
             return ks
         reach[best] *= float(alphas[best][ks[best]])
         tokens += reach[best]
+        spent += max(marginal, 0.0) + costs[best].cost_ratio
         n += 1
-        drafting += costs[best].cost_ratio
         ks[best] += 1
-        rate = best_rate

@@ -24,6 +24,7 @@ import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import numpy as np
 
@@ -31,6 +32,7 @@ from verispec.errors import UsageError
 
 __all__ = [
     "DEFAULT_K_MAX",
+    "BatchCost",
     "CostModel",
     "VerifyCost",
     "acceptance_rate",
@@ -74,9 +76,13 @@ def _check_real(name: str, value: object, low: float = -math.inf, high: float = 
 
 def _check_k(k: object, name: str = "k") -> int:
     """k as an int, if it is an integer (not a bool) ≥ 0; else UsageError."""
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+    if not _integral(k) or k < 0:
         raise UsageError(f"{name} must be an integer >= 0, got {k!r}")
     return int(k)
+
+
+def _integral(x: object) -> TypeGuard[int]:  # numpy integers included
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _alphas(alpha: float | Sequence[float] | np.ndarray, k: int | None) -> np.ndarray:
@@ -164,6 +170,62 @@ class CostModel:
     def round_costs(self, k_max: int) -> np.ndarray:
         """[k_max + 1]: :meth:`round_cost` of every K = 0..k_max."""
         return np.array([self.round_cost(k) for k in range(_check_k(k_max, "k_max") + 1)])
+
+
+@dataclass(frozen=True)
+class BatchCost:
+    """The cost of one target forward over n new tokens spread over b sequences (rows of one batch), in units
+    of one plain decoding step of one sequence T_target(1): a grid measured at b ∈ ``rows`` with m ∈
+    ``tokens`` new tokens in every row, ``cost[i][j]`` ↔ (rows[i], tokens[j]), so that cost[0][0] = 1 when
+    rows[0] = tokens[0] = 1. Both axes strictly increasing integers ≥ 1 with at least two points; every
+    cost finite and > 0.
+
+    Rows of a batch share the weights' reads but each reads its own cache, so b rows of m tokens cost more
+    than one row of b·m tokens, and more so as the context grows.
+    """
+
+    rows: tuple[int, ...]
+    tokens: tuple[int, ...]
+    cost: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "tokens"):
+            axis = getattr(self, name)
+            if (
+                not isinstance(axis, (tuple, list))
+                or len(axis) < 2
+                or not all(_integral(x) and x >= 1 for x in axis)
+                or any(a >= b for a, b in zip(axis, axis[1:], strict=False))
+            ):
+                raise UsageError(f"BatchCost.{name} must be >= 2 increasing integers >= 1, got {axis!r}")
+            object.__setattr__(self, name, tuple(axis))
+        try:
+            grid = np.asarray(self.cost, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise UsageError(f"BatchCost.cost must be a grid of numbers, got {self.cost!r}") from None
+        if grid.shape != (len(self.rows), len(self.tokens)) or not np.all(np.isfinite(grid) & (grid > 0)):
+            raise UsageError(
+                f"BatchCost.cost must be {len(self.rows)} x {len(self.tokens)} numbers > 0, got {self.cost!r}"
+            )
+        object.__setattr__(self, "cost", tuple(tuple(float(x) for x in row) for row in grid))
+
+    def forward(self, rows: int, tokens: int) -> float:
+        """V(b, n): a forward of ``tokens`` = n ≥ b new tokens over ``rows`` = b ≥ 1 sequences, piecewise
+        linear in the tokens per row n / b and then in b through the grid, extended linearly past its ends,
+        never below the grid's smallest cost."""
+        if not (_integral(rows) and _integral(tokens) and 1 <= rows <= tokens):
+            raise UsageError(
+                f"a batch forward needs 1 <= rows <= tokens, got {rows!r} rows, {tokens!r} tokens"
+            )
+        per_row = [_piecewise(self.tokens, line, tokens / rows) for line in self.cost]  # [len(rows)]
+        return max(_piecewise(self.rows, per_row, rows), min(min(line) for line in self.cost))
+
+
+def _piecewise(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    """The piecewise-linear curve through (xs, ys) at x, extended past either end by its end segment."""
+    i = min(max(int(np.searchsorted(xs, x)), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 # ---------------------------------------------------------------------------------------------- the model

@@ -468,6 +468,24 @@ class KVCache:
         view.whole = None if self.whole is None else (self.whole[0][:num_layers], self.whole[1][:num_layers])
         return view
 
+    def copy_from(self, source: KVCache) -> None:
+        """Hold a copy of ``source``'s committed slots, and its length: one prefix's entries given to another
+        sequence (another row of a batch) without computing them again. Both in one tensor of the same
+        layout and shape but for the capacity, whose slots must fit in this one's."""
+        for cache in (self, source):
+            if not isinstance(cache.keys, Tensor) or not isinstance(cache.values, Tensor):
+                raise UsageError("copy_from takes caches that hold every layer in one tensor")
+        assert isinstance(self.keys, Tensor) and isinstance(self.values, Tensor)
+        assert isinstance(source.keys, Tensor) and isinstance(source.values, Tensor)
+        n = source.length
+        same = self.tiled == source.tiled and self.values.shape[:3] == source.values.shape[:3]
+        if not same or self.values.shape[4:] != source.values.shape[4:] or n > self.capacity:
+            raise UsageError(f"cannot copy {n} slots of a cache of another layout or shape, or past capacity")
+        slots = -(-n // KEY_TILE) if self.tiled else n  # keys: whole tiles of 16 slots when tiled
+        self.keys[:, :, :, :slots] = source.keys[:, :, :, :slots]
+        self.values[:, :, :, :n] = source.values[:, :, :, :n]
+        self._length = n
+
     def grown(self, extra: int) -> KVCache:
         """A new cache holding copies of this one's committed slots, with room for ``extra`` more: a copy that
         autograd follows, so that training can extend one context along several branches (the unrolled
