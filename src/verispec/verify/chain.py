@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from verispec.errors import UsageError
+from verispec.sampling import sample
 
 __all__ = [
     "Rule",
@@ -143,17 +144,21 @@ def _check_probs(name: str, probs: Tensor, valid: Tensor, dtype: torch.dtype) ->
         raise UsageError(f"{name} must have shape [{b}, {positions}, V], got {tuple(probs.shape)}")
     if not torch.is_floating_point(probs):
         raise UsageError(f"{name} must be a floating-point tensor, got {probs.dtype}")
+    tol = 1e-9 if probs.dtype == torch.float64 else 1e-3  # checked in the precision the caller computed
+    all_valid = bool(valid.all())
+    if probs.shape[2] and all_valid:  # one pass for the common case; the passes below name the problem
+        if bool(((probs.sum(-1) - 1).abs() <= tol).all()) and bool((probs.amin(-1) >= 0).all()):
+            return probs.to(dtype)
     for problem, bad in (("NaN or Inf", ~torch.isfinite(probs)), ("a negative probability", probs < 0)):
         bad = bad & valid.unsqueeze(-1)
         if bad.any():
             row, pos, _ = bad.nonzero()[0].tolist()
             raise UsageError(f"{name} has {problem} at row {row}, position {pos}")
-    tol = 1e-9 if probs.dtype == torch.float64 else 1e-3  # checked in the precision the caller computed
     off = ((probs.sum(-1) - 1).abs() > tol) & valid
     if off.any():
         row, pos = off.nonzero()[0].tolist()
         raise UsageError(f"{name} does not sum to 1 at row {row}, position {pos}")
-    return torch.where(valid.unsqueeze(-1), probs.to(dtype), 0.0)
+    return probs.to(dtype) if all_valid else torch.where(valid.unsqueeze(-1), probs.to(dtype), 0.0)
 
 
 def _check_scores(scores: Tensor, valid: Tensor) -> Tensor:
@@ -209,10 +214,10 @@ def rejection_rule(
     q_x = q.gather(-1, idx).squeeze(-1)  # [B, K]
     ratio = torch.where(q_x > 0, p_x / q_x.clamp_min(torch.finfo(dtype).tiny), (p_x > 0).to(dtype))
     accept_prob = torch.where(lay.drafted, ratio.clamp(max=1.0), 0.0)
-    q_ext = torch.cat([q, q.new_zeros(b, 1, vocab)], dim=1)  # q is zero after the draft: residual = p there
-    residual = (p - q_ext).clamp_min(0)
-    mass = residual.sum(-1, keepdim=True)
-    fallback = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(dtype).tiny), p)
+    residual = (p[:, :k] - q).clamp_min(0)  # [B, K, V]
+    mass = residual.sum(-1, keepdim=True)  # [B, K, 1]
+    fallback = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(dtype).tiny), p[:, :k])
+    fallback = torch.cat([fallback, p[:, k:]], dim=1)  # [B, K+1, V]: q is zero after the draft, residual = p
     return Rule(accept_prob=accept_prob, fallback=fallback, num_drafted=lay.lengths)
 
 
@@ -293,7 +298,7 @@ def sample_verdict(
     u = torch.rand(b, k, generator=generator, dtype=rule.accept_prob.dtype, device=draft_tokens.device)
     num_accepted = _accepted_prefix(u < rule.accept_prob)
     stop_dist = rule.fallback[torch.arange(b, device=draft_tokens.device), num_accepted]  # [B, V]
-    final = torch.multinomial(stop_dist, 1, generator=generator).squeeze(1) if b else num_accepted
+    final = sample(stop_dist, generator).squeeze(1) if b else num_accepted
     return _assemble(draft_tokens, num_accepted, final, rule.num_drafted, eos_token_id)
 
 

@@ -75,6 +75,7 @@ import torch
 from torch import Tensor
 
 from verispec.errors import UsageError
+from verispec.sampling import sample
 from verispec.verify.chain import EosIds, _pad_vocab
 
 __all__ = [
@@ -331,7 +332,7 @@ def _sample(
         children = [sorted(kids, key=keys.__getitem__) for kids in children]
 
     def draw(dist: Tensor) -> int:
-        return int(torch.multinomial(dist, 1, generator=generator))
+        return int(sample(dist, generator))
 
     return _walk(tokens.tolist(), children, rule, uniforms, draw, _eos_set(eos_token_id))
 

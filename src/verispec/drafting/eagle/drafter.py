@@ -42,7 +42,7 @@ from verispec.drafting.base import BranchedTreeDrafter, Proposal
 from verispec.drafting.eagle.model import EagleHead
 from verispec.drafting.tree import AUTO, TreeProposal, TreeShape, likeliest_nodes
 from verispec.errors import UsageError
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.sampling import SamplingParams, probs_from_logits, sample
 
 __all__ = ["DEFAULT_TREE", "SHIPPED", "EagleDrafter", "EagleTreeDrafter", "shipped_drafter"]
 
@@ -113,7 +113,7 @@ class EagleDrafter:
                 token = self.head.draft_vocab[logits.argmax()].view(1)
             else:
                 q_draft = probs_from_logits(logits, self.sampling)  # [Vd]
-                token = self.head.draft_vocab[torch.multinomial(q_draft, 1, generator=generator)]
+                token = self.head.draft_vocab[sample(q_draft, generator)]
                 qs.append(self.full_q(q_draft))
             drafts.append(token)
             if i < k - 1:
