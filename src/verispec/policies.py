@@ -226,14 +226,9 @@ def _forward_cost(cost: CostModel, batch: BatchCost | None, rows: int, n: int) -
     return cost.verify(last) + slope * (n - last)
 
 
-def plan_batch(
-    policies: Sequence[CostModelK],
-    contexts: Sequence[int],
-    caps: Sequence[int],
-    prefill: tuple[int, int] = (0, 0),
-) -> list[int]:
-    """Each row's K for one step of a batch whose decoding rows all draft with ``--k auto``: the K_i that
-    maximise the batch's expected committed tokens per unit of time,
+def plan_batch(policies: Sequence[CostModelK], contexts: Sequence[int], caps: Sequence[int]) -> list[int]:
+    """Each row's K for one step of a batch whose rows all draft with ``--k auto``: the K_i that maximise the
+    batch's expected committed tokens per unit of time,
 
         Σ_i E[L_i](K_i) / (V(b, Σ_i (K_i + 1)) + Σ_i K_i·c_i),
 
@@ -244,40 +239,35 @@ def plan_batch(
     (a small batch, memory-bound), rows draft; when a batch is large enough that every extra token costs
     nearly what a committed token is worth, speculation turns itself off, and back on when the batch
     shrinks — no threshold. A batch of one is its policy's own choice (``next_k``, probing included), today's
-    single-sequence rule.
-
-    ``prefill``: (rows, tokens) of prompt chunks in the same forward. They are paid for whatever is drafted,
-    so they do not lower the rate a draft token must beat; but they make each extra token dearer (a forward
-    full of prompt tokens is compute-bound): a token is added when its gain per unit of its marginal cost
-    in that forward beats the decoding rows' rate."""
-    extra_rows, extra_tokens = prefill
-    if len(policies) == 1 and not extra_tokens:
+    single-sequence rule."""
+    if len(policies) == 1:
         return [min(policies[0].next_k(contexts[0]), caps[0])]
     context = round(sum(contexts) / len(contexts))
     first = policies[0]
     costs = [p.costs_at(context) if p.costs_at is not None else p.cost for p in policies]
     target = costs[0]
     batch = first.batch_costs_at(context) if first.batch_costs_at is not None else None
-    decoding, rows = len(policies), len(policies) + extra_rows
+    b = len(policies)
     alphas = [p.alphas for p in policies]
-    ks = [0] * decoding
-    reach = [1.0] * decoding  # Π α̂ of each row's drafted positions: its next token's worth
-    n = decoding + extra_tokens  # the forward's new tokens
-    tokens, spent = float(decoding), _forward_cost(target, batch, decoding, decoding)  # the decoding rows'
+    ks = [0] * b
+    reach = [1.0] * b  # Π α̂ of each row's drafted positions: its next token's worth
+    tokens, n, drafting = float(b), b, 0.0
+    rate = tokens / _forward_cost(target, batch, b, n)
     while True:
-        best, best_rate = -1, tokens / spent
-        marginal = _forward_cost(target, batch, rows, n + 1) - _forward_cost(target, batch, rows, n)
+        best, best_rate = -1, rate
+        forward = _forward_cost(target, batch, b, n + 1)  # one more new token
         for i, (k, cap) in enumerate(zip(ks, caps, strict=True)):
             if k >= min(cap, first.k_max, len(alphas[i])):
                 continue
             gain = reach[i] * float(alphas[i][k])
-            candidate = (tokens + gain) / (spent + max(marginal, 0.0) + costs[i].cost_ratio)
+            candidate = (tokens + gain) / (forward + drafting + costs[i].cost_ratio)
             if candidate > best_rate:
                 best, best_rate = i, candidate
         if best < 0:
             return ks
         reach[best] *= float(alphas[best][ks[best]])
         tokens += reach[best]
-        spent += max(marginal, 0.0) + costs[best].cost_ratio
         n += 1
+        drafting += costs[best].cost_ratio
         ks[best] += 1
+        rate = best_rate
