@@ -186,7 +186,19 @@ def _add_model_specs(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags that choose the models and the drafter (generate, demo)."""
+    """The flags that choose the models and the drafter, K and the output's length (generate, demo)."""
+    _add_drafter_arguments(parser)
+    parser.add_argument(
+        "--k",
+        help="draft tokens per round: N >= 0, 'additive', or 'auto' (the K that the calibrated costs and the "
+        "running acceptance rate favour, 0 included); default: auto, and with the learned drafter its token "
+        "tree [[0], [1], [2], [0, 0]] instead of a chain",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default: 128)")
+
+
+def _add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose the models and the drafter (generate, demo, serve)."""
     _add_model_specs(parser)
     kinds = "; ".join(f"{name}: {kind.summary}" for name, kind in DRAFTERS.items())
     parser.add_argument(
@@ -198,13 +210,6 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drafter-path", metavar="FILE", help="a learned drafter (verispec train-drafter) for the target"
     )
-    parser.add_argument(
-        "--k",
-        help="draft tokens per round: N >= 0, 'additive', or 'auto' (the K that the calibrated costs and the "
-        "running acceptance rate favour, 0 included); default: auto, and with the learned drafter its token "
-        "tree [[0], [1], [2], [0, 0]] instead of a chain",
-    )
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default: 128)")
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -828,6 +833,120 @@ def run_bench_load(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- serve
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec serve``."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server over the batched engine",
+        description="Serve the OpenAI API (POST /v1/completions and /v1/chat/completions, streamed or not; "
+        "GET /v1/models, /health, /metrics) with speculative decoding of up to --max-batch requests at once. "
+        "Every response carries usage and a verispec object: drafter, K, target calls, acceptance by "
+        "position. Requests may name their own drafter, k, top_k and min_p in the body.",
+    )
+    _add_drafter_arguments(parser)
+    parser.add_argument(
+        "--k", default="auto", help="K of requests naming none: N, additive or auto (default)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, only here)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: a free one)")
+    parser.add_argument("--max-batch", type=int, default=8, metavar="N", help="requests decoded at once (8)")
+    parser.add_argument(
+        "--max-queue", type=int, default=64, metavar="N", help="requests waiting; more: 429 (64)"
+    )
+    parser.add_argument("--api-key", metavar="KEY", help="require Authorization: Bearer KEY on /v1 routes")
+    parser.add_argument(
+        "--model-name", metavar="NAME", help="the model id clients name (default: the target's)"
+    )
+    parser.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run ``verispec serve`` until interrupted."""
+    from verispec.server.app import Server, ServerConfig, listen, run
+
+    config = ServerConfig(
+        target=args.target or ServerConfig.target,
+        tokenizer=args.tokenizer,
+        draft=args.draft,
+        drafter=args.drafter,
+        drafter_path=args.drafter_path,
+        precision=args.precision,
+        k=args.k,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        api_key=args.api_key,
+        model_name=args.model_name,
+    )
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    sock = listen(args.host, args.port)  # before the model loads: a taken port fails at once
+    server = Server(config)
+    host, port = sock.getsockname()[:2]
+    print(
+        f"verispec: serving {server.name} (drafter {server.default.drafter_name}) on http://{host}:{port}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
+    run(server, sock)
+    return 0
+
+
+def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec bench-serve``."""
+    parser = subparsers.add_parser(
+        "bench-serve",
+        help="load the server on loopback: failures, tokens/s, latency, memory, what HTTP costs",
+        description="Start `verispec serve` on a free loopback port; --clients streaming clients keep a "
+        "request each in flight for --seconds (every --disconnect-every-th request hangs up after its first "
+        "token); report completed requests, failures, whether every disconnect was freed, tokens/s, time to "
+        "first token and inter-token latency p50/p99 and the server's memory at start and end; then the "
+        "engine alone on the same work. Writes results.json and results.md to --out.",
+    )
+    _add_model_specs(parser)
+    parser.add_argument("--drafter", default="auto", help="the server's drafter (default: auto)")
+    parser.add_argument("--k", default="auto", help="the server's K (default: auto)")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent streaming clients (default: 8)")
+    parser.add_argument("--seconds", type=float, default=30.0, help="how long they keep at it (default: 30)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="per request (default: 64)")
+    parser.add_argument(
+        "--disconnect-every", type=int, default=10, metavar="N", help="every N-th request hangs up (0: none)"
+    )
+    parser.add_argument("--no-engine", action="store_true", help="skip the engine-alone comparison")
+    parser.add_argument("--out", metavar="DIR", help="output directory (default: results/bench-serve-STAMP)")
+    parser.set_defaults(func=run_bench_serve)
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    """Run ``verispec bench-serve``: print the table; the files go to --out."""
+    import datetime
+
+    from verispec.bench.serve import ServeLoadConfig, run_serve_load, write_serve_report
+
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    config = ServeLoadConfig(
+        target=args.target or ServeLoadConfig.target,
+        tokenizer=args.tokenizer,
+        precision=args.precision,
+        drafter=args.drafter,
+        k=args.k,
+        clients=args.clients,
+        seconds=args.seconds,
+        max_tokens=args.max_tokens,
+        disconnect_every=args.disconnect_every,
+        engine=not args.no_engine,
+        out=args.out or f"results/bench-serve-{stamp}",
+    )
+    if args.draft is not None:
+        raise UsageError("bench-serve serves the drafters that need no draft model: leave out --draft")
+    out = write_serve_report(run_serve_load(config), config.out)
+    print((out / "results.md").read_text())
+    print(f"results written to {out}", file=sys.stderr)
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- calibrate
 
 
@@ -1087,6 +1206,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_viz_parser(subparsers)
     add_bench_parser(subparsers)
     add_bench_load_parser(subparsers)
+    add_serve_parser(subparsers)
+    add_bench_serve_parser(subparsers)
     add_calibrate_parser(subparsers)
     add_drafter_data_parser(subparsers)
     add_train_drafter_parser(subparsers)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from verispec.engine import GenerationStats, Request, Running, SpeculativeEngine
@@ -34,11 +34,21 @@ _END = object()  # a handle's last item
 
 class Handle:
     """One submitted request. Iterating it yields its :class:`~verispec.api.Chunk`\\ s as they are committed
-    (blocking), ending when it stops; ``stats`` fills in as it goes; :meth:`cancel` stops it."""
+    (blocking), ending when it stops; ``stats`` fills in as it goes; :meth:`cancel` stops it. With a
+    ``listener``, each chunk is handed to it instead, in the scheduler's thread, and then None at the end (an
+    event loop's reader: ``loop.call_soon_threadsafe``); such a handle is not iterated."""
 
-    def __init__(self, stats: GenerationStats, text: _TextAssembler) -> None:
+    def __init__(
+        self,
+        stats: GenerationStats,
+        text: _TextAssembler,
+        listener: Callable[[Chunk | None], object] | None = None,
+        prompt_tokens: int = 0,
+    ) -> None:
         self.stats = stats
+        self.prompt_tokens = prompt_tokens
         self._text = text
+        self._listener = listener
         self._chunks: queue.Queue[object] = queue.Queue()
         self._cancelled = threading.Event()
         self.error: BaseException | None = None  # the worker's failure, re-raised to the reader
@@ -46,6 +56,8 @@ class Handle:
         self.finished = threading.Event()
 
     def __iter__(self) -> Iterator[Chunk]:
+        if self._listener is not None:
+            raise UsageError("this handle hands its chunks to its listener")
         while True:
             item = self._chunks.get()
             if item is _END:
@@ -65,7 +77,13 @@ class Handle:
     def _emit(self, tokens: list[int]) -> None:
         from verispec.api import Chunk
 
-        self._chunks.put(Chunk(self._text.add(tokens), tokens))
+        self._put(Chunk(self._text.add(tokens), tokens))
+
+    def _put(self, item: object) -> None:
+        if self._listener is None:
+            self._chunks.put(item)
+        else:
+            self._listener(None if item is _END else item)  # type: ignore[arg-type]
 
     def _finish(self, error: BaseException | None = None) -> None:
         from verispec.api import Chunk
@@ -74,9 +92,9 @@ class Handle:
         if error is None:
             tail = self._text.finish()
             if tail:
-                self._chunks.put(Chunk(tail, []))
-        self._chunks.put(_END)
+                self._put(Chunk(tail, []))
         self.finished.set()
+        self._put(_END)
 
 
 class Scheduler:
@@ -111,15 +129,26 @@ class Scheduler:
     def running(self) -> int:
         return len(self._handles)
 
-    def submit(self, prompt: str | Sequence[Mapping[str, str]], **options) -> Handle:
+    def submit(
+        self,
+        prompt: str | Sequence[Mapping[str, str]],
+        *,
+        speculator: Speculator | None = None,
+        listener: Callable[[Chunk | None], object] | None = None,
+        **options,
+    ) -> Handle:
         """Queue a generation (options as for :meth:`verispec.api.Speculator.stream`, but ``trace``) and
-        return its handle at once. UsageError for a bad request, :class:`QueueFull` when every slot is busy
-        and ``max_queue`` requests already wait."""
-        request, text = self.speculator.request(prompt, **options)  # a bad request fails here, in the caller
-        if len(request.prompt) >= self.speculator.model.max_context:
-            context = self.speculator.model.max_context
+        return its handle at once: by ``speculator`` (another drafter over this scheduler's target; default
+        the scheduler's own), its chunks to ``listener`` if given (see :class:`Handle`). UsageError for a bad
+        request, :class:`QueueFull` when every slot is busy and ``max_queue`` requests already wait."""
+        speculator = speculator or self.speculator
+        if speculator.model is not self.speculator.model:
+            raise UsageError("a request's speculator must share the scheduler's target model")
+        request, text = speculator.request(prompt, **options)  # a bad request fails here, in the caller
+        if len(request.prompt) >= speculator.model.max_context:
+            context = speculator.model.max_context
             raise UsageError(f"the prompt has {len(request.prompt)} tokens; the context holds {context}")
-        handle = Handle(request.stats, text)
+        handle = Handle(request.stats, text, listener, len(request.prompt))
         with self._wake:
             if self._closed:
                 raise UsageError("the scheduler is closed")

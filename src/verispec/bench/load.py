@@ -18,9 +18,10 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,6 +79,17 @@ class LoadConfig:
         return self.requests if self.requests is not None else max(8, 4 * concurrency)
 
 
+def run_clients(client: Callable[[], None], count: int) -> float:
+    """Run ``count`` threads of ``client`` at once; the seconds until the last one ends."""
+    threads = [threading.Thread(target=client) for _ in range(count)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - start
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -102,8 +114,8 @@ def _verispec_cell(
     ttft: list[float] = []
     itl: list[float] = []
     tokens, calls, drafted, failures = [0], [0], [0], [0]
-    options = dict(k=int(k) if k.isdigit() else k, max_new_tokens=config.max_new_tokens,
-                   sampling=SamplingParams(temperature=0), chat=chat)  # fmt: skip
+    options: dict[str, Any] = dict(k=int(k) if k.isdigit() else k, max_new_tokens=config.max_new_tokens,
+                                   sampling=SamplingParams(temperature=0), chat=chat)  # fmt: skip
 
     def client(scheduler: Scheduler) -> None:
         while True:
@@ -135,13 +147,7 @@ def _verispec_cell(
                     failures[0] += 1
 
     with Scheduler(spec, slots=concurrency, max_queue=concurrency) as scheduler:
-        threads = [threading.Thread(target=client, args=(scheduler,)) for _ in range(concurrency)]
-        start = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        seconds = time.perf_counter() - start
+        seconds = run_clients(lambda: client(scheduler), concurrency)
     return {
         "tokens_per_second": tokens[0] / seconds,
         "tokens": tokens[0],

@@ -1,0 +1,335 @@
+"""``verispec bench-serve``: the server under load on loopback, then the batched engine alone on that work.
+
+``verispec serve`` is started as a child process on a free port of 127.0.0.1. N clients, each in a thread of
+this process, keep one streaming request each in flight for T seconds (the bench's task prompts that leave
+room for ``max_tokens`` in the context, chats where the model has a template, greedy); every
+``disconnect_every``-th request hangs up after its first token. Reported: completed requests, failures (a
+status other than 200, a broken or unfinished stream: must be 0), deliberate disconnects and whether the
+server freed every one (its batch empty and one 499 counted per disconnect at the end), served tokens/s,
+time to first token and inter-token latency p50/p99 (a chunk's gap shared by its tokens: a request's tokens
+over its chunks), and the server's resident memory after its first request and at the end. The server is
+then stopped, and the engine runs the same number of requests at the same concurrency in this process
+(:mod:`verispec.bench.load`): the served tokens/s over that is what the HTTP layer costs.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from verispec.bench.load import (
+    LoadConfig,
+    Prompt,
+    _load_prompts,
+    _percentile,
+    _verispec_cell,
+    run_clients,
+)
+from verispec.errors import UsageError
+from verispec.models.llama import DEFAULT_PRECISION
+from verispec.models.registry import DEFAULT_MODEL
+from verispec.viz import write_atomic
+
+__all__ = ["ServeLoadConfig", "run_serve_load", "write_serve_report"]
+
+_STARTUP = 600.0  # seconds a server may take to load its model and calibrate
+_LISTENING = re.compile(r"on http://([^:]+):(\d+)/v1")
+
+
+@dataclass(frozen=True)
+class ServeLoadConfig:
+    """What ``verispec bench-serve`` runs; validated with UsageError."""
+
+    target: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    precision: str = DEFAULT_PRECISION
+    drafter: str = "auto"
+    k: str = "auto"
+    clients: int = 8
+    seconds: float = 30.0
+    max_tokens: int = 64
+    disconnect_every: int = 10  # every N-th request hangs up after its first token (0: none does)
+    engine: bool = True  # then the engine alone on the same work
+    prompts: tuple[Prompt, ...] = ()  # default: the bench's task prompts
+    out: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("clients", "max_tokens", "disconnect_every"):
+            value, low = getattr(self, name), 0 if name == "disconnect_every" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise UsageError(f"{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+        seconds = self.seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise UsageError(f"seconds must be a number > 0, got {self.seconds!r}")
+
+
+class _Child:
+    """``verispec serve`` in a child process on a free loopback port."""
+
+    def __init__(self, config: ServeLoadConfig) -> None:
+        argv = [sys.executable, "-m", "verispec", "serve", "--port", "0", "--target", config.target,
+                "--precision", config.precision, "--drafter", config.drafter, "--k", config.k,
+                "--max-batch", str(config.clients), "--max-queue", str(config.clients)]  # fmt: skip
+        if config.tokenizer:
+            argv += ["--tokenizer", config.tokenizer]
+        self.process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+        self.log: list[str] = []
+        self.host, self.port = self._wait_listening()
+        self.name = json.loads(self.get("/health"))["model"]
+
+    def _wait_listening(self) -> tuple[str, int]:
+        assert self.process.stderr is not None
+        deadline = time.monotonic() + _STARTUP
+        while time.monotonic() < deadline:
+            line = self.process.stderr.readline()
+            if not line:
+                break
+            self.log.append(line.rstrip())
+            if match := _LISTENING.search(line):
+                threading.Thread(target=self._drain, daemon=True).start()
+                for _ in range(500):  # the port is bound before the model loads; the app starts after it
+                    try:
+                        self.host, self.port = match.group(1), int(match.group(2))
+                        self.get("/health")
+                        return self.host, self.port
+                    except OSError:
+                        time.sleep(0.02)
+        self.stop()
+        raise UsageError("the server did not start: " + " | ".join(self.log[-3:]))
+
+    def _drain(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.log.append(line.rstrip())
+
+    def connection(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, self.port, timeout=120)
+
+    def get(self, path: str) -> str:
+        connection = self.connection()
+        try:
+            connection.request("GET", path)
+            return connection.getresponse().read().decode()
+        finally:
+            connection.close()
+
+    def rss_mib(self) -> float:
+        """Resident memory of the server, MiB."""
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@dataclass
+class _Tally:
+    completed: int = 0
+    failures: int = 0
+    disconnects: int = 0
+    tokens: int = 0
+    failure_examples: list[str] | None = None
+
+
+def _one_request(
+    child: _Child, body: dict, hang_up: bool, ttft: list[float], itl: list[float]
+) -> tuple[str, int]:
+    """("completed" | "disconnected" | a failure's description, completion tokens) of one streamed request."""
+    connection = child.connection()
+    start = time.perf_counter()
+    try:
+        path, headers = body.pop("_path"), {"content-type": "application/json"}
+        connection.request("POST", path, body=json.dumps(body), headers=headers)
+        response = connection.getresponse()
+        if response.status != 200:
+            return f"status {response.status}: {response.read()[:200]!r}", 0
+        arrivals, tokens, done = [], 0, False
+        while line := response.readline():
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            choice = event["choices"][0] if event.get("choices") else {}
+            if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                arrivals.append(time.perf_counter())
+                if hang_up:
+                    return "disconnected", 0
+        if not done:
+            return "the stream ended without [DONE]", 0
+        if arrivals:
+            ttft.append(arrivals[0] - start)
+            per_chunk = max(1.0, tokens / len(arrivals))
+            for before, after in zip(arrivals, arrivals[1:], strict=False):
+                itl.extend([(after - before) / per_chunk] * round(per_chunk))
+        return "completed", tokens
+    except (OSError, http.client.HTTPException, json.JSONDecodeError, KeyError) as err:
+        return f"{type(err).__name__}: {err}", 0
+    finally:
+        connection.close()
+
+
+def _load(child: _Child, config: ServeLoadConfig, prompts: Sequence[Prompt], chat: bool) -> dict:
+    tally, lock = _Tally(failure_examples=[]), threading.Lock()
+    ttft: list[float] = []
+    itl: list[float] = []
+    counter = iter(range(1 << 62))
+    deadline = time.perf_counter() + config.seconds
+
+    def client() -> None:
+        while time.perf_counter() < deadline:
+            with lock:
+                index = next(counter)
+            body = _body(child, prompts[index % len(prompts)], chat, config)
+            every = config.disconnect_every
+            hang_up = every > 0 and index % every == every - 1
+            outcome, tokens = _one_request(child, body, hang_up, ttft, itl)
+            with lock:
+                if outcome == "completed":
+                    tally.completed += 1
+                    tally.tokens += tokens
+                elif outcome == "disconnected":
+                    tally.disconnects += 1
+                else:
+                    tally.failures += 1
+                    assert tally.failure_examples is not None
+                    tally.failure_examples.append(outcome)
+
+    seconds = run_clients(client, config.clients)
+    return {
+        "completed": tally.completed,
+        "failures": tally.failures,
+        "failure_examples": (tally.failure_examples or [])[:5],
+        "disconnects": tally.disconnects,
+        "tokens": tally.tokens,
+        "seconds": seconds,
+        "tokens_per_second": tally.tokens / seconds,
+        "ttft_p50": _percentile(ttft, 0.5),
+        "ttft_p99": _percentile(ttft, 0.99),
+        "itl_p50": _percentile(itl, 0.5),
+        "itl_p99": _percentile(itl, 0.99),
+    }
+
+
+def _metric(exposition: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def run_serve_load(config: ServeLoadConfig, progress: bool = True) -> dict:
+    """Start the server, load it, read its metrics and memory, stop it; then the engine alone."""
+    from verispec.api import Speculator
+    from verispec.bench.suite import _has_chat_template
+
+    spec = Speculator(config.target, drafter=config.drafter, tokenizer=config.tokenizer,
+                      precision=config.precision)  # fmt: skip
+    chat = _has_chat_template(spec.tokenizer)
+    room = spec.model.max_context - config.max_tokens
+    prompts = [p for p in list(config.prompts) or _load_prompts(LoadConfig(), chat)
+               if len(spec.encode_prompt(p, chat)) < room]  # fmt: skip
+    if not prompts:
+        raise UsageError(f"no prompt leaves room for {config.max_tokens} tokens in the model's context")
+    child = _Child(config)
+    try:
+        warm = _one_request(child, _body(child, prompts[0], chat, config), False, [], [])
+        if warm[0] != "completed":
+            raise UsageError(f"the server's first request failed: {warm[0]}")
+        rss_start = child.rss_mib()
+        if progress:
+            say = f"bench-serve: {config.clients} clients for {config.seconds:g} s"
+            print(say, file=sys.stderr, flush=True)
+        measured = _load(child, config, prompts, chat)
+        time.sleep(0.5)  # the last hang-ups reach the engine within a step
+        exposition = child.get("/metrics")
+        rss_end = child.rss_mib()
+    finally:
+        child.stop()
+    freed = (
+        _metric(exposition, "verispec_batch_size") == 0
+        and _metric(exposition, "verispec_requests_total", status="499") == measured["disconnects"]
+    )
+    result = {
+        "config": {"target": config.target, "drafter": config.drafter, "k": config.k,
+                   "clients": config.clients, "seconds": config.seconds, "max_tokens": config.max_tokens,
+                   "disconnect_every": config.disconnect_every},
+        "served": {**measured, "disconnects_freed": freed, "rss_start_mib": rss_start, "rss_end_mib": rss_end,
+                   "rss_growth": rss_end / rss_start - 1 if rss_start else None},
+    }  # fmt: skip
+    if config.engine:
+        load = LoadConfig(target=config.target, max_new_tokens=config.max_tokens,
+                          requests=max(config.clients, measured["completed"]))  # fmt: skip
+        _verispec_cell(spec, prompts, 1, config.k, replace(load, requests=1), chat)  # warm-up
+        engine = _verispec_cell(spec, prompts, config.clients, config.k, load, chat)
+        result["engine"] = engine
+        result["served_over_engine"] = measured["tokens_per_second"] / engine["tokens_per_second"]
+    return result
+
+
+def _body(child: _Child, prompt: Prompt, chat: bool, config: ServeLoadConfig) -> dict:
+    body: dict = {"model": child.name, "max_tokens": config.max_tokens, "temperature": 0, "stream": True,
+                  "stream_options": {"include_usage": True}}  # fmt: skip
+    if chat:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        return body | {"_path": "/v1/chat/completions", "messages": messages}
+    return body | {"_path": "/v1/completions", "prompt": prompt}
+
+
+def write_serve_report(result: Mapping, out: str | Path) -> Path:
+    """results.json and results.md."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "results.json", lambda tmp: Path(tmp).write_text(json.dumps(result, indent=1)))
+    s = result["served"]
+
+    def ms(value: float | None) -> str:
+        return "—" if value is None else f"{value * 1e3:.0f}"
+
+    lines = [
+        "# verispec bench-serve",
+        "",
+        f"Config: `{json.dumps(result['config'])}`",
+        "",
+        "| completed | failures | disconnects (freed) | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
+        "| RSS MiB start → end |",
+        "|---|---|---|---|---|---|---|",
+        f"| {s['completed']} | {s['failures']} | {s['disconnects']} "
+        f"({'all' if s['disconnects_freed'] else 'NOT all'}) "
+        f"| {s['tokens_per_second']:.1f} | {ms(s['ttft_p50'])} / {ms(s['ttft_p99'])} | {ms(s['itl_p50'])} / "
+        f"{ms(s['itl_p99'])} | {s['rss_start_mib']:.0f} → {s['rss_end_mib']:.0f} "
+        f"({s['rss_growth'] or 0:+.1%}) |",
+    ]
+    if "engine" in result:
+        e = result["engine"]
+        lines += ["", f"The engine alone on the same work: {e['tokens_per_second']:.1f} tok/s; "
+                  f"served / engine = {result['served_over_engine']:.2f}."]  # fmt: skip
+    if s["failure_examples"]:
+        lines += ["", "Failures, first few: " + "; ".join(s["failure_examples"])]
+    write_atomic(out / "results.md", lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
+    return out

@@ -1,0 +1,453 @@
+"""``verispec serve``: the OpenAI API over the batched engine (Starlette, uvicorn, server-sent events).
+
+One :class:`Server` holds the loaded target, a :class:`~verispec.api.Speculator` per drafter asked for (all
+over that one target), the :class:`~verispec.scheduler.Scheduler` whose thread runs the engine, and the
+metrics. The event loop never waits on the engine: a request is submitted from a worker thread (its prompt
+is tokenized there) and its chunks come back through ``loop.call_soon_threadsafe``. A client that goes away
+cancels its request, which leaves the batch at the next step. Every refusal is OpenAI's error object with
+one message; an unexpected failure is a 500 whose traceback goes to the log, the client sees one line.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not), ``GET /v1/models``,
+``GET /health``, ``GET /metrics``. With an API key, the ``/v1`` routes need ``Authorization: Bearer KEY``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio.to_thread
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from verispec.api import Chunk, Speculator, parse_k
+from verispec.drafting.registry import AUTO as AUTO_DRAFTER
+from verispec.drafting.registry import DRAFTERS
+from verispec.errors import UsageError
+from verispec.models.llama import DEFAULT_PRECISION
+from verispec.models.registry import DEFAULT_MODEL
+from verispec.scheduler import Handle, QueueFull, Scheduler
+from verispec.server.metrics import ServerMetrics
+from verispec.server.schema import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    error_body,
+    finish_reason,
+    new_id,
+    parse_request,
+    speculation,
+    usage,
+)
+
+__all__ = ["Server", "ServerConfig", "create_app", "listen", "run", "serving"]
+
+_log = logging.getLogger("verispec.server")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What ``verispec serve`` serves; validated with UsageError."""
+
+    target: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    draft: str | None = None
+    drafter: str = AUTO_DRAFTER
+    drafter_path: str | None = None
+    precision: str = DEFAULT_PRECISION
+    k: str = "auto"  # the K of requests that do not name one
+    max_batch: int = 8
+    max_queue: int = 64
+    api_key: str | None = None
+    model_name: str | None = None  # the model id clients name (default: the target's name)
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_queue"):
+            value, low = getattr(self, name), 1 if name == "max_batch" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise UsageError(f"{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+        parse_k(self.k)
+        if self.api_key is not None and not self.api_key.strip():
+            raise UsageError("the API key is empty")
+
+    @property
+    def served_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        return Path(self.target).stem if Path(self.target).suffix else self.target
+
+
+class Server:
+    """The state behind the app. ``loaded``: a target already in memory (model, tokenizer) to serve instead
+    of loading ``config.target``."""
+
+    def __init__(self, config: ServerConfig, loaded: tuple | None = None) -> None:
+        self.config = config
+        self.name = config.served_name
+        self.default = Speculator(
+            loaded if loaded is not None else config.target,
+            config.draft,
+            config.drafter,
+            config.tokenizer,
+            drafter_path=config.drafter_path,
+            target_label=config.target,
+            precision=config.precision,
+        )
+        self.default.k_policy(config.k)  # calibrates now (with --k auto), not in a client's request
+        self._speculators = {self.default.drafter_name: self.default}
+        self._lock = threading.Lock()
+        self.scheduler = Scheduler(self.default, slots=config.max_batch, max_queue=config.max_queue)
+        self.metrics = ServerMetrics(lambda: self.scheduler.running, lambda: self.scheduler.queue_depth)
+
+    def speculator(self, drafter: str | None) -> Speculator:
+        """The speculator of a request's drafter (the server's own by default): none, ngram, eagle where the
+        target has a learned drafter, or the server's. Made on first use and kept."""
+        name = self.default.drafter_name if drafter in (None, AUTO_DRAFTER) else drafter
+        with self._lock:
+            if name in self._speculators:
+                return self._speculators[name]
+            if name not in DRAFTERS or DRAFTERS[name].needs_draft_model:
+                offered = sorted({"none", "ngram", "eagle", self.default.drafter_name})
+                raise ApiError(
+                    400,
+                    f"drafter {drafter!r} is not served here; choose from {', '.join(offered)}",
+                    param="drafter",
+                )
+            try:
+                made = Speculator(
+                    (self.default.model, self.default.tokenizer),
+                    drafter=name,
+                    drafter_path=self.config.drafter_path if DRAFTERS[name].learned else None,
+                    target_label=self.config.target,
+                )
+                made.k_policy(self.config.k)
+            except UsageError as err:
+                raise ApiError(400, str(err), param="drafter") from None
+            self._speculators[name] = made
+            return made
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+
+def create_app(server: Server) -> Starlette:
+    """The ASGI app of ``server`` (closed with the app's lifespan)."""
+    api = _Api(server)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        server.close()
+
+    routes = [
+        Route("/health", api.health),
+        Route("/metrics", api.metrics_page),
+        Route("/v1/models", api.models),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+    ]
+    handlers = {ApiError: api.refused, HTTPException: api.http_error, Exception: api.crashed}
+    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+
+
+class _Api:
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.metrics = server.metrics
+
+    # ------------------------------------------------------------------ plain routes
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": self.server.name})
+
+    async def metrics_page(self, request: Request) -> Response:
+        return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        model = {"id": self.server.name, "object": "model", "created": 0, "owned_by": "verispec"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    # ------------------------------------------------------------------ errors
+
+    async def refused(self, request: Request, error: Exception) -> Response:
+        assert isinstance(error, ApiError)
+        self.metrics.requests.labels(request.url.path, str(error.status)).inc()
+        return JSONResponse(error_body(error), status_code=error.status)
+
+    async def http_error(self, request: Request, error: Exception) -> Response:
+        assert isinstance(error, HTTPException)
+        return await self.refused(
+            request, ApiError(error.status_code, str(error.detail), "invalid_request_error")
+        )
+
+    async def crashed(self, request: Request, error: Exception) -> Response:
+        _log.exception("internal error serving %s", request.url.path)  # a bug: its traceback is for us
+        failure = ApiError(500, f"internal error: {type(error).__name__}", "server_error")
+        return await self.refused(request, failure)
+
+    def _authorize(self, request: Request) -> None:
+        key = self.server.config.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise ApiError(
+                401, "a missing or wrong API key (Authorization: Bearer KEY)", "authentication_error"
+            )
+
+    # ------------------------------------------------------------------ generation
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        self._authorize(request)
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ApiError(400, f"the body is not valid JSON ({err})") from None
+        parsed = parse_request(ChatRequest if chat else CompletionRequest, body)
+        if parsed.model != self.server.name:
+            raise ApiError(
+                404,
+                f"the model {parsed.model!r} does not exist here: this server serves {self.server.name!r}",
+                "not_found_error",
+                "model",
+            )
+        sampling = parsed.sampling()
+        try:
+            k = parse_k(parsed.k if parsed.k is not None else self.server.config.k)
+        except UsageError as err:
+            raise ApiError(400, str(err), param="k") from None
+        limit = parsed.max_completion_tokens or parsed.max_tokens
+        prompt = parsed.conversation if isinstance(parsed, ChatRequest) else parsed.text  # type: ignore[attr-defined]
+        options = dict(
+            k=k,
+            max_new_tokens=limit or (self.server.default.model.max_context if chat else 16),
+            sampling=sampling,
+            chat=chat,
+            stop=parsed.stops,
+        )
+        loop, chunks = asyncio.get_running_loop(), asyncio.Queue[Chunk | None]()
+
+        def submit() -> Handle:
+            speculator = self.server.speculator(parsed.drafter)
+            listener = lambda item: loop.call_soon_threadsafe(chunks.put_nowait, item)  # noqa: E731
+            try:
+                return self.server.scheduler.submit(
+                    prompt, speculator=speculator, listener=listener, **options
+                )
+            except QueueFull as err:
+                raise ApiError(429, str(err), "rate_limit_error") from None
+            except UsageError as err:
+                raise ApiError(400, str(err)) from None
+
+        started = time.perf_counter()
+        handle = await anyio.to_thread.run_sync(submit)
+        reply = _Reply(self.server.name, chat, handle, started)
+        if parsed.stream:
+            return StreamingResponse(
+                self._stream(request, reply, chunks, parsed.include_usage), media_type="text/event-stream"
+            )
+        return await self._whole(request, reply, chunks)
+
+    async def _whole(self, request: Request, reply: _Reply, chunks: asyncio.Queue[Chunk | None]) -> Response:
+        """The non-streamed answer; cancelled if the client goes away first."""
+        collector = asyncio.ensure_future(self._collect(reply, chunks))
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if collector not in done:  # the client left: nobody reads the answer
+            reply.handle.cancel()
+            collector.cancel()
+            self._finished(request, reply, 499)
+            return Response(status_code=499)
+        text = collector.result()
+        self._finished(request, reply, 200)
+        return JSONResponse(reply.whole(text))
+
+    async def _collect(self, reply: _Reply, chunks: asyncio.Queue[Chunk | None]) -> str:
+        parts = []
+        while (chunk := await chunks.get()) is not None:
+            reply.arrived(chunk, self.metrics)
+            parts.append(chunk.text)
+        reply.check()
+        return "".join(parts)
+
+    async def _stream(
+        self, request: Request, reply: _Reply, chunks: asyncio.Queue[Chunk | None], include_usage: bool
+    ) -> AsyncIterator[str]:
+        """Server-sent events: OpenAI's chunks, then ``[DONE]``; a client that leaves cancels the request."""
+        status = 499
+        try:
+            if reply.chat:
+                yield _event(reply.chunk({"role": "assistant", "content": ""}))
+            while (chunk := await chunks.get()) is not None:
+                reply.arrived(chunk, self.metrics)
+                if chunk.text:
+                    yield _event(reply.chunk(chunk.text))
+            reply.check()
+            yield _event(reply.chunk(None, final=True))
+            if include_usage:
+                yield _event({**reply.head("chunk"), "choices": [], "usage": reply.usage()})
+            yield "data: [DONE]\n\n"
+            status = 200
+        finally:
+            if not reply.handle.finished.is_set():
+                reply.handle.cancel()
+            self._finished(request, reply, status)
+
+    def _finished(self, request: Request, reply: _Reply, status: int) -> None:
+        self.metrics.requests.labels(request.url.path, str(status)).inc()
+        self.metrics.finished(reply.handle.prompt_tokens, reply.handle.stats)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: nothing else arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class _Reply:
+    """One answer's ids and timing, and its OpenAI objects."""
+
+    def __init__(self, model: str, chat: bool, handle: Handle, started: float) -> None:
+        self.model, self.chat, self.handle = model, chat, handle
+        self.id, self.created = new_id("chatcmpl" if chat else "cmpl")
+        self.started = self.last = started
+        self.tokens = 0
+
+    def arrived(self, chunk: Chunk, metrics: ServerMetrics) -> None:
+        """Time a chunk: the first token's latency, then the gap per token."""
+        n = len(chunk.token_ids)
+        if not n:
+            return
+        now = time.perf_counter()
+        if self.tokens == 0:
+            metrics.ttft.observe(now - self.started)
+        else:
+            for _ in range(n):
+                metrics.itl.observe((now - self.last) / n)
+        self.tokens, self.last = self.tokens + n, now
+
+    def check(self) -> None:
+        if self.handle.error is not None:  # the engine failed (a bug): a 500 for the client, logged
+            raise self.handle.error
+
+    def head(self, what: str) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {
+            "id": self.id,
+            "object": f"{kind}.{what}" if self.chat and what else kind,
+            "created": self.created,
+            "model": self.model,
+        }
+
+    def usage(self) -> dict:
+        return usage(self.handle.prompt_tokens, self.handle.stats)
+
+    def chunk(self, content: str | dict | None, final: bool = False) -> dict:
+        """A streamed chunk: text (or the chat's opening delta), or the last one with its finish reason."""
+        reason = finish_reason(self.handle.stats) if final else None
+        if self.chat:
+            delta = content if isinstance(content, dict) else {} if content is None else {"content": content}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": reason}
+        out = {**self.head("chunk"), "choices": [choice]}
+        return {**out, "verispec": speculation(self.handle.stats)} if final else out
+
+    def whole(self, text: str) -> dict:
+        reason = finish_reason(self.handle.stats)
+        if self.chat:
+            message = {"role": "assistant", "content": text}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {
+            **self.head(""),
+            "choices": [choice],
+            "usage": self.usage(),
+            "verispec": speculation(self.handle.stats),
+        }
+
+
+# ---------------------------------------------------------------------------------------------- running it
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: a free one); UsageError when it cannot be had."""
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+        sock.listen(128)
+    except OSError as err:
+        raise UsageError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return sock
+
+
+def _uvicorn(server: Server) -> uvicorn.Server:
+    config = uvicorn.Config(
+        create_app(server), log_level="warning", access_log=False, timeout_graceful_shutdown=5
+    )
+    return uvicorn.Server(config)
+
+
+def run(server: Server, sock: socket.socket) -> None:
+    """Serve on ``sock`` until interrupted (``verispec serve``)."""
+    _uvicorn(server).run(sockets=[sock])
+
+
+@contextlib.contextmanager
+def serving(server: Server, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0) -> Iterator[str]:
+    """Serve in a background thread while the block runs: yields the base URL (``http://host:port``); the
+    server stops (and closes ``server``) on leaving the block, within ``timeout`` seconds."""
+    sock = listen(host, port)
+    runner = _uvicorn(server)
+    thread = threading.Thread(
+        target=runner.run, kwargs={"sockets": [sock]}, name="verispec-serve", daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not runner.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.01)
+    address = sock.getsockname()
+    try:
+        yield f"http://{address[0]}:{address[1]}"
+    finally:
+        runner.should_exit = True
+        thread.join(timeout)
+        sock.close()

@@ -1,0 +1,198 @@
+"""The OpenAI API's request bodies as verispec reads them, and its response objects as verispec writes them.
+
+Requests are validated with pydantic in strict mode (a string where a number belongs is refused, not
+converted); fields verispec does not know are ignored, as OpenAI ignores them. verispec's own options ride in
+the body beside OpenAI's: ``top_k``, ``min_p``, ``drafter`` and ``k``. Every refusal is an :class:`ApiError`:
+an HTTP status and one line, written in OpenAI's error format by :func:`error_body`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from verispec.engine import GenerationStats
+from verispec.errors import UsageError
+from verispec.sampling import SamplingParams
+
+__all__ = [
+    "ApiError",
+    "ChatRequest",
+    "CompletionRequest",
+    "error_body",
+    "finish_reason",
+    "parse_request",
+    "usage",
+]
+
+MAX_STOP = 4  # stop strings per request, as OpenAI allows
+
+
+class ApiError(Exception):
+    """A request refused: ``status`` and a one-line ``message``; ``kind`` is OpenAI's error type."""
+
+    def __init__(
+        self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def error_body(error: ApiError) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": None}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # chat's newer name of max_tokens
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    stop: str | list[str] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # verispec's own
+    top_k: Annotated[int, Field(ge=0)] = 0
+    min_p: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    drafter: str | None = None
+    k: Annotated[int, Field(ge=0)] | str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n = 1 is served")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP or not all(stops):
+            raise ValueError(f"at most {MAX_STOP} stop strings, none empty")
+        return stop
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling(self) -> SamplingParams:
+        try:
+            return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
+        except UsageError as err:
+            raise ApiError(400, str(err)) from None
+
+
+class CompletionRequest(_Request):
+    """``POST /v1/completions``: one prompt (a string, or a list holding one string)."""
+
+    prompt: str | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _single(cls, prompt: str | list[str]) -> str | list[str]:
+        if isinstance(prompt, list) and len(prompt) != 1:
+            raise ValueError("one prompt per request (n = 1, no batches of prompts)")
+        return prompt
+
+    @property
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+
+    def as_dict(self) -> dict[str, str]:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatRequest(_Request):
+    """``POST /v1/chat/completions``: a conversation, rendered with the model's chat template."""
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+
+    @property
+    def conversation(self) -> list[dict[str, str]]:
+        return [m.as_dict() for m in self.messages]
+
+
+def parse_request(kind: type[_Request], body: Any) -> _Request:
+    """The validated request, or ApiError 400 naming the first problem in one line."""
+    if not isinstance(body, Mapping):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return kind.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise ApiError(400, f"{where}: {message}", param=where) from None
+
+
+def finish_reason(stats: GenerationStats) -> str:
+    """OpenAI's finish_reason for verispec's stop reason: "stop" at an end-of-sequence token or a stop string,
+    "length" at max_tokens or the end of the context."""
+    return "stop" if stats.stop_reason in ("eos", "stop_string") else "length"
+
+
+def usage(prompt_tokens: int, stats: GenerationStats) -> dict:
+    """OpenAI's usage object."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": stats.new_tokens,
+        "total_tokens": prompt_tokens + stats.new_tokens,
+    }
+
+
+def speculation(stats: GenerationStats) -> dict:
+    """What speculation did for one request: the ``verispec`` object of every response."""
+    return {
+        "drafter": stats.drafter,
+        "k": stats.k,
+        "target_calls": stats.target_calls,
+        "tokens_per_target_call": stats.tokens_per_target_call,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "acceptance_by_position": stats.acceptance_per_position,
+        "draft_seconds": stats.draft_seconds,
+        "target_seconds": stats.target_seconds,
+        "prefill_seconds": stats.prefill_seconds,
+    }
+
+
+def new_id(prefix: str) -> tuple[str, int]:
+    """A response id and its creation time (Unix seconds)."""
+    return f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
