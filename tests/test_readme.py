@@ -26,6 +26,7 @@ import re
 import runpy
 import shlex
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,9 @@ def one_block(heading_prefix: str) -> Block:
 SYNOPSIS = one_block("CLI")  # a usage grammar: [optional] parts, alternatives, "..."
 RECIPE = one_block("Learned drafter")  # run on a tiny chat Llama
 BENCHMARK = one_block("Benchmarks")  # run on stories260K
+SERVING = one_block("Serving")  # the server on stories260K, asked by the curl line
+LOAD = one_block("Many requests at once: `verispec bench-load`")  # run on stories260K
+SERVE_LOAD = one_block("The server under load")  # run on stories260K
 
 
 def logical_lines(code: str) -> list[tuple[int, str]]:
@@ -149,7 +153,8 @@ def test_the_readme_has_the_blocks_this_file_runs():
     assert {b.language for b in BLOCKS} <= {"python", "sh"}, "a code block in a language nothing here tests"
     assert PYTHON_BLOCKS
     with_commands = {b.line for b in SHELL_BLOCKS if verispec_commands(b)}
-    assert with_commands == {SYNOPSIS.line, RECIPE.line, BENCHMARK.line}, "a new sh block: run it here too"
+    runs = {SYNOPSIS.line, RECIPE.line, BENCHMARK.line, SERVING.line, LOAD.line, SERVE_LOAD.line}
+    assert with_commands == runs, "a new sh block: run it here too"
 
 
 # ---------------------------------------------------------------------------------------------- python
@@ -203,7 +208,8 @@ def test_every_shell_line_is_a_command_this_file_checks():
             continue
         for command in shell_commands(block):
             words = command.words
-            assert words[0] in ("make", "verispec") or words[:3] == ["python", "-m", "verispec"], command.id
+            allowed = words[0] in ("make", "verispec") or words[:3] == ["python", "-m", "verispec"]
+            assert allowed or (block is SERVING and words[0] == "curl"), command.id  # curl: sent, below
 
 
 def test_python_m_verispec_is_the_same_command(monkeypatch, capsys):
@@ -318,6 +324,10 @@ SHRUNK: dict[str, Callable[[str], str]] = {
     "--steps": _fixed("3"),  # 3000, 1500, 1400
     "--eval-every": _fixed("1"),  # 100
     "--checkpoint-every": _fixed("1"),  # 100
+    "--concurrency": _fixed("1,2"),  # bench-load's 1,4,8,16
+    "--clients": _fixed("2"),  # bench-serve's 8, 32
+    "--seconds": _fixed("2"),  # 60, 600
+    "--port": _fixed("0"),  # serve's 8000: a free port
 }
 
 
@@ -453,3 +463,82 @@ def test_benchmark_command_runs(shared_model, tmp_path, monkeypatch, restore_thr
     for cell in results["cells"]:
         assert cell["complete"] and len(cell["samples"]) == args.repetitions
         assert cell["greedy_identity"]["differ"] == [], cell["label"]
+
+
+def _stories_target(shared_model) -> list[str]:
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    return ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
+
+
+def test_load_commands_run(shared_model, tmp_path, monkeypatch, restore_threads, capsys):
+    """The README's bench-load and bench-serve lines on stories260K, shrunk (two clients, two seconds,
+    concurrency 1 and 2): they complete with no failed request, every hang-up freed, and their tables."""
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    target = _stories_target(shared_model)
+    commands = [*verispec_commands(LOAD), *verispec_commands(SERVE_LOAD)]
+    assert {c.words[1] for c in commands} == {"bench-load", "bench-serve"}
+    outs = {c.line: tmp_path / f"out-{c.line}" for c in commands}
+    for command in commands:
+        added = {command.words[1]: [*target, "--out", str(outs[command.line])]}
+        ((out, _),) = run_commands([command], added, capsys).values()
+        results = json.loads((outs[command.line] / "results.json").read_text())
+        if command.words[1] == "bench-load":
+            methods = {cell["method"] for cell in results["cells"]}
+            assert methods == set(_on_stories(command.words[command.words.index("--methods") + 1]).split(","))
+            assert all(cell["failures"] == 0 for cell in results["cells"])
+        else:
+            served = results["served"]
+            assert served["failures"] == 0 and served["completed"] > 0 and served["disconnects_freed"]
+            assert ("engine" in results) == ("--no-engine" not in command.words)
+        assert "| " in out
+
+
+def test_serving_block_runs(shared_model, tmp_path):
+    """The README's serve line, started as written (on stories260K named as the default model, on a free
+    port), answers the README's curl request, sent as written (its path, headers and body), with text; and
+    stops on Ctrl-C without a traceback."""
+    import http.client
+    import os
+    import signal
+    import subprocess
+    from urllib.parse import urlsplit
+
+    (serve,) = verispec_commands(SERVING)
+    (curl,) = [c for c in shell_commands(SERVING) if c.words[0] == "curl"]
+    argv = [*shrunk(serve.words), *_stories_target(shared_model), "--model-name", "smollm2-135m"]
+    env = {**os.environ, "VERISPEC_CACHE": str(tmp_path / "cache")}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "verispec", *argv], stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert server.stderr is not None
+        address = None
+        for line in server.stderr:
+            if match := re.search(r"on http://([^:]+):(\d+)/v1", line):
+                address = (match.group(1), int(match.group(2)))
+                break
+        assert address is not None, "the server never said where it listens"
+        words = curl.words[1:]
+        url = next(w for w in words if w.startswith("http"))
+        headers = dict(h.split(": ", 1) for flag, h in zip(words, words[1:], strict=False) if flag == "-H")
+        body = next(b for flag, b in zip(words, words[1:], strict=False) if flag == "-d")
+        for _ in range(500):  # the port is bound before the app has started
+            connection = http.client.HTTPConnection(*address, timeout=120)
+            try:
+                connection.request("POST", urlsplit(url).path, body=body, headers=headers)
+                response = connection.getresponse()
+                answer = json.loads(response.read())
+                break
+            except OSError:
+                time.sleep(0.02)
+            finally:
+                connection.close()
+        assert response.status == 200, answer
+        assert answer["choices"][0]["text"].strip() and answer["usage"]["completion_tokens"] > 0
+        server.send_signal(signal.SIGINT)
+        assert server.wait(30) == 130  # stopped by Ctrl-C, the shell's convention
+        assert "Traceback" not in server.stderr.read()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

@@ -97,12 +97,19 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _load_prompts(config: LoadConfig, chat: bool) -> list[Prompt]:
-    """The requests' prompts: the config's, else every bench task's (conversations where the model has a
-    chat template)."""
-    if config.prompts:
-        return list(config.prompts)
-    return [prompt.for_model(chat) for task_prompts in builtin_tasks().values() for prompt in task_prompts]
+def _load_prompts(
+    prompts: Sequence[Prompt], spec: Speculator, chat: bool, max_new_tokens: int
+) -> list[Prompt]:
+    """The requests' prompts: ``prompts``, else every bench task's (conversations where the model has a
+    chat template), those that leave ``max_new_tokens`` of room in the target's context; UsageError when
+    none does."""
+    if not prompts:
+        prompts = [p.for_model(chat) for task_prompts in builtin_tasks().values() for p in task_prompts]
+    room = spec.model.max_context - max_new_tokens
+    fit = [p for p in prompts if len(spec.encode_prompt(p, chat)) < room]
+    if not fit:
+        raise UsageError(f"no prompt leaves room for {max_new_tokens} new tokens in the model's context")
+    return fit
 
 
 def _verispec_cell(
@@ -195,7 +202,7 @@ def run_load(config: LoadConfig, progress: bool = True) -> dict:
         torch.set_num_threads(config.threads)
     base = Speculator(config.target, drafter="none", tokenizer=config.tokenizer, precision=config.precision)
     chat = _has_chat_template(base.tokenizer)
-    prompts = _load_prompts(config, chat)
+    prompts = _load_prompts(config.prompts, base, chat, config.max_new_tokens)
     loaded = (base.model, base.tokenizer)
     cells = []
     for method in config.methods:

@@ -42,6 +42,7 @@ from verispec.viz import write_atomic
 __all__ = ["ServeLoadConfig", "run_serve_load", "write_serve_report"]
 
 _STARTUP = 600.0  # seconds a server may take to load its model and calibrate
+_WARM_UP = 0.1  # the share of the run after which the server's memory counts as warmed up
 _LISTENING = re.compile(r"on http://([^:]+):(\d+)/v1")
 
 
@@ -216,8 +217,24 @@ def _load(child: _Child, config: ServeLoadConfig, prompts: Sequence[Prompt], cha
                     assert tally.failure_examples is not None
                     tally.failure_examples.append(outcome)
 
+    rss: list[tuple[float, float]] = []  # (seconds into the run, the server's RSS in MiB), every second
+
+    def sample_memory() -> None:
+        start = time.perf_counter()
+        while not stop.wait(1.0):
+            rss.append((time.perf_counter() - start, child.rss_mib()))
+
+    stop = threading.Event()
+    sampler = threading.Thread(target=sample_memory, daemon=True)
+    sampler.start()
     seconds = run_clients(client, config.clients)
+    stop.set()
+    sampler.join()
+    warm = [mib for at, mib in rss if at >= _WARM_UP * seconds] or [child.rss_mib()]
     return {
+        "rss_warm_mib": warm[0],
+        "rss_max_mib": max([mib for _, mib in rss] or warm),
+        "rss_series": [(round(at, 1), round(mib, 1)) for at, mib in rss[:: max(1, len(rss) // 200)]],
         "completed": tally.completed,
         "failures": tally.failures,
         "failure_examples": (tally.failure_examples or [])[:5],
@@ -251,11 +268,7 @@ def run_serve_load(config: ServeLoadConfig, progress: bool = True) -> dict:
     spec = Speculator(config.target, drafter=config.drafter, tokenizer=config.tokenizer,
                       precision=config.precision)  # fmt: skip
     chat = _has_chat_template(spec.tokenizer)
-    room = spec.model.max_context - config.max_tokens
-    prompts = [p for p in list(config.prompts) or _load_prompts(LoadConfig(), chat)
-               if len(spec.encode_prompt(p, chat)) < room]  # fmt: skip
-    if not prompts:
-        raise UsageError(f"no prompt leaves room for {config.max_tokens} tokens in the model's context")
+    prompts = _load_prompts(config.prompts, spec, chat, config.max_tokens)
     child = _Child(config)
     try:
         warm = _one_request(child, _body(child, prompts[0], chat, config), False, [], [])
@@ -280,7 +293,8 @@ def run_serve_load(config: ServeLoadConfig, progress: bool = True) -> dict:
                    "clients": config.clients, "seconds": config.seconds, "max_tokens": config.max_tokens,
                    "disconnect_every": config.disconnect_every},
         "served": {**measured, "disconnects_freed": freed, "rss_start_mib": rss_start, "rss_end_mib": rss_end,
-                   "rss_growth": rss_end / rss_start - 1 if rss_start else None},
+                   "rss_growth": rss_end / rss_start - 1,
+                   "rss_growth_warm": rss_end / measured["rss_warm_mib"] - 1},
     }  # fmt: skip
     if config.engine:
         load = LoadConfig(target=config.target, max_new_tokens=config.max_tokens,
@@ -317,13 +331,17 @@ def write_serve_report(result: Mapping, out: str | Path) -> Path:
         f"Config: `{json.dumps(result['config'])}`",
         "",
         "| completed | failures | disconnects (freed) | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
-        "| RSS MiB start → end |",
+        "| RSS MiB start → warm → end (max) |",
         "|---|---|---|---|---|---|---|",
         f"| {s['completed']} | {s['failures']} | {s['disconnects']} "
         f"({'all' if s['disconnects_freed'] else 'NOT all'}) "
         f"| {s['tokens_per_second']:.1f} | {ms(s['ttft_p50'])} / {ms(s['ttft_p99'])} | {ms(s['itl_p50'])} / "
-        f"{ms(s['itl_p99'])} | {s['rss_start_mib']:.0f} → {s['rss_end_mib']:.0f} "
-        f"({s['rss_growth'] or 0:+.1%}) |",
+        f"{ms(s['itl_p99'])} | {s['rss_start_mib']:.0f} → {s['rss_warm_mib']:.0f} → {s['rss_end_mib']:.0f} "
+        f"({s['rss_max_mib']:.0f}) |",
+        "",
+        f"Server memory: {s['rss_growth']:+.1%} from ready (after one request) to the end; "
+        f"{s['rss_growth_warm']:+.1%} from warm ({_WARM_UP:.0%} into the run, all clients at work) "
+        "to the end.",
     ]
     if "engine" in result:
         e = result["engine"]
