@@ -19,6 +19,7 @@ import torch
 from verispec.analysis.analytic import BatchCost, CostModel, speedup_by_k
 from verispec.calibrate import QUICK_REPETITIONS, Calibration, calibrate
 from verispec.drafting.base import Drafter, TreeDrafter, check_static
+from verispec.drafting.cross_tokenizer import VocabularyPair, check_algorithm, same_vocabulary
 from verispec.drafting.draft_model import early_exit_layers, self_draft
 from verispec.drafting.eagle.drafter import DEFAULT_TREE, shipped_drafter
 from verispec.drafting.eagle.model import EagleHead, native_target
@@ -138,7 +139,15 @@ class Speculator:
         drafter_path: str | Path | None = None,
         target_label: str | None = None,
         precision: str = DEFAULT_PRECISION,
+        draft_tokenizer: str | None = None,
+        cross_tokenizer: str = "auto",
     ) -> None:
+        check_algorithm(cross_tokenizer)
+        own_weights = isinstance(draft, str) and (early_exit_layers(draft) is not None or self_draft(draft))
+        if draft_tokenizer is not None and (draft is None or own_weights):
+            raise UsageError("--draft-tokenizer is the tokenizer of a draft model (--draft SPEC)")
+        if cross_tokenizer != "auto" and (draft is None or own_weights):
+            raise UsageError("--cross-tokenizer applies to a draft whose tokenizer differs from the target's")
         kind = None if drafter == AUTO else drafter_kind(drafter)
         if kind is not None and kind.needs_draft_model and draft is None:
             raise UsageError(f"drafter {drafter!r} needs a draft model (--draft SPEC)")
@@ -152,6 +161,8 @@ class Speculator:
             DEFAULT_MODEL if target is None else target, tokenizer, device, precision
         )
         self.draft = None
+        self.pair: VocabularyPair | None = None  # a draft with another tokenizer: the two vocabularies
+        self.cross_tokenizer = cross_tokenizer
         layers = early_exit_layers(draft) if isinstance(draft, str) else None
         itself = self_draft(draft) if isinstance(draft, str) else None
         self.early_exit = layers is not None  # the draft shares the target's cache
@@ -160,12 +171,11 @@ class Speculator:
         elif itself is not None:
             self.draft = _requantized(self.model, *itself)
         elif draft is not None:
-            self.draft, draft_tokenizer = _load(draft, tokenizer, device, precision)
-            if draft_tokenizer.vocab_size != self.tokenizer.vocab_size:
-                raise UsageError(
-                    f"the draft's tokenizer has {draft_tokenizer.vocab_size} tokens, the target's "
-                    f"{self.tokenizer.vocab_size}: the draft must share the target's tokenizer"
-                )
+            self.draft, spoken = _load(draft, draft_tokenizer or tokenizer, device, precision)
+            if not same_vocabulary(self.tokenizer, spoken):  # drafts across tokenizers
+                self.pair = VocabularyPair.build(self.tokenizer, spoken, self.draft.vocab_size)
+        if cross_tokenizer != "auto" and self.pair is None:
+            raise UsageError("--cross-tokenizer applies to a draft whose tokenizer differs from the target's")
         if target_label is None:
             target_label = DEFAULT_MODEL if target is None else target if isinstance(target, str) else ""
         self.head = None  # the learned drafter's
@@ -194,7 +204,9 @@ class Speculator:
                 check_static(tree, self.kind.name)
             tree.check_fits(self.model.max_context)
         self.tree = tree
-        self.drafter_name = self.kind.name
+        if tree is not None and self.pair is not None:
+            raise UsageError("token trees are drafted with the target's tokenizer, not across tokenizers")
+        self.drafter_name = self.kind.name if self.pair is None else f"{self.kind.name}-{cross_tokenizer}"
         self._labels = (target_label, draft if isinstance(draft, str) else "")
         self._calibration: Calibration | None = None
 
@@ -211,7 +223,15 @@ class Speculator:
     def _chain_drafter(self, sampling: SamplingParams, target_cache: Cache | None = None) -> Drafter:
         """The chain drafter (what :meth:`calibration` measures; a tree drafter branches it)."""
         shared = target_cache if self.early_exit else None
-        inputs = DraftInputs(sampling, self.model, draft=self.draft, target_cache=shared, head=self.head)
+        inputs = DraftInputs(
+            sampling,
+            self.model,
+            draft=self.draft,
+            target_cache=shared,
+            head=self.head,
+            pair=self.pair,
+            cross_tokenizer=self.cross_tokenizer,
+        )
         return self.kind.chain(inputs)
 
     def _learned_pays(self, target_label: str) -> bool:

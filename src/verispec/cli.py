@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 
 from verispec import __version__
 from verispec.analysis.simulate import SimulationConfig, simulate
+from verispec.drafting.cross_tokenizer import ALGORITHMS
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import DRAFTERS
 from verispec.engine import EngineConfig, GenerationStats
@@ -172,7 +173,21 @@ def _add_model_specs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", metavar="SPEC", help="target model (default: smollm2-135m)")
     parser.add_argument("--tokenizer", metavar="FILE", help="tokenizer file, for llama2.c checkpoints")
     parser.add_argument(
-        "--draft", metavar="SPEC", help="draft model (same tokenizer) or layers:N (early exit)"
+        "--draft",
+        metavar="SPEC",
+        help="draft model (a tokenizer other than the target's drafts across tokenizers) or layers:N "
+        "(early exit)",
+    )
+    parser.add_argument(
+        "--draft-tokenizer", metavar="FILE", help="the draft's tokenizer, a file of its own (llama2.c)"
+    )
+    parser.add_argument(
+        "--cross-tokenizer",
+        choices=ALGORITHMS,
+        default="auto",
+        help="with a draft of another tokenizer: tli (token-level intersection: the draft's q over the "
+        "tokens both share), string (its text re-encoded and guessed) or auto (default: whichever has "
+        "committed more per unit of cost so far)",
     )
     parser.add_argument(
         "--precision",
@@ -183,6 +198,19 @@ def _add_model_specs(parser: argparse.ArgumentParser) -> None:
         "own; "
         "auto (default): the checkpoint's own format where the kernels run it, else fp16, else fp32",
     )
+
+
+def _across(args: argparse.Namespace) -> dict[str, Any]:
+    """The Speculator's options for a draft of another tokenizer, from the flags."""
+    return {"draft_tokenizer": args.draft_tokenizer, "cross_tokenizer": args.cross_tokenizer}
+
+
+def _no_draft_model(args: argparse.Namespace, command: str) -> None:
+    """UsageError for the draft-model flags of a command whose drafters need none."""
+    flags = {"--draft": args.draft is not None, "--draft-tokenizer": args.draft_tokenizer is not None,
+             "--cross-tokenizer": args.cross_tokenizer != "auto"}  # fmt: skip
+    if given := [flag for flag, set_ in flags.items() if set_]:
+        raise UsageError(f"{command} runs drafters that need no draft model: leave out {', '.join(given)}")
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -343,6 +371,7 @@ def run_generate(args: argparse.Namespace) -> int:
         tree=tree,
         drafter_path=args.drafter_path,
         precision=args.precision,
+        **_across(args),
     )
     recorder = TraceRecorder() if tracing else None
     options = dict(
@@ -425,7 +454,7 @@ def _run_batch(args: argparse.Namespace) -> int:
     requests = read_requests(args.batch)  # all checked before a model loads
     speculator = Speculator(
         args.target, args.draft, args.drafter, args.tokenizer, drafter_path=args.drafter_path,
-        precision=args.precision,
+        precision=args.precision, **_across(args),
     )  # fmt: skip
     prompts = [body for _, body in requests]
     chats = [args.chat or isinstance(body, list) for body in prompts]
@@ -544,6 +573,7 @@ def run_demo(args: argparse.Namespace) -> int:
         target_label=label,
         tree=tree,
         precision=args.precision,
+        **_across(args),
     )
     speculators = {"none": plain}
     if args.drafter == AUTO_DRAFTER and args.draft is None:  # auto's choice and the other one beside it
@@ -650,7 +680,11 @@ def _model_overlap(args: argparse.Namespace):
     from verispec.viz.overlap import next_token_distributions
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
-    speculator = Speculator(args.target, args.draft, "model", args.tokenizer, precision=args.precision)
+    speculator = Speculator(
+        args.target, args.draft, "model", args.tokenizer, precision=args.precision, **_across(args)
+    )
+    if speculator.pair is not None:
+        raise UsageError("viz overlap draws p and q over one vocabulary: the draft must share the target's")
     assert speculator.draft is not None  # the model drafter refuses to be built without one
     prompt_ids = speculator.encode_prompt(args.prompt, args.chat)
     p, q = next_token_distributions(speculator.model, speculator.draft, prompt_ids, sampling)
@@ -748,6 +782,7 @@ def run_bench(args: argparse.Namespace) -> int:
         target=args.target or BenchConfig.target,
         tokenizer=args.tokenizer,
         draft=args.draft,
+        draft_tokenizer=args.draft_tokenizer,
         drafter_path=args.drafter_path,
         tasks=args.tasks,
         prompts_file=args.prompts,
@@ -814,6 +849,7 @@ def run_bench_load(args: argparse.Namespace) -> int:
 
     from verispec.bench.load import LoadConfig, run_load, write_load_report
 
+    _no_draft_model(args, "bench-load")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     config = LoadConfig(
         target=args.target or LoadConfig.target,
@@ -871,6 +907,8 @@ def run_serve(args: argparse.Namespace) -> int:
         target=args.target or ServerConfig.target,
         tokenizer=args.tokenizer,
         draft=args.draft,
+        draft_tokenizer=args.draft_tokenizer,
+        cross_tokenizer=args.cross_tokenizer,
         drafter=args.drafter,
         drafter_path=args.drafter_path,
         precision=args.precision,
@@ -891,6 +929,7 @@ def run_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     run(server, sock)
+    print("verispec: stopped", file=sys.stderr)
     return 0
 
 
@@ -939,8 +978,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         engine=not args.no_engine,
         out=args.out or f"results/bench-serve-{stamp}",
     )
-    if args.draft is not None:
-        raise UsageError("bench-serve serves the drafters that need no draft model: leave out --draft")
+    _no_draft_model(args, "bench-serve")
     out = write_serve_report(run_serve_load(config), config.out)
     print((out / "results.md").read_text())
     print(f"results written to {out}", file=sys.stderr)
@@ -991,6 +1029,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         drafter_path=args.drafter_path,
         precision=args.precision,
+        **_across(args),
     )
     calibration = speculator.calibration(force=True, repetitions=args.repetitions)
     if args.json:

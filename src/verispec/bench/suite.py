@@ -80,6 +80,7 @@ from verispec.bench.records import Calibration as CalibrationRecord
 from verispec.bench.records import Cell, Identity, Machine, Metrics, Results, Sample, Spread
 from verispec.bench.report import write_report
 from verispec.calibrate import Calibration, cpu_name
+from verispec.drafting.cross_tokenizer import ALGORITHMS
 from verispec.drafting.draft_model import early_exit_layers
 from verispec.drafting.eagle.drafter import shipped_drafter
 from verispec.drafting.registry import DRAFTERS
@@ -111,7 +112,9 @@ __all__ = [
 TASKS = ("chat", "summarization", "rag", "math", "code_completion", "code_editing", "translation")
 VERISPEC_METHODS = tuple(DRAFTERS)  # none first, then every drafter
 TREE_METHODS = tuple(f"{name}-tree" for name, kind in DRAFTERS.items() if kind.takes_trees)  # with --trees
-METHODS = (*VERISPEC_METHODS, *TREE_METHODS, *PEERS)
+# the draft model through one cross-tokenizer algorithm each (its tokenizer differs from the target's)
+CROSS_METHODS = {f"model-{algorithm}": algorithm for algorithm in ALGORITHMS if algorithm != "auto"}
+METHODS = (*VERISPEC_METHODS, *CROSS_METHODS, *TREE_METHODS, *PEERS)
 BASELINE, PEER_BASELINE, LLAMACPP_BASELINE = "none", TRANSFORMERS_PEERS[0], LLAMACPP_PEERS[0]
 # the plain run each speculative peer's greedy output must equal
 PLAIN_PEER = {
@@ -240,6 +243,7 @@ class BenchConfig:
     target: str = DEFAULT_MODEL
     tokenizer: str | None = None
     draft: str | None = None
+    draft_tokenizer: str | None = None
     drafter_path: str | None = None
     tasks: tuple[str, ...] | None = None
     prompts_file: str | None = None
@@ -300,6 +304,7 @@ class BenchConfig:
             "--target": None if self.target == DEFAULT_MODEL else self.target,
             "--tokenizer": self.tokenizer,
             "--draft": self.draft,
+            "--draft-tokenizer": self.draft_tokenizer,
             "--drafter-path": self.drafter_path,
             "--tasks": None if self.tasks is None else ",".join(self.tasks),
             "--prompts": self.prompts_file,
@@ -385,7 +390,8 @@ def plan_methods(config: BenchConfig) -> tuple[list[Method], list[str]]:
     method cannot run (a draft-model method without ``--draft``)."""
     chosen = METHODS if config.methods is None else config.methods
     model_drafters = [name for name, kind in DRAFTERS.items() if kind.needs_draft_model]
-    needs_draft = {*model_drafters, *(f"{name}-tree" for name in model_drafters), "transformers-assisted"}
+    needs_draft = {*model_drafters, *(f"{name}-tree" for name in model_drafters), *CROSS_METHODS}
+    needs_draft.add("transformers-assisted")
     numeric = [k for k in config.ks if k.isdigit()]
     methods, notes = [], []
     for name in METHODS:
@@ -395,6 +401,15 @@ def plan_methods(config: BenchConfig) -> tuple[list[Method], list[str]]:
             if config.methods is not None:
                 raise UsageError(f"method {name!r} needs a draft model (--draft SPEC)")
             notes.append(f"{name}: no --draft given")
+            continue
+        if name in CROSS_METHODS and config.methods is None:
+            notes.append(f"{name}: runs when --methods names it, with a draft of another tokenizer")
+            continue
+        if name == "transformers-assisted" and config.draft_tokenizer is not None:
+            uag = "universal assisted generation needs both tokenizers in transformers' format"
+            if config.methods is not None:
+                raise UsageError(f"method {name!r} cannot run with --draft-tokenizer: {uag}")
+            notes.append(f"{name}: {uag}")
             continue
         kind = DRAFTERS.get(name.removesuffix("-tree"))
         if kind is not None and kind.learned and learned_drafter(config) is None:
@@ -620,15 +635,17 @@ class Bench:
         self.speculators = {BASELINE: base}
         chains = (m.name for m in methods if not m.is_peer and m.name not in (BASELINE, *TREE_METHODS))
         for name in dict.fromkeys(chains):
-            draft = config.draft if DRAFTERS[name].needs_draft_model else None
-            path = learned_drafter(config) if DRAFTERS[name].learned else None
+            kind = DRAFTERS["model" if name in CROSS_METHODS else name]
+            path = learned_drafter(config) if kind.learned else None
             self.speculators[name] = Speculator(
                 loaded,
-                draft=draft,
-                drafter=name,
+                draft=config.draft if kind.needs_draft_model else None,
+                drafter=kind.name,
                 drafter_path=path,
                 target_label=str(config.target),
                 precision=config.precision,
+                draft_tokenizer=config.draft_tokenizer if kind.needs_draft_model else None,
+                cross_tokenizer=CROSS_METHODS.get(name, "auto"),
             )
         self.trees = {m.label: self._tree_speculator(m) for m in methods if m.name in TREE_METHODS}
         self.chat = _has_chat_template(self.tokenizer)

@@ -14,8 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from verispec.analysis.analytic import CostModel
 from verispec.drafting.base import Drafter, NoDrafter, TreeDrafter
+from verispec.drafting.cross_tokenizer import CrossTokenizerDrafter, VocabularyPair
 from verispec.drafting.draft_model import ModelDrafter, ModelTreeDrafter
 from verispec.drafting.eagle.drafter import EagleDrafter, EagleTreeDrafter
 from verispec.drafting.eagle.model import EagleHead
@@ -40,6 +43,8 @@ class DraftInputs:
     draft: LanguageModel | None = None  # a draft model (``needs_draft_model``)
     target_cache: Cache | None = None  # the target's cache, read by an early-exit draft (its first layers)
     head: EagleHead | None = None  # a trained head (``learned``)
+    pair: VocabularyPair | None = None  # a draft model with another tokenizer: the two vocabularies
+    cross_tokenizer: str = "auto"  # and the algorithm that drafts across them (cross_tokenizer.ALGORITHMS)
 
     def need_draft(self, name: str) -> LanguageModel:
         """The draft model, or UsageError naming the drafter that needs one."""
@@ -82,6 +87,23 @@ class DrafterKind:
         return self.tree is not None
 
 
+def _model_chain(inputs: DraftInputs) -> Drafter:
+    """A draft model's chain: with the target's tokenizer, or across tokenizers
+    (:mod:`verispec.drafting.cross_tokenizer`; auto weighs a draft forward at the models' size ratio)."""
+    draft = inputs.need_draft("model")
+    if inputs.pair is None:
+        return ModelDrafter(draft, inputs.sampling, inputs.target.vocab_size, inputs.target_cache)
+    ratio = _size_ratio(draft, inputs.target)
+    return CrossTokenizerDrafter(draft, inputs.pair, inputs.sampling, inputs.cross_tokenizer, ratio)
+
+
+def _size_ratio(draft: LanguageModel, target: LanguageModel) -> float:
+    """Parameters of the draft over the target's (what a memory-bound forward costs), 0.1 when unknown."""
+    models = [m for m in (draft, target) if isinstance(m, torch.nn.Module)]
+    sizes = [sum(p.numel() for p in m.parameters()) for m in models]
+    return sizes[0] / sizes[1] if len(sizes) == 2 and sizes[1] else 0.1
+
+
 def _eagle_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> TreeDrafter:
     """The learned head's tree: sampled children above temperature 0 for a static shape, top-k (single
     guesses) for a dynamic one."""
@@ -93,7 +115,7 @@ def _eagle_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> Tre
 
 def _model_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> TreeDrafter:
     """A draft model's tree of its top-k children."""
-    assert isinstance(chain, ModelDrafter)  # the model kind's chain factory builds one
+    assert isinstance(chain, ModelDrafter)  # with the target's tokenizer (the API refuses trees across)
     return ModelTreeDrafter(chain, shape)
 
 
@@ -112,7 +134,7 @@ DRAFTERS: dict[str, DrafterKind] = {
         DrafterKind(
             "model",
             "a smaller model with the target's tokenizer, or the target's first layers (--draft layers:N)",
-            lambda i: ModelDrafter(i.need_draft("model"), i.sampling, i.target.vocab_size, i.target_cache),
+            _model_chain,
             _model_tree,
             needs_draft_model=True,
         ),

@@ -167,3 +167,16 @@ class Tokenizer(Protocol):
         may also be a whole conversation, {"role", "content"} messages ending with a user turn. UsageError
         when the model has no chat template."""
         ...
+
+
+@runtime_checkable
+class SpelledTokenizer(Tokenizer, Protocol):
+    """A tokenizer that spells each of its tokens in bytes: what drafting across tokenizers reads
+    (:mod:`verispec.drafting.cross_tokenizer`)."""
+
+    def token_bytes(self) -> list[bytes]:
+        """[vocab_size] the bytes each id stands for in text: byte-level and SentencePiece conventions
+        undone ("Ġ", "▁" and ``<0xNN>`` are bytes), a special token's own text, b"" for a token that stands
+        for no text (unknown, padding); a word-initial space where the tokenizer writes one. A piece that is
+        part of a UTF-8 character is those bytes alone."""
+        ...

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -19,10 +20,13 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from verispec.errors import UsageError
 from verispec.models.base import Cache
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
 
 __all__ = ["HFCache", "HFModel", "HFTokenizer"]
 
@@ -223,6 +227,7 @@ class HFTokenizer:
         if not tokenizer.encode("a", add_special_tokens=False):
             raise UsageError(f"the tokenizer {type(tokenizer).__name__} has no vocabulary")
         self._tokenizer = tokenizer
+        self._spelled: list[bytes] | None = None
         self.vocab_size = len(tokenizer)
         bos = tokenizer.bos_token_id
         adds_bos = bos is not None and tokenizer.encode("a", add_special_tokens=True)[:1] == [bos]
@@ -247,6 +252,34 @@ class HFTokenizer:
         text = self._tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
         assert isinstance(text, str)  # one sequence of ids decodes to one text
         return text
+
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id stands for (:class:`~verispec.models.base.SpelledTokenizer`): byte-level pieces
+        ("Ġ") through GPT-2's byte alphabet, SentencePiece pieces with "▁" as a space and ``<0xNN>`` as a
+        byte; added tokens as their text; the unknown token b"". Computed once."""
+        if self._spelled is None:
+            tok = self._tokenizer
+            added = {i: t.content for i, t in tok.added_tokens_decoder.items()}
+            backend = getattr(tok, "backend_tokenizer", None)
+            byte_level = backend is not None and '"ByteLevel"' in json.dumps(
+                json.loads(backend.to_str())["decoder"]
+            )
+            alphabet = {c: b for b, c in bytes_to_unicode().items()}
+            silent = {tok.unk_token_id} - {None}
+            spelled = []
+            for i, piece in enumerate(tok.convert_ids_to_tokens(list(range(self.vocab_size)))):
+                if i in silent or piece is None:
+                    spelled.append(b"")
+                elif i in added:
+                    spelled.append(added[i].encode())
+                elif byte_level and all(c in alphabet for c in piece):
+                    spelled.append(bytes(alphabet[c] for c in piece))
+                elif match := _BYTE_PIECE.fullmatch(piece):
+                    spelled.append(bytes([int(match[1], 16)]))
+                else:
+                    spelled.append(piece.replace("\u2581", " ").encode())
+            self._spelled = spelled
+        return self._spelled
 
     def chat_prompt(self, user_message: str | Sequence[Mapping[str, str]]) -> str:
         """``user_message`` (or a conversation: {"role", "content"} messages) in the model's chat template,

@@ -184,6 +184,11 @@ class Llama2cTokenizer:
         if b" " not in self._ids:
             raise UsageError(f"{path} has no single-space token for the dummy prefix")
 
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id stands for (:class:`~verispec.models.base.SpelledTokenizer`): ``<0xNN>`` pieces
+        one byte, "▁" a space; unknown, BOS and EOS b""."""
+        return [b"" if i <= _EOS else piece for i, piece in enumerate(self._bytes)]
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of ``text``, BOS first when ``add_bos``; the empty text is [] or [BOS]."""
         ids: list[int] = []

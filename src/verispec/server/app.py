@@ -66,6 +66,8 @@ class ServerConfig:
     target: str = DEFAULT_MODEL
     tokenizer: str | None = None
     draft: str | None = None
+    draft_tokenizer: str | None = None  # the draft's own tokenizer file (a llama2.c draft)
+    cross_tokenizer: str = "auto"  # with a draft of another tokenizer: tli, string or auto
     drafter: str = AUTO_DRAFTER
     drafter_path: str | None = None
     precision: str = DEFAULT_PRECISION
@@ -106,6 +108,8 @@ class Server:
             drafter_path=config.drafter_path,
             target_label=config.target,
             precision=config.precision,
+            draft_tokenizer=config.draft_tokenizer,
+            cross_tokenizer=config.cross_tokenizer,
         )
         self.default.k_policy(config.k)  # calibrates now (with --k auto), not in a client's request
         self._speculators = {self.default.drafter_name: self.default}
@@ -425,8 +429,11 @@ def _uvicorn(server: Server) -> uvicorn.Server:
 
 
 def run(server: Server, sock: socket.socket) -> None:
-    """Serve on ``sock`` until interrupted (``verispec serve``)."""
-    _uvicorn(server).run(sockets=[sock])
+    """Serve on ``sock`` until Ctrl-C or SIGTERM (``verispec serve``), then shut down gracefully."""
+    try:
+        _uvicorn(server).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down for, once it has
+        pass
 
 
 @contextlib.contextmanager
