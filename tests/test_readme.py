@@ -96,6 +96,7 @@ BENCHMARK = one_block("Benchmarks")  # run on stories260K
 SERVING = one_block("Serving")  # the server on stories260K, asked by the curl line
 LOAD = one_block("Many requests at once: `verispec bench-load`")  # run on stories260K
 SERVE_LOAD = one_block("The server under load")  # run on stories260K
+ACROSS = one_block("Drafts with another tokenizer")  # run as written: SmolLM2 drafted by stories260K
 
 
 def logical_lines(code: str) -> list[tuple[int, str]]:
@@ -153,7 +154,7 @@ def test_the_readme_has_the_blocks_this_file_runs():
     assert {b.language for b in BLOCKS} <= {"python", "sh"}, "a code block in a language nothing here tests"
     assert PYTHON_BLOCKS
     with_commands = {b.line for b in SHELL_BLOCKS if verispec_commands(b)}
-    runs = {SYNOPSIS.line, RECIPE.line, BENCHMARK.line, SERVING.line, LOAD.line, SERVE_LOAD.line}
+    runs = {SYNOPSIS.line, RECIPE.line, BENCHMARK.line, SERVING.line, LOAD.line, SERVE_LOAD.line, ACROSS.line}
     assert with_commands == runs, "a new sh block: run it here too"
 
 
@@ -542,3 +543,17 @@ def test_serving_block_runs(shared_model, tmp_path):
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_across_tokenizers_command_runs(default_model, shared_model, monkeypatch, capsys):
+    """The README's cross-tokenizer line as written, from the repository root (its ../shared paths): the
+    default SmolLM2 drafted by stories260K through token-level intersection, greedy: plain greedy's text."""
+    shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    monkeypatch.chdir(ROOT)
+    (command,) = verispec_commands(ACROSS)
+    ((out, err),) = run_commands([command], {}, capsys).values()
+    assert "[model-tli" in err, err
+    words = command.words[1:]
+    prompt = words[1]
+    assert cli.main(["generate", prompt, "--drafter", "none", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == out
