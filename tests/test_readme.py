@@ -97,6 +97,7 @@ SERVING = one_block("Serving")  # the server on stories260K, asked by the curl l
 LOAD = one_block("Many requests at once: `verispec bench-load`")  # run on stories260K
 SERVE_LOAD = one_block("The server under load")  # run on stories260K
 ACROSS = one_block("Drafts with another tokenizer")  # run as written: SmolLM2 drafted by stories260K
+OFFLINE = one_block("Offline batches")  # run on stories260K, on a local Ray; the cluster line refused
 
 
 def logical_lines(code: str) -> list[tuple[int, str]]:
@@ -155,6 +156,7 @@ def test_the_readme_has_the_blocks_this_file_runs():
     assert PYTHON_BLOCKS
     with_commands = {b.line for b in SHELL_BLOCKS if verispec_commands(b)}
     runs = {SYNOPSIS.line, RECIPE.line, BENCHMARK.line, SERVING.line, LOAD.line, SERVE_LOAD.line, ACROSS.line}
+    runs.add(OFFLINE.line)
     assert with_commands == runs, "a new sh block: run it here too"
 
 
@@ -557,3 +559,31 @@ def test_across_tokenizers_command_runs(default_model, shared_model, monkeypatch
     prompt = words[1]
     assert cli.main(["generate", prompt, "--drafter", "none", "--temperature", "0"]) == 0
     assert capsys.readouterr().out == out
+
+
+def test_offline_batch_commands_run(shared_model, tmp_path, monkeypatch, capsys):
+    """The README's batch lines on stories260K (a prompts.jsonl of stories, 8 new tokens), from a fresh
+    directory: in-process, then on a local Ray with two workers (the same tokens: a fixed --k and --seed),
+    and the cluster line only parsed (no Ray answers at its address here: Ray takes ~20 s to give up on it;
+    an address that does not answer is tested in ``test_batch_job``)."""
+    pytest.importorskip("ray", reason="Ray is not installed")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    Path("prompts.jsonl").write_text(
+        "".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(STORIES))
+    )
+    added = {"batch": [*_stories_target(shared_model), "--max-new-tokens", "8"]}
+    here, on_ray, cluster = verispec_commands(OFFLINE)
+    outputs = [c.words[c.words.index("--output") + 1] for c in (here, on_ray, cluster)]
+    run_commands([here], added, capsys)
+    try:
+        run_commands([on_ray], added, capsys)
+    finally:
+        import ray
+
+        ray.shutdown()
+    first, second = (
+        [json.loads(line)["token_ids"] for line in Path(o).read_text().splitlines()] for o in outputs[:2]
+    )
+    assert first == second and len(first) == len(STORIES)
+    assert "--ray" in cluster.words and not Path(outputs[2]).exists()

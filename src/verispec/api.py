@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -352,15 +353,24 @@ class Speculator:
         return request, text
 
     def generate_batch(
-        self, prompts: Sequence[str | Sequence[Mapping[str, str]]], *, slots: int = 8, **options
+        self,
+        prompts: Sequence[str | Sequence[Mapping[str, str]]],
+        *,
+        slots: int = 8,
+        seeds: Sequence[int] | None = None,
+        **options,
     ) -> list[GenerationResult]:
         """Every prompt generated in a continuous batch of up to ``slots`` sequences (each request joining as
         a slot frees; options as for :meth:`stream`, but ``trace``), results in the prompts' order. A prompt
         that cannot be generated (empty, too long for the context) gets a result with ``error`` set; the
         others are untouched. Each result equals what :meth:`generate` gives for that prompt alone (greedy:
-        token for token; sampled: the same tokens for the same seed)."""
+        token for token; sampled: the same tokens for the same seed). ``seeds``: one sampling seed per
+        prompt (instead of the sampling parameters' one for all)."""
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise UsageError(f"slots must be an integer >= 1, got {slots!r}")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise UsageError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        sampling = options.pop("sampling", None) or SamplingParams()
         results: list[GenerationResult | None] = [None] * len(prompts)
         engine = SpeculativeEngine(self.model, slots=min(slots, max(1, len(prompts))))
         waiting = list(enumerate(prompts))
@@ -368,8 +378,9 @@ class Speculator:
         while waiting or engine.running:
             while waiting and engine.free_slots:
                 index, prompt = waiting.pop(0)
+                own = sampling if seeds is None else dataclasses.replace(sampling, seed=seeds[index])
                 try:
-                    request, text = self.request(prompt, **options)
+                    request, text = self.request(prompt, sampling=own, **options)
                     handle = engine.submit(request)
                 except UsageError as err:  # this request only
                     results[index] = GenerationResult("", [], {}, error=str(err))

@@ -21,7 +21,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, NoReturn
 
 from verispec import __version__
@@ -203,6 +202,19 @@ def _add_model_specs(parser: argparse.ArgumentParser) -> None:
 def _across(args: argparse.Namespace) -> dict[str, Any]:
     """The Speculator's options for a draft of another tokenizer, from the flags."""
     return {"draft_tokenizer": args.draft_tokenizer, "cross_tokenizer": args.cross_tokenizer}
+
+
+def _model_fields(args: argparse.Namespace, default_target: str) -> dict[str, Any]:
+    """The target, draft and drafter of a config (``verispec serve``, ``verispec batch``), from the flags."""
+    return {
+        "target": args.target or default_target,
+        "tokenizer": args.tokenizer,
+        "draft": args.draft,
+        "drafter": args.drafter,
+        "drafter_path": args.drafter_path,
+        "precision": args.precision,
+        **_across(args),
+    }
 
 
 def _no_draft_model(args: argparse.Namespace, command: str) -> None:
@@ -400,47 +412,10 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_requests(path: str) -> list[tuple[str, str | list[dict[str, str]]]]:
-    """(id, prompt or messages) of every line of a JSONL request file; UsageError naming the line for a
-    malformed one (a line without an id gets its line number)."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise UsageError(f"cannot read {path}: {err}") from err
-    requests, seen = [], set()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise UsageError(f"{where}: not JSON ({err.msg})") from err
-        if not isinstance(entry, dict) or ("prompt" in entry) == ("messages" in entry):
-            raise UsageError(f'{where}: a request is an object with "prompt" or "messages" (one of them)')
-        body = entry.get("prompt", entry.get("messages"))
-        if "prompt" in entry and not isinstance(body, str):
-            raise UsageError(f'{where}: "prompt" must be a string')
-        if "messages" in entry and not (
-            isinstance(body, list)
-            and body
-            and all(isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in body)
-        ):
-            raise UsageError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
-        assert isinstance(body, (str, list))  # checked above
-        ident = str(entry.get("id", number))
-        if ident in seen:
-            raise UsageError(f"{where}: id {ident!r} repeats an earlier line's")
-        seen.add(ident)
-        requests.append((ident, body))
-    if not requests:
-        raise UsageError(f"{path} holds no requests")
-    return requests
-
-
 def _run_batch(args: argparse.Namespace) -> int:
     """``verispec generate --batch FILE``: every request in a continuous batch of --max-batch sequences."""
-    from verispec.api import GenerationResult, Speculator, parse_k
+    from verispec.api import Speculator, parse_k
+    from verispec.batch import generate_requests, read_requests, record
 
     if args.prompt is not None:
         raise UsageError("give PROMPT or --batch FILE, not both")
@@ -456,31 +431,22 @@ def _run_batch(args: argparse.Namespace) -> int:
         args.target, args.draft, args.drafter, args.tokenizer, drafter_path=args.drafter_path,
         precision=args.precision, **_across(args),
     )  # fmt: skip
-    prompts = [body for _, body in requests]
-    chats = [args.chat or isinstance(body, list) for body in prompts]
-    options = dict(k=k, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop))
     start = time.perf_counter()
-    results: dict[int, GenerationResult] = {}
-    for chat in (False, True):  # plain prompts, then chats (the chat template is a per-batch option)
-        chosen = [i for i, c in enumerate(chats) if c == chat]
-        batch = [prompts[i] for i in chosen]
-        done = speculator.generate_batch(batch, slots=args.max_batch, chat=chat, **options) if batch else []
-        results.update(zip(chosen, done, strict=True))
+    results = generate_requests(
+        speculator, requests, slots=args.max_batch, chat=args.chat, k=k, max_new_tokens=args.max_new_tokens,
+        sampling=sampling, stop=tuple(args.stop),
+    )  # fmt: skip
     seconds = time.perf_counter() - start
     tokens = 0
-    for index, (ident, _) in enumerate(requests):
-        result = results[index]
+    for (ident, _), result in zip(requests, results, strict=True):
         tokens += len(result.token_ids)
         if args.json:
-            record = {"id": ident, "error": result.error} if result.error else {
-                "id": ident, "text": result.text, "token_ids": result.token_ids, "stats": result.stats
-            }  # fmt: skip
-            print(json.dumps(record))
+            print(json.dumps(record(ident, result)))
         elif result.error:
             print(f"--- {ident}: error: {result.error}")
         else:
             print(f"--- {ident} ---\n{result.text.strip()}\n")
-    failed = sum(1 for r in results.values() if r.error)
+    failed = sum(1 for r in results if r.error)
     print(
         f"[batch of {len(requests)}, {args.max_batch} at a time] {tokens} tokens in {seconds:.2f} s: "
         f"{tokens / seconds:.1f} tokens/s" + (f"; {failed} refused" if failed else ""),
@@ -603,6 +569,74 @@ def run_demo(args: argparse.Namespace) -> int:
             f"{s['tokens_per_target_call']:.2f} tokens per target call{same}"
         )
     return 0 if all(r.token_ids == base.token_ids for r in results.values()) else 1
+
+
+# ---------------------------------------------------------------------------------------------- batch
+
+
+def add_batch_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec batch``."""
+    parser = subparsers.add_parser(
+        "batch",
+        help="generate for a JSONL file of prompts, resumably, on this machine or on Ray",
+        description='Generate for every request of --input (one JSON object a line: {"id", "prompt"} or '
+        '{"id", "messages"}) and write one JSON line per request to --output, in input order: its id, '
+        "text, token ids and speculation stats (or an error). Work goes in shards, each written atomically "
+        "to OUTPUT.parts/ as it finishes: an interrupted run, started again with the same flags, continues "
+        "where it stopped. Each request samples with a seed derived from --seed and its id, so the output "
+        "is the same whatever --max-batch, --shard-size or --workers. --ray runs the shards on Ray Data.",
+    )
+    parser.add_argument("--input", required=True, metavar="FILE.jsonl", help="the requests")
+    parser.add_argument("--output", required=True, metavar="FILE.jsonl", help="the results")
+    _add_model_arguments(parser)
+    _add_sampling_arguments(parser, temperature=0.0)
+    parser.add_argument("--seed", type=int, help="the job's seed (default: random, kept for a resumed run)")
+    parser.add_argument("--chat", action="store_true", help="wrap plain prompts in the model's chat template")
+    parser.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+    parser.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequences decoded at once (8)")
+    parser.add_argument(
+        "--shard-size", type=int, default=64, metavar="N", help="requests per shard, what resumes (64)"
+    )
+    parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        metavar="ADDRESS",
+        help="run the shards on Ray Data: the cluster at ADDRESS, or a local Ray started here",
+    )
+    parser.add_argument("--workers", type=int, default=1, metavar="N", help="Ray workers, one model each (1)")
+    parser.set_defaults(func=run_batch)
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    """Run ``verispec batch``."""
+    from verispec.batch import BatchJob, run_job
+
+    job = BatchJob(
+        input=args.input,
+        output=args.output,
+        **_model_fields(args, BatchJob.target),
+        k=args.k if args.k is not None else "auto",
+        max_new_tokens=args.max_new_tokens,
+        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed),
+        chat=args.chat,
+        stop=tuple(args.stop),
+        max_batch=args.max_batch,
+        shard_size=args.shard_size,
+        ray=args.ray,
+        workers=args.workers,
+    )
+    summary = run_job(job)
+    refused = f"; {summary['refused']} refused (error records)" if summary["refused"] else ""
+    before = summary["resumed"]
+    resumed = f", {before} of {summary['shards']} shards from before" if before else ""
+    print(
+        f"verispec batch: {summary['requests']} requests written to {job.output}{resumed}{refused}; "
+        f"{summary['tokens']} tokens in {summary['seconds']:.1f} s "
+        f"({summary['tokens'] / max(summary['seconds'], 1e-9):.1f} tok/s)",
+        file=sys.stderr,
+    )
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------- viz
@@ -904,14 +938,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from verispec.server.app import Server, ServerConfig, listen, run
 
     config = ServerConfig(
-        target=args.target or ServerConfig.target,
-        tokenizer=args.tokenizer,
-        draft=args.draft,
-        draft_tokenizer=args.draft_tokenizer,
-        cross_tokenizer=args.cross_tokenizer,
-        drafter=args.drafter,
-        drafter_path=args.drafter_path,
-        precision=args.precision,
+        **_model_fields(args, ServerConfig.target),
         k=args.k,
         max_batch=args.max_batch,
         max_queue=args.max_queue,
@@ -1104,6 +1131,14 @@ def add_drafter_data_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--from", dest="source", metavar="DIR", help="the data set --follow-ups extends")
     parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        metavar="ADDRESS",
+        help="answer the prompts on Ray workers (the cluster at ADDRESS, or a local Ray), in ranges merged",
+    )
+    parser.add_argument("--workers", type=int, default=2, metavar="N", help="Ray workers with --ray (2)")
+    parser.add_argument(
         "--merge",
         nargs="+",
         metavar="DIR",
@@ -1130,8 +1165,14 @@ def run_drafter_data(args: argparse.Namespace) -> int:
         raise UsageError("--follow-ups N and --from DIR go together")
     if args.merge is not None and args.source is not None:
         raise UsageError("--merge and --follow-ups are separate steps")
+    if args.ray is not None and (args.merge is not None or args.source is not None):
+        raise UsageError("--ray answers new prompts: not with --merge or --follow-ups")
     if args.merge is not None:
         meta = merge_datasets(args.merge, args.out)
+    elif args.ray is not None:
+        from verispec.batch import drafter_data_on_ray
+
+        meta = drafter_data_on_ray(args.target, args.out, config, args.ray, args.workers)
     elif args.source is not None:
         meta = add_follow_ups(args.source, args.out, args.follow_ups, config)
     else:
@@ -1240,6 +1281,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_generate_parser(subparsers)
+    add_batch_parser(subparsers)
     add_demo_parser(subparsers)
     add_simulate_parser(subparsers)
     add_viz_parser(subparsers)

@@ -1,0 +1,421 @@
+"""Offline batch generation: a JSONL file of prompts in, a JSON line per prompt out, on one machine or Ray.
+
+``verispec batch`` (and ``generate --batch``) read requests (:func:`read_requests`), generate them in the
+continuous batch of :meth:`~verispec.api.Speculator.generate_batch` (:func:`generate_requests`) and write
+records (:func:`record`). A :class:`BatchJob` cuts the requests into shards of ``shard_size`` in input order;
+each finished shard is written atomically to ``OUTPUT.parts/``, so an interrupted run continues with the
+shards it lacks, and the output is assembled from the shards, in input order, at the end (atomically too):
+no line is lost or written twice. Each prompt samples with its own seed, derived from the job's seed and its
+id (:func:`prompt_seed`), and what a request gets never depends on the rest of its batch: the output is the
+same whatever the shard size, the batch size or the number of workers.
+
+With ``ray``, the shards are the rows of a Ray Data dataset mapped by ``map_batches`` with a stateful actor
+class (:class:`ShardWorker`, which loads the models once) in ``workers`` actors, on a local Ray started here
+or the cluster at an address. The driver writes each shard as it comes back.
+
+:func:`drafter_data_on_ray` makes a learned drafter's data set (``verispec drafter-data --ray``) the same way:
+the prompt set cut into ranges, each answered by a Ray worker into a data set of its own, merged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from verispec.errors import UsageError
+from verispec.models.llama import DEFAULT_PRECISION
+from verispec.models.registry import DEFAULT_MODEL
+from verispec.sampling import SamplingParams
+from verispec.viz import write_atomic
+
+__all__ = [
+    "BatchJob",
+    "ShardWorker",
+    "drafter_data_on_ray",
+    "generate_requests",
+    "prompt_seed",
+    "read_requests",
+    "record",
+    "run_job",
+]
+
+Body = str | list[dict[str, str]]  # a prompt, or a conversation of {"role", "content"} messages
+Request = tuple[str, Body]  # (id, body)
+LOCAL = "local"  # --ray without an address: a Ray started here
+
+
+def read_requests(path: str | Path) -> list[Request]:
+    """(id, prompt or messages) of every line of a JSONL request file; UsageError naming the line for a
+    malformed one (a line without an id gets its line number)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"cannot read {path}: {err}") from err
+    requests, seen = [], set()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UsageError(f"{where}: not JSON ({err.msg})") from err
+        if not isinstance(entry, dict) or ("prompt" in entry) == ("messages" in entry):
+            raise UsageError(f'{where}: a request is an object with "prompt" or "messages" (one of them)')
+        body = entry.get("prompt", entry.get("messages"))
+        if "prompt" in entry and not isinstance(body, str):
+            raise UsageError(f'{where}: "prompt" must be a string')
+        if "messages" in entry and not (
+            isinstance(body, list)
+            and body
+            and all(isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in body)
+        ):
+            raise UsageError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
+        assert isinstance(body, (str, list))  # checked above
+        ident = str(entry.get("id", number))
+        if ident in seen:
+            raise UsageError(f"{where}: id {ident!r} repeats an earlier line's")
+        seen.add(ident)
+        requests.append((ident, body))
+    if not requests:
+        raise UsageError(f"{path} holds no requests")
+    return requests
+
+
+def prompt_seed(seed: int, ident: str) -> int:
+    """The seed of the request ``ident`` in a job of seed ``seed``: the same wherever and with whatever the
+    request is generated."""
+    digest = hashlib.sha256(f"{seed}\x00{ident}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # [0, 2**63)
+
+
+def generate_requests(
+    speculator, requests: Sequence[Request], *, slots: int, chat: bool = False, seeds=None, **options
+):
+    """Every request's :class:`~verispec.api.GenerationResult`, in order: plain prompts in one continuous
+    batch (in the chat template with ``chat``), conversations in another; ``seeds``: one per request, or None
+    (the options' sampling seed for all). A request that cannot run gets a result with ``error``."""
+    bodies = [body for _, body in requests]
+    chats = [chat or isinstance(body, list) for body in bodies]
+    results: dict[int, Any] = {}
+    for as_chat in (False, True):  # the chat template is a per-batch option
+        chosen = [i for i, c in enumerate(chats) if c == as_chat]
+        if not chosen:
+            continue
+        chosen_seeds = None if seeds is None else [seeds[i] for i in chosen]
+        done = speculator.generate_batch(
+            [bodies[i] for i in chosen], slots=slots, chat=as_chat, seeds=chosen_seeds, **options
+        )
+        results.update(zip(chosen, done, strict=True))
+    return [results[i] for i in range(len(requests))]
+
+
+def record(ident: str, result) -> dict:
+    """A request's JSON record: id, text, token ids and stats, or id and error."""
+    if result.error:
+        return {"id": ident, "error": result.error}
+    return {"id": ident, "text": result.text, "token_ids": result.token_ids, "stats": result.stats}
+
+
+# ---------------------------------------------------------------------------------------------- the job
+
+
+@dataclass(frozen=True)
+class BatchJob:
+    """What ``verispec batch`` runs; validated with UsageError. ``ray``: None (in-process), ``"local"`` (a
+    Ray started here) or a cluster's address."""
+
+    input: str
+    output: str
+    target: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    draft: str | None = None
+    draft_tokenizer: str | None = None
+    cross_tokenizer: str = "auto"
+    drafter: str = "auto"
+    drafter_path: str | None = None
+    precision: str = DEFAULT_PRECISION
+    k: str = "auto"
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    chat: bool = False
+    stop: tuple[str, ...] = ()
+    max_batch: int = 8
+    shard_size: int = 64
+    ray: str | None = None
+    workers: int = 1
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        from verispec.api import parse_k
+        from verispec.engine import EngineConfig
+
+        for name, low in (("max_batch", 1), ("shard_size", 1), ("workers", 1), ("max_new_tokens", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise UsageError(f"{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+        parse_k(self.k)
+        EngineConfig(self.max_new_tokens, self.sampling, stop_strings=self.stop)
+        if self.workers > 1 and self.ray is None:
+            raise UsageError("--workers N runs N Ray workers: give --ray too")
+        if Path(self.output).resolve() == Path(self.input).resolve():
+            raise UsageError("the output would overwrite the input")
+
+    @property
+    def parts(self) -> Path:
+        """Where finished shards wait for the output to be assembled."""
+        return Path(f"{self.output}.parts")
+
+    def settings(self, requests: Sequence[Request], seed: int) -> dict:
+        """What the shards depend on: a resumed run must have the same."""
+        fields = dataclasses.asdict(self)
+        for name in ("output", "ray", "workers", "progress", "max_batch"):
+            fields.pop(name)  # the output does not depend on them
+        fields["sampling"] = {**dataclasses.asdict(self.sampling), "seed": seed}
+        fields["requests"] = hashlib.sha256(json.dumps(requests).encode()).hexdigest()
+        return fields
+
+    def speculator(self):
+        from verispec.api import Speculator
+
+        return Speculator(
+            self.target,
+            self.draft,
+            self.drafter,
+            self.tokenizer,
+            drafter_path=self.drafter_path,
+            precision=self.precision,
+            draft_tokenizer=self.draft_tokenizer,
+            cross_tokenizer=self.cross_tokenizer,
+        )
+
+
+def _shard_lines(job: BatchJob, speculator, shard: Sequence[Request], seed: int) -> tuple[str, int]:
+    """A shard's JSONL text and its generated tokens."""
+    from verispec.api import parse_k
+
+    results = generate_requests(
+        speculator,
+        shard,
+        slots=job.max_batch,
+        chat=job.chat,
+        seeds=[prompt_seed(seed, ident) for ident, _ in shard],
+        k=parse_k(job.k),
+        max_new_tokens=job.max_new_tokens,
+        sampling=job.sampling,
+        stop=job.stop,
+    )
+    lines = "".join(json.dumps(record(ident, r)) + "\n" for (ident, _), r in zip(shard, results, strict=True))
+    return lines, sum(len(r.token_ids) for r in results)
+
+
+class ShardWorker:
+    """A Ray Data actor: loads the job's models once, then generates one shard per row it is given."""
+
+    def __init__(self, job: dict, seed: int, threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(threads)
+        self.job = BatchJob(**{**job, "sampling": SamplingParams(**job["sampling"])})
+        self.seed = seed
+        self.speculator = self.job.speculator()
+
+    def __call__(self, batch: Mapping[str, Any]) -> dict[str, list]:
+        shards, lines, tokens = [], [], []
+        for index, requests in zip(batch["shard"], batch["requests"], strict=True):
+            text, count = _shard_lines(self.job, self.speculator, json.loads(requests), self.seed)
+            shards.append(int(index))
+            lines.append(text)
+            tokens.append(count)
+        return {"shard": shards, "lines": lines, "tokens": tokens}
+
+
+def _shards(requests: Sequence[Request], size: int) -> list[list[Request]]:
+    return [list(requests[i : i + size]) for i in range(0, len(requests), size)]
+
+
+def _prepare(job: BatchJob, requests: Sequence[Request]) -> tuple[int, set[int]]:
+    """(the job's seed, the shards already done) after checking ``OUTPUT.parts`` (made when absent)."""
+    parts = job.parts
+    settings_path = parts / "job.json"
+    if parts.exists():
+        try:
+            saved = json.loads(settings_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            raise UsageError(f"{parts} is not a run's directory: remove it to start afresh") from None
+        seed = saved["sampling"]["seed"]
+        if saved != json.loads(json.dumps(job.settings(requests, seed))):  # as written: lists, not tuples
+            raise UsageError(
+                f"{parts} holds an interrupted run with other settings or requests: run it with the same "
+                "ones to resume it, or remove it to start afresh"
+            )
+        done = {int(p.stem.split("-")[1]) for p in parts.glob("shard-*.jsonl")}
+        return seed, done
+    if Path(job.output).exists():
+        raise UsageError(f"{job.output} exists: remove it or choose another output")
+    seed = job.sampling.seed
+    if seed is None:  # drawn once, kept in job.json for a resumed run
+        seed = int.from_bytes(os.urandom(8), "little") >> 1
+    parts.mkdir(parents=True)
+    _write_text(settings_path, json.dumps(job.settings(requests, seed)))
+    return seed, set()
+
+
+def _write_text(path: Path, text: str) -> None:
+    """``text`` in ``path``, atomically."""
+    write_atomic(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def _finish(job: BatchJob, count: int) -> None:
+    """The output assembled from the shards, in order; the shards removed."""
+    paths = [job.parts / f"shard-{i:06d}.jsonl" for i in range(count)]
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as out:
+            for path in paths:
+                out.write(path.read_text())
+
+    write_atomic(Path(job.output), write)
+    shutil.rmtree(job.parts)
+
+
+def run_job(job: BatchJob) -> dict:
+    """Run ``job`` (resuming an interrupted run of it); returns a summary: requests, refused, shards run
+    now and before, tokens and seconds of this run."""
+    requests = read_requests(job.input)  # all checked before a model loads
+    shards = _shards(requests, job.shard_size)
+    ray = _connect(job.ray) if job.ray is not None else None  # an unreachable address fails before any file
+    seed, done = _prepare(job, requests)
+    pending = [i for i in range(len(shards)) if i not in done]
+    started, tokens = time.perf_counter(), 0
+    with _progress(job, requests, shards, done) as bar:
+        run = _here(job, shards, pending, seed) if ray is None else _on_ray(ray, job, shards, pending, seed)
+        for index, lines, count in run:
+            _write_text(job.parts / f"shard-{index:06d}.jsonl", lines)
+            tokens += count
+            bar.update(len(shards[index]))
+            bar.set_postfix_str(f"{tokens / (time.perf_counter() - started):.1f} tok/s")
+    _finish(job, len(shards))
+    refused = sum(1 for line in Path(job.output).read_text().splitlines() if "error" in json.loads(line))
+    return {"requests": len(requests), "refused": refused, "shards": len(shards), "resumed": len(done),
+            "tokens": tokens, "seconds": time.perf_counter() - started}  # fmt: skip
+
+
+def _here(job: BatchJob, shards, pending: Sequence[int], seed: int) -> Iterator[tuple[int, str, int]]:
+    speculator = job.speculator() if pending else None
+    for index in pending:
+        yield index, *_shard_lines(job, speculator, shards[index], seed)
+
+
+def _connect(address: str):
+    """Ray, connected to ``address`` (or a local Ray started here); UsageError when that fails."""
+    try:
+        import ray
+        import ray.data
+    except ImportError:
+        raise UsageError("--ray needs Ray: pip install 'ray[data]'") from None
+    _check_reachable(address)
+    try:
+        if not ray.is_initialized():
+            if address == LOCAL:
+                ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+            else:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    except (ConnectionError, ValueError, RuntimeError) as err:
+        raise UsageError(f"cannot connect to Ray at {address}: {str(err).splitlines()[0]}") from None
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False  # the job's own bar counts prompts and tokens
+    context.print_on_execution_start = False
+    logging.getLogger("ray").setLevel(logging.WARNING)
+    return ray
+
+
+def _check_reachable(address: str) -> None:
+    """UsageError, at once, when a cluster's HOST:PORT does not answer (Ray itself waits for minutes)."""
+    host, _, port = address.rpartition(":")
+    if address in (LOCAL, "auto") or "://" in address or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as err:
+        raise UsageError(f"cannot reach Ray at {address}: {err.strerror or err}") from None
+
+
+def _on_ray(ray, job: BatchJob, shards, pending: Sequence[int], seed: int) -> Iterable[tuple[int, str, int]]:
+    """The pending shards through Ray Data: one row per shard, ``workers`` ShardWorker actors."""
+    if not pending:
+        return
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)) // job.workers)
+    rows = [{"shard": i, "requests": json.dumps(shards[i])} for i in pending]
+    spec = {**dataclasses.asdict(job), "sampling": dataclasses.asdict(job.sampling)}
+    dataset = ray.data.from_items(rows).map_batches(
+        ShardWorker,
+        fn_constructor_kwargs={"job": spec, "seed": seed, "threads": cpus},
+        batch_size=1,
+        concurrency=job.workers,
+        num_cpus=cpus,
+    )
+    for row in dataset.iter_rows():
+        yield int(row["shard"]), str(row["lines"]), int(row["tokens"])
+
+
+def _progress(job: BatchJob, requests, shards, done: set[int]):
+    from tqdm import tqdm
+
+    already = sum(len(shards[i]) for i in done)
+    return tqdm(total=len(requests), initial=already, unit="prompt", desc="batch", disable=not job.progress)
+
+
+# ---------------------------------------------------------------------------------------------- drafter data
+
+
+def drafter_data_on_ray(target: str, out: str | Path, config, address: str, workers: int) -> dict:
+    """``verispec drafter-data --ray``: the template prompts ``config.first_prompt ..`` cut into ``workers``
+    ranges (even-sized, so that each prompt keeps its parity: even prompts are answered greedily, odd ones
+    sampled), each answered by a Ray task into ``OUT.parts/range-i`` (a filesystem the workers share: on one
+    machine, always), then merged into ``out`` as ``--merge`` does. The prompts and the greedy answers are
+    those of a one-machine run; sampled answers and the held-out choice are drawn per range. Returns the
+    merged data set's meta data."""
+    from verispec.drafting.eagle.data import build_dataset, merge_datasets
+
+    if config.questions != "templates":
+        raise UsageError("--ray cuts the template prompt set into ranges: target-written questions run here")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise UsageError(f"--workers must be an integer >= 1, got {workers!r}")
+    out = Path(out)
+    if out.exists():
+        raise UsageError(f"{out} exists: remove it or choose another directory")
+    ray = _connect(address)
+    step = -(-config.num_prompts // workers)
+    step += step % 2  # even, so that every range starts on an even prompt
+    ranges = [(a, min(step, config.num_prompts - a)) for a in range(0, config.num_prompts, step)]
+    parts = Path(f"{out}.parts")
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)) // len(ranges))
+
+    def answer(first: int, count: int, where: str) -> str:
+        import torch
+
+        torch.set_num_threads(cpus)
+        part = dataclasses.replace(config, first_prompt=config.first_prompt + first, num_prompts=count)
+        build_dataset(target, where, dataclasses.replace(part, progress=False))
+        return where
+
+    task = ray.remote(num_cpus=cpus)(answer)
+    done = ray.get([task.remote(a, n, str(parts / f"range-{i}")) for i, (a, n) in enumerate(ranges)])
+    if len(done) == 1:
+        shutil.move(done[0], out)
+        meta = json.loads((out / "meta.json").read_text())
+    else:
+        meta = merge_datasets(done, out)
+    shutil.rmtree(parts, ignore_errors=True)
+    return meta

@@ -1,0 +1,219 @@
+"""``verispec batch`` (verispec.batch): shards, resuming, seeds per request, Ray Data.
+
+On stories260K with prompt lookup at a fixed K, sampled at temperature 1: the output is the same whatever the
+shard size, the batch size, in-process or on Ray workers, and equal to generating each request alone with its
+derived seed. With --k auto the K of a round follows this machine's costs and the rest of the batch, so only
+the distribution (and greedy output) is independent of how the work is cut, not the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from verispec import batch as batch_module
+from verispec import cli
+from verispec.batch import LOCAL, BatchJob, prompt_seed, run_job
+from verispec.errors import UsageError
+from verispec.sampling import SamplingParams
+
+PROMPTS = ["Once upon a time", "The little dog", "Lily was sad because", "Tom and Sue went"]
+
+
+@pytest.fixture(scope="module")
+def stories(shared_model) -> list[str]:
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    return [str(root / "stories260K.bin"), str(root / "tok512.bin")]
+
+
+@pytest.fixture
+def requests_file(tmp_path) -> Path:
+    path = tmp_path / "in.jsonl"
+    lines = [json.dumps({"id": f"p{i}", "prompt": PROMPTS[i % len(PROMPTS)]}) for i in range(10)]
+    lines.insert(4, json.dumps({"id": "chat", "messages": [{"role": "user", "content": "Hi"}]}))
+    lines.append(json.dumps({"id": "long", "prompt": "word " * 900}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def job(stories, requests_file: Path, output: str, **changes) -> BatchJob:
+    fields = dict(
+        input=str(requests_file),
+        output=output,
+        target=stories[0],
+        tokenizer=stories[1],
+        drafter="ngram",
+        k="3",
+        max_new_tokens=16,
+        sampling=SamplingParams(temperature=1.0, seed=7),
+        progress=False,
+    )
+    return BatchJob(**{**fields, **changes})
+
+
+def read(path: str | Path) -> list[tuple]:
+    """(id, token ids, error) of each output line: what must not depend on how the work was cut."""
+    lines = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return [(r["id"], r.get("token_ids"), r.get("error")) for r in lines]
+
+
+def test_output_is_independent_of_shards_and_batches_and_equals_each_alone(stories, requests_file, tmp_path):
+    from verispec.api import Speculator
+
+    one = run_job(job(stories, requests_file, str(tmp_path / "a.jsonl"), shard_size=3, max_batch=2))
+    run_job(job(stories, requests_file, str(tmp_path / "b.jsonl"), shard_size=50, max_batch=8))
+    a, b = read(tmp_path / "a.jsonl"), read(tmp_path / "b.jsonl")
+    ids = [f"p{i}" for i in range(4)] + ["chat"] + [f"p{i}" for i in range(4, 10)] + ["long"]
+    assert a == b and [r[0] for r in a] == ids  # input order
+    assert one["requests"] == 12 and one["refused"] == 2 and one["shards"] == 4
+    errors = {ident: error for ident, _, error in a if error}
+    assert "no chat template" in errors["chat"]  # stories260K has none: an error record, the rest ran
+    assert errors["long"].startswith("the prompt has")
+    sampled = [tuple(tokens) for _, tokens, error in a if not error]
+    assert len(set(sampled)) > 4  # the same prompts sampled with different seeds differ
+    spec = Speculator(stories[0], drafter="ngram", tokenizer=stories[1])
+    for ident, tokens, _ in a[:3]:
+        prompt = PROMPTS[int(ident[1:]) % len(PROMPTS)]
+        alone = spec.generate(
+            prompt, k=3, max_new_tokens=16, sampling=SamplingParams(1.0, seed=prompt_seed(7, ident))
+        )
+        assert alone.token_ids == tokens
+    assert not Path(f"{tmp_path / 'a.jsonl'}.parts").exists()  # the shards are gone once assembled
+
+
+def test_an_interrupted_run_resumes_where_it_stopped(stories, requests_file, tmp_path, monkeypatch):
+    reference = tmp_path / "ref.jsonl"
+    run_job(job(stories, requests_file, str(reference), shard_size=3))
+    output = str(tmp_path / "out.jsonl")
+    real, calls = batch_module._shard_lines, []
+
+    def dies_on_the_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of the run
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(batch_module, "_shard_lines", dies_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        run_job(job(stories, requests_file, output, shard_size=3))
+    parts = Path(f"{output}.parts")
+    assert sorted(p.name for p in parts.glob("shard-*.jsonl")) == ["shard-000000.jsonl", "shard-000001.jsonl"]
+    assert not Path(output).exists()
+    monkeypatch.setattr(batch_module, "_shard_lines", real)
+    with pytest.raises(UsageError, match="other settings or requests"):  # resuming asks for the same job
+        run_job(job(stories, requests_file, output, shard_size=3, max_new_tokens=8))
+    summary = run_job(job(stories, requests_file, output, shard_size=3, max_batch=1))  # batch size is free
+    assert summary["resumed"] == 2 and read(output) == read(reference)
+    with pytest.raises(UsageError, match="exists"):
+        run_job(job(stories, requests_file, output))
+
+
+def test_a_random_seed_is_kept_for_the_resumed_run(stories, requests_file, tmp_path, monkeypatch):
+    output = str(tmp_path / "out.jsonl")
+    unseeded = SamplingParams(temperature=1.0)
+    real = batch_module._shard_lines
+    monkeypatch.setattr(
+        batch_module, "_shard_lines", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt)
+    )
+    with pytest.raises(KeyboardInterrupt):
+        run_job(job(stories, requests_file, output, sampling=unseeded))
+    seed = json.loads(Path(f"{output}.parts/job.json").read_text())["sampling"]["seed"]
+    monkeypatch.setattr(batch_module, "_shard_lines", real)
+    run_job(job(stories, requests_file, output, sampling=unseeded))
+    seeded = str(tmp_path / "seeded.jsonl")
+    run_job(job(stories, requests_file, seeded, sampling=SamplingParams(temperature=1.0, seed=seed)))
+    assert read(output) == read(seeded)
+
+
+def test_bad_input_is_refused_before_anything_is_written(stories, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n{"prompt": 3}\n')
+    output = tmp_path / "out.jsonl"
+    with pytest.raises(UsageError, match=r"bad.jsonl:3: \"prompt\" must be a string"):
+        run_job(job(stories, bad, str(output)))
+    assert not output.exists() and not Path(f"{output}.parts").exists()
+    with pytest.raises(UsageError, match="--workers N runs N Ray workers"):
+        job(stories, bad, str(output), workers=2)
+    with pytest.raises(UsageError, match="overwrite the input"):
+        job(stories, bad, str(bad))
+
+
+def test_cli_batch_and_an_unreachable_ray(stories, requests_file, tmp_path, capsys):
+    output = tmp_path / "out.jsonl"
+    model = ["--target", stories[0], "--tokenizer", stories[1]]
+    common = [
+        "batch",
+        "--input",
+        str(requests_file),
+        "--output",
+        str(output),
+        *model,
+        "--max-new-tokens",
+        "8",
+    ]
+    assert cli.main([*common, "--ray", "127.0.0.1:1"]) == 2  # a closed port: refused at once
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot reach Ray at 127.0.0.1:1" in err
+    assert not output.exists() and not Path(f"{output}.parts").exists()
+    assert cli.main([*common, "--drafter", "ngram", "--shard-size", "5"]) == 0
+    err = capsys.readouterr().err
+    assert "12 requests written" in err and "2 refused" in err
+    assert len(read(output)) == 12
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray (2 CPUs, loopback) for this module's Ray tests; skipped, saying why, where it cannot
+    start."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed")
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    except Exception as err:  # noqa: BLE001 - whatever keeps Ray from starting here: say so
+        pytest.skip(f"Ray cannot start here: {err}")
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_workers_give_the_same_output(local_ray, stories, requests_file, tmp_path):
+    """Ray Data with two ShardWorker actors: the in-process output, line for line."""
+    here = str(tmp_path / "here.jsonl")
+    run_job(job(stories, requests_file, here, shard_size=4))
+    there = str(tmp_path / "ray.jsonl")
+    summary = run_job(job(stories, requests_file, there, shard_size=3, ray=LOCAL, workers=2))
+    assert summary["shards"] == 4 and read(there) == read(here)
+
+
+def test_drafter_data_on_ray(local_ray, tmp_path, capsys):
+    """``drafter-data --ray --workers 2`` on a tiny chat Llama: the prompts of a one-machine run, and its
+    greedy answers (the even prompts), in one merged data set."""
+    from test_eagle_data import save_target
+    from verispec.drafting.eagle.data import _sequences, read_data_meta
+
+    target = str(save_target(tmp_path / "target", 1.5))
+    common = [
+        "drafter-data",
+        "--target",
+        target,
+        "--prompts",
+        "6",
+        "--max-new-tokens",
+        "6",
+        "--batch-size",
+        "1",
+    ]
+    assert cli.main([*common, "--out", str(tmp_path / "here")]) == 0
+    assert cli.main([*common, "--out", str(tmp_path / "ray"), "--ray", "--workers", "2"]) == 0
+    capsys.readouterr()
+    assert read_data_meta(tmp_path / "ray")["num_sequences"] == 6
+    assert not (tmp_path / "ray.parts").exists()
+
+    def answers(directory):
+        seqs = [s for split in ("train", "heldout") for s in _sequences(directory, split)]
+        return {tuple(tokens[:n]): tuple(tokens[n:]) for tokens, n, _ in seqs}
+
+    here, there = answers(tmp_path / "here"), answers(tmp_path / "ray")
+    assert here.keys() == there.keys()
+    assert sum(here[p] == there[p] for p in here) >= 3  # the three greedy answers at least
+    assert cli.main([*common, "--out", str(tmp_path / "x"), "--ray", "--merge", "a", "b"]) == 2
