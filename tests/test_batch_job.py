@@ -8,6 +8,7 @@ the distribution (and greedy output) is independent of how the work is cut, not 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -110,6 +111,45 @@ def test_an_interrupted_run_resumes_where_it_stopped(stories, requests_file, tmp
         run_job(job(stories, requests_file, output))
 
 
+def test_a_killed_run_resumes(stories, tmp_path):
+    """``verispec batch`` killed (SIGKILL) once some shards are written: the shards on disk are whole, and the
+    run started again finishes with exactly the lines of an uninterrupted run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    requests = tmp_path / "many.jsonl"
+    requests.write_text(
+        "".join(json.dumps({"id": f"s{i}", "prompt": PROMPTS[i % 4]}) + "\n" for i in range(48))
+    )
+    output = tmp_path / "out.jsonl"
+    flags = ["--drafter", "ngram", "--k", "3", "--temperature", "1", "--seed", "5", "--shard-size", "4"]
+    argv = ["batch", "--input", str(requests), "--output", str(output), "--target", stories[0]]
+    argv += ["--tokenizer", stories[1], "--max-new-tokens", "64", *flags]
+    process = subprocess.Popen([sys.executable, "-m", "verispec", *argv], stderr=subprocess.DEVNULL)
+    parts = Path(f"{output}.parts")
+    deadline = time.monotonic() + 120
+    while (
+        len(list(parts.glob("shard-*.jsonl"))) < 2 and process.poll() is None and time.monotonic() < deadline
+    ):
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    written = sorted(parts.glob("shard-*.jsonl"))
+    assert 2 <= len(written) < 12 and not output.exists(), "the run ended before it could be killed"
+    for path in written:
+        assert [json.loads(line)["id"] for line in path.read_text().splitlines()]  # whole lines only
+    resumed = job(
+        stories, requests, str(output), k="3", max_new_tokens=64, sampling=SamplingParams(1.0, seed=5)
+    )
+    summary = run_job(dataclasses.replace(resumed, shard_size=4))
+    assert summary["resumed"] == len(written)
+    reference = tmp_path / "ref.jsonl"
+    run_job(dataclasses.replace(resumed, output=str(reference), shard_size=48))
+    assert read(output) == read(reference)
+
+
 def test_a_random_seed_is_kept_for_the_resumed_run(stories, requests_file, tmp_path, monkeypatch):
     output = str(tmp_path / "out.jsonl")
     unseeded = SamplingParams(temperature=1.0)
@@ -127,17 +167,31 @@ def test_a_random_seed_is_kept_for_the_resumed_run(stories, requests_file, tmp_p
     assert read(output) == read(seeded)
 
 
-def test_bad_input_is_refused_before_anything_is_written(stories, tmp_path):
+def test_a_malformed_line_gets_an_error_record_and_the_rest_run(stories, tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n{"prompt": 3}\n')
+    lines = ['{"id": "a", "prompt": "Once"}', "{not json", '{"prompt": 3}', '{"id": "a", "prompt": "x"}']
+    bad.write_text("\n".join([*lines, '{"id": "d", "prompt": "The dog"}']) + "\n")
     output = tmp_path / "out.jsonl"
-    with pytest.raises(UsageError, match=r"bad.jsonl:3: \"prompt\" must be a string"):
-        run_job(job(stories, bad, str(output)))
+    summary = run_job(job(stories, bad, str(output)))
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["a", "line-2", "line-3", "line-4", "d"] and summary["refused"] == 3
+    assert records[1]["error"].startswith(f"{bad}:2: not JSON")
+    assert records[2]["error"] == f'{bad}:3: "prompt" must be a string'
+    assert records[3]["error"] == f"{bad}:4: id 'a' repeats an earlier line's"
+    assert records[0]["token_ids"] and records[4]["token_ids"]
+
+
+def test_bad_jobs_are_refused_before_anything_is_written(stories, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    output = tmp_path / "out.jsonl"
+    with pytest.raises(UsageError, match="holds no requests"):
+        run_job(job(stories, empty, str(output)))
     assert not output.exists() and not Path(f"{output}.parts").exists()
     with pytest.raises(UsageError, match="--workers N runs N Ray workers"):
-        job(stories, bad, str(output), workers=2)
+        job(stories, empty, str(output), workers=2)
     with pytest.raises(UsageError, match="overwrite the input"):
-        job(stories, bad, str(bad))
+        job(stories, empty, str(empty))
 
 
 def test_cli_batch_and_an_unreachable_ray(stories, requests_file, tmp_path, capsys):

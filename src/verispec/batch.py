@@ -3,7 +3,8 @@
 ``verispec batch`` (and ``generate --batch``) read requests (:func:`read_requests`), generate them in the
 continuous batch of :meth:`~verispec.api.Speculator.generate_batch` (:func:`generate_requests`) and write
 records (:func:`record`). A :class:`BatchJob` cuts the requests into shards of ``shard_size`` in input order;
-each finished shard is written atomically to ``OUTPUT.parts/``, so an interrupted run continues with the
+a malformed line gets an error record naming it, as a prompt too long for the context does, and the others
+run; each finished shard is written atomically to ``OUTPUT.parts/``, so an interrupted run continues with the
 shards it lacks, and the output is assembled from the shards, in input order, at the end (atomically too):
 no line is lost or written twice. Each prompt samples with its own seed, derived from the job's seed and its
 id (:func:`prompt_seed`), and what a request gets never depends on the rest of its batch: the output is the
@@ -49,47 +50,59 @@ __all__ = [
     "run_job",
 ]
 
-Body = str | list[dict[str, str]]  # a prompt, or a conversation of {"role", "content"} messages
+Body = str | list[dict[str, str]] | dict[str, str]  # a prompt, a conversation, or {"error"} (malformed)
 Request = tuple[str, Body]  # (id, body)
 LOCAL = "local"  # --ray without an address: a Ray started here
 
 
-def read_requests(path: str | Path) -> list[Request]:
-    """(id, prompt or messages) of every line of a JSONL request file; UsageError naming the line for a
-    malformed one (a line without an id gets its line number)."""
+def read_requests(path: str | Path, keep_malformed: bool = False) -> list[Request]:
+    """(id, prompt or messages) of every line of a JSONL request file (a line without an id gets its line
+    number). A malformed line is a UsageError naming it, or with ``keep_malformed`` a request whose body is
+    ``{"error": message}``: it gets an error record and the others run."""
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"cannot read {path}: {err}") from err
-    requests, seen = [], set()
+    requests: list[Request] = []
+    seen: set[str] = set()
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        where = f"{path}:{number}"
         try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise UsageError(f"{where}: not JSON ({err.msg})") from err
-        if not isinstance(entry, dict) or ("prompt" in entry) == ("messages" in entry):
-            raise UsageError(f'{where}: a request is an object with "prompt" or "messages" (one of them)')
-        body = entry.get("prompt", entry.get("messages"))
-        if "prompt" in entry and not isinstance(body, str):
-            raise UsageError(f'{where}: "prompt" must be a string')
-        if "messages" in entry and not (
-            isinstance(body, list)
-            and body
-            and all(isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in body)
-        ):
-            raise UsageError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
-        assert isinstance(body, (str, list))  # checked above
-        ident = str(entry.get("id", number))
-        if ident in seen:
-            raise UsageError(f"{where}: id {ident!r} repeats an earlier line's")
+            ident, body = _request(line, f"{path}:{number}", number, seen)
+        except UsageError as err:
+            if not keep_malformed:
+                raise
+            ident, body = f"line-{number}", {"error": str(err)}
         seen.add(ident)
         requests.append((ident, body))
     if not requests:
         raise UsageError(f"{path} holds no requests")
     return requests
+
+
+def _request(line: str, where: str, number: int, seen: set[str]) -> Request:
+    """One line's request; UsageError naming ``where`` when it is malformed."""
+    try:
+        entry = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{where}: not JSON ({err.msg})") from err
+    if not isinstance(entry, dict) or ("prompt" in entry) == ("messages" in entry):
+        raise UsageError(f'{where}: a request is an object with "prompt" or "messages" (one of them)')
+    body = entry.get("prompt", entry.get("messages"))
+    if "prompt" in entry and not isinstance(body, str):
+        raise UsageError(f'{where}: "prompt" must be a string')
+    if "messages" in entry and not (
+        isinstance(body, list)
+        and body
+        and all(isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in body)
+    ):
+        raise UsageError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
+    assert isinstance(body, (str, list))  # checked above
+    ident = str(entry.get("id", number))
+    if ident in seen:
+        raise UsageError(f"{where}: id {ident!r} repeats an earlier line's")
+    return ident, body
 
 
 def prompt_seed(seed: int, ident: str) -> int:
@@ -105,11 +118,17 @@ def generate_requests(
     """Every request's :class:`~verispec.api.GenerationResult`, in order: plain prompts in one continuous
     batch (in the chat template with ``chat``), conversations in another; ``seeds``: one per request, or None
     (the options' sampling seed for all). A request that cannot run gets a result with ``error``."""
+    from verispec.api import GenerationResult
+
     bodies = [body for _, body in requests]
     chats = [chat or isinstance(body, list) for body in bodies]
-    results: dict[int, Any] = {}
+    results: dict[int, Any] = {
+        i: GenerationResult("", [], {}, error=body["error"])
+        for i, body in enumerate(bodies)
+        if isinstance(body, dict)
+    }
     for as_chat in (False, True):  # the chat template is a per-batch option
-        chosen = [i for i, c in enumerate(chats) if c == as_chat]
+        chosen = [i for i, c in enumerate(chats) if c == as_chat and i not in results]
         if not chosen:
             continue
         chosen_seeds = None if seeds is None else [seeds[i] for i in chosen]
@@ -292,7 +311,7 @@ def _finish(job: BatchJob, count: int) -> None:
 def run_job(job: BatchJob) -> dict:
     """Run ``job`` (resuming an interrupted run of it); returns a summary: requests, refused, shards run
     now and before, tokens and seconds of this run."""
-    requests = read_requests(job.input)  # all checked before a model loads
+    requests = read_requests(job.input, keep_malformed=True)  # a malformed line: an error record
     shards = _shards(requests, job.shard_size)
     ray = _connect(job.ray) if job.ray is not None else None  # an unreachable address fails before any file
     seed, done = _prepare(job, requests)
@@ -358,7 +377,7 @@ def _on_ray(ray, job: BatchJob, shards, pending: Sequence[int], seed: int) -> It
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)) // job.workers)
     rows = [{"shard": i, "requests": json.dumps(shards[i])} for i in pending]
     spec = {**dataclasses.asdict(job), "sampling": dataclasses.asdict(job.sampling)}
-    dataset = ray.data.from_items(rows).map_batches(
+    dataset = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(  # a block per shard
         ShardWorker,
         fn_constructor_kwargs={"job": spec, "seed": seed, "threads": cpus},
         batch_size=1,
