@@ -364,8 +364,8 @@ class Speculator:
         a slot frees; options as for :meth:`stream`, but ``trace``), results in the prompts' order. A prompt
         that cannot be generated (empty, too long for the context) gets a result with ``error`` set; the
         others are untouched. Each result equals what :meth:`generate` gives for that prompt alone (greedy:
-        token for token; sampled: the same tokens for the same seed). ``seeds``: one sampling seed per
-        prompt (instead of the sampling parameters' one for all)."""
+        token for token; sampled: the same tokens for the same seed at a fixed K). ``seeds``: one sampling
+        seed per prompt (instead of the sampling parameters' one for all)."""
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise UsageError(f"slots must be an integer >= 1, got {slots!r}")
         if seeds is not None and len(seeds) != len(prompts):
