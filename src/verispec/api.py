@@ -232,6 +232,7 @@ class Speculator:
             head=self.head,
             pair=self.pair,
             cross_tokenizer=self.cross_tokenizer,
+            cost_ratio=self._calibration.cost_ratio if self._calibration is not None else None,
         )
         return self.kind.chain(inputs)
 

@@ -45,6 +45,7 @@ class DraftInputs:
     head: EagleHead | None = None  # a trained head (``learned``)
     pair: VocabularyPair | None = None  # a draft model with another tokenizer: the two vocabularies
     cross_tokenizer: str = "auto"  # and the algorithm that drafts across them (cross_tokenizer.ALGORITHMS)
+    cost_ratio: float | None = None  # the calibrated c of this drafter, once measured
 
     def need_draft(self, name: str) -> LanguageModel:
         """The draft model, or UsageError naming the drafter that needs one."""
@@ -89,11 +90,12 @@ class DrafterKind:
 
 def _model_chain(inputs: DraftInputs) -> Drafter:
     """A draft model's chain: with the target's tokenizer, or across tokenizers
-    (:mod:`verispec.drafting.cross_tokenizer`; auto weighs a draft forward at the models' size ratio)."""
+    (:mod:`verispec.drafting.cross_tokenizer`; auto weighs a draft forward at the calibrated c, or before
+    the calibration at the models' size ratio)."""
     draft = inputs.need_draft("model")
     if inputs.pair is None:
         return ModelDrafter(draft, inputs.sampling, inputs.target.vocab_size, inputs.target_cache)
-    ratio = _size_ratio(draft, inputs.target)
+    ratio = inputs.cost_ratio if inputs.cost_ratio else _size_ratio(draft, inputs.target)
     return CrossTokenizerDrafter(draft, inputs.pair, inputs.sampling, inputs.cross_tokenizer, ratio)
 
 
