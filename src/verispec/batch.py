@@ -356,6 +356,7 @@ def _connect(address: str):
     context.enable_progress_bars = False  # the job's own bar counts prompts and tokens
     context.print_on_execution_start = False
     logging.getLogger("ray").setLevel(logging.WARNING)
+    logging.getLogger("ray.data").setLevel(logging.ERROR)  # not even "progress bars disabled"
     return ray
 
 
