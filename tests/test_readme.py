@@ -322,7 +322,8 @@ SHRUNK: dict[str, Callable[[str], str]] = {
     "--prompts": _scaled,  # drafter-data's prompt count (the README's bench line has no --prompts FILE)
     "--first-prompt": _scaled,
     "--follow-ups": _scaled,
-    "--max-new-tokens": _fixed("8"),  # 160 (drafter-data), 64 (bench)
+    "--max-new-tokens": _fixed("8"),  # 160 (drafter-data), 64 (bench, bench-load)
+    "--max-tokens": _fixed("8"),  # bench-serve's 64
     "--batch-size": _fixed("4"),  # 48
     "--steps": _fixed("3"),  # 3000, 1500, 1400
     "--eval-every": _fixed("1"),  # 100
