@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_K",
     "Chunk",
     "GenerationResult",
+    "ModelChoice",
     "Speculator",
     "generate",
     "k_policy",
@@ -101,6 +102,37 @@ def k_policy(
     if cost is None:
         raise UsageError("k 'auto' needs the cost model of the target and drafter")
     return CostModelK(cost, costs_at=costs_at, batch_costs_at=batch_costs_at)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelChoice:
+    """The models to load and the drafter to draft with, as a config (``verispec serve``, ``verispec batch``
+    extend it): the :class:`Speculator` arguments that name files and choices, checked when it loads."""
+
+    target: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    draft: str | None = None
+    draft_tokenizer: str | None = None  # the draft's own tokenizer file (a llama2.c draft)
+    cross_tokenizer: str = "auto"  # with a draft of another tokenizer: tli, string or auto
+    drafter: str = "auto"
+    drafter_path: str | None = None
+    precision: str = DEFAULT_PRECISION
+
+    def speculator(self, loaded: tuple[LanguageModel, Tokenizer] | None = None, **options) -> Speculator:
+        """The Speculator of this choice; ``loaded``: the target already in memory, instead of loading
+        ``target`` (which still names it); ``options``: further Speculator arguments (``tree``)."""
+        return Speculator(
+            loaded if loaded is not None else self.target,
+            self.draft,
+            self.drafter,
+            self.tokenizer,
+            drafter_path=self.drafter_path,
+            target_label=self.target,
+            precision=self.precision,
+            draft_tokenizer=self.draft_tokenizer,
+            cross_tokenizer=self.cross_tokenizer,
+            **options,
+        )
 
 
 class Speculator:
@@ -297,31 +329,12 @@ class Speculator:
             raise UsageError("a conversation (a list of messages) needs chat=True and at least one message")
         return self.tokenizer.encode(text, add_bos=True)
 
-    def stream(
-        self,
-        prompt: str | Sequence[Mapping[str, str]],
-        *,
-        k: int | str = DEFAULT_K,
-        max_new_tokens: int = 128,
-        sampling: SamplingParams | None = None,
-        chat: bool = False,
-        stop: tuple[str, ...] = (),
-        stats: GenerationStats | None = None,
-        trace: TraceRecorder | None = None,
-    ) -> Iterator[Chunk]:
-        """Yields what each round commits; ``stats`` (optional) is filled in as it goes, and ``trace``
-        (optional) records every round (see :mod:`verispec.trace`)."""
-        sampling = sampling or SamplingParams()
-        policy = self.k_policy(k)
-        config = EngineConfig(max_new_tokens, sampling, self.tokenizer.eos_token_ids, tuple(stop))
-        stats = stats if stats is not None else GenerationStats(self.drafter_name, self.k_label(k))
-        if trace is not None and self.tree is not None:
-            raise UsageError("token-fate traces record chain rounds only, not token trees")
-        prompt_ids = self.encode_prompt(prompt, chat)
-        cache = self.model.new_cache()
-        engine = SpeculativeEngine(self.model, self._drafter(sampling, cache), policy, trace, cache)
-        text = _TextAssembler(self.tokenizer, config.stop_strings)
-        for tokens in engine.stream(prompt_ids, config, stats, text.stop_check if stop else None):
+    def stream(self, prompt: str | Sequence[Mapping[str, str]], **options) -> Iterator[Chunk]:
+        """Yields what each round commits, decoding ``prompt`` alone (a batch of one); options as for
+        :meth:`request`."""
+        request, text = self.request(prompt, **options)
+        engine = SpeculativeEngine(self.model)
+        for tokens in engine.follow(engine.submit(request)):
             yield Chunk(text.add(tokens), tokens)
         tail = text.finish()
         if tail:
@@ -336,12 +349,15 @@ class Speculator:
         sampling: SamplingParams | None = None,
         chat: bool = False,
         stop: tuple[str, ...] = (),
+        stats: GenerationStats | None = None,
+        trace: TraceRecorder | None = None,
     ) -> tuple[Request, _TextAssembler]:
         """An engine request for ``prompt`` (its own drafter, made for the cache row it is given, its own K
-        policy and stop check; options as for :meth:`stream`), and the text assembler of its output."""
+        policy and stop check), and the text assembler of its output. ``stats`` (optional) is filled in as
+        it goes; ``trace`` (optional, chain rounds only) records every round (see :mod:`verispec.trace`)."""
         sampling = sampling or SamplingParams()
         config = EngineConfig(max_new_tokens, sampling, self.tokenizer.eos_token_ids, tuple(stop))
-        stats = GenerationStats(self.drafter_name, self.k_label(k))
+        stats = stats if stats is not None else GenerationStats(self.drafter_name, self.k_label(k))
         text = _TextAssembler(self.tokenizer, config.stop_strings)
         request = Request(
             self.encode_prompt(prompt, chat),
@@ -350,6 +366,7 @@ class Speculator:
             self.k_policy(k),
             stats,
             text.stop_check if stop else None,
+            trace,
         )
         return request, text
 
@@ -362,7 +379,8 @@ class Speculator:
         **options,
     ) -> list[GenerationResult]:
         """Every prompt generated in a continuous batch of up to ``slots`` sequences (each request joining as
-        a slot frees; options as for :meth:`stream`, but ``trace``), results in the prompts' order. A prompt
+        a slot frees; options as for :meth:`request`, but ``stats`` and ``trace``), results in the prompts'
+        order. A prompt
         that cannot be generated (empty, too long for the context) gets a result with ``error`` set; the
         others are untouched. Each result equals what :meth:`generate` gives for that prompt alone (greedy:
         token for token; sampled: the same tokens for the same seed at a fixed K). ``seeds``: one sampling
@@ -402,7 +420,7 @@ class Speculator:
         return [r for r in results if r is not None]
 
     def generate(self, prompt: str | Sequence[Mapping[str, str]], **options) -> GenerationResult:
-        """The whole generation at once; options as for :meth:`stream`."""
+        """The whole generation at once; options as for :meth:`request`."""
         stats = GenerationStats(self.drafter_name, self.k_label(options.get("k", DEFAULT_K)))
         chunks = list(self.stream(prompt, stats=stats, **options))
         return GenerationResult(

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from verispec.api import GenerationResult, ModelChoice, parse_k
+from verispec.engine import EngineConfig
 from verispec.errors import UsageError
-from verispec.models.llama import DEFAULT_PRECISION
-from verispec.models.registry import DEFAULT_MODEL
 from verispec.sampling import SamplingParams
 from verispec.viz import write_atomic
 
@@ -118,8 +118,6 @@ def generate_requests(
     """Every request's :class:`~verispec.api.GenerationResult`, in order: plain prompts in one continuous
     batch (in the chat template with ``chat``), conversations in another; ``seeds``: one per request, or None
     (the options' sampling seed for all). A request that cannot run gets a result with ``error``."""
-    from verispec.api import GenerationResult
-
     bodies = [body for _, body in requests]
     chats = [chat or isinstance(body, list) for body in bodies]
     results: dict[int, Any] = {
@@ -149,21 +147,13 @@ def record(ident: str, result) -> dict:
 # ---------------------------------------------------------------------------------------------- the job
 
 
-@dataclass(frozen=True)
-class BatchJob:
-    """What ``verispec batch`` runs; validated with UsageError. ``ray``: None (in-process), ``"local"`` (a
-    Ray started here) or a cluster's address."""
+@dataclass(frozen=True, kw_only=True)
+class BatchJob(ModelChoice):
+    """What ``verispec batch`` runs (the models and drafter, then these); validated with UsageError.
+    ``ray``: None (in-process), ``"local"`` (a Ray started here) or a cluster's address."""
 
     input: str
     output: str
-    target: str = DEFAULT_MODEL
-    tokenizer: str | None = None
-    draft: str | None = None
-    draft_tokenizer: str | None = None
-    cross_tokenizer: str = "auto"
-    drafter: str = "auto"
-    drafter_path: str | None = None
-    precision: str = DEFAULT_PRECISION
     k: str = "auto"
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
@@ -176,8 +166,6 @@ class BatchJob:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        from verispec.api import parse_k
-        from verispec.engine import EngineConfig
 
         for name, low in (("max_batch", 1), ("shard_size", 1), ("workers", 1), ("max_new_tokens", 1)):
             value = getattr(self, name)
@@ -204,25 +192,9 @@ class BatchJob:
         fields["requests"] = hashlib.sha256(json.dumps(requests).encode()).hexdigest()
         return fields
 
-    def speculator(self):
-        from verispec.api import Speculator
-
-        return Speculator(
-            self.target,
-            self.draft,
-            self.drafter,
-            self.tokenizer,
-            drafter_path=self.drafter_path,
-            precision=self.precision,
-            draft_tokenizer=self.draft_tokenizer,
-            cross_tokenizer=self.cross_tokenizer,
-        )
-
 
 def _shard_lines(job: BatchJob, speculator, shard: Sequence[Request], seed: int) -> tuple[str, int]:
     """A shard's JSONL text and its generated tokens."""
-    from verispec.api import parse_k
-
     results = generate_requests(
         speculator,
         shard,

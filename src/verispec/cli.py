@@ -21,6 +21,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from verispec import __version__
@@ -204,10 +205,10 @@ def _across(args: argparse.Namespace) -> dict[str, Any]:
     return {"draft_tokenizer": args.draft_tokenizer, "cross_tokenizer": args.cross_tokenizer}
 
 
-def _model_fields(args: argparse.Namespace, default_target: str) -> dict[str, Any]:
-    """The target, draft and drafter of a config (``verispec serve``, ``verispec batch``), from the flags."""
+def _model_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The fields of a :class:`~verispec.api.ModelChoice` (the models and the drafter), from the flags."""
     return {
-        "target": args.target or default_target,
+        **({"target": args.target} if args.target else {}),
         "tokenizer": args.tokenizer,
         "draft": args.draft,
         "drafter": args.drafter,
@@ -356,7 +357,7 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float)
 
 def run_generate(args: argparse.Namespace) -> int:
     """Run ``verispec generate``."""
-    from verispec.api import Speculator, parse_k  # loads transformers: only for the commands that need it
+    from verispec.api import ModelChoice, parse_k  # loads transformers: only for the commands that need it
     from verispec.drafting.tree import AUTO
 
     if args.batch is not None:
@@ -375,16 +376,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UsageError("token-fate traces record chain rounds only, not token trees")
     if tree is None and args.k is None and not tracing:
         tree = AUTO  # the learned drafter's tree, where it drafts
-    speculator = Speculator(
-        args.target,
-        args.draft,
-        args.drafter,
-        args.tokenizer,
-        tree=tree,
-        drafter_path=args.drafter_path,
-        precision=args.precision,
-        **_across(args),
-    )
+    speculator = ModelChoice(**_model_fields(args)).speculator(tree=tree)
     recorder = TraceRecorder() if tracing else None
     options = dict(
         k=k,
@@ -414,7 +406,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def _run_batch(args: argparse.Namespace) -> int:
     """``verispec generate --batch FILE``: every request in a continuous batch of --max-batch sequences."""
-    from verispec.api import Speculator, parse_k
+    from verispec.api import ModelChoice, parse_k
     from verispec.batch import generate_requests, read_requests, record
 
     if args.prompt is not None:
@@ -427,10 +419,7 @@ def _run_batch(args: argparse.Namespace) -> int:
     k = parse_k(args.k if args.k is not None else "auto")
     EngineConfig(args.max_new_tokens, sampling, stop_strings=tuple(args.stop))
     requests = read_requests(args.batch)  # all checked before a model loads
-    speculator = Speculator(
-        args.target, args.draft, args.drafter, args.tokenizer, drafter_path=args.drafter_path,
-        precision=args.precision, **_across(args),
-    )  # fmt: skip
+    speculator = ModelChoice(**_model_fields(args)).speculator()
     start = time.perf_counter()
     results = generate_requests(
         speculator, requests, slots=args.max_batch, chat=args.chat, k=k, max_new_tokens=args.max_new_tokens,
@@ -615,7 +604,7 @@ def run_batch(args: argparse.Namespace) -> int:
     job = BatchJob(
         input=args.input,
         output=args.output,
-        **_model_fields(args, BatchJob.target),
+        **_model_fields(args),
         k=args.k if args.k is not None else "auto",
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed),
@@ -898,6 +887,11 @@ def run_bench_load(args: argparse.Namespace) -> int:
         out=args.out or f"results/bench-load-{stamp}",
     )
     out = write_load_report(run_load(config), config.out)
+    return _show_results(out)
+
+
+def _show_results(out: Path) -> int:
+    """Print a run's results.md, and on stderr where its files are."""
     print((out / "results.md").read_text())
     print(f"results written to {out}", file=sys.stderr)
     return 0
@@ -938,7 +932,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from verispec.server.app import Server, ServerConfig, listen, run
 
     config = ServerConfig(
-        **_model_fields(args, ServerConfig.target),
+        **_model_fields(args),
         k=args.k,
         max_batch=args.max_batch,
         max_queue=args.max_queue,
@@ -1007,9 +1001,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     )
     _no_draft_model(args, "bench-serve")
     out = write_serve_report(run_serve_load(config), config.out)
-    print((out / "results.md").read_text())
-    print(f"results written to {out}", file=sys.stderr)
-    return 0
+    return _show_results(out)
 
 
 # ---------------------------------------------------------------------------------------------- calibrate
@@ -1041,7 +1033,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     import torch
 
     from verispec.analysis.analytic import optimal_k
-    from verispec.api import Speculator
+    from verispec.api import ModelChoice
 
     for name in ("repetitions", "threads"):
         value = getattr(args, name)
@@ -1049,15 +1041,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
             raise UsageError(f"--{name} must be an integer >= 1, got {value}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    speculator = Speculator(
-        args.target,
-        args.draft,
-        args.drafter,
-        tokenizer=args.tokenizer,
-        drafter_path=args.drafter_path,
-        precision=args.precision,
-        **_across(args),
-    )
+    speculator = ModelChoice(**_model_fields(args)).speculator()
     calibration = speculator.calibration(force=True, repetitions=args.repetitions)
     if args.json:
         print(json.dumps(calibration.to_dict(), indent=2))

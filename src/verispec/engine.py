@@ -317,7 +317,11 @@ class SpeculativeEngine:
         if self.drafter is None or self.k_policy is None:
             raise UsageError("stream needs the engine's drafter and K policy")
         request = Request(prompt, config, self.drafter, self.k_policy, stats, stop_check, self.trace)
-        running = self.submit(request)
+        yield from self.follow(self.submit(request))
+
+    def follow(self, running: Running) -> Iterator[list[int]]:
+        """Steps the engine until ``running`` is done, yielding the tokens each step commits for it (the
+        others in the batch step along)."""
         while not running.done:
             for done, tokens in self.step():
                 if done is running and tokens:

@@ -34,12 +34,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from verispec.api import Chunk, Speculator, parse_k
+from verispec.api import Chunk, ModelChoice, Speculator, parse_k
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import DRAFTERS
 from verispec.errors import UsageError
-from verispec.models.llama import DEFAULT_PRECISION
-from verispec.models.registry import DEFAULT_MODEL
 from verispec.scheduler import Handle, QueueFull, Scheduler
 from verispec.server.metrics import ServerMetrics
 from verispec.server.schema import (
@@ -59,18 +57,10 @@ __all__ = ["Server", "ServerConfig", "create_app", "listen", "run", "serving"]
 _log = logging.getLogger("verispec.server")
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    """What ``verispec serve`` serves; validated with UsageError."""
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig(ModelChoice):
+    """What ``verispec serve`` serves (the models and drafter, then these); validated with UsageError."""
 
-    target: str = DEFAULT_MODEL
-    tokenizer: str | None = None
-    draft: str | None = None
-    draft_tokenizer: str | None = None  # the draft's own tokenizer file (a llama2.c draft)
-    cross_tokenizer: str = "auto"  # with a draft of another tokenizer: tli, string or auto
-    drafter: str = AUTO_DRAFTER
-    drafter_path: str | None = None
-    precision: str = DEFAULT_PRECISION
     k: str = "auto"  # the K of requests that do not name one
     max_batch: int = 8
     max_queue: int = 64
@@ -100,17 +90,7 @@ class Server:
     def __init__(self, config: ServerConfig, loaded: tuple | None = None) -> None:
         self.config = config
         self.name = config.served_name
-        self.default = Speculator(
-            loaded if loaded is not None else config.target,
-            config.draft,
-            config.drafter,
-            config.tokenizer,
-            drafter_path=config.drafter_path,
-            target_label=config.target,
-            precision=config.precision,
-            draft_tokenizer=config.draft_tokenizer,
-            cross_tokenizer=config.cross_tokenizer,
-        )
+        self.default = config.speculator(loaded)
         self.default.k_policy(config.k)  # calibrates now (with --k auto), not in a client's request
         self._speculators = {self.default.drafter_name: self.default}
         self._lock = threading.Lock()
