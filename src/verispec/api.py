@@ -176,7 +176,9 @@ class Speculator:
         cross_tokenizer: str = "auto",
     ) -> None:
         check_algorithm(cross_tokenizer)
-        own_weights = isinstance(draft, str) and (early_exit_layers(draft) is not None or self_draft(draft))
+        layers = early_exit_layers(draft) if isinstance(draft, str) else None
+        itself = self_draft(draft) if isinstance(draft, str) else None
+        own_weights = layers is not None or itself is not None  # the target's own: its tokenizer
         if draft_tokenizer is not None and (draft is None or own_weights):
             raise UsageError("--draft-tokenizer is the tokenizer of a draft model (--draft SPEC)")
         if cross_tokenizer != "auto" and (draft is None or own_weights):
@@ -196,8 +198,6 @@ class Speculator:
         self.draft = None
         self.pair: VocabularyPair | None = None  # a draft with another tokenizer: the two vocabularies
         self.cross_tokenizer = cross_tokenizer
-        layers = early_exit_layers(draft) if isinstance(draft, str) else None
-        itself = self_draft(draft) if isinstance(draft, str) else None
         self.early_exit = layers is not None  # the draft shares the target's cache
         if layers is not None:
             self.draft = _early_exit(self.model, layers)
