@@ -1,7 +1,7 @@
 """The learned (EAGLE-style) drafter: its file, its training, and exactness in the engine.
 
 Targets are tiny random Llamas (and stories260K from ``../shared/models`` where present); their training data
-sets are made here, in the format of :mod:`verispec.drafting.eagle.data`, by the target itself: its sampled
+sets are made here, in the format of :mod:`verispec.drafting.learned.data`, by the target itself: its sampled
 answers to random prompts, with ``forward_hidden`` at every position.
 """
 
@@ -28,11 +28,12 @@ from verispec.api import Speculator
 from verispec.bench.suite import BenchConfig, Method, plan_methods
 from verispec.calibrate import DRAFT_K, drafter_identity
 from verispec.drafting.base import Proposal
-from verispec.drafting.eagle import train as train_module
-from verispec.drafting.eagle.data import load_split
-from verispec.drafting.eagle.drafter import DEFAULT_TREE, EagleDrafter, EagleTreeDrafter
-from verispec.drafting.eagle.model import EagleHead, native_target, target_fingerprint
-from verispec.drafting.eagle.train import (
+from verispec.drafting.learned import train as train_module
+from verispec.drafting.learned.data import load_split
+from verispec.drafting.learned.eagle import EagleHead
+from verispec.drafting.learned.eagle_drafter import DEFAULT_TREE, EagleDrafter, EagleTreeDrafter
+from verispec.drafting.learned.head import native_target, target_fingerprint
+from verispec.drafting.learned.train import (
     Batch,
     TrainConfig,
     TrainingData,
@@ -98,7 +99,7 @@ def hidden_states(model: Llama, ids: list[int]) -> torch.Tensor:
 def make_dataset(
     model: Llama, directory: Path, prompts: list[list[int]], answer: int, seed: int = 0, label: str = "tiny"
 ) -> Path:
-    """A data set in verispec.drafting.eagle.data's format: the model's sampled answers (every fourth held
+    """A data set in verispec.drafting.learned.data's format: the model's sampled answers (every fourth held
     out)."""
     g = torch.Generator().manual_seed(seed)
     splits: dict[str, list] = {"train": [], "heldout": []}
@@ -249,7 +250,9 @@ def test_a_loaded_target_is_named_by_its_label(target, trained, tmp_path, monkey
     tokenizer = LetterTokenizer(VOCAB)
     monkeypatch.setattr(Speculator, "_learned_pays", lambda self, label: True)  # the costs: another test
     asked = []
-    monkeypatch.setattr(api_module, "shipped_drafter", lambda label: asked.append(label) or trained)
+    monkeypatch.setattr(
+        api_module, "shipped_drafter", lambda label, kind="eagle": asked.append(label) or trained
+    )
     assert Speculator((target, tokenizer), target_label="tiny-0").drafter_name == "eagle"
     assert asked == ["tiny-0"]
     foreign = fresh_head(tiny_target(seed=1), torch.arange(VOCAB)).save(tmp_path / "foreign.safetensors")
@@ -267,7 +270,7 @@ def test_unsupported_targets_are_refused(dataset, tmp_path):
         lambda: train_drafter(table, dataset, tmp_path / "run", TINY_TRAINING), "native Llama-family"
     )
     with pytest.raises(ValueError, match="unknown drafter kind"):
-        TrainConfig(kind="medusa")
+        TrainConfig(kind="bogus")
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -443,15 +446,15 @@ def test_greedy_equals_plain_greedy_tiny(target, trained, tmp_path):
 def test_auto_takes_the_shipped_drafter_only_when_it_matches(target, trained, tmp_path, monkeypatch):
     tokenizer = LetterTokenizer(VOCAB)
     foreign = fresh_head(tiny_target(seed=1), torch.arange(VOCAB)).save(tmp_path / "foreign.safetensors")
-    monkeypatch.setattr(api_module, "shipped_drafter", lambda label: trained)
+    monkeypatch.setattr(api_module, "shipped_drafter", lambda label, kind="eagle": trained)
     monkeypatch.setattr(Speculator, "_learned_pays", lambda self, label: True)  # the costs: the next test
     assert Speculator((target, tokenizer)).drafter_name == "eagle"
     assert Speculator((target, tokenizer), draft=(target, tokenizer)).drafter_name == "model"
     assert Speculator((target, tokenizer), tree=TreeShape.full(2, 2)).drafter_name == "eagle"
-    monkeypatch.setattr(api_module, "shipped_drafter", lambda label: foreign)
+    monkeypatch.setattr(api_module, "shipped_drafter", lambda label, kind="eagle": foreign)
     assert Speculator((target, tokenizer)).drafter_name == "ngram"
     one_line_error(lambda: Speculator((target, tokenizer), drafter="eagle"), "trained for target")
-    monkeypatch.setattr(api_module, "shipped_drafter", lambda label: None)
+    monkeypatch.setattr(api_module, "shipped_drafter", lambda label, kind="eagle": None)
     assert Speculator((target, tokenizer)).drafter_name == "ngram"
     one_line_error(lambda: Speculator((target, tokenizer), drafter="eagle"), "needs a drafter file")
     one_line_error(
@@ -467,7 +470,7 @@ def test_auto_takes_the_shipped_drafter_only_where_the_costs_say_it_pays(
     """At the held-out agreement its file records, the cost model must predict the shipped drafter
     LEARNED_MARGIN times faster than plain decoding; a drafter named by its path is always taken."""
     tokenizer = LetterTokenizer(VOCAB)
-    monkeypatch.setattr(api_module, "shipped_drafter", lambda label: trained)
+    monkeypatch.setattr(api_module, "shipped_drafter", lambda label, kind="eagle": trained)
     heldout = [0.9, 0.85, 0.8]
     real_load = EagleHead.load
 
@@ -476,7 +479,7 @@ def test_auto_takes_the_shipped_drafter_only_where_the_costs_say_it_pays(
         head.metadata["training"] = json.dumps({"heldout_top1_per_position": heldout})
         return head
 
-    monkeypatch.setattr(api_module.EagleHead, "load", staticmethod(load))
+    monkeypatch.setattr(EagleHead, "load", staticmethod(load))
     costs = CostModel(cost_ratio, [1.0] + [verify + 0.1 * i for i in range(15)])
     calibration = SimpleNamespace(cost_model=costs)
     monkeypatch.setattr(api_module, "calibrate", lambda *args, **kwargs: calibration)
@@ -1099,8 +1102,8 @@ def assert_usage_error(result: tuple[int, str, str], message: str) -> None:
 
 def test_cli_train_drafter_bad_input(dataset, tmp_path, capsys):
     assert_usage_error(
-        run_cli(capsys, "train-drafter", "--data", str(dataset), "--out", str(tmp_path), "--kind", "medusa"),
-        "unknown drafter kind",
+        run_cli(capsys, "train-drafter", "--data", str(dataset), "--out", str(tmp_path), "--kind", "bogus"),
+        "invalid choice: 'bogus'",
     )
     assert_usage_error(
         run_cli(capsys, "train-drafter", "--data", str(tmp_path / "absent"), "--out", str(tmp_path)),

@@ -26,6 +26,7 @@ from torch import Tensor
 from toy import (
     FAMILIES,
     SETTINGS,
+    ToyLM,
     accepted_prefix_probs,
     bonus_from_last_position,
     make_pair,
@@ -104,11 +105,21 @@ def truncate_after_eos(dist: np.ndarray, eos: int | None) -> np.ndarray:
     return flat.reshape(dist.shape)
 
 
+#: the draft's q: a [V+1, V+1, V] table read along the draft (autoregressive: draft token i given the two
+#: tokens before it), or a function (sequences [R, K+2], K) -> [R, K, V] (Medusa heads: the context alone)
+DraftQ = np.ndarray | Callable[[np.ndarray, int], np.ndarray]
+
+
+def draft_rows(q: DraftQ, seq: np.ndarray, k: int) -> np.ndarray:
+    """The q of each draft position of ``seq`` [R, K+2] (the context, then K draft tokens): [R, K, V]."""
+    return q(seq, k) if callable(q) else q[seq[:, :k], seq[:, 1 : k + 1]]
+
+
 def round_streams(
     ctx: tuple[int, int],
     k: int,
-    qdraw: np.ndarray,
-    qtold: np.ndarray,
+    qdraw: DraftQ,
+    qtold: DraftQ,
     ptab: np.ndarray,
     rule_fn: RuleFn,
     drop_bonus: bool = False,
@@ -126,8 +137,8 @@ def round_streams(
     rows = drafts.shape[0]
     seq = np.concatenate([np.tile(np.array(ctx), (rows, 1)), drafts], axis=1)  # [R, K+2]
     p = ptab[seq[:, : k + 1], seq[:, 1 : k + 2]]  # [R, K+1, V]: p_1..p_{K+1} given the draft
-    q_draw = qdraw[seq[:, :k], seq[:, 1 : k + 1]]  # [R, K, V]
-    q_told = qtold[seq[:, :k], seq[:, 1 : k + 1]]  # [R, K, V]
+    q_draw = draft_rows(qdraw, seq, k)  # [R, K, V]
+    q_told = draft_rows(qtold, seq, k)  # [R, K, V]
     draft_prob = np.take_along_axis(q_draw, drafts[..., None], axis=-1)[..., 0].prod(axis=1)  # [R]
 
     rule = rule_fn(torch.from_numpy(drafts), torch.from_numpy(q_told), torch.from_numpy(p))
@@ -151,8 +162,8 @@ def round_streams(
 
 
 def speculative_joint(
-    qdraw: np.ndarray,
-    qtold: np.ndarray,
+    qdraw: DraftQ,
+    qtold: DraftQ,
     ptab: np.ndarray,
     k: int,
     n: int,
@@ -241,6 +252,62 @@ def test_enumeration_sees_every_position():
     rule = lambda x, q, p: bonus_from_last_position(RULES["rejection"](x, q, p), p)  # noqa: E731
     spec = speculative_joint(qtab, qtab, ptab, 4, 5, rule)
     assert total_variation(spec, reference("equal", "t1", 5)) > BROKEN_TV
+
+
+# ---------------------------------------------------------------------------------------------- Medusa heads
+
+MEDUSA_HEADS = 3
+
+
+@functools.cache
+def medusa_heads(family: str, setting: str) -> np.ndarray:
+    """[H, V+1, V+1, V] float64: the distributions of H toy Medusa heads under ``setting``; head i guesses
+    the token i positions after the context from the context alone (the family's draft logits, perturbed
+    more for later heads; a draft's forbidden tokens stay forbidden)."""
+    logits = make_pair(family).draft.logits
+    rng = np.random.default_rng(21)
+    heads = [logits + rng.normal(0.0, 0.6 * i, size=logits.shape) for i in range(MEDUSA_HEADS)]
+    return np.stack([ToyLM(h).probs(SETTINGS[setting]).numpy() for h in heads])
+
+
+def heads_on_context(heads: np.ndarray) -> Callable[[np.ndarray, int], np.ndarray]:
+    """A Medusa draft: draft token i from head i on the round's context alone (the first two columns)."""
+    return lambda seq, k: np.stack([heads[i][seq[:, 0], seq[:, 1]] for i in range(k)], axis=1)
+
+
+def heads_along_draft(heads: np.ndarray) -> Callable[[np.ndarray, int], np.ndarray]:
+    """Broken: head i's q as if it had read the draft tokens before token i (not what drew them)."""
+    return lambda seq, k: np.stack([heads[i][seq[:, i], seq[:, i + 1]] for i in range(k)], axis=1)
+
+
+@pytest.mark.parametrize("k", (1, 2, 3), ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("verifier", list(RULES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_medusa_heads_are_exact(family: str, verifier: str, setting: str, k: int):
+    """A Medusa-kind draft — token i sampled from head i's q given the round's context only, independent of
+    the draft tokens before it — verified with those very q rows: the loop is exact (TV ≤ 1e-12). The
+    verifier only needs q_i to be the distribution token i was drawn from given everything before it; the
+    heads being sampled independently, that conditional distribution is q_i itself."""
+    pair = make_pair(family)
+    ptab, _ = tables(family, setting)
+    heads = heads_on_context(medusa_heads(family, setting))
+    spec = speculative_joint(heads, heads, ptab, k, pair.num_tokens, RULES[verifier], pair.eos_token_id)
+    reference_setting = "greedy" if verifier == "greedy" else setting
+    tv = total_variation(spec, reference(family, reference_setting, pair.num_tokens))
+    assert tv <= EXACT_TV, f"TV {tv:.3e}"
+
+
+@pytest.mark.parametrize("k", (2, 3), ids=lambda k: f"K{k}")
+def test_medusa_q_told_along_the_draft_is_caught(k: int):
+    """Reporting head i's q as if it had read the draft tokens before it (what an autoregressive draft
+    would report) breaks exactness: the q given to the verifier must be the one the token came from."""
+    heads = medusa_heads("generic", "t1")
+    ptab, _ = tables("generic", "t1")
+    spec = speculative_joint(
+        heads_on_context(heads), heads_along_draft(heads), ptab, k, 4, RULES["rejection"]
+    )
+    assert total_variation(spec, reference("generic", "t1", 4)) > BROKEN_TV
 
 
 # ---------------------------------------------------------------------------------------------- tokens/round

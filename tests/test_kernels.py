@@ -224,6 +224,33 @@ def test_native_rows_are_bit_identical_alone_in_a_block_beside_others_and_in_a_t
     assert torch.equal(other_threads, alone)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tree_nodes_after_masked_siblings_are_bit_identical_to_their_path_decoded_alone(fmt):
+    """A tree node's slot sits after its masked siblings, so it falls at another vector lane than the same
+    token decoded alone: its logits must not change (the attention weights of every slot are computed and
+    summed the same wherever the slot falls). Contexts of every length modulo 16, every node of a 3x2 tree."""
+    model = native(fmt)
+    g = torch.Generator().manual_seed(12)
+    parents = [-1, 0, 0, 0, 1, 1, 2]  # the root, three children, two grandchildren under the first, one after
+    mask = torch.eye(7, dtype=torch.bool)  # [7, 7]: each node and its ancestors
+    for i in range(1, 7):
+        mask[i] |= mask[parents[i]]
+    depth = mask.sum(1) - 1  # [7]
+    for context in range(3, 40, 2):
+        ids = torch.randint(0, 80, (1, context), generator=g)  # the root is its last token
+        nodes = torch.cat([ids[:, -1:], torch.randint(0, 80, (1, 6), generator=g)], 1)  # [1, 7]
+        cache = model.new_cache(1, 64)
+        model.prefill(ids[:, :-1], pos(0, 1, context - 1), cache)
+        tree = model(nodes, (context - 1 + depth)[None], cache, tree_mask=mask)[0]  # [7, V]
+        for node in range(7):
+            path = nodes[0, mask[node]]  # the root .. the node
+            alone = model.new_cache(1, 64)
+            model.prefill(ids[:, :-1], pos(0, 1, context - 1), alone)
+            for step, token in enumerate(path.tolist()):
+                out = model(torch.tensor([[token]]), torch.tensor([[context - 1 + step]]), alone)[0, 0]
+            assert torch.equal(tree[node], out), (context, node)
+
+
 def test_native_long_prompt_in_chunks_equals_one_block():
     config = dataclasses.replace(CONFIG, max_position_embeddings=200)
     model = random_llama(config)

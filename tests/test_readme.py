@@ -325,7 +325,8 @@ SHRUNK: dict[str, Callable[[str], str]] = {
     "--max-new-tokens": _fixed("8"),  # 160 (drafter-data), 64 (bench, bench-load)
     "--max-tokens": _fixed("8"),  # bench-serve's 64
     "--batch-size": _fixed("4"),  # 48
-    "--steps": _fixed("3"),  # 3000, 1500, 1400
+    "--steps": _fixed("3"),  # 3000, 1500, 1400, 1200
+    "--exit-layer": _fixed("1"),  # 8: the tiny chat target has 2 layers
     "--eval-every": _fixed("1"),  # 100
     "--checkpoint-every": _fixed("1"),  # 100
     "--concurrency": _fixed("1,2"),  # bench-load's 1,4,8,16
@@ -371,7 +372,7 @@ def chat_target(tmp_path_factory, monkeypatch) -> Path:
     "chatty" target (<|end|> ×1.5: it writes usable user turns of its own). The prompt set's stdlib passages
     are read once for the whole recipe, as ``test_eagle_data`` does (the prompts do not change)."""
     from test_eagle_data import save_target
-    from verispec.drafting.eagle import prompts as prompts_module
+    from verispec.drafting.learned import prompts as prompts_module
 
     passages = prompts_module._stdlib_passages()
     monkeypatch.setattr(prompts_module, "_stdlib_passages", lambda: list(passages))
@@ -382,7 +383,7 @@ def test_learned_drafter_recipe_runs(chat_target, tmp_path, monkeypatch, capsys)
     """The recipe, command by command with the README's flags, in a fresh directory (its relative data/ and
     runs/ paths), on the tiny chat Llama: the data sets are what their commands made, the drafters exist
     (the last one with two layers), and generate drafts with the trained file."""
-    from verispec.drafting.eagle.model import EagleHead
+    from verispec.drafting.learned.kinds import load_head
     from verispec.models.registry import load_model
 
     monkeypatch.chdir(tmp_path)
@@ -424,11 +425,14 @@ def test_learned_drafter_recipe_runs(chat_target, tmp_path, monkeypatch, capsys)
         elif words[1] == "train-drafter":
             drafter = Path(value("--out")) / "drafter.safetensors"
             assert f"drafter written to {drafter}" in out
-            layers = int(value("--layers")) if "--layers" in words else 1
-            assert EagleHead.load(drafter, model).num_layers == layers
+            kind = value("--kind") if "--kind" in words else "eagle"
+            head = load_head(drafter, model, kind=kind)
+            if kind == "eagle":
+                assert head.num_layers == (int(value("--layers")) if "--layers" in words else 1)
         elif words[1] == "generate":
             assert "--drafter-path" in words and out  # the learned drafter named by its path drafted
-            assert "[eagle, " in err, err
+            kind = value("--drafter") if "--drafter" in words else "eagle"
+            assert f"[{kind}, " in err, err
     assert 2 in turns  # --questions target --turns 2: conversations the target wrote itself
 
 

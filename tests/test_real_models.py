@@ -18,7 +18,7 @@ from scipy import stats as scipy_stats
 
 from verispec import cli
 from verispec.api import Speculator
-from verispec.drafting.eagle.drafter import shipped_drafter
+from verispec.drafting.learned.kinds import shipped_drafter
 from verispec.drafting.tree import TreeShape
 from verispec.engine import GenerationStats
 from verispec.models.llama import Llama
@@ -246,6 +246,24 @@ def test_smollm2_shipped_learned_drafter_is_exact(smollm2, capsys):
     for name in ("none", "ngram", "eagle"):
         assert any(line.strip().startswith(f"{name}: 24 tokens") for line in lines), name
     assert sum("identical to none: yes" in line for line in lines) == 2
+
+
+@pytest.mark.slow
+def test_smollm2_shipped_medusa_and_exit_are_exact(smollm2):
+    """The Medusa heads and the trained exit shipped for SmolLM2-135M, used without a path: greedy == plain
+    greedy on 3 chat prompts (chains, and Medusa's default tree), with drafts accepted and rejected."""
+    model, tokenizer = smollm2
+    plain = Speculator((model, tokenizer), drafter="none")
+    for kind, tree in (("medusa", None), ("medusa", "auto"), ("exit", None)):
+        assert shipped_drafter("smollm2-135m", kind) is not None, f"the package ships a {kind} drafter"
+        spec = Speculator((model, tokenizer), drafter=kind, target_label="smollm2-135m", tree=tree)
+        drafted = accepted = 0
+        for prompt in SMOL_PROMPTS:
+            stats = GenerationStats(kind, "3")
+            out = spec.stream(prompt, k=3, max_new_tokens=40, sampling=GREEDY, chat=True, stats=stats)
+            assert [t for c in out for t in c.token_ids] == greedy_ids(plain, prompt, 40, chat=True), kind
+            drafted, accepted = drafted + stats.drafted + stats.tree_nodes, accepted + stats.accepted
+        assert 0 < accepted < drafted, (kind, tree)
 
 
 def test_smollm2_knows_paris(smollm2):

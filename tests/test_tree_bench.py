@@ -11,6 +11,7 @@ from test_bench import isolated  # noqa: F401 (autouse: its own calibration cach
 from verispec.bench.report import tree_comparison
 from verispec.bench.suite import TREE_METHODS, BenchConfig, Method, plan_methods
 from verispec.cli import main
+from verispec.drafting.learned.kinds import shipped_drafter
 
 
 def test_each_tree_runs_beside_its_chain_at_the_same_forward_size(tmp_path):
@@ -33,7 +34,9 @@ def test_dynamic_trees_run_beside_the_chain_of_their_budget():
     """A dynamic tree of budget N feeds at most N + 1 positions: its chain is K = N; budget auto runs beside
     K auto; the ngram and model trees cannot take a budget (a note says so)."""
     config = BenchConfig(
-        methods=("ngram-tree", "eagle-tree"), drafter_path="d.safetensors", trees=("3x4:5", "2x3:auto", "2x2")
+        methods=("ngram-tree", "eagle-tree"),
+        drafter_path=str(shipped_drafter("smollm2-135m")),
+        trees=("3x4:5", "2x3:auto", "2x2"),
     )
     methods, notes = plan_methods(config)
     assert [m.label for m in methods] == [

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +21,10 @@ from verispec.calibrate import QUICK_REPETITIONS, Calibration, calibrate
 from verispec.drafting.base import Drafter, TreeDrafter, check_static
 from verispec.drafting.cross_tokenizer import VocabularyPair, check_algorithm, same_vocabulary
 from verispec.drafting.draft_model import early_exit_layers, self_draft
-from verispec.drafting.eagle.drafter import DEFAULT_TREE, shipped_drafter
-from verispec.drafting.eagle.model import EagleHead, native_target
+from verispec.drafting.learned.eagle_drafter import DEFAULT_TREE
+from verispec.drafting.learned.head import LearnedHead, native_target
+from verispec.drafting.learned.kinds import load_head, shipped_drafter
+from verispec.drafting.learned.medusa import MedusaHeads, medusa_tree
 from verispec.drafting.registry import DRAFTERS, DraftInputs, choose_auto, drafter_kind
 from verispec.drafting.tree import AUTO, TreeShape
 from verispec.engine import EngineConfig, GenerationStats, Request, SpeculativeEngine
@@ -150,9 +151,10 @@ class Speculator:
     head's top-k when greedy, else independent samples of its q), which the target scores in one forward; K is
     then not used. A dynamic shape (with a node budget, e.g. ``TreeShape.parse("3x4:auto")``) needs the eagle
     drafter; budget "auto" sizes each tree by the calibrated costs (:meth:`calibration`). ``tree="auto"``:
-    the learned drafter's :data:`~verispec.drafting.eagle.drafter.DEFAULT_TREE` where the drafter is eagle,
-    chain rounds otherwise.
-    drafter_path: a learned drafter file (``verispec train-drafter``) for the target, for "eagle" or "auto".
+    the eagle drafter's :data:`~verispec.drafting.learned.eagle_drafter.DEFAULT_TREE`, Medusa's sparse tree
+    shaped by its heads' accuracies, chain rounds for the other drafters.
+    drafter_path: a learned drafter file (``verispec train-drafter``) for the target, for "eagle", "medusa",
+    "exit" (files of that kind) or "auto" (the file's kind).
     target_label: names a loaded target (default: its SPEC) in messages and calibration notices, and picks
     the drafter verispec ships for it.
     precision: the weights of target and draft models loaded from a SPEC ("fp32", "fp16" or "auto": the
@@ -211,13 +213,16 @@ class Speculator:
             raise UsageError("--cross-tokenizer applies to a draft whose tokenizer differs from the target's")
         if target_label is None:
             target_label = DEFAULT_MODEL if target is None else target if isinstance(target, str) else ""
-        self.head = None  # the learned drafter's
+        self.head: LearnedHead | None = None  # the learned drafter's
         learned = kind.learned if kind is not None else draft is None  # auto: the shipped one, if any
         if learned or drafter_path is not None:
-            self.head = _learned_head(self.model, drafter_path, target_label, required=kind is not None)
+            wanted = kind.name if kind is not None else None if drafter_path is not None else "eagle"
+            self.head = _learned_head(self.model, drafter_path, target_label, kind is not None, wanted)
         shipped = kind is None and draft is None and drafter_path is None and self.head is not None
         if shipped and not self._learned_pays(target_label):
             self.head = None  # auto: prompt lookup instead of the shipped drafter (see LEARNED_MARGIN)
+        if kind is None and self.head is not None:  # auto with a drafter file: the file's kind
+            kind = DRAFTERS[self.head.kind]
         self.kind = kind if kind is not None else choose_auto(draft is not None, self.head is not None)
         if self.kind.reads_target_hidden and not isinstance(self.model, HiddenStateModel):
             raise UsageError(
@@ -225,7 +230,7 @@ class Speculator:
                 f"not a {type(self.model).__name__}"
             )
         if tree == AUTO:
-            tree = DEFAULT_TREE if self.kind.learned else None
+            tree = self._default_tree()
         elif tree is not None and not isinstance(tree, TreeShape):
             raise UsageError(f"tree must be a TreeShape, {AUTO!r} or None, got {tree!r}")
         if tree is not None:
@@ -255,7 +260,7 @@ class Speculator:
 
     def _chain_drafter(self, sampling: SamplingParams, target_cache: Cache | None = None) -> Drafter:
         """The chain drafter (what :meth:`calibration` measures; a tree drafter branches it)."""
-        shared = target_cache if self.early_exit else None
+        shared = target_cache if self.early_exit or self.kind.reads_target_cache else None
         inputs = DraftInputs(
             sampling,
             self.model,
@@ -268,14 +273,21 @@ class Speculator:
         )
         return self.kind.chain(inputs)
 
+    def _default_tree(self) -> TreeShape | None:
+        """The tree of ``tree="auto"``: the eagle drafter's :data:`DEFAULT_TREE`, Medusa's sparse tree shaped
+        by its heads' held-out accuracies; None (chain rounds) for the other drafters."""
+        if self.kind.name == "eagle":
+            return DEFAULT_TREE
+        if isinstance(self.head, MedusaHeads) and self.head.rank_accuracy:
+            return medusa_tree(self.head.rank_accuracy)
+        return None
+
     def _learned_pays(self, target_label: str) -> bool:
         """Whether auto should draft with the learned drafter: the cost model (this machine's calibrated
         costs, measured once and cached) predicts it at least LEARNED_MARGIN times faster than plain
         decoding at its best K, at the per-position agreement its file records on held-out data."""
         assert self.head is not None
-        training = self.head.metadata.get("training") or {}
-        training = json.loads(training) if isinstance(training, str) else training
-        heldout = training.get("heldout_top1_per_position") if isinstance(training, dict) else None
+        heldout = self.head.heldout_accuracy
         if not heldout:
             return False
         greedy = SamplingParams(temperature=0)
@@ -490,25 +502,25 @@ def _requantized(model: LanguageModel, layers: int | None, precision: str) -> La
 
 
 def _learned_head(
-    model: LanguageModel, path: str | Path | None, target_label: str, required: bool
-) -> EagleHead | None:
-    """The learned drafter's head: read from ``path``, else the file shipped for the target. Unless
-    ``required`` (drafter "auto"), a missing or mismatched shipped file gives None."""
-    chosen = path if path is not None else shipped_drafter(target_label)
+    model: LanguageModel, path: str | Path | None, target_label: str, required: bool, kind: str | None
+) -> LearnedHead | None:
+    """The learned drafter: read from ``path`` (of ``kind`` when given), else the file of ``kind`` shipped for
+    the target. Unless ``required`` (drafter "auto"), a missing or mismatched shipped file gives None."""
+    chosen = path if path is not None else shipped_drafter(target_label, kind or "eagle")
     if chosen is None:
         if not required:
             return None
         raise UsageError(
-            "drafter 'eagle' needs a drafter file (--drafter-path FILE, made by verispec train-drafter): "
-            f"verispec ships none for {target_label or 'this target'!r}"
+            f"drafter {kind!r} needs a drafter file (--drafter-path FILE, made by verispec train-drafter "
+            f"--kind {kind}): verispec ships none for {target_label or 'this target'!r}"
         )
     fast = bool(getattr(model, "optimized_for_cpu", False))  # on the CPU fast path like its target
     if not required and path is None:
         try:
-            return EagleHead.load(chosen, native_target(model), target_label, fast)
+            return load_head(chosen, native_target(model), target_label, fast, kind)
         except UsageError:  # a shipped file for another version of the target: fall back to ngram
             return None
-    return EagleHead.load(chosen, native_target(model), target_label, fast)
+    return load_head(chosen, native_target(model), target_label, fast, kind)
 
 
 def _load(

@@ -378,7 +378,7 @@ def drafter_data_on_ray(target: str, out: str | Path, config, address: str, work
     machine, always), then merged into ``out`` as ``--merge`` does. The prompts and the greedy answers are
     those of a one-machine run; sampled answers and the held-out choice are drawn per range. Returns the
     merged data set's meta data."""
-    from verispec.drafting.eagle.data import build_dataset, merge_datasets
+    from verispec.drafting.learned.data import build_dataset, merge_datasets
 
     if config.questions != "templates":
         raise UsageError("--ray cuts the template prompt set into ranges: target-written questions run here")

@@ -54,7 +54,9 @@ import torch
 from verispec.analysis.analytic import BatchCost, CostModel
 from verispec.drafting.base import Drafter, HiddenStateReader
 from verispec.drafting.draft_model import ModelDrafter
-from verispec.drafting.eagle.drafter import EagleDrafter
+from verispec.drafting.learned.eagle_drafter import EagleDrafter
+from verispec.drafting.learned.exit import ExitDraft
+from verispec.drafting.learned.medusa import MedusaDrafter
 from verispec.drafting.ngram import NGramDrafter
 from verispec.errors import UsageError
 from verispec.kernels.build import library_path
@@ -256,7 +258,16 @@ def drafter_identity(drafter: Drafter) -> dict:
     """What a drafter's cost depends on: its kind, and its model's identity, its lookup's parameters or its
     learned head's size (draft vocabulary and layers; the rest is the target's)."""
     if isinstance(drafter, ModelDrafter):
-        return {"drafter": drafter.name, "model": model_identity(drafter.model)}
+        identity: dict = {"drafter": drafter.name, "model": model_identity(drafter.model)}
+        if isinstance(drafter.model, ExitDraft):  # a trained exit: its draft vocabulary's head
+            identity["exit_draft_vocab"] = drafter.model.adapter.draft_vocab_size
+        return identity
+    if isinstance(drafter, MedusaDrafter):
+        return {
+            "drafter": drafter.name,
+            "draft_vocab": drafter.heads.draft_vocab_size,
+            "heads": drafter.heads.num_heads,
+        }
     if isinstance(drafter, NGramDrafter):
         return {"drafter": drafter.name, "max_ngram": drafter.max_ngram, "min_ngram": drafter.min_ngram}
     if isinstance(drafter, EagleDrafter):

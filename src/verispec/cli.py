@@ -509,7 +509,7 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     """Run ``verispec demo``: exit status 1 if any speculative output differs from plain decoding's."""
     from verispec.api import Speculator, parse_k
-    from verispec.drafting.eagle.drafter import shipped_drafter
+    from verispec.drafting.learned.kinds import shipped_drafter
     from verispec.drafting.tree import AUTO
     from verispec.models.registry import DEFAULT_MODEL
 
@@ -756,7 +756,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--drafter-path",
         metavar="FILE",
-        help="the learned drafter of the eagle method (default: the one shipped for the target, if any)",
+        help="a learned drafter for the method of its kind (eagle, medusa or exit); the others use the "
+        "ones shipped for the target, if any",
     )
     parser.add_argument(
         "--k",
@@ -768,7 +769,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "--trees",
         type=_list_of(str, "tree shapes"),
         default=(),
-        help="token-tree shapes for the ngram-tree, model-tree and eagle-tree methods, comma-separated: WxD "
+        help="token-tree shapes for the tree methods (ngram-tree, model-tree, eagle-tree, medusa-tree, "
+        "exit-tree), comma-separated: WxD "
         "(width x depth) or a JSON shape file; each tree of N nodes runs beside its chain method at "
         "K = N - 1 (default: none)",
     )
@@ -1071,7 +1073,7 @@ def add_drafter_data_parser(subparsers: argparse._SubParsersAction) -> None:
         help="build the training data of a learned drafter: the target's own answers to a prompt set",
         description="Have the target answer a generated set of chat prompts (half greedily, half sampled at "
         "temperature 1) and store every token with the target's final hidden state, split into train and "
-        "held-out sets (see verispec.drafting.eagle.data). Needs no model hub and no corpus.",
+        "held-out sets (see verispec.drafting.learned.data). Needs no model hub and no corpus.",
     )
     parser.add_argument(
         "--target", default="smollm2-135m", metavar="SPEC", help="the target (default: %(default)s)"
@@ -1133,7 +1135,7 @@ def add_drafter_data_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_drafter_data(args: argparse.Namespace) -> int:
     """Run ``verispec drafter-data``: build the data set and print what it holds."""
-    from verispec.drafting.eagle.data import DataConfig, add_follow_ups, build_dataset, merge_datasets
+    from verispec.drafting.learned.data import DataConfig, add_follow_ups, build_dataset, merge_datasets
 
     config = DataConfig(
         args.prompts,
@@ -1174,30 +1176,38 @@ def run_drafter_data(args: argparse.Namespace) -> int:
 
 def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
     """Declare ``verispec train-drafter``."""
-    from verispec.drafting.eagle.train import TrainConfig  # light: no model is loaded
+    from verispec.drafting.learned.kinds import HEADS
+    from verispec.drafting.learned.train import TrainConfig  # light: no model is loaded
+
+    KINDS = tuple(HEADS)
 
     defaults = TrainConfig()
     parser = subparsers.add_parser(
         "train-drafter",
-        help="train a learned drafter (EAGLE-style head) for a target on its drafter-data set",
-        description="Train an EAGLE-style draft head (one decoder layer unless --layers) that predicts the "
-        "target's next hidden state from its current one and the next token, with logits over a "
-        "reduced draft vocabulary (see verispec.drafting.eagle.train). Writes DIR/drafter.safetensors, "
-        "DIR/checkpoint.pt and DIR/log.jsonl; "
-        "--resume continues an interrupted run.",
+        help="train a learned drafter (EAGLE head, Medusa heads, trained exit) on a drafter-data set",
+        description="Train a learned drafter for a target, with logits over a reduced draft vocabulary (see "
+        "verispec.drafting.learned.train): --kind eagle, a draft head (one decoder layer unless --layers) "
+        "that predicts the target's next hidden state from its current one and the next token; medusa, "
+        "--heads heads on the target's last hidden state, head i guessing the token i + 1 ahead; exit, an "
+        "adapter after the target's first --exit-layer layers. Writes DIR/drafter.safetensors, "
+        "DIR/checkpoint.pt and DIR/log.jsonl; --resume continues an interrupted run.",
     )
     parser.add_argument("--target", metavar="SPEC", help="the target (default: smollm2-135m)")
     parser.add_argument("--tokenizer", metavar="FILE", help="tokenizer file, for llama2.c checkpoints")
     parser.add_argument("--data", required=True, metavar="DIR", help="the data set (verispec drafter-data)")
     parser.add_argument("--out", required=True, metavar="DIR", help="the training run's directory")
-    parser.add_argument("--kind", default=defaults.kind, help="drafter kind (default: %(default)s)")
+    parser.add_argument(
+        "--kind", default=defaults.kind, choices=KINDS, help="drafter kind (default: %(default)s)"
+    )
     for flag, help_text in (
         ("steps", "optimizer steps"),
         ("batch-tokens", "slots per batch"),
         ("window", "slots per window (batch_tokens // window windows per batch)"),
         ("draft-vocab", "size of the draft vocabulary: the most frequent answer tokens"),
         ("unroll", "extra steps unrolled on the head's own features"),
-        ("layers", "decoder layers of the head (beyond --init's: new layers that start as no-ops)"),
+        ("layers", "eagle: decoder layers of the head (beyond --init's: new layers that start as no-ops)"),
+        ("heads", "medusa: heads, head i guessing the token i + 1 positions ahead"),
+        ("exit-layer", "exit: the target layer whose output the trained exit reads"),
         ("checkpoint-every", "steps between checkpoints"),
         ("eval-every", "steps between held-out evaluations"),
         ("seed", "seed of initialisation, batches and noise"),
@@ -1222,8 +1232,8 @@ def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_train_drafter(args: argparse.Namespace) -> int:
     """Run ``verispec train-drafter``: validate, load the target, train, print where the drafter is."""
-    from verispec.drafting.eagle.data import read_data_meta
-    from verispec.drafting.eagle.train import TrainConfig, train_drafter
+    from verispec.drafting.learned.data import read_data_meta
+    from verispec.drafting.learned.train import TrainConfig, train_drafter
     from verispec.models.registry import DEFAULT_MODEL, load_model
 
     config = TrainConfig(
@@ -1242,6 +1252,8 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         seed=args.seed,
         init=args.init,
         layers=args.layers,
+        heads=args.heads,
+        exit_layer=args.exit_layer,
     )
     read_data_meta(args.data)  # before loading a model
     if args.init and not os.path.isfile(args.init):

@@ -82,7 +82,8 @@ from verispec.bench.report import write_report
 from verispec.calibrate import Calibration, cpu_name
 from verispec.drafting.cross_tokenizer import ALGORITHMS
 from verispec.drafting.draft_model import early_exit_layers
-from verispec.drafting.eagle.drafter import shipped_drafter
+from verispec.drafting.learned.head import read_drafter_file
+from verispec.drafting.learned.kinds import shipped_drafter
 from verispec.drafting.registry import DRAFTERS
 from verispec.drafting.tree import AUTO, TreeShape
 from verispec.engine import GenerationStats
@@ -225,7 +226,8 @@ class BenchConfig:
 
     tasks: built-in task names (None: all of them); the tasks of ``prompts_file`` are always added.
     methods: names from :data:`METHODS` (None: all that apply; those needing a draft only with ``draft``).
-    drafter_path: the learned drafter of the eagle method (None: the one shipped for the target, if any).
+    drafter_path: a learned drafter for the method of its kind (eagle, medusa, exit; the others, and every
+    kind when None: the files shipped for the target, if any).
     ks: draft lengths, each an integer or "auto" (and "additive"); K-free methods run once.
     trees: token-tree shapes ("WxD" or a JSON shape file) for the tree methods (``ngram-tree``,
     ``model-tree``), which run only with them; each tree of N nodes also brings its chain method at
@@ -360,11 +362,12 @@ class Method:
         return self.name in PEERS
 
 
-def learned_drafter(config: BenchConfig) -> str | None:
-    """The learned drafter of the eagle method: ``drafter_path``, else the file shipped for the target."""
-    if config.drafter_path is not None:
+def learned_drafter(config: BenchConfig, kind: str) -> str | None:
+    """The learned drafter of the method ``kind`` (eagle, medusa, exit): ``drafter_path`` when the file is of
+    that kind, else the file of that kind shipped for the target."""
+    if config.drafter_path is not None and read_drafter_file(config.drafter_path)[0].get("kind") == kind:
         return config.drafter_path
-    shipped = shipped_drafter(config.target)
+    shipped = shipped_drafter(config.target, kind)
     return None if shipped is None else str(shipped)
 
 
@@ -412,7 +415,7 @@ def plan_methods(config: BenchConfig) -> tuple[list[Method], list[str]]:
             notes.append(f"{name}: {uag}")
             continue
         kind = DRAFTERS.get(name.removesuffix("-tree"))
-        if kind is not None and kind.learned and learned_drafter(config) is None:
+        if kind is not None and kind.learned and learned_drafter(config, kind.name) is None:
             if config.methods is not None:
                 raise UsageError(f"method {name!r} needs a learned drafter (--drafter-path FILE)")
             notes.append(f"{name}: no learned drafter for this target (--drafter-path FILE)")
@@ -636,7 +639,7 @@ class Bench:
         chains = (m.name for m in methods if not m.is_peer and m.name not in (BASELINE, *TREE_METHODS))
         for name in dict.fromkeys(chains):
             kind = DRAFTERS["model" if name in CROSS_METHODS else name]
-            path = learned_drafter(config) if kind.learned else None
+            path = learned_drafter(config, kind.name) if kind.learned else None
             self.speculators[name] = Speculator(
                 loaded,
                 draft=config.draft if kind.needs_draft_model else None,
@@ -698,7 +701,7 @@ class Bench:
             draft=draft,
             drafter=chain.drafter_name,
             tree=tree,
-            drafter_path=learned_drafter(self.config) if chain.kind.learned else None,
+            drafter_path=learned_drafter(self.config, chain.kind.name) if chain.kind.learned else None,
             target_label=str(self.config.target),
         )
 

@@ -10,11 +10,11 @@ the distributions q it sampled them from, and is then told how many of them the 
   and is verified as single guesses (still exact);
 - ``observe`` is called once after every ``propose`` with the number of accepted tokens, before the next
   ``propose``, so a stateful drafter can roll its cache back to the committed context;
-- a drafter that is a :class:`HiddenStateReader` (the learned drafter, :mod:`verispec.drafting.eagle.drafter`)
-also
-  gets ``observe_hidden(hidden)``, hidden: [T, H], the target's final hidden states at the next T committed
-  positions, in order (the prompt's but its last token after ``begin``, then each round's committed ones,
-  before ``observe``); the engine computes them only for such a drafter.
+- a drafter that is a :class:`HiddenStateReader` (the eagle and medusa drafters of
+  :mod:`verispec.drafting.learned`) also gets ``observe_hidden(hidden)``, hidden: [T, H], the target's final
+  hidden states at the next T committed positions, in order (the prompt's but its last token after
+  ``begin``, then each round's committed ones, before ``observe``); the engine computes them only for such a
+  drafter.
 
 The tree counterpart: a tree drafter sees the committed context and a tree shape
 (:mod:`verispec.drafting.tree`; the drafter's own :attr:`TreeDrafter.shape`, capped by the engine to the
@@ -31,8 +31,8 @@ tokens and context left) and returns a tree within that shape, rooted at the las
   learned head's); the others refuse it.
 
 The drafters themselves: :mod:`verispec.drafting.ngram` (prompt lookup), :mod:`verispec.drafting.draft_model`
-(a smaller model, or the target's first layers), :mod:`verispec.drafting.eagle` (a learned head); their names,
-capabilities and factories are in :mod:`verispec.drafting.registry`.
+(a smaller model, or the target's first layers), :mod:`verispec.drafting.learned` (EAGLE heads, Medusa heads,
+a trained exit); their names, capabilities and factories are in :mod:`verispec.drafting.registry`.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from verispec.drafting.base import BranchedTreeDrafter, Proposal
+from verispec.drafting.learned.exit import ExitDraft
 from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
 from verispec.models.base import Cache, LanguageModel, TreeLanguageModel
@@ -81,8 +82,11 @@ class ModelDrafter:
         self.sampling = sampling
         self.shared: tuple[KVCache, int] | None = None  # an early exit's: the target's cache, the layers read
         if target_cache is not None:
-            if not isinstance(target_cache, KVCache) or not isinstance(model, Llama):
-                raise UsageError("only a native draft (an early exit, layers:N) can read the target's cache")
+            if not isinstance(target_cache, KVCache) or not isinstance(model, Llama | ExitDraft):
+                raise UsageError(
+                    "only a native draft (an early exit, layers:N, or a trained exit) can read the "
+                    "target's cache"
+                )
             self.shared = (target_cache, model.config.num_layers)
         self.cache = model.new_cache() if self.shared is None else self._shared_layers(*self.shared)
         self._committed = 0  # cache slots that hold committed tokens after the last proposal

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,8 +21,11 @@ from verispec.analysis.analytic import CostModel
 from verispec.drafting.base import Drafter, NoDrafter, TreeDrafter
 from verispec.drafting.cross_tokenizer import CrossTokenizerDrafter, VocabularyPair
 from verispec.drafting.draft_model import ModelDrafter, ModelTreeDrafter
-from verispec.drafting.eagle.drafter import EagleDrafter, EagleTreeDrafter
-from verispec.drafting.eagle.model import EagleHead
+from verispec.drafting.learned.eagle import EagleHead
+from verispec.drafting.learned.eagle_drafter import EagleDrafter, EagleTreeDrafter
+from verispec.drafting.learned.exit import ExitAdapter, ExitDraft
+from verispec.drafting.learned.head import LearnedHead, native_target
+from verispec.drafting.learned.medusa import MedusaDrafter, MedusaHeads, MedusaTreeDrafter
 from verispec.drafting.ngram import NGramDrafter, NGramTreeDrafter
 from verispec.drafting.tree import TreeShape
 from verispec.errors import UsageError
@@ -42,7 +46,7 @@ class DraftInputs:
     target: LanguageModel
     draft: LanguageModel | None = None  # a draft model (``needs_draft_model``)
     target_cache: Cache | None = None  # the target's cache, read by an early-exit draft (its first layers)
-    head: EagleHead | None = None  # a trained head (``learned``)
+    head: LearnedHead | None = None  # a learned drafter (``learned``), of the kind's own class
     pair: VocabularyPair | None = None  # a draft model with another tokenizer: the two vocabularies
     cross_tokenizer: str = "auto"  # and the algorithm that drafts across them (cross_tokenizer.ALGORITHMS)
     cost_ratio: float | None = None  # the calibrated c of this drafter, once measured
@@ -53,10 +57,13 @@ class DraftInputs:
             raise UsageError(f"drafter {name!r} needs a draft model (--draft SPEC)")
         return self.draft
 
-    def need_head(self, name: str) -> EagleHead:
-        """The learned head, or UsageError naming the drafter that needs one."""
-        if self.head is None:
-            raise UsageError(f"drafter {name!r} needs a learned drafter file (--drafter-path FILE)")
+    def need_head(self, name: str, kind: type[LearnedHead]) -> Any:
+        """The learned drafter, of class ``kind``, or UsageError naming the drafter that needs one."""
+        if not isinstance(self.head, kind):
+            found = f", not a {self.head.kind} drafter" if self.head is not None else ""
+            raise UsageError(
+                f"drafter {name!r} needs a {kind.kind} drafter file (--drafter-path FILE){found}"
+            )
         return self.head
 
 
@@ -81,6 +88,7 @@ class DrafterKind:
     learned: bool = False  # a trained drafter file: --drafter-path, or the one shipped for the target
     dynamic_trees: bool = False  # takes tree shapes with a node budget (ranks its nodes, EAGLE-2)
     reads_target_hidden: bool = False  # drafts from the target's hidden states: needs a native target
+    reads_target_cache: bool = False  # runs the target's first layers on the target's own cache
 
     @property
     def takes_trees(self) -> bool:
@@ -113,6 +121,18 @@ def _eagle_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> Tre
     if shape.budget is None:
         return EagleTreeDrafter(chain, shape, sampled=True)
     return EagleTreeDrafter(chain, shape, cost=cost)
+
+
+def _medusa_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> TreeDrafter:
+    """Medusa's tree: each depth's children from its head, sampled above temperature 0."""
+    assert isinstance(chain, MedusaDrafter)  # the medusa kind's chain factory builds one
+    return MedusaTreeDrafter(chain, shape, sampled=True)
+
+
+def _exit_chain(inputs: DraftInputs) -> Drafter:
+    """The target's first layers and a trained exit, on the target's cache."""
+    draft = ExitDraft(native_target(inputs.target), inputs.need_head("exit", ExitAdapter))
+    return ModelDrafter(draft, inputs.sampling, inputs.target.vocab_size, inputs.target_cache)
 
 
 def _model_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> TreeDrafter:
@@ -149,11 +169,27 @@ DRAFTERS: dict[str, DrafterKind] = {
         DrafterKind(
             "eagle",
             "a learned head reading the target's hidden states (EAGLE-style)",
-            lambda i: EagleDrafter(i.need_head("eagle"), i.sampling),
+            lambda i: EagleDrafter(i.need_head("eagle", EagleHead), i.sampling),
             _eagle_tree,
             learned=True,
             dynamic_trees=True,
             reads_target_hidden=True,
+        ),
+        DrafterKind(
+            "medusa",
+            "Medusa heads on the target's last hidden state, head i guessing the token i + 1 ahead",
+            lambda i: MedusaDrafter(i.need_head("medusa", MedusaHeads), i.sampling),
+            _medusa_tree,
+            learned=True,
+            reads_target_hidden=True,
+        ),
+        DrafterKind(
+            "exit",
+            "the target's first layers and a trained exit (a LayerSkip-style self-draft)",
+            _exit_chain,
+            _model_tree,
+            learned=True,
+            reads_target_cache=True,
         ),
     )
 }

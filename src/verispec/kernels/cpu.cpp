@@ -803,31 +803,35 @@ struct F16 {  // 16 floats (AVX-512): the same steps as F8
 };
 #endif
 
-// s[t] = exp(s[t] - top) for t < len, in place; returns their sum (fixed order: 16 / 8 lanes, then hsum)
+// s[t] = exp(s[t] - top) for t < len, in place; returns their sum. Every slot's exp comes from the same code
+// (the vector exp, the tail through a padded copy) and the sum runs in slot order, so a slot's weight and the
+// total never depend on where the slot falls in the vector lanes: a token tree's node, whose slot sits after
+// masked siblings, gets the arithmetic of the same token decoded alone (masked slots add exact zeros).
 static inline float exp_shifted(float* s, int len, float top) {
     int t = 0;
-    float total = 0.0f;
 #ifdef VS_AVX512
-    __m512 acc = _mm512_setzero_ps();
-    for (; t + 16 <= len; t += 16) {
-        const __m512 e = vexp<F16>(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(top)));
-        _mm512_storeu_ps(s + t, e);
-        acc = _mm512_add_ps(acc, e);
+    for (; t + 16 <= len; t += 16)
+        _mm512_storeu_ps(s + t, vexp<F16>(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(top))));
+    if (t < len) {
+        float tail[16];
+        for (int j = 0; j < 16; j++) tail[j] = t + j < len ? s[t + j] : -INFINITY;
+        _mm512_storeu_ps(tail, vexp<F16>(_mm512_sub_ps(_mm512_loadu_ps(tail), _mm512_set1_ps(top))));
+        for (int j = 0; t + j < len; j++) s[t + j] = tail[j];
     }
-    total = hsum16(acc);
 #elif defined(VS_AVX2)
-    __m256 acc = _mm256_setzero_ps();
-    for (; t + 8 <= len; t += 8) {
-        const __m256 e = vexp<F8>(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(top)));
-        _mm256_storeu_ps(s + t, e);
-        acc = _mm256_add_ps(acc, e);
+    for (; t + 8 <= len; t += 8)
+        _mm256_storeu_ps(s + t, vexp<F8>(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(top))));
+    if (t < len) {
+        float tail[8];
+        for (int j = 0; j < 8; j++) tail[j] = t + j < len ? s[t + j] : -INFINITY;
+        _mm256_storeu_ps(tail, vexp<F8>(_mm256_sub_ps(_mm256_loadu_ps(tail), _mm256_set1_ps(top))));
+        for (int j = 0; t + j < len; j++) s[t + j] = tail[j];
     }
-    total = hsum8(acc);
+#else
+    for (; t < len; t++) s[t] = s[t] == -INFINITY ? 0.0f : expf(s[t] - top);
 #endif
-    for (; t < len; t++) {
-        s[t] = s[t] == -INFINITY ? 0.0f : expf(s[t] - top);
-        total += s[t];
-    }
+    float total = 0.0f;
+    for (t = 0; t < len; t++) total += s[t];
     return total;
 }
 

@@ -99,7 +99,7 @@ class TreeLanguageModel(LanguageModel, Protocol):
 @runtime_checkable
 class HiddenStateModel(TreeLanguageModel, Protocol):
     """A language model that also returns its final hidden states, for drafters that read them (the learned
-    heads of :mod:`verispec.drafting.eagle`)."""
+    heads of :mod:`verispec.drafting.learned`)."""
 
     def forward_hidden(
         self, tokens: Tensor, positions: Tensor, cache: Cache, tree_mask: Tensor | None = None

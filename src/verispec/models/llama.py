@@ -489,7 +489,7 @@ class KVCache:
     def grown(self, extra: int) -> KVCache:
         """A new cache holding copies of this one's committed slots, with room for ``extra`` more: a copy that
         autograd follows, so that training can extend one context along several branches (the unrolled
-        draft steps of :mod:`verispec.drafting.eagle.train`) without writing into tensors it still needs."""
+        draft steps of :mod:`verispec.drafting.learned.train`) without writing into tensors it still needs."""
         if not _is_int(extra) or extra < 0:
             raise UsageError(f"extra must be an integer >= 0, got {extra!r}")
         if self.tiled:
@@ -700,7 +700,7 @@ def run_layers(
 
     inv_freq: [head_dim // 2] float32 RoPE inverse frequencies. mask: [T, cache.length + T] bool (True =
     attend); None: causal, new token i sees every committed slot and new tokens 0..i. Shared by
-    :class:`Llama` and the learned drafters of :mod:`verispec.drafting.eagle`."""
+    :class:`Llama` and the learned drafters of :mod:`verispec.drafting.learned`."""
     t = h.shape[1]
     start, end = cache._reserve(t)
     # RoPE angles in float32, as transformers computes them

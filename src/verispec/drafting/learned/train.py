@@ -1,7 +1,13 @@
-"""Training an EAGLE draft head (:class:`verispec.drafting.eagle.model.EagleHead`) on a data set of
-:mod:`verispec.drafting.eagle.data`: the target's own answers, with its final hidden state at every position.
+"""Training a learned drafter on a data set of :mod:`verispec.drafting.learned.data` (the target's own
+answers, with its final hidden state at every position), by kind: an EAGLE head
+(:class:`~verispec.drafting.learned.eagle.EagleHead`), Medusa heads
+(:class:`~verispec.drafting.learned.medusa.MedusaHeads`) or a trained exit
+(:class:`~verispec.drafting.learned.exit.ExitAdapter`). What every kind shares: the draft vocabulary, AdamW
+with warmup and cosine decay, the progress bar, held-out top-1 per draft position in ``log.jsonl``, atomic
+checkpoints with exact ``resume``, and the target's fingerprint. Each kind's :class:`Recipe` gives its fresh
+head, its batch loss and its evaluation.
 
-The recipe, on CPU in hours:
+The EAGLE recipe, on CPU in hours:
 
 - draft vocabulary: the ``draft_vocab`` most frequent tokens of the training split's answers;
 - batches: ``batch_tokens // window`` random windows of up to ``window`` slots, each in one sequence
@@ -22,6 +28,13 @@ The recipe, on CPU in hours:
 - every ``checkpoint_every`` steps: ``checkpoint.pt`` (weights, optimizer, step, random state) and the
   drafter file ``drafter.safetensors``, each written atomically; ``resume`` continues from the checkpoint and
   ends exactly where an uninterrupted run ends.
+
+The Medusa recipe: ``batch_tokens`` random answer positions t; head i's cross-entropy against the token the
+target wrote at t + 1 + i (``ce_target`` token), or against the target's own distribution there (distribution:
+self-distillation, Medusa-2's); evaluated as each head's held-out accuracy at ranks 0..3 (the tree's shape is
+chosen from them). The exit recipe: the target's first ``exit_layer`` layers computed once over both splits,
+then at random answer positions the adapter's cross-entropy against the target's next token or distribution;
+evaluated as held-out top-1 against the target's greedy token, beside the untrained exit's.
 """
 
 from __future__ import annotations
@@ -35,14 +48,19 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from verispec.drafting.eagle.data import load_split, read_data_meta
-from verispec.drafting.eagle.model import KINDS, MAX_LAYERS, EagleHead, native_target, target_fingerprint
+from verispec.drafting.learned.data import load_split, read_data_meta
+from verispec.drafting.learned.eagle import MAX_LAYERS, EagleHead
+from verispec.drafting.learned.exit import ExitAdapter, check_exit_layer, exit_features
+from verispec.drafting.learned.head import LearnedHead, native_target, target_fingerprint
+from verispec.drafting.learned.kinds import HEADS, load_head
+from verispec.drafting.learned.medusa import MAX_HEADS, TOP_RANKS, MedusaHeads
 from verispec.errors import UsageError
 from verispec.models.base import LanguageModel
 from verispec.models.llama import Llama
@@ -92,12 +110,14 @@ class TrainConfig:
     # a drafter file to start from (fine-tuning on new data), its draft vocabulary kept; "": none
     init: str = ""
     layers: int = 1  # decoder layers of the head (more than init's: the new ones start as no-ops)
+    heads: int = 4  # Medusa heads
+    exit_layer: int = 8  # the layer a trained exit reads
 
     def __post_init__(self) -> None:
         if not isinstance(self.init, str):
             raise UsageError(f"init must be a drafter file path (a string), got {self.init!r}")
-        if self.kind not in KINDS:
-            raise UsageError(f"unknown drafter kind {self.kind!r}; verispec trains {', '.join(KINDS)}")
+        if self.kind not in HEADS:
+            raise UsageError(f"unknown drafter kind {self.kind!r}; verispec trains {', '.join(HEADS)}")
         if self.ce_target not in CE_TARGETS:
             raise UsageError(f"ce_target must be one of {', '.join(CE_TARGETS)}, got {self.ce_target!r}")
         for name in (
@@ -112,9 +132,13 @@ class TrainConfig:
             _check(name, getattr(self, name), int, 1)
         for name in ("warmup", "unroll", "seed"):
             _check(name, getattr(self, name), int, 0)
-        _check("layers", self.layers, int, 1)
-        if self.layers > MAX_LAYERS:
-            raise UsageError(f"layers must be at most {MAX_LAYERS}, got {self.layers!r}")
+        for name, high in (("layers", MAX_LAYERS), ("heads", MAX_HEADS)):
+            _check(name, getattr(self, name), int, 1)
+            if getattr(self, name) > high:
+                raise UsageError(f"{name} must be at most {high}, got {getattr(self, name)!r}")
+        _check("exit_layer", self.exit_layer, int, 1)
+        if self.init and self.kind != "eagle":
+            raise UsageError(f"init (fine-tuning a trained drafter) is for eagle heads, not {self.kind}")
         if self.batch_tokens < self.window:
             raise UsageError(f"batch_tokens ({self.batch_tokens}) must be at least window ({self.window})")
         for name in ("weight_decay", "ce_weight", "noise"):
@@ -156,18 +180,37 @@ class TrainingData:
     lengths: Tensor  # [S] int64
     prompt_lengths: Tensor  # [S] int64
     draft_index: Tensor  # [V] int64: position of each target token in the draft vocabulary, or -100
+    ends: Tensor  # [N] int64: the end (exclusive) of each position's sequence
+    answers: Tensor  # [M] int64: the positions t whose next token x_{t+1} is one the target wrote
+    reads: Tensor | None = None  # [N, H] float16: what the drafter reads, when not ``hidden`` (an exit's)
 
     @classmethod
     def from_split(cls, split: dict[str, Tensor], draft_index: Tensor) -> TrainingData:
-        """From a split as :func:`verispec.drafting.eagle.data.load_split` returns it."""
+        """From a split as :func:`verispec.drafting.learned.data.load_split` returns it."""
         offsets = split["offsets"].long()  # [S+1]
+        starts, lengths = offsets[:-1], offsets[1:] - offsets[:-1]  # [S] each
+        prompts = split["prompt_lengths"].long()  # [S]
+        firsts = starts + (prompts - 1).clamp(min=0)  # [S] the first position predicting an answer token
+        counts = (offsets[1:] - 1 - firsts).clamp(min=0)  # [S]
+        within = torch.arange(int(counts.sum())) - (counts.cumsum(0) - counts).repeat_interleave(counts)
         return cls(
             tokens=split["tokens"].long(),
             hidden=split["hidden"],
-            starts=offsets[:-1],
-            lengths=offsets[1:] - offsets[:-1],
-            prompt_lengths=split["prompt_lengths"].long(),
+            starts=starts,
+            lengths=lengths,
+            prompt_lengths=prompts,
             draft_index=draft_index,
+            ends=offsets[1:].repeat_interleave(lengths),
+            answers=firsts.repeat_interleave(counts) + within,
+        )
+
+    def following(self, positions: Tensor, ahead: int) -> Tensor:
+        """The draft-vocabulary index of x_{t+ahead} for positions t [M], -100 past the end of t's sequence:
+        [M] int64."""
+        later = positions + ahead  # [M]
+        inside = later < self.ends[positions]  # [M]
+        return torch.where(
+            inside, self.draft_index[self.tokens[later.clamp(max=self.tokens.shape[0] - 1)]], _IGNORE
         )
 
 
@@ -189,7 +232,7 @@ def _answer_tokens(split: dict[str, Tensor]) -> Tensor:
 
 @dataclass(frozen=True)
 class Batch:
-    """Windows of slots t (see :mod:`verispec.drafting.eagle.model`) from sequences of a data set,
+    """Windows of slots t (see :mod:`verispec.drafting.learned.eagle`) from sequences of a data set,
     right-padded."""
 
     tokens: Tensor  # [B, W] int64: x_{t+1}
@@ -300,6 +343,235 @@ def batch_loss(
     return total / len(terms)
 
 
+# ---------------------------------------------------------------------------------------------- recipes
+
+
+class Recipe(Protocol):
+    """What a kind of learned drafter brings to the training loop."""
+
+    def prepare(self, target: Llama, data: TrainingData) -> TrainingData:
+        """``data`` with whatever the kind reads computed once (an exit's features); by default unchanged."""
+        return data
+
+    def new_head(
+        self,
+        target: Llama,
+        config: TrainConfig,
+        draft_vocab: Tensor,
+        metadata: dict,
+        generator: torch.Generator,
+    ) -> LearnedHead:
+        """A fresh trainable head on ``draft_vocab`` [Vd], drawn from ``generator``."""
+        ...
+
+    def loss(
+        self, head: Any, data: TrainingData, config: TrainConfig, noise: float, generator: torch.Generator
+    ) -> Tensor:
+        """The loss (a scalar) of one random batch of ``data``."""
+        ...
+
+    def evaluate(self, head: Any, data: TrainingData, config: TrainConfig) -> tuple[list[float], dict]:
+        """(top-1 agreement with the target's greedy token per draft position, further measures for the
+        drafter file's training record)."""
+        ...
+
+
+def _evaluate(head: EagleHead, data: TrainingData, max_tokens: int, window: int) -> list[float]:
+    """Held-out agreement with the target's greedy choice at draft positions 1..EVAL_POSITIONS (teacher-forced
+    tokens, the head's own features; an estimate of greedy acceptance): whole sequences in a fixed shuffled
+    order (greedy and sampled answers mixed), one window each, until ``max_tokens`` slots."""
+    totals = torch.zeros(EVAL_POSITIONS, 2, dtype=torch.long)  # [positions, (agreeing, counted)]
+    used, generator = 0, torch.Generator().manual_seed(0)  # the order; no noise is drawn
+    with torch.no_grad():
+        for seq in torch.randperm(data.starts.shape[0], generator=generator).tolist():
+            width = min(window, int(data.lengths[seq]) - 1)
+            if width < 1:
+                continue
+            batch = _window(data, torch.tensor([seq]), torch.zeros(1, dtype=torch.long), width)
+            outs = unrolled_features(head, batch, EVAL_POSITIONS - 1, 0.0, generator)
+            for step, predicted in enumerate(outs):
+                totals[step] += _agreement(head, predicted, batch, step)
+            used += width
+            if used >= max_tokens:
+                break
+    return (totals[:, 0] / totals[:, 1].clamp(min=1)).tolist()
+
+
+class EagleRecipe(Recipe):
+    """EAGLE heads: windows, teacher forcing and unrolled steps (module docstring), grown from ``start``."""
+
+    def __init__(self, start: EagleHead | None = None) -> None:
+        self.start = start
+
+    def new_head(
+        self,
+        target: Llama,
+        config: TrainConfig,
+        draft_vocab: Tensor,
+        metadata: dict,
+        generator: torch.Generator,
+    ) -> EagleHead:
+        head = EagleHead.create(target, draft_vocab, generator, metadata, config.layers)
+        if self.start is not None:
+            head.adopt(self.start)
+        return head
+
+    def loss(
+        self,
+        head: EagleHead,
+        data: TrainingData,
+        config: TrainConfig,
+        noise: float,
+        generator: torch.Generator,
+    ) -> Tensor:
+        batch = sample_batch(data, config.batch_tokens // config.window, config.window, generator)
+        return batch_loss(head, batch, config, noise, generator)
+
+    def evaluate(self, head: EagleHead, data: TrainingData, config: TrainConfig) -> tuple[list[float], dict]:
+        return _evaluate(head, data, config.eval_tokens, config.window), {}
+
+
+def _sample_positions(data: TrainingData, count: int, generator: torch.Generator) -> Tensor:
+    """``count`` answer positions drawn uniformly with replacement: [count] int64."""
+    return data.answers[torch.randint(data.answers.shape[0], (count,), generator=generator)]
+
+
+def _eval_positions(data: TrainingData, count: int) -> Tensor:
+    """The first ``count`` answer positions of a fixed shuffled order: [min(count, M)] int64."""
+    order = torch.randperm(data.answers.shape[0], generator=torch.Generator().manual_seed(0))
+    return data.answers[order[:count]]
+
+
+def _distilled_ce(logits: Tensor, target_logits: Tensor, valid: Tensor) -> Tensor:
+    """Cross-entropy of draft ``logits`` [..., Vd] against the target's distribution on the draft vocabulary
+    (``target_logits`` [..., Vd]) where ``valid`` [...] bool, averaged (0 when none is)."""
+    probs = target_logits.softmax(-1)  # [..., Vd]
+    return -(probs * logits.log_softmax(-1)).sum(-1)[valid].mean().nan_to_num(0.0)
+
+
+class MedusaRecipe(Recipe):
+    """Medusa heads: random answer positions, each head against the token (or distribution) it must guess."""
+
+    def new_head(
+        self,
+        target: Llama,
+        config: TrainConfig,
+        draft_vocab: Tensor,
+        metadata: dict,
+        generator: torch.Generator,
+    ) -> MedusaHeads:
+        return MedusaHeads.create(target, draft_vocab, generator, metadata, config.heads)
+
+    @staticmethod
+    def _later(head: MedusaHeads, data: TrainingData, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """(positions t + i whose state predicts what head i guesses at t, whether inside the sequence):
+        [M, K] int64 and [M, K] bool, i = 1..K."""
+        later = positions[:, None] + torch.arange(1, head.num_heads + 1)  # [M, K]
+        return later.clamp(max=data.tokens.shape[0] - 1), later < data.ends[positions][:, None]
+
+    def loss(
+        self,
+        head: MedusaHeads,
+        data: TrainingData,
+        config: TrainConfig,
+        noise: float,
+        generator: torch.Generator,
+    ) -> Tensor:
+        positions = _sample_positions(data, config.batch_tokens, generator)  # [M]
+        logits = head.logits(head(data.hidden[positions]))  # [M, K, Vd]
+        if config.ce_target == "distribution":
+            later, valid = self._later(head, data, positions)  # [M, K] each
+            with torch.no_grad():
+                target_logits = head.logits(data.hidden[later].float())  # [M, K, Vd]
+            return _distilled_ce(logits, target_logits, valid)
+        targets = torch.stack([data.following(positions, 1 + i) for i in range(1, head.num_heads + 1)], 1)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=_IGNORE).nan_to_num(0.0)
+
+    def evaluate(
+        self, head: MedusaHeads, data: TrainingData, config: TrainConfig
+    ) -> tuple[list[float], dict]:
+        """Per head, how often the target's greedy token is the head's rank-r token, r = 0..TOP_RANKS-1."""
+        positions = _eval_positions(data, config.eval_tokens)  # [M]
+        with torch.no_grad():
+            logits = head.logits(head(data.hidden[positions]))  # [M, K, Vd]
+            later, valid = self._later(head, data, positions)  # [M, K] each
+            greedy = head.logits(data.hidden[later].float()).argmax(-1, keepdim=True)  # [M, K, 1]
+            rank = (logits > logits.gather(-1, greedy)).sum(-1)  # [M, K]
+        table = [
+            [float((rank[:, i][valid[:, i]] == r).float().mean().nan_to_num(0.0)) for r in range(TOP_RANKS)]
+            for i in range(head.num_heads)
+        ]
+        return [row[0] for row in table], {
+            "heldout_rank_accuracy": [[round(a, 4) for a in row] for row in table]
+        }
+
+
+class ExitRecipe(Recipe):
+    """A trained exit: the target's first layers computed once, then random answer positions."""
+
+    def __init__(self, exit_layer: int) -> None:
+        self.exit_layer = exit_layer
+
+    def prepare(self, target: Llama, data: TrainingData) -> TrainingData:
+        offsets = torch.cat([data.starts, (data.starts + data.lengths)[-1:]])  # [S+1]
+        return dataclasses.replace(data, reads=exit_features(target, self.exit_layer, data.tokens, offsets))
+
+    def new_head(
+        self,
+        target: Llama,
+        config: TrainConfig,
+        draft_vocab: Tensor,
+        metadata: dict,
+        generator: torch.Generator,
+    ) -> ExitAdapter:
+        return ExitAdapter.create(target, draft_vocab, generator, metadata, self.exit_layer)
+
+    @staticmethod
+    def _reads(data: TrainingData, positions: Tensor) -> Tensor:
+        assert data.reads is not None  # prepare() computed them
+        return data.reads[positions].float()  # [M, H]
+
+    def loss(
+        self,
+        head: ExitAdapter,
+        data: TrainingData,
+        config: TrainConfig,
+        noise: float,
+        generator: torch.Generator,
+    ) -> Tensor:
+        positions = _sample_positions(data, config.batch_tokens, generator)  # [M]
+        logits = head.logits(head(self._reads(data, positions)))  # [M, Vd]
+        if config.ce_target == "distribution":
+            with torch.no_grad():
+                target_logits = head.logits(data.hidden[positions].float())  # [M, Vd]
+            return _distilled_ce(logits, target_logits, torch.ones_like(positions, dtype=torch.bool))
+        return F.cross_entropy(logits, data.following(positions, 1), ignore_index=_IGNORE).nan_to_num(0.0)
+
+    def evaluate(
+        self, head: ExitAdapter, data: TrainingData, config: TrainConfig
+    ) -> tuple[list[float], dict]:
+        """Top-1 agreement with the target's greedy token, and the untrained exit's (the adapter left out)."""
+        positions = _eval_positions(data, config.eval_tokens)  # [M]
+        with torch.no_grad():
+            reads = self._reads(data, positions)  # [M, H]
+            greedy = head.logits(data.hidden[positions].float()).argmax(-1)  # [M]
+            trained = (head.logits(head(reads)).argmax(-1) == greedy).float().mean()
+            untrained = (head.logits(reads).argmax(-1) == greedy).float().mean()
+        return [float(trained.nan_to_num(0.0))], {
+            "heldout_untrained_top1": round(float(untrained.nan_to_num(0.0)), 4)
+        }
+
+
+def _recipe(config: TrainConfig, target: Llama, start: LearnedHead | None) -> Recipe:
+    """The recipe of ``config.kind`` (UsageError for an exit layer the target lacks)."""
+    if config.kind == "medusa":
+        return MedusaRecipe()
+    if config.kind == "exit":
+        return ExitRecipe(check_exit_layer(target, config.exit_layer))
+    assert start is None or isinstance(start, EagleHead)  # init is refused for the other kinds
+    return EagleRecipe(start)
+
+
 # ---------------------------------------------------------------------------------------------- training
 
 
@@ -335,27 +607,6 @@ def _check_data(directory: Path, target: Llama, label: str) -> tuple[dict, dict[
     return meta, held
 
 
-def _evaluate(head: EagleHead, data: TrainingData, max_tokens: int, window: int) -> list[float]:
-    """Held-out agreement with the target's greedy choice at draft positions 1..EVAL_POSITIONS (teacher-forced
-    tokens, the head's own features; an estimate of greedy acceptance): whole sequences in a fixed shuffled
-    order (greedy and sampled answers mixed), one window each, until ``max_tokens`` slots."""
-    totals = torch.zeros(EVAL_POSITIONS, 2, dtype=torch.long)  # [positions, (agreeing, counted)]
-    used, generator = 0, torch.Generator().manual_seed(0)  # the order; no noise is drawn
-    with torch.no_grad():
-        for seq in torch.randperm(data.starts.shape[0], generator=generator).tolist():
-            width = min(window, int(data.lengths[seq]) - 1)
-            if width < 1:
-                continue
-            batch = _window(data, torch.tensor([seq]), torch.zeros(1, dtype=torch.long), width)
-            outs = unrolled_features(head, batch, EVAL_POSITIONS - 1, 0.0, generator)
-            for step, predicted in enumerate(outs):
-                totals[step] += _agreement(head, predicted, batch, step)
-            used += width
-            if used >= max_tokens:
-                break
-    return (totals[:, 0] / totals[:, 1].clamp(min=1)).tolist()
-
-
 def _write_atomic(path: Path, obj: object) -> None:
     """Save ``obj`` to ``path`` with torch.save, atomically (a temporary file renamed over it)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
@@ -379,12 +630,14 @@ class _Run:
     draft_vocab: Tensor  # [Vd] int64
     coverage: float  # share of the training answers' tokens that are in the draft vocabulary
     data: dict[str, object]  # the data set's meta.json entries recorded in the drafter file
-    head: EagleHead
+    recipe: Recipe
+    head: LearnedHead
     optimizer: torch.optim.Optimizer
     generator: torch.Generator  # every random draw of the run, in order (initialisation, batches, noise)
     step: int = 0  # steps done
     seconds: float = 0.0  # time spent in the steps
     accuracy: list[float] = dataclasses.field(default_factory=lambda: [0.0] * EVAL_POSITIONS)  # last eval
+    measures: dict = dataclasses.field(default_factory=dict)  # the kind's further measures, last eval
 
     @property
     def settings(self) -> dict[str, object]:
@@ -405,10 +658,10 @@ def _checkpoint_path(out_dir: Path, resume: bool) -> Path:
 
 def _choose_draft_vocab(
     config: TrainConfig, target: Llama, target_label: str, answers: Tensor
-) -> tuple[Tensor, EagleHead | None]:
+) -> tuple[Tensor, LearnedHead | None]:
     """(draft vocabulary [Vd] int64, drafter to start from or None): that of ``config.init`` when given
     (its size must be ``config.draft_vocab``), else the most frequent of the ``answers`` [M] tokens."""
-    start = EagleHead.load(config.init, target, target_label) if config.init else None
+    start = load_head(config.init, target, target_label, kind="eagle") if config.init else None
     if start is None:
         return _draft_vocabulary(answers, config.draft_vocab, target.vocab_size), None
     if start.draft_vocab_size != config.draft_vocab:
@@ -420,14 +673,12 @@ def _choose_draft_vocab(
 
 
 def _new_head(
-    target: Llama, config: TrainConfig, draft_vocab: Tensor, start: EagleHead | None, metadata: dict[str, str]
-) -> tuple[EagleHead, torch.optim.Optimizer, torch.Generator]:
-    """A trainable head on ``draft_vocab`` [Vd] (seeded random, or grown from ``start``), its AdamW optimizer
-    and the run's random stream, which the initialisation has drawn from."""
+    target: Llama, config: TrainConfig, draft_vocab: Tensor, recipe: Recipe, metadata: dict[str, str]
+) -> tuple[LearnedHead, torch.optim.Optimizer, torch.Generator]:
+    """A trainable head of the recipe's kind on ``draft_vocab`` [Vd], its AdamW optimizer and the run's random
+    stream, which the initialisation has drawn from."""
     generator = torch.Generator().manual_seed(config.seed)
-    head = EagleHead.create(target, draft_vocab, generator, metadata, config.layers)
-    if start is not None:
-        head.adopt(start)
+    head = recipe.new_head(target, config, draft_vocab, metadata, generator)
     for param in head.parameters():
         param.requires_grad_(True)
     optimizer = torch.optim.AdamW(
@@ -453,6 +704,7 @@ def _resume(run: _Run, checkpoint_path: Path) -> None:
     run.optimizer.load_state_dict(state["optimizer"])
     run.generator.set_state(state["rng"])
     run.step, run.seconds, run.accuracy = state["step"], state["seconds"], state["accuracy"]
+    run.measures = state.get("measures", {})
     log = run.out_dir / LOG
     if log.is_file():
         kept = [line for line in log.read_text().splitlines() if json.loads(line)["step"] <= run.step]
@@ -466,6 +718,7 @@ def _save(run: _Run) -> None:
         "steps_done": run.step,
         "seconds": round(run.seconds, 1),
         "heldout_top1_per_position": [round(a, 4) for a in run.accuracy],
+        **run.measures,
         "draft_vocab_coverage": round(run.coverage, 4),
         "data": run.data,
     }
@@ -482,6 +735,7 @@ def _save(run: _Run) -> None:
             "step": run.step,
             "seconds": run.seconds,
             "accuracy": run.accuracy,
+            "measures": run.measures,
         },
     )
 
@@ -492,8 +746,7 @@ def _train_step(run: _Run, train: TrainingData, noise: float) -> float:
     began = time.perf_counter()
     for group in run.optimizer.param_groups:
         group["lr"] = config.lr_at(run.step)
-    batch = sample_batch(train, config.batch_tokens // config.window, config.window, run.generator)
-    loss = batch_loss(run.head, batch, config, noise, run.generator)
+    loss = run.recipe.loss(run.head, train, config, noise, run.generator)
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(run.head.parameters(), config.grad_clip)
@@ -506,13 +759,14 @@ def _train_step(run: _Run, train: TrainingData, noise: float) -> float:
 def _log_evaluation(run: _Run, loss: float, train: TrainingData, heldout: TrainingData) -> None:
     """Evaluate ``run``'s head on both splits, keep the held-out accuracy and append a line to the log."""
     config = run.config
-    run.accuracy = _evaluate(run.head, heldout, config.eval_tokens, config.window)
+    run.accuracy, run.measures = run.recipe.evaluate(run.head, heldout, config)
     record = {
         "step": run.step,
         "loss": loss,
         "seconds": round(run.seconds, 1),
         "heldout_top1": run.accuracy,
-        "train_top1": _evaluate(run.head, train, config.eval_tokens, config.window),
+        **{f"heldout_{k.removeprefix('heldout_')}": v for k, v in run.measures.items()},
+        "train_top1": run.recipe.evaluate(run.head, train, config)[0],
     }
     with (run.out_dir / LOG).open("a") as log:
         log.write(json.dumps(record) + "\n")
@@ -565,11 +819,12 @@ def train_drafter(
     answers = _answer_tokens(train_split)  # [M]
     draft_vocab, start = _choose_draft_vocab(config, target, target_label, answers)  # [Vd]
     index = draft_index(draft_vocab, target.vocab_size)  # [V]
-    train = TrainingData.from_split(train_split, index)
-    heldout = TrainingData.from_split(heldout_split, index)
+    recipe = _recipe(config, target, start)
+    train = recipe.prepare(target, TrainingData.from_split(train_split, index))
+    heldout = recipe.prepare(target, TrainingData.from_split(heldout_split, index))
     noise = config.noise * float(train.hidden[:65536].float().pow(2).mean().sqrt())
     metadata = {"kind": config.kind, "target": target_label, "target_fingerprint": fingerprint}
-    head, optimizer, generator = _new_head(target, config, draft_vocab, start, metadata)
+    head, optimizer, generator = _new_head(target, config, draft_vocab, recipe, metadata)
     run = _Run(
         config=config,
         out_dir=out_dir,
@@ -577,6 +832,7 @@ def train_drafter(
         draft_vocab=draft_vocab,
         coverage=float(index[answers].ne(_IGNORE).float().mean()),
         data={k: meta.get(k) for k in ("target", "num_sequences", "num_tokens", "generation")},
+        recipe=recipe,
         head=head,
         optimizer=optimizer,
         generator=generator,

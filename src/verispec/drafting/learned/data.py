@@ -3,8 +3,9 @@
 A learned drafter should predict what the target will say, so the best data is the target itself talking
 (self-distillation, as Medusa-2 and EAGLE's later versions do). No model hub or text corpus is needed:
 
-- :func:`verispec.drafting.eagle.prompts.chat_prompts` writes a deterministic, varied set of chat requests
-  from templates and word lists (see :mod:`verispec.drafting.eagle.prompts`). None of them is a bench prompt.
+- :func:`verispec.drafting.learned.prompts.chat_prompts` writes a deterministic, varied set of chat requests
+  from templates and word lists (see :mod:`verispec.drafting.learned.prompts`). None of them is a bench
+  prompt.
 - :func:`build_dataset` has the target answer each prompt in its chat template — half greedily, half sampled
   at temperature 1, so that the drafter sees what it must predict at both settings — in batches with
   transformers' ``generate`` on the same weights, and keeps the target's final hidden state at every position
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from verispec.drafting.eagle.prompts import FOLLOW_UPS, chat_prompts
+from verispec.drafting.learned.prompts import FOLLOW_UPS, chat_prompts
 from verispec.errors import UsageError
 
 __all__ = [
@@ -331,7 +332,7 @@ def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig(
     if config.questions == "target":
         splits = _self_written(model, tokenizer, heldout, config)
         prompts = {
-            "prompts": "written by the target (verispec.drafting.eagle.data._write_user_turns)",
+            "prompts": "written by the target (verispec.drafting.learned.data._write_user_turns)",
             "turns": config.turns,
             "user_turn_tokens": _USER_TURN_TOKENS,
         }
@@ -340,7 +341,7 @@ def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig(
         prompt_ids = [tokenizer.encode(tokenizer.chat_prompt(t), add_bos=True) for t in texts]
         splits = _answer_all(model, tokenizer, prompt_ids, heldout, config, "target answers")
         prompts = {
-            "prompts": "verispec.drafting.eagle.prompts.chat_prompts",
+            "prompts": "verispec.drafting.learned.prompts.chat_prompts",
             "first_prompt": config.first_prompt,
         }
     meta = {
@@ -391,7 +392,7 @@ def add_follow_ups(
 ) -> dict:
     """A new data set in ``out``: every sequence of ``source`` (made by :func:`build_dataset`), plus second
     turns — the first ``count`` conversations of each split continued with a follow-up request
-    (:data:`verispec.drafting.eagle.prompts.FOLLOW_UPS`, by seed) and the target's answer — so that the
+    (:data:`verispec.drafting.learned.prompts.FOLLOW_UPS`, by seed) and the target's answer — so that the
     drafter also sees multi-turn chats. A follow-up stays in its conversation's split. Returns the new meta
     data."""
     started = time.perf_counter()
@@ -435,7 +436,7 @@ def add_follow_ups(
     merged = {name: splits[name] + second[name] for name in splits}
     meta["generation"]["follow_ups"] = {
         "per_split": count,
-        "requests": "verispec.drafting.eagle.prompts.FOLLOW_UPS",
+        "requests": "verispec.drafting.learned.prompts.FOLLOW_UPS",
         "max_new_tokens": config.max_new_tokens,
         "seed": config.seed,
     }

@@ -1,4 +1,4 @@
-"""The learned drafter in the engine: an :class:`~verispec.drafting.eagle.model.EagleHead` drafting from the
+"""The learned drafter in the engine: an :class:`~verispec.drafting.learned.eagle.EagleHead` drafting from the
 target's hidden states.
 
 The engine hands the drafter the target's final hidden state of every committed position (a
@@ -31,22 +31,18 @@ children by their values would bias them).
 
 from __future__ import annotations
 
-from importlib import resources
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
 from verispec.analysis.analytic import CostModel, best_tree_size, tree_rates
 from verispec.drafting.base import BranchedTreeDrafter, Proposal
-from verispec.drafting.eagle.model import EagleHead
+from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.tree import AUTO, TreeProposal, TreeShape, likeliest_nodes
 from verispec.errors import UsageError
 from verispec.sampling import SamplingParams, probs_from_logits, sample
 
-__all__ = ["DEFAULT_TREE", "SHIPPED", "EagleDrafter", "EagleTreeDrafter", "shipped_drafter"]
+__all__ = ["DEFAULT_TREE", "EagleDrafter", "EagleTreeDrafter"]
 
-SHIPPED = {"smollm2-135m": "smollm2-135m-eagle.safetensors"}  # target short name → file in data/drafters
 # the tree `verispec generate` and `demo` draft with a learned drafter unless given a K or a tree: the three
 # best first tokens, the best after the best; the fastest for the shipped drafter in docs/bench/small-trees.md
 DEFAULT_TREE = TreeShape.from_paths([[0], [1], [2], [0, 0]], name="c4")
@@ -95,10 +91,6 @@ class EagleDrafter:
             self._committed = n
         return self._next
 
-    def full_q(self, q_draft: Tensor) -> Tensor:
-        """q_draft: [Vd], a distribution on the draft vocabulary → the same on the target's vocabulary [V]."""
-        return q_draft.new_zeros(self.head.vocab_size).index_copy_(0, self.head.draft_vocab, q_draft)
-
     @torch.inference_mode()
     def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
         n = len(context) - 1
@@ -114,7 +106,7 @@ class EagleDrafter:
             else:
                 q_draft = probs_from_logits(logits, self.sampling)  # [Vd]
                 token = self.head.draft_vocab[sample(q_draft, generator)]
-                qs.append(self.full_q(q_draft))
+                qs.append(self.head.full_q(q_draft))
             drafts.append(token)
             if i < k - 1:
                 position = torch.tensor([[n + i]], device=feature.device)  # [1, 1]
@@ -176,7 +168,7 @@ class EagleTreeDrafter(BranchedTreeDrafter):
             probs = self._confidence(logits) if dynamic else None  # [M, Vd]
             for i, node in enumerate(frontier):
                 picked, q = self._pick(logits[i], len(children[node]), generator)
-                q_row = None if q is None else drafter.full_q(q)  # [V]
+                q_row = None if q is None else head.full_q(q)  # [V]
                 chosen = head.draft_vocab[picked].tolist()
                 # fewer children where the draft vocabulary ran out
                 for child, token in zip(children[node], chosen, strict=False):
@@ -246,13 +238,3 @@ class EagleTreeDrafter(BranchedTreeDrafter):
             slots[v] = [*slots.get(parents[v], ()), base + i]  # its inner ancestors' slots, then its own
             mask[i, slots[v]] = True
         return head(feed, inputs, positions, cache, mask)[0]
-
-
-def shipped_drafter(target_label: str) -> Path | None:
-    """The drafter file verispec ships for the target named ``target_label`` (a short model name), when there
-    is one (``verispec/data/drafters``)."""
-    name = SHIPPED.get(target_label)
-    if name is None:
-        return None
-    path = Path(str(resources.files("verispec") / "data" / "drafters" / name))
-    return path if path.is_file() else None

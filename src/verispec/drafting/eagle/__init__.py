@@ -1,1 +1,0 @@
-"""Learned drafters (EAGLE-style): training data, model, training and the drafter."""

@@ -1,0 +1,147 @@
+"""The EAGLE-style draft head: one transformer layer that predicts the target's next hidden state.
+
+At slot t the head reads the pair (embed(x_{t+1}), f_t) — the embedding of token t+1 and the target's final
+hidden state f_t at position t (after its last norm: the state whose logits predict x_{t+1}) — and predicts
+f̂_{t+1}, from which the target's own output head, restricted to a *draft vocabulary* (the most frequent
+target tokens of the training data), gives the logits of x_{t+2}::
+
+    (embed(x_{t+1}), f_t) → fc (2H → H) → Llama decoder layer(s) → RMSNorm → f̂_{t+1} → target head rows
+
+Drafting feeds the target's true features of the committed tokens, then runs on its own predictions
+(Li et al. 2024, EAGLE). The embeddings and the head rows come from the target, frozen and never stored: a
+drafter file holds only fc, the layer and the norm (float16), the draft vocabulary and metadata, and loads
+only beside the target whose :func:`target_fingerprint` it records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from verispec.drafting.learned.head import LearnedHead, native_target, shape_count
+from verispec.errors import UsageError
+from verispec.models.base import LanguageModel
+from verispec.models.llama import KVCache, Llama, _DecoderLayer, _Linear, _RMSNorm, run_layers
+
+__all__ = ["MAX_LAYERS", "EagleHead"]
+
+MAX_LAYERS = 8  # the most decoder layers a head may have
+
+
+class EagleHead(LearnedHead):
+    """The draft head of a target (see the module docstring). Trainable: ``fc``, ``layers``, ``norm``.
+
+    Build a fresh one with :meth:`create` or read a file with :meth:`load`; ``config`` is the target's with
+    ``num_layers`` layers (one, as in EAGLE, unless asked). ``draft_vocab`` [Vd] int64 holds the target token
+    id of each draft logit, ascending.
+    """
+
+    kind = "eagle"
+
+    def __init__(
+        self, target: LanguageModel, draft_vocab: Tensor, metadata: dict[str, Any], num_layers: int = 1
+    ) -> None:
+        super().__init__(target, draft_vocab, metadata)
+        target = native_target(target)
+        if (
+            isinstance(num_layers, bool)
+            or not isinstance(num_layers, int)
+            or not 1 <= num_layers <= MAX_LAYERS
+        ):
+            raise UsageError(f"a draft head has 1 to {MAX_LAYERS} decoder layers, got {num_layers!r}")
+        self.config = dataclasses.replace(target.config, num_layers=num_layers)
+        h, device = self.config.hidden_size, target.device
+        self.fc = _Linear(2 * h, h, True, device, torch.float32)
+        self.layers = nn.ModuleList(
+            [_DecoderLayer(self.config, device, torch.float32) for _ in range(num_layers)]
+        )
+        self.norm = _RMSNorm(h, self.config.rms_norm_eps, device, torch.float32)
+        # frozen, borrowed from the target: token embeddings (shared, not copied)
+        self.embed_weight = nn.Buffer(target.model.embed_tokens.weight.detach(), persistent=False)  # [V, H]
+        self.inv_freq = nn.Buffer(self.config.rope_inv_freq().to(device), persistent=False)  # [head_dim // 2]
+
+    @classmethod
+    def create(
+        cls,
+        target: Llama,
+        draft_vocab: Tensor,
+        generator: torch.Generator,
+        metadata: dict[str, Any],
+        num_layers: int = 1,
+    ) -> EagleHead:
+        """A fresh head with seeded random weights: N(0, 0.02²) matrices and zero biases, unit norms but the
+        output norm, which starts as the target's final norm (its output then has the target's scale)."""
+        head = cls(target, draft_vocab, metadata, num_layers)
+        head.initialise(generator)
+        with torch.no_grad():
+            head.norm.weight.copy_(target.model.norm.weight)
+        return head
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    def adopt(self, other: EagleHead) -> None:
+        """Take the weights of ``other``, a head of the same target and draft vocabulary with at most this
+        head's layers: its fc, layers and norm; this head's further layers get zero output projections
+        (attention ``o_proj``, MLP ``down_proj``), so that they add nothing to the residual stream until
+        trained and the two heads compute the same features."""
+        if other.num_layers > self.num_layers or not torch.equal(other.draft_vocab, self.draft_vocab):
+            raise UsageError(
+                f"cannot start a {self.num_layers}-layer head from a {other.num_layers}-layer one"
+                if other.num_layers > self.num_layers
+                else "cannot start a head from one with another draft vocabulary"
+            )
+        with torch.no_grad():
+            own = self.state_dict()
+            for name, tensor in other.state_dict().items():
+                own[name].copy_(tensor)
+            for layer in self.layers[other.num_layers :]:
+                assert isinstance(layer, _DecoderLayer)  # what __init__ fills the ModuleList with
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+
+    def new_cache(
+        self, batch_size: int = 1, capacity: int | None = None, separate_layers: bool = False
+    ) -> KVCache:
+        """An empty cache of the head's layers (default capacity: the target's context; ``separate_layers``
+        for training, see :class:`~verispec.models.llama.KVCache`)."""
+        c = self.config
+        capacity = c.max_context if capacity is None else capacity
+        return KVCache(
+            self.num_layers,
+            batch_size,
+            c.num_kv_heads,
+            capacity,
+            c.head_dim,
+            dtype=torch.float32,
+            device=self.inv_freq.device,
+            separate_layers=separate_layers,
+        )
+
+    def forward(
+        self, tokens: Tensor, features: Tensor, positions: Tensor, cache: KVCache, mask: Tensor | None = None
+    ) -> Tensor:
+        """tokens: [B, T] int64, x_{t+1} at each slot t; features: [B, T, H], f_t (true or predicted);
+        positions: [B, T] int64, the slots t. Returns f̂_{t+1}: [B, T, H] float32; appends T slots to
+        ``cache``. mask: [T, cache.length + T] bool (True = attend), None for causal attention."""
+        embedded = F.embedding(tokens, self.embed_weight).float()  # [B, T, H]
+        h = self.fc(torch.cat((embedded, features.float()), dim=-1))  # [B, T, H]
+        # run_layers takes the _DecoderLayers of the ModuleList, whose items torch types as plain Modules
+        h = run_layers(self.layers, h, positions, cache, self.inv_freq, mask)  # type: ignore[arg-type]
+        return self.norm(h)
+
+    def shape_metadata(self) -> dict[str, str]:
+        return {"num_layers": str(self.num_layers)}
+
+    @classmethod
+    def from_shape(
+        cls, target: Llama, draft_vocab: Tensor, info: dict[str, Any], shape: dict[str, str], path: Path
+    ) -> EagleHead:
+        # files written before heads had a layer count: one
+        return cls(target, draft_vocab, info, shape_count(shape, "num_layers", 1, MAX_LAYERS, "1", path))

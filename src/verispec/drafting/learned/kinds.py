@@ -1,0 +1,52 @@
+"""The learned drafter kinds by name: each one's head class (:data:`HEADS`), the files verispec ships for a
+target (:func:`shipped_drafter`), and :func:`load_head`, which reads any drafter file as the kind it holds."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from verispec.drafting.learned.eagle import EagleHead
+from verispec.drafting.learned.exit import ExitAdapter
+from verispec.drafting.learned.head import LearnedHead, read_drafter_file
+from verispec.drafting.learned.medusa import MedusaHeads
+from verispec.errors import UsageError
+from verispec.models.base import LanguageModel
+
+__all__ = ["HEADS", "SHIPPED", "load_head", "shipped_drafter"]
+
+HEADS: dict[str, type[LearnedHead]] = {cls.kind: cls for cls in (EagleHead, MedusaHeads, ExitAdapter)}
+# (target short name, kind) → file in verispec/data/drafters
+SHIPPED = {
+    ("smollm2-135m", "eagle"): "smollm2-135m-eagle.safetensors",
+    ("smollm2-135m", "medusa"): "smollm2-135m-medusa.safetensors",
+    ("smollm2-135m", "exit"): "smollm2-135m-exit.safetensors",
+}
+
+
+def load_head(
+    path: str | Path,
+    target: LanguageModel,
+    target_label: str = "",
+    fast: bool = False,
+    kind: str | None = None,
+) -> LearnedHead:
+    """The learned drafter in ``path`` for ``target``, of the kind the file records, which must be ``kind``
+    when given (:meth:`LearnedHead.load` for the rest; UsageError, one line, for any mismatch)."""
+    metadata, _ = read_drafter_file(path)
+    found = metadata.get("kind")
+    if kind is not None and found != kind:
+        raise UsageError(f"{path} holds a drafter of kind {found!r}, not {kind!r}")
+    if found not in HEADS:
+        raise UsageError(f"{path} holds a drafter of kind {found!r}; this verispec reads {', '.join(HEADS)}")
+    return HEADS[found].load(path, target, target_label, fast)
+
+
+def shipped_drafter(target_label: str, kind: str = "eagle") -> Path | None:
+    """The drafter file of ``kind`` that verispec ships for the target named ``target_label`` (a short model
+    name), when there is one (``verispec/data/drafters``)."""
+    name = SHIPPED.get((target_label, kind))
+    if name is None:
+        return None
+    path = Path(str(resources.files("verispec") / "data" / "drafters" / name))
+    return path if path.is_file() else None
