@@ -228,23 +228,26 @@ def test_native_rows_are_bit_identical_alone_in_a_block_beside_others_and_in_a_t
 def test_tree_nodes_after_masked_siblings_are_bit_identical_to_their_path_decoded_alone(fmt):
     """A tree node's slot sits after its masked siblings, so it falls at another vector lane than the same
     token decoded alone: its logits must not change (the attention weights of every slot are computed and
-    summed the same wherever the slot falls). Contexts of every length modulo 16, every node of a 3x2 tree."""
-    model = native(fmt)
+    summed the same wherever the slot falls, and attention chunks go by the rank of a visible slot, not by
+    its slot). Contexts of every length modulo 16 and around the 128-slot chunk boundary, every node of a
+    3x2 tree."""
+    model = random_llama(dataclasses.replace(CONFIG, max_position_embeddings=200))
+    assert model.optimize_for_cpu(precision=fmt)
     g = torch.Generator().manual_seed(12)
     parents = [-1, 0, 0, 0, 1, 1, 2]  # the root, three children, two grandchildren under the first, one after
     mask = torch.eye(7, dtype=torch.bool)  # [7, 7]: each node and its ancestors
     for i in range(1, 7):
         mask[i] |= mask[parents[i]]
     depth = mask.sum(1) - 1  # [7]
-    for context in range(3, 40, 2):
+    for context in [*range(3, 40, 2), *range(121, 131)]:
         ids = torch.randint(0, 80, (1, context), generator=g)  # the root is its last token
         nodes = torch.cat([ids[:, -1:], torch.randint(0, 80, (1, 6), generator=g)], 1)  # [1, 7]
-        cache = model.new_cache(1, 64)
+        cache = model.new_cache(1, 160)
         model.prefill(ids[:, :-1], pos(0, 1, context - 1), cache)
         tree = model(nodes, (context - 1 + depth)[None], cache, tree_mask=mask)[0]  # [7, V]
         for node in range(7):
             path = nodes[0, mask[node]]  # the root .. the node
-            alone = model.new_cache(1, 64)
+            alone = model.new_cache(1, 160)
             model.prefill(ids[:, :-1], pos(0, 1, context - 1), alone)
             for step, token in enumerate(path.tolist()):
                 out = model(torch.tensor([[token]]), torch.tensor([[context - 1 + step]]), alone)[0, 0]

@@ -837,10 +837,10 @@ static inline float exp_shifted(float* s, int len, float top) {
 
 enum { ATT_CHUNK = 128, ATT_ROWS = 4 };  // slots per attention chunk; query heads per tile
 
-// scores[r][t - c0] = scale q_r . k_t for the slots t in [c0, c1) of one cache row, R query heads
+// scores[r * stride + t - c0] = scale q_r . k_t for the slots t in [c0, c1) of one cache row, R query heads
 template <int R>
 static inline void scores_tile(const uint16_t* ktiles, int hd, const float* const* q, int c0, int c1, float scale,
-                               float (*scores)[ATT_CHUNK]) {
+                               float* scores, int stride) {
     for (int t0 = c0; t0 < c1; t0 += KT) {  // c0 is a multiple of 16
         const uint16_t* tile = ktiles + (size_t)(t0 / KT) * hd * KT;
         float sums[R][KT];
@@ -878,13 +878,14 @@ static inline void scores_tile(const uint16_t* ktiles, int hd, const float* cons
 #endif
         const int width = c1 - t0 < KT ? c1 - t0 : KT;
         for (int r = 0; r < R; r++)
-            for (int lane = 0; lane < width; lane++) scores[r][t0 - c0 + lane] = sums[r][lane] * scale;
+            for (int lane = 0; lane < width; lane++) scores[r * stride + t0 - c0 + lane] = sums[r][lane] * scale;
     }
 }
 
 // o_r[d] = sum over t in [c0, c1) of p_r[t] v_t[d]
 template <int R>
-static inline void values_tile(const uint16_t* values, int hd, int c0, int c1, float (*p)[ATT_CHUNK], float* const* o) {
+static inline void values_tile(const uint16_t* values, int hd, int c0, int c1, const float* p, int stride,
+                               float* const* o) {
     int d0 = 0;
 #ifdef VS_AVX512
     for (; d0 + 16 <= hd; d0 += 16) {
@@ -892,7 +893,7 @@ static inline void values_tile(const uint16_t* values, int hd, int c0, int c1, f
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
         for (int t = c0; t < c1; t++) {
             const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(values + (size_t)t * hd + d0)));
-            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][t - c0]), v, acc[r]);
+            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * stride + t - c0]), v, acc[r]);
         }
         for (int r = 0; r < R; r++) _mm512_storeu_ps(o[r] + d0, acc[r]);
     }
@@ -902,7 +903,7 @@ static inline void values_tile(const uint16_t* values, int hd, int c0, int c1, f
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
         for (int t = c0; t < c1; t++) {
             const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(values + (size_t)t * hd + d0)));
-            for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r][t - c0]), v, acc[r]);
+            for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r * stride + t - c0]), v, acc[r]);
         }
         for (int r = 0; r < R; r++) _mm256_storeu_ps(o[r] + d0, acc[r]);
     }
@@ -910,46 +911,64 @@ static inline void values_tile(const uint16_t* values, int hd, int c0, int c1, f
     for (; d0 < hd; d0++)
         for (int r = 0; r < R; r++) {
             float acc = 0.0f;
-            for (int t = c0; t < c1; t++) acc += p[r][t - c0] * fp16_to_fp32(values[(size_t)t * hd + d0]);
+            for (int t = c0; t < c1; t++) acc += p[r * stride + t - c0] * fp16_to_fp32(values[(size_t)t * hd + d0]);
             o[r][d0] = acc;
         }
 }
 
-// one slot of the last visible slot + 1 of token i
-static inline int visible_end(const vs_batch* batch, int i) {
+// The slots token i sees, counted: its row's slots [0, base) and the new slots its mask (or causality) shows.
+static inline int visible_count(const vs_batch* batch, int i) {
     if (!batch->mask) return batch->slot[i] + 1;
-    int end = batch->base[i];
-    for (int j = 0; j < batch->mask_cols; j++)
-        if (batch->mask[(size_t)i * batch->mask_cols + j]) end = batch->base[i] + j + 1;
-    return end;
+    int count = batch->base[i];
+    for (int j = 0; j < batch->mask_cols; j++) count += batch->mask[(size_t)i * batch->mask_cols + j] != 0;
+    return count;
 }
 
-// One task: token i, query heads h0 .. h0 + R - 1 (one kv head's), slots [c0, c1) of its row. Writes, per
-// head, the chunk's max score m, sum of exp(score - m) l, and unnormalised output [hd] to part.
+// The slot of token i's k-th visible slot (k < visible_count): slot k below base, else the new slot that is
+// the (k - base)-th its mask shows.
+static inline int visible_slot(const vs_batch* batch, int i, int k) {
+    const int base = batch->base[i];
+    if (k < base || !batch->mask) return k;
+    for (int j = 0, seen = base; j < batch->mask_cols; j++)
+        if (batch->mask[(size_t)i * batch->mask_cols + j] && seen++ == k) return base + j;
+    return base + batch->mask_cols;  // not reached for k < visible_count
+}
+
+// One task: token i, query heads h0 .. h0 + R - 1 (one kv head's), its visible slots of ranks [k0, k1) (the
+// k-th slot it sees has rank k). Chunks go by rank, not by slot, so that a token tree's node — its ancestors
+// and itself at slots after masked siblings — falls into the chunks of the same token decoded alone, and its
+// attention is computed the same: every visible slot's score, exp and weight in rank order, the masked slots
+// in between adding exact zeros. Writes, per head, the chunk's max score m, sum of exp(score - m) l, and
+// unnormalised output [hd] to part.
 template <int R>
 static inline void attention_task(const vs_model* m, int layer, const vs_batch* batch, const vs_cache* cache,
-                                  const float* q, int q_stride, int i, int h0, int c0, int c1, float* const* part) {
+                                  const float* q, int q_stride, int i, int h0, int k0, int k1, float* const* part) {
     const int hd = m->head_dim, g = h0 / (m->heads / m->kv_heads);
     const size_t row = ((size_t)layer * cache->batch + batch->seq[i]) * m->kv_heads + g;
     const uint16_t* keys = cache->k + row * cache->capacity * hd;
     const uint16_t* values = cache->v + row * cache->capacity * hd;
     const float* qh[R];
     for (int r = 0; r < R; r++) qh[r] = q + (size_t)i * q_stride + (size_t)(h0 + r) * hd;
-    float scores[R][ATT_CHUNK];
-    scores_tile<R>(keys, hd, qh, c0, c1, 1.0f / sqrtf((float)hd), scores);
-    const int base = batch->base[i];
-    for (int t = c0 > base ? c0 : base; t < c1; t++)  // the new slots it may not see
-        if (!visible(batch, i, t))
-            for (int r = 0; r < R; r++) scores[r][t - c0] = -INFINITY;
+    const int first = visible_slot(batch, i, k0), c1 = visible_slot(batch, i, k1 - 1) + 1;
+    const int c0 = first - first % KT;  // key tiles start at multiples of 16
+    const int stride = c1 - c0;
+    thread_local std::vector<float> buffer;
+    if ((int)buffer.size() < R * stride) buffer.resize((size_t)R * stride);
+    float* scores = buffer.data();
+    scores_tile<R>(keys, hd, qh, c0, c1, 1.0f / sqrtf((float)hd), scores, stride);
+    for (int t = c0; t < c1; t++)  // slots of the chunk before, and new slots it may not see
+        if (t < first || !visible(batch, i, t))
+            for (int r = 0; r < R; r++) scores[r * stride + t - c0] = -INFINITY;
     float* o[R];
     for (int r = 0; r < R; r++) {
+        float* own = scores + r * stride;
         float top = -INFINITY;
-        for (int t = 0; t < c1 - c0; t++) top = fmaxf(top, scores[r][t]);
+        for (int t = 0; t < stride; t++) top = fmaxf(top, own[t]);
         part[r][0] = top;
-        part[r][1] = exp_shifted(scores[r], c1 - c0, top);  // a chunk with a visible slot has a finite top
+        part[r][1] = exp_shifted(own, stride, top);  // a chunk with a visible slot has a finite top
         o[r] = part[r] + 2;
     }
-    values_tile<R>(values, hd, c0, c1, scores, o);
+    values_tile<R>(values, hd, c0, c1, scores, stride, o);
 }
 
 // out [N, heads head_dim]: attention of every token's heads over the visible slots of its cache row, in
@@ -962,7 +981,7 @@ static int attention(const vs_model* m, int layer, const vs_batch* batch, const 
     const int n = batch->n, heads = m->heads, hd = m->head_dim, group = heads / m->kv_heads;
     int chunks = 1;
     for (int i = 0; i < n; i++) {
-        const int c = (visible_end(batch, i) + ATT_CHUNK - 1) / ATT_CHUNK;
+        const int c = (visible_count(batch, i) + ATT_CHUNK - 1) / ATT_CHUNK;
         chunks = c > chunks ? c : chunks;
     }
     const size_t stride = (size_t)hd + 2;  // per (token, head, chunk): m, l, o[hd]
@@ -973,7 +992,7 @@ static int attention(const vs_model* m, int layer, const vs_batch* batch, const 
         const int chunk = task % chunks, g = (task / chunks) % m->kv_heads, seq = task / chunks / m->kv_heads;
         for (int i = 0; i < n; i++) {
             if (batch->seq[i] != seq) continue;
-            const int end = visible_end(batch, i), c0 = chunk * ATT_CHUNK;
+            const int end = visible_count(batch, i), c0 = chunk * ATT_CHUNK;  // ranks [c0, c1)
             const int c1 = c0 + ATT_CHUNK < end ? c0 + ATT_CHUNK : end;
             for (int h0 = g * group; h0 < (g + 1) * group; h0 += ATT_ROWS) {
                 const int rows = (g + 1) * group - h0 < ATT_ROWS ? (g + 1) * group - h0 : ATT_ROWS;
