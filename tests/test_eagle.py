@@ -472,14 +472,14 @@ def test_auto_takes_the_shipped_drafter_only_where_the_costs_say_it_pays(
     tokenizer = LetterTokenizer(VOCAB)
     monkeypatch.setattr(api_module, "shipped_drafter", lambda label, kind="eagle": trained)
     heldout = [0.9, 0.85, 0.8]
-    real_load = EagleHead.load
+    real_from_file = EagleHead.from_file
 
-    def load(*args, **kwargs):  # the trained tiny head, recording that agreement
-        head = real_load(*args, **kwargs)
+    def from_file(*args, **kwargs):  # the trained tiny head, recording that agreement
+        head = real_from_file(*args, **kwargs)
         head.metadata["training"] = json.dumps({"heldout_top1_per_position": heldout})
         return head
 
-    monkeypatch.setattr(EagleHead, "load", staticmethod(load))
+    monkeypatch.setattr(EagleHead, "from_file", staticmethod(from_file))
     costs = CostModel(cost_ratio, [1.0] + [verify + 0.1 * i for i in range(15)])
     calibration = SimpleNamespace(cost_model=costs)
     monkeypatch.setattr(api_module, "calibrate", lambda *args, **kwargs: calibration)

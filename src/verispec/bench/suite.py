@@ -365,7 +365,10 @@ class Method:
 def learned_drafter(config: BenchConfig, kind: str) -> str | None:
     """The learned drafter of the method ``kind`` (eagle, medusa, exit): ``drafter_path`` when the file is of
     that kind, else the file of that kind shipped for the target."""
-    if config.drafter_path is not None and read_drafter_file(config.drafter_path)[0].get("kind") == kind:
+    if (
+        config.drafter_path is not None
+        and read_drafter_file(config.drafter_path, tensors=False)[0].get("kind") == kind
+    ):
         return config.drafter_path
     shipped = shipped_drafter(config.target, kind)
     return None if shipped is None else str(shipped)

@@ -979,9 +979,11 @@ static inline void attention_task(const vs_model* m, int layer, const vs_batch* 
 static int attention(const vs_model* m, int layer, const vs_batch* batch, const vs_cache* cache, const float* q,
                      int q_stride, float* out, int threads) {
     const int n = batch->n, heads = m->heads, hd = m->head_dim, group = heads / m->kv_heads;
+    std::vector<int> seen(n);  // the slots each token sees, counted once for every task
     int chunks = 1;
     for (int i = 0; i < n; i++) {
-        const int c = (visible_count(batch, i) + ATT_CHUNK - 1) / ATT_CHUNK;
+        seen[i] = visible_count(batch, i);
+        const int c = (seen[i] + ATT_CHUNK - 1) / ATT_CHUNK;
         chunks = c > chunks ? c : chunks;
     }
     const size_t stride = (size_t)hd + 2;  // per (token, head, chunk): m, l, o[hd]
@@ -992,7 +994,7 @@ static int attention(const vs_model* m, int layer, const vs_batch* batch, const 
         const int chunk = task % chunks, g = (task / chunks) % m->kv_heads, seq = task / chunks / m->kv_heads;
         for (int i = 0; i < n; i++) {
             if (batch->seq[i] != seq) continue;
-            const int end = visible_count(batch, i), c0 = chunk * ATT_CHUNK;  // ranks [c0, c1)
+            const int end = seen[i], c0 = chunk * ATT_CHUNK;  // ranks [c0, c1)
             const int c1 = c0 + ATT_CHUNK < end ? c0 + ATT_CHUNK : end;
             for (int h0 = g * group; h0 < (g + 1) * group; h0 += ATT_ROWS) {
                 const int rows = (g + 1) * group - h0 < ATT_ROWS ? (g + 1) * group - h0 : ATT_ROWS;

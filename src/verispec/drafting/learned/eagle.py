@@ -65,22 +65,9 @@ class EagleHead(LearnedHead):
         self.embed_weight = nn.Buffer(target.model.embed_tokens.weight.detach(), persistent=False)  # [V, H]
         self.inv_freq = nn.Buffer(self.config.rope_inv_freq().to(device), persistent=False)  # [head_dim // 2]
 
-    @classmethod
-    def create(
-        cls,
-        target: Llama,
-        draft_vocab: Tensor,
-        generator: torch.Generator,
-        metadata: dict[str, Any],
-        num_layers: int = 1,
-    ) -> EagleHead:
-        """A fresh head with seeded random weights: N(0, 0.02²) matrices and zero biases, unit norms but the
-        output norm, which starts as the target's final norm (its output then has the target's scale)."""
-        head = cls(target, draft_vocab, metadata, num_layers)
-        head.initialise(generator)
-        with torch.no_grad():
-            head.norm.weight.copy_(target.model.norm.weight)
-        return head
+    def fresh_start(self, target: Llama) -> None:
+        """The output norm starts as the target's final norm (its output then has the target's scale)."""
+        self.norm.weight.copy_(target.model.norm.weight)
 
     @property
     def num_layers(self) -> int:

@@ -58,21 +58,9 @@ class ExitAdapter(LearnedHead):
         self.up = _Linear(h, 2 * h, True, self.device, torch.float32)
         self.down = _Linear(2 * h, h, True, self.device, torch.float32)
 
-    @classmethod
-    def create(
-        cls,
-        target: Llama,
-        draft_vocab: Tensor,
-        generator: torch.Generator,
-        metadata: dict[str, Any],
-        exit_layer: int,
-    ) -> ExitAdapter:
-        """A fresh adapter whose output projection is zero: the plain early exit on the draft vocabulary."""
-        adapter = cls(target, draft_vocab, metadata, exit_layer)
-        adapter.initialise(generator)
-        with torch.no_grad():
-            adapter.down.weight.zero_()
-        return adapter
+    def fresh_start(self, target: Llama) -> None:
+        """A zero output projection: the plain early exit on the draft vocabulary."""
+        self.down.weight.zero_()
 
     def forward(self, features: Tensor) -> Tensor:
         """features: [..., H], the target's final norm of the layer-N residual → adapted features [..., H]."""

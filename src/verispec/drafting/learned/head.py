@@ -77,9 +77,9 @@ def _head_rows(target: Llama, ids: Tensor, chunk: int = 256) -> Tensor:
     return torch.cat(columns).T.contiguous()  # [Vd, hidden]
 
 
-def read_drafter_file(path: str | Path) -> tuple[dict[str, str], dict[str, Tensor]]:
-    """(metadata, tensors) of a verispec drafter file; UsageError, one line, for a missing, unreadable or
-    foreign file."""
+def read_drafter_file(path: str | Path, tensors: bool = True) -> tuple[dict[str, str], dict[str, Tensor]]:
+    """(metadata, tensors) of a verispec drafter file (``tensors`` False: its metadata alone, and no tensors);
+    UsageError, one line, for a missing, unreadable or foreign file."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -88,7 +88,7 @@ def read_drafter_file(path: str | Path) -> tuple[dict[str, str], dict[str, Tenso
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             metadata = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            read = {name: f.get_tensor(name) for name in f.keys()} if tensors else {}
     except (SafetensorError, OSError, RuntimeError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise UsageError(
@@ -96,7 +96,7 @@ def read_drafter_file(path: str | Path) -> tuple[dict[str, str], dict[str, Tenso
         ) from None
     if metadata.get("format") != FORMAT:
         raise UsageError(f"{path} is not a verispec drafter file (its metadata has no format {FORMAT!r})")
-    return metadata, tensors
+    return metadata, read
 
 
 class LearnedHead(nn.Module):
@@ -138,24 +138,44 @@ class LearnedHead(nn.Module):
         return self.draft_vocab.shape[0]
 
     @property
-    def heldout_accuracy(self) -> list[float]:
-        """The held-out top-1 agreement per draft position in the file's training record ([]: none)."""
+    def training_record(self) -> dict[str, Any]:
+        """The training record of the file ({}: none)."""
         training = self.metadata.get("training") or {}
         training = json.loads(training) if isinstance(training, str) else training
-        accuracy = training.get("heldout_top1_per_position") if isinstance(training, dict) else None
+        return training if isinstance(training, dict) else {}
+
+    @property
+    def heldout_accuracy(self) -> list[float]:
+        """The held-out top-1 agreement per draft position in the file's training record ([]: none)."""
+        accuracy = self.training_record.get("heldout_top1_per_position")
         return [float(a) for a in accuracy] if isinstance(accuracy, list) else []
 
-    def initialise(self, generator: torch.Generator) -> None:
-        """Seeded fresh weights: N(0, 0.02²) matrices, zero biases, unit norms; subclasses then set what
-        their kind starts from."""
+    @classmethod
+    def create(
+        cls,
+        target: Llama,
+        draft_vocab: Tensor,
+        generator: torch.Generator,
+        metadata: dict[str, Any],
+        *shape: int,
+    ) -> Any:
+        """A fresh head of ``shape`` (layers, heads, exit layer: the constructor's last argument) with seeded
+        weights: N(0, 0.02²) matrices, zero biases, unit norms; then what the kind starts from
+        (:meth:`fresh_start`)."""
+        head = cls(target, draft_vocab, metadata, *shape)
         with torch.no_grad():
-            for name, param in self.named_parameters():
+            for name, param in head.named_parameters():
                 if name.endswith("bias"):
                     param.zero_()
                 elif name.endswith("norm.weight"):
                     param.fill_(1.0)
                 else:
                     param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD)
+            head.fresh_start(target)
+        return head
+
+    def fresh_start(self, target: Llama) -> None:
+        """What a fresh head of the kind starts from, after the random weights (under no_grad)."""
 
     def logits(self, features: Tensor) -> Tensor:
         """features: [..., H] → logits over the draft vocabulary [..., Vd] float32."""
@@ -230,8 +250,19 @@ class LearnedHead(nn.Module):
         """The head of this kind in ``path`` for ``target`` (``target_label`` names it in errors); ``fast``:
         then :meth:`optimize_for_cpu`. UsageError, one line, for a missing, corrupt or foreign file, a file of
         another kind, and a drafter trained for another target."""
-        path = Path(path)
-        metadata, tensors = read_drafter_file(path)
+        return cls.from_file(Path(path), *read_drafter_file(path), target, target_label, fast)
+
+    @classmethod
+    def from_file(
+        cls,
+        path: Path,
+        metadata: dict[str, str],
+        tensors: dict[str, Tensor],
+        target: LanguageModel,
+        target_label: str,
+        fast: bool,
+    ):
+        """:meth:`load` of the file ``path`` already read (:func:`read_drafter_file`)."""
         if metadata.get("version") != VERSION or metadata.get("kind") != cls.kind:
             raise UsageError(
                 f"{path} holds a drafter of kind {metadata.get('kind')!r}, version "

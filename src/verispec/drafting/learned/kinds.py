@@ -33,13 +33,13 @@ def load_head(
 ) -> LearnedHead:
     """The learned drafter in ``path`` for ``target``, of the kind the file records, which must be ``kind``
     when given (:meth:`LearnedHead.load` for the rest; UsageError, one line, for any mismatch)."""
-    metadata, _ = read_drafter_file(path)
+    metadata, tensors = read_drafter_file(path)
     found = metadata.get("kind")
     if kind is not None and found != kind:
         raise UsageError(f"{path} holds a drafter of kind {found!r}, not {kind!r}")
     if found not in HEADS:
         raise UsageError(f"{path} holds a drafter of kind {found!r}; this verispec reads {', '.join(HEADS)}")
-    return HEADS[found].load(path, target, target_label, fast)
+    return HEADS[found].from_file(Path(path), metadata, tensors, target, target_label, fast)
 
 
 def shipped_drafter(target_label: str, kind: str = "eagle") -> Path | None:

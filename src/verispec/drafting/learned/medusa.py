@@ -71,23 +71,11 @@ class MedusaHeads(LearnedHead):
             [_Linear(h, h, True, self.device, torch.float32) for _ in range(num_heads)]
         )
 
-    @classmethod
-    def create(
-        cls,
-        target: Llama,
-        draft_vocab: Tensor,
-        generator: torch.Generator,
-        metadata: dict[str, Any],
-        heads: int,
-    ) -> MedusaHeads:
-        """Fresh heads: zero blocks (each head starts as the target's own next-token head)."""
-        medusa = cls(target, draft_vocab, metadata, heads)
-        medusa.initialise(generator)
-        with torch.no_grad():
-            for block in medusa.blocks:
-                assert isinstance(block, _Linear)  # what __init__ fills the ModuleList with
-                block.weight.zero_()
-        return medusa
+    def fresh_start(self, target: Llama) -> None:
+        """Zero blocks: each head starts as the target's own next-token head."""
+        for block in self.blocks:
+            assert isinstance(block, _Linear)  # what __init__ fills the ModuleList with
+            block.weight.zero_()
 
     @property
     def num_heads(self) -> int:
@@ -112,8 +100,7 @@ class MedusaHeads(LearnedHead):
     def rank_accuracy(self) -> list[list[float]]:
         """Held-out accuracy of each head's rank-r token (r = 0..TOP_RANKS-1): [heads][ranks], from the
         training record ([]: none recorded)."""
-        training = self.metadata.get("training") or {}
-        table = training.get("heldout_rank_accuracy") if isinstance(training, dict) else None
+        table = self.training_record.get("heldout_rank_accuracy")
         return [[float(a) for a in row] for row in table] if isinstance(table, list) else []
 
 
