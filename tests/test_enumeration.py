@@ -310,6 +310,56 @@ def test_medusa_q_told_along_the_draft_is_caught(k: int):
     assert total_variation(spec, reference("generic", "t1", 4)) > BROKEN_TV
 
 
+# ---------------------------------------------------------------------------------------------- lookahead
+
+
+def lookahead_draft(ptab: np.ndarray, heads: np.ndarray, along: bool = False) -> Callable:
+    """A lookahead-kind draft (PaSS): draft token 1 from the target's own p on the round's context, token
+    i + 1 from lookahead i on the context alone. ``along`` (broken): lookahead i's q as if it had read the
+    draft tokens before it."""
+
+    def rows(seq: np.ndarray, k: int) -> np.ndarray:
+        first = ptab[seq[:, 0], seq[:, 1]]  # [R, V]
+        later = [
+            heads[i][seq[:, i + 1], seq[:, i + 2]] if along else heads[i][seq[:, 0], seq[:, 1]]
+            for i in range(k - 1)
+        ]
+        return np.stack([first, *later], axis=1)  # [R, K, V]
+
+    return rows
+
+
+@pytest.mark.parametrize("k", (1, 2, 3), ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("verifier", list(RULES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lookahead_drafts_are_exact(family: str, verifier: str, setting: str, k: int):
+    """A lookahead-kind draft — token 1 sampled from the target's own p, token i + 1 from lookahead i's q on
+    the context alone — verified with those very rows: exact (TV ≤ 1e-12)."""
+    pair = make_pair(family)
+    ptab, _ = tables(family, setting)
+    draft = lookahead_draft(ptab, medusa_heads(family, setting))
+    spec = speculative_joint(draft, draft, ptab, k, pair.num_tokens, RULES[verifier], pair.eos_token_id)
+    reference_setting = "greedy" if verifier == "greedy" else setting
+    tv = total_variation(spec, reference(family, reference_setting, pair.num_tokens))
+    assert tv <= EXACT_TV, f"TV {tv:.3e}"
+
+
+@pytest.mark.parametrize("k", (2, 3), ids=lambda k: f"K{k}")
+def test_lookahead_q_told_along_the_draft_is_caught(k: int):
+    """Reporting a lookahead's q as if it had read the draft tokens before it breaks exactness, as does
+    reporting the draft's own q for token 1 when it was drawn from the target's p."""
+    heads = medusa_heads("generic", "t1")
+    ptab, qtab = tables("generic", "t1")
+    drawn = lookahead_draft(ptab, heads)
+    for told in (
+        lookahead_draft(ptab, heads, along=True),
+        lambda seq, k: np.concatenate([qtab[seq[:, :1], seq[:, 1:2]], drawn(seq, k)[:, 1:]], axis=1),
+    ):
+        spec = speculative_joint(drawn, told, ptab, k, 4, RULES["rejection"])
+        assert total_variation(spec, reference("generic", "t1", 4)) > BROKEN_TV
+
+
 # ---------------------------------------------------------------------------------------------- tokens/round
 
 

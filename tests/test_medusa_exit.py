@@ -163,7 +163,7 @@ def test_a_file_of_another_kind_or_shape_is_refused(target, files, tmp_path):
     for key, value, match in (
         ("num_heads", "0", "num_heads '0'"),
         ("num_heads", "2", "holds tensors"),
-        ("kind", "lookahead", "this verispec reads eagle, medusa, exit"),
+        ("kind", "bogus", "this verispec reads eagle, medusa, exit, lookahead"),
     ):
         bad = tmp_path / f"{key}-{value}.safetensors"
         save_file(tensors, str(bad), metadata={**meta, key: value})

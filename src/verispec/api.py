@@ -154,7 +154,7 @@ class Speculator:
     the eagle drafter's :data:`~verispec.drafting.learned.eagle_drafter.DEFAULT_TREE`, Medusa's sparse tree
     shaped by its heads' accuracies, chain rounds for the other drafters.
     drafter_path: a learned drafter file (``verispec train-drafter``) for the target, for "eagle", "medusa",
-    "exit" (files of that kind) or "auto" (the file's kind).
+    "exit", "lookahead" (files of that kind) or "auto" (the file's kind).
     target_label: names a loaded target (default: its SPEC) in messages and calibration notices, and picks
     the drafter verispec ships for it.
     precision: the weights of target and draft models loaded from a SPEC ("fp32", "fp16" or "auto": the

@@ -56,6 +56,7 @@ from verispec.drafting.base import Drafter, HiddenStateReader
 from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.learned.eagle_drafter import EagleDrafter
 from verispec.drafting.learned.exit import ExitDraft
+from verispec.drafting.learned.lookahead import LookaheadDrafter
 from verispec.drafting.learned.medusa import MedusaDrafter
 from verispec.drafting.ngram import NGramDrafter
 from verispec.errors import UsageError
@@ -267,6 +268,12 @@ def drafter_identity(drafter: Drafter) -> dict:
             "drafter": drafter.name,
             "draft_vocab": drafter.heads.draft_vocab_size,
             "heads": drafter.heads.num_heads,
+        }
+    if isinstance(drafter, LookaheadDrafter):  # the target's own forward, and its draft vocabulary's head
+        return {
+            "drafter": drafter.name,
+            "draft_vocab": drafter.tokens.draft_vocab_size,
+            "lookahead_tokens": drafter.tokens.num_tokens,
         }
     if isinstance(drafter, NGramDrafter):
         return {"drafter": drafter.name, "max_ngram": drafter.max_ngram, "min_ngram": drafter.min_ngram}

@@ -756,8 +756,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--drafter-path",
         metavar="FILE",
-        help="a learned drafter for the method of its kind (eagle, medusa or exit); the others use the "
-        "ones shipped for the target, if any",
+        help="a learned drafter for the method of its kind (eagle, medusa, exit or lookahead); the others "
+        "use the ones shipped for the target, if any",
     )
     parser.add_argument(
         "--k",
@@ -1184,12 +1184,15 @@ def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
     defaults = TrainConfig()
     parser = subparsers.add_parser(
         "train-drafter",
-        help="train a learned drafter (EAGLE head, Medusa heads, trained exit) on a drafter-data set",
+        help="train a learned drafter (EAGLE head, Medusa heads, trained exit, lookahead tokens) on a "
+        "drafter-data set",
         description="Train a learned drafter for a target, with logits over a reduced draft vocabulary (see "
         "verispec.drafting.learned.train): --kind eagle, a draft head (one decoder layer unless --layers) "
         "that predicts the target's next hidden state from its current one and the next token; medusa, "
         "--heads heads on the target's last hidden state, head i guessing the token i + 1 ahead; exit, an "
-        "adapter after the target's first --exit-layer layers. Writes DIR/drafter.safetensors, "
+        "adapter after the target's first --exit-layer layers; lookahead, --lookahead input embeddings that "
+        "one forward of the frozen target reads after the context to guess the tokens after its next "
+        "(PaSS). Writes DIR/drafter.safetensors, "
         "DIR/checkpoint.pt and DIR/log.jsonl; --resume continues an interrupted run.",
     )
     parser.add_argument("--target", metavar="SPEC", help="the target (default: smollm2-135m)")
@@ -1208,6 +1211,7 @@ def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
         ("layers", "eagle: decoder layers of the head (beyond --init's: new layers that start as no-ops)"),
         ("heads", "medusa: heads, head i guessing the token i + 1 positions ahead"),
         ("exit-layer", "exit: the target layer whose output the trained exit reads"),
+        ("lookahead", "lookahead: trained tokens after the context, each guessing one token further"),
         ("checkpoint-every", "steps between checkpoints"),
         ("eval-every", "steps between held-out evaluations"),
         ("seed", "seed of initialisation, batches and noise"),
@@ -1254,6 +1258,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         layers=args.layers,
         heads=args.heads,
         exit_layer=args.exit_layer,
+        lookahead=args.lookahead,
     )
     read_data_meta(args.data)  # before loading a model
     if args.init and not os.path.isfile(args.init):

@@ -32,7 +32,8 @@ tokens and context left) and returns a tree within that shape, rooted at the las
 
 The drafters themselves: :mod:`verispec.drafting.ngram` (prompt lookup), :mod:`verispec.drafting.draft_model`
 (a smaller model, or the target's first layers), :mod:`verispec.drafting.learned` (EAGLE heads, Medusa heads,
-a trained exit); their names, capabilities and factories are in :mod:`verispec.drafting.registry`.
+a trained exit, lookahead tokens); their names, capabilities and factories are in
+:mod:`verispec.drafting.registry`.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.eagle_drafter import EagleDrafter, EagleTreeDrafter
 from verispec.drafting.learned.exit import ExitAdapter, ExitDraft
 from verispec.drafting.learned.head import LearnedHead, native_target
+from verispec.drafting.learned.lookahead import LookaheadDrafter, LookaheadTokens
 from verispec.drafting.learned.medusa import MedusaDrafter, MedusaHeads, MedusaTreeDrafter
 from verispec.drafting.ngram import NGramDrafter, NGramTreeDrafter
 from verispec.drafting.tree import TreeShape
@@ -135,6 +136,12 @@ def _exit_chain(inputs: DraftInputs) -> Drafter:
     return ModelDrafter(draft, inputs.sampling, inputs.target.vocab_size, inputs.target_cache)
 
 
+def _lookahead_chain(inputs: DraftInputs) -> Drafter:
+    """Trained lookahead tokens after the context, run through the whole target on the target's cache."""
+    tokens = inputs.need_head("lookahead", LookaheadTokens)
+    return LookaheadDrafter(tokens, inputs.target, inputs.sampling, inputs.target_cache)
+
+
 def _model_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> TreeDrafter:
     """A draft model's tree of its top-k children."""
     assert isinstance(chain, ModelDrafter)  # with the target's tokenizer (the API refuses trees across)
@@ -188,6 +195,13 @@ DRAFTERS: dict[str, DrafterKind] = {
             "the target's first layers and a trained exit (a LayerSkip-style self-draft)",
             _exit_chain,
             _model_tree,
+            learned=True,
+            reads_target_cache=True,
+        ),
+        DrafterKind(
+            "lookahead",
+            "trained lookahead tokens after the context: one target forward drafts several tokens (PaSS)",
+            _lookahead_chain,
             learned=True,
             reads_target_cache=True,
         ),

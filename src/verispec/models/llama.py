@@ -1113,38 +1113,49 @@ class Llama(nn.Module):
         return (torch.float16, True) if self._native is not None else (self.dtype, False)
 
     def forward_hidden(
-        self, tokens: Tensor, positions: Tensor, cache: Cache, tree_mask: Tensor | None = None
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: Cache,
+        tree_mask: Tensor | None = None,
+        embeddings: Tensor | None = None,
     ) -> Tensor:
         """The final hidden states (after the last norm, transformers' ``last_hidden_state``), for learned
         drafters. tokens: [B, T] int64; positions: [B, T] int64; tree_mask: [T, T] bool or None (see
-        :meth:`forward`). Returns [B, T, hidden] in the model's dtype. Appends T slots to ``cache``."""
+        :meth:`forward`); embeddings: [B, T, hidden] float32, the input vectors to run instead of the tokens'
+        embeddings (a lookahead drafter's trained tokens among them), or None. Returns [B, T, hidden] in the
+        model's dtype. Appends T slots to ``cache``."""
         cache = self._check_inputs(tokens, positions, cache)
         if tree_mask is not None:
             _checked_tree_mask(tree_mask, tokens.shape[1])
+        if embeddings is not None and embeddings.shape != (*tokens.shape, self.config.hidden_size):
+            raise UsageError(f"embeddings must be shaped [B, T, hidden], got {list(embeddings.shape)}")
+        h = self.model.embed_tokens(tokens) if embeddings is None else embeddings  # [B, T, hidden]
         if self._native is not None:
-            return self._native_hidden(self._native, tokens, positions, cache, tree_mask)
+            return self._native_hidden(self._native, h.float(), positions, cache, tree_mask)
         mask = None
         if tree_mask is not None:  # a token tree: the committed slots, then the masked new tokens
             t = tokens.shape[1]
             mask = torch.cat([tree_mask.new_ones(t, cache.length), tree_mask], 1)
-        h = self.model.embed_tokens(tokens)  # [B, T, hidden]
+        h = h.to(self.dtype)
         # run_layers takes the _DecoderLayers of the ModuleList, whose items torch types as plain Modules
         h = run_layers(self.model.layers, h, positions, cache, self.inv_freq, mask)  # type: ignore[arg-type]
         return self.model.norm(h)
 
     def _native_hidden(
-        self, native: NativeStack, tokens: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None
+        self, native: NativeStack, inputs: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None
     ) -> Tensor:
-        """:meth:`forward_hidden` on the native kernels: every row of the batch is one sequence of the cache,
-        its T tokens at slots cache.length.. (a long prompt in blocks of NATIVE_CHUNK tokens)."""
-        b, t = tokens.shape
+        """:meth:`forward_hidden` on the native kernels of the input vectors [B, T, hidden] float32: every row
+        of the batch is one sequence of the cache, its T tokens at slots cache.length.. (a long prompt in
+        blocks of NATIVE_CHUNK tokens)."""
+        b, t, _ = inputs.shape
         if tree_mask is None and t > NATIVE_CHUNK:
             blocks = [slice(i, i + NATIVE_CHUNK) for i in range(0, t, NATIVE_CHUNK)]
-            parts = [self._native_hidden(native, tokens[:, b], positions[:, b], cache, None) for b in blocks]
+            parts = [self._native_hidden(native, inputs[:, b], positions[:, b], cache, None) for b in blocks]
             return torch.cat(parts, 1)  # [B, T, hidden]
         assert isinstance(cache.keys, Tensor) and isinstance(cache.values, Tensor)  # checked: one tensor
         start, end = cache._reserve(t)
-        h = self.model.embed_tokens(tokens).reshape(b * t, -1).contiguous()  # [B·T, hidden] float32
+        h = inputs.reshape(b * t, -1).clone()  # [B·T, hidden] float32, a copy: the kernels write into it
         freqs = positions.reshape(-1, 1).float() * self.inv_freq  # [B·T, head_dim // 2], as transformers
         first = 0 if cache.row is None else cache.row  # a row view is row `row` of the whole cache
         rows = (first + torch.arange(b, dtype=torch.int32)).repeat_interleave(t)  # [B·T] each token's row

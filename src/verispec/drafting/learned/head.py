@@ -11,9 +11,9 @@ stays exact.
 A file holds the trained tensors in float16, the draft vocabulary, the kind and its shape (layers, heads, exit
 layer), the training record, and the :func:`target_fingerprint` of the target it was trained for: any other
 target, kind or a corrupt file is refused with a one-line :class:`~verispec.errors.UsageError`. The kinds:
-:mod:`~verispec.drafting.learned.eagle` (EAGLE), :mod:`~verispec.drafting.learned.medusa` (Medusa heads) and
-:mod:`~verispec.drafting.learned.exit` (a trained early exit); :mod:`~verispec.drafting.learned.kinds` reads
-any file by its kind.
+:mod:`~verispec.drafting.learned.eagle` (EAGLE), :mod:`~verispec.drafting.learned.medusa` (Medusa heads),
+:mod:`~verispec.drafting.learned.exit` (a trained early exit) and :mod:`~verispec.drafting.learned.lookahead`
+(lookahead tokens); :mod:`~verispec.drafting.learned.kinds` reads any file by its kind.
 """
 
 from __future__ import annotations

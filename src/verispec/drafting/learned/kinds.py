@@ -9,18 +9,22 @@ from pathlib import Path
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.exit import ExitAdapter
 from verispec.drafting.learned.head import LearnedHead, read_drafter_file
+from verispec.drafting.learned.lookahead import LookaheadTokens
 from verispec.drafting.learned.medusa import MedusaHeads
 from verispec.errors import UsageError
 from verispec.models.base import LanguageModel
 
 __all__ = ["HEADS", "SHIPPED", "load_head", "shipped_drafter"]
 
-HEADS: dict[str, type[LearnedHead]] = {cls.kind: cls for cls in (EagleHead, MedusaHeads, ExitAdapter)}
+HEADS: dict[str, type[LearnedHead]] = {
+    cls.kind: cls for cls in (EagleHead, MedusaHeads, ExitAdapter, LookaheadTokens)
+}
 # (target short name, kind) → file in verispec/data/drafters
 SHIPPED = {
     ("smollm2-135m", "eagle"): "smollm2-135m-eagle.safetensors",
     ("smollm2-135m", "medusa"): "smollm2-135m-medusa.safetensors",
     ("smollm2-135m", "exit"): "smollm2-135m-exit.safetensors",
+    ("smollm2-135m", "lookahead"): "smollm2-135m-lookahead.safetensors",
 }
 
 

@@ -1,11 +1,12 @@
 """Training a learned drafter on a data set of :mod:`verispec.drafting.learned.data` (the target's own
 answers, with its final hidden state at every position), by kind: an EAGLE head
 (:class:`~verispec.drafting.learned.eagle.EagleHead`), Medusa heads
-(:class:`~verispec.drafting.learned.medusa.MedusaHeads`) or a trained exit
-(:class:`~verispec.drafting.learned.exit.ExitAdapter`). What every kind shares: the draft vocabulary, AdamW
-with warmup and cosine decay, the progress bar, held-out top-1 per draft position in ``log.jsonl``, atomic
-checkpoints with exact ``resume``, and the target's fingerprint. Each kind's :class:`Recipe` gives its fresh
-head, its batch loss and its evaluation.
+(:class:`~verispec.drafting.learned.medusa.MedusaHeads`), a trained exit
+(:class:`~verispec.drafting.learned.exit.ExitAdapter`) or lookahead tokens
+(:class:`~verispec.drafting.learned.lookahead.LookaheadTokens`). What every kind shares: the draft vocabulary,
+AdamW with warmup and cosine decay, the progress bar, held-out top-1 per draft position in ``log.jsonl``,
+atomic checkpoints with exact ``resume``, and the target's fingerprint. Each kind's :class:`Recipe` gives its
+fresh head, its batch loss and its evaluation.
 
 The EAGLE recipe, on CPU in hours:
 
@@ -34,7 +35,13 @@ target wrote at t + 1 + i (``ce_target`` token), or against the target's own dis
 self-distillation, Medusa-2's); evaluated as each head's held-out accuracy at ranks 0..3 (the tree's shape is
 chosen from them). The exit recipe: the target's first ``exit_layer`` layers computed once over both splits,
 then at random answer positions the adapter's cross-entropy against the target's next token or distribution;
-evaluated as held-out top-1 against the target's greedy token, beside the untrained exit's.
+evaluated as held-out top-1 against the target's greedy token, beside the untrained exit's. The lookahead
+recipe: ``batch_tokens // window`` sequences (drawn by length), each run through the frozen target into a
+cache without gradient, then ``window`` random answer positions t of it each followed by the m lookahead
+tokens (every group seeing the sequence up to t and its own earlier tokens, as drafting after x_t does), the
+gradient flowing through every layer of the target back to the embeddings alone; lookahead j's cross-entropy
+against the token the target wrote at t + 1 + j (or its distribution there); evaluated as held-out top-1
+against the target's greedy token there, per lookahead token.
 """
 
 from __future__ import annotations
@@ -60,10 +67,11 @@ from verispec.drafting.learned.eagle import MAX_LAYERS, EagleHead
 from verispec.drafting.learned.exit import ExitAdapter, check_exit_layer, exit_features
 from verispec.drafting.learned.head import LearnedHead, native_target, target_fingerprint
 from verispec.drafting.learned.kinds import HEADS, load_head
+from verispec.drafting.learned.lookahead import MAX_LOOKAHEAD, LookaheadTokens, lookahead_mask
 from verispec.drafting.learned.medusa import MAX_HEADS, TOP_RANKS, MedusaHeads
 from verispec.errors import UsageError
 from verispec.models.base import LanguageModel
-from verispec.models.llama import Llama
+from verispec.models.llama import KVCache, Llama, run_layers
 
 __all__ = [
     "Batch",
@@ -112,6 +120,7 @@ class TrainConfig:
     layers: int = 1  # decoder layers of the head (more than init's: the new ones start as no-ops)
     heads: int = 4  # Medusa heads
     exit_layer: int = 8  # the layer a trained exit reads
+    lookahead: int = 3  # lookahead tokens
 
     def __post_init__(self) -> None:
         if not isinstance(self.init, str):
@@ -132,7 +141,7 @@ class TrainConfig:
             _check(name, getattr(self, name), int, 1)
         for name in ("warmup", "unroll", "seed"):
             _check(name, getattr(self, name), int, 0)
-        for name, high in (("layers", MAX_LAYERS), ("heads", MAX_HEADS)):
+        for name, high in (("layers", MAX_LAYERS), ("heads", MAX_HEADS), ("lookahead", MAX_LOOKAHEAD)):
             _check(name, getattr(self, name), int, 1)
             if getattr(self, name) > high:
                 raise UsageError(f"{name} must be at most {high}, got {getattr(self, name)!r}")
@@ -562,12 +571,131 @@ class ExitRecipe(Recipe):
         }
 
 
+class LookaheadRecipe(Recipe):
+    """Lookahead tokens, trained through the frozen target: a sequence in the target's cache (no gradient:
+    it does not depend on what is trained), then the lookahead tokens after random answer positions of it,
+    each group seeing what drafting there sees (:func:`~verispec.drafting.learned.lookahead.lookahead_mask`),
+    and the gradient through every layer of the target back to the lookahead embeddings."""
+
+    def __init__(self, target: Llama, count: int) -> None:
+        self.target = target.requires_grad_(False)  # frozen: only the embeddings' gradient is wanted
+        self.count = count
+
+    def new_head(
+        self,
+        target: Llama,
+        config: TrainConfig,
+        draft_vocab: Tensor,
+        metadata: dict,
+        generator: torch.Generator,
+    ) -> LookaheadTokens:
+        return LookaheadTokens.create(target, draft_vocab, generator, metadata, self.count)
+
+    def hidden(self, head: LookaheadTokens, data: TrainingData, seq: int, anchors: Tensor) -> Tensor:
+        """The target's final hidden states at the lookahead tokens after ``anchors`` [A] (positions of the
+        data set inside sequence ``seq``, ascending): [A, m, H] float32, differentiable in the embeddings."""
+        target, m = self.target, head.num_tokens
+        start, length = int(data.starts[seq]), int(data.lengths[seq])
+        c = target.config
+        cache = KVCache(
+            c.num_layers,
+            1,
+            c.num_kv_heads,
+            length + anchors.shape[0] * m,
+            c.head_dim,
+            dtype=target.dtype,
+            device=target.device,
+            separate_layers=True,
+        )
+        layers: Any = target.model.layers  # the _DecoderLayers run_layers takes
+        with torch.no_grad():
+            tokens = data.tokens[start : start + length].to(target.device)[None]  # [1, L]
+            positions = torch.arange(length, device=target.device)[None]  # [1, L]
+            run_layers(layers, target.model.embed_tokens(tokens), positions, cache, target.inv_freq)
+        local = anchors - start  # [A] slots of the pending tokens
+        inputs = head.embeddings.to(target.dtype).repeat(anchors.shape[0], 1)[None]  # [1, A·m, H]
+        ahead = (local[:, None] + torch.arange(1, m + 1)).reshape(1, -1).to(target.device)  # [1, A·m]
+        mask = lookahead_mask(local, length, m).to(target.device)  # [A·m, L + A·m]
+        out = run_layers(layers, inputs, ahead, cache, target.inv_freq, mask)  # [1, A·m, H]
+        return target.model.norm(out)[0].float().view(anchors.shape[0], m, -1)
+
+    @staticmethod
+    def _anchors(data: TrainingData, seq: int) -> Tensor:
+        """The answer positions of sequence ``seq`` (each has a next token the target wrote): [M] int64."""
+        start, end = int(data.starts[seq]), int(data.starts[seq] + data.lengths[seq])
+        return data.answers[(data.answers >= start) & (data.answers < end)]
+
+    def _later(self, head: LookaheadTokens, data: TrainingData, anchors: Tensor) -> tuple[Tensor, Tensor]:
+        """(positions t + j whose state predicts what lookahead j guesses after anchor t, whether inside the
+        sequence): [A, m] int64 and [A, m] bool, j = 1..m."""
+        later = anchors[:, None] + torch.arange(1, head.num_tokens + 1)  # [A, m]
+        return later.clamp(max=data.tokens.shape[0] - 1), later < data.ends[anchors][:, None]
+
+    def loss(
+        self,
+        head: LookaheadTokens,
+        data: TrainingData,
+        config: TrainConfig,
+        noise: float,
+        generator: torch.Generator,
+    ) -> Tensor:
+        """``batch_tokens // window`` sequences (drawn by length), ``window`` random answer positions each."""
+        weights = data.lengths.double()  # [S]
+        total = head.embeddings.new_zeros(())
+        sequences = torch.multinomial(
+            weights, config.batch_tokens // config.window, True, generator=generator
+        )
+        for seq in sequences.tolist():
+            candidates = self._anchors(data, seq)  # [M]
+            if candidates.numel() == 0:
+                continue
+            pick = torch.randperm(candidates.shape[0], generator=generator)[: config.window]
+            anchors = candidates[pick].sort().values  # [A]
+            logits = head.logits(self.hidden(head, data, seq, anchors))  # [A, m, Vd]
+            later, valid = self._later(head, data, anchors)  # [A, m] each
+            if config.ce_target == "distribution":
+                with torch.no_grad():
+                    target_logits = head.logits(data.hidden[later].float())  # [A, m, Vd]
+                total = total + _distilled_ce(logits, target_logits, valid)
+            else:
+                ahead = torch.stack(
+                    [data.following(anchors, 1 + j) for j in range(1, head.num_tokens + 1)], 1
+                )
+                ce = F.cross_entropy(logits.flatten(0, 1), ahead.flatten(), ignore_index=_IGNORE)
+                total = total + ce.nan_to_num(0.0)
+        return total / sequences.shape[0]
+
+    def evaluate(
+        self, head: LookaheadTokens, data: TrainingData, config: TrainConfig
+    ) -> tuple[list[float], dict]:
+        """Per lookahead token j, how often its top token is the target's greedy token j + 1 positions after
+        the anchor's next: whole sequences in a fixed shuffled order, every answer position, until
+        ``eval_tokens`` anchors (draft token 1, the target's own, is not counted: it is the target's)."""
+        totals = torch.zeros(head.num_tokens, 2)  # [m, (agreeing, counted)]
+        order = torch.randperm(data.starts.shape[0], generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            for seq in order.tolist():
+                anchors = self._anchors(data, seq)  # [A]
+                if anchors.numel() == 0:
+                    continue
+                guess = head.logits(self.hidden(head, data, seq, anchors)).argmax(-1)  # [A, m]
+                later, valid = self._later(head, data, anchors)  # [A, m] each
+                greedy = head.logits(data.hidden[later].float()).argmax(-1)  # [A, m]
+                totals[:, 0] += ((guess == greedy) & valid).sum(0)
+                totals[:, 1] += valid.sum(0)
+                if totals[0, 1] >= config.eval_tokens:
+                    break
+        return (totals[:, 0] / totals[:, 1].clamp(min=1)).tolist(), {}
+
+
 def _recipe(config: TrainConfig, target: Llama, start: LearnedHead | None) -> Recipe:
     """The recipe of ``config.kind`` (UsageError for an exit layer the target lacks)."""
     if config.kind == "medusa":
         return MedusaRecipe()
     if config.kind == "exit":
         return ExitRecipe(check_exit_layer(target, config.exit_layer))
+    if config.kind == "lookahead":
+        return LookaheadRecipe(target, config.lookahead)
     assert start is None or isinstance(start, EagleHead)  # init is refused for the other kinds
     return EagleRecipe(start)
 
