@@ -130,10 +130,12 @@ def test_plan_methods(monkeypatch):
         "ngram k=auto",
         "eagle k=4",  # the drafter shipped for the default target
         "eagle k=auto",
-        "medusa k=4",  # the Medusa heads and the trained exit shipped for it
+        "medusa k=4",  # the Medusa heads, the trained exit and the lookahead tokens shipped for it
         "medusa k=auto",
         "exit k=4",
         "exit k=auto",
+        "lookahead k=4",
+        "lookahead k=auto",
         "transformers",
         "transformers-lookup k=4",
     ]

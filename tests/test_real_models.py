@@ -249,12 +249,13 @@ def test_smollm2_shipped_learned_drafter_is_exact(smollm2, capsys):
 
 
 @pytest.mark.slow
-def test_smollm2_shipped_medusa_and_exit_are_exact(smollm2):
-    """The Medusa heads and the trained exit shipped for SmolLM2-135M, used without a path: greedy == plain
-    greedy on 3 chat prompts (chains, and Medusa's default tree), with drafts accepted and rejected."""
+def test_smollm2_shipped_medusa_exit_and_lookahead_are_exact(smollm2):
+    """The Medusa heads, the trained exit and the lookahead tokens shipped for SmolLM2-135M, used without a
+    path: greedy == plain greedy on 3 chat prompts (chains, and Medusa's default tree), with drafts accepted
+    and rejected."""
     model, tokenizer = smollm2
     plain = Speculator((model, tokenizer), drafter="none")
-    for kind, tree in (("medusa", None), ("medusa", "auto"), ("exit", None)):
+    for kind, tree in (("medusa", None), ("medusa", "auto"), ("exit", None), ("lookahead", None)):
         assert shipped_drafter("smollm2-135m", kind) is not None, f"the package ships a {kind} drafter"
         spec = Speculator((model, tokenizer), drafter=kind, target_label="smollm2-135m", tree=tree)
         drafted = accepted = 0
