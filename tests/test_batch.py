@@ -23,8 +23,11 @@ from test_engine import noisy_copy
 from test_kernels import CONFIG, random_llama
 from verispec import cli
 from verispec.api import Speculator
+from verispec.bench.load import LoadConfig
 from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter
+from verispec.drafting.learned.eagle import EagleHead
+from verispec.drafting.learned.head import target_fingerprint
 from verispec.drafting.ngram import NGramDrafter
 from verispec.engine import EngineConfig, GenerationStats, Request, SpeculativeEngine
 from verispec.kernels.cpu import native_available
@@ -92,6 +95,81 @@ def test_same_seed_same_tokens_alone_or_batched(native_target):
     assert [r.token_ids for r in spec.generate_batch(PROMPTS[:4], slots=4, **options)] == alone
     other_seed = SamplingParams(temperature=1.0, top_k=20, seed=8)
     assert spec.generate(PROMPTS[0], **dict(options, sampling=other_seed)).token_ids != alone[0]
+
+
+SHARED_STARTS = ["thecatsatonthemat", "thecatsatonthemat", "thecatsatonthehat", "thecat", "thedogran", "q"]
+
+
+def shared_start(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("drafter", "draft", "k"), [("none", None, 0), ("ngram", None, 3), ("model", "layers:1", 2)]
+)
+def test_a_slot_keeps_the_prompt_start_it_shares_and_that_changes_nothing(native_target, drafter, draft, k):
+    """A request admitted to a slot whose last sequence began as it does keeps those positions' keys and
+    values (cached_prompt_tokens) instead of scoring them again, and generates what it generates alone:
+    greedy, and sampled with a seed, token for token (an early exit reads the kept slots too)."""
+    spec = speculator(native_target, drafter, draft)
+    ids = [LetterTokenizer(VOCAB).encode(p) for p in SHARED_STARTS]
+    for sampling in (GREEDY, SamplingParams(temperature=1.0, top_k=20, seed=5)):
+        options = dict(k=k, max_new_tokens=12, sampling=sampling)
+        alone = [spec.generate(p, **options) for p in SHARED_STARTS]  # a fresh engine each: nothing held
+        assert all(r.stats["cached_prompt_tokens"] == 0 for r in alone)
+        one_slot = spec.generate_batch(SHARED_STARTS, slots=1, **options)
+        assert [r.token_ids for r in one_slot] == [r.token_ids for r in alone]
+        for i in range(1, len(ids)):  # the slot holds what the request before wrote: all its ids but the last
+            held = (ids[i - 1] + alone[i - 1].token_ids)[:-1]
+            expected = min(shared_start(held, ids[i]), len(ids[i]) - 1)
+            assert one_slot[i].stats["cached_prompt_tokens"] == expected
+        assert [r.stats["cached_prompt_tokens"] for r in one_slot][1:4] == [16, 14, 5]  # the same prompt: all
+        three = spec.generate_batch(SHARED_STARTS, slots=3, **options)  # joins pick the slot sharing most
+        assert [r.token_ids for r in three] == [r.token_ids for r in alone]
+
+
+@needs_native
+def test_a_drafter_that_reads_hidden_states_is_handed_the_kept_positions_states(native_target):
+    """A drafter that reads the target's hidden states keeps a shared prompt start only where the slot's last
+    sequence had them too, and is then handed exactly the states scoring the prompt would give."""
+
+    class Reader(NoDrafter):  # a HiddenStateReader: it needs the target's states of every prompt position
+        def __init__(self) -> None:
+            self.seen: list[torch.Tensor] = []
+
+        def observe_hidden(self, hidden: torch.Tensor) -> None:
+            self.seen.append(hidden.clone())
+
+    engine = SpeculativeEngine(native_target, slots=1)
+    prompt = LetterTokenizer(VOCAB).encode("thecatsatonthemat")
+    cached, readers = [], []
+    for drafter in (NoDrafter(), Reader(), Reader(), NoDrafter()):  # a reader after a sequence without states
+        stats = GenerationStats(drafter.name, "0")
+        config = EngineConfig(max_new_tokens=2, sampling=GREEDY)
+        running = engine.submit(Request(prompt, config, drafter, ConstantK(0), stats))
+        while not running.done:
+            engine.step()
+        cached.append(stats.cached_prompt_tokens)
+        if isinstance(drafter, Reader):
+            readers.append(torch.cat(drafter.seen))  # [T, H]: every position's state, in order
+    assert cached == [0, 0, len(prompt) - 1, len(prompt) - 1]
+    assert readers[0].shape[0] >= len(prompt) and torch.equal(readers[1], readers[0])
+
+
+@needs_native
+def test_an_eagle_row_keeping_a_prompt_start_samples_what_it_samples_alone(native_target, tmp_path):
+    """EAGLE's drafts depend on the target's hidden states: with a seed and a fixed K, a request that keeps
+    its slot's shared prompt start (and its states) draws the same tokens as alone."""
+    metadata = {"kind": "eagle", "target": "tiny", "target_fingerprint": target_fingerprint(native_target)}
+    head = EagleHead.create(native_target, torch.arange(VOCAB), torch.Generator().manual_seed(0), metadata)
+    path = head.save(tmp_path / "eagle.safetensors")
+    spec = Speculator((native_target, LetterTokenizer(VOCAB)), drafter="eagle", drafter_path=str(path))
+    options = dict(k=2, max_new_tokens=12, sampling=SamplingParams(temperature=1.0, seed=3))
+    alone = [spec.generate(p, **options).token_ids for p in SHARED_STARTS]
+    one_slot = spec.generate_batch(SHARED_STARTS, slots=1, **options)
+    assert [r.token_ids for r in one_slot] == alone
+    assert [r.stats["cached_prompt_tokens"] for r in one_slot][1:4] == [16, 14, 5]
 
 
 @needs_native
@@ -344,7 +422,7 @@ def test_bench_load_runs_and_reports(tmp_path, capsys, shared_model):
     out = tmp_path / "load"
     model = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
     argv = ["bench-load", *model, "--methods", "none,ngram", "--concurrency", "1,2", "--requests", "3",
-            "--max-new-tokens", "4", "--threads", "1", "--out", str(out)]  # fmt: skip
+            "--repetitions", "2", "--max-new-tokens", "4", "--threads", "1", "--out", str(out)]  # fmt: skip
     assert cli.main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     cells = {(c["method"], c["concurrency"]): c for c in results["cells"]}
@@ -352,9 +430,16 @@ def test_bench_load_runs_and_reports(tmp_path, capsys, shared_model):
     for cell in cells.values():
         assert cell["requests"] == 3 and cell["tokens"] + cell["failures"] > 0
         assert cell["tokens_per_second"] > 0 and cell["ttft_p50"] <= cell["ttft_p99"]
+        runs = cell["tokens_per_second_runs"]  # the repetitions' speeds, sorted; the cell's is the median run
+        assert len(runs) == 2 and sorted(runs) == runs and cell["tokens_per_second"] == runs[0]
+    for method in ("none", "ngram"):  # the same greedy requests at every concurrency: the same tokens
+        assert cells[(method, 1)]["tokens"] == cells[(method, 2)]["tokens"] == cells[("none", 1)]["tokens"]
+    assert LoadConfig(concurrency=(1, 2)).request_count == 8
+    assert LoadConfig(concurrency=(4, 16, 8)).request_count == 64
     assert (out / "results.md").is_file() and (out / "tokens_per_second.png").is_file()
     assert "| ngram k=auto | 2 |" in capsys.readouterr().out
     for bad, message in [(["--methods", "medusa"], "unknown method 'medusa'"),
-                         (["--concurrency", "0"], "concurrency levels must be integers >= 1")]:  # fmt: skip
+                         (["--concurrency", "0"], "concurrency levels must be integers >= 1"),
+                         (["--repetitions", "0"], "repetitions must be an integer >= 1")]:  # fmt: skip
         assert cli.main(["bench-load", *model, *bad, "--out", str(tmp_path / "x")]) == 2
         assert message in capsys.readouterr().err

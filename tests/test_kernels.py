@@ -77,6 +77,24 @@ def test_products_match_the_naive_oracle(variant, fmt, cols):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_block_sums_stay_exact_at_their_largest(variant, fmt):
+    # without VNNI the kernels add pairs of integer products in 16-bit lanes (q8_0: up to 2 * 127 * 127):
+    # weights and activations at the top of their ranges, of equal or opposite signs, give the exact sums
+    cols = 96
+    w = torch.ones(24, cols)  # [24, cols]: q8_0 weights 127; q4_1 nibbles 15 (a block's first value: 0)
+    w[:, ::32] = -1.0 if fmt == "q8_0" else 0.0
+    w[12:] = -w[12:]
+    x = torch.ones(4, cols)  # [4, cols]: every activation quantized to ±127
+    x[1] = -1.0
+    x[2, 1::2] = -1.0
+    matrix = PackedMatrix.pack(w, None, fmt, variant=variant)
+    y = matrix(x)  # [4, 24]
+    expected = oracle_product(matrix, x, None)
+    assert (y.double() - expected).abs().max() <= 2e-6 * expected.abs().max()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_row_of_a_product_is_the_same_in_any_company(variant, fmt):
     matrix = PackedMatrix.pack(random_weight(50, 96, seed=3), None, fmt, variant=variant)

@@ -330,6 +330,7 @@ SHRUNK: dict[str, Callable[[str], str]] = {
     "--eval-every": _fixed("1"),  # 100
     "--checkpoint-every": _fixed("1"),  # 100
     "--concurrency": _fixed("1,2"),  # bench-load's 1,4,8,16
+    "--requests": _fixed("2"),  # bench-load's 32
     "--clients": _fixed("2"),  # bench-serve's 8, 32
     "--seconds": _fixed("2"),  # 60, 600
     "--port": _fixed("0"),  # serve's 8000: a free port

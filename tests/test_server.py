@@ -97,13 +97,16 @@ def test_greedy_through_the_server_is_plain_decoding(served, stories):
     plain = Speculator(loaded, drafter="none").generate(
         "Tom had a red ball.", k=0, max_new_tokens=40, sampling=SamplingParams(temperature=0)
     )
-    for drafter, k in (("ngram", 4), ("ngram", "auto"), ("none", 0)):
+    for i, (drafter, k) in enumerate((("ngram", 4), ("ngram", "auto"), ("none", 0))):
         answer = client(url).completions.create(
             model="stories260K", prompt="Tom had a red ball.", max_tokens=40, temperature=0,
             extra_body={"drafter": drafter, "k": k},
         )  # fmt: skip
         assert answer.choices[0].text == plain.text
         assert answer.model_extra["verispec"]["drafter"] == drafter
+        if i:  # the same prompt again: the slot it lands in held all of it but its last token
+            usage = answer.usage
+            assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
 
 
 def test_stream_usage_stop_strings_and_models(served):

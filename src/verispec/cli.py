@@ -861,7 +861,18 @@ def add_bench_load_parser(subparsers: argparse._SubParsersAction) -> None:
         default="1,4,8,16",
         help="concurrent requests, comma-separated (default: %(default)s)",
     )
-    parser.add_argument("--requests", type=int, help="requests per concurrency (default: 4 x C, at least 8)")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        help="requests at every concurrency, the same ones (default: 4 x the highest C, at least 8)",
+    )
+    parser.add_argument(
+        "--repetitions",
+        type=int,
+        default=1,
+        help="runs of every verispec cell, the methods taking turns at each C; tok/s: the median run "
+        "(default: %(default)s)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64, help="per request (default: %(default)s)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--out", metavar="DIR", help="output directory (default: results/bench-load-STAMP)")
@@ -884,6 +895,7 @@ def run_bench_load(args: argparse.Namespace) -> int:
         ks=tuple(args.k),
         concurrency=tuple(args.concurrency),
         requests=args.requests,
+        repetitions=args.repetitions,
         max_new_tokens=args.max_new_tokens,
         threads=args.threads,
         out=args.out or f"results/bench-load-{stamp}",

@@ -86,6 +86,7 @@ class GenerationStats:
     tree_nodes: int = 0  # draft nodes the target scored in tree rounds (there, drafted adds up tree depths)
     drafted_per_position: list[int] = field(default_factory=list)  # rounds that drafted a token at position i
     accepted_per_position: list[int] = field(default_factory=list)  # rounds that accepted position i
+    cached_prompt_tokens: int = 0  # prompt tokens whose keys and values its slot still held: not scored again
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0  # the target forwards of its rounds (a batch's forward: all of it)
@@ -132,6 +133,7 @@ class GenerationStats:
             "accepted": self.accepted,
             "tree_nodes": self.tree_nodes,
             "tokens_per_second": self.tokens_per_second,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "prefill_seconds": self.prefill_seconds,
             "draft_seconds": self.draft_seconds,
             "target_seconds": self.target_seconds,
@@ -179,10 +181,18 @@ class Running:
     done: bool = False
     hidden_reader: HiddenStateReader | None = None
     tree: bool = False  # its drafter proposes token trees
+    hidden: list[torch.Tensor] = field(default_factory=list)  # what observe_hidden handed over, in order
 
     @property
     def decoding(self) -> bool:
         return not self.done and self.prefilled >= len(self.request.prompt) - 1
+
+    def observe_hidden(self, hidden: torch.Tensor | None) -> None:
+        """hidden: [T, H], the target's final hidden states at the next T committed positions, for a drafter
+        that reads them; kept too, for the slot's next sequence (:meth:`SpeculativeEngine.submit`)."""
+        if hidden is not None and self.hidden_reader is not None:
+            self.hidden.append(hidden)
+            self.hidden_reader.observe_hidden(hidden)
 
 
 @dataclass
@@ -236,6 +246,7 @@ class SpeculativeEngine:
         self.cache = self.caches[0]  # batch 1's
         self._rows = target if isinstance(target, RowModel) else None  # scores rows together
         self.running: list[Running] = []
+        self._last: dict[int, Running] = {}  # slot → the last sequence admitted there
         if drafter is not None:
             self._check_drafter(drafter, trace, self.cache)
 
@@ -262,7 +273,14 @@ class SpeculativeEngine:
 
     def submit(self, request: Request) -> Running:
         """Admit ``request`` into a free slot (UsageError when none is free, or for a prompt that is empty or
-        does not fit the context); its prompt is scored by the next steps, then it decodes."""
+        does not fit the context); its prompt is scored by the next steps, then it decodes.
+
+        The slot chosen is the free one whose last sequence shares the longest start with the prompt: the
+        keys and values of that shared start are still in its cache and are kept, not scored again (a chat's
+        next turn, a common system prompt); a drafter that reads the target's hidden states is handed those
+        the last sequence's drafter was (none kept when it had none). A position's keys, values and hidden
+        state are a function of the tokens up to it alone (in the native kernels, bit for bit), so what is
+        kept is what scoring the prompt again would give."""
         prompt = request.prompt
         if not prompt:
             raise UsageError("the prompt is empty: at least one token is needed")
@@ -273,7 +291,8 @@ class SpeculativeEngine:
         if not self.free_slots:
             raise UsageError(f"all {self.slots} slots are taken: wait for a sequence to finish")
         taken = {r.slot for r in self.running}
-        slot = next(i for i in range(self.slots) if i not in taken)
+        shared = {i: self._kept_prefix(i, prompt) for i in range(self.slots) if i not in taken}
+        slot = max(shared, key=lambda i: shared[i])  # the first free slot on ties
         cache = self.caches[slot]
         given = request.drafter
         if isinstance(given, TreeDrafter) or hasattr(given, "propose"):
@@ -281,7 +300,13 @@ class SpeculativeEngine:
         else:  # a factory: the drafter for this row
             drafter = given(cache)
         self._check_drafter(drafter, request.trace, cache)
-        cache.truncate(0)
+        kept = min(shared[slot], len(prompt) - 1)
+        last = self._last.get(slot)
+        states = torch.cat(last.hidden) if last is not None and last.hidden else None  # [T, H]
+        if isinstance(drafter, HiddenStateReader):
+            kept = min(kept, 0 if states is None else len(states))
+        cache.truncate(kept)
+        request.stats.cached_prompt_tokens = kept
         drafter.begin(list(prompt))
         running = Running(
             request=request,
@@ -291,11 +316,25 @@ class SpeculativeEngine:
             generator=request.config.sampling.generator(self.target.device),
             ids=list(prompt),
             started=time.perf_counter(),
+            prefilled=kept,
             hidden_reader=drafter if isinstance(drafter, HiddenStateReader) else None,
             tree=isinstance(drafter, TreeDrafter),
         )
+        if kept and states is not None:
+            running.observe_hidden(states[:kept])
         self.running.append(running)
+        self._last[slot] = running
         return running
+
+    def _kept_prefix(self, slot: int, prompt: list[int]) -> int:
+        """How many first tokens of ``prompt`` the free ``slot``'s cache holds the keys and values of: those
+        its last sequence shares with it, among the ones it had written (rolled-back drafts are not)."""
+        last = self._last.get(slot)
+        if last is None:
+            return 0
+        held = last.ids[: last.cache.length]
+        n = min(len(held), len(prompt))
+        return next((i for i in range(n) if held[i] != prompt[i]), n)
 
     def cancel(self, running: Running) -> None:
         """Stop ``running`` now (its stop reason "cancelled") and free its slot."""
@@ -369,8 +408,7 @@ class SpeculativeEngine:
 
     def _prefilled(self, running: Running, count: int, hidden: torch.Tensor | None) -> None:
         running.prefilled += count
-        if hidden is not None and running.hidden_reader is not None:
-            running.hidden_reader.observe_hidden(hidden)
+        running.observe_hidden(hidden)
         if running.decoding:
             running.request.stats.prefill_seconds = time.perf_counter() - running.started
 
@@ -498,8 +536,7 @@ class SpeculativeEngine:
             request.trace.record(proposal, logits.unsqueeze(0), verdict, config.sampling)
         emitted, accepted, drafted = verdict.row(row), int(verdict.num_accepted[row]), len(proposal.tokens)
         running.cache.truncate(len(running.ids) - 1 + len(emitted))  # the committed tokens but the new last
-        if hidden is not None and running.hidden_reader is not None:
-            running.hidden_reader.observe_hidden(hidden[: len(emitted)])  # [len(emitted), H]: committed ones
+        running.observe_hidden(None if hidden is None else hidden[: len(emitted)])  # [len(emitted), H]
         cast(Drafter, running.drafter).observe(accepted)
         request.k_policy.observe(drafted, accepted)
         request.stats.record_round(drafted, accepted)
@@ -529,8 +566,7 @@ class SpeculativeEngine:
         kept = verdict.accepted_nodes[: len(verdict.tokens) - 1]  # all but an accepted end-of-sequence token
         root = len(running.ids) - 1
         cache.compact(len(running.ids), [root + node for node in kept])
-        if hidden is not None and running.hidden_reader is not None:
-            running.hidden_reader.observe_hidden(hidden[[0, *kept]])  # [1 + len(kept), H]: the committed path
+        running.observe_hidden(None if hidden is None else hidden[[0, *kept]])  # [1 + len(kept), H]: the path
         stats = running.request.stats
         stats.record_round(tree.max_depth, verdict.num_accepted)
         stats.tree_nodes += tree.num_nodes - 1

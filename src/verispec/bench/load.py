@@ -2,8 +2,9 @@
 latency per method and concurrency, beside transformers' batched ``generate`` on the same weights.
 
 At each concurrency C, C client threads share a list of requests (the bench's task prompts in the chat
-template, cycled), each submitting its next request to a :class:`~verispec.scheduler.Scheduler` of C slots
-as soon as its last one ended, until every request has run: a closed loop that keeps C requests in flight.
+template, cycled; the same list at every C), each submitting its next request to a
+:class:`~verispec.scheduler.Scheduler` of C slots as soon as its last one ended, until every request has
+run: a closed loop that keeps C requests in flight.
 Measured per cell: generated tokens over wall time (aggregate tokens/s), time to first token (submission →
 the first committed token), inter-token latency (the time between committed chunks, spread over the tokens
 of each: what a streaming client sees), their p50 and p99, tokens per target forward and the draft tokens
@@ -44,7 +45,10 @@ LOAD_METHODS = ("none", "ngram", "eagle", "auto", "transformers")  # auto: the d
 @dataclass(frozen=True)
 class LoadConfig:
     """What ``verispec bench-load`` runs; validated with UsageError. ``ks``: the K of the drafting methods
-    (N or "auto"); ``requests``: per concurrency (default: 4 × the concurrency, at least 8)."""
+    (N or "auto"); ``requests``: how many run at every concurrency, the same ones at each, so that the levels
+    compare the same work (default: 4 × the highest concurrency, at least 8); ``repetitions``: how many times
+    every verispec cell runs, the methods taking turns at each concurrency so that a machine's drift falls
+    on all of them alike (tokens/s: the median run; latencies: pooled)."""
 
     target: str = DEFAULT_MODEL
     tokenizer: str | None = None
@@ -53,6 +57,7 @@ class LoadConfig:
     ks: tuple[str, ...] = ("auto",)
     concurrency: tuple[int, ...] = (1, 4, 8, 16)
     requests: int | None = None
+    repetitions: int = 1
     max_new_tokens: int = 64
     threads: int | None = None
     out: str = ""
@@ -71,12 +76,18 @@ class LoadConfig:
         for k in self.ks:
             if k != "auto" and not (k.isdigit() and int(k) >= 1):
                 raise UsageError(f"k must be N >= 1 or auto, got {k!r}")
-        for name, value in (("requests", self.requests), ("max_new_tokens", self.max_new_tokens)):
+        numbers = (
+            ("requests", self.requests),
+            ("repetitions", self.repetitions),
+            ("max_new_tokens", self.max_new_tokens),
+        )
+        for name, value in numbers:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
 
-    def requests_at(self, concurrency: int) -> int:
-        return self.requests if self.requests is not None else max(8, 4 * concurrency)
+    @property
+    def request_count(self) -> int:
+        return self.requests if self.requests is not None else max(8, 4 * max(self.concurrency))
 
 
 def run_clients(client: Callable[[], None], count: int) -> float:
@@ -116,7 +127,7 @@ def _verispec_cell(
     spec: Speculator, prompts: list[Prompt], concurrency: int, k: str, config: LoadConfig, chat: bool
 ) -> dict:
     """C clients in a closed loop through a scheduler of C slots."""
-    queue = list(range(config.requests_at(concurrency)))
+    queue = list(range(config.request_count))
     lock = threading.Lock()
     ttft: list[float] = []
     itl: list[float] = []
@@ -155,18 +166,30 @@ def _verispec_cell(
 
     with Scheduler(spec, slots=concurrency, max_queue=concurrency) as scheduler:
         seconds = run_clients(lambda: client(scheduler), concurrency)
+    return {"seconds": seconds, "tokens": tokens[0], "calls": calls[0], "drafted": drafted[0],
+            "failures": failures[0], "ttft": ttft, "itl": itl}  # fmt: skip
+
+
+def _summary(runs: list[dict], requests: int) -> dict:
+    """One cell from its runs: tokens/s of the median run, latencies pooled over all, τ and drafts per round
+    over all."""
+    speeds = sorted(run["tokens"] / run["seconds"] for run in runs)
+    ttft = [t for run in runs for t in run["ttft"]]
+    itl = [t for run in runs for t in run["itl"]]
+    tokens, calls, drafted = (sum(run[key] for run in runs) for key in ("tokens", "calls", "drafted"))
     return {
-        "tokens_per_second": tokens[0] / seconds,
-        "tokens": tokens[0],
-        "seconds": seconds,
-        "requests": config.requests_at(concurrency),
-        "failures": failures[0],
+        "tokens_per_second": speeds[(len(speeds) - 1) // 2],
+        "tokens_per_second_runs": speeds,
+        "tokens": runs[0]["tokens"],
+        "seconds": sum(run["seconds"] for run in runs) / len(runs),
+        "requests": requests,
+        "failures": sum(run["failures"] for run in runs),
         "ttft_p50": _percentile(ttft, 0.5),
         "ttft_p99": _percentile(ttft, 0.99),
         "itl_p50": _percentile(itl, 0.5),
         "itl_p99": _percentile(itl, 0.99),
-        "tokens_per_target_call": tokens[0] / calls[0] if calls[0] else None,
-        "drafted_per_round": drafted[0] / calls[0] if calls[0] else None,
+        "tokens_per_target_call": tokens / calls if calls else None,
+        "drafted_per_round": drafted / calls if calls else None,
     }
 
 
@@ -175,7 +198,7 @@ def _transformers_cell(
 ) -> dict:
     """transformers' greedy ``generate`` over the same requests in left-padded batches of C."""
     ids = [tokenizer.encode(tokenizer.chat_prompt(p) if chat else p) for p in prompts]
-    count = config.requests_at(concurrency)
+    count = config.request_count
     eos = sorted(tokenizer.eos_token_ids)
     pad = eos[0] if eos else 0
     generated = 0
@@ -204,41 +227,49 @@ def run_load(config: LoadConfig, progress: bool = True) -> dict:
     chat = _has_chat_template(base.tokenizer)
     prompts = _load_prompts(config.prompts, base, chat, config.max_new_tokens)
     loaded = (base.model, base.tokenizer)
-    cells = []
+    turns = []  # (method, k, speculator): the verispec cells, which take turns at each concurrency
     for method in config.methods:
-        if method == "transformers":
-            from verispec.bench.peers import load_transformers
+        if method != "transformers":
+            spec = base if method == "none" else Speculator(
+                loaded, drafter=method, target_label=str(config.target), precision=config.precision
+            )  # fmt: skip
+            turns += [(method, k, spec) for k in (("0",) if method == "none" else config.ks)]
+    for _, k, spec in turns:
+        _verispec_cell(spec, prompts, 1, k, dataclasses.replace(config, requests=1), chat)  # warm-up
+    runs: dict[tuple[int, int], list[dict]] = {}
+    for repetition in range(config.repetitions):
+        for c in config.concurrency:
+            for index, (method, k, spec) in enumerate(turns):
+                runs.setdefault((index, c), []).append(_verispec_cell(spec, prompts, c, k, config, chat))
+                run = runs[(index, c)][-1]
+                _say(progress, method, k, c, run["tokens"] / run["seconds"], repetition)
+    cells = []
+    for index, (method, k, spec) in enumerate(turns):
+        label = spec.drafter_name if method == "auto" else method
+        for c in config.concurrency:
+            cells.append({"method": method, "drafter": label, "k": "" if method == "none" else k,
+                          "concurrency": c, **_summary(runs[(index, c)], config.request_count)})  # fmt: skip
+    if "transformers" in config.methods:
+        from verispec.bench.peers import load_transformers
 
-            peer = load_transformers(config.target, config.tokenizer)
-            for c in config.concurrency:
-                measured = _transformers_cell(peer, base.tokenizer, prompts, c, config, chat)
-                cells.append({"method": method, "k": "", "concurrency": c, **measured})
-                _say(progress, cells[-1])
-            continue
-        spec = base if method == "none" else Speculator(
-            loaded, drafter=method, target_label=str(config.target), precision=config.precision
-        )  # fmt: skip
-        for k in ("0",) if method == "none" else config.ks:
-            _verispec_cell(spec, prompts, 1, k, dataclasses.replace(config, requests=1), chat)  # warm-up
-            for c in config.concurrency:
-                label = spec.drafter_name if method == "auto" else method
-                measured = _verispec_cell(spec, prompts, c, k, config, chat)
-                cells.append({"method": method, "drafter": label, "k": "" if method == "none" else k,
-                              "concurrency": c, **measured})  # fmt: skip
-                _say(progress, cells[-1])
+        peer = load_transformers(config.target, config.tokenizer)
+        for c in config.concurrency:
+            measured = _transformers_cell(peer, base.tokenizer, prompts, c, config, chat)
+            cells.append({"method": "transformers", "k": "", "concurrency": c, **measured})
+            _say(progress, "transformers", "", c, measured["tokens_per_second"], 0)
     return {
         "config": {"target": config.target, "precision": config.precision, "methods": list(config.methods),
                    "ks": list(config.ks), "concurrency": list(config.concurrency),
+                   "requests": config.request_count, "repetitions": config.repetitions,
                    "max_new_tokens": config.max_new_tokens, "threads": torch.get_num_threads()},
         "cells": cells,
     }  # fmt: skip
 
 
-def _say(progress: bool, cell: dict) -> None:
+def _say(progress: bool, method: str, k: str, concurrency: int, speed: float, repetition: int) -> None:
     if progress:
-        k = f" k={cell['k']}" if cell.get("k") else ""
-        speed = cell["tokens_per_second"]
-        print(f"bench-load: {cell['method']}{k} at {cell['concurrency']}: {speed:.1f} tok/s", flush=True)
+        label = method + (f" k={k}" if method not in ("none", "transformers") else "")
+        print(f"bench-load: {label} at {concurrency} (run {repetition + 1}): {speed:.1f} tok/s", flush=True)
 
 
 def _ms(value: float | None) -> str:
@@ -254,7 +285,8 @@ def write_load_report(results: dict, out: str | Path) -> Path:
     cells = results["cells"]
     plain = {c["concurrency"]: c["tokens_per_second"] for c in cells if c["method"] == "none"}
     header = (
-        "| method | C | tok/s | × none | TTFT p50 / p99 ms | ITL p50 / p99 ms | τ | drafts/round | failures |"
+        "| method | C | tok/s (runs) | × none | TTFT p50 / p99 ms | ITL p50 / p99 ms | τ | drafts/round "
+        "| failures |"
     )
     lines = ["# verispec bench-load", "", f"Config: `{json.dumps(results['config'])}`", "", header,
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -268,8 +300,10 @@ def write_load_report(results: dict, out: str | Path) -> Path:
         ratio = c["tokens_per_second"] / base if base else None
         tau = c.get("tokens_per_target_call")
         drafts = c.get("drafted_per_round")
+        runs = c.get("tokens_per_second_runs", [])
+        spread = f" ({runs[0]:.0f}–{runs[-1]:.0f})" if len(runs) > 1 else ""
         lines.append(
-            f"| {label} | {c['concurrency']} | {c['tokens_per_second']:.1f} | "
+            f"| {label} | {c['concurrency']} | {c['tokens_per_second']:.1f}{spread} | "
             f"{'—' if ratio is None else f'{ratio:.2f}×'} | "
             f"{_ms(c.get('ttft_p50'))} / {_ms(c.get('ttft_p99'))} | "
             f"{_ms(c.get('itl_p50'))} / {_ms(c.get('itl_p99'))} | {'—' if tau is None else f'{tau:.2f}'} | "

@@ -31,6 +31,7 @@ from verispec.bench.load import (
     Prompt,
     _load_prompts,
     _percentile,
+    _summary,
     _verispec_cell,
     run_clients,
 )
@@ -300,7 +301,9 @@ def run_serve_load(config: ServeLoadConfig, progress: bool = True) -> dict:
         load = LoadConfig(target=config.target, max_new_tokens=config.max_tokens,
                           requests=max(config.clients, measured["completed"]))  # fmt: skip
         _verispec_cell(spec, prompts, 1, config.k, replace(load, requests=1), chat)  # warm-up
-        engine = _verispec_cell(spec, prompts, config.clients, config.k, load, chat)
+        engine = _summary(
+            [_verispec_cell(spec, prompts, config.clients, config.k, load, chat)], load.request_count
+        )
         result["engine"] = engine
         result["served_over_engine"] = measured["tokens_per_second"] / engine["tokens_per_second"]
     return result

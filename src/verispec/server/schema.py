@@ -169,11 +169,13 @@ def finish_reason(stats: GenerationStats) -> str:
 
 
 def usage(prompt_tokens: int, stats: GenerationStats) -> dict:
-    """OpenAI's usage object."""
+    """OpenAI's usage object; ``cached_tokens``: the prompt's first tokens whose keys and values the slot
+    still held (not scored again)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": stats.new_tokens,
         "total_tokens": prompt_tokens + stats.new_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens},
     }
 
 
