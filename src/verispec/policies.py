@@ -162,6 +162,7 @@ class CostModelK(KPolicy):
         self._rejected = np.zeros(k_max)  # [k_max] decayed failures at each position
         self._plain_rounds = 0  # consecutive rounds at K = 0
         self._plan: tuple[int, int, int] | None = None  # (best K, probe K, probe gap); None: evidence changed
+        self._here: tuple[int, CostModel, BatchCost | None] | None = None  # (context step, its costs)
 
     @property
     def alphas(self) -> np.ndarray:
@@ -184,11 +185,22 @@ class CostModelK(KPolicy):
         loss = self._round_costs[probe] * (1 - speedups[probe])  # round cost − E[L], in plain steps
         return best, probe, max(1, math.ceil(loss / self.config.probe_budget))
 
+    def costs_here(self, context: int) -> tuple[CostModel, BatchCost | None]:
+        """The cost model and the batch grid (None without ``batch_costs_at``) at ``context``: at the middle
+        of its step of :data:`CONTEXT_STEP` positions, computed once per step."""
+        step = context // CONTEXT_STEP
+        if self._here is None or self._here[0] != step:
+            middle = step * CONTEXT_STEP + CONTEXT_STEP // 2
+            cost = self.costs_at(middle) if self.costs_at is not None else self.cost
+            batch = self.batch_costs_at(middle) if self.batch_costs_at is not None else None
+            self._here = (step, cost, batch)
+        return self._here[1], self._here[2]
+
     def next_k(self, context: int = 0) -> int:
         step = context // CONTEXT_STEP
         if self.costs_at is not None and step != self._step:
             self._step = step
-            self._round_costs = self.costs_at(step * CONTEXT_STEP + CONTEXT_STEP // 2).round_costs(self.k_max)
+            self._round_costs = self.costs_here(context)[0].round_costs(self.k_max)
             self._plan = None
         if self._plan is None:
             self._plan = self._decide()
@@ -233,7 +245,8 @@ def plan_batch(policies: Sequence[CostModelK], contexts: Sequence[int], caps: Se
         Σ_i E[L_i](K_i) / (V(b, Σ_i (K_i + 1)) + Σ_i K_i·c_i),
 
     V(b, n) the target's cost of one forward of n new tokens over the b rows (:func:`_forward_cost`, the
-    first row's calibrated batch grid at the batch's mean context: rows share the weights' reads, each reads
+    first row's calibrated batch grid at the batch's mean context, by steps of :data:`CONTEXT_STEP` as
+    :meth:`CostModelK.costs_here` gives it: rows share the weights' reads, each reads
     its own cache), c_i and α̂_i each row's own (``caps``: the most each may draft). Draft tokens are added
     one at a time where they raise the rate most, while any does: when the forward is cheap per extra token
     (a small batch, memory-bound), rows draft; when a batch is large enough that every extra token costs
@@ -244,9 +257,9 @@ def plan_batch(policies: Sequence[CostModelK], contexts: Sequence[int], caps: Se
         return [min(policies[0].next_k(contexts[0]), caps[0])]
     context = round(sum(contexts) / len(contexts))
     first = policies[0]
-    costs = [p.costs_at(context) if p.costs_at is not None else p.cost for p in policies]
-    target = costs[0]
-    batch = first.batch_costs_at(context) if first.batch_costs_at is not None else None
+    here = [p.costs_here(context) for p in policies]
+    costs = [cost for cost, _ in here]
+    target, batch = costs[0], here[0][1]
     b = len(policies)
     alphas = [p.alphas for p in policies]
     ks = [0] * b
