@@ -48,7 +48,7 @@ class LoadConfig:
     (N or "auto"); ``requests``: how many run at every concurrency, the same ones at each, so that the levels
     compare the same work (default: 4 × the highest concurrency, at least 8); ``repetitions``: how many times
     every verispec cell runs, the methods taking turns at each concurrency so that a machine's drift falls
-    on all of them alike (tokens/s: the median run; latencies: pooled)."""
+    on all of them alike (tokens/s: the median run, of two the slower; latencies: pooled)."""
 
     target: str = DEFAULT_MODEL
     tokenizer: str | None = None
@@ -171,8 +171,8 @@ def _verispec_cell(
 
 
 def _summary(runs: list[dict], requests: int) -> dict:
-    """One cell from its runs: tokens/s of the median run, latencies pooled over all, τ and drafts per round
-    over all."""
+    """One cell from its runs: tokens/s of the median run (of an even number, the slower middle one),
+    latencies pooled over all, τ and drafts per round over all."""
     speeds = sorted(run["tokens"] / run["seconds"] for run in runs)
     ttft = [t for run in runs for t in run["ttft"]]
     itl = [t for run in runs for t in run["itl"]]
