@@ -191,7 +191,7 @@ class Running:
         """hidden: [T, H], the target's final hidden states at the next T committed positions, for a drafter
         that reads them; kept too, for the slot's next sequence (:meth:`SpeculativeEngine.submit`)."""
         if hidden is not None and self.hidden_reader is not None:
-            self.hidden.append(hidden)
+            self.hidden.append(hidden.clone())  # its own rows only, not a view of the step's whole output
             self.hidden_reader.observe_hidden(hidden)
 
 

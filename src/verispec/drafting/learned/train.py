@@ -355,6 +355,14 @@ def batch_loss(
 # ---------------------------------------------------------------------------------------------- recipes
 
 
+def _later(data: TrainingData, positions: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """The positions t + j, j = 1..count, after each of ``positions`` [M] (whose states predict what a Medusa
+    head or a lookahead token guesses at t), clamped into the data set, and whether each lies inside t's
+    sequence: [M, count] int64 and [M, count] bool."""
+    later = positions[:, None] + torch.arange(1, count + 1)  # [M, count]
+    return later.clamp(max=data.tokens.shape[0] - 1), later < data.ends[positions][:, None]
+
+
 class Recipe(Protocol):
     """What a kind of learned drafter brings to the training loop."""
 
@@ -471,13 +479,6 @@ class MedusaRecipe(Recipe):
     ) -> MedusaHeads:
         return MedusaHeads.create(target, draft_vocab, generator, metadata, config.heads)
 
-    @staticmethod
-    def _later(head: MedusaHeads, data: TrainingData, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """(positions t + i whose state predicts what head i guesses at t, whether inside the sequence):
-        [M, K] int64 and [M, K] bool, i = 1..K."""
-        later = positions[:, None] + torch.arange(1, head.num_heads + 1)  # [M, K]
-        return later.clamp(max=data.tokens.shape[0] - 1), later < data.ends[positions][:, None]
-
     def loss(
         self,
         head: MedusaHeads,
@@ -489,7 +490,7 @@ class MedusaRecipe(Recipe):
         positions = _sample_positions(data, config.batch_tokens, generator)  # [M]
         logits = head.logits(head(data.hidden[positions]))  # [M, K, Vd]
         if config.ce_target == "distribution":
-            later, valid = self._later(head, data, positions)  # [M, K] each
+            later, valid = _later(data, positions, head.num_heads)  # [M, K] each
             with torch.no_grad():
                 target_logits = head.logits(data.hidden[later].float())  # [M, K, Vd]
             return _distilled_ce(logits, target_logits, valid)
@@ -503,7 +504,7 @@ class MedusaRecipe(Recipe):
         positions = _eval_positions(data, config.eval_tokens)  # [M]
         with torch.no_grad():
             logits = head.logits(head(data.hidden[positions]))  # [M, K, Vd]
-            later, valid = self._later(head, data, positions)  # [M, K] each
+            later, valid = _later(data, positions, head.num_heads)  # [M, K] each
             greedy = head.logits(data.hidden[later].float()).argmax(-1, keepdim=True)  # [M, K, 1]
             rank = (logits > logits.gather(-1, greedy)).sum(-1)  # [M, K]
         table = [
@@ -625,12 +626,6 @@ class LookaheadRecipe(Recipe):
         start, end = int(data.starts[seq]), int(data.starts[seq] + data.lengths[seq])
         return data.answers[(data.answers >= start) & (data.answers < end)]
 
-    def _later(self, head: LookaheadTokens, data: TrainingData, anchors: Tensor) -> tuple[Tensor, Tensor]:
-        """(positions t + j whose state predicts what lookahead j guesses after anchor t, whether inside the
-        sequence): [A, m] int64 and [A, m] bool, j = 1..m."""
-        later = anchors[:, None] + torch.arange(1, head.num_tokens + 1)  # [A, m]
-        return later.clamp(max=data.tokens.shape[0] - 1), later < data.ends[anchors][:, None]
-
     def loss(
         self,
         head: LookaheadTokens,
@@ -652,7 +647,7 @@ class LookaheadRecipe(Recipe):
             pick = torch.randperm(candidates.shape[0], generator=generator)[: config.window]
             anchors = candidates[pick].sort().values  # [A]
             logits = head.logits(self.hidden(head, data, seq, anchors))  # [A, m, Vd]
-            later, valid = self._later(head, data, anchors)  # [A, m] each
+            later, valid = _later(data, anchors, head.num_tokens)  # [A, m] each
             if config.ce_target == "distribution":
                 with torch.no_grad():
                     target_logits = head.logits(data.hidden[later].float())  # [A, m, Vd]
@@ -679,7 +674,7 @@ class LookaheadRecipe(Recipe):
                 if anchors.numel() == 0:
                     continue
                 guess = head.logits(self.hidden(head, data, seq, anchors)).argmax(-1)  # [A, m]
-                later, valid = self._later(head, data, anchors)  # [A, m] each
+                later, valid = _later(data, anchors, head.num_tokens)  # [A, m] each
                 greedy = head.logits(data.hidden[later].float()).argmax(-1)  # [A, m]
                 totals[:, 0] += ((guess == greedy) & valid).sum(0)
                 totals[:, 1] += valid.sum(0)
