@@ -329,25 +329,35 @@ def test_unrolled_steps_see_what_drafting_sees(target):
                 torch.testing.assert_close(out[0, 0], steps[s][0, slot], atol=1e-5, rtol=1e-5)
 
 
+def train_whole_and_cut(target, dataset, tmp_path, monkeypatch, config, owner, name: str, at: int):
+    """Trains ``config`` into tmp_path / "whole", then into tmp_path / "cut" interrupted (KeyboardInterrupt)
+    at the ``at``-th call of ``owner.name``; the whole run's file."""
+    whole = train_drafter(target, dataset, tmp_path / "whole", config, progress=False)
+    calls = []
+    original = getattr(owner, name)
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(target, dataset, tmp_path / "cut", config, progress=False)
+    monkeypatch.undo()
+    return whole
+
+
 def test_resume_continues_exactly(target, dataset, tmp_path, monkeypatch):
     """Interrupted after the checkpoint of step 3 (in step 5, after an evaluation at step 4), resumed: the
     same weights, optimizer state and logged evaluations as an uninterrupted run of 6 steps."""
     config = TrainConfig(
         steps=6, batch_tokens=64, window=32, draft_vocab=48, eval_every=2, checkpoint_every=3, eval_tokens=64
     )
-    whole = train_drafter(target, dataset, tmp_path / "whole", config, progress=False)
-    calls = []
-
-    def interrupted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-        return sample_batch(*args, **kwargs)
-
-    monkeypatch.setattr(train_module, "sample_batch", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        train_drafter(target, dataset, tmp_path / "cut", config, progress=False)
-    monkeypatch.undo()
+    whole = train_whole_and_cut(
+        target, dataset, tmp_path, monkeypatch, config, train_module, "sample_batch", 5
+    )
     assert torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["step"] == 3
     one_line_error(lambda: train_drafter(target, dataset, tmp_path / "cut", config), "already holds")
     changed = TrainConfig(**{**config.__dict__, "lr": 5e-3})

@@ -30,6 +30,7 @@ from test_eagle import (
     random_prompts,
     run_cli,
     tiny_target,
+    train_whole_and_cut,
 )
 from test_kernels import CONFIG, random_llama
 from test_real_models import STORY_PROMPTS
@@ -358,20 +359,7 @@ def test_resume_continues_exactly(target, dataset, tmp_path, monkeypatch):
     config = dataclasses.replace(
         TRAINING, steps=6, batch_tokens=32, eval_every=2, checkpoint_every=3, eval_tokens=32
     )
-    whole = train_drafter(target, dataset, tmp_path / "whole", config, progress=False)
-    calls = []
-    hidden = LookaheadRecipe.hidden
-
-    def interrupted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 7:
-            raise KeyboardInterrupt
-        return hidden(*args, **kwargs)
-
-    monkeypatch.setattr(LookaheadRecipe, "hidden", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        train_drafter(target, dataset, tmp_path / "cut", config, progress=False)
-    monkeypatch.undo()
+    whole = train_whole_and_cut(target, dataset, tmp_path, monkeypatch, config, LookaheadRecipe, "hidden", 7)
     resumed = train_drafter(target, dataset, tmp_path / "cut", config, resume=True, progress=False)
     a, b = load_file(str(whole)), load_file(str(resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -30,6 +30,7 @@ from test_eagle import (
     random_prompts,
     run_cli,
     tiny_target,
+    train_whole_and_cut,
 )
 from test_real_models import STORY_PROMPTS
 from verispec.api import Speculator
@@ -381,20 +382,8 @@ def test_resume_continues_exactly(target, dataset, tmp_path, monkeypatch, kind):
     config = dataclasses.replace(
         TRAINING[kind], steps=6, batch_tokens=64, eval_every=2, checkpoint_every=3, eval_tokens=64
     )
-    whole = train_drafter(target, dataset, tmp_path / "whole", config, progress=False)
-    calls = []
-    sample = train_module._sample_positions
-
-    def interrupted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-        return sample(*args, **kwargs)
-
-    monkeypatch.setattr(train_module, "_sample_positions", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        train_drafter(target, dataset, tmp_path / "cut", config, progress=False)
-    monkeypatch.undo()
+    cut = ("_sample_positions", 5)
+    whole = train_whole_and_cut(target, dataset, tmp_path, monkeypatch, config, train_module, *cut)
     resumed = train_drafter(target, dataset, tmp_path / "cut", config, resume=True, progress=False)
     a, b = load_file(str(whole)), load_file(str(resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
