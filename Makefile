@@ -32,8 +32,11 @@ browser:
 	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1; }; }; } || \
 	  echo "chromium could not be installed: the browser tests of the HTML trace will skip"
 
+# The suite in one pytest-xdist worker per core, each on one torch thread (tests/conftest.py); loadgroup (no test
+# has a group) hands out one test at a time as a worker frees, which kept the workers busiest. A plain
+# `pytest -q` runs the same tests one after another.
 test: $(STAMP) browser lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadgroup
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

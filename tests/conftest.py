@@ -1,13 +1,34 @@
-"""Shared fixtures: locating the small real models kept in ``../shared/models`` beside the repository."""
+"""Shared fixtures: locating the small real models kept in ``../shared/models`` beside the repository, and a
+lock for one local Ray at a time; in a pytest-xdist worker (``make test`` runs one per core), one torch
+thread."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+from filelock import FileLock
 
 SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared/models"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A pytest-xdist worker runs torch, and every process it starts (CLI subprocesses, servers), on one
+    intra-op thread: the workers share the cores, and OpenMP threads competing for them make the small
+    models' many short operations many times slower."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def ray_lock(tmp_path_factory: pytest.TempPathFactory) -> FileLock:
+    """Held while a test runs a local Ray, so that pytest-xdist workers never start two at once (a lock file
+    beside the workers' temporary directories)."""
+    return FileLock(tmp_path_factory.getbasetemp().parent / "local-ray.lock")
 
 
 @pytest.fixture(scope="session")

@@ -111,6 +111,7 @@ def test_an_interrupted_run_resumes_where_it_stopped(stories, requests_file, tmp
         run_job(job(stories, requests_file, output))
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes(stories, tmp_path):
     """``verispec batch`` killed (SIGKILL) once some shards are written: the shards on disk are whole, and the
     run started again finishes with exactly the lines of an uninterrupted run."""
@@ -218,16 +219,17 @@ def test_cli_batch_and_an_unreachable_ray(stories, requests_file, tmp_path, caps
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    """A local Ray (2 CPUs, loopback) for this module's Ray tests; skipped, saying why, where it cannot
-    start."""
+def local_ray(ray_lock):
+    """A local Ray (2 CPUs, loopback) for this module's Ray tests, the only one on the machine while they run;
+    skipped, saying why, where it cannot start."""
     ray = pytest.importorskip("ray", reason="Ray is not installed")
-    try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    except Exception as err:  # noqa: BLE001 - whatever keeps Ray from starting here: say so
-        pytest.skip(f"Ray cannot start here: {err}")
-    yield ray
-    ray.shutdown()
+    with ray_lock:
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        except Exception as err:  # noqa: BLE001 - whatever keeps Ray from starting here: say so
+            pytest.skip(f"Ray cannot start here: {err}")
+        yield ray
+        ray.shutdown()
 
 
 def test_ray_workers_give_the_same_output(local_ray, stories, requests_file, tmp_path):

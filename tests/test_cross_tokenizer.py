@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from fakes import TableLM, TokenCache
+from first_rounds import first_token_counts
 from toy import SETTINGS, single_threaded, target_joint
 from verispec.drafting import cross_tokenizer
 from verispec.drafting.base import Proposal
@@ -489,29 +490,25 @@ def test_real_pair_greedy_equals_plain_greedy(real_pair, algorithm: str):
     assert drafted > 0
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["tli", "string"])
 def test_real_pair_first_sampled_token_follows_the_target(real_pair, algorithm: str):
-    """600 seeded generations through the engine at temperature 1: the first token's counts pass a
-    chi-square (α = 1e-3 / 2) against SmolLM2's own next-token distribution, and the verifier both accepted
-    and rejected draft tokens."""
+    """600 seeded generations through the engine at temperature 1 (their first rounds,
+    :func:`first_rounds.first_rounds`): the first token's counts pass a chi-square (α = 1e-3 / 2) against
+    SmolLM2's own next-token distribution, and the verifier both accepted and rejected draft tokens."""
     from scipy import stats as scipy_stats
 
-    from verispec.engine import GenerationStats
+    from verispec.engine import Request
 
     target, _ = real_pair
     model, tokenizer = target
     spec = _speculator(real_pair, algorithm)
     prompt, n = "Once upon a time, there was a little girl named", 600
-    counts = np.zeros(model.vocab_size)
-    drafted = accepted = 0
-    for seed in range(n):
-        stats = GenerationStats("model", "2")
+
+    def request(seed: int) -> Request:
         sampling = SamplingParams(temperature=1.0, seed=seed)
-        chunks = spec.stream(prompt, k=2, max_new_tokens=2, sampling=sampling, stats=stats)
-        counts[next(iter(chunks)).token_ids[0]] += 1
-        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
-    assert 0 < accepted < drafted
+        return spec.request(prompt, k=2, max_new_tokens=2, sampling=sampling)[0]
+
+    counts = first_token_counts(model, request, n)
     ids = tokenizer.encode(prompt)
     logits = model.forward(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), model.new_cache())[0, -1]
     expected = probs_from_logits(logits.double(), SamplingParams()).numpy() * n

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from scipy import stats as scipy_stats
 
 from fakes import LetterTokenizer, TableLM
+from first_rounds import first_token_counts
 from test_real_models import STORY_PROMPTS
 from verispec import api as api_module
 from verispec import cli
@@ -45,7 +46,7 @@ from verispec.drafting.learned.train import (
 )
 from verispec.drafting.ngram import NGramTreeDrafter
 from verispec.drafting.tree import TreeShape
-from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
+from verispec.engine import EngineConfig, GenerationStats, Request, SpeculativeEngine
 from verispec.models.llama import Llama, LlamaConfig
 from verispec.models.registry import load_model
 from verispec.policies import ConstantK
@@ -428,6 +429,14 @@ def test_bad_training_input(target, dataset, tmp_path):
 # ---------------------------------------------------------------------------------------------- drafting
 
 
+def plain_greedy(model: Llama, tokenizer, prompts, max_new_tokens: int) -> dict[str, list[int]]:
+    """prompt → the model's own greedy output after it (no drafter)."""
+    plain = Speculator((model, tokenizer), drafter="none")
+    return {
+        p: plain.generate(p, k=0, max_new_tokens=max_new_tokens, sampling=GREEDY).token_ids for p in prompts
+    }
+
+
 def plain_and_eagle(target, path: Path):
     tokenizer = LetterTokenizer(VOCAB)
     plain = Speculator((target, tokenizer), drafter="none")
@@ -641,23 +650,17 @@ ALPHA = 1e-3
 
 
 def first_token_chi_square(speculator: Speculator, model: Llama, prompt_ids: list[int], prompt, sampling_kw):
-    def first(sampling: SamplingParams, stats: GenerationStats) -> int:
-        chunks = speculator.stream(prompt, k=1, max_new_tokens=2, sampling=sampling, stats=stats)
-        return next(iter(chunks)).token_ids[0]
+    def request(sampling: SamplingParams) -> Request:
+        return speculator.request(prompt, k=1, max_new_tokens=2, sampling=sampling)[0]
 
-    return chi_square_of_first_tokens(first, model, prompt_ids, sampling_kw)
+    return chi_square_of_first_tokens(request, model, prompt_ids, sampling_kw)
 
 
-def chi_square_of_first_tokens(first, model: Llama, prompt_ids: list[int], sampling_kw) -> float:
-    """The p-value of the first tokens that ``first(sampling, stats)`` samples with seeds 0..N-1 against the
-    target's own next-token distribution after ``prompt_ids``."""
-    counts = np.zeros(model.vocab_size)
-    drafted = accepted = 0
-    for seed in range(N):
-        stats = GenerationStats("eagle", "1")
-        counts[first(SamplingParams(seed=seed, **sampling_kw), stats)] += 1
-        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
-    assert 0 < accepted < drafted  # both branches of the verifier were taken
+def chi_square_of_first_tokens(request, model: Llama, prompt_ids: list[int], sampling_kw) -> float:
+    """The p-value of the first tokens that the requests ``request(sampling)`` for seeds 0..N-1 sample (their
+    first rounds, :func:`first_rounds.first_rounds`) against the target's own next-token distribution after
+    ``prompt_ids``."""
+    counts = first_token_counts(model, lambda seed: request(SamplingParams(seed=seed, **sampling_kw)), N)
     logits = model.forward(torch.tensor([prompt_ids]), torch.arange(len(prompt_ids))[None], model.new_cache())
     expected = probs_from_logits(logits[0, -1].double(), SamplingParams(**sampling_kw)).numpy() * N
     big = expected >= 5
@@ -774,20 +777,28 @@ def test_tree_rounds_hand_over_the_committed_path(target, trained, sampling):
     torch.testing.assert_close(held, hidden_states(target, prompt + new[:-1]), atol=1e-5, rtol=1e-5)
 
 
+def tree_first_token_chi_square(
+    target: Llama, trained: Path, shape: TreeShape, sampled: bool = False
+) -> float:
+    """:func:`chi_square_of_first_tokens` after "hello", drafted by eagle trees of ``shape``: the head's top-k
+    children verified as single guesses, or (``sampled``) sampled children verified with their q."""
+    head = EagleHead.load(trained, target)
+    prompt_ids = LetterTokenizer(VOCAB).encode("hello")
+
+    def request(sampling: SamplingParams) -> Request:
+        drafter = EagleTreeDrafter(EagleDrafter(head, sampling), shape, sampled=sampled)
+        stats = GenerationStats("eagle", f"tree {shape.name}")
+        return Request(prompt_ids, EngineConfig(2, sampling), drafter, ConstantK(0), stats)
+
+    return chi_square_of_first_tokens(request, target, prompt_ids, {})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sampled", [False, True], ids=["top-k", "sampled"])
 def test_tree_first_sampled_token_follows_the_target(target, trained, sampled):
     """Chi-square of the first sampled token with eagle trees: top-k children verified as single guesses,
     and sampled children verified with their q."""
-    head = EagleHead.load(trained, target)
-    prompt_ids = LetterTokenizer(VOCAB).encode("hello")
-
-    def first(sampling: SamplingParams, stats: GenerationStats) -> int:
-        drafter = EagleTreeDrafter(EagleDrafter(head, sampling), TreeShape.full(2, 2), sampled=sampled)
-        engine = SpeculativeEngine(target, drafter, ConstantK(0))
-        return next(engine.stream(prompt_ids, EngineConfig(2, sampling), stats))[0]
-
-    assert chi_square_of_first_tokens(first, target, prompt_ids, {}) > ALPHA
+    assert tree_first_token_chi_square(target, trained, TreeShape.full(2, 2), sampled) > ALPHA
 
 
 # ---------------------------------------------------------------------------------------------- dynamic trees
@@ -908,17 +919,7 @@ def test_dynamic_tree_greedy_equals_plain_greedy(target, trained, spec, tmp_path
 def test_dynamic_tree_first_sampled_token_follows_the_target(target, trained):
     """Chi-square of the first sampled token with a dynamic tree: its top-k children, chosen by the head's
     probabilities, are verified as single guesses."""
-    head = EagleHead.load(trained, target)
-    prompt_ids = LetterTokenizer(VOCAB).encode("hello")
-    shape = TreeShape.full(3, 2).with_budget(3)
-
-    def first(sampling: SamplingParams, stats: GenerationStats) -> int:
-        engine = SpeculativeEngine(
-            target, EagleTreeDrafter(EagleDrafter(head, sampling), shape), ConstantK(0)
-        )
-        return next(engine.stream(prompt_ids, EngineConfig(2, sampling), stats))[0]
-
-    assert chi_square_of_first_tokens(first, target, prompt_ids, {}) > ALPHA
+    assert tree_first_token_chi_square(target, trained, TreeShape.full(3, 2).with_budget(3)) > ALPHA
 
 
 def test_tree_auto_is_the_learned_drafters_default_tree(target, trained):
@@ -1063,7 +1064,6 @@ def test_stories_greedy_equals_plain_greedy(stories):
     assert 0 < accepted < drafted
 
 
-@pytest.mark.slow
 def test_stories_first_sampled_token_follows_the_target(stories):
     model, tokenizer, path, _ = stories
     eagle = Speculator((model, tokenizer), drafter="eagle", drafter_path=str(path))

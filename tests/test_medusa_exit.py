@@ -23,10 +23,11 @@ from test_eagle import (
     TINY_TRAINING,
     VOCAB,
     assert_usage_error,
-    chi_square_of_first_tokens,
+    first_token_chi_square,
     fresh_head,
     make_dataset,
     one_line_error,
+    plain_greedy,
     random_prompts,
     run_cli,
     tiny_target,
@@ -284,22 +285,25 @@ def test_exit_draft_is_the_first_layers_then_the_adapter(target, files):
 # ---------------------------------------------------------------------------------------------- exactness
 
 
-def speculators(target, path, kind: str, **options):
-    tokenizer = LetterTokenizer(VOCAB)
-    plain = Speculator((target, tokenizer), drafter="none")
-    return plain, Speculator((target, tokenizer), drafter=kind, drafter_path=str(path), **options)
+def speculator(target, path, kind: str, **options) -> Speculator:
+    return Speculator((target, LetterTokenizer(VOCAB)), drafter=kind, drafter_path=str(path), **options)
+
+
+@pytest.fixture(scope="module")
+def greedy(target) -> dict[str, list[int]]:
+    """The tiny target's greedy output, 50 tokens after each of PROMPTS, decoded once for every drafter."""
+    return plain_greedy(target, LetterTokenizer(VOCAB), PROMPTS, 50)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("tree", [None, "auto", TreeShape.full(2, 2)], ids=["chain", "auto", "2x2"])
-def test_greedy_equals_plain_greedy(target, files, trained, kind, tree):
+def test_greedy_equals_plain_greedy(target, files, trained, greedy, kind, tree):
     """Random and trained drafters of each kind, chains (K 1, 3, additive) and trees: token for token the
     target's greedy output; both accepted and rejected drafts occur."""
     drafted = accepted = 0
     for path in (files[kind], trained[kind]):
-        plain, spec = speculators(target, path, kind, tree=tree)
-        for prompt in PROMPTS:
-            reference = plain.generate(prompt, k=0, max_new_tokens=50, sampling=GREEDY).token_ids
+        spec = speculator(target, path, kind, tree=tree)
+        for prompt, reference in greedy.items():
             for k in (1, 3, "additive") if tree is None else (3,):
                 stats = GenerationStats(kind, str(k))
                 out = spec.stream(prompt, k=k, max_new_tokens=50, sampling=GREEDY, stats=stats)
@@ -308,7 +312,6 @@ def test_greedy_equals_plain_greedy(target, files, trained, kind, tree):
     assert 0 < accepted < drafted
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "tree", "sampling_kw"),
     [
@@ -321,25 +324,20 @@ def test_greedy_equals_plain_greedy(target, files, trained, kind, tree):
 def test_first_sampled_token_follows_the_target(target, trained, kind, tree, sampling_kw):
     """A chi-square of the first sampled token (K = 1 chains, sampled children in trees) against the
     target's own distribution after the prompt (the exit's trees are the draft model's, tested there)."""
-    _, spec = speculators(target, trained[kind], kind, tree=tree)
+    spec = speculator(target, trained[kind], kind, tree=tree)
     prompt = "hello"
-
-    def first(sampling: SamplingParams, stats: GenerationStats) -> int:
-        chunks = spec.stream(prompt, k=1, max_new_tokens=2, sampling=sampling, stats=stats)
-        return next(iter(chunks)).token_ids[0]
-
-    assert chi_square_of_first_tokens(first, target, spec.encode_prompt(prompt), sampling_kw) > ALPHA
+    assert first_token_chi_square(spec, target, spec.encode_prompt(prompt), prompt, sampling_kw) > ALPHA
 
 
 def test_the_exit_reads_and_leaves_the_targets_cache(target, files):
     """In the engine the exit drafts on the target's own cache (no cache of its own) and its calibration key
     names its draft vocabulary; the Medusa key its heads."""
-    _, spec = speculators(target, files["exit"], "exit")
+    spec = speculator(target, files["exit"], "exit")
     cache = target.new_cache()
     drafter = spec._chain_drafter(GREEDY, cache)
     assert isinstance(drafter, ModelDrafter) and drafter.shared is not None and drafter.shared[0] is cache
     assert drafter_identity(drafter)["exit_draft_vocab"] == VOCAB // 2
-    _, medusa = speculators(target, files["medusa"], "medusa")
+    medusa = speculator(target, files["medusa"], "medusa")
     assert drafter_identity(medusa._chain_drafter(GREEDY)) == {
         "drafter": "medusa",
         "draft_vocab": VOCAB,
@@ -430,15 +428,20 @@ def stories(shared_model, tmp_path_factory):
     return model, tokenizer, paths, root
 
 
+@pytest.fixture(scope="module")
+def stories_greedy(stories) -> dict[str, list[int]]:
+    """stories260K's greedy output, 60 tokens after each of STORY_PROMPTS, decoded once for every drafter."""
+    model, tokenizer, _, _ = stories
+    return plain_greedy(model, tokenizer, STORY_PROMPTS, 60)
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_stories_greedy_equals_plain_greedy(stories, kind):
+def test_stories_greedy_equals_plain_greedy(stories, stories_greedy, kind):
     model, tokenizer, paths, _ = stories
-    plain = Speculator((model, tokenizer), drafter="none")
     drafted = accepted = 0
     for tree in (None, "auto"):
         spec = Speculator((model, tokenizer), drafter=kind, drafter_path=str(paths[kind]), tree=tree)
-        for prompt in STORY_PROMPTS:
-            reference = plain.generate(prompt, k=0, max_new_tokens=60, sampling=GREEDY).token_ids
+        for prompt, reference in stories_greedy.items():
             stats = GenerationStats(kind, "3")
             out = spec.stream(prompt, k=3, max_new_tokens=60, sampling=GREEDY, stats=stats)
             assert [t for chunk in out for t in chunk.token_ids] == reference, (prompt, tree)

@@ -368,6 +368,22 @@ def restore_threads():
 
 
 @pytest.fixture
+def own_cache(tmp_path, monkeypatch) -> Path:
+    """$VERISPEC_CACHE for the commands run: a directory of the test's own, so that what they calibrate is
+    measured here and stays here, whose kernels/ is the machine's (a link), so that the processes they start
+    load the native kernels already built rather than build them again."""
+    from verispec.kernels.build import kernels_dir
+
+    built = kernels_dir()
+    built.mkdir(parents=True, exist_ok=True)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "kernels").symlink_to(built, target_is_directory=True)
+    monkeypatch.setenv("VERISPEC_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture
 def chat_target(tmp_path_factory, monkeypatch) -> Path:
     """A tiny random transformers Llama with a byte-level tokenizer and a chat template: ``test_eagle_data``'s
     "chatty" target (<|end|> ×1.5: it writes usable user turns of its own). The prompt set's stdlib passages
@@ -440,13 +456,12 @@ def test_learned_drafter_recipe_runs(chat_target, tmp_path, monkeypatch, capsys)
 STORIES = ["Once upon a time", "Lily and Tom went to the park", "The little dog was sad because"]
 
 
-def test_benchmark_command_runs(shared_model, tmp_path, monkeypatch, restore_threads, capsys):
+def test_benchmark_command_runs(shared_model, tmp_path, monkeypatch, own_cache, restore_threads, capsys):
     """The README's bench line on stories260K, from the repository root (its relative paths), with its own
     calibration cache, one thread and a prompt file of stories as the one task: it completes, with the
     README's K values, tree and temperature, and every output equal to ``none``'s."""
     root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
     monkeypatch.chdir(ROOT)
-    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     prompts = tmp_path / "stories.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "task": "stories"}) + "\n" for p in STORIES))
     out = tmp_path / "bench"
@@ -479,10 +494,10 @@ def _stories_target(shared_model) -> list[str]:
     return ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
 
 
-def test_load_commands_run(shared_model, tmp_path, monkeypatch, restore_threads, capsys):
+@pytest.mark.slow
+def test_load_commands_run(shared_model, tmp_path, own_cache, restore_threads, capsys):
     """The README's bench-load and bench-serve lines on stories260K, shrunk (two clients, two seconds,
     concurrency 1 and 2): they complete with no failed request, every hang-up freed, and their tables."""
-    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     target = _stories_target(shared_model)
     commands = [*verispec_commands(LOAD), *verispec_commands(SERVE_LOAD)]
     assert {c.words[1] for c in commands} == {"bench-load", "bench-serve"}
@@ -502,12 +517,11 @@ def test_load_commands_run(shared_model, tmp_path, monkeypatch, restore_threads,
         assert "| " in out
 
 
-def test_serving_block_runs(shared_model, tmp_path):
+def test_serving_block_runs(shared_model, own_cache):
     """The README's serve line, started as written (on stories260K named as the default model, on a free
     port), answers the README's curl request, sent as written (its path, headers and body), with text; and
     stops gracefully on Ctrl-C."""
     import http.client
-    import os
     import signal
     import subprocess
     from urllib.parse import urlsplit
@@ -515,10 +529,7 @@ def test_serving_block_runs(shared_model, tmp_path):
     (serve,) = verispec_commands(SERVING)
     (curl,) = [c for c in shell_commands(SERVING) if c.words[0] == "curl"]
     argv = [*shrunk(serve.words), *_stories_target(shared_model), "--model-name", "smollm2-135m"]
-    env = {**os.environ, "VERISPEC_CACHE": str(tmp_path / "cache")}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "verispec", *argv], stderr=subprocess.PIPE, text=True, env=env
-    )
+    server = subprocess.Popen([sys.executable, "-m", "verispec", *argv], stderr=subprocess.PIPE, text=True)
     try:
         assert server.stderr is not None
         address = None
@@ -567,14 +578,14 @@ def test_across_tokenizers_command_runs(default_model, shared_model, monkeypatch
     assert capsys.readouterr().out == out
 
 
-def test_offline_batch_commands_run(shared_model, tmp_path, monkeypatch, capsys):
+@pytest.mark.slow
+def test_offline_batch_commands_run(shared_model, tmp_path, monkeypatch, own_cache, ray_lock, capsys):
     """The README's batch lines on stories260K (a prompts.jsonl of stories, 8 new tokens), from a fresh
     directory: in-process, then on a local Ray with two workers (the same tokens: a fixed --k and --seed),
     and the cluster line only parsed (no Ray answers at its address here: Ray takes ~20 s to give up on it;
     an address that does not answer is tested in ``test_batch_job``)."""
     pytest.importorskip("ray", reason="Ray is not installed")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     Path("prompts.jsonl").write_text(
         "".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(STORIES))
     )
@@ -582,12 +593,13 @@ def test_offline_batch_commands_run(shared_model, tmp_path, monkeypatch, capsys)
     here, on_ray, cluster = verispec_commands(OFFLINE)
     outputs = [c.words[c.words.index("--output") + 1] for c in (here, on_ray, cluster)]
     run_commands([here], added, capsys)
-    try:
-        run_commands([on_ray], added, capsys)
-    finally:
-        import ray
+    with ray_lock:  # its local Ray never runs beside test_batch_job's
+        try:
+            run_commands([on_ray], added, capsys)
+        finally:
+            import ray
 
-        ray.shutdown()
+            ray.shutdown()
     first, second = (
         [json.loads(line)["token_ids"] for line in Path(o).read_text().splitlines()] for o in outputs[:2]
     )

@@ -16,11 +16,12 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
+from first_rounds import first_token_counts
 from verispec import cli
 from verispec.api import Speculator
 from verispec.drafting.learned.kinds import shipped_drafter
 from verispec.drafting.tree import TreeShape
-from verispec.engine import GenerationStats
+from verispec.engine import GenerationStats, Request
 from verispec.models.llama import Llama
 from verispec.models.registry import load_model
 from verispec.sampling import SamplingParams, probs_from_logits
@@ -164,20 +165,17 @@ ALPHA_REAL = 1e-3 / 3  # Bonferroni over the three tests below
 
 
 def assert_first_token_follows_the_target(stories, speculator: Speculator, sampling_kw: dict) -> None:
-    """N_REAL seeded generations: the first token's counts pass a chi-square against the target's own
-    distribution, and the verifier both accepted and rejected draft tokens."""
+    """N_REAL seeded generations (their first rounds, :func:`first_rounds.first_rounds`): the first token's
+    counts pass a chi-square against the target's own distribution, and the verifier both accepted and
+    rejected draft tokens."""
     model, tokenizer = stories
     prompt = "Once upon a time, there was a"
-    counts = np.zeros(model.vocab_size)
-    drafted = accepted = 0
-    for seed in range(N_REAL):
-        stats = GenerationStats("model", "1")
-        chunks = speculator.stream(
-            prompt, k=1, max_new_tokens=2, sampling=SamplingParams(seed=seed, **sampling_kw), stats=stats
-        )
-        counts[next(iter(chunks)).token_ids[0]] += 1
-        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
-    assert 0 < accepted < drafted  # both branches of the verifier were taken
+
+    def request(seed: int) -> Request:
+        sampling = SamplingParams(seed=seed, **sampling_kw)
+        return speculator.request(prompt, k=1, max_new_tokens=2, sampling=sampling)[0]
+
+    counts = first_token_counts(speculator.model, request, N_REAL)
     ids = tokenizer.encode(prompt)
     cache = model.new_cache()
     logits = model.forward(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), cache)[0, -1]
@@ -213,32 +211,36 @@ SMOL_PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def smol_greedy(smollm2) -> dict[str, list[int]]:
+    """Plain greedy decoding's 40 tokens after each of SMOL_PROMPTS in the chat template: what the SmolLM2
+    tests below compare every drafter with, decoded once for all of them."""
+    plain = Speculator(smollm2, drafter="none")
+    return {prompt: greedy_ids(plain, prompt, 40, chat=True) for prompt in SMOL_PROMPTS}
+
+
 @pytest.mark.slow
-def test_smollm2_speculative_greedy_equals_plain_greedy(smollm2):
+def test_smollm2_speculative_greedy_equals_plain_greedy(smollm2, smol_greedy):
     """3 chat prompts × (n-gram, an early-exit draft of 10 of 30 layers) == plain greedy, 40 tokens each."""
     model, tokenizer = smollm2
-    plain = Speculator((model, tokenizer), drafter="none")
     ngram = Speculator((model, tokenizer), drafter="ngram")
     cut = Speculator((model, tokenizer), draft="layers:10")
-    for prompt in SMOL_PROMPTS:
-        reference = greedy_ids(plain, prompt, 40, chat=True)
+    for prompt, reference in smol_greedy.items():
         assert greedy_ids(ngram, prompt, 40, chat=True) == reference
         assert greedy_ids(cut, prompt, 40, k=3, chat=True) == reference
 
 
 @pytest.mark.slow
-def test_smollm2_shipped_learned_drafter_is_exact(smollm2, capsys):
+def test_smollm2_shipped_learned_drafter_is_exact(smollm2, smol_greedy, capsys):
     """The drafter shipped for SmolLM2-135M: picked by default, greedy == plain greedy on 3 chat prompts; the
     demo runs it beside ngram and finds every output identical."""
     model, tokenizer = smollm2
     shipped = shipped_drafter("smollm2-135m")
     assert shipped is not None, "the package ships a drafter for smollm2-135m"
-    plain = Speculator((model, tokenizer), drafter="none")
     learned = Speculator((model, tokenizer), drafter_path=shipped)
     assert learned.drafter_name == "eagle"
     tree = Speculator((model, tokenizer), drafter_path=shipped, tree=TreeShape.from_paths([[0], [1], [0, 0]]))
-    for prompt in SMOL_PROMPTS:
-        reference = greedy_ids(plain, prompt, 40, chat=True)
+    for prompt, reference in smol_greedy.items():
         assert greedy_ids(learned, prompt, 40, chat=True) == reference
         assert greedy_ids(tree, prompt, 40, chat=True) == reference
     assert cli.main(["demo", "--max-new-tokens", "24", "--k", "4"]) == 0
@@ -249,20 +251,19 @@ def test_smollm2_shipped_learned_drafter_is_exact(smollm2, capsys):
 
 
 @pytest.mark.slow
-def test_smollm2_shipped_medusa_exit_and_lookahead_are_exact(smollm2):
+def test_smollm2_shipped_medusa_exit_and_lookahead_are_exact(smollm2, smol_greedy):
     """The Medusa heads, the trained exit and the lookahead tokens shipped for SmolLM2-135M, used without a
     path: greedy == plain greedy on 3 chat prompts (chains, and Medusa's default tree), with drafts accepted
     and rejected."""
     model, tokenizer = smollm2
-    plain = Speculator((model, tokenizer), drafter="none")
     for kind, tree in (("medusa", None), ("medusa", "auto"), ("exit", None), ("lookahead", None)):
         assert shipped_drafter("smollm2-135m", kind) is not None, f"the package ships a {kind} drafter"
         spec = Speculator((model, tokenizer), drafter=kind, target_label="smollm2-135m", tree=tree)
         drafted = accepted = 0
-        for prompt in SMOL_PROMPTS:
+        for prompt, reference in smol_greedy.items():
             stats = GenerationStats(kind, "3")
             out = spec.stream(prompt, k=3, max_new_tokens=40, sampling=GREEDY, chat=True, stats=stats)
-            assert [t for c in out for t in c.token_ids] == greedy_ids(plain, prompt, 40, chat=True), kind
+            assert [t for c in out for t in c.token_ids] == reference, kind
             drafted, accepted = drafted + stats.drafted + stats.tree_nodes, accepted + stats.accepted
         assert 0 < accepted < drafted, (kind, tree)
 

@@ -333,12 +333,14 @@ def test_chat_completions_on_a_chat_model(smollm2):
     assert text == plain.text
 
 
+@pytest.mark.slow
 def test_bench_serve_runs_and_reports(shared_model, tmp_path):
     """A seconds-long bench-serve on stories260K: a child server, clients that finish or hang up, no failure,
     every disconnect freed, memory read, the engine alone on the same work."""
     root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
     model = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
-    load = ["--clients", "3", "--seconds", "2", "--max-tokens", "24", "--disconnect-every", "4"]
+    # the third client's first request hangs up: one at least, however slowly the server answers
+    load = ["--clients", "3", "--seconds", "2", "--max-tokens", "24", "--disconnect-every", "3"]
     argv = ["bench-serve", *model, "--drafter", "ngram", *load, "--out", str(tmp_path)]
     assert cli.main(argv) == 0
     result = json.loads((tmp_path / "results.json").read_text())
