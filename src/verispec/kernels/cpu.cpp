@@ -694,13 +694,23 @@ static int matmul(const vs_matrix* w, int n, const float* x, float* y, vs_scratc
 
 // ------------------------------------------------------------------------------------------ layer pieces
 
+static inline void rmsnorm_row(const float* x, int dim, const float* weight, float eps, float* y) {
+    const float ss = dot_f32(x, x, dim);
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (int j = 0; j < dim; j++) y[j] = weight[j] * (x[j] * inv);
+}
+
 static void rmsnorm(int n, int dim, const float* x, const float* weight, float eps, float* y, int threads) {
+    parallel_for(n, threads, [&](int r) { rmsnorm_row(x + (size_t)r * dim, dim, weight, eps, y + (size_t)r * dim); });
+}
+
+// The residual stream h [n, dim] += x, then (with a weight) x = rmsnorm(h) * weight: one pass per row.
+static void add_rmsnorm(int n, int dim, float* h, float* x, const float* weight, float eps, int threads) {
     parallel_for(n, threads, [&](int r) {
-        const float* xr = x + (size_t)r * dim;
-        float* yr = y + (size_t)r * dim;
-        const float ss = dot_f32(xr, xr, dim);
-        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-        for (int j = 0; j < dim; j++) yr[j] = weight[j] * (xr[j] * inv);
+        float* hr = h + (size_t)r * dim;
+        float* xr = x + (size_t)r * dim;
+        for (int j = 0; j < dim; j++) hr[j] += xr[j];
+        if (weight) rmsnorm_row(hr, dim, weight, eps, xr);
     });
 }
 
@@ -770,6 +780,10 @@ static inline typename V::F vexp(typename V::F x) {
 struct F8 {  // 8 floats (AVX2)
     typedef __m256 F;
     static inline F set1(float v) { return _mm256_set1_ps(v); }
+    static inline F load(const float* p) { return _mm256_loadu_ps(p); }
+    static inline void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+    static inline F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+    static inline F div(F a, F b) { return _mm256_div_ps(a, b); }
     static inline F ge(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
     static inline F min(F a, F b) { return _mm256_min_ps(a, b); }
     static inline F max(F a, F b) { return _mm256_max_ps(a, b); }
@@ -790,6 +804,10 @@ struct F8 {  // 8 floats (AVX2)
 struct F16 {  // 16 floats (AVX-512): the same steps as F8
     typedef __m512 F;
     static inline F set1(float v) { return _mm512_set1_ps(v); }
+    static inline F load(const float* p) { return _mm512_loadu_ps(p); }
+    static inline void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+    static inline F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+    static inline F div(F a, F b) { return _mm512_div_ps(a, b); }
     static inline F ge(F a, F b) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, b, _CMP_GE_OQ), _mm512_castsi512_ps(_mm512_set1_epi32(-1))); }
     static inline F min(F a, F b) { return _mm512_min_ps(a, b); }
     static inline F max(F a, F b) { return _mm512_max_ps(a, b); }
@@ -803,11 +821,40 @@ struct F16 {  // 16 floats (AVX-512): the same steps as F8
 };
 #endif
 
-// s[t] = exp(s[t] - top) for t < len, in place; returns their sum. Every slot's exp comes from the same code
-// (the vector exp, the tail through a padded copy) and the sum runs in slot order, so a slot's weight and the
-// total never depend on where the slot falls in the vector lanes: a token tree's node, whose slot sits after
-// masked siblings, gets the arithmetic of the same token decoded alone (masked slots add exact zeros).
-static inline float exp_shifted(float* s, int len, float top) {
+// a[j] = silu(gate[j]) up[j] = gate[j] / (1 + exp(-gate[j])) up[j] for j < len, every element by the same
+// vector code (the tail through a zero-padded copy), whatever its lane.
+#ifdef VS_AVX2
+template <class V>
+static inline typename V::F silu_times(typename V::F g, typename V::F u) {
+    return V::mul(V::div(g, V::add(V::set1(1.0f), vexp<V>(V::sub(V::set1(0.0f), g)))), u);
+}
+#endif
+
+static inline void swiglu(const float* gate, const float* up, float* a, int len) {
+    int j = 0;
+#ifdef VS_AVX2
+#ifdef VS_AVX512
+    typedef F16 V;
+#else
+    typedef F8 V;
+#endif
+    enum { W = sizeof(typename V::F) / sizeof(float) };
+    for (; j + W <= len; j += W) V::store(a + j, silu_times<V>(V::load(gate + j), V::load(up + j)));
+    if (j < len) {
+        float g[W] = {}, u[W] = {}, out[W];
+        memcpy(g, gate + j, sizeof(float) * (len - j));
+        memcpy(u, up + j, sizeof(float) * (len - j));
+        V::store(out, silu_times<V>(V::load(g), V::load(u)));
+        memcpy(a + j, out, sizeof(float) * (len - j));
+    }
+#else
+    for (; j < len; j++) a[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+#endif
+}
+
+// s[t] = exp(s[t] - top) for t < len, in place: every slot's exp from the same code (the vector exp, the tail
+// through a padded copy), whatever its lane.
+static inline void exp_shifted(float* s, int len, float top) {
     int t = 0;
 #ifdef VS_AVX512
     for (; t + 16 <= len; t += 16)
@@ -830,20 +877,42 @@ static inline float exp_shifted(float* s, int len, float top) {
 #else
     for (; t < len; t++) s[t] = s[t] == -INFINITY ? 0.0f : expf(s[t] - top);
 #endif
+}
+
+// x[0] + ... + x[n - 1] in an order fixed by n alone: a partial sum per vector lane (by position), then the
+// lanes added in a fixed order. The same values at the same positions give the same sum.
+static inline float sum_of(const float* x, int n) {
+    int t = 0;
+#ifdef VS_AVX512
+    __m512 acc = _mm512_setzero_ps();
+    for (; t + 16 <= n; t += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + t));
+    if (t < n) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps((__mmask16)((1u << (n - t)) - 1), x + t));
+    return hsum16(acc);
+#elif defined(VS_AVX2)
+    __m256 acc = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + t));
+    if (t < n) {
+        float tail[8] = {};
+        memcpy(tail, x + t, sizeof(float) * (n - t));
+        acc = _mm256_add_ps(acc, _mm256_loadu_ps(tail));
+    }
+    return hsum8(acc);
+#else
     float total = 0.0f;
-    for (t = 0; t < len; t++) total += s[t];
+    for (; t < n; t++) total += x[t];
     return total;
+#endif
 }
 
 enum { ATT_CHUNK = 128, ATT_ROWS = 4 };  // slots per attention chunk; query heads per tile
 
-// scores[r * stride + t - c0] = scale q_r . k_t for the slots t in [c0, c1) of one cache row, R query heads
+// scores[r * stride + t - c0] = scale q_r . k_t for the slots t in [c0, c1) of one cache row, R query heads;
+// whole tiles of 16 are written (stride: a multiple of 16), the lanes past c1 hold scores of no slot.
 template <int R>
 static inline void scores_tile(const uint16_t* ktiles, int hd, const float* const* q, int c0, int c1, float scale,
                                float* scores, int stride) {
     for (int t0 = c0; t0 < c1; t0 += KT) {  // c0 is a multiple of 16
         const uint16_t* tile = ktiles + (size_t)(t0 / KT) * hd * KT;
-        float sums[R][KT];
 #ifdef VS_AVX512
         __m512 acc[R];
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -851,7 +920,8 @@ static inline void scores_tile(const uint16_t* ktiles, int hd, const float* cons
             const __m512 k = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tile + d * KT)));
             for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k, acc[r]);
         }
-        for (int r = 0; r < R; r++) _mm512_storeu_ps(sums[r], acc[r]);
+        for (int r = 0; r < R; r++)
+            _mm512_storeu_ps(scores + r * stride + t0 - c0, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
 #elif defined(VS_AVX2)
         __m256 acc[R][2];
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -865,47 +935,86 @@ static inline void scores_tile(const uint16_t* ktiles, int hd, const float* cons
             }
         }
         for (int r = 0; r < R; r++) {
-            _mm256_storeu_ps(sums[r], acc[r][0]);
-            _mm256_storeu_ps(sums[r] + 8, acc[r][1]);
+            _mm256_storeu_ps(scores + r * stride + t0 - c0, _mm256_mul_ps(acc[r][0], _mm256_set1_ps(scale)));
+            _mm256_storeu_ps(scores + r * stride + t0 - c0 + 8, _mm256_mul_ps(acc[r][1], _mm256_set1_ps(scale)));
         }
 #else
         for (int r = 0; r < R; r++)
             for (int lane = 0; lane < KT; lane++) {
                 float acc = 0.0f;
                 for (int d = 0; d < hd; d++) acc += q[r][d] * fp16_to_fp32(tile[d * KT + lane]);
-                sums[r][lane] = acc;
+                scores[r * stride + t0 - c0 + lane] = acc * scale;
             }
 #endif
-        const int width = c1 - t0 < KT ? c1 - t0 : KT;
-        for (int r = 0; r < R; r++)
-            for (int lane = 0; lane < width; lane++) scores[r * stride + t0 - c0 + lane] = sums[r][lane] * scale;
     }
 }
 
-// o_r[d] = sum over t in [c0, c1) of p_r[t] v_t[d]
+// The largest of s[0 .. len) (exact: the order does not matter).
+static inline float max_of(const float* s, int len) {
+    int t = 0;
+    float top = -INFINITY;
+#ifdef VS_AVX512
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (; t + 16 <= len; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
+    top = _mm512_reduce_max_ps(m);
+#elif defined(VS_AVX2)
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    for (; t + 8 <= len; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    top = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#endif
+    for (; t < len; t++) top = s[t] > top ? s[t] : top;
+    return top;
+}
+
+#ifdef VS_AVX512
+enum { VB = 4 };  // dimension blocks of the vector width that values_tile accumulates in one pass
+#else
+enum { VB = 2 };  // (16 AVX2 registers: up to 4 heads x 2 blocks of accumulators)
+#endif
+
+// o_r[d] = sum over t in [c0, c1) of p_r[t] v_t[d], in slot order: up to VB vectors of dimensions per pass, so
+// that each value row is read and converted once for them all and every query head.
 template <int R>
 static inline void values_tile(const uint16_t* values, int hd, int c0, int c1, const float* p, int stride,
                                float* const* o) {
     int d0 = 0;
 #ifdef VS_AVX512
-    for (; d0 + 16 <= hd; d0 += 16) {
-        __m512 acc[R];
-        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    enum { W = 16 };
+    for (; d0 + W <= hd;) {
+        const int blocks = (hd - d0) / W < VB ? (hd - d0) / W : VB;
+        __m512 acc[R][VB];
+        for (int r = 0; r < R; r++)
+            for (int b = 0; b < VB; b++) acc[r][b] = _mm512_setzero_ps();
         for (int t = c0; t < c1; t++) {
-            const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(values + (size_t)t * hd + d0)));
-            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * stride + t - c0]), v, acc[r]);
+            const uint16_t* row = values + (size_t)t * hd + d0;
+            for (int b = 0; b < blocks; b++) {
+                const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(row + b * W)));
+                for (int r = 0; r < R; r++) acc[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * stride + t - c0]), v, acc[r][b]);
+            }
         }
-        for (int r = 0; r < R; r++) _mm512_storeu_ps(o[r] + d0, acc[r]);
+        for (int r = 0; r < R; r++)
+            for (int b = 0; b < blocks; b++) _mm512_storeu_ps(o[r] + d0 + b * W, acc[r][b]);
+        d0 += blocks * W;
     }
 #elif defined(VS_AVX2)
-    for (; d0 + 8 <= hd; d0 += 8) {
-        __m256 acc[R];
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    enum { W = 8 };
+    for (; d0 + W <= hd;) {
+        const int blocks = (hd - d0) / W < VB ? (hd - d0) / W : VB;
+        __m256 acc[R][VB];
+        for (int r = 0; r < R; r++)
+            for (int b = 0; b < VB; b++) acc[r][b] = _mm256_setzero_ps();
         for (int t = c0; t < c1; t++) {
-            const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(values + (size_t)t * hd + d0)));
-            for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r * stride + t - c0]), v, acc[r]);
+            const uint16_t* row = values + (size_t)t * hd + d0;
+            for (int b = 0; b < blocks; b++) {
+                const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(row + b * W)));
+                for (int r = 0; r < R; r++) acc[r][b] = _mm256_fmadd_ps(_mm256_set1_ps(p[r * stride + t - c0]), v, acc[r][b]);
+            }
         }
-        for (int r = 0; r < R; r++) _mm256_storeu_ps(o[r] + d0, acc[r]);
+        for (int r = 0; r < R; r++)
+            for (int b = 0; b < blocks; b++) _mm256_storeu_ps(o[r] + d0 + b * W, acc[r][b]);
+        d0 += blocks * W;
     }
 #endif
     for (; d0 < hd; d0++)
@@ -937,9 +1046,10 @@ static inline int visible_slot(const vs_batch* batch, int i, int k) {
 // One task: token i, query heads h0 .. h0 + R - 1 (one kv head's), its visible slots of ranks [k0, k1) (the
 // k-th slot it sees has rank k). Chunks go by rank, not by slot, so that a token tree's node — its ancestors
 // and itself at slots after masked siblings — falls into the chunks of the same token decoded alone, and its
-// attention is computed the same: every visible slot's score, exp and weight in rank order, the masked slots
-// in between adding exact zeros. Writes, per head, the chunk's max score m, sum of exp(score - m) l, and
-// unnormalised output [hd] to part.
+// attention is computed the same: every slot's score and exp by the same code whatever its lane, the weights
+// summed by rank (gathered first where the mask hides slots in between), the values accumulated in slot
+// order, the hidden slots adding exact zeros. Writes, per head, the chunk's max score m, sum of
+// exp(score - m) l, and unnormalised output [hd] to part.
 template <int R>
 static inline void attention_task(const vs_model* m, int layer, const vs_batch* batch, const vs_cache* cache,
                                   const float* q, int q_stride, int i, int h0, int k0, int k1, float* const* part) {
@@ -951,65 +1061,115 @@ static inline void attention_task(const vs_model* m, int layer, const vs_batch* 
     for (int r = 0; r < R; r++) qh[r] = q + (size_t)i * q_stride + (size_t)(h0 + r) * hd;
     const int first = visible_slot(batch, i, k0), c1 = visible_slot(batch, i, k1 - 1) + 1;
     const int c0 = first - first % KT;  // key tiles start at multiples of 16
-    const int stride = c1 - c0;
+    const int len = c1 - c0, stride = (len + KT - 1) / KT * KT;  // whole tiles per head
     thread_local std::vector<float> buffer;
     if ((int)buffer.size() < R * stride) buffer.resize((size_t)R * stride);
     float* scores = buffer.data();
     scores_tile<R>(keys, hd, qh, c0, c1, 1.0f / sqrtf((float)hd), scores, stride);
+    const int base = batch->base[i];
     for (int t = c0; t < c1; t++)  // slots of the chunk before, and new slots it may not see
-        if (t < first || !visible(batch, i, t))
+        if (t < first || (t >= base && batch->mask && !visible(batch, i, t)))
             for (int r = 0; r < R; r++) scores[r * stride + t - c0] = -INFINITY;
+    // The weights' sum goes by rank: the chunk's visible slots are [first, c1) unless a tree mask hides
+    // some of them, whose weights are then gathered first, so that the sum is the same token's decoded alone.
+    const int ranks = k1 - k0;
+    thread_local std::vector<float> gathered;
+    if (c1 - first != ranks && (int)gathered.size() < ranks) gathered.resize(ranks);
     float* o[R];
     for (int r = 0; r < R; r++) {
         float* own = scores + r * stride;
-        float top = -INFINITY;
-        for (int t = 0; t < stride; t++) top = fmaxf(top, own[t]);
+        const float top = max_of(own, len);  // a chunk with a visible slot has a finite top
+        exp_shifted(own, len, top);
+        const float* weights = own + (first - c0);
+        if (c1 - first != ranks) {
+            for (int t = first, k = 0; t < c1; t++)
+                if (t < base || visible(batch, i, t)) gathered[k++] = own[t - c0];
+            weights = gathered.data();
+        }
         part[r][0] = top;
-        part[r][1] = exp_shifted(own, stride, top);  // a chunk with a visible slot has a finite top
+        part[r][1] = sum_of(weights, ranks);
         o[r] = part[r] + 2;
     }
-    values_tile<R>(values, hd, c0, c1, scores, stride, o);
+    values_tile<R>(values, hd, c0, c1, scores, stride, o);  // in slot order: the hidden slots add exact zeros
 }
 
 // out [N, heads head_dim]: attention of every token's heads over the visible slots of its cache row, in
-// chunks of ATT_CHUNK slots merged in chunk order: the same arithmetic whatever N and the threads. A thread's
-// task is one cache row, kv head and chunk, for every token of that row (tiles of up to ATT_ROWS of the kv
-// head's query heads), so that the chunk's keys and values come from memory once however many tokens read
-// them.
+// chunks of ATT_CHUNK slots merged in chunk order: the same arithmetic whatever N and the threads. A task is
+// one cache row of the batch, kv head and chunk, for every token of that row that sees the chunk (tiles of
+// up to ATT_ROWS of the kv head's query heads), so that the chunk's keys and values come from memory once
+// however many tokens read them; the threads take contiguous runs of tasks of about equal work.
 static int attention(const vs_model* m, int layer, const vs_batch* batch, const vs_cache* cache, const float* q,
                      int q_stride, float* out, int threads) {
     const int n = batch->n, heads = m->heads, hd = m->head_dim, group = heads / m->kv_heads;
-    std::vector<int> seen(n);  // the slots each token sees, counted once for every task
+    std::vector<int> seen(n);                   // the slots each token sees, counted once for every task
+    std::vector<int> row_of(cache->batch, -1);  // cache row → its index among the batch's rows
+    std::vector<int> row_chunks, start(1, 0);   // per batch row: the chunks its tokens see; where they start
     int chunks = 1;
     for (int i = 0; i < n; i++) {
         seen[i] = visible_count(batch, i);
+        int& row = row_of[batch->seq[i]];
+        if (row < 0) {
+            row = (int)row_chunks.size();
+            row_chunks.push_back(0);
+            start.push_back(0);
+        }
         const int c = (seen[i] + ATT_CHUNK - 1) / ATT_CHUNK;
+        row_chunks[row] = c > row_chunks[row] ? c : row_chunks[row];
         chunks = c > chunks ? c : chunks;
+        start[row + 1]++;
     }
+    const int rows = (int)row_chunks.size();
+    for (int r = 0; r < rows; r++) start[r + 1] += start[r];  // row r's tokens: order[start[r] .. start[r + 1])
+    std::vector<int> order(n), next(start.begin(), start.end() - 1);
+    std::vector<double> slots((size_t)rows * chunks, 0.0);  // per (row, chunk): the slots its tokens read there
+    for (int i = 0; i < n; i++) {
+        const int row = row_of[batch->seq[i]];
+        order[next[row]++] = i;
+        for (int c = 0; c * ATT_CHUNK < seen[i]; c++)
+            slots[(size_t)row * chunks + c] += seen[i] - c * ATT_CHUNK < ATT_CHUNK ? seen[i] - c * ATT_CHUNK : ATT_CHUNK;
+    }
+    struct Task {
+        int row, g, chunk;
+    };
+    std::vector<Task> tasks;
+    std::vector<double> work;  // cumulative: the slots the tasks so far read, over their tokens
+    for (int row = 0; row < rows; row++)
+        for (int g = 0; g < m->kv_heads; g++)
+            for (int chunk = 0; chunk < row_chunks[row]; chunk++) {
+                tasks.push_back({row, g, chunk});
+                work.push_back((work.empty() ? 0.0 : work.back()) + slots[(size_t)row * chunks + chunk]);
+            }
     const size_t stride = (size_t)hd + 2;  // per (token, head, chunk): m, l, o[hd]
     float* parts = (float*)malloc(sizeof(float) * (size_t)n * heads * chunks * stride);
     if (!parts) return -2;
-    const int tasks = cache->batch * m->kv_heads * chunks;
-    parallel_for(tasks, threads, [&](int task) {
-        const int chunk = task % chunks, g = (task / chunks) % m->kv_heads, seq = task / chunks / m->kv_heads;
-        for (int i = 0; i < n; i++) {
-            if (batch->seq[i] != seq) continue;
-            const int end = seen[i], c0 = chunk * ATT_CHUNK;  // ranks [c0, c1)
-            const int c1 = c0 + ATT_CHUNK < end ? c0 + ATT_CHUNK : end;
-            for (int h0 = g * group; h0 < (g + 1) * group; h0 += ATT_ROWS) {
-                const int rows = (g + 1) * group - h0 < ATT_ROWS ? (g + 1) * group - h0 : ATT_ROWS;
-                float* part[ATT_ROWS];
-                for (int r = 0; r < rows; r++)
-                    part[r] = parts + (((size_t)i * heads + h0 + r) * chunks + chunk) * stride;
-                if (c0 >= c1) {  // nothing of this chunk is visible to token i
-                    for (int r = 0; r < rows; r++) part[r][0] = -INFINITY;
-                    continue;
-                }
-                switch (rows) {
-                    case 1: attention_task<1>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
-                    case 2: attention_task<2>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
-                    case 3: attention_task<3>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
-                    default: attention_task<4>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
+    for (int i = 0; i < n; i++)  // the chunks that token i sees nothing of
+        for (int h = 0; h < heads; h++)
+            for (int c = (seen[i] + ATT_CHUNK - 1) / ATT_CHUNK; c < chunks; c++)
+                parts[(((size_t)i * heads + h) * chunks + c) * stride] = -INFINITY;
+    const int shares = threads < (int)tasks.size() ? threads : (int)tasks.size();
+    std::vector<int> split(shares + 1, (int)tasks.size());  // share t: tasks [split[t], split[t + 1])
+    for (int t = 0, k = 0; t < shares; t++) {
+        while (k < (int)tasks.size() && (k == 0 ? 0.0 : work[k - 1]) < work.back() * t / shares) k++;
+        split[t] = k;
+    }
+    parallel_for(shares, threads, [&](int share) {
+        for (int k = split[share]; k < split[share + 1]; k++) {
+            const Task task = tasks[k];
+            for (int j = start[task.row]; j < start[task.row + 1]; j++) {
+                const int i = order[j], end = seen[i], c0 = task.chunk * ATT_CHUNK;  // ranks [c0, c1)
+                if (c0 >= end) continue;
+                const int c1 = c0 + ATT_CHUNK < end ? c0 + ATT_CHUNK : end;
+                for (int h0 = task.g * group; h0 < (task.g + 1) * group; h0 += ATT_ROWS) {
+                    const int count = (task.g + 1) * group - h0 < ATT_ROWS ? (task.g + 1) * group - h0 : ATT_ROWS;
+                    float* part[ATT_ROWS];
+                    for (int r = 0; r < count; r++)
+                        part[r] = parts + (((size_t)i * heads + h0 + r) * chunks + task.chunk) * stride;
+                    switch (count) {
+                        case 1: attention_task<1>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
+                        case 2: attention_task<2>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
+                        case 3: attention_task<3>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
+                        default: attention_task<4>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
+                    }
                 }
             }
         }
@@ -1018,7 +1178,7 @@ static int attention(const vs_model* m, int layer, const vs_batch* batch, const 
         for (int h = 0; h < heads; h++) {
             const float* first = parts + ((size_t)i * heads + h) * chunks * stride;
             float top = -INFINITY, total = 0.0f;
-            for (int c = 0; c < chunks; c++) top = fmaxf(top, first[c * stride]);
+            for (int c = 0; c < chunks; c++) top = first[c * stride] > top ? first[c * stride] : top;
             float* o = out + (size_t)i * heads * hd + (size_t)h * hd;
             for (int d = 0; d < hd; d++) o[d] = 0.0f;
             for (int c = 0; c < chunks; c++) {
@@ -1092,10 +1252,13 @@ extern "C" int vs_forward(const vs_model* m, int first, int last, const vs_batch
     int status = x && wide && attn ? 0 : -2;
     for (int l = first; l < last && status == 0; l++) {
         const vs_layer* L = &m->layers[l];
-        rmsnorm(n, hidden, h, L->attn_norm, m->eps, x, threads);
+        if (l == first)
+            rmsnorm(n, hidden, h, L->attn_norm, m->eps, x, threads);
+        else  // the last layer's MLP output joins the residual stream
+            add_rmsnorm(n, hidden, h, x, L->attn_norm, m->eps, threads);
         status = matmul(&L->qkv, n, x, wide, &scratch, threads);  // wide: [N, qkv_width]
         if (status) break;
-        for (int i = 0; i < n; i++) {  // RoPE on q and k; k and v into the cache
+        parallel_for(n, threads, [&](int i) {  // RoPE on q and k; k and v into the cache (each token its slot)
             float* row = wide + (size_t)i * qkv_width;
             const float* c = batch->cos + (size_t)i * half;
             const float* s = batch->sin + (size_t)i * half;
@@ -1111,24 +1274,21 @@ extern "C" int vs_forward(const vs_model* m, int first, int last, const vs_batch
                     v[d] = fp32_to_fp16(value[d]);
                 }
             }
-        }
+        });
         status = attention(m, l, batch, cache, wide, qkv_width, attn, threads);  // attn: [N, attn_width]
         if (status) break;
         status = matmul(&L->o, n, attn, x, &scratch, threads);  // x: [N, hidden]
         if (status) break;
-        for (size_t j = 0; j < (size_t)n * hidden; j++) h[j] += x[j];
-        rmsnorm(n, hidden, h, L->mlp_norm, m->eps, x, threads);
+        add_rmsnorm(n, hidden, h, x, L->mlp_norm, m->eps, threads);
         status = matmul(&L->gate_up, n, x, wide, &scratch, threads);  // wide: [N, 2 inter]
         if (status) break;
         parallel_for(n, threads, [&](int i) {  // SwiGLU: silu(gate) * up
             const float* gate = wide + (size_t)i * 2 * inter;
-            float* a = attn + (size_t)i * inter;
-            for (int j = 0; j < inter; j++) a[j] = gate[j] / (1.0f + expf(-gate[j])) * gate[inter + j];
+            swiglu(gate, gate + inter, attn + (size_t)i * inter, inter);
         });
         status = matmul(&L->down, n, attn, x, &scratch, threads);  // x: [N, hidden]
-        if (status) break;
-        for (size_t j = 0; j < (size_t)n * hidden; j++) h[j] += x[j];
     }
+    if (status == 0 && last > first) add_rmsnorm(n, hidden, h, x, NULL, m->eps, threads);
     free(x);
     free(wide);
     free(attn);

@@ -1199,23 +1199,27 @@ class Llama(nn.Module):
         assert self._native is not None
         caches = [row.cache for row in rows if isinstance(row.cache, KVCache)]  # all of them (checked)
         widest = max(len(row.tokens) for row in rows)
-        seq, slot, base, masks, positions, tokens = [], [], [], [], [], []
+        trees = any(row.tree_mask is not None for row in rows)  # else no mask: each row's block is causal
+        seq: list[int] = []
+        slot: list[int] = []
+        base: list[int] = []
+        masks = []
         for row, cache in zip(rows, caches, strict=True):
             assert isinstance(cache, KVCache) and cache.row is not None
             t = len(row.tokens)
             self._check_inputs(row.tokens.unsqueeze(0), row.positions.unsqueeze(0), cache)
             start, _ = cache._reserve(t)
-            mask = torch.ones(t, t, dtype=torch.bool).tril() if row.tree_mask is None else row.tree_mask
-            if row.tree_mask is not None:
-                _checked_tree_mask(row.tree_mask, t)
-            masks.append(F.pad(mask.cpu(), (0, widest - t)))  # [T, widest]: its own new slots only
-            seq.append(torch.full((t,), cache.row, dtype=torch.int32))
-            slot.append(start + torch.arange(t, dtype=torch.int32))
-            base.append(torch.full((t,), start, dtype=torch.int32))
-            positions.append(row.positions)
-            tokens.append(row.tokens)
-        h = self.model.embed_tokens(torch.cat(tokens)).contiguous()  # [N, hidden]
-        freqs = torch.cat(positions).reshape(-1, 1).float() * self.inv_freq  # [N, head_dim // 2]
+            seq += [cache.row] * t
+            slot += range(start, start + t)
+            base += [start] * t
+            if trees:
+                mask = torch.ones(t, t, dtype=torch.bool).tril() if row.tree_mask is None else row.tree_mask
+                if row.tree_mask is not None:
+                    _checked_tree_mask(row.tree_mask, t)
+                masks.append(F.pad(mask.cpu(), (0, widest - t)))  # [T, widest]: its own new slots only
+        h = self.model.embed_tokens(torch.cat([row.tokens for row in rows])).contiguous()  # [N, hidden]
+        positions = torch.cat([row.positions for row in rows])  # [N]
+        freqs = positions.reshape(-1, 1).float() * self.inv_freq  # [N, head_dim // 2], as transformers
         whole = caches[0].whole
         assert whole is not None
         self._native.forward(
@@ -1223,10 +1227,10 @@ class Llama(nn.Module):
             num_layers=self.config.num_layers,
             cos=freqs.cos(),
             sin=freqs.sin(),
-            seq=torch.cat(seq),
-            slot=torch.cat(slot),
-            base=torch.cat(base),
-            mask=torch.cat(masks).contiguous(),  # [N, widest] bool
+            seq=torch.tensor(seq, dtype=torch.int32),  # [N]
+            slot=torch.tensor(slot, dtype=torch.int32),  # [N]
+            base=torch.tensor(base, dtype=torch.int32),  # [N]
+            mask=torch.cat(masks).contiguous() if trees else None,  # [N, widest] bool
             keys=whole[0],
             values=whole[1],
         )
