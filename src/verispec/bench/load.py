@@ -7,9 +7,10 @@ template, cycled; the same list at every C), each submitting its next request to
 run: a closed loop that keeps C requests in flight.
 Measured per cell: generated tokens over wall time (aggregate tokens/s), time to first token (submission →
 the first committed token), inter-token latency (the time between committed chunks, spread over the tokens
-of each: what a streaming client sees), their p50 and p99, tokens per target forward and the draft tokens
-per sequence and step. The peer, transformers, generates the same requests greedily in batches of C
-(left-padded), timed whole. ``results.json``, ``results.md`` and a chart (tokens/s against concurrency) are
+of each: what a streaming client sees), their p50 and p99, tokens per target forward, the draft tokens
+per sequence and step, and the prompt tokens (with those a slot kept from its last sequence, not scored
+again). The peer, transformers, generates the same requests greedily in batches of C (left-padded), timed
+whole. ``results.json``, ``results.md`` and a chart (tokens/s against concurrency) are
 written to ``--out``.
 """
 
@@ -131,7 +132,7 @@ def _verispec_cell(
     lock = threading.Lock()
     ttft: list[float] = []
     itl: list[float] = []
-    tokens, calls, drafted, failures = [0], [0], [0], [0]
+    tokens, calls, drafted, failures, prompt, cached = [0], [0], [0], [0], [0], [0]
     options: dict[str, Any] = dict(k=int(k) if k.isdigit() else k, max_new_tokens=config.max_new_tokens,
                                    sampling=SamplingParams(temperature=0), chat=chat)  # fmt: skip
 
@@ -160,6 +161,8 @@ def _verispec_cell(
                     tokens[0] += count
                     calls[0] += handle.stats.target_calls
                     drafted[0] += handle.stats.drafted
+                    prompt[0] += handle.prompt_tokens
+                    cached[0] += handle.stats.cached_prompt_tokens
             except Exception:  # counted: a load test reports failures, it does not stop at one
                 with lock:
                     failures[0] += 1
@@ -167,7 +170,8 @@ def _verispec_cell(
     with Scheduler(spec, slots=concurrency, max_queue=concurrency) as scheduler:
         seconds = run_clients(lambda: client(scheduler), concurrency)
     return {"seconds": seconds, "tokens": tokens[0], "calls": calls[0], "drafted": drafted[0],
-            "failures": failures[0], "ttft": ttft, "itl": itl}  # fmt: skip
+            "failures": failures[0], "ttft": ttft, "itl": itl, "prompt_tokens": prompt[0],
+            "cached_prompt_tokens": cached[0]}  # fmt: skip
 
 
 def _summary(runs: list[dict], requests: int) -> dict:
@@ -183,6 +187,8 @@ def _summary(runs: list[dict], requests: int) -> dict:
         "tokens": runs[0]["tokens"],
         "seconds": sum(run["seconds"] for run in runs) / len(runs),
         "requests": requests,
+        "prompt_tokens": runs[0]["prompt_tokens"],
+        "cached_prompt_tokens": sum(run["cached_prompt_tokens"] for run in runs) / len(runs),
         "failures": sum(run["failures"] for run in runs),
         "ttft_p50": _percentile(ttft, 0.5),
         "ttft_p99": _percentile(ttft, 0.99),
@@ -272,6 +278,10 @@ def _say(progress: bool, method: str, k: str, concurrency: int, speed: float, re
         print(f"bench-load: {label} at {concurrency} (run {repetition + 1}): {speed:.1f} tok/s", flush=True)
 
 
+def _ratio(value: float, base: float | None) -> str:
+    return "—" if not base else f"{value / base:.2f}×"
+
+
 def _ms(value: float | None) -> str:
     return "—" if value is None else f"{value * 1e3:.0f}"
 
@@ -284,12 +294,13 @@ def write_load_report(results: dict, out: str | Path) -> Path:
     write_atomic(out / "results.json", lambda tmp: Path(tmp).write_text(text))
     cells = results["cells"]
     plain = {c["concurrency"]: c["tokens_per_second"] for c in cells if c["method"] == "none"}
+    alone = plain[min(plain)] if plain else None  # none at the lowest concurrency: batch 1 when it ran
     header = (
-        "| method | C | tok/s (runs) | × none | TTFT p50 / p99 ms | ITL p50 / p99 ms | τ | drafts/round "
-        "| failures |"
+        f"| method | C | tok/s (runs) | × none | × none at C = {min(plain) if plain else '—'} "
+        "| TTFT p50 / p99 ms | ITL p50 / p99 ms | τ | drafts/round | prompt tokens (kept) | failures |"
     )
     lines = ["# verispec bench-load", "", f"Config: `{json.dumps(results['config'])}`", "", header,
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for c in cells:
         label = (
             c["method"]
@@ -297,17 +308,17 @@ def write_load_report(results: dict, out: str | Path) -> Path:
             + (f" ({c['drafter']})" if c["method"] == "auto" else "")
         )
         base = plain.get(c["concurrency"])
-        ratio = c["tokens_per_second"] / base if base else None
         tau = c.get("tokens_per_target_call")
         drafts = c.get("drafted_per_round")
         runs = c.get("tokens_per_second_runs", [])
         spread = f" ({runs[0]:.0f}–{runs[-1]:.0f})" if len(runs) > 1 else ""
+        prompt = f"{c['prompt_tokens']} ({c['cached_prompt_tokens']:.0f})" if "prompt_tokens" in c else "—"
         lines.append(
             f"| {label} | {c['concurrency']} | {c['tokens_per_second']:.1f}{spread} | "
-            f"{'—' if ratio is None else f'{ratio:.2f}×'} | "
+            f"{_ratio(c['tokens_per_second'], base)} | {_ratio(c['tokens_per_second'], alone)} | "
             f"{_ms(c.get('ttft_p50'))} / {_ms(c.get('ttft_p99'))} | "
             f"{_ms(c.get('itl_p50'))} / {_ms(c.get('itl_p99'))} | {'—' if tau is None else f'{tau:.2f}'} | "
-            f"{'—' if drafts is None else f'{drafts:.2f}'} | {c['failures']} |"
+            f"{'—' if drafts is None else f'{drafts:.2f}'} | {prompt} | {c['failures']} |"
         )
     write_atomic(out / "results.md", lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
     _chart(cells, out / "tokens_per_second")
