@@ -23,7 +23,7 @@ from test_engine import noisy_copy
 from test_kernels import CONFIG, random_llama
 from verispec import cli
 from verispec.api import Speculator
-from verispec.bench.load import LoadConfig
+from verispec.bench.load import LoadConfig, auto_against_best
 from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.learned.eagle import EagleHead
@@ -417,6 +417,27 @@ def test_scheduler_cancel_frees_the_slot_and_a_full_queue_refuses():
         scheduler.submit("abc", **options)
 
 
+def test_auto_is_compared_with_the_best_rival_of_its_own_turn():
+    """A machine that drifts between turns: auto against max(none, the method's fixed Ks) of the same turn
+    (not against the rivals' medians, which would mix the fast turn with the slow), at its own concurrency."""
+
+    def cell(method, k, c, turns):
+        return {"method": method, "k": k, "concurrency": c, "tokens_per_second_turns": turns}
+
+    cells = [cell("none", "", 1, [100.0, 200.0, 300.0]), cell("ngram", "4", 1, [120.0, 150.0, 310.0]),
+             cell("ngram", "auto", 1, [114.0, 190.0, 155.0]), cell("eagle", "8", 1, [1000.0, 1000.0, 1000.0]),
+             cell("none", "", 2, [50.0, 50.0]), cell("ngram", "auto", 2, [50.0, 25.0]),
+             cell("ngram", "auto", 4, [1.0])]  # fmt: skip
+    auto_against_best(cells)
+    assert cells[2]["auto_vs_best_turns"] == [114 / 120, 190 / 200, 155 / 310]  # not eagle's
+    assert cells[2]["auto_vs_best"] == 114 / 120  # the median
+    assert (
+        cells[5]["auto_vs_best_turns"] == [1.0, 0.5] and cells[5]["auto_vs_best"] == 0.5
+    )  # the lower middle
+    assert "auto_vs_best" not in cells[6]  # no none at C = 4
+    assert all("auto_vs_best" not in cells[i] for i in (0, 1, 3, 4))
+
+
 def test_bench_load_runs_and_reports(tmp_path, capsys, shared_model):
     root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
     out = tmp_path / "load"
@@ -432,11 +453,19 @@ def test_bench_load_runs_and_reports(tmp_path, capsys, shared_model):
         assert cell["tokens_per_second"] > 0 and cell["ttft_p50"] <= cell["ttft_p99"]
         runs = cell["tokens_per_second_runs"]  # the repetitions' speeds, sorted; the cell's is the median run
         assert len(runs) == 2 and sorted(runs) == runs and cell["tokens_per_second"] == runs[0]
+        assert sorted(cell["tokens_per_second_turns"]) == runs
+    for c in (1, 2):  # auto against the best of none and fixed K, turn by turn (here none is the only rival)
+        auto, plain = cells[("ngram", c)], cells[("none", c)]["tokens_per_second_turns"]
+        ratios = [a / p for a, p in zip(auto["tokens_per_second_turns"], plain, strict=True)]
+        assert auto["auto_vs_best_turns"] == ratios and auto["auto_vs_best"] == min(ratios)
+        assert "auto_vs_best" not in cells[("none", c)]
     for method in ("none", "ngram"):  # the same greedy requests at every concurrency: the same tokens
         assert cells[(method, 1)]["tokens"] == cells[(method, 2)]["tokens"] == cells[("none", 1)]["tokens"]
     assert LoadConfig(concurrency=(1, 2)).request_count == 8
     assert LoadConfig(concurrency=(4, 16, 8)).request_count == 64
     assert (out / "results.md").is_file() and (out / "tokens_per_second.png").is_file()
+    paired = f"| ngram k=auto | 2 | {cells[('ngram', 2)]['auto_vs_best']:.2f}× |"
+    assert "paired by turn" in (out / "results.md").read_text() and paired in (out / "results.md").read_text()
     assert "| ngram k=auto | 2 |" in capsys.readouterr().out
     for bad, message in [(["--methods", "medusa"], "unknown method 'medusa'"),
                          (["--concurrency", "0"], "concurrency levels must be integers >= 1"),

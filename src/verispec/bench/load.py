@@ -9,9 +9,10 @@ Measured per cell: generated tokens over wall time (aggregate tokens/s), time to
 the first committed token), inter-token latency (the time between committed chunks, spread over the tokens
 of each: what a streaming client sees), their p50 and p99, tokens per target forward, the draft tokens
 per sequence and step, and the prompt tokens (with those a slot kept from its last sequence, not scored
-again). The peer, transformers, generates the same requests greedily in batches of C (left-padded), timed
-whole. ``results.json``, ``results.md`` and a chart (tokens/s against concurrency) are
-written to ``--out``.
+again); and every ``--k auto`` cell's speed against the best of ``none`` and its method's fixed Ks, paired by
+turn (:func:`auto_against_best`). The peer, transformers, generates the same requests greedily in batches of
+C (left-padded), timed whole. ``results.json``, ``results.md`` and a chart (tokens/s against concurrency)
+are written to ``--out``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from verispec.viz import write_atomic
 
 Prompt = str | Sequence[Mapping[str, str]]  # a prompt, or a conversation
 
-__all__ = ["LOAD_METHODS", "LoadConfig", "run_load", "write_load_report"]
+__all__ = ["LOAD_METHODS", "LoadConfig", "auto_against_best", "run_load", "write_load_report"]
 
 LOAD_METHODS = ("none", "ngram", "eagle", "auto", "transformers")  # auto: the drafter auto picks
 
@@ -184,6 +185,7 @@ def _summary(runs: list[dict], requests: int) -> dict:
     return {
         "tokens_per_second": speeds[(len(speeds) - 1) // 2],
         "tokens_per_second_runs": speeds,
+        "tokens_per_second_turns": [run["tokens"] / run["seconds"] for run in runs],  # in the turns' order
         "tokens": runs[0]["tokens"],
         "seconds": sum(run["seconds"] for run in runs) / len(runs),
         "requests": requests,
@@ -197,6 +199,26 @@ def _summary(runs: list[dict], requests: int) -> dict:
         "tokens_per_target_call": tokens / calls if calls else None,
         "drafted_per_round": drafted / calls if calls else None,
     }
+
+
+def auto_against_best(cells: Sequence[dict]) -> None:
+    """Adds to every ``--k auto`` cell its speed against the best of ``none`` and its method's fixed Ks at the
+    same concurrency, paired by turn (each run against the others' runs of the same turn, so that a machine's
+    drift between turns cancels): ``auto_vs_best_turns`` and their median (of an even number, the lower
+    middle one) ``auto_vs_best``: the goal's ``--k auto`` ≥ 0.95 × max(none, best fixed K). A cell without
+    ``none`` beside it gets neither."""
+    turns = {(c["method"], c.get("k", ""), c["concurrency"]): c["tokens_per_second_turns"]
+             for c in cells if "tokens_per_second_turns" in c}  # fmt: skip
+    for cell in cells:
+        level = cell["concurrency"]
+        if cell.get("k") != "auto" or ("none", "", level) not in turns:
+            continue
+        rivals = [speeds for (method, k, at), speeds in turns.items() if at == level
+                  and (method == "none" or (method == cell["method"] and k != "auto"))]  # fmt: skip
+        mine = turns[(cell["method"], "auto", level)]
+        ratios = [speed / max(rival[i] for rival in rivals) for i, speed in enumerate(mine)]
+        cell["auto_vs_best_turns"] = ratios
+        cell["auto_vs_best"] = sorted(ratios)[(len(ratios) - 1) // 2]
 
 
 def _transformers_cell(
@@ -255,6 +277,7 @@ def run_load(config: LoadConfig, progress: bool = True) -> dict:
         for c in config.concurrency:
             cells.append({"method": method, "drafter": label, "k": "" if method == "none" else k,
                           "concurrency": c, **_summary(runs[(index, c)], config.request_count)})  # fmt: skip
+    auto_against_best(cells)
     if "transformers" in config.methods:
         from verispec.bench.peers import load_transformers
 
@@ -320,6 +343,21 @@ def write_load_report(results: dict, out: str | Path) -> Path:
             f"{_ms(c.get('itl_p50'))} / {_ms(c.get('itl_p99'))} | {'—' if tau is None else f'{tau:.2f}'} | "
             f"{'—' if drafts is None else f'{drafts:.2f}'} | {prompt} | {c['failures']} |"
         )
+    paired = [c for c in cells if "auto_vs_best" in c]
+    if paired:
+        lines += [
+            "",
+            "`--k auto` against the best of none and the method's fixed Ks at the same concurrency, "
+            "paired by turn (the goal: ≥ 0.95×):",
+            "",
+            "| method | C | median | turns |",
+            "|---|---|---|---|",
+        ]
+        for c in paired:
+            turns = ", ".join(f"{r:.2f}" for r in c["auto_vs_best_turns"])
+            lines.append(
+                f"| {c['method']} k=auto | {c['concurrency']} | {c['auto_vs_best']:.2f}× | {turns} |"
+            )
     write_atomic(out / "results.md", lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
     _chart(cells, out / "tokens_per_second")
     return out
