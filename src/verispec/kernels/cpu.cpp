@@ -980,40 +980,22 @@ template <int R>
 static inline void values_tile(const uint16_t* values, int hd, int c0, int c1, const float* p, int stride,
                                float* const* o) {
     int d0 = 0;
-#ifdef VS_AVX512
-    enum { W = 16 };
+#if defined(VS_AVX512) || defined(VS_AVX2)
+    enum { W = VS_GROUP };
     for (; d0 + W <= hd;) {
         const int blocks = (hd - d0) / W < VB ? (hd - d0) / W : VB;
-        __m512 acc[R][VB];
+        Vec::F acc[R][VB];
         for (int r = 0; r < R; r++)
-            for (int b = 0; b < VB; b++) acc[r][b] = _mm512_setzero_ps();
+            for (int b = 0; b < VB; b++) acc[r][b] = Vec::zero();
         for (int t = c0; t < c1; t++) {
             const uint16_t* row = values + (size_t)t * hd + d0;
             for (int b = 0; b < blocks; b++) {
-                const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(row + b * W)));
-                for (int r = 0; r < R; r++) acc[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * stride + t - c0]), v, acc[r][b]);
+                const Vec::F v = Vec::halfs(row + b * W);
+                for (int r = 0; r < R; r++) acc[r][b] = Vec::fma(Vec::set1(p[r * stride + t - c0]), v, acc[r][b]);
             }
         }
         for (int r = 0; r < R; r++)
-            for (int b = 0; b < blocks; b++) _mm512_storeu_ps(o[r] + d0 + b * W, acc[r][b]);
-        d0 += blocks * W;
-    }
-#elif defined(VS_AVX2)
-    enum { W = 8 };
-    for (; d0 + W <= hd;) {
-        const int blocks = (hd - d0) / W < VB ? (hd - d0) / W : VB;
-        __m256 acc[R][VB];
-        for (int r = 0; r < R; r++)
-            for (int b = 0; b < VB; b++) acc[r][b] = _mm256_setzero_ps();
-        for (int t = c0; t < c1; t++) {
-            const uint16_t* row = values + (size_t)t * hd + d0;
-            for (int b = 0; b < blocks; b++) {
-                const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(row + b * W)));
-                for (int r = 0; r < R; r++) acc[r][b] = _mm256_fmadd_ps(_mm256_set1_ps(p[r * stride + t - c0]), v, acc[r][b]);
-            }
-        }
-        for (int r = 0; r < R; r++)
-            for (int b = 0; b < blocks; b++) _mm256_storeu_ps(o[r] + d0 + b * W, acc[r][b]);
+            for (int b = 0; b < blocks; b++) Vec::store(o[r] + d0 + b * W, acc[r][b]);
         d0 += blocks * W;
     }
 #endif
