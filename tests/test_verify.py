@@ -20,7 +20,9 @@ from verispec.verify.chain import (
     Rule,
     Verdict,
     greedy_rule,
+    greedy_targets,
     greedy_verify,
+    greedy_verify_targets,
     rejection_rule,
     rejection_sample,
     sample_verdict,
@@ -696,6 +698,32 @@ def test_greedy_verify_equals_sampled_greedy_rule(seed, b, k, v, eos):
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.num_accepted, want.num_accepted)
     soft = greedy_verify(draft, p=logits.softmax(-1), draft_lengths=lengths, eos_token_id=eos)
     assert torch.equal(soft.tokens, want.tokens) and torch.equal(soft.num_tokens, want.num_tokens)
+    # each row's greedy tokens from its own positions only, garbage past them: the same verdict
+    targets = torch.randint(v, (b, k + 1), generator=g)  # [B, K+1]
+    for row, n in enumerate(lengths.tolist()):
+        targets[row, : n + 1] = greedy_targets(logits[row, : n + 1])
+        assert targets[row, : n + 1].tolist() == target[row, : n + 1].tolist()  # torch.argmax's first index
+    got = greedy_verify_targets(draft, targets=targets, draft_lengths=lengths, eos_token_id=eos)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.num_tokens, want.num_tokens)
+    assert torch.equal(got.num_accepted, want.num_accepted) and torch.equal(got.recovered, want.recovered)
+
+
+def test_greedy_targets_validation():
+    """greedy_targets names a NaN's position (one anywhere in a row shows in its maximum) and takes [P, V]
+    only; greedy_verify_targets takes integer targets of shape [B, K+1] only."""
+    scores = torch.zeros(3, 5)  # [P, V]
+    scores[2, 4] = NAN
+    with pytest.raises(ValueError, match=re.escape("p has NaN at row 0, position 2")):
+        greedy_targets(scores)
+    scores[2, 4] = float("inf")  # an infinity is a score like any other
+    assert greedy_targets(scores).tolist() == [0, 0, 4]
+    with pytest.raises(ValueError, match=re.escape("p must have shape [P, V]")):
+        greedy_targets(torch.zeros(1, 3, 5))
+    draft = ids([[1, 2]])  # [1, 2]
+    for bad in (ids([[1, 2]]), torch.zeros(1, 3)):
+        with pytest.raises(ValueError, match=re.escape("targets must be an integer tensor of shape [1, 3]")):
+            greedy_verify_targets(draft, targets=bad)
+    assert greedy_verify_targets(draft, targets=ids([[1, 0, 0]])).row(0) == [1, 0]
 
 
 @settings(max_examples=60, deadline=None)

@@ -48,7 +48,14 @@ from verispec.models.base import (
 from verispec.policies import CostModelK, KPolicy, plan_batch
 from verispec.sampling import SamplingParams, probs_from_logits
 from verispec.trace import TraceRecorder
-from verispec.verify.chain import Verdict, greedy_verify, rejection_sample, single_guess_sample
+from verispec.verify.chain import (
+    Verdict,
+    greedy_targets,
+    greedy_verify,
+    greedy_verify_targets,
+    rejection_sample,
+    single_guess_sample,
+)
 from verispec.verify.tree import TreeVerdict, tree_greedy_verify, tree_rejection_sample
 
 __all__ = ["PREFILL_CHUNK", "EngineConfig", "GenerationStats", "Request", "Running", "SpeculativeEngine"]
@@ -490,8 +497,9 @@ class SpeculativeEngine:
         self, rounds: Sequence[_Round], logits: Sequence[torch.Tensor | None]
     ) -> dict[int, tuple[Verdict, int]]:
         """The greedy chain rounds of this step (untraced), verified together: one ``greedy_verify`` over
-        their padded drafts per set of end-of-sequence tokens (rows of their own lengths; greedy
-        verification draws nothing, so rows share it freely). Round index → (verdict, its row)."""
+        their padded drafts and each row's greedy tokens per set of end-of-sequence tokens (rows of their own
+        lengths; greedy verification draws nothing, so rows share it freely). Round index → (verdict, its
+        row)."""
         groups: dict[frozenset[int], list[int]] = {}
         for index, rnd in enumerate(rounds):
             config = rnd.running.request.config
@@ -503,17 +511,18 @@ class SpeculativeEngine:
                 continue
             proposals = [rounds[i].proposal for i in members]
             width = max(len(p.tokens) for p in proposals if p is not None)
-            scores = [logits[i] for i in members]
-            vocab = next(s for s in scores if s is not None).shape[-1]
             draft = torch.zeros(len(members), width, dtype=torch.long)  # [B, K]
-            p = torch.zeros(len(members), width + 1, vocab)  # [B, K+1, V]: rows padded past their length
-            for row, (proposal, score) in enumerate(zip(proposals, scores, strict=True)):
+            targets = torch.zeros(len(members), width + 1, dtype=torch.long)  # [B, K+1]: rows padded
+            for row, index in enumerate(members):
+                proposal, score = rounds[index].proposal, logits[index]
                 assert proposal is not None and score is not None
                 n = len(proposal.tokens)
                 draft[row, :n] = proposal.tokens
-                p[row, : n + 1] = score
+                targets[row, : n + 1] = greedy_targets(score)  # [n + 1]
             lengths = torch.tensor([len(q.tokens) for q in proposals if q is not None])  # [B]
-            verdict = greedy_verify(draft, p=p, draft_lengths=lengths, eos_token_id=sorted(eos) or None)
+            verdict = greedy_verify_targets(
+                draft, targets=targets, draft_lengths=lengths, eos_token_id=sorted(eos) or None
+            )
             out.update((index, (verdict, row)) for row, index in enumerate(members))
         return out
 

@@ -32,7 +32,8 @@ the target does not have (id ≥ Vp) has p = 0 and is always rejected; a target 
 Exactness: with rejection_rule, the emitted tokens are distributed exactly as tokens sampled one by one from
 p (Leviathan et al. 2023, Chen et al. 2023), whatever q is, provided the draft tokens were sampled from the q
 passed here. single_guess_rule is rejection_rule with q a point mass on each guess; greedy_rule is the
-temperature-0 case, token-identical to the target's own greedy decoding.
+temperature-0 case, token-identical to the target's own greedy decoding; :func:`greedy_verify_targets` takes
+its input as the target's argmax tokens, for rows whose scores come in lengths of their own.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ __all__ = [
     "Rule",
     "Verdict",
     "greedy_rule",
+    "greedy_targets",
     "greedy_verify",
+    "greedy_verify_targets",
     "rejection_rule",
     "rejection_sample",
     "sample_verdict",
@@ -161,16 +164,19 @@ def _check_probs(name: str, probs: Tensor, valid: Tensor, dtype: torch.dtype) ->
     return probs.to(dtype) if all_valid else torch.where(valid.unsqueeze(-1), probs.to(dtype), 0.0)
 
 
-def _check_scores(scores: Tensor, valid: Tensor) -> Tensor:
-    """scores: [B, P, V] probabilities or logits, of which only the argmax is used; valid: [B, P] bool."""
+def _greedy_targets(scores: Tensor, valid: Tensor) -> Tensor:
+    """scores: [B, P, V] probabilities or logits; valid: [B, P] bool → their first argmax [B, P] int64
+    (torch.argmax's convention). A NaN anywhere in a row makes its maximum NaN (torch.max propagates it), so
+    the maxima alone find any NaN at a valid position."""
     b, positions = valid.shape
     if scores.ndim != 3 or scores.shape[:2] != (b, positions) or scores.shape[2] == 0:
         raise UsageError(f"p must have shape [{b}, {positions}, V], got {tuple(scores.shape)}")
-    bad = torch.isnan(scores) & valid.unsqueeze(-1)
+    maxima, targets = scores.max(dim=-1)  # [B, P] each
+    bad = torch.isnan(maxima) & valid
     if bad.any():
-        row, pos, _ = bad.nonzero()[0].tolist()
+        row, pos = bad.nonzero()[0].tolist()
         raise UsageError(f"p has NaN at row {row}, position {pos}")
-    return scores
+    return targets
 
 
 def _pad_vocab(probs: Tensor, vocab: int) -> Tensor:
@@ -249,7 +255,7 @@ def greedy_rule(draft_tokens: Tensor, *, p: Tensor, draft_lengths: Tensor | None
     mass on the argmax. p: [B, K+1, V] target distributions or logits (only the argmax is used)."""
     lay = _layout(draft_tokens, draft_lengths)
     k = lay.drafted.shape[1]
-    target = _check_scores(p, lay.used).argmax(dim=-1)  # [B, K+1]
+    target = _greedy_targets(p, lay.used)  # [B, K+1]
     accept_prob = ((lay.tokens == target[:, :k]) & lay.drafted).to(torch.float64)
     fallback = torch.zeros(p.shape, dtype=torch.float64, device=p.device)
     fallback.scatter_(-1, target.unsqueeze(-1), 1.0)
@@ -355,8 +361,35 @@ def greedy_verify(
     draft_tokens: [B, K] int; p: [B, K+1, V] target distributions or logits; draft_lengths: [B] or None.
     """
     lay = _layout(draft_tokens, draft_lengths)
+    targets = _greedy_targets(p, lay.used)  # [B, K+1]
+    return greedy_verify_targets(
+        draft_tokens, targets=targets, draft_lengths=draft_lengths, eos_token_id=eos_token_id
+    )
+
+
+def greedy_targets(p: Tensor) -> Tensor:
+    """p: [P, V] one row's target distributions or logits → its greedy tokens [P] int64, the first argmax at
+    every position (what :func:`greedy_verify_targets` takes); UsageError at a NaN."""
+    if p.ndim != 2:
+        raise UsageError(f"p must have shape [P, V], got {tuple(p.shape)}")
+    return _greedy_targets(p.unsqueeze(0), torch.ones(1, p.shape[0], dtype=torch.bool, device=p.device))[0]
+
+
+def greedy_verify_targets(
+    draft_tokens: Tensor, *, targets: Tensor, draft_lengths: Tensor | None = None, eos_token_id: EosIds = None
+) -> Verdict:
+    """:func:`greedy_verify` given the target's greedy tokens instead of p: targets [B, K+1] int, argmax p_t
+    at every position a row uses (entries past a row's draft length + 1 are ignored). What a caller whose
+    rows come with scores of their own lengths verifies with, without padding them to one [B, K+1, V].
+
+    draft_tokens: [B, K] int; draft_lengths: [B] or None.
+    """
+    lay = _layout(draft_tokens, draft_lengths)
     k = lay.drafted.shape[1]
-    target = _check_scores(p, lay.used).argmax(dim=-1)  # [B, K+1]
-    num_accepted = _accepted_prefix((lay.tokens == target[:, :k]) & lay.drafted)
-    final = target.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+    if targets.shape != lay.used.shape or torch.is_floating_point(targets) or targets.is_complex():
+        raise UsageError(f"targets must be an integer tensor of shape {list(lay.used.shape)}, got "
+                         f"{targets.dtype} {list(targets.shape)}")  # fmt: skip
+    targets = targets.long()
+    num_accepted = _accepted_prefix((lay.tokens == targets[:, :k]) & lay.drafted)
+    final = targets.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
     return _assemble(draft_tokens, num_accepted, final, lay.lengths, eos_token_id)
