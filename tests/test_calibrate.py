@@ -2,6 +2,7 @@
 ``--k auto`` built on it (stories260K: a calibration takes milliseconds)."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from verispec import calibrate as calibration_module
 from verispec.api import Speculator
 from verispec.calibrate import (
     BATCH_ROWS,
+    DRAFT_K,
     K_MAX,
     ROW_TOKENS,
     Calibration,
@@ -22,6 +24,7 @@ from verispec.calibrate import (
     model_identity,
 )
 from verispec.cli import main
+from verispec.drafting.base import Proposal
 from verispec.drafting.ngram import NGramDrafter
 from verispec.models.llama import Llama, LlamaConfig
 from verispec.models.registry import load_model
@@ -88,10 +91,13 @@ def test_costs_at_a_context_interpolate_the_two_measured_contexts():
     assert costs.seconds_at(640) == pytest.approx((0.012, 0.015, 0.020))  # halfway
     assert costs.seconds_at(1792) == pytest.approx((0.018, 0.024, 0.035))  # linear beyond the long one
     assert costs.seconds_at(0)[0] == pytest.approx(0.010 - 256 / 768 * 0.004)
-    calibration = Calibration(costs, DraftCosts("d", 0.2, 0.002, 3, "now"), Path("x"))
+    calibration = Calibration(costs, DraftCosts("d", 0.2, 0.002, 3, "now", 0.0005), Path("x"))
     at = calibration.cost_model_at(1024)  # the draft's seconds as measured, over a dearer target step
     assert at.cost_ratio == pytest.approx(0.002 / 0.014) and at.verify(3) == pytest.approx(0.025 / 0.014)
+    assert at.catch_up == pytest.approx(0.0005 / 0.014) and calibration.cost_model.catch_up == 0.05
     assert calibration.cost_model.cost_ratio == 0.2  # the short context's, as measured in pairs
+    with pytest.raises(ValueError, match="a drafter's catch-up must be a number >= 0"):
+        DraftCosts("d", 0.2, 0.002, 3, "now", -1e-6)
     # the batch grid in units of one row's T(1) at that context, interpolated like the rest
     assert costs.batch_cost_at(256).forward(1, 1) == pytest.approx(1.0)
     assert costs.batch_cost_at(640).forward(4, 8) == pytest.approx(1 + 0.7 + 1.5)
@@ -104,6 +110,38 @@ def test_costs_at_a_context_interpolate_the_two_measured_contexts():
         TargetCosts("t", short, 3, "now", batch_seconds=grid(0.01)[:2])
     with pytest.raises(ValueError, match="batch timings at the long context go with single-row ones"):
         TargetCosts("t", short, 3, "now", batch_seconds=grid(0.01), long_batch_seconds=grid(0.01))
+
+
+class _Lagging:
+    """A drafter that keeps state of the context: reading a position it has not read costs ``per`` seconds
+    (slept), a proposal nothing more. Proposes nothing."""
+
+    name = "lagging"
+
+    def __init__(self, per: float) -> None:
+        self.per, self.read = per, 0
+
+    def begin(self, prompt: list[int]) -> None:
+        self.read = 0
+
+    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+        time.sleep(self.per * (len(context) - 1 - self.read))
+        self.read = len(context) - 1
+        return Proposal.empty()
+
+    def observe(self, num_accepted: int) -> None:
+        pass
+
+
+def test_a_drafters_catch_up_is_what_reading_an_unread_position_costs(stories):
+    """The catch-up: a first proposal's time (the whole context unread) less a steady proposal's, per
+    position; about nothing for a drafter that keeps no state of the context."""
+    model, _ = stories
+    lagging = calibration_module._measure_drafter(_Lagging(40e-6), model, "lagging", 3)
+    assert 30e-6 <= lagging.catch_up_seconds <= 120e-6  # sleep overshoots, never undershoots
+    assert lagging.seconds_per_token >= 40e-6 / DRAFT_K  # the steady rounds read one position each
+    lookup = calibration_module._measure_drafter(NGramDrafter(), model, "ngram", 3)
+    assert 0 <= lookup.catch_up_seconds < 20e-6  # its index of the context: microseconds a position
 
 
 def test_the_batch_grid_is_timed_where_rows_share_a_forward(stories):

@@ -27,7 +27,7 @@ from verispec import cli
 from verispec.analysis.analytic import CostModel, best_tree_size, speedup_by_k
 from verispec.api import Speculator
 from verispec.bench.suite import BenchConfig, Method, plan_methods
-from verispec.calibrate import DRAFT_K, drafter_identity
+from verispec.calibrate import DRAFT_K, FILLS, drafter_identity
 from verispec.drafting.base import Proposal
 from verispec.drafting.learned import train as train_module
 from verispec.drafting.learned.data import load_split
@@ -584,8 +584,8 @@ def test_rollback_leaves_the_state_of_a_fresh_drafter(target, trained):
 
 
 def test_k_auto_calibrates_real_proposals(target, trained, tmp_path, monkeypatch):
-    """--k auto: the calibration hands the drafter the target's hidden states, so every timed proposal drafts
-    DRAFT_K tokens; generation at K auto stays the target's greedy output."""
+    """--k auto: the calibration hands the drafter the target's hidden states, so every proposal it times
+    drafts DRAFT_K tokens; generation at K auto stays the target's greedy output."""
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     lengths = []
     propose = EagleDrafter.propose
@@ -598,7 +598,7 @@ def test_k_auto_calibrates_real_proposals(target, trained, tmp_path, monkeypatch
     monkeypatch.setattr(EagleDrafter, "propose", counted)
     plain, eagle = plain_and_eagle(target, trained)
     calibration = eagle.calibration(repetitions=3)
-    assert lengths == [DRAFT_K] * 4 and calibration.cost_ratio > 0
+    assert lengths == [DRAFT_K] * (FILLS + 3) and calibration.cost_ratio > 0
     for prompt in ("abc", "mnopqrs"):
         reference = plain.generate(prompt, k=0, max_new_tokens=40, sampling=GREEDY).token_ids
         assert eagle.generate(prompt, k="auto", max_new_tokens=40, sampling=GREEDY).token_ids == reference

@@ -65,6 +65,33 @@ def test_plain_decoding_when_speculation_does_not_pay_then_probes_within_the_bud
     assert 5 <= sum(k > 0 for k in ks) <= 10 and max(ks) > 1  # its best K > 0 is longer than one token
 
 
+def test_a_drafters_catch_up_is_paid_by_the_round_that_drafts():
+    """A drafter that keeps state of the context (u per position it has not read) reads the positions
+    committed since it last drafted before it drafts again: probes wait until the plain rounds' budget covers
+    that too, a catch-up that outgrows the budget stops probing, and every choice prices it for K > 0."""
+
+    def probes(u: float, rounds: int = 100) -> list[int]:
+        policy = CostModelK(
+            CostModel(0.5, MEASURED, catch_up=u), AutoKConfig(prior=(0.2, 0.8), probe_budget=0.05)
+        )
+        return [i for i in range(rounds) if policy.next_k(100 + i)]  # a plain round commits one token
+
+    assert probes(0.0) == list(range(9, 100, 10))  # no catch-up: as in the test above, whatever the context
+    lagging = probes(0.01)
+    # the first probe also reads the 100-token prompt: 0.43 + (100 + i)·0.01 steps within 0.05 per plain round
+    assert lagging[0] == next(i for i in range(100) if i + 1 > math.ceil((0.43 + (100 + i) * 0.01) / 0.05))
+    gaps = np.diff(lagging)  # then only the positions committed since the last probe
+    assert len(gaps) >= 3 and all(g == gaps[0] for g in gaps) and gaps[0] > 10
+    spent = 0.43 * len(lagging) + 0.01 * (lagging[0] + 100 + sum(gaps))
+    assert spent <= 0.05 * (100 - len(lagging))  # the probes' expected loss, catch-up included, in budget
+    assert probes(0.05, rounds=1000) == []  # u at the budget: probing could never pay for itself
+
+    policy = CostModelK(CostModel(0.05, MEASURED, catch_up=0.01), AutoKConfig(prior=(0.8, 0.2)))
+    assert policy.backlog(1000) == 1000 and policy.next_k(1000) == 0  # a long prompt to read first: not yet
+    policy.drafts_at(1000)  # a round drafted there
+    assert policy.backlog(1000) == 0 and policy.backlog(1003) == 3 and policy.next_k(1001) > 0
+
+
 def test_follows_a_changing_acceptance_rate():
     policy = CostModelK(CostModel(0.05, MEASURED), AutoKConfig(memory=0.9, probe_budget=0.1))
     assert policy.next_k() > 0  # the prior, 0.5 at every position, pays with a cheap draft
@@ -195,6 +222,19 @@ def test_batch_plan_is_the_single_policy_alone_and_turns_speculation_off_under_l
     )
     assert mixed[0] > 0 and mixed[1] == 0  # the tokens go to the row that accepts them
     assert plan_batch([policy_at(0.95, 0.01, BATCH_CURVE)] * 2, [50, 50], [1, 0]) == [1, 0]  # rooms cap
+
+
+def test_the_batch_plan_prices_each_rows_catch_up():
+    """Of two rows alike but for what their drafters have read, the one that would first read a long context
+    does not draft; the plan's drafting rows have then read theirs."""
+    config = AutoKConfig(prior=(0.95, 0.05))
+    fresh, current = (CostModelK(CostModel(0.01, BATCH_CURVE, catch_up=0.01), config) for _ in range(2))
+    current.drafts_at(499)
+    ks = plan_batch([fresh, current], [500, 500], [7, 7])
+    assert ks[0] == 0 and ks[1] > 0
+    assert fresh.backlog(500) == 500 and current.backlog(500) == 0 and current.backlog(501) == 1
+    alike = [CostModelK(CostModel(0.01, BATCH_CURVE), config) for _ in range(2)]  # no catch-up: both draft
+    assert all(k > 0 for k in plan_batch(alike, [500, 500], [7, 7]))
 
 
 def _batch_grid(cost) -> BatchCost:

@@ -21,7 +21,11 @@ needs, for one target and one drafter on this machine:
 - the cost ratio c = T_draft / T_target(1): the median, over ``repetitions`` proposals of :data:`DRAFT_K`
   tokens by the drafter itself (a model draft's forwards and greedy picks, an n-gram lookup) on the same
   context, of the time per drafted token over a T(1) timed just before; each proposal is rolled back as after
-  a rejection, and the context grows by one token.
+  a rejection, and the context grows by one token;
+- the drafter's catch-up u: what reading one committed position it has not seen costs it (a model draft's
+  cache, a learned head's features), paid by the first round that drafts after plain rounds: the median of
+  :data:`FILLS` first proposals after ``begin`` (a whole context unread) less the steady proposal's time, per
+  position, over T(1). Nothing for a drafter that keeps no state of the context.
 
 The cache holds one JSON file per target in ``$VERISPEC_CACHE/calibration`` (by default
 ``~/.cache/verispec/calibration``), named by a hash of its identity: the model's class and architecture config
@@ -70,6 +74,7 @@ __all__ = [
     "BATCH_ROWS",
     "CONTEXT",
     "DRAFT_K",
+    "FILLS",
     "K_MAX",
     "QUICK_REPETITIONS",
     "ROW_TOKENS",
@@ -87,16 +92,18 @@ K_MAX = 16  # v(k) is measured for k = 1..K_MAX new tokens: K ≤ K_MAX − 1 dr
 CONTEXT = 256  # positions in the cache while timing (capped at half the model's context)
 LONG_CONTEXT = 1024  # the second context timed (capped likewise): how costs grow with the context
 DRAFT_K = 4  # tokens per timed proposal
+FILLS = 3  # first proposals after begin timed, for the drafter's catch-up
 BATCH_ROWS = (1, 2, 4, 8, 16)  # the batch grid: rows of one forward ...
 ROW_TOKENS = (1, 2, 4)  # ... times new tokens in each row
 QUICK_REPETITIONS = 5  # what a first use of ``--k auto`` measures with; ``verispec calibrate`` defaults to 10
-_VERSION = 4  # of the cache file format
+_VERSION = 5  # of the cache file format
 # part of the key: how it was measured
 _METHOD = {
     "context": CONTEXT,
     "long_context": LONG_CONTEXT,
     "k_max": K_MAX,
     "draft_k": DRAFT_K,
+    "fills": FILLS,
     "batch_rows": BATCH_ROWS,
     "row_tokens": ROW_TOKENS,
 }
@@ -170,12 +177,16 @@ class DraftCosts:
     seconds_per_token: float  # T_draft (informational)
     repetitions: int
     measured_at: str
+    catch_up_seconds: float = 0.0  # per committed position the drafter had not read (>= 0)
 
     def __post_init__(self) -> None:
         if not (_positive(self.cost_ratio) and _positive(self.seconds_per_token)):
             raise UsageError(
                 f"draft costs must be numbers > 0, got {self.cost_ratio!r}, {self.seconds_per_token!r}"
             )
+        u = self.catch_up_seconds
+        if isinstance(u, bool) or not (isinstance(u, (int, float)) and math.isfinite(u) and u >= 0):
+            raise UsageError(f"a drafter's catch-up must be a number >= 0, got {u!r}")
 
 
 @dataclass(frozen=True)
@@ -193,15 +204,18 @@ class Calibration:
 
     @property
     def cost_model(self) -> CostModel:
-        """v(k) and c as the analytic model takes them, at the short context."""
-        return CostModel(self.cost_ratio, self.target.verify_cost)
+        """v(k), c and the drafter's catch-up as the analytic model takes them, at the short context."""
+        catch_up = self.draft.catch_up_seconds / self.target.seconds[0] if self.draft else 0.0
+        return CostModel(self.cost_ratio, self.target.verify_cost, catch_up)
 
     def cost_model_at(self, context: int) -> CostModel:
-        """v(k) and c for rounds after ``context`` positions (see :meth:`TargetCosts.seconds_at`): the
-        draft's seconds per token as measured, the target's forwards dearer as the context grows."""
+        """v(k), c and the catch-up for rounds after ``context`` positions (see
+        :meth:`TargetCosts.seconds_at`): the draft's seconds as measured, the target's forwards dearer as the
+        context grows."""
         seconds = self.target.seconds_at(context)
         ratio = self.draft.seconds_per_token / seconds[0] if self.draft else 0.0
-        return CostModel(ratio, tuple(s / seconds[0] for s in seconds))
+        catch_up = self.draft.catch_up_seconds / seconds[0] if self.draft else 0.0
+        return CostModel(ratio, tuple(s / seconds[0] for s in seconds), catch_up)
 
     def batch_cost_at(self, context: int) -> BatchCost:
         """The target's cost of a forward over several rows after ``context`` positions, in the same unit as
@@ -461,36 +475,45 @@ def _time_forwards(model: LanguageModel, context: list[int], repetitions: int) -
 
 def _measure_drafter(drafter: Drafter, target: LanguageModel, label: str, repetitions: int) -> DraftCosts:
     """c: the median over ``repetitions`` proposals of DRAFT_K tokens, each rolled back as after a rejection,
-    of the time per drafted token over the time of a target forward T(1) timed right before it (the first
-    proposal, which fills a model draft's cache with the context, is not timed). A drafter that reads the
-    target's hidden states is handed those of every committed position, as the engine hands them."""
+    of the time per drafted token over the time of a target forward T(1) timed right before it; the
+    catch-up: the median of FILLS first proposals after ``begin`` (the whole context unread) less DRAFT_K
+    steady tokens' time, per position read. A drafter that reads the target's hidden states is handed those
+    of every committed position, as the engine hands them."""
     context = _context(target, repetitions + DRAFT_K + 2)
     timer = _TargetTimer(target, list(context))
     generator = torch.Generator().manual_seed(0)
-    drafter.begin(list(context))
     hidden, reader = None, drafter if isinstance(drafter, HiddenStateReader) else None
     if reader is not None:
         if not isinstance(target, HiddenStateModel):
             raise UsageError(f"the {drafter.name} drafter needs a target with hidden states (a native model)")
-        final = context + context[: repetitions + 1]  # the context after the last repetition
+        final = context + context[:repetitions]  # the context after the last repetition
         tokens = torch.tensor([final], device=target.device)  # [1, L']
         positions = torch.arange(len(final), device=target.device)[None]  # [1, L']
         hidden = target.forward_hidden(tokens, positions, target.new_cache())[0]  # [L', H]
-        reader.observe_hidden(hidden[: len(context) - 1])
+    fills, unread = [], len(context) - 1  # a fill reads every position but the last
+    for _ in range(FILLS):
+        drafter.begin(list(context))
+        if hidden is not None and reader is not None:
+            reader.observe_hidden(hidden[: len(context) - 1])
+        start = time.perf_counter()
+        drafter.propose(context, DRAFT_K, generator)
+        fills.append(time.perf_counter() - start)
+        drafter.observe(0)
     ratios, seconds = [], []
-    for repetition in range(repetitions + 1):
+    for repetition in range(repetitions):  # after the last fill, as after a round that committed a token
+        context.append(context[repetition])
+        if hidden is not None and reader is not None:
+            reader.observe_hidden(hidden[len(context) - 2 : len(context) - 1])  # [1, H]
         one = timer.seconds(1)
         start = time.perf_counter()
         drafter.propose(context, DRAFT_K, generator)
         elapsed = max(time.perf_counter() - start, 1e-9) / DRAFT_K
         drafter.observe(0)
-        context.append(context[repetition])  # the round commits one token
-        if hidden is not None and reader is not None:
-            reader.observe_hidden(hidden[len(context) - 2 : len(context) - 1])  # [1, H]
-        if repetition:
-            ratios.append(elapsed / one)
-            seconds.append(elapsed)
-    return DraftCosts(label, statistics.median(ratios), statistics.median(seconds), repetitions, _now())
+        ratios.append(elapsed / one)
+        seconds.append(elapsed)
+    per_token = statistics.median(seconds)
+    catch_up = max(0.0, statistics.median(fills) - DRAFT_K * per_token) / unread
+    return DraftCosts(label, statistics.median(ratios), per_token, repetitions, _now(), catch_up)
 
 
 # ---------------------------------------------------------------------------------------------- the cache

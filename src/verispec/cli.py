@@ -1062,8 +1062,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         return 0
     cost = calibration.cost_model
     print(
-        f"{speculator.drafter_name} drafter: c = {calibration.cost_ratio:.4f}; "
-        f"T_target(1) = {1e3 * calibration.target.seconds[0]:.2f} ms; {torch.get_num_threads()} threads"
+        f"{speculator.drafter_name} drafter: c = {calibration.cost_ratio:.4f}, catch-up u = "
+        f"{cost.catch_up:.4f} a position; T_target(1) = {1e3 * calibration.target.seconds[0]:.2f} ms; "
+        f"{torch.get_num_threads()} threads"
     )
     curve = cost.verify_cost
     assert isinstance(curve, tuple)  # a calibration measures v(k) as a sequence

@@ -133,9 +133,13 @@ class CostModelK(KPolicy):
     context length (:meth:`Calibration.batch_cost_at`), for :func:`plan_batch`.
 
     K = 0 (plain decoding) is a valid choice. As it yields no evidence, the best K > 0 is still drafted after
-    ⌈loss / probe_budget⌉ plain rounds, where loss = v(K+1) + K·c − E[L] is that probe's expected cost in
-    plain steps: cheap probes (an n-gram lookup) come every few rounds, dear ones (a model draft) rarely, and
-    probing costs at most ``probe_budget`` of the plain rounds' time in expectation.
+    ⌈loss / probe_budget⌉ plain rounds, where loss = v(K+1) + K·c + g·u − E[L] is that probe's expected cost
+    in plain steps: cheap probes (an n-gram lookup) come every few rounds, dear ones (a model draft) rarely,
+    and probing costs at most ``probe_budget`` of the plain rounds' time in expectation. g·u is the drafter's
+    catch-up (:attr:`CostModel.catch_up` u per position): the g positions committed since the last round
+    that drafted (the whole prompt before the first), which a drafter keeping state of the context (a model
+    draft's cache, a learned head's) reads before it drafts; every round's choice counts it for K > 0, so a
+    drafter whose catch-up outgrows the budget (u ≥ probe_budget per plain round) stops probing.
     """
 
     name = "auto"
@@ -160,8 +164,12 @@ class CostModelK(KPolicy):
         self._step = -1  # the context step the round costs are for (-1: `cost`'s)
         self._accepted = np.zeros(k_max)  # [k_max] decayed successes at each position
         self._rejected = np.zeros(k_max)  # [k_max] decayed failures at each position
+        self._catch_up = cost.catch_up  # u at the context step of `_round_costs`
         self._plain_rounds = 0  # consecutive rounds at K = 0
-        self._plan: tuple[int, int, int] | None = None  # (best K, probe K, probe gap); None: evidence changed
+        self._read = 0  # the context when a round last drafted: the drafter has read it (0: nothing yet)
+        self._tokens: np.ndarray | None = None  # [k_max + 1] E[L] of every K for the evidence; None: changed
+        # (catch-up, (best K, probe K, probe gap)) for the evidence; None: changed
+        self._plan: tuple[float, tuple[int, int, int]] | None = None
         self._here: tuple[int, CostModel, BatchCost | None] | None = None  # (context step, its costs)
 
     @property
@@ -175,15 +183,29 @@ class CostModelK(KPolicy):
             mean = max(floor, alphas[i])  # the next position's prior: at least as good as this one
         return alphas
 
-    def _decide(self) -> tuple[int, int, int]:
-        """(the best K, the best K > 0 to probe with, the plain rounds between probes) for the evidence."""
-        speedups = speedup_by_k(self.alphas, self._round_costs)  # [k_max + 1]
+    def _decide(self, catch_up: float) -> tuple[int, int, int]:
+        """(the best K, the best K > 0 to probe with, the plain rounds between probes) for the evidence, a
+        round that drafts paying ``catch_up`` (g·u, in plain steps) besides its round cost."""
+        if self._tokens is None:
+            self._tokens = speedup_by_k(self.alphas, self._round_costs) * self._round_costs  # [k_max + 1]
+        costs = self._round_costs + catch_up  # [k_max + 1]
+        costs[0] = self._round_costs[0]
+        speedups = self._tokens / costs  # [k_max + 1]
         best = int(np.argmax(speedups))
         if best > 0 or speedups.size == 1:
             return best, best, 0
         probe = 1 + int(np.argmax(speedups[1:]))
-        loss = self._round_costs[probe] * (1 - speedups[probe])  # round cost − E[L], in plain steps
+        loss = costs[probe] * (1 - speedups[probe])  # round cost − E[L], in plain steps
         return best, probe, max(1, math.ceil(loss / self.config.probe_budget))
+
+    def backlog(self, context: int) -> int:
+        """g: the committed positions the drafter has not read at ``context`` (since the last round that
+        drafted; the whole context before the first)."""
+        return max(0, context - self._read)
+
+    def drafts_at(self, context: int) -> None:
+        """A round drafts after ``context`` positions: the drafter reads them all (:meth:`backlog` is 0)."""
+        self._read = context
 
     def costs_here(self, context: int) -> tuple[CostModel, BatchCost | None]:
         """The cost model and the batch grid (None without ``batch_costs_at``) at ``context``: at the middle
@@ -200,18 +222,22 @@ class CostModelK(KPolicy):
         step = context // CONTEXT_STEP
         if self.costs_at is not None and step != self._step:
             self._step = step
-            self._round_costs = self.costs_here(context)[0].round_costs(self.k_max)
-            self._plan = None
-        if self._plan is None:
-            self._plan = self._decide()
-        best, probe, gap = self._plan
+            cost = self.costs_here(context)[0]
+            self._round_costs, self._catch_up = cost.round_costs(self.k_max), cost.catch_up
+            self._tokens = self._plan = None
+        catch_up = self._catch_up * self.backlog(context)
+        if self._plan is None or self._plan[0] != catch_up:
+            self._plan = (catch_up, self._decide(catch_up))
+        best, probe, gap = self._plan[1]
         if best > 0:
             self._plain_rounds = 0
+            self.drafts_at(context)
             return best
         self._plain_rounds += 1
         if self._plain_rounds <= gap:
             return 0
         self._plain_rounds = 0
+        self.drafts_at(context)
         return probe
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -223,7 +249,7 @@ class CostModelK(KPolicy):
         self._accepted[: min(accepted, tested)] += 1
         if accepted < tested:
             self._rejected[accepted] += 1
-        self._plan = None
+        self._tokens = self._plan = None
 
 
 def _forward_cost(cost: CostModel, batch: BatchCost | None, rows: int, n: int) -> float:
@@ -247,7 +273,8 @@ def plan_batch(policies: Sequence[CostModelK], contexts: Sequence[int], caps: Se
     V(b, n) the target's cost of one forward of n new tokens over the b rows (:func:`_forward_cost`, the
     first row's calibrated batch grid at the batch's mean context, by steps of :data:`CONTEXT_STEP` as
     :meth:`CostModelK.costs_here` gives it: rows share the weights' reads, each reads
-    its own cache), c_i and α̂_i each row's own (``caps``: the most each may draft). Draft tokens are added
+    its own cache), c_i and α̂_i each row's own (``caps``: the most each may draft), and a row's first draft
+    token also paying its drafter's catch-up g_i·u_i (:meth:`CostModelK.backlog`). Draft tokens are added
     one at a time where they raise the rate most, while any does: when the forward is cheap per extra token
     (a small batch, memory-bound), rows draft; when a batch is large enough that every extra token costs
     nearly what a committed token is worth, speculation turns itself off, and back on when the batch
@@ -262,6 +289,7 @@ def plan_batch(policies: Sequence[CostModelK], contexts: Sequence[int], caps: Se
     target, batch = costs[0], here[0][1]
     b = len(policies)
     alphas = [p.alphas for p in policies]
+    catch_ups = [cost.catch_up * p.backlog(c) for cost, p, c in zip(costs, policies, contexts, strict=True)]
     ks = [0] * b
     reach = [1.0] * b  # Π α̂ of each row's drafted positions: its next token's worth
     tokens, n, drafting = float(b), b, 0.0
@@ -273,11 +301,17 @@ def plan_batch(policies: Sequence[CostModelK], contexts: Sequence[int], caps: Se
             if k >= min(cap, first.k_max, len(alphas[i])):
                 continue
             gain = reach[i] * float(alphas[i][k])
-            candidate = (tokens + gain) / (forward + drafting + costs[i].cost_ratio)
+            spend = costs[i].cost_ratio + (catch_ups[i] if k == 0 else 0.0)
+            candidate = (tokens + gain) / (forward + drafting + spend)
             if candidate > best_rate:
                 best, best_rate = i, candidate
         if best < 0:
+            for policy, context, k in zip(policies, contexts, ks, strict=True):
+                if k:
+                    policy.drafts_at(context)
             return ks
+        if ks[best] == 0:
+            drafting += catch_ups[best]
         reach[best] *= float(alphas[best][ks[best]])
         tokens += reach[best]
         n += 1

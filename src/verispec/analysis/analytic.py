@@ -114,14 +114,19 @@ class CostModel:
     v[0] ↔ k = 1 (stored as a tuple; it bounds K to len − 1), or None for v ≡ 1. Every value must be finite
     and > 0, and v(1) must be 1 (within 1e-6). A sequence is checked on construction, a callable at k = 1 on
     construction and at every other k when it is evaluated.
+    catch_up: u ≥ 0, the drafter's cost of reading one committed position it has not seen yet (one committed
+    in a plain round, K = 0: a model draft's cache or a learned head's features lag behind), paid by the next
+    round that drafts; a round's c covers the positions one drafting round commits before the next.
     """
 
     cost_ratio: float = 0.0
     verify_cost: VerifyCost = None
+    catch_up: float = 0.0
 
     def __post_init__(self) -> None:
         """Validate; store a sequence curve as a tuple of floats."""
         object.__setattr__(self, "cost_ratio", _check_real("cost_ratio", self.cost_ratio, 0.0))
+        object.__setattr__(self, "catch_up", _check_real("catch_up", self.catch_up, 0.0))
         v = self.verify_cost
         if v is not None and not callable(v):
             try:

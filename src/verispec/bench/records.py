@@ -152,6 +152,7 @@ class DraftCosts(TypedDict):
     seconds_per_token: float
     repetitions: int
     measured_at: str
+    catch_up_seconds: float
 
 
 class Calibration(TypedDict):
