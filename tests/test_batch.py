@@ -23,7 +23,7 @@ from test_engine import noisy_copy
 from test_kernels import CONFIG, random_llama
 from verispec import cli
 from verispec.api import Speculator
-from verispec.bench.load import LoadConfig, auto_against_best
+from verispec.bench.load import LoadConfig, auto_against_best, rotated
 from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.learned.eagle import EagleHead
@@ -436,6 +436,15 @@ def test_auto_is_compared_with_the_best_rival_of_its_own_turn():
     )  # the lower middle
     assert "auto_vs_best" not in cells[6]  # no none at C = 4
     assert all("auto_vs_best" not in cells[i] for i in (0, 1, 3, 4))
+
+
+def test_every_cell_takes_every_place_in_a_turn():
+    """Over as many turns as cells, each cell runs first, second, ... last once; each turn runs them all."""
+    for count in (1, 2, 5):
+        orders = [rotated(count, turn) for turn in range(count)]
+        assert all(sorted(order) == list(range(count)) for order in orders)
+        assert all(sorted(order[place] for order in orders) == list(range(count)) for place in range(count))
+    assert rotated(3, 4) == [1, 2, 0]
 
 
 def test_bench_load_runs_and_reports(tmp_path, capsys, shared_model):

@@ -167,6 +167,7 @@ class CostModelK(KPolicy):
         self._catch_up = cost.catch_up  # u at the context step of `_round_costs`
         self._plain_rounds = 0  # consecutive rounds at K = 0
         self._read = 0  # the context when a round last drafted: the drafter has read it (0: nothing yet)
+        self._alphas: np.ndarray | None = None  # [k_max] α̂ for the evidence; None: changed
         self._tokens: np.ndarray | None = None  # [k_max + 1] E[L] of every K for the evidence; None: changed
         # (catch-up, (best K, probe K, probe gap)) for the evidence; None: changed
         self._plan: tuple[float, tuple[int, int, int]] | None = None
@@ -174,14 +175,18 @@ class CostModelK(KPolicy):
 
     @property
     def alphas(self) -> np.ndarray:
-        """[k_max]: α̂_i, the estimated acceptance rate of each draft position given the ones before it."""
-        a0, r0 = self.config.prior
-        strength, floor = a0 + r0, a0 / (a0 + r0)
-        alphas, mean = np.empty_like(self._accepted), floor
-        for i, (accepted, rejected) in enumerate(zip(self._accepted, self._rejected, strict=True)):
-            alphas[i] = (accepted + strength * mean) / (accepted + rejected + strength)
-            mean = max(floor, alphas[i])  # the next position's prior: at least as good as this one
-        return alphas
+        """[k_max]: α̂_i, the estimated acceptance rate of each draft position given the ones before it
+        (read-only; computed once for the evidence)."""
+        if self._alphas is None:
+            a0, r0 = self.config.prior
+            strength, floor = a0 + r0, a0 / (a0 + r0)
+            alphas, mean = np.empty_like(self._accepted), floor
+            for i, (accepted, rejected) in enumerate(zip(self._accepted, self._rejected, strict=True)):
+                alphas[i] = (accepted + strength * mean) / (accepted + rejected + strength)
+                mean = max(floor, alphas[i])  # the next position's prior: at least as good as this one
+            alphas.flags.writeable = False
+            self._alphas = alphas
+        return self._alphas
 
     def _decide(self, catch_up: float) -> tuple[int, int, int]:
         """(the best K, the best K > 0 to probe with, the plain rounds between probes) for the evidence, a
@@ -249,7 +254,7 @@ class CostModelK(KPolicy):
         self._accepted[: min(accepted, tested)] += 1
         if accepted < tested:
             self._rejected[accepted] += 1
-        self._tokens = self._plan = None
+        self._alphas = self._tokens = self._plan = None
 
 
 def _forward_cost(cost: CostModel, batch: BatchCost | None, rows: int, n: int) -> float:
@@ -288,33 +293,33 @@ def plan_batch(policies: Sequence[CostModelK], contexts: Sequence[int], caps: Se
     costs = [cost for cost, _ in here]
     target, batch = costs[0], here[0][1]
     b = len(policies)
-    alphas = [p.alphas for p in policies]
-    catch_ups = [cost.catch_up * p.backlog(c) for cost, p, c in zip(costs, policies, contexts, strict=True)]
+    alphas = [p.alphas.tolist() for p in policies]  # [b][k_max]
+    limits = [min(cap, first.k_max, len(a)) for cap, a in zip(caps, alphas, strict=True)]  # [b] most K_i
+    spends = [cost.cost_ratio for cost in costs]  # [b] c_i: a draft token's cost
+    firsts = [c + cost.catch_up * p.backlog(at)  # [b] c_i + g_i·u_i: a row's first draft token's
+              for c, cost, p, at in zip(spends, costs, policies, contexts, strict=True)]  # fmt: skip
     ks = [0] * b
     reach = [1.0] * b  # Π α̂ of each row's drafted positions: its next token's worth
     tokens, n, drafting = float(b), b, 0.0
     rate = tokens / _forward_cost(target, batch, b, n)
     while True:
         best, best_rate = -1, rate
-        forward = _forward_cost(target, batch, b, n + 1)  # one more new token
-        for i, (k, cap) in enumerate(zip(ks, caps, strict=True)):
-            if k >= min(cap, first.k_max, len(alphas[i])):
-                continue
-            gain = reach[i] * float(alphas[i][k])
-            spend = costs[i].cost_ratio + (catch_ups[i] if k == 0 else 0.0)
-            candidate = (tokens + gain) / (forward + drafting + spend)
-            if candidate > best_rate:
-                best, best_rate = i, candidate
+        forward = _forward_cost(target, batch, b, n + 1) + drafting  # one more new token
+        for i in range(b):
+            k = ks[i]
+            if k < limits[i]:
+                candidate = (tokens + reach[i] * alphas[i][k]) / (forward + (spends[i] if k else firsts[i]))
+                if candidate > best_rate:
+                    best, best_rate = i, candidate
         if best < 0:
             for policy, context, k in zip(policies, contexts, ks, strict=True):
                 if k:
                     policy.drafts_at(context)
             return ks
-        if ks[best] == 0:
-            drafting += catch_ups[best]
-        reach[best] *= float(alphas[best][ks[best]])
+        k = ks[best]
+        drafting += spends[best] if k else firsts[best]
+        reach[best] *= alphas[best][k]
         tokens += reach[best]
         n += 1
-        drafting += costs[best].cost_ratio
-        ks[best] += 1
+        ks[best] = k + 1
         rate = best_rate

@@ -20,6 +20,8 @@ Every public function validates its arguments and raises UsageError with a one-l
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -82,7 +84,7 @@ def _check_k(k: object, name: str = "k") -> int:
 
 
 def _integral(x: object) -> TypeGuard[int]:  # numpy integers included
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
 
 
 def _alphas(alpha: float | Sequence[float] | np.ndarray, k: int | None) -> np.ndarray:
@@ -223,12 +225,16 @@ class BatchCost:
                 f"a batch forward needs 1 <= rows <= tokens, got {rows!r} rows, {tokens!r} tokens"
             )
         per_row = [_piecewise(self.tokens, line, tokens / rows) for line in self.cost]  # [len(rows)]
-        return max(_piecewise(self.rows, per_row, rows), min(min(line) for line in self.cost))
+        return max(_piecewise(self.rows, per_row, rows), self._floor)
+
+    @functools.cached_property
+    def _floor(self) -> float:
+        return min(min(line) for line in self.cost)
 
 
 def _piecewise(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
     """The piecewise-linear curve through (xs, ys) at x, extended past either end by its end segment."""
-    i = min(max(int(np.searchsorted(xs, x)), 1), len(xs) - 1)
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 

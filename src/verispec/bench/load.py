@@ -103,6 +103,13 @@ def run_clients(client: Callable[[], None], count: int) -> float:
     return time.perf_counter() - start
 
 
+def rotated(count: int, turn: int) -> list[int]:
+    """The order of ``count`` cells in the given turn: turn t starts at cell t mod count, so that over as many
+    turns as cells each takes every place once and a drift within a turn (the machine warming, a neighbour
+    starting) weighs on all alike instead of always on the last."""
+    return [(turn + i) % count for i in range(count)]
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -267,7 +274,8 @@ def run_load(config: LoadConfig, progress: bool = True) -> dict:
     runs: dict[tuple[int, int], list[dict]] = {}
     for repetition in range(config.repetitions):
         for c in config.concurrency:
-            for index, (method, k, spec) in enumerate(turns):
+            for index in rotated(len(turns), repetition):  # each cell takes every place in a turn in turn
+                method, k, spec = turns[index]
                 runs.setdefault((index, c), []).append(_verispec_cell(spec, prompts, c, k, config, chat))
                 run = runs[(index, c)][-1]
                 _say(progress, method, k, c, run["tokens"] / run["seconds"], repetition)
