@@ -274,7 +274,7 @@ def run_load(config: LoadConfig, progress: bool = True) -> dict:
     runs: dict[tuple[int, int], list[dict]] = {}
     for repetition in range(config.repetitions):
         for c in config.concurrency:
-            for index in rotated(len(turns), repetition):  # each cell takes every place in a turn in turn
+            for index in rotated(len(turns), repetition):
                 method, k, spec = turns[index]
                 runs.setdefault((index, c), []).append(_verispec_cell(spec, prompts, c, k, config, chat))
                 run = runs[(index, c)][-1]
