@@ -343,14 +343,38 @@ def test_generate_batch_from_a_jsonl_file(tmp_path, capsys, shared_model):
         assert json.loads(capsys.readouterr().out)["token_ids"] == record["token_ids"]
 
 
+def test_a_malformed_line_gets_an_error_record_and_the_others_run_untouched(tmp_path, capsys, shared_model):
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    model = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
+    good = ['{"id": "a", "prompt": "Once upon a time"}', '{"id": "d", "prompt": "The dog"}']
+    mixed, clean = tmp_path / "mixed.jsonl", tmp_path / "clean.jsonl"
+    mixed.write_text("\n".join([good[0], "{not json", '{"id": "a", "prompt": "x"}', good[1]]) + "\n")
+    clean.write_text("\n".join(good) + "\n")
+    options = ["--json", "--max-new-tokens", "12", "--max-batch", "2", *model]
+    assert cli.main(["generate", "--batch", str(mixed), *options]) == 0
+    out, err = capsys.readouterr()
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["id"] for r in records] == ["a", "line-2", "line-3", "d"] and "2 refused" in err
+    assert records[1]["error"].startswith(f"{mixed}:2: not JSON")
+    assert records[2]["error"] == f"{mixed}:3: id 'a' repeats an earlier line's"
+    assert cli.main(["generate", "--batch", str(clean), *options]) == 0
+    alone = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+    def kept(record: dict) -> tuple:
+        return record["id"], record["text"], record["token_ids"]
+
+    assert [kept(records[0]), kept(records[3])] == [kept(r) for r in alone]
+    assert all(r["token_ids"] for r in alone)
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ('{"id": "a", "prompt": "x"}\nnot json\n', r"requests.jsonl:2: not JSON"),
+        ("not json\n", r"requests.jsonl:1: not JSON"),
+        ("not json\n[]\n", r"requests.jsonl:1: not JSON .* \(and the 1 other lines\)"),
         ('{"id": "a"}\n', r'requests.jsonl:1: a request is an object with "prompt" or "messages"'),
         ('{"prompt": 3}\n', r'requests.jsonl:1: "prompt" must be a string'),
         ('{"messages": []}\n', r'requests.jsonl:1: "messages" must be a non-empty list'),
-        ('{"id": 1, "prompt": "x"}\n{"id": "1", "prompt": "y"}\n', r"requests.jsonl:2: id '1' repeats"),
         ("\n\n", r"holds no requests"),
     ],
 )

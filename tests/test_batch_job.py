@@ -189,6 +189,11 @@ def test_bad_jobs_are_refused_before_anything_is_written(stories, tmp_path):
     with pytest.raises(UsageError, match="holds no requests"):
         run_job(job(stories, empty, str(output)))
     assert not output.exists() and not Path(f"{output}.parts").exists()
+    malformed = tmp_path / "malformed.jsonl"
+    malformed.write_text('{not json\n{"prompt": 3}\n')
+    with pytest.raises(UsageError, match=r"malformed.jsonl:1: not JSON .* \(and the 1 other lines\)$"):
+        run_job(job(stories, malformed, str(output)))
+    assert not output.exists() and not Path(f"{output}.parts").exists()
     with pytest.raises(UsageError, match="--workers N runs N Ray workers"):
         job(stories, empty, str(output), workers=2)
     with pytest.raises(UsageError, match="overwrite the input"):

@@ -55,10 +55,10 @@ Request = tuple[str, Body]  # (id, body)
 LOCAL = "local"  # --ray without an address: a Ray started here
 
 
-def read_requests(path: str | Path, keep_malformed: bool = False) -> list[Request]:
+def read_requests(path: str | Path) -> list[Request]:
     """(id, prompt or messages) of every line of a JSONL request file (a line without an id gets its line
-    number). A malformed line is a UsageError naming it, or with ``keep_malformed`` a request whose body is
-    ``{"error": message}``: it gets an error record and the others run."""
+    number). A malformed line becomes a request whose body is ``{"error": message}``, naming the line: it gets
+    an error record and the others run. A file without one well-formed request is a UsageError."""
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as err:
@@ -71,11 +71,13 @@ def read_requests(path: str | Path, keep_malformed: bool = False) -> list[Reques
         try:
             ident, body = _request(line, f"{path}:{number}", number, seen)
         except UsageError as err:
-            if not keep_malformed:
-                raise
             ident, body = f"line-{number}", {"error": str(err)}
         seen.add(ident)
         requests.append((ident, body))
+    refused = [body["error"] for _, body in requests if isinstance(body, dict)]
+    if refused and len(refused) == len(requests):
+        more = f" (and the {len(refused) - 1} other lines)" if len(refused) > 1 else ""
+        raise UsageError(refused[0] + more)
     if not requests:
         raise UsageError(f"{path} holds no requests")
     return requests
@@ -283,7 +285,7 @@ def _finish(job: BatchJob, count: int) -> None:
 def run_job(job: BatchJob) -> dict:
     """Run ``job`` (resuming an interrupted run of it); returns a summary: requests, refused, shards run
     now and before, tokens and seconds of this run."""
-    requests = read_requests(job.input, keep_malformed=True)  # a malformed line: an error record
+    requests = read_requests(job.input)  # a malformed line: an error record
     shards = _shards(requests, job.shard_size)
     ray = _connect(job.ray) if job.ray is not None else None  # an unreachable address fails before any file
     seed, done = _prepare(job, requests)

@@ -418,7 +418,7 @@ def _run_batch(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     k = parse_k(args.k if args.k is not None else "auto")
     EngineConfig(args.max_new_tokens, sampling, stop_strings=tuple(args.stop))
-    requests = read_requests(args.batch)  # all checked before a model loads
+    requests = read_requests(args.batch)  # refused before a model loads when no line is a request
     speculator = ModelChoice(**_model_fields(args)).speculator()
     start = time.perf_counter()
     results = generate_requests(
