@@ -173,6 +173,43 @@ def test_an_eagle_row_keeping_a_prompt_start_samples_what_it_samples_alone(nativ
 
 
 @needs_native
+@pytest.mark.parametrize(("drafter", "k"), [("none", 0), ("ngram", 3), ("eagle", 2)])
+def test_a_joining_request_copies_the_start_a_running_row_holds(native_target, tmp_path, drafter, k):
+    """A request joining an empty slot while another row holds a longer shared start (here a running
+    sequence) copies those keys and values (and, for EAGLE, hidden states) instead of scoring them again,
+    and generates what it generates alone: greedy, and sampled with a seed, token for token."""
+    path = None
+    if drafter == "eagle":
+        metadata = {
+            "kind": "eagle",
+            "target": "tiny",
+            "target_fingerprint": target_fingerprint(native_target),
+        }
+        generator = torch.Generator().manual_seed(0)
+        path = EagleHead.create(native_target, torch.arange(VOCAB), generator, metadata).save(tmp_path / "e")
+    spec = Speculator(
+        (native_target, LetterTokenizer(VOCAB)), drafter=drafter, drafter_path=path and str(path)
+    )
+    first, second = "thecatsatonthemat", "thecatsatonthehat"
+    for sampling in (GREEDY, SamplingParams(temperature=1.0, top_k=20, seed=5)):
+        options = dict(k=k, max_new_tokens=12, sampling=sampling)
+        alone = [spec.generate(p, **options).token_ids for p in (first, second)]
+        engine = SpeculativeEngine(native_target, slots=2)
+        got: dict[int, list[int]] = {}
+        running = engine.submit(spec.request(first, **options)[0])
+        for handle, tokens in engine.step():  # its prompt in one chunk, and a first token
+            got.setdefault(id(handle), []).extend(tokens)
+        joining = engine.submit(spec.request(second, **options)[0])
+        assert (
+            joining.slot != running.slot and joining.request.stats.cached_prompt_tokens == 14
+        )  # "thecatsatonthe"
+        while engine.running:
+            for handle, tokens in engine.step():
+                got.setdefault(id(handle), []).extend(tokens)
+        assert [got[id(running)], got[id(joining)]] == alone
+
+
+@needs_native
 def test_a_row_never_sees_the_others(native_target):
     """After random accept/reject patterns in every row, each row's logits from one batched forward equal a
     fresh batch-1 forward over that row's committed tokens, bit for bit."""
@@ -217,6 +254,10 @@ def test_a_copied_row_continues_as_the_row_it_copies(native_target):
         [RowInput(c, block, torch.arange(11, 14), None, True, False) for c in rows]
     )
     assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][0], outputs[2][0])
+    rows[1].copy_from(rows[0], 5)
+    assert rows[1].length == 5
+    with pytest.raises(ValueError, match="cannot copy 15 slots of a cache of length 14"):
+        rows[1].copy_from(rows[0], 15)
     with pytest.raises(ValueError, match="another layout or shape, or past capacity"):
         native_target.new_cache(capacity=8).copy_from(rows[0])
     with pytest.raises(ValueError, match="another layout or shape"):

@@ -284,10 +284,12 @@ class SpeculativeEngine:
 
         The slot chosen is the free one whose last sequence shares the longest start with the prompt: the
         keys and values of that shared start are still in its cache and are kept, not scored again (a chat's
-        next turn, a common system prompt); a drafter that reads the target's hidden states is handed those
-        the last sequence's drafter was (none kept when it had none). A position's keys, values and hidden
-        state are a function of the tokens up to it alone (in the native kernels, bit for bit), so what is
-        kept is what scoring the prompt again would give."""
+        next turn, a common system prompt). Where another row of the batch holds a longer shared start (a
+        running sequence, or another free slot's last one), those entries are copied from it instead, when
+        the target's rows can be (:meth:`~verispec.models.base.RowModel.copy_prefix`). A drafter that reads
+        the target's hidden states is handed those the sequence kept from had (none kept when it had none).
+        A position's keys, values and hidden state are a function of the tokens up to it alone (in the native
+        kernels, bit for bit), so what is kept is what scoring the prompt again would give."""
         prompt = request.prompt
         if not prompt:
             raise UsageError("the prompt is empty: at least one token is needed")
@@ -298,8 +300,8 @@ class SpeculativeEngine:
         if not self.free_slots:
             raise UsageError(f"all {self.slots} slots are taken: wait for a sequence to finish")
         taken = {r.slot for r in self.running}
-        shared = {i: self._kept_prefix(i, prompt) for i in range(self.slots) if i not in taken}
-        slot = max(shared, key=lambda i: shared[i])  # the first free slot on ties
+        shared = {i: self._kept_prefix(i, prompt) for i in range(self.slots)}
+        slot = max((i for i in shared if i not in taken), key=lambda i: shared[i])  # the first on ties
         cache = self.caches[slot]
         given = request.drafter
         if isinstance(given, TreeDrafter) or hasattr(given, "propose"):
@@ -307,12 +309,16 @@ class SpeculativeEngine:
         else:  # a factory: the drafter for this row
             drafter = given(cache)
         self._check_drafter(drafter, request.trace, cache)
-        kept = min(shared[slot], len(prompt) - 1)
-        last = self._last.get(slot)
+        donors = [slot] + ([i for i in shared if i != slot] if self._rows is not None else [])
+        keepable = {i: self._keepable(i, shared[i], prompt, drafter) for i in donors}
+        source = max(donors, key=lambda i: keepable[i])  # the slot's own on ties: nothing copied
+        kept, last = keepable[source], self._last.get(source)
         states = torch.cat(last.hidden) if last is not None and last.hidden else None  # [T, H]
-        if isinstance(drafter, HiddenStateReader):
-            kept = min(kept, 0 if states is None else len(states))
-        cache.truncate(kept)
+        if source == slot:
+            cache.truncate(kept)
+        else:
+            assert self._rows is not None  # donors other than the slot only then
+            self._rows.copy_prefix(self.caches[source], cache, kept)
         request.stats.cached_prompt_tokens = kept
         drafter.begin(list(prompt))
         running = Running(
@@ -333,9 +339,19 @@ class SpeculativeEngine:
         self._last[slot] = running
         return running
 
+    def _keepable(self, slot: int, shared: int, prompt: list[int], drafter: Drafter | TreeDrafter) -> int:
+        """How many positions of ``prompt`` a sequence decoding with ``drafter`` can keep from ``slot``'s
+        cache, which holds the ``shared`` first tokens of it: all but the last, and for a drafter that reads
+        hidden states no more than the slot's last sequence was handed."""
+        kept = min(shared, len(prompt) - 1)
+        if isinstance(drafter, HiddenStateReader):
+            last = self._last.get(slot)
+            kept = min(kept, 0 if last is None else sum(len(h) for h in last.hidden))
+        return kept
+
     def _kept_prefix(self, slot: int, prompt: list[int]) -> int:
-        """How many first tokens of ``prompt`` the free ``slot``'s cache holds the keys and values of: those
-        its last sequence shares with it, among the ones it had written (rolled-back drafts are not)."""
+        """How many first tokens of ``prompt`` ``slot``'s cache holds the keys and values of: those its last
+        (or running) sequence shares with it, among the ones it had written (rolled-back drafts are not)."""
         last = self._last.get(slot)
         if last is None:
             return 0

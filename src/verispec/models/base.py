@@ -136,6 +136,11 @@ class RowModel(Protocol):
         """Caches of ``rows`` sequences, each with its own length, stored together."""
         ...
 
+    def copy_prefix(self, source: Cache, dest: Cache, length: int) -> None:
+        """``dest`` holds ``source``'s first ``length`` slots (both rows from :meth:`new_cache_rows`), and
+        that length: the entries another row would compute for the same first tokens, bit for bit."""
+        ...
+
     def scores_together(self, rows: Sequence[RowInput]) -> bool:
         """Whether :meth:`forward_rows` takes these rows in one forward (rows of one cache from
         :meth:`new_cache_rows`, each its own)."""

@@ -468,16 +468,19 @@ class KVCache:
         view.whole = None if self.whole is None else (self.whole[0][:num_layers], self.whole[1][:num_layers])
         return view
 
-    def copy_from(self, source: KVCache) -> None:
-        """Hold a copy of ``source``'s committed slots, and its length: one prefix's entries given to another
-        sequence (another row of a batch) without computing them again. Both in one tensor of the same
-        layout and shape but for the capacity, whose slots must fit in this one's."""
+    def copy_from(self, source: KVCache, length: int | None = None) -> None:
+        """Hold a copy of ``source``'s first ``length`` committed slots (default: all), and that length: one
+        prefix's entries given to another sequence (another row of a batch) without computing them again.
+        Both in one tensor of the same layout and shape but for the capacity, whose slots must fit in this
+        one's."""
         for cache in (self, source):
             if not isinstance(cache.keys, Tensor) or not isinstance(cache.values, Tensor):
                 raise UsageError("copy_from takes caches that hold every layer in one tensor")
         assert isinstance(self.keys, Tensor) and isinstance(self.values, Tensor)
         assert isinstance(source.keys, Tensor) and isinstance(source.values, Tensor)
-        n = source.length
+        n = source.length if length is None else length
+        if not _is_int(n) or not 0 <= n <= source.length:
+            raise UsageError(f"cannot copy {n!r} slots of a cache of length {source.length}")
         same = self.tiled == source.tiled and self.values.shape[:3] == source.values.shape[:3]
         if not same or self.values.shape[4:] != source.values.shape[4:] or n > self.capacity:
             raise UsageError(f"cannot copy {n} slots of a cache of another layout or shape, or past capacity")
@@ -1181,6 +1184,12 @@ class Llama(nn.Module):
     def new_cache_rows(self, rows: int) -> list[Cache]:
         """The rows of one cache of ``rows`` sequences (:meth:`KVCache.rows`)."""
         return list(self.new_cache(rows).rows())
+
+    def copy_prefix(self, source: Cache, dest: Cache, length: int) -> None:
+        """``dest`` (a row of the cache ``source`` is a row of) holds ``source``'s first ``length`` slots."""
+        if not isinstance(source, KVCache) or not isinstance(dest, KVCache):
+            raise UsageError("copy_prefix takes rows of one cache from new_cache_rows")
+        dest.copy_from(source, length)
 
     def scores_together(self, rows: Sequence[RowInput]) -> bool:
         """On the native kernels, rows of one cache, each its own, are scored in one forward."""
