@@ -287,7 +287,8 @@ class SpeculativeEngine:
         next turn, a common system prompt). Where another row of the batch holds a longer shared start (a
         running sequence, or another free slot's last one), those entries are copied from it instead, when
         the target's rows can be (:meth:`~verispec.models.base.RowModel.copy_prefix`). A drafter that reads
-        the target's hidden states is handed those the sequence kept from had (none kept when it had none).
+        the target's hidden states is handed the states of the kept positions that the source row's sequence
+        was handed (none kept when it was handed none).
         A position's keys, values and hidden state are a function of the tokens up to it alone (in the native
         kernels, bit for bit), so what is kept is what scoring the prompt again would give."""
         prompt = request.prompt
@@ -313,7 +314,8 @@ class SpeculativeEngine:
         keepable = {i: self._keepable(i, shared[i], prompt, drafter) for i in donors}
         source = max(donors, key=lambda i: keepable[i])  # the slot's own on ties: nothing copied
         kept, last = keepable[source], self._last.get(source)
-        states = torch.cat(last.hidden) if last is not None and last.hidden else None  # [T, H]
+        handed = last.hidden if last is not None and isinstance(drafter, HiddenStateReader) else []
+        states = torch.cat(handed) if handed else None  # [T, H]: what the source's sequence was handed
         if source == slot:
             cache.truncate(kept)
         else:
