@@ -283,6 +283,28 @@ def test_native_long_prompt_in_chunks_equals_one_block():
     assert torch.equal(torch.cat(pieces, 1), whole)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 1), (8, 8)])
+def test_a_causal_block_scores_each_token_as_decoding_it_alone(heads, kv_heads):
+    """A causal block's tokens share their key and value loads (several tokens per attention tile, the later
+    ones' unseen slots masked): each position must still be bit-identical to its token decoded alone, for
+    3, 4 and 1 query heads per kv head, blocks that start anywhere in a 16-slot tile and cross the 128-slot
+    attention chunks."""
+    config = dataclasses.replace(
+        CONFIG, num_heads=heads, num_kv_heads=kv_heads, hidden_size=16 * heads, max_position_embeddings=200
+    )
+    model = random_llama(config, seed=13)
+    assert model.optimize_for_cpu(precision="q8_0")
+    ids = torch.randint(0, 80, (1, 170), generator=torch.Generator().manual_seed(14))
+    cache = model.new_cache(1, 170)
+    alone = torch.cat([model(ids[:, t : t + 1], pos(t, 1, 1), cache) for t in range(170)], 1)  # [1, 170, V]
+    for start, end in [(0, 37), (37, 120), (120, 170), (5, 150)]:
+        cache = model.new_cache(1, 170)
+        if start:
+            model.prefill(ids[:, :start], pos(0, 1, start), cache)
+        block = model(ids[:, start:end], pos(start, 1, end - start), cache)  # [1, end - start, V]
+        assert torch.equal(block, alone[:, start:end]), (start, end)
+
+
 def test_native_cache_after_random_accept_reject_equals_from_scratch():
     model = native("q4_1")
     g = torch.Generator().manual_seed(11)

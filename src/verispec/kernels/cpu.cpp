@@ -268,7 +268,22 @@ typedef struct {
 } vs_qrows;
 
 static void quantize_row(const float* x, int cols, int8_t* q, float* d, float* s, int32_t* sums) {
-#ifdef VS_AVX2
+#ifdef VS_AVX512
+    // the same arithmetic, 16 lanes at a time (see the AVX2 steps below); the narrowing saturates nothing
+    for (int b = 0; b < cols / QK; b++) {
+        const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+        const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        _mm_storeu_si128((__m128i*)(q + b * QK), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i*)(q + b * QK + 16), _mm512_cvtepi32_epi8(q1));
+        d[b] = scale;
+        s[b] = scale * (float)sum;
+        sums[b] = sum;
+    }
+#elif defined(VS_AVX2)
     // the same arithmetic, 8 lanes at a time: max|x| is exact, x / d rounds to nearest even (the default
     // rounding mode, which nearbyintf follows too), the packing saturates nothing (|q| <= 127)
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -374,6 +389,9 @@ enum { TILE = 4 };  // activation rows per float16 tile
 #define VS_GROUP 8
 #endif
 enum { Q8_CHUNKS = 8, Q4_CHUNKS = 4, CHUNK = VS_GROUP * 4 };
+#ifndef VS_PF
+#define VS_PF 2048
+#endif
 
 static int valid_matrix(const vs_matrix* w) {
     if (w->rows <= 0 || w->cols <= 0 || !w->q) return 0;
@@ -410,6 +428,7 @@ struct Vec {  // VS_GROUP = 16 lanes
     static inline F add(F a, F b) { return _mm512_add_ps(a, b); }
     static inline F set1(float v) { return _mm512_set1_ps(v); }
     static inline void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+    static inline F loadf(const float* p) { return _mm512_loadu_ps(p); }
 };
 #define VS_VNNI 1
 
@@ -441,6 +460,7 @@ struct Vec {  // VS_GROUP = 8 lanes
     static inline F add(F a, F b) { return _mm256_add_ps(a, b); }
     static inline F set1(float v) { return _mm256_set1_ps(v); }
     static inline void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+    static inline F loadf(const float* p) { return _mm256_loadu_ps(p); }
 };
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define VS_VNNI 1
@@ -460,6 +480,7 @@ static inline void group_q8_0(const uint8_t* w, const uint16_t* wd, const int8_t
         typename Vec::I isum[R];
         for (int r = 0; r < R; r++) isum[r] = Vec::izero();
         const uint8_t* wb = w + (size_t)b * Q8_CHUNKS * CHUNK;
+        for (int c = 0; c < Q8_CHUNKS * CHUNK / 64; c++) _mm_prefetch((const char*)wb + VS_PF + c * 64, _MM_HINT_T0);
         for (int c = 0; c < Q8_CHUNKS; c++) {
             const typename Vec::I u = Vec::load(wb + c * CHUNK);  // q + 128
 #ifdef VS_VNNI
@@ -493,6 +514,7 @@ static inline void group_q4_1(const uint8_t* w, const uint16_t* wd, const uint16
         typename Vec::I isum[R];
         for (int r = 0; r < R; r++) isum[r] = Vec::izero();
         const uint8_t* wb = w + (size_t)b * Q4_CHUNKS * CHUNK;
+        for (int c = 0; c < Q4_CHUNKS * CHUNK / 64; c++) _mm_prefetch((const char*)wb + VS_PF + c * 64, _MM_HINT_T0);
         for (int c = 0; c < Q4_CHUNKS; c++) {
             const typename Vec::I v = Vec::load(wb + c * CHUNK);
             const typename Vec::I lo = Vec::low4(v), hi = Vec::high4(v);
@@ -673,8 +695,17 @@ static void matmul_rows(const vs_matrix* w, int n, const float* x, const vs_qrow
                 default: tile_group<4>(w, g, r0, qx, out); break;
 #endif
             }
-            for (int l = 0; l < VS_GROUP && g * VS_GROUP + l < rows; l++) {
-                const int o = g * VS_GROUP + l;
+            const int o0 = g * VS_GROUP;
+#ifdef VS_AVX2
+            if (o0 + VS_GROUP <= rows) {  // a whole group: its lanes are consecutive outputs, stored at once
+                const Vec::F bias = w->bias ? Vec::loadf(w->bias + o0) : Vec::zero();
+                for (int r = 0; r < size; r++)
+                    Vec::store(y + (size_t)(r0 + r) * rows + o0, Vec::add(Vec::loadf(out + r * VS_GROUP), bias));
+                continue;
+            }
+#endif
+            for (int l = 0; l < VS_GROUP && o0 + l < rows; l++) {
+                const int o = o0 + l;
                 const float bias = w->bias ? w->bias[o] : 0.0f;
                 for (int r = 0; r < size; r++) y[(size_t)(r0 + r) * rows + o] = out[r * VS_GROUP + l] + bias;
             }
@@ -905,13 +936,41 @@ static inline float sum_of(const float* x, int n) {
 }
 
 enum { ATT_CHUNK = 128, ATT_ROWS = 4 };  // slots per attention chunk; query heads per tile
+#ifdef VS_AVX512
+#define ATT_PAIRS 12  // (token, query head) pairs per tile: the tokens of a causal block share key loads
+#else
+#define ATT_PAIRS 4
+#endif
+enum { ATT_TOKENS = 12 };  // tokens per attention task at most: a multiple of the tokens per tile
 
 // scores[r * stride + t - c0] = scale q_r . k_t for the slots t in [c0, c1) of one cache row, R query heads;
 // whole tiles of 16 are written (stride: a multiple of 16), the lanes past c1 hold scores of no slot.
 template <int R>
 static inline void scores_tile(const uint16_t* ktiles, int hd, const float* const* q, int c0, int c1, float scale,
                                float* scores, int stride) {
-    for (int t0 = c0; t0 < c1; t0 += KT) {  // c0 is a multiple of 16
+    int t0 = c0;  // a multiple of 16
+#ifdef VS_AVX512
+    for (; R <= 4 && t0 + 2 * KT <= c1; t0 += 2 * KT) {  // few rows: two tiles at a time, for more sums in flight
+        const uint16_t* tile = ktiles + (size_t)(t0 / KT) * hd * KT;
+        __m512 acc[R][2];
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int d = 0; d < hd; d++) {
+            if (d % 2 == 0) _mm_prefetch((const char*)(tile + (2 * hd + d) * KT), _MM_HINT_T0);
+            if (d % 2 == 0) _mm_prefetch((const char*)(tile + (3 * hd + d) * KT), _MM_HINT_T0);
+            const __m512 k0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tile + d * KT)));
+            const __m512 k1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tile + (hd + d) * KT)));
+            for (int r = 0; r < R; r++) {
+                const __m512 qd = _mm512_set1_ps(q[r][d]);
+                acc[r][0] = _mm512_fmadd_ps(qd, k0, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(qd, k1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < 2; j++)
+                _mm512_storeu_ps(scores + r * stride + t0 + j * KT - c0, _mm512_mul_ps(acc[r][j], _mm512_set1_ps(scale)));
+    }
+#endif
+    for (; t0 < c1; t0 += KT) {
         const uint16_t* tile = ktiles + (size_t)(t0 / KT) * hd * KT;
 #ifdef VS_AVX512
         __m512 acc[R];
@@ -981,17 +1040,20 @@ static inline void values_tile(const uint16_t* values, int hd, int c0, int c1, c
                                float* const* o) {
     int d0 = 0;
 #if defined(VS_AVX512) || defined(VS_AVX2)
-    enum { W = VS_GROUP };
+    enum { W = VS_GROUP, VBR = R * VB <= 4 * VB ? VB : 4 * VB / R > 1 ? 4 * VB / R : 1 };  // accumulators: 4 VB
     for (; d0 + W <= hd;) {
-        const int blocks = (hd - d0) / W < VB ? (hd - d0) / W : VB;
-        Vec::F acc[R][VB];
+        const int blocks = (hd - d0) / W < VBR ? (hd - d0) / W : VBR;
+        Vec::F acc[R][VBR];
         for (int r = 0; r < R; r++)
-            for (int b = 0; b < VB; b++) acc[r][b] = Vec::zero();
+            for (int b = 0; b < VBR; b++) acc[r][b] = Vec::zero();
+        const float* pr[R];  // pr[r][t]: the weight of slot t
+        for (int r = 0; r < R; r++) pr[r] = p + (size_t)r * stride - c0;
         for (int t = c0; t < c1; t++) {
             const uint16_t* row = values + (size_t)t * hd + d0;
+            _mm_prefetch((const char*)(row + 16 * hd), _MM_HINT_T0);
             for (int b = 0; b < blocks; b++) {
                 const Vec::F v = Vec::halfs(row + b * W);
-                for (int r = 0; r < R; r++) acc[r][b] = Vec::fma(Vec::set1(p[r * stride + t - c0]), v, acc[r][b]);
+                for (int r = 0; r < R; r++) acc[r][b] = Vec::fma(Vec::set1(pr[r][t]), v, acc[r][b]);
             }
         }
         for (int r = 0; r < R; r++)
@@ -1025,61 +1087,76 @@ static inline int visible_slot(const vs_batch* batch, int i, int k) {
     return base + batch->mask_cols;  // not reached for k < visible_count
 }
 
-// One task: token i, query heads h0 .. h0 + R - 1 (one kv head's), its visible slots of ranks [k0, k1) (the
-// k-th slot it sees has rank k). Chunks go by rank, not by slot, so that a token tree's node — its ancestors
-// and itself at slots after masked siblings — falls into the chunks of the same token decoded alone, and its
-// attention is computed the same: every slot's score and exp by the same code whatever its lane, the weights
-// summed by rank (gathered first where the mask hides slots in between), the values accumulated in slot
-// order, the hidden slots adding exact zeros. Writes, per head, the chunk's max score m, sum of
-// exp(score - m) l, and unnormalised output [hd] to part.
-template <int R>
+// One task: tokens ids[0 .. T) of one cache row, query heads h0 .. h0 + R - 1 (one kv head's), P = T R pairs
+// (token, head), pair t R + r; token t's visible slots of ranks [k0, k1[t]) (the k-th slot it sees has
+// rank k). Several tokens only in a causal block (no mask), where ranks are slots: their scores are computed
+// together over the union of their slots, each token's own slots past its last set to -inf, which adds
+// exact zeros below. Chunks go by rank, not by slot, so that a token tree's node — its ancestors and itself
+// at slots after masked siblings — falls into the chunks of the same token decoded alone, and its attention
+// is computed the same: every slot's score and exp by the same code whatever its lane, the weights summed by
+// rank (gathered first where the mask hides slots in between), the values accumulated in slot order, the
+// hidden slots adding exact zeros. Writes, per pair, the chunk's max score m, sum of exp(score - m) l, and
+// unnormalised output [hd] to part.
+template <int P>
 static inline void attention_task(const vs_model* m, int layer, const vs_batch* batch, const vs_cache* cache,
-                                  const float* q, int q_stride, int i, int h0, int k0, int k1, float* const* part) {
-    const int hd = m->head_dim, g = h0 / (m->heads / m->kv_heads);
-    const size_t row = ((size_t)layer * cache->batch + batch->seq[i]) * m->kv_heads + g;
+                                  const float* q, int q_stride, const int* ids, int T, int h0, int k0, const int* k1,
+                                  float* const* part) {
+    const int R = P / T, hd = m->head_dim, g = h0 / (m->heads / m->kv_heads);
+    const size_t row = ((size_t)layer * cache->batch + batch->seq[ids[0]]) * m->kv_heads + g;
     const uint16_t* keys = cache->k + row * cache->capacity * hd;
     const uint16_t* values = cache->v + row * cache->capacity * hd;
-    const float* qh[R];
-    for (int r = 0; r < R; r++) qh[r] = q + (size_t)i * q_stride + (size_t)(h0 + r) * hd;
-    const int first = visible_slot(batch, i, k0), c1 = visible_slot(batch, i, k1 - 1) + 1;
-    const int c0 = first - first % KT;  // key tiles start at multiples of 16
-    const int len = c1 - c0, stride = (len + KT - 1) / KT * KT;  // whole tiles per head
-    thread_local std::vector<float> buffer;
-    if ((int)buffer.size() < R * stride) buffer.resize((size_t)R * stride);
-    float* scores = buffer.data();
-    scores_tile<R>(keys, hd, qh, c0, c1, 1.0f / sqrtf((float)hd), scores, stride);
-    const int base = batch->base[i];
-    for (int t = c0; t < c1; t++)  // slots of the chunk before, and new slots it may not see
-        if (t < first || (t >= base && batch->mask && !visible(batch, i, t)))
-            for (int r = 0; r < R; r++) scores[r * stride + t - c0] = -INFINITY;
-    // The weights' sum goes by rank: the chunk's visible slots are [first, c1) unless a tree mask hides
-    // some of them, whose weights are then gathered first, so that the sum is the same token's decoded alone.
-    const int ranks = k1 - k0;
-    thread_local std::vector<float> gathered;
-    if (c1 - first != ranks && (int)gathered.size() < ranks) gathered.resize(ranks);
-    float* o[R];
-    for (int r = 0; r < R; r++) {
-        float* own = scores + r * stride;
-        const float top = max_of(own, len);  // a chunk with a visible slot has a finite top
-        exp_shifted(own, len, top);
-        const float* weights = own + (first - c0);
-        if (c1 - first != ranks) {
-            for (int t = first, k = 0; t < c1; t++)
-                if (t < base || visible(batch, i, t)) gathered[k++] = own[t - c0];
-            weights = gathered.data();
-        }
-        part[r][0] = top;
-        part[r][1] = sum_of(weights, ranks);
-        o[r] = part[r] + 2;
+    const float* qh[P];
+    int first[P], end[P];  // per token (the first T entries): its first visible slot, and one past its last
+    for (int t = 0; t < T; t++) {
+        first[t] = visible_slot(batch, ids[t], k0);
+        end[t] = visible_slot(batch, ids[t], k1[t] - 1) + 1;
+        for (int r = 0; r < R; r++) qh[t * R + r] = q + (size_t)ids[t] * q_stride + (size_t)(h0 + r) * hd;
     }
-    values_tile<R>(values, hd, c0, c1, scores, stride, o);  // in slot order: the hidden slots add exact zeros
+    int c1 = end[0];
+    for (int t = 1; t < T; t++) c1 = end[t] > c1 ? end[t] : c1;
+    const int c0 = first[0] - first[0] % KT;  // key tiles start at multiples of 16 (the same for every token)
+    const int len = c1 - c0, stride = (len + KT - 1) / KT * KT;  // whole tiles per pair
+    thread_local std::vector<float> buffer;
+    if ((int)buffer.size() < P * stride) buffer.resize((size_t)P * stride);
+    float* scores = buffer.data();
+    scores_tile<P>(keys, hd, qh, c0, c1, 1.0f / sqrtf((float)hd), scores, stride);
+    thread_local std::vector<float> gathered;
+    float* o[P];
+    for (int t = 0; t < T; t++) {
+        const int i = ids[t], base = batch->base[i];
+        for (int s = c0; s < c1; s++)  // slots of the chunk before, new slots it may not see, and past its last
+            if (s < first[t] || s >= end[t] || (s >= base && batch->mask && !visible(batch, i, s)))
+                for (int r = 0; r < R; r++) scores[(t * R + r) * stride + s - c0] = -INFINITY;
+        // The weights' sum goes by rank: the chunk's visible slots are [first, end) unless a tree mask hides
+        // some of them, whose weights are then gathered first, so that the sum is the same token's decoded
+        // alone.
+        const int ranks = k1[t] - k0;
+        if (end[t] - first[t] != ranks && (int)gathered.size() < ranks) gathered.resize(ranks);
+        for (int r = 0; r < R; r++) {
+            const int pair = t * R + r;
+            float* own = scores + pair * stride;
+            const float top = max_of(own, len);  // a chunk with a visible slot has a finite top
+            exp_shifted(own, len, top);
+            const float* weights = own + (first[t] - c0);
+            if (end[t] - first[t] != ranks) {
+                for (int s = first[t], k = 0; s < end[t]; s++)
+                    if (s < base || visible(batch, i, s)) gathered[k++] = own[s - c0];
+                weights = gathered.data();
+            }
+            part[pair][0] = top;
+            part[pair][1] = sum_of(weights, ranks);
+            o[pair] = part[pair] + 2;
+        }
+    }
+    values_tile<P>(values, hd, c0, c1, scores, stride, o);  // in slot order: the hidden slots add exact zeros
 }
 
 // out [N, heads head_dim]: attention of every token's heads over the visible slots of its cache row, in
 // chunks of ATT_CHUNK slots merged in chunk order: the same arithmetic whatever N and the threads. A task is
-// one cache row of the batch, kv head and chunk, for every token of that row that sees the chunk (tiles of
-// up to ATT_ROWS of the kv head's query heads), so that the chunk's keys and values come from memory once
-// however many tokens read them; the threads take contiguous runs of tasks of about equal work.
+// one cache row of the batch, kv head and chunk, for up to ATT_TOKENS of that row's tokens that see the chunk
+// (tiles of up to ATT_ROWS of the kv head's query heads, and of ATT_PAIRS token-head pairs in a causal
+// block), so that the chunk's keys and values come from memory once for many tokens; the threads take
+// contiguous runs of tasks of about equal work, a row's tasks one after another.
 static int attention(const vs_model* m, int layer, const vs_batch* batch, const vs_cache* cache, const float* q,
                      int q_stride, float* out, int threads) {
     const int n = batch->n, heads = m->heads, hd = m->head_dim, group = heads / m->kv_heads;
@@ -1103,23 +1180,28 @@ static int attention(const vs_model* m, int layer, const vs_batch* batch, const 
     const int rows = (int)row_chunks.size();
     for (int r = 0; r < rows; r++) start[r + 1] += start[r];  // row r's tokens: order[start[r] .. start[r + 1])
     std::vector<int> order(n), next(start.begin(), start.end() - 1);
-    std::vector<double> slots((size_t)rows * chunks, 0.0);  // per (row, chunk): the slots its tokens read there
-    for (int i = 0; i < n; i++) {
-        const int row = row_of[batch->seq[i]];
-        order[next[row]++] = i;
-        for (int c = 0; c * ATT_CHUNK < seen[i]; c++)
-            slots[(size_t)row * chunks + c] += seen[i] - c * ATT_CHUNK < ATT_CHUNK ? seen[i] - c * ATT_CHUNK : ATT_CHUNK;
-    }
+    for (int i = 0; i < n; i++) order[next[row_of[batch->seq[i]]]++] = i;
     struct Task {
-        int row, g, chunk;
+        int row, g, chunk, j0, j1;  // the row's tokens order[j0 .. j1) that see the chunk
     };
     std::vector<Task> tasks;
     std::vector<double> work;  // cumulative: the slots the tasks so far read, over their tokens
     for (int row = 0; row < rows; row++)
         for (int g = 0; g < m->kv_heads; g++)
-            for (int chunk = 0; chunk < row_chunks[row]; chunk++) {
-                tasks.push_back({row, g, chunk});
-                work.push_back((work.empty() ? 0.0 : work.back()) + slots[(size_t)row * chunks + chunk]);
+            for (int chunk = 0, c0 = 0; chunk < row_chunks[row]; chunk++, c0 += ATT_CHUNK) {
+                double slots = 0.0;
+                for (int j = start[row], j0 = j, taken = 0; j < start[row + 1]; j++) {
+                    const int i = order[j];
+                    if (seen[i] > c0) {
+                        slots += seen[i] - c0 < ATT_CHUNK ? seen[i] - c0 : ATT_CHUNK;
+                        taken++;
+                    }
+                    if (taken == ATT_TOKENS || (j + 1 == start[row + 1] && taken)) {
+                        tasks.push_back({row, g, chunk, j0, j + 1});
+                        work.push_back((work.empty() ? 0.0 : work.back()) + slots);
+                        j0 = j + 1, taken = 0, slots = 0.0;
+                    }
+                }
             }
     const size_t stride = (size_t)hd + 2;  // per (token, head, chunk): m, l, o[hd]
     float* parts = (float*)malloc(sizeof(float) * (size_t)n * heads * chunks * stride);
@@ -1137,21 +1219,31 @@ static int attention(const vs_model* m, int layer, const vs_batch* batch, const 
     parallel_for(shares, threads, [&](int share) {
         for (int k = split[share]; k < split[share + 1]; k++) {
             const Task task = tasks[k];
-            for (int j = start[task.row]; j < start[task.row + 1]; j++) {
-                const int i = order[j], end = seen[i], c0 = task.chunk * ATT_CHUNK;  // ranks [c0, c1)
-                if (c0 >= end) continue;
-                const int c1 = c0 + ATT_CHUNK < end ? c0 + ATT_CHUNK : end;
-                for (int h0 = task.g * group; h0 < (task.g + 1) * group; h0 += ATT_ROWS) {
-                    const int count = (task.g + 1) * group - h0 < ATT_ROWS ? (task.g + 1) * group - h0 : ATT_ROWS;
-                    float* part[ATT_ROWS];
-                    for (int r = 0; r < count; r++)
-                        part[r] = parts + (((size_t)i * heads + h0 + r) * chunks + task.chunk) * stride;
-                    switch (count) {
-                        case 1: attention_task<1>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
-                        case 2: attention_task<2>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
-                        case 3: attention_task<3>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
-                        default: attention_task<4>(m, layer, batch, cache, q, q_stride, i, h0, c0, c1, part); break;
+            const int c0 = task.chunk * ATT_CHUNK;  // ranks [c0, c0 + ATT_CHUNK) of each token
+            for (int h0 = task.g * group; h0 < (task.g + 1) * group; h0 += ATT_ROWS) {
+                const int count = (task.g + 1) * group - h0 < ATT_ROWS ? (task.g + 1) * group - h0 : ATT_ROWS;
+                const int per = batch->mask || ATT_PAIRS / count < 2 ? 1 : ATT_PAIRS / count;  // tokens per tile
+                int ids[ATT_PAIRS], ends[ATT_PAIRS], tokens = 0;
+                for (int j = task.j0; j <= task.j1; j++) {
+                    if (j < task.j1 && seen[order[j]] > c0) {  // a token that sees the chunk
+                        ids[tokens] = order[j];
+                        ends[tokens++] = c0 + ATT_CHUNK < seen[order[j]] ? c0 + ATT_CHUNK : seen[order[j]];
                     }
+                    if (tokens == 0 || (tokens < per && j < task.j1)) continue;
+                    float* part[ATT_PAIRS];
+                    for (int t = 0; t < tokens; t++)
+                        for (int r = 0; r < count; r++)
+                            part[t * count + r] = parts + (((size_t)ids[t] * heads + h0 + r) * chunks + task.chunk) * stride;
+                    switch (tokens * count) {
+#define VS_TASK(P) \
+    case P: attention_task<P>(m, layer, batch, cache, q, q_stride, ids, tokens, h0, c0, ends, part); break;
+                        VS_TASK(1) VS_TASK(2) VS_TASK(3) VS_TASK(4)
+#if ATT_PAIRS > 4
+                        VS_TASK(5) VS_TASK(6) VS_TASK(7) VS_TASK(8) VS_TASK(9) VS_TASK(10) VS_TASK(11) VS_TASK(12)
+#endif
+#undef VS_TASK
+                    }
+                    tokens = 0;
                 }
             }
         }
