@@ -331,22 +331,32 @@ static void quantize_row(const float* x, int cols, int8_t* q, float* d, float* s
 #endif
 }
 
-typedef struct {  // scratch for quantized activations, grown as needed, freed by the caller
-    char* bytes;
-    size_t capacity;
-} vs_scratch;
-
-// x [n, cols] quantized into the scratch; 0, or -2 when out of memory
-static int quantize(int n, int cols, const float* x, vs_scratch* scratch, vs_qrows* qx, int threads) {
-    const size_t values = (size_t)n * cols, blocks = values / QK;
-    const size_t need = values + 3 * sizeof(float) * blocks + 64;
-    if (need > scratch->capacity) {
-        free(scratch->bytes);
-        scratch->bytes = (char*)malloc(need);
-        scratch->capacity = scratch->bytes ? need : 0;
-        if (!scratch->bytes) return -2;
+// The calling thread's scratch buffers, kept from call to call (grown as needed, never shrunk), so that a
+// forward's working memory costs no allocation and touches no fresh page after the first calls; NULL when
+// out of memory. One buffer per purpose: a caller never holds two uses of the same one.
+enum { BUF_X, BUF_WIDE, BUF_ATTN, BUF_PARTS, BUF_QUANT, BUFFERS };
+static void* thread_buffer(int which, size_t bytes) {
+    thread_local struct Buffers {
+        void* data[BUFFERS] = {};
+        size_t capacity[BUFFERS] = {};
+        ~Buffers() {
+            for (void* p : data) free(p);
+        }
+    } buffers;
+    if (bytes > buffers.capacity[which]) {
+        free(buffers.data[which]);
+        const size_t size = (bytes + 63) / 64 * 64;
+        buffers.data[which] = aligned_alloc(64, size);
+        buffers.capacity[which] = buffers.data[which] ? size : 0;
     }
-    float* floats = (float*)scratch->bytes;  // the 4-byte arrays first: aligned
+    return buffers.data[which];
+}
+
+// x [n, cols] quantized into the thread's buffer; 0, or -2 when out of memory
+static int quantize(int n, int cols, const float* x, vs_qrows* qx, int threads) {
+    const size_t values = (size_t)n * cols, blocks = values / QK;
+    float* floats = (float*)thread_buffer(BUF_QUANT, values + 3 * sizeof(float) * blocks);  // 4-byte arrays first
+    if (!floats) return -2;
     qx->d = floats;
     qx->s = floats + blocks;
     qx->sum = (int32_t*)(floats + 2 * blocks);
@@ -713,10 +723,10 @@ static void matmul_rows(const vs_matrix* w, int n, const float* x, const vs_qrow
     });
 }
 
-static int matmul(const vs_matrix* w, int n, const float* x, float* y, vs_scratch* scratch, int threads) {
+static int matmul(const vs_matrix* w, int n, const float* x, float* y, int threads) {
     vs_qrows qx = {NULL, NULL, NULL, NULL};
     if (w->format != VS_F16) {
-        const int status = quantize(n, w->cols, x, scratch, &qx, threads);
+        const int status = quantize(n, w->cols, x, &qx, threads);
         if (status) return status;
     }
     matmul_rows(w, n, x, &qx, y, threads);
@@ -1204,7 +1214,7 @@ static int attention(const vs_model* m, int layer, const vs_batch* batch, const 
                 }
             }
     const size_t stride = (size_t)hd + 2;  // per (token, head, chunk): m, l, o[hd]
-    float* parts = (float*)malloc(sizeof(float) * (size_t)n * heads * chunks * stride);
+    float* parts = (float*)thread_buffer(BUF_PARTS, sizeof(float) * (size_t)n * heads * chunks * stride);
     if (!parts) return -2;
     for (int i = 0; i < n; i++)  // the chunks that token i sees nothing of
         for (int h = 0; h < heads; h++)
@@ -1266,7 +1276,6 @@ static int attention(const vs_model* m, int layer, const vs_batch* batch, const 
             for (int d = 0; d < hd; d++) o[d] *= inv;
         }
     });
-    free(parts);
     return 0;
 }
 
@@ -1286,10 +1295,7 @@ extern "C" int vs_group_size(void) { return VS_GROUP; }
 // y [n, rows] = x [n, cols] W^T (+ bias). Returns 0, -1 for an invalid matrix, -2 when out of memory.
 extern "C" int vs_matmul(const vs_matrix* w, int n, const float* x, float* y, int threads) {
     if (!valid_matrix(w) || n < 0) return -1;
-    vs_scratch scratch = {NULL, 0};
-    const int status = matmul(w, n, x, y, &scratch, threads);
-    free(scratch.bytes);
-    return status;
+    return matmul(w, n, x, y, threads);
 }
 
 // y [n, dim] = rmsnorm(x) * weight, normalising in float32 as transformers does.
@@ -1319,10 +1325,9 @@ extern "C" int vs_forward(const vs_model* m, int first, int last, const vs_batch
     const int qkv_width = (m->heads + 2 * m->kv_heads) * hd, attn_width = m->heads * hd;
     const int inter = m->intermediate;
     const int widest = qkv_width > 2 * inter ? qkv_width : 2 * inter;
-    float* x = (float*)malloc(sizeof(float) * (size_t)n * hidden);
-    float* wide = (float*)malloc(sizeof(float) * (size_t)n * widest);
-    float* attn = (float*)malloc(sizeof(float) * (size_t)n * (attn_width > inter ? attn_width : inter));
-    vs_scratch scratch = {NULL, 0};
+    float* x = (float*)thread_buffer(BUF_X, sizeof(float) * (size_t)n * hidden);
+    float* wide = (float*)thread_buffer(BUF_WIDE, sizeof(float) * (size_t)n * widest);
+    float* attn = (float*)thread_buffer(BUF_ATTN, sizeof(float) * (size_t)n * (attn_width > inter ? attn_width : inter));
     int status = x && wide && attn ? 0 : -2;
     for (int l = first; l < last && status == 0; l++) {
         const vs_layer* L = &m->layers[l];
@@ -1330,7 +1335,7 @@ extern "C" int vs_forward(const vs_model* m, int first, int last, const vs_batch
             rmsnorm(n, hidden, h, L->attn_norm, m->eps, x, threads);
         else  // the last layer's MLP output joins the residual stream
             add_rmsnorm(n, hidden, h, x, L->attn_norm, m->eps, threads);
-        status = matmul(&L->qkv, n, x, wide, &scratch, threads);  // wide: [N, qkv_width]
+        status = matmul(&L->qkv, n, x, wide, threads);  // wide: [N, qkv_width]
         if (status) break;
         parallel_for(n, threads, [&](int i) {  // RoPE on q and k; k and v into the cache (each token its slot)
             float* row = wide + (size_t)i * qkv_width;
@@ -1351,22 +1356,18 @@ extern "C" int vs_forward(const vs_model* m, int first, int last, const vs_batch
         });
         status = attention(m, l, batch, cache, wide, qkv_width, attn, threads);  // attn: [N, attn_width]
         if (status) break;
-        status = matmul(&L->o, n, attn, x, &scratch, threads);  // x: [N, hidden]
+        status = matmul(&L->o, n, attn, x, threads);  // x: [N, hidden]
         if (status) break;
         add_rmsnorm(n, hidden, h, x, L->mlp_norm, m->eps, threads);
-        status = matmul(&L->gate_up, n, x, wide, &scratch, threads);  // wide: [N, 2 inter]
+        status = matmul(&L->gate_up, n, x, wide, threads);  // wide: [N, 2 inter]
         if (status) break;
         parallel_for(n, threads, [&](int i) {  // SwiGLU: silu(gate) * up
             const float* gate = wide + (size_t)i * 2 * inter;
             swiglu(gate, gate + inter, attn + (size_t)i * inter, inter);
         });
-        status = matmul(&L->down, n, attn, x, &scratch, threads);  // x: [N, hidden]
+        status = matmul(&L->down, n, attn, x, threads);  // x: [N, hidden]
     }
     if (status == 0 && last > first) add_rmsnorm(n, hidden, h, x, NULL, m->eps, threads);
-    free(x);
-    free(wide);
-    free(attn);
-    free(scratch.bytes);
     return status;
 }
 
