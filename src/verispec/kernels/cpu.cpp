@@ -953,7 +953,7 @@ enum { ATT_CHUNK = 128, ATT_ROWS = 4 };  // slots per attention chunk; query hea
 #endif
 enum { ATT_TOKENS = 12 };  // tokens per attention task at most: a multiple of the tokens per tile
 
-// scores[r * stride + t - c0] = scale q_r . k_t for the slots t in [c0, c1) of one cache row, R query heads;
+// scores[r * stride + t - c0] = scale q_r . k_t for the slots t in [c0, c1) of one cache row, R queries;
 // whole tiles of 16 are written (stride: a multiple of 16), the lanes past c1 hold scores of no slot.
 template <int R>
 static inline void scores_tile(const uint16_t* ktiles, int hd, const float* const* q, int c0, int c1, float scale,
@@ -1043,14 +1043,15 @@ enum { VB = 4 };  // dimension blocks of the vector width that values_tile accum
 enum { VB = 2 };  // (16 AVX2 registers: up to 4 heads x 2 blocks of accumulators)
 #endif
 
-// o_r[d] = sum over t in [c0, c1) of p_r[t] v_t[d], in slot order: up to VB vectors of dimensions per pass, so
-// that each value row is read and converted once for them all and every query head.
+// o_r[d] = sum over t in [c0, c1) of p_r[t] v_t[d] for R queries, in slot order: up to VB vectors of dimensions
+// per pass (fewer for more than 4 queries: 4 VB accumulators at most), so that each value row is read and
+// converted once for those dimensions and every query.
 template <int R>
 static inline void values_tile(const uint16_t* values, int hd, int c0, int c1, const float* p, int stride,
                                float* const* o) {
     int d0 = 0;
 #if defined(VS_AVX512) || defined(VS_AVX2)
-    enum { W = VS_GROUP, VBR = R * VB <= 4 * VB ? VB : 4 * VB / R > 1 ? 4 * VB / R : 1 };  // accumulators: 4 VB
+    enum { W = VS_GROUP, VBR = R <= 4 ? VB : 4 * VB / R > 1 ? 4 * VB / R : 1 };
     for (; d0 + W <= hd;) {
         const int blocks = (hd - d0) / W < VBR ? (hd - d0) / W : VBR;
         Vec::F acc[R][VBR];
