@@ -399,9 +399,7 @@ enum { TILE = 4 };  // activation rows per float16 tile
 #define VS_GROUP 8
 #endif
 enum { Q8_CHUNKS = 8, Q4_CHUNKS = 4, CHUNK = VS_GROUP * 4 };
-#ifndef VS_PF
-#define VS_PF 2048
-#endif
+enum { PREFETCH = 2048 };  // bytes ahead in a group's weight stream (and the next group's) to prefetch
 
 static int valid_matrix(const vs_matrix* w) {
     if (w->rows <= 0 || w->cols <= 0 || !w->q) return 0;
@@ -490,7 +488,7 @@ static inline void group_q8_0(const uint8_t* w, const uint16_t* wd, const int8_t
         typename Vec::I isum[R];
         for (int r = 0; r < R; r++) isum[r] = Vec::izero();
         const uint8_t* wb = w + (size_t)b * Q8_CHUNKS * CHUNK;
-        for (int c = 0; c < Q8_CHUNKS * CHUNK / 64; c++) _mm_prefetch((const char*)wb + VS_PF + c * 64, _MM_HINT_T0);
+        for (int c = 0; c < Q8_CHUNKS * CHUNK / 64; c++) _mm_prefetch((const char*)wb + PREFETCH + c * 64, _MM_HINT_T0);
         for (int c = 0; c < Q8_CHUNKS; c++) {
             const typename Vec::I u = Vec::load(wb + c * CHUNK);  // q + 128
 #ifdef VS_VNNI
@@ -524,7 +522,7 @@ static inline void group_q4_1(const uint8_t* w, const uint16_t* wd, const uint16
         typename Vec::I isum[R];
         for (int r = 0; r < R; r++) isum[r] = Vec::izero();
         const uint8_t* wb = w + (size_t)b * Q4_CHUNKS * CHUNK;
-        for (int c = 0; c < Q4_CHUNKS * CHUNK / 64; c++) _mm_prefetch((const char*)wb + VS_PF + c * 64, _MM_HINT_T0);
+        for (int c = 0; c < Q4_CHUNKS * CHUNK / 64; c++) _mm_prefetch((const char*)wb + PREFETCH + c * 64, _MM_HINT_T0);
         for (int c = 0; c < Q4_CHUNKS; c++) {
             const typename Vec::I v = Vec::load(wb + c * CHUNK);
             const typename Vec::I lo = Vec::low4(v), hi = Vec::high4(v);
@@ -953,6 +951,30 @@ enum { ATT_CHUNK = 128, ATT_ROWS = 4 };  // slots per attention chunk; query hea
 #endif
 enum { ATT_TOKENS = 12 };  // tokens per attention task at most: a multiple of the tokens per tile
 
+#ifdef VS_AVX512
+// J consecutive key tiles from `tile` against R queries: scores[r * stride + 16 j + lane] (J R independent
+// sums in flight); the next J tiles prefetched.
+template <int R, int J>
+static inline void key_tiles(const uint16_t* tile, int hd, const float* const* q, float scale, float* scores,
+                             int stride) {
+    __m512 acc[R][J];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int d = 0; d < hd; d++) {
+        if (d % 2 == 0)
+            for (int j = 0; j < J; j++) _mm_prefetch((const char*)(tile + ((J + j) * hd + d) * KT), _MM_HINT_T0);
+        __m512 k[J];
+        for (int j = 0; j < J; j++) k[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tile + (j * hd + d) * KT)));
+        for (int r = 0; r < R; r++) {
+            const __m512 qd = _mm512_set1_ps(q[r][d]);
+            for (int j = 0; j < J; j++) acc[r][j] = _mm512_fmadd_ps(qd, k[j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) _mm512_storeu_ps(scores + r * stride + j * KT, _mm512_mul_ps(acc[r][j], _mm512_set1_ps(scale)));
+}
+#endif
+
 // scores[r * stride + t - c0] = scale q_r . k_t for the slots t in [c0, c1) of one cache row, R queries;
 // whole tiles of 16 are written (stride: a multiple of 16), the lanes past c1 hold scores of no slot.
 template <int R>
@@ -960,37 +982,13 @@ static inline void scores_tile(const uint16_t* ktiles, int hd, const float* cons
                                float* scores, int stride) {
     int t0 = c0;  // a multiple of 16
 #ifdef VS_AVX512
-    for (; R <= 4 && t0 + 2 * KT <= c1; t0 += 2 * KT) {  // few rows: two tiles at a time, for more sums in flight
-        const uint16_t* tile = ktiles + (size_t)(t0 / KT) * hd * KT;
-        __m512 acc[R][2];
-        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-        for (int d = 0; d < hd; d++) {
-            if (d % 2 == 0) _mm_prefetch((const char*)(tile + (2 * hd + d) * KT), _MM_HINT_T0);
-            if (d % 2 == 0) _mm_prefetch((const char*)(tile + (3 * hd + d) * KT), _MM_HINT_T0);
-            const __m512 k0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tile + d * KT)));
-            const __m512 k1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tile + (hd + d) * KT)));
-            for (int r = 0; r < R; r++) {
-                const __m512 qd = _mm512_set1_ps(q[r][d]);
-                acc[r][0] = _mm512_fmadd_ps(qd, k0, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(qd, k1, acc[r][1]);
-            }
-        }
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < 2; j++)
-                _mm512_storeu_ps(scores + r * stride + t0 + j * KT - c0, _mm512_mul_ps(acc[r][j], _mm512_set1_ps(scale)));
-    }
+    for (; R <= 4 && t0 + 2 * KT <= c1; t0 += 2 * KT)  // few queries: two tiles at a time, for more sums in flight
+        key_tiles<R, 2>(ktiles + (size_t)(t0 / KT) * hd * KT, hd, q, scale, scores + t0 - c0, stride);
 #endif
     for (; t0 < c1; t0 += KT) {
         const uint16_t* tile = ktiles + (size_t)(t0 / KT) * hd * KT;
 #ifdef VS_AVX512
-        __m512 acc[R];
-        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-        for (int d = 0; d < hd; d++) {
-            const __m512 k = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tile + d * KT)));
-            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k, acc[r]);
-        }
-        for (int r = 0; r < R; r++)
-            _mm512_storeu_ps(scores + r * stride + t0 - c0, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
+        key_tiles<R, 1>(tile, hd, q, scale, scores + t0 - c0, stride);
 #elif defined(VS_AVX2)
         __m256 acc[R][2];
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
