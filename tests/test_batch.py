@@ -29,11 +29,12 @@ from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.head import target_fingerprint
 from verispec.drafting.ngram import NGramDrafter
+from verispec.drafting.tree import TreeShape
 from verispec.engine import EngineConfig, GenerationStats, Request, SpeculativeEngine
 from verispec.kernels.cpu import native_available
 from verispec.models.base import RowInput
 from verispec.policies import ConstantK
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.sampling import SamplingParams, inverse_cdf, position_uniforms, probs_from_logits
 from verispec.scheduler import QueueFull, Scheduler
 
 GREEDY = SamplingParams(temperature=0)
@@ -102,6 +103,52 @@ def test_same_seed_same_tokens_alone_or_batched(native_target):
     assert [r.token_ids for r in spec.generate_batch(PROMPTS[:4], slots=4, **options)] == alone
     other_seed = SamplingParams(temperature=1.0, top_k=20, seed=8)
     assert spec.generate(PROMPTS[0], **dict(options, sampling=other_seed)).token_ids != alone[0]
+
+
+INVARIANT = SamplingParams(temperature=0.25, top_p=0.95, seed=11, invariant=True)
+
+
+def own_sampling(model, prompt: str, sampling: SamplingParams, count: int) -> list[int]:
+    """The target's own sampling with ``sampling.invariant``, no engine: each token drawn, at its position's
+    uniform, from the distribution of a fresh forward over the whole sequence before it."""
+    ids = LetterTokenizer(VOCAB).encode(prompt)
+    start = len(ids)
+    for _ in range(count):
+        tokens, positions = torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0)  # [1, T] each
+        p = probs_from_logits(model.forward(tokens, positions, model.new_cache())[0, -1], sampling)  # [V]
+        ids.append(int(inverse_cdf(p, position_uniforms(sampling.seed, [len(ids)]))[0]))
+    return ids[start:]
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("drafter", "draft", "k", "tree"),
+    [
+        ("none", None, 0, None),
+        ("ngram", None, 3, None),
+        ("ngram", None, "auto", None),
+        ("model", "layers:1", 2, None),
+        ("model", "self:q8_0", 3, None),
+        ("model", "layers:1", 0, TreeShape.full(2, 2)),
+    ],
+)
+def test_invariant_sampling_is_the_target_s_own_whatever_the_drafter_k_tree_or_batch(
+    native_target, drafter, draft, k, tree
+):
+    """With ``invariant``, a sampled request is the target's own sampling with its seed, token for token:
+    alone, or three at a time with others joining and leaving, for every drafter, K (``auto`` included, whose
+    K follows the batch) and token trees; and the drafts are still accepted."""
+    spec = Speculator((native_target, LetterTokenizer(VOCAB)), draft=draft, drafter=drafter, tree=tree)
+    options = dict(k=k, max_new_tokens=16, sampling=INVARIANT)
+    own = [own_sampling(native_target, p, INVARIANT, 16) for p in PROMPTS]
+    alone = [spec.generate(p, **options) for p in PROMPTS]
+    assert [r.token_ids for r in alone] == own
+    batched = spec.generate_batch(PROMPTS, slots=3, **options)
+    assert [r.token_ids for r in batched] == own
+    if drafter != "none":
+        assert sum(r.stats["accepted"] for r in alone + batched) > 0
+    plain = dataclasses.replace(INVARIANT, invariant=False)  # the generator's stream: other tokens
+    assert [spec.generate(p, **dict(options, sampling=plain)).token_ids for p in PROMPTS] != own
 
 
 SHARED_STARTS = ["thecatsatonthemat", "thecatsatonthemat", "thecatsatonthehat", "thecat", "thedogran", "q"]
@@ -310,11 +357,12 @@ def test_a_cancelled_request_frees_its_slot_at_once():
     assert engine.step() == []
 
 
-# Chi-square through a mixed batch: two requests per batch, a model drafter at temperature 1 and prompt
-# lookup at temperature 0.8 with top-p 0.9, each seeded; the first two tokens of each against its exact
-# distribution. N batches, 2 tests, α = 1e-4 / 2 (Bonferroni).
+# Chi-square through a mixed batch: three requests per batch, each seeded: a model drafter at temperature 1,
+# prompt lookup at temperature 0.8 with top-p 0.9, and a model drafter at temperature 0.9 with top-k 3 drawing
+# invariantly (each position's token at its own uniform); the first two tokens of each against its exact
+# distribution. N batches, 3 tests, α = 1e-4 / 3 (Bonferroni).
 N_BATCHES = 3000
-ALPHA = 1e-4 / 2
+ALPHA = 1e-4 / 3
 
 
 def expected_first_two(target: TableLM, prompt_token: int, params: SamplingParams) -> torch.Tensor:
@@ -338,23 +386,28 @@ def p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
 def test_chi_square_through_a_mixed_batch():
     target = TableLM(4, seed=21, sharpness=1.2)
     draft = noisy_copy(target, 22, 1.5)
-    settings = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9)]
-    counts = torch.zeros(2, 4, 4, dtype=torch.float64)
-    engine = SpeculativeEngine(target, slots=2)
+    settings = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=0.9, top_k=3, invariant=True),
+    ]
+    rows = len(settings)
+    counts = torch.zeros(rows, 4, 4, dtype=torch.float64)
+    engine = SpeculativeEngine(target, slots=rows)
     for seed in range(N_BATCHES):
         handles = []
         for row, params in enumerate(settings):
-            sampling = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=2 * seed + row)
-            drafter = ModelDrafter(draft, sampling, 4) if row == 0 else NGramDrafter(2, 1)
+            sampling = dataclasses.replace(params, seed=rows * seed + row)
+            drafter = NGramDrafter(2, 1) if row == 1 else ModelDrafter(draft, sampling, 4)
             stats = GenerationStats(drafter.name, "3")
             handles.append(
                 engine.submit(Request([1 + row], EngineConfig(2, sampling), drafter, ConstantK(3), stats))
             )
-        outputs: dict[int, list[int]] = {0: [], 1: []}
+        outputs: dict[int, list[int]] = {row: [] for row in range(rows)}
         while engine.running:
             for running, tokens in engine.step():
                 outputs[handles.index(running)] += tokens
-        for row in range(2):
+        for row in range(rows):
             first, second = outputs[row]
             counts[row, first, second] += 1
     for row, params in enumerate(settings):

@@ -3,7 +3,8 @@
 On stories260K with prompt lookup at a fixed K, sampled at temperature 1: the output is the same whatever the
 shard size, the batch size, in-process or on Ray workers, and equal to generating each request alone with its
 derived seed. With --k auto the K of a round follows this machine's costs and the rest of the batch, so only
-the distribution (and greedy output) is independent of how the work is cut, not the sampled tokens.
+the distribution (and greedy output) is independent of how the work is cut, not the sampled tokens; with
+--invariant they are too, at any K: each request is then the target's own sampling with its seed.
 """
 
 from __future__ import annotations
@@ -82,6 +83,27 @@ def test_output_is_independent_of_shards_and_batches_and_equals_each_alone(stori
         )
         assert alone.token_ids == tokens
     assert not Path(f"{tmp_path / 'a.jsonl'}.parts").exists()  # the shards are gone once assembled
+
+
+def test_invariant_sampling_at_k_auto_is_independent_of_batches_and_is_the_target_s_own(
+    stories, requests_file, tmp_path, capsys
+):
+    """``verispec batch --invariant --k auto``: whatever --max-batch and --shard-size, each request is what
+    the target samples alone with its derived seed, with no drafter at all."""
+    from verispec.api import Speculator
+
+    model = ["--target", stories[0], "--tokenizer", stories[1], "--drafter", "ngram", "--k", "auto"]
+    sampling = ["--temperature", "0.7", "--seed", "7", "--invariant", "--max-new-tokens", "16"]
+    for name, cut in (("a", ["--max-batch", "2", "--shard-size", "3"]), ("b", ["--max-batch", "8"])):
+        files = ["--input", str(requests_file), "--output", str(tmp_path / f"{name}.jsonl")]
+        assert cli.main(["batch", *files, *model, *sampling, *cut]) == 0
+    a, b = read(tmp_path / "a.jsonl"), read(tmp_path / "b.jsonl")
+    assert a == b
+    spec = Speculator(stories[0], drafter="none", tokenizer=stories[1])
+    for ident, tokens, _ in a[:4]:
+        own = SamplingParams(0.7, seed=prompt_seed(7, ident), invariant=True)
+        prompt = PROMPTS[int(ident[1:]) % len(PROMPTS)]
+        assert spec.generate(prompt, k=0, max_new_tokens=16, sampling=own).token_ids == tokens
 
 
 def test_an_interrupted_run_resumes_where_it_stopped(stories, requests_file, tmp_path, monkeypatch):

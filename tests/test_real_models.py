@@ -317,6 +317,33 @@ def test_cli_generate_json_contract(shared_model):
     assert "tokens/s" in streamed.stderr and "tokens per target call" in streamed.stderr
 
 
+def test_cli_generate_invariant_is_the_target_s_own_sampling(shared_model, capsys):
+    """``generate --invariant``: with prompt lookup at K = 4, at --k auto, or in a token tree, the sampled
+    tokens are those of plain decoding with the same seed."""
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    model_args = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
+    common = [
+        "generate",
+        "Tom had a red ball. Tom had a red ball. Tom had",
+        *model_args,
+        "--max-new-tokens",
+        "40",
+        "--json",
+    ]
+    sampled = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "4", "--invariant"]
+    outputs = []
+    for drafter in (
+        ["none", "--k", "0"],
+        ["ngram", "--k", "4"],
+        ["ngram", "--k", "auto"],
+        ["ngram", "--tree-width", "2", "--tree-depth", "2"],
+    ):
+        assert cli.main([*common, *sampled, "--drafter", *drafter]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert all(o["token_ids"] == outputs[0]["token_ids"] for o in outputs)
+    assert sum(o["stats"]["accepted"] for o in outputs) > 0
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 from torch import Tensor
 
-from verispec.sampling import SamplingParams, probs_from_logits, sample
+from verispec.sampling import SamplingParams, inverse_cdf, position_uniforms, probs_from_logits, sample
 
 NEG_INF = float("-inf")
 
@@ -61,6 +61,8 @@ def support(probs: Tensor) -> list[int]:
         ({"seed": True}, "seed"),
         ({"seed": 1.0}, "seed"),
         ({"seed": "7"}, "seed"),
+        ({"invariant": 1}, "invariant"),
+        ({"invariant": "yes"}, "invariant"),
     ],
 )
 def test_params_invalid_values_raise_one_line_value_error(kwargs, field):
@@ -87,6 +89,7 @@ def test_params_invalid_values_raise_one_line_value_error(kwargs, field):
         {"min_p": 0.999},
         {"seed": 0},
         {"seed": 2**63 - 1},
+        {"invariant": True},
     ],
 )
 def test_params_boundary_values_are_valid(kwargs):
@@ -99,8 +102,8 @@ def test_params_boundary_values_are_valid(kwargs):
 def test_params_defaults_and_frozen():
     """Defaults disable every transform; the dataclass is frozen."""
     params = SamplingParams()
-    values = (params.temperature, params.top_k, params.top_p, params.min_p, params.seed)
-    assert values == (1.0, 0, 1.0, 0.0, None)
+    values = (params.temperature, params.top_k, params.top_p, params.min_p, params.seed, params.invariant)
+    assert values == (1.0, 0, 1.0, 0.0, None, False)
     with pytest.raises(dataclasses.FrozenInstanceError):
         params.temperature = 0.5  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -509,3 +512,33 @@ def test_sample_is_the_generator_s_and_falls_back_on_rounding(monkeypatch):
 def test_sample_refuses_weights_without_a_distribution(weights):
     with pytest.raises(ValueError, match="cannot sample from weights"):
         sample(weights, torch.Generator())
+
+
+def test_inverse_cdf_is_what_sample_draws_at_the_generator_s_uniforms():
+    probs = torch.softmax(torch.randn(3, 1000, generator=torch.Generator().manual_seed(2)), -1)  # [3, V]
+    u = torch.rand(3, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)  # [3, 4]
+    assert torch.equal(inverse_cdf(probs, u), sample(probs, torch.Generator().manual_seed(5), 4))
+    cdf = probs.double().cumsum(-1)  # [3, V]: each draw is the first index whose cumulative mass exceeds u
+    drawn = inverse_cdf(probs, u)  # [3, 4]
+    assert torch.all(cdf.gather(1, drawn) > u * cdf[:, -1:])
+    assert torch.all((drawn == 0) | (cdf.gather(1, (drawn - 1).clamp(min=0)) <= u * cdf[:, -1:]))
+
+
+def test_position_uniforms_are_a_function_of_the_seed_and_the_position_alone():
+    a = position_uniforms(7, [0, 1, 2, 50, 3])
+    assert a.dtype == torch.float64 and a.shape == (5,)
+    assert torch.equal(a, position_uniforms(7, [0, 1, 2, 50, 3]))
+    assert torch.equal(a[[3, 1]], position_uniforms(7, [50, 1]))  # asked alone, in another order: the same
+    assert len(set(a.tolist())) == 5 and torch.all((a >= 0) & (a < 1))
+    assert not torch.equal(a, position_uniforms(8, [0, 1, 2, 50, 3]))
+    assert position_uniforms(2**63 - 1, [10**6]).shape == (1,)
+
+
+def test_position_uniforms_are_uniform_and_independent_from_position_to_position():
+    """Kolmogorov-Smirnov on 4000 positions of one seed and on one position across 4000 seeds, and no
+    correlation between neighbouring positions (the tokens of a sequence must be drawn independently)."""
+    along = position_uniforms(3, range(4000)).numpy()
+    across = torch.cat([position_uniforms(seed, [17]) for seed in range(4000)]).numpy()
+    for values in (along, across):
+        assert scipy_stats.kstest(values, "uniform").pvalue > 1e-4
+    assert abs(scipy_stats.pearsonr(along[:-1], along[1:]).statistic) < 0.07  # r's standard deviation: 1/63

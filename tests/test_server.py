@@ -109,6 +109,23 @@ def test_greedy_through_the_server_is_plain_decoding(served, stories):
             assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
 
 
+def test_invariant_sampling_through_the_server_is_the_target_s_own(served, stories):
+    """``invariant`` (verispec's own field): a sampled answer is the target's own sampling with that seed,
+    whatever the drafter and K."""
+    url, _ = served
+    _, loaded = stories
+    sampling = SamplingParams(temperature=0.8, seed=5, invariant=True)
+    own = Speculator(loaded, drafter="none").generate(
+        "Tom had a red ball.", k=0, max_new_tokens=32, sampling=sampling
+    )
+    for drafter, k in (("ngram", 4), ("ngram", "auto"), ("none", 0)):
+        answer = client(url).completions.create(
+            model="stories260K", prompt="Tom had a red ball.", max_tokens=32, temperature=0.8, seed=5,
+            extra_body={"drafter": drafter, "k": k, "invariant": True},
+        )  # fmt: skip
+        assert answer.choices[0].text == own.text
+
+
 def test_stream_usage_stop_strings_and_models(served):
     url, _ = served
     stream = client(url).completions.create(
@@ -207,6 +224,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {**GOOD, "top_k": -1}, 400, "top_k"),
     ("/v1/completions", {**GOOD, "min_p": 1}, 400, "min_p"),
     ("/v1/completions", {**GOOD, "seed": -5}, 400, "seed"),
+    ("/v1/completions", {**GOOD, "invariant": "yes"}, 400, "invariant"),
     ("/v1/completions", {**GOOD, "n": 2}, 400, "only n = 1"),
     ("/v1/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4 stop strings"),
     ("/v1/completions", {**GOOD, "stop": [""]}, 400, "none empty"),

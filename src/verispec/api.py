@@ -392,11 +392,11 @@ class Speculator:
     ) -> list[GenerationResult]:
         """Every prompt generated in a continuous batch of up to ``slots`` sequences (each request joining as
         a slot frees; options as for :meth:`request`, but ``stats`` and ``trace``), results in the prompts'
-        order. A prompt
-        that cannot be generated (empty, too long for the context) gets a result with ``error`` set; the
-        others are untouched. Each result equals what :meth:`generate` gives for that prompt alone (greedy:
-        token for token; sampled: the same tokens for the same seed at a fixed K). ``seeds``: one sampling
-        seed per prompt (instead of the sampling parameters' one for all)."""
+        order. A prompt that cannot be generated (empty, too long for the context) gets a result with
+        ``error`` set; the others are untouched. Each result equals what :meth:`generate` gives for that
+        prompt alone (greedy: token for token; sampled: the same tokens for the same seed at a fixed K, or at
+        any K with ``SamplingParams.invariant``). ``seeds``: one sampling seed per prompt (instead of the
+        sampling parameters' one for all)."""
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise UsageError(f"slots must be an integer >= 1, got {slots!r}")
         if seeds is not None and len(seeds) != len(prompts):
@@ -545,6 +545,7 @@ def generate(
     top_p: float = 1.0,
     min_p: float = 0.0,
     seed: int | None = None,
+    invariant: bool = False,
     chat: bool = False,
     stop: tuple[str, ...] = (),
     tree: TreeShape | str | None = None,
@@ -554,7 +555,7 @@ def generate(
     """Generate text for ``prompt`` with speculative decoding; the same arguments as ``verispec generate``
     (``tree``: a :class:`~verispec.drafting.tree.TreeShape`, "WxD" or a JSON shape file, either with ":N" or
     ":auto" for a dynamic tree, or "auto": the learned drafter's default tree, see :class:`Speculator`)."""
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    sampling = SamplingParams(temperature, top_k, top_p, min_p, seed, invariant)
     shape = TreeShape.parse(tree) if isinstance(tree, str) and tree != AUTO else tree
     speculator = Speculator(
         target, draft, drafter, tokenizer, tree=shape, drafter_path=drafter_path, precision=precision

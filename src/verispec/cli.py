@@ -267,6 +267,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_model_arguments(parser)
     _add_sampling_arguments(parser, temperature=0.0)
     parser.add_argument("--seed", type=int, help="seed of all sampling (default: random)")
+    _add_invariant_argument(parser)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
@@ -355,6 +356,20 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float)
     )
 
 
+def _add_invariant_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--invariant",
+        action="store_true",
+        help="draw each position's token from the seed and the position alone: sampled output is then the "
+        "target's own with that seed, the same whatever the drafter, K or batch",
+    )
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    """The sampling parameters of a command with a seed (generate, batch)."""
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed, args.invariant)
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Run ``verispec generate``."""
     from verispec.api import ModelChoice, parse_k  # loads transformers: only for the commands that need it
@@ -363,7 +378,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.batch is not None:
         return _run_batch(args)
     prompt = args.prompt if args.prompt is not None else _read_stdin()
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
+    sampling = _sampling(args)
     k = AUTO if args.k is None else parse_k(args.k)  # validate everything before loading a model
     EngineConfig(args.max_new_tokens, sampling, stop_strings=tuple(args.stop))
     if args.show_trace and args.json:
@@ -415,7 +430,7 @@ def _run_batch(args: argparse.Namespace) -> int:
         raise UsageError("--batch decodes chains: no traces, no token trees")
     if isinstance(args.max_batch, bool) or args.max_batch < 1:
         raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
+    sampling = _sampling(args)
     k = parse_k(args.k if args.k is not None else "auto")
     EngineConfig(args.max_new_tokens, sampling, stop_strings=tuple(args.stop))
     requests = read_requests(args.batch)  # refused before a model loads when no line is a request
@@ -455,6 +470,8 @@ def _trace_settings(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     transforms = (("top-k", args.top_k, 0), ("top-p", args.top_p, 1.0), ("min-p", args.min_p, 0.0))
     items += [(name, f"{value:g}") for name, value, default in transforms if value != default]
     items.append(("seed", "random" if args.seed is None else str(args.seed)))
+    if args.invariant:
+        items.append(("draws", "invariant"))
     return tuple(items)
 
 
@@ -580,6 +597,7 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_model_arguments(parser)
     _add_sampling_arguments(parser, temperature=0.0)
     parser.add_argument("--seed", type=int, help="the job's seed (default: random, kept for a resumed run)")
+    _add_invariant_argument(parser)
     parser.add_argument("--chat", action="store_true", help="wrap plain prompts in the model's chat template")
     parser.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     parser.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequences decoded at once (8)")
@@ -607,7 +625,7 @@ def run_batch(args: argparse.Namespace) -> int:
         **_model_fields(args),
         k=args.k if args.k is not None else "auto",
         max_new_tokens=args.max_new_tokens,
-        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed),
+        sampling=_sampling(args),
         chat=args.chat,
         stop=tuple(args.stop),
         max_batch=args.max_batch,

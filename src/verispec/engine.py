@@ -18,6 +18,8 @@ committed and rolled back on its own row. A target that scores rows of one cache
 (:class:`~verispec.models.base.RowModel`: verispec's native kernels) computes every row from that row's own
 tokens and cache entries alone, bit for bit, so what a request gets never depends on the rest of the batch;
 any other target scores the rows one after the other. Batch 1 is just the smallest batch: :meth:`stream`.
+With ``SamplingParams.invariant`` a sampled round keeps its draft while it matches each position's own draw
+(:func:`~verispec.sampling.position_uniforms`), so that a sequence's tokens do not depend on its K either.
 
 Stopping is exact, per sequence: at an end-of-sequence token, at a stop string, at exactly
 ``max_new_tokens`` (k is capped so that no round can overshoot, and surplus tokens are never committed), or at
@@ -27,7 +29,7 @@ the target's context limit. A sequence leaves the batch when it stops, freeing i
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -46,7 +48,7 @@ from verispec.models.base import (
     TreeLanguageModel,
 )
 from verispec.policies import CostModelK, KPolicy, plan_batch
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.sampling import SamplingParams, inverse_cdf, position_uniforms, probs_from_logits
 from verispec.trace import TraceRecorder
 from verispec.verify.chain import (
     Verdict,
@@ -557,7 +559,8 @@ class SpeculativeEngine:
         assert proposal is not None
         config, request = running.request.config, running.request
         if verified is None:
-            verified = self._verify(proposal, logits.unsqueeze(0), config, running.generator), 0
+            first = len(running.ids)  # the position of the round's first emitted token
+            verified = self._verify(proposal, logits.unsqueeze(0), config, running.generator, first), 0
         verdict, row = verified
         if request.trace is not None:
             request.trace.record(proposal, logits.unsqueeze(0), verdict, config.sampling)
@@ -571,14 +574,19 @@ class SpeculativeEngine:
 
     @staticmethod
     def _verify(
-        proposal: Proposal, logits: torch.Tensor, config: EngineConfig, generator: torch.Generator
+        proposal: Proposal, logits: torch.Tensor, config: EngineConfig, generator: torch.Generator, first: int
     ) -> Verdict:
-        """logits: [1, k'+1, V] target logits for the round."""
+        """logits: [1, k'+1, V] target logits for the round, whose first emitted token is at position
+        ``first``."""
         draft = proposal.tokens.to(logits.device).unsqueeze(0)  # [1, k']
         eos = sorted(config.eos_token_ids) or None
         if config.sampling.greedy:
             return greedy_verify(draft, p=logits, eos_token_id=eos)
         p = probs_from_logits(logits, config.sampling)  # [1, k'+1, V]
+        if config.sampling.invariant:  # each position's own draw: accept the draft while it matches them
+            positions = range(first, first + p.shape[1])
+            targets = _position_draws(p[0], generator, positions).unsqueeze(0)  # [1, k'+1]
+            return greedy_verify_targets(draft, targets=targets, eos_token_id=eos)
         if proposal.q is None:
             return single_guess_sample(draft, p=p, generator=generator, eos_token_id=eos)
         q = proposal.q.to(logits.device).unsqueeze(0)  # [1, k', V]
@@ -589,7 +597,7 @@ class SpeculativeEngine:
         running, tree = rnd.running, rnd.tree
         assert tree is not None
         cache = cast(TreeCache, running.cache)
-        verdict = self._verify_tree(tree, logits, running.request.config, running.generator)
+        verdict = self._verify_tree(tree, logits, running.request.config, running.generator, len(running.ids))
         kept = verdict.accepted_nodes[: len(verdict.tokens) - 1]  # all but an accepted end-of-sequence token
         root = len(running.ids) - 1
         cache.compact(len(running.ids), [root + node for node in kept])
@@ -601,14 +609,18 @@ class SpeculativeEngine:
 
     @staticmethod
     def _verify_tree(
-        tree: TreeProposal, logits: torch.Tensor, config: EngineConfig, generator: torch.Generator
+        tree: TreeProposal, logits: torch.Tensor, config: EngineConfig, generator: torch.Generator, first: int
     ) -> TreeVerdict:
-        """logits: [N, V] target logits at the tree's nodes."""
+        """logits: [N, V] target logits at the tree's nodes; the root's child is at position ``first``."""
         tokens, parents = tree.tokens.to(logits.device), tree.parents.to(logits.device)  # [N], [N]
         eos = sorted(config.eos_token_ids) or None
         if config.sampling.greedy:
             return tree_greedy_verify(tokens, parents, p=logits, eos_token_id=eos)
         p = probs_from_logits(logits, config.sampling)  # [N, V]
+        if config.sampling.invariant:  # each node's draw at its child's position, as scores that argmax to it
+            drawn = _position_draws(p, generator, [first + d for d in tree.depth.tolist()])  # [N]
+            scores = torch.zeros_like(p).scatter_(1, drawn.unsqueeze(1), 1.0)  # [N, V]
+            return tree_greedy_verify(tokens, parents, p=scores, eos_token_id=eos)
         q = None if tree.q is None else tree.q.to(logits.device)  # [N, V]
         return tree_rejection_sample(tokens, parents, p=p, q=q, generator=generator, eos_token_id=eos)
 
@@ -636,3 +648,10 @@ class SpeculativeEngine:
         running.done = True
         running.request.stats.stop_reason = reason
         self.running.remove(running)
+
+
+def _position_draws(p: torch.Tensor, generator: torch.Generator, positions: Iterable[int]) -> torch.Tensor:
+    """p: [P, V], the target's distributions for the tokens at ``positions`` → [P] int64, each drawn at the
+    uniform of the generator's seed and its position alone (``SamplingParams.invariant``)."""
+    u = position_uniforms(generator.initial_seed(), list(positions), p.device)  # [P]
+    return inverse_cdf(p, u.unsqueeze(1)).squeeze(1)

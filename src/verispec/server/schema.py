@@ -73,6 +73,7 @@ class _Request(BaseModel):
     min_p: Annotated[float, Field(ge=0, lt=1)] = 0.0
     drafter: str | None = None
     k: Annotated[int, Field(ge=0)] | str | None = None
+    invariant: bool = False
 
     @field_validator("n")
     @classmethod
@@ -99,7 +100,9 @@ class _Request(BaseModel):
 
     def sampling(self) -> SamplingParams:
         try:
-            return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
+            return SamplingParams(
+                self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.invariant
+            )
         except UsageError as err:
             raise ApiError(400, str(err)) from None
 
