@@ -28,13 +28,15 @@ from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.head import target_fingerprint
+from verispec.drafting.learned.lookahead import LookaheadTokens
+from verispec.drafting.learned.medusa import MedusaHeads
 from verispec.drafting.ngram import NGramDrafter
 from verispec.drafting.tree import TreeShape
 from verispec.engine import EngineConfig, GenerationStats, Request, SpeculativeEngine
 from verispec.kernels.cpu import native_available
 from verispec.models.base import RowInput
 from verispec.policies import ConstantK
-from verispec.sampling import SamplingParams, inverse_cdf, position_uniforms, probs_from_logits
+from verispec.sampling import SamplingParams, position_draws, probs_from_logits
 from verispec.scheduler import QueueFull, Scheduler
 
 GREEDY = SamplingParams(temperature=0)
@@ -58,11 +60,18 @@ def speculator(model, drafter: str = "ngram", draft: str | None = None) -> Specu
     return Speculator((model, LetterTokenizer(VOCAB)), draft=draft, drafter=drafter)
 
 
-def eagle_file(target, folder) -> str:
-    """An untrained EAGLE head of ``target`` (every token in its draft vocabulary), saved in ``folder``."""
-    metadata = {"kind": "eagle", "target": "tiny", "target_fingerprint": target_fingerprint(target)}
-    head = EagleHead.create(target, torch.arange(VOCAB), torch.Generator().manual_seed(0), metadata)
-    return str(head.save(folder / "eagle.safetensors"))
+def eagle_file(target, folder, kind: str = "eagle", draft_vocab: torch.Tensor | None = None) -> str:
+    """An untrained learned drafter of ``target`` (EAGLE, or Medusa's heads, or lookahead tokens) on
+    ``draft_vocab`` (None: every token), saved in ``folder``."""
+    metadata = {"kind": kind, "target": "tiny", "target_fingerprint": target_fingerprint(target)}
+    vocab, g = torch.arange(VOCAB) if draft_vocab is None else draft_vocab, torch.Generator().manual_seed(0)
+    if kind == "eagle":
+        head = EagleHead.create(target, vocab, g, metadata)
+    elif kind == "medusa":
+        head = MedusaHeads.create(target, vocab, g, metadata, 3)
+    else:
+        head = LookaheadTokens.create(target, vocab, g, metadata, 3)
+    return str(head.save(folder / f"{kind}.safetensors"))
 
 
 def count_batched_forwards(model, monkeypatch) -> list[int]:
@@ -109,14 +118,14 @@ INVARIANT = SamplingParams(temperature=0.25, top_p=0.95, seed=11, invariant=True
 
 
 def own_sampling(model, prompt: str, sampling: SamplingParams, count: int) -> list[int]:
-    """The target's own sampling with ``sampling.invariant``, no engine: each token drawn, at its position's
-    uniform, from the distribution of a fresh forward over the whole sequence before it."""
+    """The target's own sampling with ``sampling.invariant``, no engine: each token its position's draw from
+    the distribution of a fresh forward over the whole sequence before it."""
     ids = LetterTokenizer(VOCAB).encode(prompt)
     start = len(ids)
     for _ in range(count):
         tokens, positions = torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0)  # [1, T] each
         p = probs_from_logits(model.forward(tokens, positions, model.new_cache())[0, -1], sampling)  # [V]
-        ids.append(int(inverse_cdf(p, position_uniforms(sampling.seed, [len(ids)]))[0]))
+        ids.append(int(position_draws(p[None], sampling.seed, [len(ids)])[0]))
     return ids[start:]
 
 
@@ -130,25 +139,56 @@ def own_sampling(model, prompt: str, sampling: SamplingParams, count: int) -> li
         ("model", "layers:1", 2, None),
         ("model", "self:q8_0", 3, None),
         ("model", "layers:1", 0, TreeShape.full(2, 2)),
+        ("eagle", None, 3, None),
+        ("eagle", None, 0, TreeShape.full(2, 2)),
+        ("medusa", None, 3, None),
+        ("medusa", None, 0, TreeShape.full(2, 2)),
+        ("lookahead", None, 3, None),
     ],
 )
 def test_invariant_sampling_is_the_target_s_own_whatever_the_drafter_k_tree_or_batch(
-    native_target, drafter, draft, k, tree
+    native_target, tmp_path, drafter, draft, k, tree
 ):
     """With ``invariant``, a sampled request is the target's own sampling with its seed, token for token:
-    alone, or three at a time with others joining and leaving, for every drafter, K (``auto`` included, whose
-    K follows the batch) and token trees; and the drafts are still accepted."""
-    spec = Speculator((native_target, LetterTokenizer(VOCAB)), draft=draft, drafter=drafter, tree=tree)
+    alone, or three at a time with others joining and leaving, for every drafter (the learned ones on a draft
+    vocabulary of every other token), K (``auto`` included, whose K follows the batch) and token trees; and
+    the drafts are still accepted."""
+    learned = drafter in ("eagle", "medusa", "lookahead")
+    path = eagle_file(native_target, tmp_path, drafter, torch.arange(0, VOCAB, 2)) if learned else None
+    spec = Speculator(
+        (native_target, LetterTokenizer(VOCAB)), draft=draft, drafter=drafter, tree=tree, drafter_path=path
+    )
     options = dict(k=k, max_new_tokens=16, sampling=INVARIANT)
     own = [own_sampling(native_target, p, INVARIANT, 16) for p in PROMPTS]
     alone = [spec.generate(p, **options) for p in PROMPTS]
     assert [r.token_ids for r in alone] == own
     batched = spec.generate_batch(PROMPTS, slots=3, **options)
     assert [r.token_ids for r in batched] == own
-    if drafter != "none":
+    if not learned and drafter != "none":  # (untrained heads guess at random)
         assert sum(r.stats["accepted"] for r in alone + batched) > 0
+    if drafter == "lookahead":  # its first draft token is drawn from the target's own p: always the draw
+        assert all(
+            r.stats["acceptance_per_position"][0] == 1.0 for r in alone + batched if r.stats["drafted"]
+        )
     plain = dataclasses.replace(INVARIANT, invariant=False)  # the generator's stream: other tokens
     assert [spec.generate(p, **dict(options, sampling=plain)).token_ids for p in PROMPTS] != own
+
+
+def test_an_invariant_draft_from_the_target_s_own_distribution_is_always_accepted():
+    """Coupling: a draft that is the target itself draws, at each position, with the noise the target's draw
+    uses, so every drafted token is kept (drawn independently, each would be kept with probability Σ p²)."""
+    target = TableLM(6, seed=5, sharpness=0.7)  # spread distributions: Σ p² far below 1
+    engine = SpeculativeEngine(target, slots=2)
+    stats = [GenerationStats("model", "3") for _ in range(8)]
+    for seed, row in enumerate(stats):
+        sampling = SamplingParams(temperature=1.0, top_p=0.95, seed=seed, invariant=True)
+        request = Request(
+            [seed % 6], EngineConfig(16, sampling), ModelDrafter(target, sampling, 6), ConstantK(3), row
+        )
+        engine.submit(request)
+        while len(engine.running) == engine.slots or (seed == len(stats) - 1 and engine.running):
+            engine.step()
+    assert all(row.new_tokens == 16 and row.accepted == row.drafted > 0 for row in stats)
 
 
 SHARED_STARTS = ["thecatsatonthemat", "thecatsatonthemat", "thecatsatonthehat", "thecat", "thedogran", "q"]

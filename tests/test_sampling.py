@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 from torch import Tensor
 
-from verispec.sampling import SamplingParams, inverse_cdf, position_uniforms, probs_from_logits, sample
+from verispec.sampling import SamplingParams, draft_draw, position_draws, probs_from_logits, sample
 
 NEG_INF = float("-inf")
 
@@ -514,31 +514,89 @@ def test_sample_refuses_weights_without_a_distribution(weights):
         sample(weights, torch.Generator())
 
 
-def test_inverse_cdf_is_what_sample_draws_at_the_generator_s_uniforms():
-    probs = torch.softmax(torch.randn(3, 1000, generator=torch.Generator().manual_seed(2)), -1)  # [3, V]
-    u = torch.rand(3, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)  # [3, 4]
-    assert torch.equal(inverse_cdf(probs, u), sample(probs, torch.Generator().manual_seed(5), 4))
-    cdf = probs.double().cumsum(-1)  # [3, V]: each draw is the first index whose cumulative mass exceeds u
-    drawn = inverse_cdf(probs, u)  # [3, 4]
-    assert torch.all(cdf.gather(1, drawn) > u * cdf[:, -1:])
-    assert torch.all((drawn == 0) | (cdf.gather(1, (drawn - 1).clamp(min=0)) <= u * cdf[:, -1:]))
+def position_draw_counts(weights: torch.Tensor, seeds: range, position: int = 5) -> torch.Tensor:
+    """How often each id is drawn at ``position`` across ``seeds``: [V]."""
+    draws = torch.cat([position_draws(weights[None], seed, [position]) for seed in seeds])
+    return torch.bincount(draws, minlength=weights.shape[0])
 
 
-def test_position_uniforms_are_a_function_of_the_seed_and_the_position_alone():
-    a = position_uniforms(7, [0, 1, 2, 50, 3])
-    assert a.dtype == torch.float64 and a.shape == (5,)
-    assert torch.equal(a, position_uniforms(7, [0, 1, 2, 50, 3]))
-    assert torch.equal(a[[3, 1]], position_uniforms(7, [50, 1]))  # asked alone, in another order: the same
-    assert len(set(a.tolist())) == 5 and torch.all((a >= 0) & (a < 1))
-    assert not torch.equal(a, position_uniforms(8, [0, 1, 2, 50, 3]))
-    assert position_uniforms(2**63 - 1, [10**6]).shape == (1,)
+def test_position_draws_are_a_function_of_the_seed_position_and_row_alone():
+    weights = torch.softmax(torch.randn(3, 600, generator=torch.Generator().manual_seed(4)), -1)  # [3, V]
+    drawn = position_draws(weights, 7, [0, 1, 50])
+    assert drawn.dtype == torch.int64 and drawn.shape == (3,)
+    assert torch.equal(drawn, position_draws(weights, 7, [0, 1, 50]))
+    alone = [position_draws(weights[[i]], 7, [t]) for i, t in ((2, 50), (0, 0))]  # one at a time, reordered
+    assert torch.equal(torch.cat(alone), drawn[[2, 0]])
+    other_seeds = torch.stack([position_draws(weights, seed, [0, 1, 50]) for seed in range(8, 16)])  # [8, 3]
+    assert bool((other_seeds != drawn).any())
+    assert position_draws(weights[:1], 2**63 - 1, [2**40]).shape == (1,)
 
 
-def test_position_uniforms_are_uniform_and_independent_from_position_to_position():
-    """Kolmogorov-Smirnov on 4000 positions of one seed and on one position across 4000 seeds, and no
-    correlation between neighbouring positions (the tokens of a sequence must be drawn independently)."""
-    along = position_uniforms(3, range(4000)).numpy()
-    across = torch.cat([position_uniforms(seed, [17]) for seed in range(4000)]).numpy()
-    for values in (along, across):
-        assert scipy_stats.kstest(values, "uniform").pvalue > 1e-4
-    assert abs(scipy_stats.pearsonr(along[:-1], along[1:]).statistic) < 0.07  # r's standard deviation: 1/63
+def test_position_draws_draw_each_id_with_its_weight():
+    """Chi-square over 4000 seeds of an unnormalised row across three groups of the race, one of them all
+    zeros, with zeros inside the others: zero weights are never drawn, the counts fit the weights."""
+    weights = torch.zeros(700)
+    generator = torch.Generator().manual_seed(3)
+    weights[:200] = torch.rand(200, generator=generator) ** 4
+    weights[600:] = torch.rand(100, generator=generator) ** 4  # ids 256 .. 511: a group of zeros
+    weights[[3, 40, 650]] = torch.tensor([30.0, 20.0, 25.0])  # likely ids in two groups
+    weights[100:120] = 0.0
+    counts = position_draw_counts(weights, range(4000))
+    assert int(counts[weights == 0].sum()) == 0
+    expected = weights.double() / weights.sum() * 4000
+    keep = expected >= 5
+    observed = torch.cat([counts[keep], counts[~keep & (weights > 0)].sum().view(1)]).double()
+    wanted = torch.cat([expected[keep], expected[~keep & (weights > 0)].sum().view(1)])
+    assert scipy_stats.chisquare(observed.numpy(), wanted.numpy()).pvalue > 1e-4
+
+
+def test_position_draws_are_independent_from_position_to_position():
+    """Four equally likely ids over 4000 positions of one seed: every pair of neighbours as often as any."""
+    weights = torch.ones(4000, 4)
+    drawn = position_draws(weights, 3, range(4000))
+    pairs = torch.bincount(drawn[:-1] * 4 + drawn[1:], minlength=16).double()  # [16]
+    assert scipy_stats.chisquare(pairs.numpy()).pvalue > 1e-4
+
+
+def test_a_draw_from_q_is_coupled_with_the_draw_from_p_at_the_same_position():
+    """The same noise: q = p always draws what p draws; a q near p agrees with p far more often than
+    independent draws do (Σ p q), and never more than a coupling can (Σ min(p, q))."""
+    generator = torch.Generator().manual_seed(6)
+    p = torch.softmax(2 * torch.randn(600, generator=generator), -1)  # [V]
+    q = torch.softmax(torch.log(p) + 0.5 * torch.randn(600, generator=generator), -1)  # [V]
+    seeds = range(2000)
+    from_p = torch.cat([position_draws(p[None], seed, [9]) for seed in seeds])
+    assert torch.equal(from_p, torch.cat([position_draws(p[None], seed, [9]) for seed in seeds]))
+    agree = float(
+        (from_p == torch.cat([position_draws(q[None], seed, [9]) for seed in seeds])).double().mean()
+    )
+    independent, best = float((p * q).sum()), float(torch.minimum(p, q).sum())
+    assert independent + 0.15 < agree < best + 3 * (best * (1 - best) / 2000) ** 0.5
+
+
+def test_draft_draw_is_the_generator_s_draw_or_the_position_s_own():
+    generator = torch.Generator().manual_seed(2)
+    q = torch.softmax(torch.randn(300, generator=generator), -1)  # [W]: a draft vocabulary of 300 ids
+    ids = torch.randperm(1000, generator=generator)[:300]  # [W]: their ids in the target's vocabulary
+    plain, invariant = SamplingParams(seed=4), SamplingParams(seed=4, invariant=True)
+    assert torch.equal(draft_draw(q, plain.generator(), plain, 12), sample(q, plain.generator()))
+    spread = torch.zeros(1000).scatter_(0, ids, q)  # [V]
+    for position in range(20):
+        index = draft_draw(q, invariant.generator(), invariant, position, ids)  # [1]: an index of q
+        assert torch.equal(ids[index], position_draws(spread[None], 4, [position]))
+    assert torch.equal(
+        draft_draw(spread, invariant.generator(), invariant, 3), position_draws(spread[None], 4, [3])
+    )
+
+
+@pytest.mark.parametrize(
+    ("weights", "positions", "message"),
+    [
+        (torch.ones(2, 5), [0], "need weights"),
+        (torch.ones(5), [0], "need weights"),
+        (torch.zeros(1, 5), [0], "cannot sample"),
+    ],
+)
+def test_position_draws_refuse_what_they_cannot_draw(weights, positions, message):
+    with pytest.raises(ValueError, match=message):
+        position_draws(weights, 1, positions)

@@ -19,7 +19,7 @@ committed and rolled back on its own row. A target that scores rows of one cache
 tokens and cache entries alone, bit for bit, so what a request gets never depends on the rest of the batch;
 any other target scores the rows one after the other. Batch 1 is just the smallest batch: :meth:`stream`.
 With ``SamplingParams.invariant`` a sampled round keeps its draft while it matches each position's own draw
-(:func:`~verispec.sampling.position_uniforms`), so that a sequence's tokens do not depend on its K either.
+(:func:`~verispec.sampling.position_draws`), so that a sequence's tokens do not depend on its K either.
 
 Stopping is exact, per sequence: at an end-of-sequence token, at a stop string, at exactly
 ``max_new_tokens`` (k is capped so that no round can overshoot, and surplus tokens are never committed), or at
@@ -29,7 +29,7 @@ the target's context limit. A sequence leaves the batch when it stops, freeing i
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -48,7 +48,7 @@ from verispec.models.base import (
     TreeLanguageModel,
 )
 from verispec.policies import CostModelK, KPolicy, plan_batch
-from verispec.sampling import SamplingParams, inverse_cdf, position_uniforms, probs_from_logits
+from verispec.sampling import SamplingParams, position_draws, probs_from_logits
 from verispec.trace import TraceRecorder
 from verispec.verify.chain import (
     Verdict,
@@ -585,7 +585,7 @@ class SpeculativeEngine:
         p = probs_from_logits(logits, config.sampling)  # [1, k'+1, V]
         if config.sampling.invariant:  # each position's own draw: accept the draft while it matches them
             positions = range(first, first + p.shape[1])
-            targets = _position_draws(p[0], generator, positions).unsqueeze(0)  # [1, k'+1]
+            targets = position_draws(p[0], generator.initial_seed(), positions).unsqueeze(0)  # [1, k'+1]
             return greedy_verify_targets(draft, targets=targets, eos_token_id=eos)
         if proposal.q is None:
             return single_guess_sample(draft, p=p, generator=generator, eos_token_id=eos)
@@ -618,7 +618,8 @@ class SpeculativeEngine:
             return tree_greedy_verify(tokens, parents, p=logits, eos_token_id=eos)
         p = probs_from_logits(logits, config.sampling)  # [N, V]
         if config.sampling.invariant:  # each node's draw at its child's position, as scores that argmax to it
-            drawn = _position_draws(p, generator, [first + d for d in tree.depth.tolist()])  # [N]
+            positions = [first + d for d in tree.depth.tolist()]
+            drawn = position_draws(p, generator.initial_seed(), positions)  # [N]
             scores = torch.zeros_like(p).scatter_(1, drawn.unsqueeze(1), 1.0)  # [N, V]
             return tree_greedy_verify(tokens, parents, p=scores, eos_token_id=eos)
         q = None if tree.q is None else tree.q.to(logits.device)  # [N, V]
@@ -648,10 +649,3 @@ class SpeculativeEngine:
         running.done = True
         running.request.stats.stop_reason = reason
         self.running.remove(running)
-
-
-def _position_draws(p: torch.Tensor, generator: torch.Generator, positions: Iterable[int]) -> torch.Tensor:
-    """p: [P, V], the target's distributions for the tokens at ``positions`` → [P] int64, each drawn at the
-    uniform of the generator's seed and its position alone (``SamplingParams.invariant``)."""
-    u = position_uniforms(generator.initial_seed(), list(positions), p.device)  # [P]
-    return inverse_cdf(p, u.unsqueeze(1)).squeeze(1)

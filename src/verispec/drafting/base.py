@@ -46,7 +46,7 @@ from torch import Tensor
 
 from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
-from verispec.sampling import probs_from_logits, sample
+from verispec.sampling import draft_draw, probs_from_logits, sample
 
 __all__ = [
     "BranchedTreeDrafter",
@@ -152,14 +152,22 @@ class BranchedTreeDrafter:
     def begin(self, prompt: list[int]) -> None:
         self.drafter.begin(prompt)
 
-    def _pick(self, logits: Tensor, count: int, generator: torch.Generator) -> tuple[Tensor, Tensor | None]:
-        """``count`` children of a node from its draft logits [W] (over the draft's own vocabulary): the top
-        ``count`` indices and None, or (``sampled``) ``count`` independent samples and the q [W] they were
-        drawn from."""
+    def _pick(
+        self, logits: Tensor, count: int, generator: torch.Generator, position: int, ids: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """``count`` children at ``position`` of a node from its draft logits [W] (over the draft's own
+        vocabulary, entry i the target's id ``ids[i]``; None: i): the top ``count`` indices and None, or
+        (``sampled``) ``count`` samples and the q [W] they were drawn from: independent ones, or with
+        invariant draws the position's own draw (:func:`~verispec.sampling.draft_draw`) first."""
         if not self.sampled:
             return logits.topk(min(count, logits.shape[-1])).indices, None
-        q = probs_from_logits(logits, self.drafter.sampling)  # [W]
-        return sample(q, generator, count), q
+        sampling = self.drafter.sampling
+        q = probs_from_logits(logits, sampling)  # [W]
+        if not sampling.invariant:
+            return sample(q, generator, count), q
+        return torch.cat(
+            [draft_draw(q, generator, sampling, position, ids), sample(q, generator, count - 1)]
+        ), q
 
     def _proposal(
         self, shape: TreeShape, root: int, tokens: dict[int, int], q_rows: dict[int, Tensor | None]

@@ -13,7 +13,7 @@ from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
 from verispec.models.base import Cache, LanguageModel, TreeLanguageModel
 from verispec.models.llama import KVCache, Llama
-from verispec.sampling import SamplingParams, probs_from_logits, sample
+from verispec.sampling import SamplingParams, draft_draw, probs_from_logits
 
 __all__ = ["EARLY_EXIT", "SELF", "ModelDrafter", "ModelTreeDrafter", "early_exit_layers", "self_draft"]
 
@@ -112,7 +112,7 @@ class ModelDrafter:
         feed = torch.tensor([context[self.cache.length :]], dtype=torch.long, device=device)  # [1, T]
         self._committed = len(context)
         tokens, qs = [], []
-        for _ in range(k):
+        for i in range(k):
             start = self.cache.length
             positions = torch.arange(start, start + feed.shape[1], device=device).unsqueeze(0)  # [1, T]
             logits = self.model.forward(feed, positions, self.cache)[0, -1]  # [V]
@@ -120,7 +120,7 @@ class ModelDrafter:
                 token = logits.argmax().view(1)
             else:
                 q = probs_from_logits(logits, self.sampling)  # [V]
-                token = sample(q, generator)
+                token = draft_draw(q, generator, self.sampling, len(context) + i)
                 qs.append(q)
             tokens.append(token)
             feed = token.view(1, 1)
@@ -166,7 +166,7 @@ class ModelTreeDrafter(BranchedTreeDrafter):
         tokens, q_rows = {0: context[-1]}, {}
         for depth in range(1, shape.max_depth + 1):
             for node, node_logits in logits.items():
-                picked, q = self._pick(node_logits, len(children[node]), generator)
+                picked, q = self._pick(node_logits, len(children[node]), generator, committed + depth - 1)
                 for child, token in zip(children[node][: len(picked)], picked.tolist(), strict=True):
                     tokens[child], q_rows[child] = token, q
             inner = [n for n in sorted(tokens) if n and children[n]]  # their children come from the draft

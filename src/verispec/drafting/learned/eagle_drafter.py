@@ -39,7 +39,7 @@ from verispec.drafting.base import BranchedTreeDrafter, Proposal
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.tree import AUTO, TreeProposal, TreeShape, likeliest_nodes
 from verispec.errors import UsageError
-from verispec.sampling import SamplingParams, probs_from_logits, sample
+from verispec.sampling import SamplingParams, draft_draw, probs_from_logits
 
 __all__ = ["DEFAULT_TREE", "EagleDrafter", "EagleTreeDrafter"]
 
@@ -105,7 +105,8 @@ class EagleDrafter:
                 token = self.head.draft_vocab[logits.argmax()].view(1)
             else:
                 q_draft = probs_from_logits(logits, self.sampling)  # [Vd]
-                token = self.head.draft_vocab[sample(q_draft, generator)]
+                ids = self.head.draft_vocab  # [Vd]: the target's ids
+                token = ids[draft_draw(q_draft, generator, self.sampling, n + 1 + i, ids)]
                 qs.append(self.head.full_q(q_draft))
             drafts.append(token)
             if i < k - 1:
@@ -167,7 +168,8 @@ class EagleTreeDrafter(BranchedTreeDrafter):
             logits = head.logits(torch.stack([features[node] for node in frontier]))  # [M, Vd]
             probs = self._confidence(logits) if dynamic else None  # [M, Vd]
             for i, node in enumerate(frontier):
-                picked, q = self._pick(logits[i], len(children[node]), generator)
+                position = len(context) + depth - 1  # the children's
+                picked, q = self._pick(logits[i], len(children[node]), generator, position, head.draft_vocab)
                 q_row = None if q is None else head.full_q(q)  # [V]
                 chosen = head.draft_vocab[picked].tolist()
                 # fewer children where the draft vocabulary ran out

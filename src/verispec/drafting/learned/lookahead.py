@@ -40,7 +40,7 @@ from verispec.drafting.learned.head import LearnedHead, native_target, shape_cou
 from verispec.errors import UsageError
 from verispec.models.base import Cache, LanguageModel
 from verispec.models.llama import KVCache, Llama
-from verispec.sampling import SamplingParams, probs_from_logits, sample
+from verispec.sampling import SamplingParams, draft_draw, probs_from_logits
 
 __all__ = ["MAX_LOOKAHEAD", "LookaheadDrafter", "LookaheadTokens", "lookahead_mask"]
 
@@ -162,8 +162,11 @@ class LookaheadDrafter:
             return Proposal(tokens=picked.cpu(), q=None)
         q_first = probs_from_logits(first, self.sampling)  # [1, V]
         q_later = probs_from_logits(later, self.sampling)  # [m, Vd], each independent of the drafts
-        drawn = [sample(q_first[0], generator)]
-        drawn += [self.tokens.draft_vocab[sample(row, generator)] for row in q_later]
+        ids, n = self.tokens.draft_vocab, len(context)  # the first draft token's position: n
+        drawn = [draft_draw(q_first[0], generator, self.sampling, n)]
+        drawn += [
+            ids[draft_draw(row, generator, self.sampling, n + 1 + j, ids)] for j, row in enumerate(q_later)
+        ]
         q = torch.cat([q_first, *(self.tokens.full_q(row)[None] for row in q_later)])  # [k, V]
         return Proposal(tokens=torch.cat(drawn).cpu(), q=q.cpu())
 

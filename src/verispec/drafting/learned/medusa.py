@@ -46,7 +46,7 @@ from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
 from verispec.models.base import LanguageModel
 from verispec.models.llama import Llama, _Linear
-from verispec.sampling import SamplingParams, probs_from_logits, sample
+from verispec.sampling import SamplingParams, draft_draw, probs_from_logits
 
 __all__ = ["DEFAULT_NODES", "MAX_HEADS", "MedusaDrafter", "MedusaHeads", "MedusaTreeDrafter", "medusa_tree"]
 
@@ -161,7 +161,10 @@ class MedusaDrafter:
         if self.sampling.greedy:
             return Proposal(tokens=self.heads.draft_vocab[logits.argmax(-1)].cpu(), q=None)
         q_draft = probs_from_logits(logits, self.sampling)  # [K', Vd], each head's own distribution
-        picked = torch.cat([sample(row, generator) for row in q_draft])  # [K'] independent draws
+        ids, n = self.heads.draft_vocab, len(context)  # the first draft token's position: n
+        picked = torch.cat(
+            [draft_draw(row, generator, self.sampling, n + j, ids) for j, row in enumerate(q_draft)]
+        )  # [K']: each head's own draw
         q = torch.stack([self.heads.full_q(row) for row in q_draft])  # [K', V]
         return Proposal(tokens=self.heads.draft_vocab[picked].cpu(), q=q.cpu())
 
@@ -192,7 +195,9 @@ class MedusaTreeDrafter(BranchedTreeDrafter):
         for node in range(shape.num_nodes):  # breadth-first: a parent before its children
             if node not in tokens or not children[node]:
                 continue
-            picked, q = self._pick(logits[int(shape.depth[node])], len(children[node]), generator)
+            depth = int(shape.depth[node])
+            position = len(context) + depth  # the children's
+            picked, q = self._pick(logits[depth], len(children[node]), generator, position, heads.draft_vocab)
             q_row = None if q is None else heads.full_q(q)  # [V]
             for child, token in zip(children[node], heads.draft_vocab[picked].tolist(), strict=False):
                 tokens[child], q_rows[child] = token, q_row
