@@ -397,6 +397,23 @@ def test_a_cancelled_request_frees_its_slot_at_once():
     assert engine.step() == []
 
 
+def test_the_engine_sums_its_forwards_and_those_that_score_prompts():
+    target = TableLM(8, seed=1)
+    engine = SpeculativeEngine(target, slots=2, prefill_chunk=4)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 1, 2, 3], [4, 5], [6, 7, 1, 2, 3, 4, 5]]  # 9, 1 and 6 tokens to score
+    steps = 0
+    for prompt in [*prompts, None]:
+        while engine.running and (prompt is None or not engine.free_slots):
+            engine.step()  # every step scores something: one forward
+            steps += 1
+        if prompt is not None:
+            stats = GenerationStats("none", "0")
+            engine.submit(Request(prompt, EngineConfig(5, GREEDY), NoDrafter(), ConstantK(0), stats))
+    totals = engine.forwards
+    assert totals.prompt_tokens == 9 + 1 + 6 and totals.forwards == steps
+    assert 0 < totals.prompt_forwards < totals.forwards and 0 < totals.prompt_seconds < totals.seconds
+
+
 # Chi-square through a mixed batch: three requests per batch, each seeded: a model drafter at temperature 1,
 # prompt lookup at temperature 0.8 with top-p 0.9, and a model drafter at temperature 0.9 with top-k 3 drawing
 # invariantly (each position's token at its own uniform); the first two tokens of each against its exact
@@ -624,6 +641,8 @@ def test_bench_load_runs_and_reports(tmp_path, capsys, shared_model):
         runs = cell["tokens_per_second_runs"]  # the repetitions' speeds, sorted; the cell's is the median run
         assert len(runs) == 2 and sorted(runs) == runs and cell["tokens_per_second"] == runs[0]
         assert sorted(cell["tokens_per_second_turns"]) == runs
+        prompt, decode = cell["prompt_forward_share"], cell["decode_forward_share"]  # of the runs' time
+        assert 0 < prompt and 0 < decode and prompt + decode < 1
     for c in (1, 2):  # auto against the best of none and fixed K, turn by turn (here none is the only rival)
         auto, plain = cells[("ngram", c)], cells[("none", c)]["tokens_per_second_turns"]
         ratios = [a / p for a, p in zip(auto["tokens_per_second_turns"], plain, strict=True)]

@@ -60,7 +60,15 @@ from verispec.verify.chain import (
 )
 from verispec.verify.tree import TreeVerdict, tree_greedy_verify, tree_rejection_sample
 
-__all__ = ["PREFILL_CHUNK", "EngineConfig", "GenerationStats", "Request", "Running", "SpeculativeEngine"]
+__all__ = [
+    "PREFILL_CHUNK",
+    "EngineConfig",
+    "ForwardTotals",
+    "GenerationStats",
+    "Request",
+    "Running",
+    "SpeculativeEngine",
+]
 
 PREFILL_CHUNK = 128  # prompt tokens a joining sequence adds to a step while other sequences decode
 
@@ -153,6 +161,25 @@ class GenerationStats:
         }
 
 
+@dataclass
+class ForwardTotals:
+    """The engine's target forwards since it was made, summed (what a load report splits its time by)."""
+
+    forwards: int = 0
+    seconds: float = 0.0
+    prompt_forwards: int = 0  # forwards that scored prompt tokens, alone or beside decoding rows
+    prompt_seconds: float = 0.0
+    prompt_tokens: int = 0  # prompt tokens scored (not those kept from a slot)
+
+    def record(self, seconds: float, prompt_tokens: int) -> None:
+        self.forwards += 1
+        self.seconds += seconds
+        if prompt_tokens:
+            self.prompt_forwards += 1
+            self.prompt_seconds += seconds
+            self.prompt_tokens += prompt_tokens
+
+
 DrafterFor = Callable[[Cache], Drafter | TreeDrafter]  # a drafter made for the cache row a request gets
 
 
@@ -215,6 +242,11 @@ class _Round:
     tree: TreeProposal | None = None  # a tree round's
     draft_seconds: float = 0.0
 
+    @property
+    def chunk(self) -> bool:
+        """Whether it is a chunk of a joining sequence's prompt."""
+        return self.proposal is None and self.tree is None
+
 
 class SpeculativeEngine:
     """Generates from ``target`` for up to ``slots`` sequences at once; exact w.r.t. each sequence's
@@ -256,6 +288,7 @@ class SpeculativeEngine:
         self._rows = target if isinstance(target, RowModel) else None  # scores rows together
         self.running: list[Running] = []
         self._last: dict[int, Running] = {}  # slot → the last sequence admitted there
+        self.forwards = ForwardTotals()
         if drafter is not None:
             self._check_drafter(drafter, trace, self.cache)
 
@@ -406,11 +439,12 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         scored = self._score(rounds)
         seconds = time.perf_counter() - t0
+        self.forwards.record(seconds, sum(len(r.tokens) for r in rounds if r.chunk))
         verdicts = self._verify_greedy_chains(rounds, [logits for logits, _ in scored])
         out: list[tuple[Running, list[int]]] = []
         for index, (rnd, (logits, hidden)) in enumerate(zip(rounds, scored, strict=True)):
             running = rnd.running
-            if rnd.proposal is None and rnd.tree is None:  # a prompt chunk
+            if rnd.chunk:
                 self._prefilled(running, len(rnd.tokens), hidden)
                 out.append((running, []))
                 continue
@@ -487,8 +521,7 @@ class SpeculativeEngine:
                 mask: torch.Tensor | None = rnd.tree.mask.to(device)  # [T, T]
             else:
                 positions, mask = torch.arange(rnd.start, rnd.start + len(rnd.tokens), device=device), None
-            chunk = rnd.proposal is None and rnd.tree is None
-            rows.append(RowInput(rnd.running.cache, tokens, positions, mask, not chunk,
+            rows.append(RowInput(rnd.running.cache, tokens, positions, mask, not rnd.chunk,
                                  rnd.running.hidden_reader is not None))  # fmt: skip
         if len(rows) > 1 and self._rows is not None and self._rows.scores_together(rows):
             return self._rows.forward_rows(rows)

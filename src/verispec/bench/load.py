@@ -177,18 +177,23 @@ def _verispec_cell(
 
     with Scheduler(spec, slots=concurrency, max_queue=concurrency) as scheduler:
         seconds = run_clients(lambda: client(scheduler), concurrency)
+    forwards = scheduler.engine.forwards
     return {"seconds": seconds, "tokens": tokens[0], "calls": calls[0], "drafted": drafted[0],
             "failures": failures[0], "ttft": ttft, "itl": itl, "prompt_tokens": prompt[0],
-            "cached_prompt_tokens": cached[0]}  # fmt: skip
+            "cached_prompt_tokens": cached[0], "forward_seconds": forwards.seconds,
+            "prompt_forward_seconds": forwards.prompt_seconds}  # fmt: skip
 
 
 def _summary(runs: list[dict], requests: int) -> dict:
     """One cell from its runs: tokens/s of the median run (of an even number, the slower middle one),
-    latencies pooled over all, τ and drafts per round over all."""
+    latencies pooled over all, τ and drafts per round over all; the shares of the runs' time spent in target
+    forwards that score prompt tokens (beside decoding rows or not) and in the others."""
     speeds = sorted(run["tokens"] / run["seconds"] for run in runs)
     ttft = [t for run in runs for t in run["ttft"]]
     itl = [t for run in runs for t in run["itl"]]
     tokens, calls, drafted = (sum(run[key] for run in runs) for key in ("tokens", "calls", "drafted"))
+    seconds, forwards, prompt = (sum(r[key] for r in runs) for key in
+                                 ("seconds", "forward_seconds", "prompt_forward_seconds"))  # fmt: skip
     return {
         "tokens_per_second": speeds[(len(speeds) - 1) // 2],
         "tokens_per_second_runs": speeds,
@@ -205,6 +210,8 @@ def _summary(runs: list[dict], requests: int) -> dict:
         "itl_p99": _percentile(itl, 0.99),
         "tokens_per_target_call": tokens / calls if calls else None,
         "drafted_per_round": drafted / calls if calls else None,
+        "prompt_forward_share": prompt / seconds,
+        "decode_forward_share": (forwards - prompt) / seconds,
     }
 
 
@@ -328,10 +335,11 @@ def write_load_report(results: dict, out: str | Path) -> Path:
     alone = plain[min(plain)] if plain else None  # none at the lowest concurrency: batch 1 when it ran
     header = (
         f"| method | C | tok/s (runs) | × none | × none at C = {min(plain) if plain else '—'} "
-        "| TTFT p50 / p99 ms | ITL p50 / p99 ms | τ | drafts/round | prompt tokens (kept) | failures |"
+        "| TTFT p50 / p99 ms | ITL p50 / p99 ms | τ | drafts/round | prompt tokens (kept) "
+        "| time in forwards with prompt / without | failures |"
     )
     lines = ["# verispec bench-load", "", f"Config: `{json.dumps(results['config'])}`", "", header,
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for c in cells:
         label = (
             c["method"]
@@ -344,12 +352,15 @@ def write_load_report(results: dict, out: str | Path) -> Path:
         runs = c.get("tokens_per_second_runs", [])
         spread = f" ({runs[0]:.0f}–{runs[-1]:.0f})" if len(runs) > 1 else ""
         prompt = f"{c['prompt_tokens']} ({c['cached_prompt_tokens']:.0f})" if "prompt_tokens" in c else "—"
+        shares = "—"
+        if "prompt_forward_share" in c:
+            shares = f"{c['prompt_forward_share']:.0%} / {c['decode_forward_share']:.0%}"
         lines.append(
             f"| {label} | {c['concurrency']} | {c['tokens_per_second']:.1f}{spread} | "
             f"{_ratio(c['tokens_per_second'], base)} | {_ratio(c['tokens_per_second'], alone)} | "
             f"{_ms(c.get('ttft_p50'))} / {_ms(c.get('ttft_p99'))} | "
             f"{_ms(c.get('itl_p50'))} / {_ms(c.get('itl_p99'))} | {'—' if tau is None else f'{tau:.2f}'} | "
-            f"{'—' if drafts is None else f'{drafts:.2f}'} | {prompt} | {c['failures']} |"
+            f"{'—' if drafts is None else f'{drafts:.2f}'} | {prompt} | {shares} | {c['failures']} |"
         )
     paired = [c for c in cells if "auto_vs_best" in c]
     if paired:
