@@ -530,6 +530,8 @@ def test_position_draws_are_a_function_of_the_seed_position_and_row_alone():
     other_seeds = torch.stack([position_draws(weights, seed, [0, 1, 50]) for seed in range(8, 16)])  # [8, 3]
     assert bool((other_seeds != drawn).any())
     assert position_draws(weights[:1], 2**63 - 1, [2**40]).shape == (1,)
+    longer = torch.nn.functional.pad(weights, (0, 70_000 - 600))  # [3, 70000]: more than 256 groups of ids
+    assert torch.equal(position_draws(longer, 7, [0, 1, 50]), drawn)  # an id's noise is the same
 
 
 def test_position_draws_draw_each_id_with_its_weight():

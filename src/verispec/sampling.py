@@ -168,10 +168,11 @@ def position_draws(weights: Tensor, seed: int, positions: Sequence[int]) -> Tens
     An exponential race in two levels over the ids in groups of :data:`RACE_GROUP`: first the group g with
     the least e_g / w(g) (w(g): the group's total weight), then, within it, the id v with the least
     e_v / w_v, where the e are unit exponentials from numpy's counter-based ``Philox`` keyed by the seed, its
-    counter at (position, group). Each level is a race, so id v wins with probability w_v / Σ w. Two
-    distributions drawn at the same position share their noise, and so draw the same id as often as a
-    coupling of the two can nearly: a draft drawn from q this way (:func:`draft_draw`) is accepted about as
-    often as rejection sampling accepts it (Gumbel-max coupling), and always where q = p."""
+    counter at (position, group); an id's noise does not depend on how long the row is. Each level is a
+    race, so id v wins with probability w_v / Σ w. Two distributions drawn at the same position share their
+    noise (a Gumbel-max coupling), and so draw the same id far more often than independent draws would, and
+    nearly as often as the best coupling can (Σ min(p, q), what rejection sampling accepts); always where
+    q = p. A draft drawn from q this way (:func:`draft_draw`) is the target's own draw that often."""
     if weights.ndim != 2 or weights.shape[0] != len(positions):
         raise UsageError(f"need weights [P, V] for {len(positions)} positions, got {tuple(weights.shape)}")
     w = weights.double()  # [P, V]
