@@ -169,3 +169,12 @@ def test_trace_dataclasses_are_validated():
     early = TokenFate(token=probs, fate="bonus", round=1, accept_prob=None)
     with pytest.raises(ValueError, match="round order"):
         Trace(tokens=(late, early), stats={}, prompt="")
+
+
+def test_a_trace_of_invariant_draws_is_refused():
+    """A trace shows rejection sampling's odds of each fate, which invariant draws do not follow: refused
+    (greedy decoding, where the flag changes nothing, is traced)."""
+    invariant = SamplingParams(temperature=0.8, seed=1, invariant=True)
+    with pytest.raises(ValueError, match="not with invariant draws"):
+        traced_run("ngram", invariant)
+    assert traced_run("ngram", SamplingParams(temperature=0, invariant=True))[4].tokens

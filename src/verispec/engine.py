@@ -345,6 +345,9 @@ class SpeculativeEngine:
         else:  # a factory: the drafter for this row
             drafter = given(cache)
         self._check_drafter(drafter, request.trace, cache)
+        sampling = request.config.sampling
+        if request.trace is not None and sampling.invariant and not sampling.greedy:
+            raise UsageError("token-fate traces show rejection sampling's odds: not with invariant draws")
         donors = [slot] + ([i for i in shared if i != slot] if self._rows is not None else [])
         keepable = {i: self._keepable(i, shared[i], prompt, drafter) for i in donors}
         source = max(donors, key=lambda i: keepable[i])  # the slot's own on ties: nothing copied

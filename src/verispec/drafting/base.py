@@ -7,7 +7,9 @@ the distributions q it sampled them from, and is then told how many of them the 
 - when it returns ``q``, each token was sampled from the matching row of ``q`` (with ``generator``), and ``q``
   is the draft's distribution after :func:`verispec.sampling.probs_from_logits` with the engine's parameters —
   the condition under which rejection sampling is exact; a drafter without probabilities returns ``q = None``
-  and is verified as single guesses (still exact);
+  and is verified as single guesses (still exact); with ``SamplingParams.invariant`` the engine keeps a draft
+  token only where it is the target's own draw, so any proposal is exact, and a drafter that samples draws
+  with the target's noise at that position (:func:`verispec.sampling.draft_draw`) to propose that draw often;
 - ``observe`` is called once after every ``propose`` with the number of accepted tokens, before the next
   ``propose``, so a stateful drafter can roll its cache back to the committed context;
 - a drafter that is a :class:`HiddenStateReader` (the eagle and medusa drafters of
@@ -26,7 +28,8 @@ tokens and context left) and returns a tree within that shape, rooted at the las
   hold different tokens: the tree is verified as single guesses, exactly;
 - with ``q``, the children of a node are independent samples (with replacement) of one distribution, the
   draft's after :func:`verispec.sampling.probs_from_logits` with the engine's parameters, given as each
-  child's row of ``q``: the condition under which tree rejection sampling is exact;
+  child's row of ``q``: the condition under which tree rejection sampling is exact (with invariant draws,
+  the first child is the position's own draw instead, as above);
 - a shape with a node budget (dynamic) is taken only by drafters that rank their nodes (``dynamic``: the
   learned head's); the others refuse it.
 
