@@ -8,7 +8,8 @@ run; each finished shard is written atomically to ``OUTPUT.parts/``, so an inter
 shards it lacks, and the output is assembled from the shards, in input order, at the end (atomically too):
 no line is lost or written twice. Each prompt samples with its own seed, derived from the job's seed and its
 id (:func:`prompt_seed`), and what a request gets never depends on the rest of its batch: the output is the
-same whatever the shard size, the batch size or the number of workers.
+same whatever the shard size, the batch size or the number of workers (sampled with ``k="auto"``, whose K
+follows the batch: with ``SamplingParams.invariant``).
 
 With ``ray``, the shards are the rows of a Ray Data dataset mapped by ``map_batches`` with a stateful actor
 class (:class:`ShardWorker`, which loads the models once) in ``workers`` actors, on a local Ray started here

@@ -590,7 +590,8 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> None:
         "text, token ids and speculation stats (or an error). Work goes in shards, each written atomically "
         "to OUTPUT.parts/ as it finishes: an interrupted run, started again with the same flags, continues "
         "where it stopped. Each request samples with a seed derived from --seed and its id, so the output "
-        "is the same whatever --max-batch, --shard-size or --workers. --ray runs the shards on Ray Data.",
+        "is the same whatever --max-batch, --shard-size or --workers (sampled at --k auto: with "
+        "--invariant). --ray runs the shards on Ray Data.",
     )
     parser.add_argument("--input", required=True, metavar="FILE.jsonl", help="the requests")
     parser.add_argument("--output", required=True, metavar="FILE.jsonl", help="the results")
