@@ -18,7 +18,7 @@ from scipy import stats as scipy_stats
 
 from first_rounds import first_token_counts
 from verispec import cli
-from verispec.api import Speculator
+from verispec.api import TEXT_WINDOW, Speculator, _TextAssembler
 from verispec.drafting.learned.kinds import shipped_drafter
 from verispec.drafting.tree import TreeShape
 from verispec.engine import GenerationStats, Request
@@ -374,36 +374,16 @@ def test_cli_generate_prompt_errors(shared_model, capsys):
         assert message in err and err.count("\n") == 1
 
 
-class FullDecodeAssembler:
-    """The text assembler's reference: the whole output decoded at every step."""
-
-    def __init__(self, tokenizer, stops: tuple[str, ...]) -> None:
-        self.tokenizer, self.stops, self.ids, self.sent = tokenizer, stops, [], 0
+class FullDecodeAssembler(_TextAssembler):
+    """The text assembler's reference: the whole output decoded for every text and stop check."""
 
     def stop_check(self, new_ids: list[int]) -> int | None:
-        if not any(s in self.tokenizer.decode(new_ids) for s in self.stops):
-            return None
-        keep = len(new_ids)
-        while keep > 0 and any(s in self.tokenizer.decode(new_ids[: keep - 1]) for s in self.stops):
-            keep -= 1
-        return keep
+        return self._stop_keep(new_ids)
 
-    def text(self) -> str:
+    def _text(self) -> str:
         text = self.tokenizer.decode(self.ids)
-        cuts = [text.find(s) for s in self.stops if s in text]
+        cuts = [text.find(s) for s in self.stop_strings if s in text]
         return text[: min(cuts)] if cuts else text
-
-    def add(self, tokens: list[int]) -> str:
-        self.ids += tokens
-        text = self.text()
-        final = len(text.rstrip("\ufffd"))
-        for s in self.stops:
-            for n in range(min(len(s) - 1, final), 0, -1):
-                if text[final - n : final] == s[:n]:
-                    final -= n
-                    break
-        piece, self.sent = text[self.sent : max(final, self.sent)], max(final, self.sent)
-        return piece
 
 
 @pytest.mark.parametrize("model", ["stories", "smollm2"])
@@ -411,8 +391,6 @@ def test_streamed_text_decodes_a_window_a_step_and_equals_decoding_it_all(model,
     """The text assembler against decoding the whole output at every step: the same pieces, stop checks and
     final text, on each tokenizer (byte-level BPE; SentencePiece with byte fallback), for thousands of tokens
     in two scripts and emoji, in steps of 1 to 5 tokens; and no step decodes more than a window of tokens."""
-    from verispec.api import STOP_REACH, TEXT_WINDOW, _TextAssembler
-
     tokenizer = request.getfixturevalue(model)[1]
     words = "The fox ran. Der Fuchs lief über die Brücke 🦊, ça va? 東京へ行きます。 “quoted” text\n\n"
     ids = tokenizer.encode(words * 60 + "THE END, marked", add_bos=False)
@@ -440,11 +418,10 @@ def test_streamed_text_decodes_a_window_a_step_and_equals_decoding_it_all(model,
             widest = max(widest, *decoded)  # (before the reference decodes everything)
             assert piece == reference.add(step)
             at += len(step)
-        assert ours.finish() == reference.text()[reference.sent :]
+        assert ours.finish() == reference.finish()
     finally:
         tokenizer.decode = real_decode
     assert stopped and at > 1500
     assert (
         widest <= 4 * TEXT_WINDOW
     )  # never the whole output: the window, the tokens not kept yet, the new ones
-    assert STOP_REACH > 5

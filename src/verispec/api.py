@@ -473,6 +473,10 @@ class _TextAssembler:
         reach = STOP_REACH + max(len(s) for s in self.stop_strings)
         if not any(s in self.tokenizer.decode(new_ids[-reach:]) for s in self.stop_strings):
             return None
+        return self._stop_keep(new_ids)
+
+    def _stop_keep(self, new_ids: list[int]) -> int | None:
+        """:meth:`stop_check` from the text of all of ``new_ids``."""
         if not any(s in self.tokenizer.decode(new_ids) for s in self.stop_strings):
             return None
         keep = len(new_ids)

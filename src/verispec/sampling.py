@@ -180,9 +180,9 @@ def position_draws(weights: Tensor, seed: int, positions: Sequence[int]) -> Tens
     w = torch.nn.functional.pad(w, (0, groups * RACE_GROUP - w.shape[1])).view(-1, groups, RACE_GROUP)
     totals = w.sum(-1)  # [P, G]
     _total(totals.sum(-1))
+    blocks = -(-groups // RACE_GROUP)  # the groups' noise, RACE_GROUP groups to a counter
     drawn = []
     for row, position in enumerate(positions):
-        blocks = -(-groups // RACE_GROUP)  # the groups' noise, RACE_GROUP groups to a counter
         e = torch.cat([_exponentials(seed, position, 2 * b) for b in range(blocks)])[:groups]  # [G]
         g = int((e.to(w.device) / totals[row]).argmin())
         e = _exponentials(seed, position, 2 * g + 1).to(w.device)  # [RACE_GROUP]: the group's ids' noise
