@@ -4,7 +4,9 @@ quantized by an independent torch implementation of the rule, keys and values ro
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from verispec.kernels.cpu import PackedMatrix
 from verispec.models import Llama
@@ -72,3 +74,20 @@ def quantizing_oracle(oracle: Llama, fmt: str) -> Llama:
 
     oracle.logits = logits  # type: ignore[method-assign]
     return oracle
+
+
+# byte offsets of the float16 fields (d, and m or dmin) in a block of each GGUF type
+_HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2]}
+_HALF_FIELDS |= {"Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_gguf_blocks(type_name: str, rows: int, cols: int, seed: int, scale: float = 0.01) -> np.ndarray:
+    """Random GGUF blocks of a block type, uint8 [rows, bytes per row]: every integer field (values, packed
+    scales) random bytes, the float16 fields uniform in ±scale."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for offset in _HALF_FIELDS[type_name]:
+        half = rng.uniform(-scale, scale, (rows, cols // block)).astype(np.float16)
+        raw[..., offset : offset + 2] = half.view(np.uint8).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)

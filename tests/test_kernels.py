@@ -16,9 +16,16 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from native_oracle import oracle_quantize, quantizing_oracle
+from native_oracle import oracle_quantize, quantizing_oracle, random_gguf_blocks
 from verispec.kernels import build
-from verispec.kernels.cpu import FORMATS, PackedMatrix, native_available, quantize_rows, rmsnorm
+from verispec.kernels.cpu import (
+    FORMATS,
+    GGUF_TYPES,
+    PackedMatrix,
+    native_available,
+    quantize_rows,
+    rmsnorm,
+)
 from verispec.models import Llama, LlamaConfig
 from verispec.sampling import SamplingParams
 
@@ -76,6 +83,55 @@ def test_products_match_the_naive_oracle(variant, fmt, cols):
     assert (y.double() - unrounded).abs().max() <= bound * scale
 
 
+BLOCK_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def gguf_matrix(type_name: str, rows: int, cols: int, seed: int, variant: str = "native") -> PackedMatrix:
+    raw = random_gguf_blocks(type_name, rows, cols, seed)
+    return PackedMatrix.from_gguf(type_name, rows, cols, raw, None, variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("type_name", BLOCK_TYPES)
+def test_every_gguf_block_type_is_its_own_blocks_and_multiplies_like_the_oracle(variant, type_name):
+    """Random blocks (every bit pattern of values and packed scales): the kernels hold exactly what gguf's
+    own dequantization reads from them, and multiply by it."""
+    cols = 512 if type_name.endswith("_K") else 96  # two super-blocks; three blocks
+    rows = 37
+    raw = random_gguf_blocks(type_name, rows, cols, seed=len(type_name) + cols)
+    matrix = PackedMatrix.from_gguf(type_name, rows, cols, raw, None, variant)
+    expected_weight = quants.dequantize(raw, GGMLQuantizationType[type_name])
+    assert np.array_equal(matrix.dequantized().numpy(), expected_weight)  # bit for bit
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(2))  # [9, cols]
+    x[3, :32] = 0.0
+    expected = oracle_quantize(x) @ torch.from_numpy(expected_weight).double().T
+    assert (matrix(x).double() - expected).abs().max() <= 2e-6 * expected.abs().max()
+
+
+@pytest.mark.parametrize("type_name", ["F32", "BF16", "F16"])
+def test_float_gguf_types_are_their_own_values(type_name):
+    w = np.random.default_rng(3).standard_normal((21, 40)).astype(np.float32)  # [21, 40]
+    bf16 = (w.view(np.uint32) >> 16).astype(np.uint16)
+    stored = {"F32": w, "F16": w.astype(np.float16), "BF16": bf16}[type_name]
+    raw = stored.view(np.uint8).reshape(21, -1)
+    matrix = PackedMatrix.from_gguf(type_name, 21, 40, raw)
+    expected_weight = quants.dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32)
+    assert np.array_equal(matrix.dequantized().numpy(), expected_weight)
+    x = torch.randn(5, 40, generator=torch.Generator().manual_seed(1))
+    expected = x.double() @ torch.from_numpy(expected_weight).double().T
+    assert (matrix(x).double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_gguf_matrices_are_refused_with_one_line():
+    with pytest.raises(ValueError, match="no native kernel for GGUF tensor type Q2_K; supported: F32, BF16"):
+        PackedMatrix.from_gguf("Q2_K", 4, 256, np.zeros((4, 84), np.uint8))
+    with pytest.raises(ValueError, match=r"Q4_K matrix \[4, 512\] is uint8 \[4, 288\], got uint8 \[4, 144\]"):
+        PackedMatrix.from_gguf("Q4_K", 4, 512, np.zeros((4, 144), np.uint8))
+    with pytest.raises(ValueError, match="Q6_K matrix .* is uint8"):
+        PackedMatrix.from_gguf("Q6_K", 4, 96, np.zeros((4, 96 // 256 * 210), np.uint8))
+    assert set(GGUF_TYPES) >= {"F32", "BF16", "F16", *BLOCK_TYPES}
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
 def test_block_sums_stay_exact_at_their_largest(variant, fmt):
@@ -95,10 +151,13 @@ def test_block_sums_stay_exact_at_their_largest(variant, fmt):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [*FORMATS, *BLOCK_TYPES[2:]])
 def test_a_row_of_a_product_is_the_same_in_any_company(variant, fmt):
-    matrix = PackedMatrix.pack(random_weight(50, 96, seed=3), None, fmt, variant=variant)
-    x = torch.randn(11, 96, generator=torch.Generator().manual_seed(4))
+    if fmt in FORMATS:
+        matrix = PackedMatrix.pack(random_weight(50, 96, seed=3), None, fmt, variant=variant)
+    else:  # a GGUF type with no packing of its own: random blocks
+        matrix = gguf_matrix(fmt, 50, 256, seed=3, variant=variant)
+    x = torch.randn(11, matrix.cols, generator=torch.Generator().manual_seed(4))
     together = matrix(x)
     alone = torch.cat([matrix(x[i : i + 1]) for i in range(11)])
     assert torch.equal(together, alone)
@@ -117,10 +176,11 @@ def test_activation_quantization_is_the_rule(variant):
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(6)) * 3
     x[0, :32] = 0.0
     x[1, 40] = 127.5 * (x[1, 32:64].abs().max() / 127)  # not a tie after the division, but near the top
-    q, d, s, sums = quantize_rows(x, variant=variant)
+    q, d, s, sums, lo = quantize_rows(x, variant=variant)
     dequantized = (q.double().view(5, 3, 32) * d.double()[..., None]).view(5, 96)
     assert torch.equal(dequantized, oracle_quantize(x))
     assert torch.equal(sums, q.view(5, 3, 32).sum(-1, dtype=torch.int32))
+    assert torch.equal(lo, q.view(5, 3, 32)[..., :16].sum(-1, dtype=torch.int32))
     assert torch.equal(s, d * sums.float())
     assert q.abs().max() <= 127 and torch.equal(q[0, :32], torch.zeros(32, dtype=torch.int8))
 
@@ -135,7 +195,7 @@ def test_gguf_blocks_are_recovered_block_for_block(fmt):
     from_file = PackedMatrix.from_blocks(fmt, 24, 128, original)
     repacked = PackedMatrix.pack(dequantized, None, fmt)
     for a, b in zip(from_file.tensors, repacked.tensors, strict=True):
-        assert torch.equal(a, b)
+        assert (a is None and b is None) or torch.equal(a, b)
     assert np.array_equal(repacked.blocks(), original)  # the kernels' layout holds the very blocks
     assert torch.equal(repacked.dequantized(), dequantized)
 

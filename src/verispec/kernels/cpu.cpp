@@ -1,5 +1,6 @@
 // verispec's native CPU kernels: a Llama-family forward pass over a batch of tokens, with weights in
-// float16, Q8_0 or Q4_1 blocks (the GGUF layouts), and the matrix products, norms and attention it is made of.
+// float32, float16 or the GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, their values
+// and scales repacked), and the matrix products, norms and attention it is made of.
 //
 // The one guarantee everything here keeps: a token's outputs are a function of that token's own inputs
 // (its hidden state, its position, the cache slots it may see) and of nothing else in the call. Every
@@ -158,16 +159,19 @@ static inline void parallel_for(int n, int threads, F&& body) {
     }
 }
 
-enum { VS_F16 = 1, VS_Q8_0 = 2, VS_Q4_1 = 3 };
-enum { QK = 32 };  // elements per quantization block
+enum { VS_F16 = 1, VS_Q8_0 = 2, VS_Q4_1 = 3, VS_Q4_0 = 4, VS_Q5_0 = 5, VS_Q5_1 = 6, VS_Q4_K = 7, VS_Q5_K = 8,
+       VS_Q6_K = 9, VS_F32 = 10 };
+enum { QK = 32, QK_K = 256 };  // elements per quantization block; per K-quant super-block (8 blocks)
 
-// A weight matrix W [rows, cols], y = x W^T (+ bias).
+// A weight matrix W [rows, cols], y = x W^T (+ bias). The block formats' layouts are given with the products.
 typedef struct {
-    int32_t format;        // VS_F16, VS_Q8_0 or VS_Q4_1
-    int32_t rows, cols;    // cols % 32 == 0 for the block formats, % 8 for float16
-    const void* q;         // F16: uint16 [rows, cols]; Q8_0: int8 [rows, cols]; Q4_1: uint8 [rows, cols / 2]
-    const uint16_t* d;     // Q8_0, Q4_1: float16 block scales [rows, cols / 32]
-    const uint16_t* m;     // Q4_1: float16 block minimums [rows, cols / 32]
+    int32_t format;        // VS_F16, VS_F32 or a block format (VS_Q8_0 ... VS_Q6_K)
+    int32_t rows, cols;    // cols % 32 == 0 for the block formats (% 256 for the K-quants)
+    const void* q;         // F16: uint16 [rows, cols]; F32: float [rows, cols]; block formats: their values
+    const uint16_t* d;     // float16 scales: per block (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), per super-block (K)
+    const uint16_t* m;     // float16 minimums: per block (Q4_1, Q5_1); per super-block (Q4_K, Q5_K: dmin)
+    const uint8_t* sc;     // K-quants: each block's 6-bit scale (Q4_K, Q5_K), each 16's int8 scale (Q6_K)
+    const uint8_t* sm;     // Q4_K, Q5_K: each block's 6-bit minimum
     const float* bias;     // [rows] or NULL
 } vs_matrix;
 
@@ -259,15 +263,17 @@ static inline float dot_f32(const float* a, const float* b, int n) {
 // ------------------------------------------------------------------------------------------ activations
 
 // Q8 activations of n rows of `cols` values: per row and block of 32, d = max|x| / 127, q = round(x / d)
-// (ties to even), sum = the block's sum of q, s = d * sum (what Q4_1's minimums multiply).
+// (ties to even), sum = the block's sum of q, lo = the sum of its first 16, s = d * sum (what the minimums
+// multiply).
 typedef struct {
     int8_t* q;     // [n, cols]
     float* d;      // [n, cols / 32]
     float* s;      // [n, cols / 32]
     int32_t* sum;  // [n, cols / 32]
+    int32_t* lo;   // [n, cols / 32]
 } vs_qrows;
 
-static void quantize_row(const float* x, int cols, int8_t* q, float* d, float* s, int32_t* sums) {
+static void quantize_row(const float* x, int cols, int8_t* q, float* d, float* s, int32_t* sums, int32_t* lo) {
 #ifdef VS_AVX512
     // the same arithmetic, 16 lanes at a time (see the AVX2 steps below); the narrowing saturates nothing
     for (int b = 0; b < cols / QK; b++) {
@@ -276,12 +282,13 @@ static void quantize_row(const float* x, int cols, int8_t* q, float* d, float* s
         const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
         const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
-        const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        const int first = _mm512_reduce_add_epi32(q0), sum = first + _mm512_reduce_add_epi32(q1);
         _mm_storeu_si128((__m128i*)(q + b * QK), _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128((__m128i*)(q + b * QK + 16), _mm512_cvtepi32_epi8(q1));
         d[b] = scale;
         s[b] = scale * (float)sum;
         sums[b] = sum;
+        lo[b] = first;
     }
 #elif defined(VS_AVX2)
     // the same arithmetic, 8 lanes at a time: max|x| is exact, x / d rounds to nearest even (the default
@@ -301,16 +308,20 @@ static void quantize_row(const float* x, int cols, int8_t* q, float* d, float* s
         const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
         __m256i qi[4];
         for (int j = 0; j < 4; j++) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
-        const __m256i total = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
-        const int sum = _mm_cvtsi128_si32(t);
+        const auto hsum = [](__m256i v) {
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
+            return _mm_cvtsi128_si32(t);
+        };
+        const int first = hsum(_mm256_add_epi32(qi[0], qi[1]));
+        const int sum = first + hsum(_mm256_add_epi32(qi[2], qi[3]));
         const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
         _mm256_storeu_si256((__m256i*)(q + b * QK), _mm256_permutevar8x32_epi32(packed, order));
         d[b] = scale;
         s[b] = scale * (float)sum;
         sums[b] = sum;
+        lo[b] = first;
     }
 #else
     for (int b = 0; b < cols / QK; b++) {
@@ -318,15 +329,17 @@ static void quantize_row(const float* x, int cols, int8_t* q, float* d, float* s
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
         const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-        int sum = 0;
+        int sum = 0, first = 0;
         for (int j = 0; j < QK; j++) {
             const int v = (int)nearbyintf(xb[j] * inv);
             q[b * QK + j] = (int8_t)v;
             sum += v;
+            if (j < QK / 2) first += v;
         }
         d[b] = scale;
         s[b] = scale * (float)sum;
         sums[b] = sum;
+        lo[b] = first;
     }
 #endif
 }
@@ -355,16 +368,17 @@ static void* thread_buffer(int which, size_t bytes) {
 // x [n, cols] quantized into the thread's buffer; 0, or -2 when out of memory
 static int quantize(int n, int cols, const float* x, vs_qrows* qx, int threads) {
     const size_t values = (size_t)n * cols, blocks = values / QK;
-    float* floats = (float*)thread_buffer(BUF_QUANT, values + 3 * sizeof(float) * blocks);  // 4-byte arrays first
+    float* floats = (float*)thread_buffer(BUF_QUANT, values + 4 * sizeof(float) * blocks);  // 4-byte arrays first
     if (!floats) return -2;
     qx->d = floats;
     qx->s = floats + blocks;
     qx->sum = (int32_t*)(floats + 2 * blocks);
-    qx->q = (int8_t*)(floats + 3 * blocks);
+    qx->lo = (int32_t*)(floats + 3 * blocks);
+    qx->q = (int8_t*)(floats + 4 * blocks);
     const int nb = cols / QK;
     parallel_for(n, threads, [&](int r) {
         quantize_row(x + (size_t)r * cols, cols, qx->q + (size_t)r * cols, qx->d + (size_t)r * nb,
-                     qx->s + (size_t)r * nb, qx->sum + (size_t)r * nb);
+                     qx->s + (size_t)r * nb, qx->sum + (size_t)r * nb, qx->lo + (size_t)r * nb);
     });
     return 0;
 }
@@ -376,15 +390,23 @@ static int quantize(int n, int cols, const float* x, vs_qrows* qx, int threads) 
 // tile it lands in (templates unrolled over the tile's size), so y[r, o] is a function of W's row o and x's
 // row r alone.
 //
-// float16 W is kept row-major, one output at a time, vectorized along the row (two accumulators, added at
-// the end). Q8_0 and Q4_1 W are kept interleaved: outputs in groups of VS_GROUP, a vector lane per output,
-// each lane summing 4 consecutive products of its output at a time against 4 activation values broadcast
-// to every lane, so that a block's scales multiply whole vectors of outputs:
-//   Q8_0: per group and block, 8 chunks c of VS_GROUP * 4 bytes, byte 4 l + j = q[l][4 c + j] + 128;
-//   Q4_1: per group and block, 4 chunks c, byte 4 l + j = nibble[l][4 c + j] | nibble[l][16 + 4 c + j] << 4;
-//   scales (and Q4_1's minimums): per group and block, VS_GROUP float16 values in lane order.
-// Rows are padded to a multiple of VS_GROUP with zero scales. Block sums are exact integers; the float
-// steps per block are fixed: acc += (d_w d_x) sum, and for Q4_1 a second accumulator of m_w s_x.
+// float16 and float32 W are kept row-major, one output at a time, vectorized along the row (two
+// accumulators, added at the end). The block formats are kept interleaved: outputs in groups of VS_GROUP,
+// a vector lane per output, each lane summing 4 consecutive products of its output at a time against 4
+// activation values broadcast to every lane, so that a block's scales multiply whole vectors of outputs.
+// Every block format is an unsigned integer u per weight, w = scale (u - offset) + minimum, stored per group
+// and block of 32 columns as chunks of VS_GROUP * 4 bytes (byte 4 l + j of a chunk is lane l's):
+//   8 bits (Q8_0: u = q + 128): 8 chunks c, byte 4 l + j = u[l][4 c + j];
+//   4, 5 and 6 bits: 4 chunks c of nibbles, byte 4 l + j = u[l][4 c + j] & 15 | (u[l][16 + 4 c + j] & 15) << 4,
+//   then one chunk per bit above the fourth (bit 4, then bit 5), byte 4 l + j holding that bit of
+//   u[l][4 c + j] at bit c and of u[l][16 + 4 c + j] at bit 4 + c, for c = 0 .. 3.
+// Scales per group, VS_GROUP values in lane order: float16 per block (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and
+// Q4_1's and Q5_1's float16 minimums); the K-quants' float16 per super-block of 8 blocks (d; Q4_K's and
+// Q5_K's dmin) times an integer per block (u8: Q4_K's and Q5_K's 6-bit scales and minimums, the minimum
+// subtracted) or per 16 columns (int8: Q6_K, whose first 16 and last 16 columns of a block sum apart).
+// Rows are padded to a multiple of VS_GROUP with zero scales. Block sums are exact integers and a K-quant's
+// d times its integer scale is exact in float32; the float steps per block are fixed: acc += (d_w d_x) sum,
+// and for formats with minimums a second accumulator of m_w s_x.
 
 enum { TILE = 4 };  // activation rows per float16 tile
 #ifdef VS_AVX512
@@ -398,16 +420,62 @@ enum { TILE = 4 };  // activation rows per float16 tile
 #else
 #define VS_GROUP 8
 #endif
-enum { Q8_CHUNKS = 8, Q4_CHUNKS = 4, CHUNK = VS_GROUP * 4 };
+enum { CHUNK = VS_GROUP * 4 };
 enum { PREFETCH = 2048 };  // bytes ahead in a group's weight stream (and the next group's) to prefetch
+
+// How a block format's scales are kept (see above).
+enum { S_BLOCK = 0, S_SUPER = 1, S_HALVES = 2 };
+
+// A block format: BITS per value (its chunks per block: 8, or 4 + the bits above 4), OFFSET subtracted from
+// u, SCALES kept as S_*, MIN: whether it has minimums.
+template <int BITS_, int OFFSET_, int SCALES_, bool MIN_>
+struct Format {
+    enum { BITS = BITS_, OFFSET = OFFSET_, SCALES = SCALES_, CHUNKS = BITS_ == 8 ? 8 : BITS_ };
+    static constexpr bool MIN = MIN_;
+};
+typedef Format<8, 128, S_BLOCK, false> FQ8_0;
+typedef Format<4, 8, S_BLOCK, false> FQ4_0;
+typedef Format<4, 0, S_BLOCK, true> FQ4_1;
+typedef Format<5, 16, S_BLOCK, false> FQ5_0;
+typedef Format<5, 0, S_BLOCK, true> FQ5_1;
+typedef Format<4, 0, S_SUPER, true> FQ4_K;
+typedef Format<5, 0, S_SUPER, true> FQ5_K;
+typedef Format<6, 32, S_HALVES, false> FQ6_K;
 
 static int valid_matrix(const vs_matrix* w) {
     if (w->rows <= 0 || w->cols <= 0 || !w->q) return 0;
-    if (w->format == VS_F16) return 1;
-    if (w->cols % QK || !w->d) return 0;
-    if (w->format == VS_Q8_0) return 1;
-    if (w->format == VS_Q4_1) return w->m != NULL;
+    switch (w->format) {
+        case VS_F16:
+        case VS_F32: return 1;
+        case VS_Q8_0:
+        case VS_Q4_0:
+        case VS_Q5_0: return w->cols % QK == 0 && w->d;
+        case VS_Q4_1:
+        case VS_Q5_1: return w->cols % QK == 0 && w->d && w->m;
+        case VS_Q4_K:
+        case VS_Q5_K: return w->cols % QK_K == 0 && w->d && w->m && w->sc && w->sm;
+        case VS_Q6_K: return w->cols % QK_K == 0 && w->d && w->sc;
+    }
     return 0;
+}
+
+// The group pointers of group g of a block-format matrix.
+struct GroupView {
+    const uint8_t* q;
+    const uint16_t *d, *m;
+    const uint8_t *sc, *sm;
+};
+
+template <class FMT>
+static inline GroupView group_view(const vs_matrix* w, int g) {
+    const size_t nb = w->cols / QK, per = FMT::SCALES == S_BLOCK ? nb : nb / 8;  // scales per lane
+    GroupView v;
+    v.q = (const uint8_t*)w->q + (size_t)g * nb * FMT::CHUNKS * CHUNK;
+    v.d = w->d + (size_t)g * per * VS_GROUP;
+    v.m = w->m ? w->m + (size_t)g * per * VS_GROUP : NULL;
+    v.sc = w->sc ? w->sc + (size_t)g * nb * (FMT::SCALES == S_HALVES ? 2 : 1) * VS_GROUP : NULL;
+    v.sm = w->sm ? w->sm + (size_t)g * nb * VS_GROUP : NULL;
+    return v;
 }
 
 static inline int32_t load32(const int8_t* p) {  // 4 activation bytes, to broadcast
@@ -427,11 +495,20 @@ struct Vec {  // VS_GROUP = 16 lanes
     static inline I bcast(const int8_t* p) { return _mm512_set1_epi32(load32(p)); }
     static inline I low4(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
     static inline I high4(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f)); }
+    static inline I bor(I a, I b) { return _mm512_or_si512(a, b); }
+    template <int FROM, int TO>  // bit FROM of every byte, at bit TO (the rest zero)
+    static inline I bit(I v) {
+        const I moved = FROM <= TO ? _mm512_slli_epi16(v, TO - FROM) : _mm512_srli_epi16(v, FROM - TO);
+        return _mm512_and_si512(moved, _mm512_set1_epi8((char)(1 << TO)));
+    }
     static inline I dp(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }  // u unsigned, s signed
     static inline I isub(I a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
     static inline F cvt(I v) { return _mm512_cvtepi32_ps(v); }
     static inline F halfs(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+    static inline F u8s(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+    static inline F i8s(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
     static inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    static inline F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
     static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
     static inline F add(F a, F b) { return _mm512_add_ps(a, b); }
     static inline F set1(float v) { return _mm512_set1_ps(v); }
@@ -451,6 +528,12 @@ struct Vec {  // VS_GROUP = 8 lanes
     static inline I bcast(const int8_t* p) { return _mm256_set1_epi32(load32(p)); }
     static inline I low4(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
     static inline I high4(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
+    static inline I bor(I a, I b) { return _mm256_or_si256(a, b); }
+    template <int FROM, int TO>  // bit FROM of every byte, at bit TO (the rest zero)
+    static inline I bit(I v) {
+        const I moved = FROM <= TO ? _mm256_slli_epi16(v, TO - FROM) : _mm256_srli_epi16(v, FROM - TO);
+        return _mm256_and_si256(moved, _mm256_set1_epi8((char)(1 << TO)));
+    }
     static inline I dp(I acc, I u, I s) {  // u unsigned, s signed; exact while 2 u s fits 16 bits without VNNI
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
         return _mm256_dpbusd_epi32(acc, u, s);
@@ -463,7 +546,10 @@ struct Vec {  // VS_GROUP = 8 lanes
     static inline I isub(I a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
     static inline F cvt(I v) { return _mm256_cvtepi32_ps(v); }
     static inline F halfs(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+    static inline F u8s(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+    static inline F i8s(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
     static inline F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    static inline F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
     static inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
     static inline F add(F a, F b) { return _mm256_add_ps(a, b); }
     static inline F set1(float v) { return _mm256_set1_ps(v); }
@@ -476,68 +562,98 @@ struct Vec {  // VS_GROUP = 8 lanes
 
 #endif
 
+// float16 (uint16_t) or float32 row-major weights, as floats
+static inline float weight_at(const uint16_t* w, int j) { return fp16_to_fp32(w[j]); }
+static inline float weight_at(const float* w, int j) { return w[j]; }
+
+// The activations a tile of R rows reads: per row, the quantized values and per block d, s, sum and lo.
+template <int R>
+struct Rows {
+    const int8_t* q[R];
+    const float *d[R], *s[R];
+    const int32_t *sum[R], *lo[R];
+};
+
 #ifdef VS_AVX2
 
-// One group of outputs against R activation rows: out[r * VS_GROUP + l] = y[r, group output l].
-template <int R>
-static inline void group_q8_0(const uint8_t* w, const uint16_t* wd, const int8_t* const* x, const float* const* xd,
-                              const int32_t* const* xsum, int nb, float* out) {
-    typename Vec::F acc[R];
-    for (int r = 0; r < R; r++) acc[r] = Vec::zero();
-    for (int b = 0; b < nb; b++) {
-        typename Vec::I isum[R];
-        for (int r = 0; r < R; r++) isum[r] = Vec::izero();
-        const uint8_t* wb = w + (size_t)b * Q8_CHUNKS * CHUNK;
-        for (int c = 0; c < Q8_CHUNKS * CHUNK / 64; c++) _mm_prefetch((const char*)wb + PREFETCH + c * 64, _MM_HINT_T0);
-        for (int c = 0; c < Q8_CHUNKS; c++) {
-            const typename Vec::I u = Vec::load(wb + c * CHUNK);  // q + 128
-#ifdef VS_VNNI
-            for (int r = 0; r < R; r++) isum[r] = Vec::dp(isum[r], u, Vec::bcast(x[r] + b * QK + 4 * c));
-#else  // no VNNI: signed weights, |w| times x with w's signs (products of at most 127 * 127)
-            const __m256i sw = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
-            const __m256i aw = _mm256_sign_epi8(sw, sw);
-            for (int r = 0; r < R; r++)
-                isum[r] = Vec::dp(isum[r], aw, _mm256_sign_epi8(Vec::bcast(x[r] + b * QK + 4 * c), sw));
-#endif
-        }
-        const typename Vec::F dw = Vec::halfs(wd + (size_t)b * VS_GROUP);
-        for (int r = 0; r < R; r++) {
-#ifdef VS_VNNI
-            isum[r] = Vec::isub(isum[r], 128 * xsum[r][b]);  // (q + 128) x summed, less 128 sum(x): exact
-#else
-            (void)xsum;
-#endif
-            acc[r] = Vec::fma(Vec::mul(dw, Vec::set1(xd[r][b])), Vec::cvt(isum[r]), acc[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) Vec::store(out + r * VS_GROUP, acc[r]);
-}
-
-template <int R>
-static inline void group_q4_1(const uint8_t* w, const uint16_t* wd, const uint16_t* wm, const int8_t* const* x,
-                              const float* const* xd, const float* const* xs, int nb, float* out) {
-    typename Vec::F acc[R], mins[R];
+// One group of outputs of a block format FMT against R activation rows: out[r * VS_GROUP + l] = y[r, group
+// output l].
+template <int R, class FMT>
+static inline void group_blocks(const GroupView& w, const Rows<R>& x, int nb, float* out) {
+    enum { SPLIT = FMT::SCALES == S_HALVES };  // the block's two halves summed apart
+    typename Vec::F acc[R], mins[R], dsup = Vec::zero(), msup = Vec::zero();
     for (int r = 0; r < R; r++) acc[r] = mins[r] = Vec::zero();
     for (int b = 0; b < nb; b++) {
-        typename Vec::I isum[R];
-        for (int r = 0; r < R; r++) isum[r] = Vec::izero();
-        const uint8_t* wb = w + (size_t)b * Q4_CHUNKS * CHUNK;
-        for (int c = 0; c < Q4_CHUNKS * CHUNK / 64; c++) _mm_prefetch((const char*)wb + PREFETCH + c * 64, _MM_HINT_T0);
-        for (int c = 0; c < Q4_CHUNKS; c++) {
-            const typename Vec::I v = Vec::load(wb + c * CHUNK);
-            const typename Vec::I lo = Vec::low4(v), hi = Vec::high4(v);
+        typename Vec::I isum[R], ihigh[R];
+        for (int r = 0; r < R; r++) isum[r] = ihigh[r] = Vec::izero();
+        const uint8_t* wb = w.q + (size_t)b * FMT::CHUNKS * CHUNK;
+        for (int c = 0; c < FMT::CHUNKS * CHUNK / 64; c++) _mm_prefetch((const char*)wb + PREFETCH + c * 64, _MM_HINT_T0);
+        if (FMT::BITS == 8) {
+            for (int c = 0; c < 8; c++) {
+                const typename Vec::I u = Vec::load(wb + c * CHUNK);  // q + 128
+#ifdef VS_VNNI
+                for (int r = 0; r < R; r++) isum[r] = Vec::dp(isum[r], u, Vec::bcast(x.q[r] + b * QK + 4 * c));
+#else  // no VNNI: signed weights, |w| times x with w's signs (products of at most 127 * 127)
+                const __m256i sw = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
+                const __m256i aw = _mm256_sign_epi8(sw, sw);
+                for (int r = 0; r < R; r++)
+                    isum[r] = Vec::dp(isum[r], aw, _mm256_sign_epi8(Vec::bcast(x.q[r] + b * QK + 4 * c), sw));
+#endif
+            }
+        } else {
+            const typename Vec::I p4 = FMT::BITS >= 5 ? Vec::load(wb + 4 * CHUNK) : Vec::izero();
+            const typename Vec::I p5 = FMT::BITS >= 6 ? Vec::load(wb + 5 * CHUNK) : Vec::izero();
+#define VS_CHUNK(c)                                                                                         \
+    {                                                                                                       \
+        const typename Vec::I v = Vec::load(wb + c * CHUNK);                                                \
+        typename Vec::I lo = Vec::low4(v), hi = Vec::high4(v);                                              \
+        if (FMT::BITS >= 5) lo = Vec::bor(lo, Vec::bit<c, 4>(p4)), hi = Vec::bor(hi, Vec::bit<c + 4, 4>(p4)); \
+        if (FMT::BITS >= 6) lo = Vec::bor(lo, Vec::bit<c, 5>(p5)), hi = Vec::bor(hi, Vec::bit<c + 4, 5>(p5)); \
+        for (int r = 0; r < R; r++) {                                                                       \
+            isum[r] = Vec::dp(isum[r], lo, Vec::bcast(x.q[r] + b * QK + 4 * c));                            \
+            typename Vec::I& high = SPLIT ? ihigh[r] : isum[r];                                             \
+            high = Vec::dp(high, hi, Vec::bcast(x.q[r] + b * QK + 16 + 4 * c));                             \
+        }                                                                                                   \
+    }
+            VS_CHUNK(0) VS_CHUNK(1) VS_CHUNK(2) VS_CHUNK(3)
+#undef VS_CHUNK
+        }
+        if (FMT::SCALES == S_BLOCK) {
+            const typename Vec::F dw = Vec::halfs(w.d + (size_t)b * VS_GROUP);
+            const typename Vec::F mw = FMT::MIN ? Vec::halfs(w.m + (size_t)b * VS_GROUP) : Vec::zero();
             for (int r = 0; r < R; r++) {
-                isum[r] = Vec::dp(isum[r], lo, Vec::bcast(x[r] + b * QK + 4 * c));
-                isum[r] = Vec::dp(isum[r], hi, Vec::bcast(x[r] + b * QK + 16 + 4 * c));
+#ifdef VS_VNNI
+                if (FMT::OFFSET) isum[r] = Vec::isub(isum[r], FMT::OFFSET * x.sum[r][b]);  // exact
+#else
+                if (FMT::OFFSET && FMT::BITS != 8) isum[r] = Vec::isub(isum[r], FMT::OFFSET * x.sum[r][b]);
+#endif
+                acc[r] = Vec::fma(Vec::mul(dw, Vec::set1(x.d[r][b])), Vec::cvt(isum[r]), acc[r]);
+                if (FMT::MIN) mins[r] = Vec::fma(mw, Vec::set1(x.s[r][b]), mins[r]);
+            }
+        } else if (FMT::SCALES == S_SUPER) {
+            if (b % 8 == 0) {
+                dsup = Vec::halfs(w.d + (size_t)(b / 8) * VS_GROUP);
+                msup = Vec::halfs(w.m + (size_t)(b / 8) * VS_GROUP);
+            }
+            const typename Vec::F dw = Vec::mul(dsup, Vec::u8s(w.sc + (size_t)b * VS_GROUP));  // exact
+            const typename Vec::F mw = Vec::mul(msup, Vec::u8s(w.sm + (size_t)b * VS_GROUP));  // exact
+            for (int r = 0; r < R; r++) {
+                acc[r] = Vec::fma(Vec::mul(dw, Vec::set1(x.d[r][b])), Vec::cvt(isum[r]), acc[r]);
+                mins[r] = Vec::fnma(mw, Vec::set1(x.s[r][b]), mins[r]);
+            }
+        } else {  // S_HALVES
+            if (b % 8 == 0) dsup = Vec::halfs(w.d + (size_t)(b / 8) * VS_GROUP);
+            const typename Vec::F d0 = Vec::mul(dsup, Vec::i8s(w.sc + (size_t)2 * b * VS_GROUP));  // exact
+            const typename Vec::F d1 = Vec::mul(dsup, Vec::i8s(w.sc + (size_t)(2 * b + 1) * VS_GROUP));
+            for (int r = 0; r < R; r++) {
+                const int lo = x.lo[r][b], hi = x.sum[r][b] - lo;
+                const typename Vec::F xd = Vec::set1(x.d[r][b]);
+                acc[r] = Vec::fma(Vec::mul(d0, xd), Vec::cvt(Vec::isub(isum[r], FMT::OFFSET * lo)), acc[r]);
+                acc[r] = Vec::fma(Vec::mul(d1, xd), Vec::cvt(Vec::isub(ihigh[r], FMT::OFFSET * hi)), acc[r]);
             }
         }
-        const typename Vec::F dw = Vec::halfs(wd + (size_t)b * VS_GROUP), mw = Vec::halfs(wm + (size_t)b * VS_GROUP);
-        for (int r = 0; r < R; r++) {
-            acc[r] = Vec::fma(Vec::mul(dw, Vec::set1(xd[r][b])), Vec::cvt(isum[r]), acc[r]);
-            mins[r] = Vec::fma(mw, Vec::set1(xs[r][b]), mins[r]);
-        }
     }
-    for (int r = 0; r < R; r++) Vec::store(out + r * VS_GROUP, Vec::add(acc[r], mins[r]));
+    for (int r = 0; r < R; r++) Vec::store(out + r * VS_GROUP, FMT::MIN ? Vec::add(acc[r], mins[r]) : acc[r]);
 }
 
 #ifdef VS_AVX512
@@ -546,16 +662,23 @@ static inline float hsum16(__m512 v) {  // fixed order: halves, then as hsum8
 }
 #endif
 
-template <int R>
-static inline void tile_f16(const uint16_t* w, const float* const* x, int cols, float* out) {
+#ifdef VS_AVX512
+static inline __m512 weights16(const uint16_t* w) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w)); }
+static inline __m512 weights16(const float* w) { return _mm512_loadu_ps(w); }
+#else
+static inline __m256 weights8(const uint16_t* w) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w)); }
+static inline __m256 weights8(const float* w) { return _mm256_loadu_ps(w); }
+#endif
+
+template <int R, class T>
+static inline void tile_row(const T* w, const float* const* x, int cols, float* out) {
     int k = 0;
     float sums[R];
 #ifdef VS_AVX512
     __m512 acc[R][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (; k + 32 <= cols; k += 32) {
-        const __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + k)));
-        const __m512 w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + k + 16)));
+        const __m512 w0 = weights16(w + k), w1 = weights16(w + k + 16);
         for (int r = 0; r < R; r++) {
             acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[r] + k), acc[r][0]);
             acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[r] + k + 16), acc[r][1]);
@@ -566,8 +689,7 @@ static inline void tile_f16(const uint16_t* w, const float* const* x, int cols, 
     __m256 acc[R][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (; k + 16 <= cols; k += 16) {
-        const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + k)));
-        const __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + k + 8)));
+        const __m256 w0 = weights8(w + k), w1 = weights8(w + k + 8);
         for (int r = 0; r < R; r++) {
             acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[r] + k), acc[r][0]);
             acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[r] + k + 8), acc[r][1]);
@@ -576,108 +698,113 @@ static inline void tile_f16(const uint16_t* w, const float* const* x, int cols, 
     for (int r = 0; r < R; r++) sums[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
 #endif
     for (int r = 0; r < R; r++) {
-        for (int j = k; j < cols; j++) sums[r] += fp16_to_fp32(w[j]) * x[r][j];
+        for (int j = k; j < cols; j++) sums[r] += weight_at(w, j) * x[r][j];
         out[r] = sums[r];
     }
 }
 
 #else  // portable: plain loops over the same layouts
 
-template <int R>
-static inline void group_q8_0(const uint8_t* w, const uint16_t* wd, const int8_t* const* x, const float* const* xd,
-                              const int32_t* const* xsum, int nb, float* out) {
-    (void)xsum;
-    for (int r = 0; r < R; r++) {
-        for (int l = 0; l < VS_GROUP; l++) {
-            float acc = 0.0f;
-            for (int b = 0; b < nb; b++) {
-                const uint8_t* wb = w + (size_t)b * Q8_CHUNKS * CHUNK;
-                int sum = 0;
-                for (int c = 0; c < Q8_CHUNKS; c++)
-                    for (int j = 0; j < 4; j++) sum += ((int)wb[c * CHUNK + 4 * l + j] - 128) * x[r][b * QK + 4 * c + j];
-                acc += fp16_to_fp32(wd[(size_t)b * VS_GROUP + l]) * xd[r][b] * (float)sum;
-            }
-            out[r * VS_GROUP + l] = acc;
-        }
-    }
+// u of weight k (of 32) of lane l in block wb of a block format with BITS bits
+template <int BITS>
+static inline int unpacked(const uint8_t* wb, int l, int k) {
+    if (BITS == 8) return wb[(k / 4) * CHUNK + 4 * l + k % 4];
+    const int half = k / 16, c = (k % 16) / 4, j = k % 4;
+    const int byte = wb[c * CHUNK + 4 * l + j];
+    int u = half ? byte >> 4 : byte & 15;
+    if (BITS >= 5) u |= ((wb[4 * CHUNK + 4 * l + j] >> (c + 4 * half)) & 1) << 4;
+    if (BITS >= 6) u |= ((wb[5 * CHUNK + 4 * l + j] >> (c + 4 * half)) & 1) << 5;
+    return u;
 }
 
-template <int R>
-static inline void group_q4_1(const uint8_t* w, const uint16_t* wd, const uint16_t* wm, const int8_t* const* x,
-                              const float* const* xd, const float* const* xs, int nb, float* out) {
+template <int R, class FMT>
+static inline void group_blocks(const GroupView& w, const Rows<R>& x, int nb, float* out) {
     for (int r = 0; r < R; r++) {
         for (int l = 0; l < VS_GROUP; l++) {
             float acc = 0.0f, mins = 0.0f;
             for (int b = 0; b < nb; b++) {
-                const uint8_t* wb = w + (size_t)b * Q4_CHUNKS * CHUNK;
-                int sum = 0;
-                for (int c = 0; c < Q4_CHUNKS; c++)
-                    for (int j = 0; j < 4; j++) {
-                        const int byte = wb[c * CHUNK + 4 * l + j];
-                        sum += (byte & 0x0f) * x[r][b * QK + 4 * c + j] + (byte >> 4) * x[r][b * QK + 16 + 4 * c + j];
-                    }
-                acc += fp16_to_fp32(wd[(size_t)b * VS_GROUP + l]) * xd[r][b] * (float)sum;
-                mins += fp16_to_fp32(wm[(size_t)b * VS_GROUP + l]) * xs[r][b];
+                const uint8_t* wb = w.q + (size_t)b * FMT::CHUNKS * CHUNK;
+                int sums[2] = {0, 0};  // the block's first and last 16 products
+                for (int k = 0; k < QK; k++) sums[k / 16] += (unpacked<FMT::BITS>(wb, l, k) - FMT::OFFSET) * x.q[r][b * QK + k];
+                const float xd = x.d[r][b];
+                if (FMT::SCALES == S_BLOCK) {
+                    acc += fp16_to_fp32(w.d[(size_t)b * VS_GROUP + l]) * xd * (float)(sums[0] + sums[1]);
+                    if (FMT::MIN) mins += fp16_to_fp32(w.m[(size_t)b * VS_GROUP + l]) * x.s[r][b];
+                } else if (FMT::SCALES == S_SUPER) {
+                    const float d = fp16_to_fp32(w.d[(size_t)(b / 8) * VS_GROUP + l]) * (float)w.sc[(size_t)b * VS_GROUP + l];
+                    const float m = fp16_to_fp32(w.m[(size_t)(b / 8) * VS_GROUP + l]) * (float)w.sm[(size_t)b * VS_GROUP + l];
+                    acc += d * xd * (float)(sums[0] + sums[1]);
+                    mins -= m * x.s[r][b];
+                } else {
+                    const float d = fp16_to_fp32(w.d[(size_t)(b / 8) * VS_GROUP + l]);
+                    for (int h = 0; h < 2; h++)
+                        acc += d * (float)(int8_t)w.sc[(size_t)(2 * b + h) * VS_GROUP + l] * xd * (float)sums[h];
+                }
             }
             out[r * VS_GROUP + l] = acc + mins;
         }
     }
 }
 
-template <int R>
-static inline void tile_f16(const uint16_t* w, const float* const* x, int cols, float* out) {
+template <int R, class T>
+static inline void tile_row(const T* w, const float* const* x, int cols, float* out) {
     for (int r = 0; r < R; r++) {
         float sum = 0.0f;
-        for (int k = 0; k < cols; k++) sum += fp16_to_fp32(w[k]) * x[r][k];
+        for (int k = 0; k < cols; k++) sum += weight_at(w, k) * x[r][k];
         out[r] = sum;
     }
 }
 
 #endif
 
-// rows r0 .. r0 + R - 1 of x against float16 row o: out[r]
+// rows r0 .. r0 + R - 1 of x against float16 or float32 row o: out[r]
 template <int R>
-static inline void tile_rows_f16(const vs_matrix* w, int o, int r0, const float* x, float* out) {
+static inline void tile_rows(const vs_matrix* w, int o, int r0, const float* x, float* out) {
     const float* xr[R];
     for (int r = 0; r < R; r++) xr[r] = x + (size_t)(r0 + r) * w->cols;
-    tile_f16<R>((const uint16_t*)w->q + (size_t)o * w->cols, xr, w->cols, out);
+    if (w->format == VS_F16)
+        tile_row<R>((const uint16_t*)w->q + (size_t)o * w->cols, xr, w->cols, out);
+    else
+        tile_row<R>((const float*)w->q + (size_t)o * w->cols, xr, w->cols, out);
 }
 
 // rows r0 .. r0 + R - 1 of the quantized x against group g: out[r * VS_GROUP + l]
 template <int R>
 static inline void tile_group(const vs_matrix* w, int g, int r0, const vs_qrows* qx, float* out) {
     const int cols = w->cols, nb = cols / QK;
-    const int8_t* xq[R];
-    const float *xd[R], *xs[R];
-    const int32_t* xsum[R];
+    Rows<R> x;
     for (int r = 0; r < R; r++) {
-        xq[r] = qx->q + (size_t)(r0 + r) * cols;
-        xd[r] = qx->d + (size_t)(r0 + r) * nb;
-        xs[r] = qx->s + (size_t)(r0 + r) * nb;
-        xsum[r] = qx->sum + (size_t)(r0 + r) * nb;
+        x.q[r] = qx->q + (size_t)(r0 + r) * cols;
+        x.d[r] = qx->d + (size_t)(r0 + r) * nb;
+        x.s[r] = qx->s + (size_t)(r0 + r) * nb;
+        x.sum[r] = qx->sum + (size_t)(r0 + r) * nb;
+        x.lo[r] = qx->lo + (size_t)(r0 + r) * nb;
     }
-    const uint16_t* wd = w->d + (size_t)g * nb * VS_GROUP;
-    if (w->format == VS_Q8_0)
-        group_q8_0<R>((const uint8_t*)w->q + (size_t)g * nb * Q8_CHUNKS * CHUNK, wd, xq, xd, xsum, nb, out);
-    else
-        group_q4_1<R>((const uint8_t*)w->q + (size_t)g * nb * Q4_CHUNKS * CHUNK, wd, w->m + (size_t)g * nb * VS_GROUP,
-                      xq, xd, xs, nb, out);
+    switch (w->format) {
+#define VS_FORMAT(CODE, FMT) \
+    case CODE: group_blocks<R, FMT>(group_view<FMT>(w, g), x, nb, out); break;
+        VS_FORMAT(VS_Q8_0, FQ8_0) VS_FORMAT(VS_Q4_0, FQ4_0) VS_FORMAT(VS_Q4_1, FQ4_1) VS_FORMAT(VS_Q5_0, FQ5_0)
+        VS_FORMAT(VS_Q5_1, FQ5_1) VS_FORMAT(VS_Q4_K, FQ4_K) VS_FORMAT(VS_Q5_K, FQ5_K) VS_FORMAT(VS_Q6_K, FQ6_K)
+#undef VS_FORMAT
+    }
 }
+
+static inline int row_major(const vs_matrix* w) { return w->format == VS_F16 || w->format == VS_F32; }
 
 // y [n, rows] = x [n, cols] W^T (+ bias); `qx`: x quantized (block formats), ignored for float16.
 static void matmul_rows(const vs_matrix* w, int n, const float* x, const vs_qrows* qx, float* y, int threads) {
     const int rows = w->rows;
-    if (w->format == VS_F16) {
+    if (row_major(w)) {
         parallel_for(rows, threads, [&](int o) {
             float out[TILE];
             const float bias = w->bias ? w->bias[o] : 0.0f;
             for (int r0 = 0; r0 < n; r0 += TILE) {
                 const int size = n - r0 < TILE ? n - r0 : TILE;
                 switch (size) {
-                    case 1: tile_rows_f16<1>(w, o, r0, x, out); break;
-                    case 2: tile_rows_f16<2>(w, o, r0, x, out); break;
-                    case 3: tile_rows_f16<3>(w, o, r0, x, out); break;
-                    default: tile_rows_f16<4>(w, o, r0, x, out); break;
+                    case 1: tile_rows<1>(w, o, r0, x, out); break;
+                    case 2: tile_rows<2>(w, o, r0, x, out); break;
+                    case 3: tile_rows<3>(w, o, r0, x, out); break;
+                    default: tile_rows<4>(w, o, r0, x, out); break;
                 }
                 for (int r = 0; r < size; r++) y[(size_t)(r0 + r) * rows + o] = out[r] + bias;
             }
@@ -722,8 +849,8 @@ static void matmul_rows(const vs_matrix* w, int n, const float* x, const vs_qrow
 }
 
 static int matmul(const vs_matrix* w, int n, const float* x, float* y, int threads) {
-    vs_qrows qx = {NULL, NULL, NULL, NULL};
-    if (w->format != VS_F16) {
+    vs_qrows qx = {NULL, NULL, NULL, NULL, NULL};
+    if (!row_major(w)) {
         const int status = quantize(n, w->cols, x, &qx, threads);
         if (status) return status;
     }
@@ -1280,12 +1407,13 @@ static int attention(const vs_model* m, int layer, const vs_batch* batch, const 
 
 // ------------------------------------------------------------------------------------------ entry points
 
-// Quantize n rows of x [n, cols] (cols % 32 == 0) into q [n, cols], d, s and sums [n, cols / 32], as the
-// block formats' products do (exposed for tests).
-extern "C" void vs_quantize_rows(int n, int cols, const float* x, int8_t* q, float* d, float* s, int32_t* sums) {
+// Quantize n rows of x [n, cols] (cols % 32 == 0) into q [n, cols], d, s, sums and lo [n, cols / 32], as
+// the block formats' products do (exposed for tests).
+extern "C" void vs_quantize_rows(int n, int cols, const float* x, int8_t* q, float* d, float* s, int32_t* sums,
+                                 int32_t* lo) {
     for (int r = 0; r < n; r++)
         quantize_row(x + (size_t)r * cols, cols, q + (size_t)r * cols, d + (size_t)r * (cols / QK),
-                     s + (size_t)r * (cols / QK), sums + (size_t)r * (cols / QK));
+                     s + (size_t)r * (cols / QK), sums + (size_t)r * (cols / QK), lo + (size_t)r * (cols / QK));
 }
 
 // The outputs per group of the interleaved Q8_0 and Q4_1 layouts this build reads.
@@ -1370,5 +1498,5 @@ extern "C" int vs_forward(const vs_model* m, int first, int last, const vs_batch
     return status;
 }
 
-extern "C" int vs_abi_version(void) { return 3; }
+extern "C" int vs_abi_version(void) { return 4; }
 

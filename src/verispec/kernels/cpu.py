@@ -26,28 +26,34 @@ from functools import cache
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from torch import Tensor
 
 from verispec.errors import UsageError
+from verispec.kernels import formats
 from verispec.kernels.build import NativeUnavailable, load
+from verispec.kernels.formats import BLOCK_FORMATS
 
 __all__ = [
     "BLOCK",
     "FORMATS",
     "NativeLayer",
     "NativeStack",
+    "GGUF_TYPES",
+    "KERNEL_FORMATS",
     "PackedMatrix",
     "native_available",
     "quantize_rows",
     "rmsnorm",
 ]
 
-FORMATS = ("fp16", "q8_0", "q4_1")
+FORMATS = ("fp16", "q8_0", "q4_1")  # what a float32 matrix is packed in (PackedMatrix.pack)
+KERNEL_FORMATS = ("fp16", "f32", *BLOCK_FORMATS)  # every format the products multiply
 BLOCK = 32  # columns per quantization block
-_CODES = {"fp16": 1, "q8_0": 2, "q4_1": 3}
-_BLOCK_BYTES = {"q8_0": 34, "q4_1": 20}  # a GGUF block: float16 d (q4_1: and m), then the 32 values
-_GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_1": GGMLQuantizationType.Q4_1}
+_CODES = {"fp16": 1, "f32": 10} | {name: f.code for name, f in BLOCK_FORMATS.items()}
+_PACK_ROWS = 4096  # rows of GGUF blocks decoded and interleaved at a time
+# GGUF tensor types a matrix may be stored in, and the kernels' format each becomes (PackedMatrix.from_gguf)
+GGUF_TYPES = {"F32": "f32", "BF16": "f32", "F16": "fp16"} | {f.ggml.name: n for n, f in BLOCK_FORMATS.items()}
 
 _p = ctypes.c_void_p
 
@@ -60,6 +66,8 @@ class _Matrix(ctypes.Structure):
         ("q", _p),
         ("d", _p),
         ("m", _p),
+        ("sc", _p),
+        ("sm", _p),
         ("bias", _p),
     ]
 
@@ -114,7 +122,7 @@ def _library(variant: str = "native") -> ctypes.CDLL:
     lib.vs_matmul.restype = i32
     lib.vs_rmsnorm.argtypes = [i32, i32, _p, _p, ctypes.c_float, _p, i32]
     lib.vs_rmsnorm.restype = None
-    lib.vs_quantize_rows.argtypes = [i32, i32, _p, _p, _p, _p, _p]
+    lib.vs_quantize_rows.argtypes = [i32, i32, _p, _p, _p, _p, _p, _p]
     lib.vs_quantize_rows.restype = None
     lib.vs_forward.argtypes = [
         ctypes.POINTER(_Model),
@@ -151,37 +159,39 @@ def _ptr(t: Tensor | None) -> int | None:
 
 @dataclass(frozen=True, eq=False)
 class PackedMatrix:
-    """A weight matrix W [rows, cols] in one of :data:`FORMATS`, ready for the native kernels.
+    """A weight matrix W [rows, cols] in one of :data:`KERNEL_FORMATS`, ready for the native kernels.
 
-    tensors: what the kernels read, kept alive here: fp16 (W as int16 bits [rows, cols]); q8_0 and q4_1 in the
-    kernels' interleaved layout for groups of ``group`` outputs (values; scales as int16 bits; q4_1's
-    minimums), rows padded to a multiple of ``group``."""
+    tensors: what the kernels read, kept alive here: fp16 (W as int16 bits [rows, cols]); f32 (W [rows,
+    cols]); a block format in the kernels' interleaved layout for groups of ``group`` outputs (values, scales
+    as int16 bits, minimums, K-quants' integer scales and minimums; None where the format has none), rows
+    padded to a multiple of ``group`` (:mod:`verispec.kernels.formats`)."""
 
     format: str
     rows: int
     cols: int
-    tensors: tuple[Tensor, ...]
+    tensors: tuple[Tensor | None, ...]
     bias: Tensor | None
     group: int
     variant: str = "native"  # the build of the kernels it runs on (verispec.kernels.build.VARIANTS)
     struct: _Matrix = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        pointers = [t.data_ptr() for t in self.tensors] + [None] * (3 - len(self.tensors))
+        pointers = [_ptr(t) for t in self.tensors] + [None] * (5 - len(self.tensors))
         struct = _Matrix(_CODES[self.format], self.rows, self.cols, *pointers, _ptr(self.bias))
         object.__setattr__(self, "struct", struct)
 
     @staticmethod
     def fits(format: str, cols: int) -> bool:
-        """Whether a matrix of ``cols`` columns has a ``format`` form (block formats need cols % 32 == 0)."""
-        return format == "fp16" or cols % BLOCK == 0
+        """Whether a matrix of ``cols`` columns has a ``format`` form (block formats need cols % 32 == 0, the
+        K-quants cols % 256 == 0)."""
+        return format not in BLOCK_FORMATS or cols % BLOCK_FORMATS[format].columns == 0
 
     @classmethod
     def pack(
         cls, weight: Tensor, bias: Tensor | None = None, format: str = "fp16", variant: str = "native"
     ) -> PackedMatrix:
-        """W [rows, cols] (float32) and its bias [rows] (or None) in ``format``; UsageError for an unknown
-        format or a shape it cannot hold."""
+        """W [rows, cols] (float32) and its bias [rows] (or None) in ``format`` (:data:`FORMATS`); UsageError
+        for an unknown format or a shape it cannot hold."""
         if format not in FORMATS:
             raise UsageError(f"weight format must be one of {', '.join(FORMATS)}, got {format!r}")
         if weight.ndim != 2 or weight.dtype != torch.float32:
@@ -193,7 +203,7 @@ class PackedMatrix:
         w = weight.detach().contiguous()  # [rows, cols]
         if format == "fp16":
             return cls(format, rows, cols, (w.half().view(torch.int16),), bias, 1, variant)
-        blocks = quants.quantize(w.numpy(), _GGML[format])  # uint8 [rows, cols / 32 * block bytes]
+        blocks = quants.quantize(w.numpy(), BLOCK_FORMATS[format].ggml)  # uint8 [rows, bytes per row]
         return cls.from_blocks(format, rows, cols, blocks, bias, variant)
 
     @classmethod
@@ -206,65 +216,90 @@ class PackedMatrix:
         bias: Tensor | None = None,
         variant: str = "native",
     ) -> PackedMatrix:
-        """From GGUF blocks of ``format`` (uint8 [rows, cols / 32 * bytes per block], as a GGUF file stores
-        them: Q8_0 = float16 d, 32 int8; Q4_1 = float16 d, float16 m, 16 bytes of nibbles)."""
-        nb, group = cols // BLOCK, _library(variant).vs_group_size()
-        raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows, nb, _BLOCK_BYTES[format])
+        """From GGUF blocks of the block format ``format`` (uint8 [rows, bytes per row], as a GGUF file stores
+        them), read a slice of rows at a time (a memory-mapped file is never copied whole)."""
+        fmt, group = BLOCK_FORMATS[format], _library(variant).vs_group_size()
         padded = -(-rows // group) * group
-        raw = np.concatenate([raw, np.zeros((padded - rows, nb, raw.shape[2]), np.uint8)])  # zero scales
-
-        def grouped(
-            values: np.ndarray,
-        ) -> np.ndarray:  # [padded, nb, *rest] → [groups, nb, *rest-major lanes]
-            lanes = values.reshape(padded // group, group, nb, *values.shape[2:])
-            return np.ascontiguousarray(np.moveaxis(lanes, 1, -2 if values.ndim > 3 else -1))
-
-        def scales(lo: int) -> Tensor:  # float16 bits [rows, nb] → [groups, nb, group] (lanes last)
-            return torch.from_numpy(
-                grouped(np.ascontiguousarray(raw[:, :, lo : lo + 2]).view(np.int16)[..., 0])
-            )
-
-        tensors: tuple[Tensor, ...]
-        if format == "q8_0":
-            q = raw[:, :, 2:34].view(np.int8).astype(np.int16) + 128  # [padded, nb, 32]: unsigned
-            values = grouped(q.astype(np.uint8).reshape(padded, nb, 8, 4))  # [groups, nb, 8 chunks, group, 4]
-            tensors = (torch.from_numpy(values), scales(0))
-        else:
-            nibbles = raw[
-                :, :, 4:20
-            ]  # [padded, nb, 16]: byte j = element j | element j + 16 << 4, GGUF order
-            values = grouped(nibbles.reshape(padded, nb, 4, 4))  # [groups, nb, 4 chunks, group, 4]
-            tensors = (torch.from_numpy(values), scales(0), scales(2))
+        step = max(group, _PACK_ROWS // group * group)
+        parts: list[list[np.ndarray | None]] = []
+        for r0 in range(0, padded, step):
+            raw = np.asarray(blocks[r0 : min(r0 + step, rows)], dtype=np.uint8)  # [≤ step, bytes per row]
+            dec = formats.decode(fmt, raw).padded(min(step, padded - r0))  # padding rows: zero scales
+            parts.append(list(formats.interleave(fmt, dec, group)))
+        tensors = tuple(
+            None if part[0] is None else torch.from_numpy(np.concatenate(part) if len(part) > 1 else part[0])
+            for part in zip(*parts, strict=True)
+        )
         return cls(format, rows, cols, tensors, bias, group, variant)
+
+    @classmethod
+    def from_gguf(
+        cls,
+        type_name: str,
+        rows: int,
+        cols: int,
+        data: np.ndarray,
+        bias: Tensor | None = None,
+        variant: str = "native",
+    ) -> PackedMatrix:
+        """A matrix W [rows, cols] as a GGUF file stores it: ``type_name`` (a GGUF tensor type's name, one of
+        :data:`GGUF_TYPES`) and ``data``, its raw bytes (uint8 [rows, bytes per row], e.g. a view of the
+        memory-mapped file, read and never written). UsageError naming the type and the supported ones when
+        there is no kernel for it, or when ``data`` does not hold such a matrix."""
+        if type_name not in GGUF_TYPES:
+            raise UsageError(
+                f"no native kernel for GGUF tensor type {type_name}; supported: {', '.join(GGUF_TYPES)}"
+            )
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+        if cols % block or data.dtype != np.uint8 or data.shape != (rows, cols // block * size):
+            raise UsageError(
+                f"a {type_name} matrix [{rows}, {cols}] is uint8 [{rows}, {cols // block * size}], got "
+                f"{data.dtype} {list(data.shape)}"
+            )
+        format = GGUF_TYPES[type_name]
+        if format in BLOCK_FORMATS:
+            if not cls.fits(format, cols):
+                raise UsageError(f"{type_name} needs a multiple of {BLOCK_FORMATS[format].columns} columns")
+            return cls.from_blocks(format, rows, cols, data, bias, variant)
+        if type_name == "F16":
+            weight = torch.from_numpy(np.array(data).view(np.int16))  # [rows, cols] float16 bits, a copy
+        elif type_name == "BF16":  # bfloat16 is float32's upper half: exact
+            bits = np.asarray(data).view(np.uint16).astype(np.uint32) << 16  # [rows, cols]
+            weight = torch.from_numpy(bits.view(np.float32))
+        else:
+            weight = torch.from_numpy(np.array(data).view(np.float32))  # [rows, cols], a copy
+        return cls(format, rows, cols, (weight,), bias, 1, variant)
 
     def blocks(self) -> np.ndarray:
         """The GGUF blocks of a q8_0 or q4_1 matrix (uint8 [rows, cols / 32 * bytes per block]), as
         :meth:`from_blocks` takes them: what a GGUF file of that format stores."""
-        if self.format == "fp16":
-            raise UsageError("a float16 matrix has no blocks")
-        nb = self.cols // BLOCK
-
-        def ungrouped(values: Tensor) -> np.ndarray:  # [groups, nb, ..., group, k] → [rows, nb, ..., k]
-            lanes = np.moveaxis(values.numpy(), -2 if values.ndim > 3 else -1, 1)
-            return lanes.reshape(-1, *lanes.shape[2:])[: self.rows]
-
-        d = ungrouped(self.tensors[1]).view(np.uint8).reshape(self.rows, nb, 2)
+        if self.format not in ("q8_0", "q4_1"):
+            raise UsageError(f"only q8_0 and q4_1 matrices give their blocks back, not {self.format}")
+        dec = self._decoded()
+        half = [dec.d.view(np.uint8).reshape(self.rows, -1, 2)]
         if self.format == "q8_0":
-            q = (ungrouped(self.tensors[0]).astype(np.int16) - 128).astype(np.int8).view(np.uint8)
-            parts = [d, q.reshape(self.rows, nb, 32)]
+            q = (dec.u.astype(np.int16) - 128).astype(np.int8).view(np.uint8)
+            parts = [*half, q]
         else:
-            m = ungrouped(self.tensors[2]).view(np.uint8).reshape(self.rows, nb, 2)
-            parts = [d, m, ungrouped(self.tensors[0]).reshape(self.rows, nb, 16)]
+            assert dec.m is not None
+            nibbles = dec.u[..., :16] | dec.u[..., 16:] << 4
+            parts = [*half, dec.m.view(np.uint8).reshape(self.rows, -1, 2), nibbles]
         return np.concatenate(parts, axis=2).reshape(self.rows, -1)
 
+    def _decoded(self) -> formats.Decoded:
+        arrays = tuple(None if t is None else t.numpy() for t in self.tensors)
+        return formats.deinterleave(BLOCK_FORMATS[self.format], arrays, self.rows)
+
     def dequantized(self) -> Tensor:
-        """The float32 weight [rows, cols] the kernels multiply by (for oracles and tests)."""
+        """The float32 weight [rows, cols] the kernels multiply by (for oracles, tests and repacking):
+        a block format's values as ``gguf`` dequantizes its blocks, bit for bit."""
+        weight = self.tensors[0]
+        assert weight is not None
         if self.format == "fp16":
-            return self.tensors[0].view(torch.float16).float()
-        ggml = _GGML[self.format]
-        return torch.from_numpy(quants.dequantize(self.blocks(), ggml).astype(np.float32)).view(
-            self.rows, self.cols
-        )
+            return weight.view(torch.float16).float()
+        if self.format == "f32":
+            return weight.clone()
+        return torch.from_numpy(formats.weights(BLOCK_FORMATS[self.format], self._decoded()))
 
     def __call__(self, x: Tensor) -> Tensor:
         """y [n, rows] = x [n, cols] Wᵀ (+ bias), x float32 on the CPU."""
@@ -279,9 +314,10 @@ class PackedMatrix:
         return y
 
 
-def quantize_rows(x: Tensor, variant: str = "native") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def quantize_rows(x: Tensor, variant: str = "native") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [n, cols] (cols % 32 == 0) quantized as the block formats' products quantize their input: int8
-    values [n, cols], scales d [n, cols / 32], d · Σ values and Σ values per block [n, cols / 32]."""
+    values [n, cols], scales d [n, cols / 32], d · Σ values, Σ values and Σ of each block's first 16 values
+    per block [n, cols / 32]."""
     if x.ndim != 2 or x.shape[1] % BLOCK:
         raise UsageError(f"x must be [n, cols] with cols a multiple of {BLOCK}, got {list(x.shape)}")
     _check_float_rows(x, x.shape[1], "x")
@@ -289,11 +325,11 @@ def quantize_rows(x: Tensor, variant: str = "native") -> tuple[Tensor, Tensor, T
     n, cols = x.shape
     q = torch.empty(n, cols, dtype=torch.int8)  # [n, cols]
     d, s = torch.empty(n, cols // BLOCK), torch.empty(n, cols // BLOCK)  # [n, cols / 32] each
-    sums = torch.empty(n, cols // BLOCK, dtype=torch.int32)  # [n, cols / 32]
+    sums, lo = (torch.empty(n, cols // BLOCK, dtype=torch.int32) for _ in range(2))  # [n, cols / 32] each
     _library(variant).vs_quantize_rows(
-        n, cols, x.data_ptr(), q.data_ptr(), d.data_ptr(), s.data_ptr(), sums.data_ptr()
+        n, cols, x.data_ptr(), q.data_ptr(), d.data_ptr(), s.data_ptr(), sums.data_ptr(), lo.data_ptr()
     )
-    return q, d, s, sums
+    return q, d, s, sums, lo
 
 
 def rmsnorm(x: Tensor, weight: Tensor, eps: float, variant: str = "native") -> Tensor:
