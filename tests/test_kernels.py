@@ -278,6 +278,40 @@ def test_native_forward_is_the_quantized_model(fmt):
     assert error.max() <= 1e-2 * scale
 
 
+def split(matrix: PackedMatrix, sizes: list[int]) -> tuple[PackedMatrix, ...]:
+    """A stacked matrix as separate ones of ``sizes`` outputs each, the same blocks (and bias slices)."""
+    blocks, bias, parts, start = matrix.blocks(), matrix.bias, [], 0
+    for size in sizes:
+        part_bias = None if bias is None else bias[start : start + size]
+        rows = blocks[start : start + size]
+        parts.append(PackedMatrix.from_blocks(matrix.format, size, matrix.cols, rows, part_bias))
+        start += size
+    return tuple(parts)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_projections_stacked_or_apart_compute_the_same(fmt):
+    """q, k, v (and gate, up) as one matrix or as separate ones, as a GGUF file stores them (each in its own
+    type): the same outputs, bit for bit."""
+    model, apart = native(fmt), native(fmt)
+    assert apart._native is not None
+    c, hd = CONFIG, CONFIG.hidden_size // CONFIG.num_heads
+    qkv_sizes = [c.num_heads * hd, c.num_kv_heads * hd, c.num_kv_heads * hd]
+    layers = [
+        dataclasses.replace(
+            layer,
+            qkv=split(layer.qkv, qkv_sizes),
+            gate_up=split(layer.gate_up, [c.intermediate_size] * 2),
+        )
+        for layer in apart._native.layers
+    ]
+    apart._native = apart._native.replaced(layers)
+    assert apart.cpu_precision == fmt
+    ids = torch.randint(0, 80, (2, 12), generator=torch.Generator().manual_seed(9))
+    stacked_logits, apart_logits = (m(ids, pos(0, 2, 12), m.new_cache(2, 16)) for m in (model, apart))
+    assert torch.equal(stacked_logits, apart_logits)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_native_rows_are_bit_identical_alone_in_a_block_beside_others_and_in_a_tree(fmt):
     model = native(fmt)

@@ -65,7 +65,6 @@ from verispec.drafting.learned.medusa import MedusaDrafter
 from verispec.drafting.ngram import NGramDrafter
 from verispec.errors import UsageError
 from verispec.kernels.build import library_path
-from verispec.kernels.cpu import FORMATS
 from verispec.models.base import HiddenStateModel, LanguageModel, RowInput, RowModel
 from verispec.models.gguf import cache_dir
 from verispec.models.llama import KVCache
@@ -265,7 +264,7 @@ def model_identity(model: LanguageModel) -> dict:
         "dtype": str(getattr(model, "dtype", "")),
         "device": str(model.device),
         "fast_path": fast_path,  # the CPU fast path's weights (native models)
-        "kernels": library_path().name if fast_path in FORMATS else None,
+        "kernels": library_path().name if fast_path not in (None, "fp32") else None,
     }
 
 

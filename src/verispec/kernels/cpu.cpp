@@ -175,33 +175,57 @@ typedef struct {
     const float* bias;     // [rows] or NULL
 } vs_matrix;
 
+// Matrices of one input whose outputs lie side by side (q, k and v; gate and up), each in its own format.
+enum { VS_STACK = 3 };
 typedef struct {
-    const float* attn_norm;  // [hidden]
-    const float* mlp_norm;   // [hidden]
-    vs_matrix qkv;           // [(heads + 2 kv_heads) head_dim, hidden]: q, k and v stacked
-    vs_matrix o;             // [hidden, heads head_dim]
-    vs_matrix gate_up;       // [2 intermediate, hidden]: gate and up stacked
-    vs_matrix down;          // [hidden, intermediate]
+    int32_t count;  // 1 .. VS_STACK
+    vs_matrix part[VS_STACK];
+} vs_stack;
+
+// One decoder layer. The optional parts (NULL: absent; window 0: full attention) give the architectures
+// beside Llama's: Qwen3's and Gemma 3's q/k norms, Gemma 3's norms of the attention's and the MLP's outputs
+// and its sliding-window layers with their own RoPE.
+typedef struct {
+    const float* attn_norm;       // [hidden]
+    const float* mlp_norm;        // [hidden]
+    vs_stack qkv;                 // [(heads + 2 kv_heads) head_dim, hidden]: q, k and v
+    vs_matrix o;                  // [hidden, heads head_dim]
+    vs_stack gate_up;             // [2 intermediate, hidden]: gate and up
+    vs_matrix down;               // [hidden, intermediate]
+    const float* q_norm;          // [head_dim]: each query head RMS-normalised before RoPE, or NULL
+    const float* k_norm;          // [head_dim]: each key head likewise, or NULL
+    const float* post_attn_norm;  // [hidden]: the attention's output normalised before the residual, or NULL
+    const float* post_mlp_norm;   // [hidden]: the MLP's output likewise, or NULL
+    int32_t window;               // > 0: a token sees the slots of the last `window` positions (its own included)
+    int32_t local_rope;           // 1: RoPE from the batch's local tables (cos_local, sin_local)
 } vs_layer;
 
+enum { VS_SILU = 0, VS_GELU_TANH = 1 };  // the MLP's activation of the gate
 typedef struct {
     int32_t hidden, intermediate, heads, kv_heads, head_dim, num_layers;
     float eps;
+    float attn_scale;     // attention scores' scale (1 / sqrt(head_dim) for Llama)
+    int32_t activation;   // VS_SILU or VS_GELU_TANH
     const vs_layer* layers;  // [num_layers]
 } vs_model;
 
 // N tokens, each of one sequence of the cache. Token i writes its key and value at slot[i] of row seq[i]
 // and attends to that row's slots [0, base[i]) and to the new slots base[i] + j with mask[i, j] (no mask:
 // every slot from base[i] to slot[i], a causal block).
+// A sliding-window layer hides the slots before position pos[i] - window + 1 from token i (committed slots
+// are positions; a tree's new slots are all seen while it is shallower than the window).
 typedef struct {
     int32_t n;
-    const float* cos;      // [N, head_dim / 2]: RoPE at each token's position, as transformers computes it
-    const float* sin;      // [N, head_dim / 2]
-    const int32_t* seq;    // [N]
-    const int32_t* slot;   // [N]
-    const int32_t* base;   // [N]
-    const uint8_t* mask;   // [N, mask_cols] or NULL
+    const float* cos;        // [N, head_dim / 2]: RoPE at each token's position, as transformers computes it
+    const float* sin;        // [N, head_dim / 2]
+    const int32_t* seq;      // [N]
+    const int32_t* slot;     // [N]
+    const int32_t* base;     // [N]
+    const uint8_t* mask;     // [N, mask_cols] or NULL
     int32_t mask_cols;
+    const int32_t* pos;      // [N]: each token's position (read by sliding-window layers), or NULL
+    const float* cos_local;  // [N, head_dim / 2]: RoPE of the local_rope layers, or NULL
+    const float* sin_local;  // [N, head_dim / 2]
 } vs_batch;
 
 // Keys and values in float16. Keys (after RoPE) in tiles of 16 slots, each tile [head_dim][16] so that one
@@ -791,71 +815,93 @@ static inline void tile_group(const vs_matrix* w, int g, int r0, const vs_qrows*
 
 static inline int row_major(const vs_matrix* w) { return w->format == VS_F16 || w->format == VS_F32; }
 
-// y [n, rows] = x [n, cols] W^T (+ bias); `qx`: x quantized (block formats), ignored for float16.
-static void matmul_rows(const vs_matrix* w, int n, const float* x, const vs_qrows* qx, float* y, int threads) {
+// The units a product's threads split: an output row (float16, float32) or a group of VS_GROUP outputs.
+static inline int units(const vs_matrix* w) { return row_major(w) ? w->rows : (w->rows + VS_GROUP - 1) / VS_GROUP; }
+
+// Unit u of y[:, 0 .. rows) = x [n, cols] W^T (+ bias), y's rows `stride` apart; `qx`: x quantized (block
+// formats), ignored for float16 and float32.
+static void product_unit(const vs_matrix* w, int u, int n, const float* x, const vs_qrows* qx, float* y,
+                         size_t stride) {
     const int rows = w->rows;
     if (row_major(w)) {
-        parallel_for(rows, threads, [&](int o) {
-            float out[TILE];
-            const float bias = w->bias ? w->bias[o] : 0.0f;
-            for (int r0 = 0; r0 < n; r0 += TILE) {
-                const int size = n - r0 < TILE ? n - r0 : TILE;
-                switch (size) {
-                    case 1: tile_rows<1>(w, o, r0, x, out); break;
-                    case 2: tile_rows<2>(w, o, r0, x, out); break;
-                    case 3: tile_rows<3>(w, o, r0, x, out); break;
-                    default: tile_rows<4>(w, o, r0, x, out); break;
-                }
-                for (int r = 0; r < size; r++) y[(size_t)(r0 + r) * rows + o] = out[r] + bias;
+        float out[TILE];
+        const float bias = w->bias ? w->bias[u] : 0.0f;
+        for (int r0 = 0; r0 < n; r0 += TILE) {
+            const int size = n - r0 < TILE ? n - r0 : TILE;
+            switch (size) {
+                case 1: tile_rows<1>(w, u, r0, x, out); break;
+                case 2: tile_rows<2>(w, u, r0, x, out); break;
+                case 3: tile_rows<3>(w, u, r0, x, out); break;
+                default: tile_rows<4>(w, u, r0, x, out); break;
             }
-        });
+            for (int r = 0; r < size; r++) y[(size_t)(r0 + r) * stride + u] = out[r] + bias;
+        }
         return;
     }
-    const int groups = (rows + VS_GROUP - 1) / VS_GROUP;
-    parallel_for(groups, threads, [&](int g) {
-        float out[GROUP_TILE * VS_GROUP];
-        for (int r0 = 0; r0 < n; r0 += GROUP_TILE) {
-            const int size = n - r0 < GROUP_TILE ? n - r0 : GROUP_TILE;
-            switch (size) {
-                case 1: tile_group<1>(w, g, r0, qx, out); break;
-                case 2: tile_group<2>(w, g, r0, qx, out); break;
-                case 3: tile_group<3>(w, g, r0, qx, out); break;
+    const int g = u;
+    float out[GROUP_TILE * VS_GROUP];
+    for (int r0 = 0; r0 < n; r0 += GROUP_TILE) {
+        const int size = n - r0 < GROUP_TILE ? n - r0 : GROUP_TILE;
+        switch (size) {
+            case 1: tile_group<1>(w, g, r0, qx, out); break;
+            case 2: tile_group<2>(w, g, r0, qx, out); break;
+            case 3: tile_group<3>(w, g, r0, qx, out); break;
 #if GROUP_TILE == 8
-                case 4: tile_group<4>(w, g, r0, qx, out); break;
-                case 5: tile_group<5>(w, g, r0, qx, out); break;
-                case 6: tile_group<6>(w, g, r0, qx, out); break;
-                case 7: tile_group<7>(w, g, r0, qx, out); break;
-                default: tile_group<8>(w, g, r0, qx, out); break;
+            case 4: tile_group<4>(w, g, r0, qx, out); break;
+            case 5: tile_group<5>(w, g, r0, qx, out); break;
+            case 6: tile_group<6>(w, g, r0, qx, out); break;
+            case 7: tile_group<7>(w, g, r0, qx, out); break;
+            default: tile_group<8>(w, g, r0, qx, out); break;
 #else
-                default: tile_group<4>(w, g, r0, qx, out); break;
+            default: tile_group<4>(w, g, r0, qx, out); break;
 #endif
-            }
-            const int o0 = g * VS_GROUP;
-#ifdef VS_AVX2
-            if (o0 + VS_GROUP <= rows) {  // a whole group: its lanes are consecutive outputs, stored at once
-                const Vec::F bias = w->bias ? Vec::loadf(w->bias + o0) : Vec::zero();
-                for (int r = 0; r < size; r++)
-                    Vec::store(y + (size_t)(r0 + r) * rows + o0, Vec::add(Vec::loadf(out + r * VS_GROUP), bias));
-                continue;
-            }
-#endif
-            for (int l = 0; l < VS_GROUP && o0 + l < rows; l++) {
-                const int o = o0 + l;
-                const float bias = w->bias ? w->bias[o] : 0.0f;
-                for (int r = 0; r < size; r++) y[(size_t)(r0 + r) * rows + o] = out[r * VS_GROUP + l] + bias;
-            }
         }
+        const int o0 = g * VS_GROUP;
+#ifdef VS_AVX2
+        if (o0 + VS_GROUP <= rows) {  // a whole group: its lanes are consecutive outputs, stored at once
+            const Vec::F bias = w->bias ? Vec::loadf(w->bias + o0) : Vec::zero();
+            for (int r = 0; r < size; r++)
+                Vec::store(y + (size_t)(r0 + r) * stride + o0, Vec::add(Vec::loadf(out + r * VS_GROUP), bias));
+            continue;
+        }
+#endif
+        for (int l = 0; l < VS_GROUP && o0 + l < rows; l++) {
+            const int o = o0 + l;
+            const float bias = w->bias ? w->bias[o] : 0.0f;
+            for (int r = 0; r < size; r++) y[(size_t)(r0 + r) * stride + o] = out[r * VS_GROUP + l] + bias;
+        }
+    }
+}
+
+// y [n, Σ rows] = x [n, cols] times the stack's matrices, their outputs side by side (one matrix: W^T), in
+// one parallel loop over the units of them all; x quantized once for the block formats among them.
+// Returns 0, or -2 when out of memory.
+static int matmul_stack(const vs_stack* s, int n, const float* x, float* y, int threads) {
+    vs_qrows qx = {NULL, NULL, NULL, NULL, NULL};
+    int total = 0, offset[VS_STACK + 1] = {0}, first[VS_STACK + 1] = {0};  // per part: output and unit offsets
+    for (int p = 0; p < s->count; p++) {
+        if (!row_major(&s->part[p]) && !qx.q) {
+            const int status = quantize(n, s->part[p].cols, x, &qx, threads);
+            if (status) return status;
+        }
+        offset[p + 1] = offset[p] + s->part[p].rows;
+        first[p + 1] = first[p] + units(&s->part[p]);
+        total = first[p + 1];
+    }
+    const size_t stride = offset[s->count];
+    parallel_for(total, threads, [&](int u) {
+        int p = 0;
+        while (u >= first[p + 1]) p++;
+        product_unit(&s->part[p], u - first[p], n, x, &qx, y + offset[p], stride);
     });
+    return 0;
 }
 
 static int matmul(const vs_matrix* w, int n, const float* x, float* y, int threads) {
-    vs_qrows qx = {NULL, NULL, NULL, NULL, NULL};
-    if (!row_major(w)) {
-        const int status = quantize(n, w->cols, x, &qx, threads);
-        if (status) return status;
-    }
-    matmul_rows(w, n, x, &qx, y, threads);
-    return 0;
+    vs_stack one;
+    one.count = 1;
+    one.part[0] = *w;
+    return matmul_stack(&one, n, x, y, threads);
 }
 
 // ------------------------------------------------------------------------------------------ layer pieces
@@ -987,16 +1033,25 @@ struct F16 {  // 16 floats (AVX-512): the same steps as F8
 };
 #endif
 
-// a[j] = silu(gate[j]) up[j] = gate[j] / (1 + exp(-gate[j])) up[j] for j < len, every element by the same
-// vector code (the tail through a zero-padded copy), whatever its lane.
+// silu(g) u = g / (1 + exp(-g)) u
 #ifdef VS_AVX2
 template <class V>
 static inline typename V::F silu_times(typename V::F g, typename V::F u) {
     return V::mul(V::div(g, V::add(V::set1(1.0f), vexp<V>(V::sub(V::set1(0.0f), g)))), u);
 }
+
+// gelu_tanh(g) u = g / 2 (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) u, tanh(z) = 1 - 2 / (exp(2 z) + 1)
+template <class V>
+static inline typename V::F gelu_times(typename V::F g, typename V::F u) {
+    const typename V::F z = V::mul(V::set1(0.7978845608028654f), V::fma(V::mul(V::set1(0.044715f), g), V::mul(g, g), g));
+    const typename V::F t = V::sub(V::set1(1.0f), V::div(V::set1(2.0f), V::add(vexp<V>(V::add(z, z)), V::set1(1.0f))));
+    return V::mul(V::mul(V::mul(V::set1(0.5f), g), V::add(V::set1(1.0f), t)), u);
+}
 #endif
 
-static inline void swiglu(const float* gate, const float* up, float* a, int len) {
+// a[j] = act(gate[j]) up[j] for j < len (act: VS_SILU or VS_GELU_TANH), every element by the same vector code
+// (the tail through a zero-padded copy), whatever its lane.
+static inline void gated(int activation, const float* gate, const float* up, float* a, int len) {
     int j = 0;
 #ifdef VS_AVX2
 #ifdef VS_AVX512
@@ -1005,16 +1060,22 @@ static inline void swiglu(const float* gate, const float* up, float* a, int len)
     typedef F8 V;
 #endif
     enum { W = sizeof(typename V::F) / sizeof(float) };
-    for (; j + W <= len; j += W) V::store(a + j, silu_times<V>(V::load(gate + j), V::load(up + j)));
+    const auto act = [activation](V::F g, V::F u) {
+        return activation == VS_GELU_TANH ? gelu_times<V>(g, u) : silu_times<V>(g, u);
+    };
+    for (; j + W <= len; j += W) V::store(a + j, act(V::load(gate + j), V::load(up + j)));
     if (j < len) {
         float g[W] = {}, u[W] = {}, out[W];
         memcpy(g, gate + j, sizeof(float) * (len - j));
         memcpy(u, up + j, sizeof(float) * (len - j));
-        V::store(out, silu_times<V>(V::load(g), V::load(u)));
+        V::store(out, act(V::load(g), V::load(u)));
         memcpy(a + j, out, sizeof(float) * (len - j));
     }
 #else
-    for (; j < len; j++) a[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+    for (; j < len; j++)
+        a[j] = activation == VS_GELU_TANH
+                   ? 0.5f * gate[j] * (1.0f + tanhf(0.7978845608028654f * (gate[j] + 0.044715f * gate[j] * gate[j] * gate[j]))) * up[j]
+                   : gate[j] / (1.0f + expf(-gate[j])) * up[j];
 #endif
 }
 
@@ -1205,18 +1266,28 @@ static inline void values_tile(const uint16_t* values, int hd, int c0, int c1, c
         }
 }
 
-// The slots token i sees, counted: its row's slots [0, base) and the new slots its mask (or causality) shows.
-static inline int visible_count(const vs_batch* batch, int i) {
-    if (!batch->mask) return batch->slot[i] + 1;
-    int count = batch->base[i];
+// The first slot token i sees in layer `layer`: 0, or in a sliding-window layer the slot of the first
+// position of its window (never past its new slots, which a tree shallower than the window sees whole).
+static inline int window_start(const vs_model* m, int layer, const vs_batch* batch, int i) {
+    const int window = m->layers[layer].window;
+    if (window <= 0) return 0;
+    const int lo = batch->pos[i] - window + 1;
+    return lo < 0 ? 0 : batch->mask && lo > batch->base[i] ? batch->base[i] : lo;
+}
+
+// The slots token i sees, counted: its row's slots [lo, base) and the new slots its mask (or causality) shows.
+static inline int visible_count(const vs_batch* batch, int i, int lo) {
+    if (!batch->mask) return batch->slot[i] + 1 - lo;
+    int count = batch->base[i] - lo;
     for (int j = 0; j < batch->mask_cols; j++) count += batch->mask[(size_t)i * batch->mask_cols + j] != 0;
     return count;
 }
 
-// The slot of token i's k-th visible slot (k < visible_count): slot k below base, else the new slot that is
-// the (k - base)-th its mask shows.
-static inline int visible_slot(const vs_batch* batch, int i, int k) {
+// The slot of token i's k-th visible slot (k < visible_count): slot lo + k below base, else the new slot that
+// is the (lo + k - base)-th its mask shows.
+static inline int visible_slot(const vs_batch* batch, int i, int k, int lo) {
     const int base = batch->base[i];
+    k += lo;
     if (k < base || !batch->mask) return k;
     for (int j = 0, seen = base; j < batch->mask_cols; j++)
         if (batch->mask[(size_t)i * batch->mask_cols + j] && seen++ == k) return base + j;
@@ -1236,7 +1307,7 @@ static inline int visible_slot(const vs_batch* batch, int i, int k) {
 template <int P>
 static inline void attention_task(const vs_model* m, int layer, const vs_batch* batch, const vs_cache* cache,
                                   const float* q, int q_stride, const int* ids, int T, int h0, int k0, const int* k1,
-                                  float* const* part) {
+                                  const int* lo, float* const* part) {
     const int R = P / T, hd = m->head_dim, g = h0 / (m->heads / m->kv_heads);
     const size_t row = ((size_t)layer * cache->batch + batch->seq[ids[0]]) * m->kv_heads + g;
     const uint16_t* keys = cache->k + row * cache->capacity * hd;
@@ -1244,18 +1315,18 @@ static inline void attention_task(const vs_model* m, int layer, const vs_batch* 
     const float* qh[P];
     int first[P], end[P];  // per token (the first T entries): its first visible slot, and one past its last
     for (int t = 0; t < T; t++) {
-        first[t] = visible_slot(batch, ids[t], k0);
-        end[t] = visible_slot(batch, ids[t], k1[t] - 1) + 1;
+        first[t] = visible_slot(batch, ids[t], k0, lo[ids[t]]);
+        end[t] = visible_slot(batch, ids[t], k1[t] - 1, lo[ids[t]]) + 1;
         for (int r = 0; r < R; r++) qh[t * R + r] = q + (size_t)ids[t] * q_stride + (size_t)(h0 + r) * hd;
     }
-    int c1 = end[0];
-    for (int t = 1; t < T; t++) c1 = end[t] > c1 ? end[t] : c1;
-    const int c0 = first[0] - first[0] % KT;  // key tiles start at multiples of 16 (the same for every token)
+    int c0 = first[0], c1 = end[0];
+    for (int t = 1; t < T; t++) c0 = first[t] < c0 ? first[t] : c0, c1 = end[t] > c1 ? end[t] : c1;
+    c0 -= c0 % KT;  // key tiles start at multiples of 16 (the same for every token)
     const int len = c1 - c0, stride = (len + KT - 1) / KT * KT;  // whole tiles per pair
     thread_local std::vector<float> buffer;
     if ((int)buffer.size() < P * stride) buffer.resize((size_t)P * stride);
     float* scores = buffer.data();
-    scores_tile<P>(keys, hd, qh, c0, c1, 1.0f / sqrtf((float)hd), scores, stride);
+    scores_tile<P>(keys, hd, qh, c0, c1, m->attn_scale, scores, stride);
     thread_local std::vector<float> gathered;
     float* o[P];
     for (int t = 0; t < T; t++) {
@@ -1296,12 +1367,13 @@ static inline void attention_task(const vs_model* m, int layer, const vs_batch* 
 static int attention(const vs_model* m, int layer, const vs_batch* batch, const vs_cache* cache, const float* q,
                      int q_stride, float* out, int threads) {
     const int n = batch->n, heads = m->heads, hd = m->head_dim, group = heads / m->kv_heads;
-    std::vector<int> seen(n);                   // the slots each token sees, counted once for every task
+    std::vector<int> seen(n), lo(n);            // the slots each token sees, counted once, from slot lo
     std::vector<int> row_of(cache->batch, -1);  // cache row → its index among the batch's rows
     std::vector<int> row_chunks, start(1, 0);   // per batch row: the chunks its tokens see; where they start
     int chunks = 1;
     for (int i = 0; i < n; i++) {
-        seen[i] = visible_count(batch, i);
+        lo[i] = window_start(m, layer, batch, i);
+        seen[i] = visible_count(batch, i, lo[i]);
         int& row = row_of[batch->seq[i]];
         if (row < 0) {
             row = (int)row_chunks.size();
@@ -1372,7 +1444,7 @@ static int attention(const vs_model* m, int layer, const vs_batch* batch, const 
                             part[t * count + r] = parts + (((size_t)ids[t] * heads + h0 + r) * chunks + task.chunk) * stride;
                     switch (tokens * count) {
 #define VS_TASK(P) \
-    case P: attention_task<P>(m, layer, batch, cache, q, q_stride, ids, tokens, h0, c0, ends, part); break;
+    case P: attention_task<P>(m, layer, batch, cache, q, q_stride, ids, tokens, h0, c0, ends, lo.data(), part); break;
                         VS_TASK(1) VS_TASK(2) VS_TASK(3) VS_TASK(4)
 #if ATT_PAIRS > 4
                         VS_TASK(5) VS_TASK(6) VS_TASK(7) VS_TASK(8) VS_TASK(9) VS_TASK(10) VS_TASK(11) VS_TASK(12)
@@ -1430,6 +1502,17 @@ extern "C" void vs_rmsnorm(int n, int dim, const float* x, const float* weight, 
     rmsnorm(n, dim, x, weight, eps, y, threads);
 }
 
+// Whether a stack's parts are valid matrices of `cols` columns and `rows` outputs in all.
+static int valid_stack(const vs_stack* s, int rows, int cols) {
+    if (s->count < 1 || s->count > VS_STACK) return 0;
+    int total = 0;
+    for (int p = 0; p < s->count; p++) {
+        if (!valid_matrix(&s->part[p]) || s->part[p].cols != cols) return 0;
+        total += s->part[p].rows;
+    }
+    return total == rows;
+}
+
 // The residual stream h [N, hidden] through layers [first, last) of `m`, writing every token's key and
 // value into `cache` (see vs_batch). Returns 0, -1 for invalid arguments, -2 when out of memory.
 extern "C" int vs_forward(const vs_model* m, int first, int last, const vs_batch* batch, const vs_cache* cache, float* h,
@@ -1444,13 +1527,15 @@ extern "C" int vs_forward(const vs_model* m, int first, int last, const vs_batch
         if (batch->mask && batch->slot[i] - batch->base[i] >= batch->mask_cols) return -1;
         if (cache->capacity % KT) return -1;
     }
-    for (int l = first; l < last; l++) {
-        const vs_layer* L = &m->layers[l];
-        if (!valid_matrix(&L->qkv) || !valid_matrix(&L->o) || !valid_matrix(&L->gate_up) || !valid_matrix(&L->down))
-            return -1;
-    }
     const int qkv_width = (m->heads + 2 * m->kv_heads) * hd, attn_width = m->heads * hd;
     const int inter = m->intermediate;
+    for (int l = first; l < last; l++) {
+        const vs_layer* L = &m->layers[l];
+        if (!valid_stack(&L->qkv, qkv_width, hidden) || !valid_matrix(&L->o) ||
+            !valid_stack(&L->gate_up, 2 * inter, hidden) || !valid_matrix(&L->down))
+            return -1;
+        if ((L->window > 0 && !batch->pos) || (L->local_rope && !(batch->cos_local && batch->sin_local))) return -1;
+    }
     const int widest = qkv_width > 2 * inter ? qkv_width : 2 * inter;
     float* x = (float*)thread_buffer(BUF_X, sizeof(float) * (size_t)n * hidden);
     float* wide = (float*)thread_buffer(BUF_WIDE, sizeof(float) * (size_t)n * widest);
@@ -1462,13 +1547,17 @@ extern "C" int vs_forward(const vs_model* m, int first, int last, const vs_batch
             rmsnorm(n, hidden, h, L->attn_norm, m->eps, x, threads);
         else  // the last layer's MLP output joins the residual stream
             add_rmsnorm(n, hidden, h, x, L->attn_norm, m->eps, threads);
-        status = matmul(&L->qkv, n, x, wide, threads);  // wide: [N, qkv_width]
+        status = matmul_stack(&L->qkv, n, x, wide, threads);  // wide: [N, qkv_width]
         if (status) break;
-        parallel_for(n, threads, [&](int i) {  // RoPE on q and k; k and v into the cache (each token its slot)
+        parallel_for(n, threads, [&](int i) {  // q/k norms, RoPE on q and k; k and v into the cache (each its slot)
             float* row = wide + (size_t)i * qkv_width;
-            const float* c = batch->cos + (size_t)i * half;
-            const float* s = batch->sin + (size_t)i * half;
-            for (int hh = 0; hh < m->heads + m->kv_heads; hh++) rope(row + hh * hd, c, s, half);
+            const float* c = (L->local_rope ? batch->cos_local : batch->cos) + (size_t)i * half;
+            const float* s = (L->local_rope ? batch->sin_local : batch->sin) + (size_t)i * half;
+            for (int hh = 0; hh < m->heads + m->kv_heads; hh++) {
+                const float* norm = hh < m->heads ? L->q_norm : L->k_norm;
+                if (norm) rmsnorm_row(row + hh * hd, hd, norm, m->eps, row + hh * hd);
+                rope(row + hh * hd, c, s, half);
+            }
             const int slot = batch->slot[i];
             for (int g = 0; g < m->kv_heads; g++) {
                 const size_t head = (((size_t)l * cache->batch + batch->seq[i]) * m->kv_heads + g) * cache->capacity * hd;
@@ -1485,18 +1574,20 @@ extern "C" int vs_forward(const vs_model* m, int first, int last, const vs_batch
         if (status) break;
         status = matmul(&L->o, n, attn, x, threads);  // x: [N, hidden]
         if (status) break;
+        if (L->post_attn_norm) rmsnorm(n, hidden, x, L->post_attn_norm, m->eps, x, threads);
         add_rmsnorm(n, hidden, h, x, L->mlp_norm, m->eps, threads);
-        status = matmul(&L->gate_up, n, x, wide, threads);  // wide: [N, 2 inter]
+        status = matmul_stack(&L->gate_up, n, x, wide, threads);  // wide: [N, 2 inter]
         if (status) break;
-        parallel_for(n, threads, [&](int i) {  // SwiGLU: silu(gate) * up
+        parallel_for(n, threads, [&](int i) {  // act(gate) * up
             const float* gate = wide + (size_t)i * 2 * inter;
-            swiglu(gate, gate + inter, attn + (size_t)i * inter, inter);
+            gated(m->activation, gate, gate + inter, attn + (size_t)i * inter, inter);
         });
         status = matmul(&L->down, n, attn, x, threads);  // x: [N, hidden]
+        if (status) break;
+        if (L->post_mlp_norm) rmsnorm(n, hidden, x, L->post_mlp_norm, m->eps, x, threads);
     }
     if (status == 0 && last > first) add_rmsnorm(n, hidden, h, x, NULL, m->eps, threads);
     return status;
 }
 
 extern "C" int vs_abi_version(void) { return 4; }
-

@@ -23,6 +23,7 @@ import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,16 +36,19 @@ from verispec.kernels.build import NativeUnavailable, load
 from verispec.kernels.formats import BLOCK_FORMATS
 
 __all__ = [
+    "ACTIVATIONS",
     "BLOCK",
     "FORMATS",
-    "NativeLayer",
-    "NativeStack",
     "GGUF_TYPES",
     "KERNEL_FORMATS",
+    "NativeLayer",
+    "NativeStack",
     "PackedMatrix",
+    "Projection",
     "native_available",
     "quantize_rows",
     "rmsnorm",
+    "stacked",
 ]
 
 FORMATS = ("fp16", "q8_0", "q4_1")  # what a float32 matrix is packed in (PackedMatrix.pack)
@@ -72,14 +76,27 @@ class _Matrix(ctypes.Structure):
     ]
 
 
+_STACK = 3  # matrices a projection may stack (VS_STACK)
+
+
+class _Stack(ctypes.Structure):
+    _fields_ = [("count", ctypes.c_int32), ("part", _Matrix * _STACK)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [
         ("attn_norm", _p),
         ("mlp_norm", _p),
-        ("qkv", _Matrix),
+        ("qkv", _Stack),
         ("o", _Matrix),
-        ("gate_up", _Matrix),
+        ("gate_up", _Stack),
         ("down", _Matrix),
+        ("q_norm", _p),
+        ("k_norm", _p),
+        ("post_attn_norm", _p),
+        ("post_mlp_norm", _p),
+        ("window", ctypes.c_int32),
+        ("local_rope", ctypes.c_int32),
     ]
 
 
@@ -92,6 +109,8 @@ class _Model(ctypes.Structure):
         ("head_dim", ctypes.c_int32),
         ("num_layers", ctypes.c_int32),
         ("eps", ctypes.c_float),
+        ("attn_scale", ctypes.c_float),
+        ("activation", ctypes.c_int32),
         ("layers", ctypes.POINTER(_Layer)),
     ]
 
@@ -106,6 +125,9 @@ class _Batch(ctypes.Structure):
         ("base", _p),
         ("mask", _p),
         ("mask_cols", ctypes.c_int32),
+        ("pos", _p),
+        ("cos_local", _p),
+        ("sin_local", _p),
     ]
 
 
@@ -344,22 +366,54 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, variant: str = "native") -> T
     return y
 
 
+Projection = PackedMatrix | tuple[PackedMatrix, ...]  # matrices of one input, their outputs side by side
+ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's activation of its gate (VS_SILU, VS_GELU_TANH)
+
+
+def stacked(projection: Projection) -> tuple[PackedMatrix, ...]:
+    """The matrices of a projection, in output order."""
+    return projection if isinstance(projection, tuple) else (projection,)
+
+
 @dataclass(frozen=True)
 class NativeLayer:
     """One decoder layer's weights for the native forward: the two norms' weights [hidden] and the packed
-    projections (q, k, v stacked; gate and up stacked)."""
+    projections (q, k, v one matrix or three; gate and up one or two, each in its own format); optionally
+    Qwen3's and Gemma 3's per-head q/k norms [head_dim], Gemma 3's norms of the attention's and the MLP's
+    outputs [hidden], a sliding window (the last ``window`` positions; 0: all) and the batch's local RoPE."""
 
     attn_norm: Tensor
     mlp_norm: Tensor
-    qkv: PackedMatrix
+    qkv: Projection
     o: PackedMatrix
-    gate_up: PackedMatrix
+    gate_up: Projection
     down: PackedMatrix
+    q_norm: Tensor | None = None
+    k_norm: Tensor | None = None
+    post_attn_norm: Tensor | None = None
+    post_mlp_norm: Tensor | None = None
+    window: int = 0
+    local_rope: bool = False
+
+    def matrices(self) -> tuple[PackedMatrix, ...]:
+        """Every matrix of the layer."""
+        return (*stacked(self.qkv), self.o, *stacked(self.gate_up), self.down)
+
+
+_VECTORS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
+
+
+def _stack(projection: Projection) -> _Stack:
+    parts = stacked(projection)
+    if not 0 < len(parts) <= _STACK:
+        raise UsageError(f"a projection stacks 1 to {_STACK} matrices, got {len(parts)}")
+    return _Stack(len(parts), (_Matrix * _STACK)(*(m.struct for m in parts)))
 
 
 class NativeStack:
-    """A stack of Llama decoder layers run by ``vs_forward``: RMSNorm, q/k/v, RoPE, grouped-query attention
-    over a KV cache, SwiGLU, residuals; one call for all layers."""
+    """A stack of decoder layers run by ``vs_forward``: RMSNorm, q/k/v (q/k norms), RoPE, grouped-query
+    attention over a KV cache (sliding windows), a gated MLP (SwiGLU or GELU-tanh), residuals (post-norms);
+    one call for all layers. attn_scale: the scores' scale (default 1 / sqrt(head_dim))."""
 
     def __init__(
         self,
@@ -372,26 +426,58 @@ class NativeStack:
         eps: float,
         layers: Sequence[NativeLayer],
         variant: str = "native",
+        attn_scale: float | None = None,
+        activation: str = "silu",
     ) -> None:
+        if activation not in ACTIVATIONS:
+            raise UsageError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
         self.layers = tuple(layers)
         self.head_dim = head_dim
         self.variant = variant
         self._lib = _library(variant)
         array = (_Layer * len(self.layers))()
         for i, layer in enumerate(self.layers):
-            norms = (layer.attn_norm.float().contiguous(), layer.mlp_norm.float().contiguous())
-            object.__setattr__(layer, "attn_norm", norms[0])
-            object.__setattr__(layer, "mlp_norm", norms[1])
+            for name in _VECTORS:  # float32, contiguous, kept alive by the layer
+                vector = getattr(layer, name)
+                if vector is not None:
+                    object.__setattr__(layer, name, vector.float().contiguous())
             array[i] = _Layer(
-                norms[0].data_ptr(),
-                norms[1].data_ptr(),
-                layer.qkv.struct,
+                layer.attn_norm.data_ptr(),
+                layer.mlp_norm.data_ptr(),
+                _stack(layer.qkv),
                 layer.o.struct,
-                layer.gate_up.struct,
+                _stack(layer.gate_up),
                 layer.down.struct,
+                *(_ptr(getattr(layer, name)) for name in _VECTORS[2:]),
+                layer.window,
+                int(layer.local_rope),
             )
         self._array = array
-        self._model = _Model(hidden, intermediate, heads, kv_heads, head_dim, len(self.layers), eps, array)
+        scale = head_dim**-0.5 if attn_scale is None else attn_scale
+        self._settings: dict[str, Any] = dict(hidden=hidden, intermediate=intermediate, heads=heads)
+        self._settings |= dict(kv_heads=kv_heads, head_dim=head_dim, eps=eps, variant=variant)
+        self._settings |= dict(attn_scale=scale, activation=activation)
+        self._model = _Model(
+            hidden,
+            intermediate,
+            heads,
+            kv_heads,
+            head_dim,
+            len(self.layers),
+            eps,
+            scale,
+            ACTIVATIONS.index(activation),
+            array,
+        )
+
+    def replaced(self, layers: Sequence[NativeLayer]) -> NativeStack:
+        """A stack of the same architecture with other layers (a self-draft's requantized ones)."""
+        return NativeStack(layers=layers, **self._settings)
+
+    @property
+    def precision(self) -> str:
+        """The format of its matrices, or of each kind where they differ, sorted and joined by "+"."""
+        return "+".join(sorted({m.format for layer in self.layers for m in layer.matrices()}))
 
     def forward(
         self,
@@ -406,6 +492,9 @@ class NativeStack:
         mask: Tensor | None,
         keys: Tensor,
         values: Tensor,
+        pos: Tensor | None = None,
+        cos_local: Tensor | None = None,
+        sin_local: Tensor | None = None,
     ) -> None:
         """Runs the first ``num_layers`` layers over the residual stream h [N, hidden] float32 in place.
 
@@ -413,7 +502,9 @@ class NativeStack:
         writes slot[i] of cache row seq[i] and attends to that row's slots [0, base[i]) and to its new slots
         base[i] + j with mask[i, j] (mask [N, M] bool; None: slots base[i] .. slot[i]); keys [layers, B,
         kv_heads, capacity / 16, head_dim, 16] and values [layers, B, kv_heads, capacity, head_dim], float16,
-        contiguous (a tiled :class:`~verispec.models.llama.KVCache`). The caller has checked every index."""
+        contiguous (a tiled :class:`~verispec.models.llama.KVCache`). Sliding-window layers read pos [N]
+        int32, each token's position; local-RoPE layers cos_local and sin_local [N, head_dim / 2] float32.
+        The caller has checked every index."""
         batch = _Batch(
             h.shape[0],
             cos.data_ptr(),
@@ -423,6 +514,9 @@ class NativeStack:
             base.data_ptr(),
             None if mask is None else mask.data_ptr(),
             0 if mask is None else mask.shape[1],
+            _ptr(pos),
+            _ptr(cos_local),
+            _ptr(sin_local),
         )
         cache = _Cache(keys.data_ptr(), values.data_ptr(), values.shape[1], values.shape[3])
         status = self._lib.vs_forward(

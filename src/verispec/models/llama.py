@@ -34,7 +34,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from verispec.errors import UsageError
-from verispec.kernels.cpu import FORMATS, NativeLayer, NativeStack, PackedMatrix, native_available, rmsnorm
+from verispec.kernels.cpu import (
+    FORMATS,
+    NativeLayer,
+    NativeStack,
+    PackedMatrix,
+    native_available,
+    rmsnorm,
+    stacked,
+)
 from verispec.models.base import Cache, RowInput
 
 __all__ = [
@@ -844,7 +852,7 @@ class Llama(nn.Module):
     def cpu_precision(self) -> str | None:
         """The precision of the CPU fast path (:data:`PRECISIONS`), None when the model is not on it."""
         if self._native is not None:
-            return self._native.layers[0].qkv.format
+            return self._native.precision
         packed = any(isinstance(m, _Linear) and m.packed for m in self.modules())
         return "fp32" if packed or self._onednn_head else None
 
@@ -1003,12 +1011,11 @@ class Llama(nn.Module):
             mlp.fuse()
             assert attn.qkv_proj is not None and mlp.gate_up_proj is not None
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            packed = [PackedMatrix.pack(p.weight, p.bias, precision) for p in projections]
+            qkv, o, gate_up, down = (PackedMatrix.pack(p.weight, p.bias, precision) for p in projections)
             for p in projections:
                 p.release()
-            layers.append(
-                NativeLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *packed)
-            )
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            layers.append(NativeLayer(*norms, qkv, o, gate_up, down))
         c = self.config
         self._native = NativeStack(
             hidden=c.hidden_size,
@@ -1071,21 +1078,16 @@ class Llama(nn.Module):
             return PackedMatrix.pack(m.dequantized(), m.bias, fmt)
 
         layers = [
-            NativeLayer(
-                own.attn_norm, own.mlp_norm, *(repacked(m) for m in (own.qkv, own.o, own.gate_up, own.down))
+            dataclasses.replace(
+                own,
+                qkv=tuple(repacked(m) for m in stacked(own.qkv)),
+                o=repacked(own.o),
+                gate_up=tuple(repacked(m) for m in stacked(own.gate_up)),
+                down=repacked(own.down),
             )
             for own in self._native.layers[:n]
         ]
-        c = self.config
-        draft._native = NativeStack(
-            hidden=c.hidden_size,
-            intermediate=c.intermediate_size,
-            heads=c.num_heads,
-            kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
-            eps=c.rms_norm_eps,
-            layers=layers,
-        )
+        draft._native = self._native.replaced(layers)
         draft._native_head = repacked(self._native_head, "q8_0")
         return draft
 
