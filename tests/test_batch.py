@@ -106,11 +106,11 @@ def test_greedy_in_a_batch_equals_decoding_alone(native_target, monkeypatch, dra
 @needs_native
 def test_same_seed_same_tokens_alone_or_batched(native_target):
     spec = speculator(native_target, "ngram")
-    sampling = SamplingParams(temperature=1.0, top_k=20, seed=7)
+    sampling = SamplingParams(temperature=1.0, top_k=20, seed=7, invariant=False)
     options = dict(k=2, max_new_tokens=20, sampling=sampling)
     alone = [spec.generate(p, **options).token_ids for p in PROMPTS[:4]]
     assert [r.token_ids for r in spec.generate_batch(PROMPTS[:4], slots=4, **options)] == alone
-    other_seed = SamplingParams(temperature=1.0, top_k=20, seed=8)
+    other_seed = SamplingParams(temperature=1.0, top_k=20, seed=8, invariant=False)
     assert spec.generate(PROMPTS[0], **dict(options, sampling=other_seed)).token_ids != alone[0]
 
 
@@ -208,7 +208,7 @@ def test_a_slot_keeps_the_prompt_start_it_shares_and_that_changes_nothing(native
     greedy, and sampled with a seed, token for token (an early exit reads the kept slots too)."""
     spec = speculator(native_target, drafter, draft)
     ids = [LetterTokenizer(VOCAB).encode(p) for p in SHARED_STARTS]
-    for sampling in (GREEDY, SamplingParams(temperature=1.0, top_k=20, seed=5)):
+    for sampling in (GREEDY, SamplingParams(temperature=1.0, top_k=20, seed=5, invariant=False)):
         options = dict(k=k, max_new_tokens=12, sampling=sampling)
         alone = [spec.generate(p, **options) for p in SHARED_STARTS]  # a fresh engine each: nothing held
         assert all(r.stats["cached_prompt_tokens"] == 0 for r in alone)
@@ -260,7 +260,7 @@ def test_an_eagle_row_keeping_a_prompt_start_samples_what_it_samples_alone(nativ
         drafter="eagle",
         drafter_path=eagle_file(native_target, tmp_path),
     )
-    options = dict(k=2, max_new_tokens=12, sampling=SamplingParams(temperature=1.0, seed=3))
+    options = dict(k=2, max_new_tokens=12, sampling=SamplingParams(temperature=1.0, seed=3, invariant=False))
     alone = [spec.generate(p, **options).token_ids for p in SHARED_STARTS]
     one_slot = spec.generate_batch(SHARED_STARTS, slots=1, **options)
     assert [r.token_ids for r in one_slot] == alone
@@ -282,7 +282,7 @@ def test_a_joining_request_copies_the_start_a_running_row_holds(native_target, t
         (native_target, LetterTokenizer(VOCAB)), draft=draft, drafter=drafter, drafter_path=path
     )
     first, second = "thecatsatonthemat", "thecatsatonthehat"
-    for sampling in (GREEDY, SamplingParams(temperature=1.0, top_k=20, seed=5)):
+    for sampling in (GREEDY, SamplingParams(temperature=1.0, top_k=20, seed=5, invariant=False)):
         options = dict(k=k, max_new_tokens=12, sampling=sampling)
         alone = [spec.generate(p, **options).token_ids for p in (first, second)]
         engine = SpeculativeEngine(native_target, slots=2)

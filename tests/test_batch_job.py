@@ -3,8 +3,10 @@
 On stories260K with prompt lookup at a fixed K, sampled at temperature 1: the output is the same whatever the
 shard size, the batch size, in-process or on Ray workers, and equal to generating each request alone with its
 derived seed. With --k auto the K of a round follows this machine's costs and the rest of the batch, so only
-the distribution (and greedy output) is independent of how the work is cut, not the sampled tokens; with
---invariant they are too, at any K: each request is then the target's own sampling with its seed.
+the distribution (and greedy output) is independent of how the work is cut, not the sampled tokens with
+--no-invariant; by default (invariant draws: every request has a seed) they are too, at any K: each request
+is then the target's own sampling with its seed. A hostile line (deep nesting, a 5,000-digit integer, a lone
+surrogate, bytes that are not UTF-8) is that line's error record, and the job finishes.
 """
 
 from __future__ import annotations
@@ -88,17 +90,24 @@ def test_output_is_independent_of_shards_and_batches_and_equals_each_alone(stori
 def test_invariant_sampling_at_k_auto_is_independent_of_batches_and_is_the_target_s_own(
     stories, requests_file, tmp_path, capsys
 ):
-    """``verispec batch --invariant --k auto``: whatever --max-batch and --shard-size, each request is what
-    the target samples alone with its derived seed, with no drafter at all."""
+    """``verispec batch --k auto`` (invariant draws by default, or --invariant): whatever --max-batch and
+    --shard-size, each request is what the target samples alone with its derived seed, with no drafter at
+    all; --no-invariant opts out (recorded in the job's settings)."""
     from verispec.api import Speculator
 
     model = ["--target", stories[0], "--tokenizer", stories[1], "--drafter", "ngram", "--k", "auto"]
-    sampling = ["--temperature", "0.7", "--seed", "7", "--invariant", "--max-new-tokens", "16"]
-    for name, cut in (("a", ["--max-batch", "2", "--shard-size", "3"]), ("b", ["--max-batch", "8"])):
+    sampling = ["--temperature", "0.7", "--seed", "7", "--max-new-tokens", "16"]
+    for name, cut in (
+        ("a", ["--max-batch", "2", "--shard-size", "3"]),
+        ("b", ["--max-batch", "8", "--invariant"]),
+    ):
         files = ["--input", str(requests_file), "--output", str(tmp_path / f"{name}.jsonl")]
         assert cli.main(["batch", *files, *model, *sampling, *cut]) == 0
     a, b = read(tmp_path / "a.jsonl"), read(tmp_path / "b.jsonl")
     assert a == b
+    assert job(stories, requests_file, "x.jsonl").sampling.invariant  # the library's job: the same default
+    opted = job(stories, requests_file, "x.jsonl", sampling=SamplingParams(1.0, seed=7, invariant=False))
+    assert not opted.sampling.invariant
     spec = Speculator(stories[0], drafter="none", tokenizer=stories[1])
     for ident, tokens, _ in a[:4]:
         own = SamplingParams(0.7, seed=prompt_seed(7, ident), invariant=True)
@@ -202,6 +211,42 @@ def test_a_malformed_line_gets_an_error_record_and_the_rest_run(stories, tmp_pat
     assert records[2]["error"] == f'{bad}:3: "prompt" must be a string'
     assert records[3]["error"] == f"{bad}:4: id 'a' repeats an earlier line's"
     assert records[0]["token_ids"] and records[4]["token_ids"]
+
+
+def test_hostile_lines_get_error_records_and_the_job_finishes(stories, tmp_path, capsys):
+    """Issue 36's lines (each once aborted a job: a lone surrogate after 11 of 12 shards, the others before
+    anything was written), one shard each: each is its line's error record, the others run, and
+    ``generate --batch`` says the same."""
+    hostile = tmp_path / "hostile.jsonl"
+    lines = [
+        b'{"id": "a", "prompt": "Once"}',
+        b'{"id": "deep", "prompt": "x", "n": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        b'{"id": "int", "prompt": "x", "n": ' + b"9" * 5000 + b"}",
+        rb'{"id": "lone", "prompt": "a\ud800b"}',
+        rb'{"id": "chat", "messages": [{"role": "user", "content": "\udc00"}]}',
+        b'{"id": "bytes", "prompt": "\xff\xfe"}',
+        '{"id": "sep", "prompt": "The dog\u2028ran"}'.encode(),  # a line separator inside a string: one line
+        b'{"id": "d", "prompt": "The dog"}',
+    ]
+    hostile.write_bytes(b"\n".join(lines) + b"\n")
+    output = tmp_path / "out.jsonl"
+    summary = run_job(job(stories, hostile, str(output), shard_size=1))
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["a", "line-2", "line-3", "line-4", "line-5", "line-6", "sep", "d"]
+    errors = [r.get("error", "") for r in records]
+    assert errors[1] == f"{hostile}:2: not JSON (nested too deeply)"
+    assert errors[2] == f"{hostile}:3: not JSON (an integer of more than 4300 digits)"
+    assert (
+        errors[3]
+        == f"{hostile}:4: the prompt holds a lone surrogate (U+D800) at character 1: not valid Unicode"
+    )
+    assert errors[4].startswith(f"{hostile}:5: the prompt holds a lone surrogate (U+DC00)")
+    assert errors[5].startswith(f"{hostile}:6: not JSON (not UTF-8")
+    assert summary["refused"] == 5 and all(records[i]["token_ids"] for i in (0, 6, 7))
+    model = ["--target", stories[0], "--tokenizer", stories[1], "--drafter", "ngram"]
+    assert cli.main(["generate", "--batch", str(hostile), "--json", "--max-new-tokens", "4", *model]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r.get("error", "") for r in printed] == errors
 
 
 def test_bad_jobs_are_refused_before_anything_is_written(stories, tmp_path):

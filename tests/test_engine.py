@@ -202,7 +202,7 @@ def test_additive_policy():
 
 
 def sampled_run(target, drafter, seed: int, n: int, sampling_kw=None) -> list[int]:
-    sampling = SamplingParams(seed=seed, **(sampling_kw or {}))
+    sampling = SamplingParams(seed=seed, invariant=False, **(sampling_kw or {}))
     if isinstance(drafter, ModelDrafter):
         drafter = ModelDrafter(drafter.model, sampling, target.vocab_size)
     out, _ = run(SpeculativeEngine(target, drafter, ConstantK(3)), [1], EngineConfig(n, sampling), False)

@@ -43,6 +43,7 @@ def support(probs: Tensor) -> list[int]:
         ({"temperature": True}, "temperature"),
         ({"temperature": "1.0"}, "temperature"),
         ({"temperature": None}, "temperature"),
+        ({"temperature": 3.5e38}, "temperature"),  # infinite in float32: a masked token's -inf / inf is NaN
         ({"top_k": -1}, "top_k"),
         ({"top_k": 2.0}, "top_k"),
         ({"top_k": True}, "top_k"),
@@ -90,6 +91,8 @@ def test_params_invalid_values_raise_one_line_value_error(kwargs, field):
         {"seed": 0},
         {"seed": 2**63 - 1},
         {"invariant": True},
+        {"temperature": 3.4e38},
+        {"top_p": 5e-324},
     ],
 )
 def test_params_boundary_values_are_valid(kwargs):
@@ -108,6 +111,23 @@ def test_params_defaults_and_frozen():
         params.temperature = 0.5  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         params.seed = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.invariant = True  # type: ignore[misc]
+
+
+def test_a_seed_means_invariant_draws_unless_opted_out():
+    """One default: invariant draws exactly when a seed is given; ``invariant=False`` opts out, and
+    ``invariant=True`` without a seed stays so."""
+    assert SamplingParams(seed=3).invariant is True and SamplingParams(seed=0).invariant is True
+    assert SamplingParams().invariant is False
+    assert SamplingParams(seed=3, invariant=False).invariant is False
+    assert SamplingParams(invariant=True).invariant is True
+    assert dataclasses.replace(SamplingParams(), seed=4).invariant is False  # replace: the resolved value
+    halved = SamplingParams(temperature=0.5)
+    assert halved.with_seed(4) == SamplingParams(temperature=0.5, seed=4, invariant=True)
+    assert SamplingParams(seed=1).with_seed(None).invariant is False
+    assert SamplingParams(invariant=False).with_seed(4).invariant is False  # an opt-out stays one
+    assert SamplingParams(seed=1, invariant=False).with_seed(4).invariant is False
 
 
 def test_params_greedy():
@@ -243,6 +263,20 @@ def test_top_p_one_keeps_all_and_tiny_top_p_keeps_argmax():
     assert torch.equal(tiny, torch.tensor([0.0, 1.0, 0.0, 0.0]))
     tied = probs_from_logits(torch.tensor([1.0, 5.0, 5.0]), SamplingParams(top_p=1e-9))
     assert torch.equal(tied, torch.tensor([0.0, 1.0, 0.0]))  # first of the tied maxima
+
+
+@pytest.mark.parametrize("top_p", [1e-45, 1e-46, 1e-300, 5e-324])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_a_top_p_below_float32_s_least_value_keeps_the_argmax(top_p, dtype):
+    """A top_p that is 0 in the logits' float type (below ~1e-45 in float32) keeps the most likely token, as
+    transformers does, never an empty (NaN) distribution; with top-k, min-p and any temperature too."""
+    logits = torch.tensor([[0.0, 3.0, -2.0, float("-inf")], [1.0, 1.0, 0.5, 0.0]], dtype=dtype)  # [2, 4]
+    for temperature in (1e-300, 1e-3, 1.0, 1e30, 3.4e38):
+        for top_k, min_p in ((0, 0.0), (2, 0.5)):
+            params = SamplingParams(temperature, top_k, top_p, min_p)
+            probs = probs_from_logits(logits, params)
+            assert torch.isfinite(probs).all()
+            assert support(probs[0]) == [1] and support(probs[1]) == [0]
 
 
 # ---------------------------------------------------------------------------------------------- min-p
@@ -580,7 +614,7 @@ def test_draft_draw_is_the_generator_s_draw_or_the_position_s_own():
     generator = torch.Generator().manual_seed(2)
     q = torch.softmax(torch.randn(300, generator=generator), -1)  # [W]: a draft vocabulary of 300 ids
     ids = torch.randperm(1000, generator=generator)[:300]  # [W]: their ids in the target's vocabulary
-    plain, invariant = SamplingParams(seed=4), SamplingParams(seed=4, invariant=True)
+    plain, invariant = SamplingParams(seed=4, invariant=False), SamplingParams(seed=4)
     assert torch.equal(draft_draw(q, plain.generator(), plain, 12), sample(q, plain.generator()))
     spread = torch.zeros(1000).scatter_(0, ids, q)  # [V]
     for position in range(20):

@@ -7,8 +7,11 @@ in OpenAI's error format, and /metrics read back with prometheus_client's parser
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.client
 import json
+import logging
+import socket
 import time
 
 import openai
@@ -16,10 +19,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from verispec import cli
+from verispec import engine as engine_module
 from verispec.api import Speculator
 from verispec.models.registry import load_model
 from verispec.sampling import SamplingParams
-from verispec.server.app import Server, ServerConfig, listen, serving
+from verispec.server.app import OncePerInterval, Server, ServerConfig, listen, serving
 
 TIMEOUT = 60  # seconds, for any one client call
 
@@ -201,9 +205,9 @@ GOOD = {"model": "stories260K", "prompt": "Once", "max_tokens": 4}
 CHAT = {"model": "stories260K", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 BAD_REQUESTS = [
     # (path, body (bytes, or an object sent as JSON), status, message fragment)
-    ("/v1/completions", b"{not json", 400, "not valid JSON"),
-    ("/v1/completions", b"", 400, "not valid JSON"),
-    ("/v1/completions", b"\xff\xfe", 400, "not valid JSON"),
+    ("/v1/completions", b"{not json", 400, "the body is not JSON"),
+    ("/v1/completions", b"", 400, "the body is not JSON"),
+    ("/v1/completions", b"\xff\xfe", 400, "the body is not JSON"),
     ("/v1/completions", [1, 2], 400, "must be a JSON object"),
     ("/v1/completions", "a string", 400, "must be a JSON object"),
     ("/v1/completions", {"prompt": "x"}, 400, "model: Field required"),
@@ -243,7 +247,7 @@ BAD_REQUESTS = [
 
 
 @pytest.mark.parametrize(("path", "body", "status", "message"), BAD_REQUESTS)
-def test_bad_requests_get_their_status_and_one_line(served, caplog, path, body, status, message):
+def test_bad_requests_get_their_status_and_one_line(served, server_log, path, body, status, message):
     url, server = served
     payload = body if isinstance(body, bytes) else json.dumps(body).encode()
     got, headers, answer = raw(url, "POST", path, payload, {"content-type": "application/json"})
@@ -254,9 +258,7 @@ def test_bad_requests_get_their_status_and_one_line(served, caplog, path, body, 
     )
     assert set(error) == {"message", "type", "param", "code"}
     assert server.scheduler.running == 0  # nothing was left running
-    assert not [
-        r for r in caplog.records if r.exc_info or r.name.startswith("verispec")
-    ]  # no traceback logged
+    assert not [r for r in server_log if r.exc_info or r.levelno >= logging.WARNING]  # nothing logged
 
 
 def test_wrong_methods_and_the_server_still_serves(served):
@@ -320,6 +322,10 @@ def test_serve_refuses_bad_flags_in_one_line(capsys):
         (["--port", "70000"], "--port must be in"),
         (["--k", "many"], "k must be"),
         (["--api-key", " "], "the API key is empty"),
+        (["--max-connections", "0"], "max-connections must be an integer >= 1"),
+        (["--body-timeout", "0"], "body-timeout must be seconds in (0, 86400]"),
+        (["--keep-alive", "nan"], "keep-alive must be seconds"),
+        (["--max-body", "-1"], "max-body must be an integer >= 1"),
     ):
         assert cli.main(["serve", *flags]) == 2
         err = capsys.readouterr().err
@@ -369,3 +375,318 @@ def test_bench_serve_runs_and_reports(shared_model, tmp_path):
     assert served["rss_start_mib"] > 0 and served["rss_end_mib"] > 0 and served["ttft_p50"] > 0
     assert result["engine"]["tokens_per_second"] > 0 and result["served_over_engine"] > 0
     assert "| completed | failures |" in (tmp_path / "results.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------- hardening
+
+DEEP = b'{"model": "stories260K", "prompt": "Once", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+LONG_INT = b'{"model": "stories260K", "prompt": "Once", "ignored": ' + b"7" * 4301 + b"}"
+
+
+class Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def server_log():
+    """Every record the server's loggers write, uvicorn's included (it does not propagate to caplog's)."""
+    kept = Kept()
+    loggers = [logging.getLogger(name) for name in ("uvicorn", "uvicorn.error", "asyncio", "verispec")]
+    for logger in loggers:
+        logger.addHandler(kept)
+    yield kept.records
+    for logger in loggers:
+        logger.removeHandler(kept)
+
+
+def quiet(records: list[logging.LogRecord]) -> bool:
+    """Nothing worth a line in the log: no traceback, no warning."""
+    return not [r for r in records if r.exc_info or r.levelno >= logging.WARNING]
+
+
+LONE_IN_CHAT = b'{"model": "stories260K", "messages": [{"role": "user", "content": "\\ud83d"}]}'
+HOSTILE = [
+    # (path, body bytes, status, message fragment): issue 36's inputs that once got a 500 and a traceback
+    ("/v1/completions", b"[" * 5000 + b"]" * 5000, 400, "not JSON (nested too deeply)"),
+    ("/v1/completions", DEEP, 400, "not JSON (nested too deeply)"),
+    ("/v1/completions", LONG_INT, 400, "an integer of more than 4300 digits"),
+    ("/v1/completions", json.dumps({**GOOD, "k": "\u00b2"}).encode(), 400, "k must be"),
+    ("/v1/completions", json.dumps({**GOOD, "k": "9" * 5000}).encode(), 400, "k must be"),
+    ("/v1/completions", b'{"model": "stories260K", "prompt": "a\\ud800b"}', 400, "lone surrogate (U+D800)"),
+    ("/v1/completions", b'{"model": "stories260K", "prompt": ["\\udfff"]}', 400, "lone surrogate (U+DFFF)"),
+    ("/v1/completions", b'{"model": "stories260K", "prompt": "a", "stop": "\\ud800"}', 400, "lone surrogate"),
+    ("/v1/chat/completions", LONE_IN_CHAT, 400, "lone surrogate"),
+    ("/v1/completions", b'{"model": "\\ud800", "prompt": "a"}', 404, "does not exist"),
+    ("/v1/completions", b'{"model": "stories260K", "prompt": "a", "\\ud800": 1}', 400, "not a field"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "status", "message"), HOSTILE)
+def test_hostile_inputs_get_a_one_line_4xx(served, server_log, path, body, status, message):
+    url, server = served
+    got, headers, answer = raw(url, "POST", path, body, {"content-type": "application/json"})
+    assert got == status and headers["content-type"] == "application/json"
+    error = json.loads(answer)["error"]
+    assert message in error["message"] and "\n" not in error["message"]
+    assert quiet(server_log)
+    assert server.scheduler.running == 0 and server.scheduler.failure is None
+
+
+def test_top_p_below_float32_s_least_value_is_greedy_decoding(served, stories):
+    """``top_p: 1e-300`` once emptied the distribution and killed the scheduler: it keeps the argmax."""
+    url, server = served
+    _, loaded = stories
+    plain = Speculator(loaded, drafter="none").generate(
+        "Tom had a red ball.", k=0, max_new_tokens=16, sampling=SamplingParams(temperature=0)
+    )
+    for stream in (False, True):
+        answer = client(url).completions.create(
+            model="stories260K", prompt="Tom had a red ball.", max_tokens=16, temperature=1, top_p=1e-300,
+            stream=stream,
+        )  # fmt: skip
+        text = stream_text(answer)[0] if stream else answer.choices[0].text
+        assert text == plain.text
+    assert raw(url, "GET", "/health")[0] == 200 and server.scheduler.failure is None
+
+
+def partial_body(url: str, path: str = "/v1/completions") -> None:
+    """Sends headers and half a body, then hangs up."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        body = json.dumps(GOOD).encode()
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body[: len(body) // 2])
+        time.sleep(0.2)
+
+
+def test_a_client_that_hangs_up_mid_body_is_a_499_and_nothing_is_logged(served, server_log):
+    url, _ = served
+    before = sample(scrape(url), "verispec_requests_total", endpoint="/v1/completions", status="499")
+    partial_body(url)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        now = sample(scrape(url), "verispec_requests_total", endpoint="/v1/completions", status="499")
+        if now > before:
+            break
+        time.sleep(0.05)
+    assert now == before + 1
+    assert quiet(server_log)
+
+
+NOT_IMPLEMENTED = [
+    ("completions", {"logprobs": 2}, "logprobs"),
+    ("completions", {"echo": True}, "echo"),
+    ("completions", {"best_of": 2}, "best_of"),
+    ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("completions", {"frequency_penalty": -1.0}, "frequency_penalty"),
+    ("completions", {"suffix": "end"}, "suffix"),
+    ("chat", {"logprobs": True}, "logprobs"),
+    ("chat", {"logprobs": False, "top_logprobs": 3}, "top_logprobs"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"tool_choice": "auto"}, "tool_choice"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"extra_body": {"invented": 1}}, "invented"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "fields", "name"), NOT_IMPLEMENTED)
+def test_fields_verispec_does_not_implement_are_refused_by_name(served, endpoint, fields, name):
+    url, _ = served
+    with pytest.raises(openai.BadRequestError) as info:
+        if endpoint == "chat":
+            client(url).chat.completions.create(**CHAT, **fields)  # type: ignore[call-overload]
+        else:
+            client(url).completions.create(**GOOD, **fields)  # type: ignore[call-overload]
+    error = info.value.body
+    assert isinstance(error, dict) and error["param"] == name and name in error["message"]
+
+
+def test_fields_that_ask_for_nothing_pass(served):
+    url, _ = served
+    neutral = dict(presence_penalty=0, frequency_penalty=0.0, best_of=1, echo=False, logit_bias={}, user="u1")
+    assert client(url).completions.create(**GOOD, **neutral).usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize("kind", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_body_that_is_not_json_by_content_type_is_a_415(served, kind):
+    url, _ = served
+    headers = {} if kind is None else {"content-type": kind}
+    status, _, body = raw(url, "POST", "/v1/completions", json.dumps(GOOD).encode(), headers)
+    assert status == 415 and "application/json" in json.loads(body)["error"]["message"]
+    assert raw(url, "POST", "/v1/completions", json.dumps(GOOD).encode(),
+               {"content-type": "application/json; charset=utf-8"})[0] == 200  # fmt: skip
+
+
+def test_metrics_label_known_routes_only(served):
+    """Unknown paths share one label: /metrics stays small whatever is asked of the server."""
+    url, _ = served
+    for i in range(300):
+        raw(url, "GET", f"/nowhere/{i}-{time.monotonic_ns()}")
+    metrics = scrape(url)
+    endpoints = {labels["endpoint"] for _, labels, _ in metrics["verispec_requests"]}
+    assert endpoints <= {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/health",
+        "/metrics",
+        "other",
+    }
+    assert sample(metrics, "verispec_requests_total", endpoint="other", status="404") >= 300
+    assert len(raw(url, "GET", "/metrics")[2]) < 100_000
+
+
+def test_a_request_that_fails_fails_alone_and_the_batch_goes_on(served, stories, monkeypatch, caplog):
+    """An internal failure of one request (injected: its transform raises) is a 500 naming it, for that
+    request alone, streamed or not; the request beside it in the batch gets its own answer, and later ones
+    are served."""
+    url, server = served
+    _, loaded = stories
+    real = engine_module.probs_from_logits
+
+    def failing(logits, params):
+        if params.temperature == 0.625:
+            raise RuntimeError("injected")
+        return real(logits, params)
+
+    monkeypatch.setattr(engine_module, "probs_from_logits", failing)
+    options = dict(model="stories260K", prompt="Tom had a red ball.", max_tokens=48, seed=3)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        good = pool.submit(lambda: client(url).completions.create(**options, temperature=0.8))
+        time.sleep(0.05)
+        with pytest.raises(openai.InternalServerError, match="internal error: RuntimeError: injected"):
+            client(url).completions.create(**options, temperature=0.625)
+        streamed = client(url).completions.create(**options, temperature=0.625, stream=True)
+        with pytest.raises(openai.APIError, match="internal error: RuntimeError: injected"):
+            list(streamed)
+        answer = good.result(timeout=TIMEOUT)
+    alone = Speculator(loaded, drafter="none").generate(
+        "Tom had a red ball.", k=0, max_new_tokens=48, sampling=SamplingParams(temperature=0.8, seed=3)
+    )
+    assert (
+        answer.choices[0].text == alone.text
+    )  # invariant draws: the batch and the failure beside changed nothing
+    assert client(url).completions.create(**GOOD).usage.completion_tokens == 4
+    assert raw(url, "GET", "/health")[0] == 200
+    logged = [r for r in caplog.records if r.exc_info]
+    assert logged and all(r.name == "verispec.scheduler" for r in logged)  # the bug's traceback, once each
+
+
+class Fatal(BaseException):
+    """What no handler catches: the scheduler's worker dies of it."""
+
+
+def test_a_dead_scheduler_answers_503_at_once_and_health_says_so(stories, caplog):
+    root, loaded = stories
+    config = ServerConfig(target=str(root / "stories260K.bin"), drafter="none", max_batch=1)
+    server = Server(config, loaded=loaded)
+
+    def die() -> list:
+        raise Fatal("worker bug")
+
+    server.scheduler.engine.step = die  # type: ignore[method-assign]
+    with serving(server) as url:
+        assert raw(url, "GET", "/health")[0] == 200
+        with pytest.raises(openai.InternalServerError, match="internal error: Fatal"):
+            client(url).completions.create(**GOOD)  # the request in flight when it died
+        status, _, body = raw(url, "GET", "/health")
+        assert status == 503 and "scheduler has failed (Fatal)" in json.loads(body)["error"]
+        started = time.monotonic()
+        status, _, body = raw(url, "POST", "/v1/completions", json.dumps(GOOD).encode(),
+                              {"content-type": "application/json"})  # fmt: skip
+        assert status == 503 and "restart" in json.loads(body)["error"]["message"]
+        assert time.monotonic() - started < 5
+    assert [r.levelname for r in caplog.records if r.name == "verispec.scheduler"] == ["CRITICAL"]
+
+
+@pytest.fixture(scope="module")
+def strict(stories):
+    """A server with tight limits: 4 connections, half-second timeouts, 2 KB bodies."""
+    root, loaded = stories
+    config = ServerConfig(
+        target=str(root / "stories260K.bin"), drafter="none", max_connections=4, keep_alive=0.5,
+        header_timeout=0.5, body_timeout=0.5, max_body=2048,
+    )  # fmt: skip
+    with serving(Server(config, loaded=loaded)) as url:
+        yield url
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes ``sock`` within ``seconds`` (sending nothing more)."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_silent_and_slow_connections_are_closed_and_health_still_answers(strict):
+    host, port = strict.removeprefix("http://").split(":")
+    silent = [socket.create_connection((host, int(port)), timeout=TIMEOUT) for _ in range(12)]
+    try:
+        started = time.monotonic()
+        assert raw(strict, "GET", "/health")[0] == 200  # beyond the cap, an idle connection gave way
+        assert time.monotonic() - started < 1
+        slow = socket.create_connection((host, int(port)), timeout=TIMEOUT)
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the end of its headers
+        assert closed_within(slow, 5)
+        assert closed_within(silent[-1], 5)  # no headers within header_timeout
+    finally:
+        for sock in silent:
+            sock.close()
+
+
+def test_slow_large_bodies_are_refused(strict):
+    host, port = strict.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: 100\r\n\r\n{{".encode())  # then nothing: slower than 0.5 s
+        answer = b""
+        while b"took longer" not in answer and (part := sock.recv(65536)):
+            answer += part
+    assert answer.startswith(b"HTTP/1.1 408") and b"took longer than 0.5 s" in answer
+    status, _, body = raw(
+        strict, "POST", "/v1/completions", b" " * 4096, {"content-type": "application/json"}
+    )
+    assert status == 413 and "larger than 2048 bytes" in json.loads(body)["error"]["message"]
+    assert client(strict).completions.create(**GOOD).usage.completion_tokens == 4
+
+
+def test_a_repeated_log_line_is_written_once_per_interval():
+    now = [0.0]
+    once = OncePerInterval(interval=60, clock=lambda: now[0])
+    logger = logging.getLogger("verispec.test-once")
+    records = [logger.makeRecord(logger.name, logging.ERROR, "f", 1, "accept failed: %s", ("EMFILE",), None)
+               for _ in range(5)]  # fmt: skip
+    passed = []
+    for i, record in enumerate(records):
+        now[0] = [0, 1, 2, 59, 61][i]
+        passed.append(once.filter(record))
+    assert passed == [True, False, False, False, True]
+    assert "[3 more like it held back in 60 s]" in records[-1].getMessage()
+    other = logger.makeRecord(logger.name, logging.ERROR, "f", 1, "another", (), None)
+    assert once.filter(other)
+
+
+@pytest.mark.parametrize(("address", "warned"), [("0.0.0.0", True), ("127.0.0.1", False), ("::1", False)])
+def test_serve_warns_when_reachable_without_a_key(monkeypatch, capsys, address, warned):
+    from verispec.server import app
+
+    class Stub:
+        name = "stub"
+        default = type("D", (), {"drafter_name": "none"})
+
+    monkeypatch.setattr(app, "Server", lambda config: Stub())
+    monkeypatch.setattr(app, "run", lambda server, sock: sock.close())
+    assert cli.main(["serve", "--host", address, "--port", "0", "--drafter", "none"]) == 0
+    assert ("no --api-key is set" in capsys.readouterr().err) == warned
+    assert cli.main(["serve", "--host", address, "--port", "0", "--drafter", "none", "--api-key", "k"]) == 0
+    assert "no --api-key" not in capsys.readouterr().err

@@ -19,10 +19,10 @@ from verispec.trace import TokenFate, TokenProbs, Trace, TraceRecorder, token_te
 
 V = 6
 PROMPT = [1, 2, 3, 1, 2]
-SAMPLINGS = {
+SAMPLINGS = {  # rejection sampling's draws, whose odds a trace shows (a seed's default is invariant draws)
     "greedy": SamplingParams(temperature=0),
-    "t1": SamplingParams(seed=5),
-    "t0.7-topk4": SamplingParams(temperature=0.7, top_k=4, seed=6),
+    "t1": SamplingParams(seed=5, invariant=False),
+    "t0.7-topk4": SamplingParams(temperature=0.7, top_k=4, seed=6, invariant=False),
 }
 
 
@@ -172,9 +172,9 @@ def test_trace_dataclasses_are_validated():
 
 
 def test_a_trace_of_invariant_draws_is_refused():
-    """A trace shows rejection sampling's odds of each fate, which invariant draws do not follow: refused
-    (greedy decoding, where the flag changes nothing, is traced)."""
-    invariant = SamplingParams(temperature=0.8, seed=1, invariant=True)
-    with pytest.raises(ValueError, match="not with invariant draws"):
-        traced_run("ngram", invariant)
+    """A trace shows rejection sampling's odds of each fate, which invariant draws do not follow: refused, a
+    seed's default included (greedy decoding, where the flag changes nothing, is traced)."""
+    for invariant in (SamplingParams(temperature=0.8, seed=1, invariant=True), SamplingParams(seed=1)):
+        with pytest.raises(ValueError, match="not with invariant draws .* invariant=False opts out"):
+            traced_run("ngram", invariant)
     assert traced_run("ngram", SamplingParams(temperature=0, invariant=True))[4].tokens

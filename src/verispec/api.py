@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from verispec.drafting.registry import DRAFTERS, DraftInputs, choose_auto, draft
 from verispec.drafting.tree import AUTO, TreeShape
 from verispec.engine import EngineConfig, GenerationStats, Request, SpeculativeEngine
 from verispec.errors import UsageError
+from verispec.inputs import check_text
 from verispec.models.base import Cache, HiddenStateModel, LanguageModel, Tokenizer
 from verispec.models.llama import DEFAULT_PRECISION, Llama
 from verispec.models.registry import DEFAULT_MODEL, load_model
@@ -42,6 +42,7 @@ __all__ = [
     "GenerationResult",
     "ModelChoice",
     "Speculator",
+    "failure_message",
     "generate",
     "k_policy",
     "parse_k",
@@ -74,14 +75,23 @@ class GenerationResult:
     error: str = ""  # in a batch: why this request was refused (one line), its other fields then empty
 
 
+def failure_message(error: BaseException) -> str:
+    """One line for a request that failed: a caller's mistake as it is, anything else as an internal error
+    naming its type (a bug to report)."""
+    if isinstance(error, UsageError):
+        return str(error)
+    detail = str(error).splitlines()[0][:200] if str(error) else ""
+    return f"internal error: {type(error).__name__}" + (f": {detail}" if detail else "")
+
+
 def parse_k(k: int | str) -> int | str:
     """``k`` as given on the command line, validated: an integer ≥ 0 (fixed), "additive" (+2 / −1 rule) or
     "auto" (the K that the calibrated cost model and the running acceptance estimate favour, 0 included)."""
     if isinstance(k, str):
         if k in ("additive", "auto"):
             return k
-        if not k.isdigit():
-            raise UsageError(f"k must be an integer >= 0, 'additive' or 'auto', got {k!r}")
+        if not (k.isascii() and k.isdigit()) or len(k) > 9:  # "²" is a digit to isdigit, not to int
+            raise UsageError(f"k must be an integer >= 0, 'additive' or 'auto', got {k[:20]!r}")
         k = int(k)
     return ConstantK(k).k
 
@@ -332,10 +342,12 @@ class Speculator:
         """The prompt's token ids: ``prompt`` as it is, or (``chat``) in the model's chat template, where it
         may also be a conversation: {"role", "content"} messages ending with a user turn."""
         if isinstance(prompt, str):
-            if not prompt.strip():
+            if not check_text(prompt, "the prompt").strip():
                 raise UsageError("the prompt is empty")
             text = self.tokenizer.chat_prompt(prompt) if chat else prompt
         elif chat and prompt:
+            for i, message in enumerate(prompt):
+                check_text(message.get("content", ""), f"message {i}'s content")
             text = self.tokenizer.chat_prompt(prompt)
         else:
             raise UsageError("a conversation (a list of messages) needs chat=True and at least one message")
@@ -368,6 +380,8 @@ class Speculator:
         policy and stop check), and the text assembler of its output. ``stats`` (optional) is filled in as
         it goes; ``trace`` (optional, chain rounds only) records every round (see :mod:`verispec.trace`)."""
         sampling = sampling or SamplingParams()
+        for s in stop:
+            check_text(s, "a stop string")
         config = EngineConfig(max_new_tokens, sampling, self.tokenizer.eos_token_ids, tuple(stop))
         stats = stats if stats is not None else GenerationStats(self.drafter_name, self.k_label(k))
         text = _TextAssembler(self.tokenizer, config.stop_strings)
@@ -392,8 +406,9 @@ class Speculator:
     ) -> list[GenerationResult]:
         """Every prompt generated in a continuous batch of up to ``slots`` sequences (each request joining as
         a slot frees; options as for :meth:`request`, but ``stats`` and ``trace``), results in the prompts'
-        order. A prompt that cannot be generated (empty, too long for the context) gets a result with
-        ``error`` set; the others are untouched. Each result equals what :meth:`generate` gives for that
+        order. A prompt that cannot be generated (empty, too long for the context, not valid Unicode) gets a
+        result with ``error`` set, as does one whose generation fails on its own (an internal error: its
+        type and message); the others are untouched. Each result equals what :meth:`generate` gives for that
         prompt alone (greedy: token for token; sampled: the same tokens for the same seed at a fixed K, or at
         any K with ``SamplingParams.invariant``). ``seeds``: one sampling seed per prompt (instead of the
         sampling parameters' one for all)."""
@@ -409,26 +424,33 @@ class Speculator:
         while waiting or engine.running:
             while waiting and engine.free_slots:
                 index, prompt = waiting.pop(0)
-                own = sampling if seeds is None else dataclasses.replace(sampling, seed=seeds[index])
+                own = sampling if seeds is None else sampling.with_seed(seeds[index])
                 try:
                     request, text = self.request(prompt, sampling=own, **options)
                     handle = engine.submit(request)
-                except UsageError as err:  # this request only
-                    results[index] = GenerationResult("", [], {}, error=str(err))
+                except Exception as err:  # this request only
+                    results[index] = GenerationResult("", [], {}, error=failure_message(err))
                     continue
                 running[id(handle)] = (index, text, [])
             for handle, tokens in engine.step():
                 index, text, chunks = running[id(handle)]
-                if tokens:
-                    chunks.append(Chunk(text.add(tokens), tokens))
+                try:
+                    if handle.error is not None:
+                        raise handle.error
+                    if tokens:
+                        chunks.append(Chunk(text.add(tokens), tokens))
+                    if handle.done:
+                        tail = text.finish()
+                        results[index] = GenerationResult(
+                            "".join(c.text for c in chunks) + tail,
+                            [t for c in chunks for t in c.token_ids],
+                            handle.request.stats.as_dict(),
+                        )
+                except Exception as err:  # this request only
+                    engine.cancel(handle)
+                    results[index] = GenerationResult("", [], {}, error=failure_message(err))
                 if handle.done:
                     del running[id(handle)]
-                    tail = text.finish()
-                    results[index] = GenerationResult(
-                        "".join(c.text for c in chunks) + tail,
-                        [t for c in chunks for t in c.token_ids],
-                        handle.request.stats.as_dict(),
-                    )
         return [r for r in results if r is not None]
 
     def generate(self, prompt: str | Sequence[Mapping[str, str]], **options) -> GenerationResult:
@@ -583,7 +605,7 @@ def generate(
     top_p: float = 1.0,
     min_p: float = 0.0,
     seed: int | None = None,
-    invariant: bool = False,
+    invariant: bool | None = None,
     chat: bool = False,
     stop: tuple[str, ...] = (),
     tree: TreeShape | str | None = None,
@@ -591,8 +613,10 @@ def generate(
     precision: str = DEFAULT_PRECISION,
 ) -> GenerationResult:
     """Generate text for ``prompt`` with speculative decoding; the same arguments as ``verispec generate``
-    (``tree``: a :class:`~verispec.drafting.tree.TreeShape`, "WxD" or a JSON shape file, either with ":N" or
-    ":auto" for a dynamic tree, or "auto": the learned drafter's default tree, see :class:`Speculator`)."""
+    (``invariant``: None, invariant draws exactly when a ``seed`` is given, see
+    :class:`~verispec.sampling.SamplingParams`; ``tree``: a :class:`~verispec.drafting.tree.TreeShape`,
+    "WxD" or a JSON shape file, either with ":N" or ":auto" for a dynamic tree, or "auto": the learned
+    drafter's default tree, see :class:`Speculator`)."""
     sampling = SamplingParams(temperature, top_k, top_p, min_p, seed, invariant)
     shape = TreeShape.parse(tree) if isinstance(tree, str) and tree != AUTO else tree
     speculator = Speculator(

@@ -8,8 +8,9 @@ run; each finished shard is written atomically to ``OUTPUT.parts/``, so an inter
 shards it lacks, and the output is assembled from the shards, in input order, at the end (atomically too):
 no line is lost or written twice. Each prompt samples with its own seed, derived from the job's seed and its
 id (:func:`prompt_seed`), and what a request gets never depends on the rest of its batch: the output is the
-same whatever the shard size, the batch size or the number of workers (sampled with ``k="auto"``, whose K
-follows the batch: with ``SamplingParams.invariant``).
+same whatever the shard size, the batch size or the number of workers, sampled with ``k="auto"`` too (whose K
+follows the batch): every request has a seed, so its draws are invariant (``SamplingParams.invariant``) unless
+the job's sampling opts out with ``invariant=False``.
 
 With ``ray``, the shards are the rows of a Ray Data dataset mapped by ``map_batches`` with a stateful actor
 class (:class:`ShardWorker`, which loads the models once) in ``workers`` actors, on a local Ray started here
@@ -37,6 +38,7 @@ from typing import Any
 from verispec.api import GenerationResult, ModelChoice, parse_k
 from verispec.engine import EngineConfig
 from verispec.errors import UsageError
+from verispec.inputs import check_text, parse_json
 from verispec.sampling import SamplingParams
 from verispec.viz import write_atomic
 
@@ -58,12 +60,13 @@ LOCAL = "local"  # --ray without an address: a Ray started here
 
 def read_requests(path: str | Path) -> list[Request]:
     """(id, prompt or messages) of every line of a JSONL request file (a line without an id gets its line
-    number). A malformed line becomes a request whose body is ``{"error": message}``, naming the line: it gets
+    number). A malformed line (not UTF-8, not JSON, nested too deeply, an integer too long, a prompt that is
+    not valid Unicode, ...) becomes a request whose body is ``{"error": message}``, naming the line: it gets
     an error record and the others run. A file without one well-formed request is a UsageError."""
     try:
-        lines = Path(path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise UsageError(f"cannot read {path}: {err}") from err
+        lines = Path(path).read_bytes().splitlines()  # lines end at \n, \r\n or \r, never inside a string
+    except OSError as err:
+        raise UsageError(f"cannot read {path}: {err.strerror or err}") from None
     requests: list[Request] = []
     seen: set[str] = set()
     for number, line in enumerate(lines, 1):
@@ -84,12 +87,12 @@ def read_requests(path: str | Path) -> list[Request]:
     return requests
 
 
-def _request(line: str, where: str, number: int, seen: set[str]) -> Request:
+def _request(line: bytes, where: str, number: int, seen: set[str]) -> Request:
     """One line's request; UsageError naming ``where`` when it is malformed."""
     try:
-        entry = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise UsageError(f"{where}: not JSON ({err.msg})") from err
+        entry = parse_json(line)
+    except UsageError as err:
+        raise UsageError(f"{where}: {err}") from None
     if not isinstance(entry, dict) or ("prompt" in entry) == ("messages" in entry):
         raise UsageError(f'{where}: a request is an object with "prompt" or "messages" (one of them)')
     body = entry.get("prompt", entry.get("messages"))
@@ -102,6 +105,8 @@ def _request(line: str, where: str, number: int, seen: set[str]) -> Request:
     ):
         raise UsageError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
     assert isinstance(body, (str, list))  # checked above
+    for text in [body] if isinstance(body, str) else [m["content"] for m in body]:
+        check_text(text, f"{where}: the prompt")
     ident = str(entry.get("id", number))
     if ident in seen:
         raise UsageError(f"{where}: id {ident!r} repeats an earlier line's")
@@ -169,7 +174,8 @@ class BatchJob(ModelChoice):
     progress: bool = True
 
     def __post_init__(self) -> None:
-
+        if self.sampling.follows_seed:  # every request has a seed: invariant draws, unless opted out
+            object.__setattr__(self, "sampling", dataclasses.replace(self.sampling, invariant=True))
         for name, low in (("max_batch", 1), ("shard_size", 1), ("workers", 1), ("max_new_tokens", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

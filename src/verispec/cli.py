@@ -359,9 +359,11 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float)
 def _add_invariant_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--invariant",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         help="draw each position's token from the seed and the position alone: sampled output is then the "
-        "target's own with that seed, the same whatever the drafter, K or batch",
+        "target's own with that seed, the same whatever the drafter, K or batch (default: when a seed is "
+        "given). --no-invariant: rejection sampling's draws, accepted a little more often by a sampling "
+        "drafter, the tokens then depending on the drafter, K and batch",
     )
 
 
@@ -389,6 +391,11 @@ def run_generate(args: argparse.Namespace) -> int:
     tracing = args.trace is not None or args.show_trace
     if tree is not None and tracing:
         raise UsageError("token-fate traces record chain rounds only, not token trees")
+    if tracing and sampling.invariant and not sampling.greedy:
+        raise UsageError(
+            "token-fate traces show rejection sampling's odds, not invariant draws (a seed's default): "
+            "add --no-invariant"
+        )
     if tree is None and args.k is None and not tracing:
         tree = AUTO  # the learned drafter's tree, where it drafts
     speculator = ModelChoice(**_model_fields(args)).speculator(tree=tree)
@@ -590,8 +597,8 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> None:
         "text, token ids and speculation stats (or an error). Work goes in shards, each written atomically "
         "to OUTPUT.parts/ as it finishes: an interrupted run, started again with the same flags, continues "
         "where it stopped. Each request samples with a seed derived from --seed and its id, so the output "
-        "is the same whatever --max-batch, --shard-size or --workers (sampled at --k auto: with "
-        "--invariant). --ray runs the shards on Ray Data.",
+        "is the same whatever --max-batch, --shard-size or --workers, sampled at --k auto too (invariant "
+        "draws, the default: --no-invariant opts out). --ray runs the shards on Ray Data.",
     )
     parser.add_argument("--input", required=True, metavar="FILE.jsonl", help="the requests")
     parser.add_argument("--output", required=True, metavar="FILE.jsonl", help="the results")
@@ -957,12 +964,24 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--model-name", metavar="NAME", help="the model id clients name (default: the target's)"
     )
+    limits = parser.add_argument_group("limits (README: Serving; unset: ServerConfig's defaults)")
+    for flag, kind, meta, text in (
+        ("--max-connections", int, "N", "open connections; at the cap a new one closes an idle one (512)"),
+        ("--keep-alive", float, "S", "seconds an idle keep-alive connection stays open (5)"),
+        ("--header-timeout", float, "S", "seconds for a request's headers to arrive (10)"),
+        ("--body-timeout", float, "S", "seconds for a request's body to arrive; slower: 408 (30)"),
+        ("--max-body", int, "BYTES", "a request body's size; larger: 413 (4194304)"),
+    ):
+        limits.add_argument(flag, type=kind, metavar=meta, help=text)
     parser.set_defaults(func=run_serve)
+
+
+SERVER_LIMITS = ("max_connections", "keep_alive", "header_timeout", "body_timeout", "max_body")
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Run ``verispec serve`` until interrupted."""
-    from verispec.server.app import Server, ServerConfig, listen, run
+    from verispec.server.app import Server, ServerConfig, exposed, listen, run
 
     config = ServerConfig(
         **_model_fields(args),
@@ -971,12 +990,20 @@ def run_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         api_key=args.api_key,
         model_name=args.model_name,
+        **{name: value for name in SERVER_LIMITS if (value := getattr(args, name)) is not None},
     )
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     sock = listen(args.host, args.port)  # before the model loads: a taken port fails at once
-    server = Server(config)
     host, port = sock.getsockname()[:2]
+    if exposed(host) and config.api_key is None:
+        print(
+            f"verispec: warning: {host} is reachable from other machines and no --api-key is set: anyone "
+            "who can reach it can generate (bind 127.0.0.1, or give --api-key)",
+            file=sys.stderr,
+            flush=True,
+        )
+    server = Server(config)
     print(
         f"verispec: serving {server.name} (drafter {server.default.drafter_name}) on http://{host}:{port}/v1",
         file=sys.stderr,

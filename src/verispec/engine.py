@@ -203,7 +203,8 @@ class Request:
 @dataclass(eq=False)
 class Running:
     """A request in its slot: the committed ids, the cache row, where it stands. ``done`` once it stopped
-    (``request.stats.stop_reason`` says why); its slot is then free."""
+    (``request.stats.stop_reason`` says why); its slot is then free. ``error``: what failed it alone (its
+    drafter, verification or stop check raised; stop reason "error"), the rest of the batch going on."""
 
     request: Request
     slot: int
@@ -218,6 +219,7 @@ class Running:
     hidden_reader: HiddenStateReader | None = None
     tree: bool = False  # its drafter proposes token trees
     hidden: list[torch.Tensor] = field(default_factory=list)  # what observe_hidden handed over, in order
+    error: Exception | None = None
 
     @property
     def decoding(self) -> bool:
@@ -347,7 +349,10 @@ class SpeculativeEngine:
         self._check_drafter(drafter, request.trace, cache)
         sampling = request.config.sampling
         if request.trace is not None and sampling.invariant and not sampling.greedy:
-            raise UsageError("token-fate traces show rejection sampling's odds: not with invariant draws")
+            raise UsageError(
+                "token-fate traces show rejection sampling's odds: not with invariant draws (a seed's "
+                "default; invariant=False opts out)"
+            )
         donors = [slot] + ([i for i in shared if i != slot] if self._rows is not None else [])
         keepable = {i: self._keepable(i, shared[i], prompt, drafter) for i in donors}
         source = max(donors, key=lambda i: keepable[i])  # the slot's own on ties: nothing copied
@@ -428,23 +433,32 @@ class SpeculativeEngine:
             for done, tokens in self.step():
                 if done is running and tokens:
                     yield tokens
+        if running.error is not None:
+            raise running.error
 
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[tuple[Running, list[int]]]:
         """One step for every running sequence: propose → score all in one target forward → verify →
         commit / roll back. Returns the tokens each committed (an empty list for a prompt chunk); a sequence
-        that stopped is ``done`` and has left the batch."""
+        that stopped is ``done`` and has left the batch. A sequence whose own part of the step raises (its
+        proposal, verification or commit) fails alone (:meth:`_fail`); what the rows share (the plan, the
+        forward) raises."""
         decoding = [r for r in self.running if r.decoding]
         ks = self._plan(decoding)
-        rounds = [self._propose(r, k) for r, k in zip(decoding, ks, strict=True)]
+        out: list[tuple[Running, list[int]]] = []
+        rounds = []
+        for running, k in zip(decoding, ks, strict=True):
+            try:
+                rounds.append(self._propose(running, k))
+            except Exception as err:
+                out.append((running, self._fail(running, err)))
         rounds += [self._prompt_chunk(r, others=bool(decoding)) for r in self.running if not r.decoding]
         t0 = time.perf_counter()
         scored = self._score(rounds)
         seconds = time.perf_counter() - t0
         self.forwards.record(seconds, sum(len(r.tokens) for r in rounds if r.chunk))
         verdicts = self._verify_greedy_chains(rounds, [logits for logits, _ in scored])
-        out: list[tuple[Running, list[int]]] = []
         for index, (rnd, (logits, hidden)) in enumerate(zip(rounds, scored, strict=True)):
             running = rnd.running
             if rnd.chunk:
@@ -454,12 +468,24 @@ class SpeculativeEngine:
             running.request.stats.draft_seconds += rnd.draft_seconds
             running.request.stats.target_seconds += seconds
             assert logits is not None
-            if rnd.tree is not None:
-                emitted = self._settle_tree(rnd, logits, hidden)
-            else:
-                emitted = self._settle(rnd, logits, hidden, verdicts.get(index))
-            out.append((running, self._commit(running, emitted)))
+            try:
+                if rnd.tree is not None:
+                    emitted = self._settle_tree(rnd, logits, hidden)
+                else:
+                    emitted = self._settle(rnd, logits, hidden, verdicts.get(index))
+                out.append((running, self._commit(running, emitted)))
+            except Exception as err:
+                out.append((running, self._fail(running, err)))
         return out
+
+    def _fail(self, running: Running, error: Exception) -> list[int]:
+        """``running`` leaves the batch with ``error`` (stop reason "error"), its slot's cache not reused by
+        the next sequence there; returns what it committed in this step: nothing."""
+        running.error = error
+        self._retire(running, "error")
+        if self._last.get(running.slot) is running:
+            del self._last[running.slot]
+        return []
 
     def _prompt_chunk(self, running: Running, others: bool) -> _Round:
         """The next chunk of a joining sequence's prompt (all but its last token): at most prefill_chunk

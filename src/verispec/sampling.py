@@ -17,7 +17,7 @@ draws from q at t with the same noise (:func:`draft_draw`) proposes the target's
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,13 +30,19 @@ from verispec.errors import UsageError
 __all__ = ["RACE_GROUP", "SamplingParams", "draft_draw", "position_draws", "probs_from_logits", "sample"]
 
 
+MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)
+"""The largest temperature: logits are divided by it in float32, where a larger one is infinite (and a
+masked token's −inf / inf is NaN)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the target samples; validated on construction (UsageError with a one-line message).
 
-    temperature: ≥ 0; 0 means greedy decoding.
+    temperature: in [0, :data:`MAX_TEMPERATURE`]; 0 means greedy decoding.
     top_k: keep the k most likely tokens; 0 keeps all.
-    top_p: in (0, 1]; keep the smallest set of most likely tokens whose mass reaches top_p; 1 keeps all.
+    top_p: in (0, 1]; keep the smallest set of most likely tokens whose mass reaches top_p (at least the most
+        likely token, however small top_p is); 1 keeps all.
     min_p: in [0, 1); drop tokens whose probability is below min_p × the largest probability; 0 keeps all.
     seed: seed of the generator that drives all sampling; None draws a fresh seed.
     invariant: draw the token at each sequence position from the seed and that position alone
@@ -44,7 +50,10 @@ class SamplingParams:
         target's own sampling with that seed, token for token, whatever the drafter, K (``auto`` included),
         token tree or batch. A drafter's sampled proposal is drawn with the same noise (coupled), and
         accepted a little less often than by rejection sampling; a single guess (prompt lookup, a greedy
-        draft) is accepted with probability p(x) either way.
+        draft) is accepted with probability p(x) either way. None (the default) means: invariant exactly
+        when a seed is given, so that a seed always names the same tokens; ``invariant=False`` with a seed
+        opts out (rejection sampling's stream of draws: a little more acceptance, tokens that depend on the
+        drafter and K).
     """
 
     temperature: float = 1.0
@@ -52,12 +61,15 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    invariant: bool = False
+    invariant: bool | None = None  # resolved on construction: a bool
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_follows_seed", self.invariant is None)  # not a field: follows_seed
+        if self.invariant is None:
+            object.__setattr__(self, "invariant", self.seed is not None)
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise UsageError(f"temperature must be a finite number >= 0, got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= MAX_TEMPERATURE:
+            raise UsageError(f"temperature must be a number in [0, {MAX_TEMPERATURE:.4g}], got {t!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise UsageError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         p = self.top_p
@@ -71,6 +83,17 @@ class SamplingParams:
             raise UsageError(f"seed must be an integer in [0, 2**63) or None, got {s!r}")
         if not isinstance(self.invariant, bool):
             raise UsageError(f"invariant must be true or false, got {self.invariant!r}")
+
+    def with_seed(self, seed: int | None) -> SamplingParams:
+        """These parameters with ``seed``; invariant draws as chosen on construction, or (when not chosen)
+        following the new seed, as for ``SamplingParams(..., seed=seed)``. ``dataclasses.replace`` instead
+        keeps the resolved choice."""
+        return dataclasses.replace(self, seed=seed, invariant=None if self.follows_seed else self.invariant)
+
+    @property
+    def follows_seed(self) -> bool:
+        """Whether ``invariant`` was left to follow the seed (None on construction), not chosen."""
+        return bool(vars(self)["_follows_seed"])
 
     @property
     def greedy(self) -> bool:
@@ -123,7 +146,8 @@ def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
         sorted_scores, order = torch.sort(scores, dim=-1, descending=True, stable=True)
         sorted_probs = sorted_scores.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = mass_before >= params.top_p  # the most likely token has mass_before 0: always kept
+        drop_sorted = mass_before >= params.top_p  # a top_p below float32's least value is 0: drops all
+        drop_sorted[..., 0] = False  # the most likely token is always kept, as transformers keeps it
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         scores = torch.where(drop, neg_inf, scores)
     if params.min_p > 0:

@@ -6,10 +6,18 @@ join the batch between steps as slots free; a request leaves as soon as it stops
 :meth:`Handle.cancel`, and its slot takes the next waiting request. Only the scheduler's thread touches the
 engine; the others exchange requests and tokens with it through locks and queues, so a caller never blocks
 another's step. What a request gets is what :meth:`verispec.api.Speculator.generate` gives it alone.
+
+A failure while serving one request fails that request alone: its handle ends with the error (re-raised to
+its reader) and the batch goes on. A failure the requests share (the target's forward) fails the requests in
+the batch, and the engine is made afresh for the next ones. Should the worker itself ever die, it says so: the
+failure is logged with its traceback, every request waiting or running ends with it, :attr:`Scheduler.failure`
+holds it (a server's /health answers 503) and :meth:`Scheduler.submit` refuses at once with
+:class:`SchedulerFailed`, never queueing a request that nobody would serve.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections import deque
@@ -22,11 +30,18 @@ from verispec.errors import UsageError
 if TYPE_CHECKING:
     from verispec.api import Chunk, Speculator, _TextAssembler
 
-__all__ = ["Handle", "QueueFull", "Scheduler"]
+__all__ = ["Handle", "QueueFull", "Scheduler", "SchedulerFailed"]
+
+_log = logging.getLogger("verispec.scheduler")
 
 
 class QueueFull(UsageError):
     """Every slot is busy and the queue is full: try again later (a server's 429)."""
+
+
+class SchedulerFailed(RuntimeError):
+    """The scheduler's worker has died (a bug, logged with its traceback): nothing more can be served (a
+    server's 503)."""
 
 
 _END = object()  # a handle's last item
@@ -88,11 +103,15 @@ class Handle:
     def _finish(self, error: BaseException | None = None) -> None:
         from verispec.api import Chunk
 
-        self.error = error
         if error is None:
-            tail = self._text.finish()
+            try:
+                tail = self._text.finish()
+            except Exception as err:  # this request alone
+                _log.error("a request failed: %s", type(err).__name__, exc_info=err)
+                error, tail = err, ""
             if tail:
                 self._put(Chunk(tail, []))
+        self.error = error
         self.finished.set()
         self._put(_END)
 
@@ -112,6 +131,7 @@ class Scheduler:
         self._handles: dict[int, Handle] = {}  # id(Running) → its handle
         self._wake = threading.Condition()
         self._closed = False
+        self.failure: BaseException | None = None  # what killed the worker, if anything did
         self._thread = threading.Thread(target=self._loop, name="verispec-scheduler", daemon=True)
         self._thread.start()
 
@@ -140,7 +160,8 @@ class Scheduler:
         """Queue a generation (options as for :meth:`verispec.api.Speculator.stream`, but ``trace``) and
         return its handle at once: by ``speculator`` (another drafter over this scheduler's target; default
         the scheduler's own), its chunks to ``listener`` if given (see :class:`Handle`). UsageError for a bad
-        request, :class:`QueueFull` when every slot is busy and ``max_queue`` requests already wait."""
+        request, :class:`QueueFull` when every slot is busy and ``max_queue`` requests already wait,
+        :class:`SchedulerFailed` once the worker has died."""
         speculator = speculator or self.speculator
         if speculator.model is not self.speculator.model:
             raise UsageError("a request's speculator must share the scheduler's target model")
@@ -150,6 +171,8 @@ class Scheduler:
             raise UsageError(f"the prompt has {len(request.prompt)} tokens; the context holds {context}")
         handle = Handle(request.stats, text, listener, len(request.prompt))
         with self._wake:
+            if self.failure is not None:
+                raise SchedulerFailed(f"the scheduler has failed ({type(self.failure).__name__}): restart it")
             if self._closed:
                 raise UsageError("the scheduler is closed")
             if len(self._handles) + len(self._waiting) >= self.engine.slots + self.max_queue:
@@ -170,30 +193,18 @@ class Scheduler:
 
     def _loop(self) -> None:
         try:
-            while True:
-                with self._wake:
-                    while not self._closed and not self._waiting and not self._handles:
-                        self._wake.wait()
-                    if self._closed:
-                        break
-                    admitted: list[tuple[Handle, Request]] = []
-                    while self._waiting and len(admitted) < self.engine.free_slots:
-                        admitted.append(self._waiting.popleft())
-                for handle, request in admitted:
-                    self._admit(handle, request)
-                self._cancel_requested()
-                for running, tokens in self.engine.step():
-                    handle = self._handles[id(running)]
-                    if tokens:
-                        handle._emit(tokens)
-                    if running.done:
-                        self._retire(running)
-        except BaseException as err:  # a bug: every request learns of it, none hangs
-            for handle in [*self._handles.values(), *(h for h, _ in self._waiting)]:
+            while self._serve_once():
+                pass
+        except BaseException as err:  # a bug in the worker itself: said, and every request learns of it
+            with self._wake:
+                self.failure = err
+                handles = [*self._handles.values(), *(h for h, _ in self._waiting)]
+                self._handles.clear()
+                self._waiting.clear()
+            _log.critical("the scheduler's worker died: nothing more is served", exc_info=err)
+            for handle in handles:
                 handle._finish(err)
-            self._handles.clear()
-            self._waiting.clear()
-            raise
+            return
         for running in list(self.engine.running):
             self.engine.cancel(running)
             self._retire(running)
@@ -202,6 +213,46 @@ class Scheduler:
             handle._finish()
         self._waiting.clear()
 
+    def _serve_once(self) -> bool:
+        """Admit what waits, run one engine step and hand out its tokens; False once closed."""
+        with self._wake:
+            while not self._closed and not self._waiting and not self._handles:
+                self._wake.wait()
+            if self._closed:
+                return False
+            admitted: list[tuple[Handle, Request]] = []
+            while self._waiting and len(admitted) < self.engine.free_slots:
+                admitted.append(self._waiting.popleft())
+        for handle, request in admitted:
+            self._admit(handle, request)
+        self._cancel_requested()
+        try:
+            stepped = self.engine.step()
+        except Exception as err:  # what the rows share failed: those in the batch fail, the next ones run
+            _log.error("an engine step failed, and its %d requests", len(self._handles), exc_info=err)
+            for handle in self._handles.values():
+                handle._finish(err)
+            self._handles.clear()
+            self.engine = SpeculativeEngine(self.speculator.model, slots=self.engine.slots)
+            return True
+        for running, tokens in stepped:
+            handle = self._handles[id(running)]
+            try:
+                if running.error is not None:
+                    raise running.error
+                if tokens:
+                    handle._emit(tokens)
+            except Exception as err:  # this request alone
+                if not isinstance(err, UsageError):
+                    _log.error("a request failed: %s", type(err).__name__, exc_info=err)
+                self.engine.cancel(running)
+                del self._handles[id(running)]
+                handle._finish(err)
+                continue
+            if running.done:
+                self._retire(running)
+        return True
+
     def _admit(self, handle: Handle, request: Request) -> None:
         if handle.cancelled:
             handle.stats.stop_reason = "cancelled"
@@ -209,7 +260,9 @@ class Scheduler:
             return
         try:
             running = self.engine.submit(request)
-        except UsageError as err:
+        except Exception as err:  # this request alone
+            if not isinstance(err, UsageError):
+                _log.error("a request failed: %s", type(err).__name__, exc_info=err)
             handle._finish(err)
             return
         handle.running = running

@@ -9,6 +9,14 @@ one message; an unexpected failure is a 500 whose traceback goes to the log, the
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not), ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``. With an API key, the ``/v1`` routes need ``Authorization: Bearer KEY``.
+
+Bounded by design: a request's failure is its own (a 400 for the caller's mistake, a 500 naming an internal
+error, the batch going on; /health says 503 if the scheduler ever dies); a body must be JSON by Content-Type
+(415), arrive within ``body_timeout`` (408) and weigh at most ``max_body`` bytes (413); a client that hangs up
+while sending it is a 499. Connections are capped at ``max_connections`` (an idle one gives way to a new one),
+a request's headers must arrive within ``header_timeout`` of the connection opening or the previous answer,
+an idle keep-alive connection closes after ``keep_alive`` seconds; /metrics labels known routes only; a
+repeated log line is written once per :data:`LOG_INTERVAL` (:class:`OncePerInterval`).
 """
 
 from __future__ import annotations
@@ -16,29 +24,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import json
 import logging
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio.to_thread
+import h11
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from verispec.api import Chunk, ModelChoice, Speculator, parse_k
+from verispec.api import Chunk, ModelChoice, Speculator, failure_message, parse_k
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import DRAFTERS
 from verispec.errors import UsageError
-from verispec.scheduler import Handle, QueueFull, Scheduler
+from verispec.inputs import parse_json
+from verispec.scheduler import Handle, QueueFull, Scheduler, SchedulerFailed
 from verispec.server.metrics import ServerMetrics
 from verispec.server.schema import (
     ApiError,
@@ -52,9 +64,50 @@ from verispec.server.schema import (
     usage,
 )
 
-__all__ = ["Server", "ServerConfig", "create_app", "listen", "run", "serving"]
+__all__ = ["OncePerInterval", "Server", "ServerConfig", "create_app", "exposed", "listen", "run", "serving"]
 
 _log = logging.getLogger("verispec.server")
+LOG_INTERVAL = 60.0  # seconds: a repeated log line is written once per interval
+UNKNOWN_ROUTE = "other"  # /metrics' label of every path that is not a route
+
+
+class OncePerInterval(logging.Filter):
+    """A logging filter that lets a repeated record through once per ``interval`` seconds (repeated: the
+    same logger, message and exception type), the next one through saying how many were held back; added to
+    the loggers a flood can fill (accept errors when file descriptors run out, failing requests)."""
+
+    LOGGERS = ("asyncio", "uvicorn.error", "verispec.server", "verispec.scheduler")
+    KEYS = 1024  # distinct messages remembered (forgotten all at once beyond)
+
+    def __init__(self, interval: float = LOG_INTERVAL, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.interval, self.clock = interval, clock
+        self._held: dict[tuple, list] = {}  # key → [when it may pass again, records held back since]
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kind = record.exc_info[0] if record.exc_info else None
+        key = (record.name, str(record.msg), kind)
+        now = self.clock()
+        with self._lock:
+            entry = self._held.get(key)
+            if entry is not None and now < entry[0]:
+                entry[1] += 1
+                return False
+            if len(self._held) >= self.KEYS:
+                self._held.clear()
+            self._held[key] = [now + self.interval, 0]
+        if entry is not None and entry[1]:
+            record.msg = f"{record.msg} [{entry[1]} more like it held back in {self.interval:g} s]"
+        return True
+
+    @classmethod
+    def install(cls) -> None:
+        """One filter on each of :attr:`LOGGERS` (once per process)."""
+        for name in cls.LOGGERS:
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, cls) for f in logger.filters):
+                logger.addFilter(cls())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,12 +119,21 @@ class ServerConfig(ModelChoice):
     max_queue: int = 64
     api_key: str | None = None
     model_name: str | None = None  # the model id clients name (default: the target's name)
+    max_connections: int = 512  # open connections; beyond, the oldest idle one closes (or the new one)
+    keep_alive: float = 5.0  # seconds an idle keep-alive connection stays open
+    header_timeout: float = 10.0  # seconds for a request's headers to arrive
+    body_timeout: float = 30.0  # seconds for a request's body to arrive
+    max_body: int = 4 << 20  # bytes of a request's body
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_queue"):
-            value, low = getattr(self, name), 1 if name == "max_batch" else 0
+        for name, low in (("max_batch", 1), ("max_queue", 0), ("max_connections", 1), ("max_body", 1)):
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise UsageError(f"{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+        for name in ("keep_alive", "header_timeout", "body_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
+                raise UsageError(f"{name.replace('_', '-')} must be seconds in (0, 86400], got {value!r}")
         parse_k(self.k)
         if self.api_key is not None and not self.api_key.strip():
             raise UsageError("the API key is empty")
@@ -138,13 +200,17 @@ def create_app(server: Server) -> Starlette:
         server.close()
 
     routes = [
-        Route("/health", api.health),
-        Route("/metrics", api.metrics_page),
-        Route("/v1/models", api.models),
-        Route("/v1/completions", api.completions, methods=["POST"]),
-        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route(path, api.guarded(endpoint), methods=methods)
+        for path, endpoint, methods in (
+            ("/health", api.health, None),
+            ("/metrics", api.metrics_page, None),
+            ("/v1/models", api.models, None),
+            ("/v1/completions", api.completions, ["POST"]),
+            ("/v1/chat/completions", api.chat, ["POST"]),
+        )
     ]
-    handlers = {ApiError: api.refused, HTTPException: api.http_error, Exception: api.crashed}
+    api.known = {route.path for route in routes}
+    handlers = {ApiError: api.refused, HTTPException: api.http_error}
     return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
 
 
@@ -152,10 +218,35 @@ class _Api:
     def __init__(self, server: Server) -> None:
         self.server = server
         self.metrics = server.metrics
+        self.known: set[str] = set()  # the routes' paths: /metrics' labels
+
+    def route(self, request: Request) -> str:
+        """/metrics' label of a request: its route, or one label for every other path."""
+        path = request.url.path
+        return path if path in self.known else UNKNOWN_ROUTE
+
+    def guarded(self, endpoint: Callable[[Request], Awaitable[Response]]) -> Callable:
+        """``endpoint``, its unexpected failures a 500 naming an internal error (logged once per interval),
+        not Starlette's error page and a second traceback from the server."""
+
+        async def run(request: Request) -> Response:
+            try:
+                return await endpoint(request)
+            except (ApiError, HTTPException):
+                raise
+            except Exception as err:
+                _log.error("internal error serving %s", self.route(request), exc_info=err)
+                raise ApiError(500, failure_message(err), "server_error") from None
+
+        return run
 
     # ------------------------------------------------------------------ plain routes
 
     async def health(self, request: Request) -> Response:
+        failure = self.server.scheduler.failure
+        if failure is not None:  # the worker died: nothing is served, and a balancer should know
+            message = f"the scheduler has failed ({type(failure).__name__}): restart the server"
+            return JSONResponse({"status": "failed", "error": message}, status_code=503)
         return JSONResponse({"status": "ok", "model": self.server.name})
 
     async def metrics_page(self, request: Request) -> Response:
@@ -170,19 +261,16 @@ class _Api:
 
     async def refused(self, request: Request, error: Exception) -> Response:
         assert isinstance(error, ApiError)
-        self.metrics.requests.labels(request.url.path, str(error.status)).inc()
-        return JSONResponse(error_body(error), status_code=error.status)
+        self.metrics.requests.labels(self.route(request), str(error.status)).inc()
+        # ASCII JSON: a message may quote a caller's string, lone surrogates and all
+        body = json.dumps(error_body(error))
+        return Response(body, status_code=error.status, media_type="application/json")
 
     async def http_error(self, request: Request, error: Exception) -> Response:
         assert isinstance(error, HTTPException)
         return await self.refused(
             request, ApiError(error.status_code, str(error.detail), "invalid_request_error")
         )
-
-    async def crashed(self, request: Request, error: Exception) -> Response:
-        _log.exception("internal error serving %s", request.url.path)  # a bug: its traceback is for us
-        failure = ApiError(500, f"internal error: {type(error).__name__}", "server_error")
-        return await self.refused(request, failure)
 
     def _authorize(self, request: Request) -> None:
         key = self.server.config.api_key
@@ -202,12 +290,38 @@ class _Api:
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
 
+    async def _body(self, request: Request) -> object:
+        """The request's JSON body: 415 when not JSON by its Content-Type, 413 beyond ``max_body`` bytes, 408
+        when slower than ``body_timeout``, 499 when the client hangs up first, 400 when not valid JSON."""
+        config = self.server.config
+        kind = request.headers.get("content-type", "")
+        media = kind.split(";")[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            raise ApiError(415, f"the body must be JSON (Content-Type: application/json), not {kind[:60]!r}")
+        declared = request.headers.get("content-length", "")
+        too_big = ApiError(413, f"the body is larger than {config.max_body} bytes")
+        if declared.isascii() and declared.isdigit() and int(declared[:20]) > config.max_body:
+            raise too_big
+        parts, size = [], 0
+        try:
+            async with asyncio.timeout(config.body_timeout):
+                async for part in request.stream():
+                    size += len(part)
+                    if size > config.max_body:
+                        raise too_big
+                    parts.append(part)
+        except TimeoutError:
+            raise ApiError(408, f"the body took longer than {config.body_timeout:g} s to arrive") from None
+        except ClientDisconnect:
+            raise ApiError(499, "the client hung up while sending the body") from None
+        try:
+            return parse_json(b"".join(parts))
+        except UsageError as err:
+            raise ApiError(400, f"the body is {err}") from None
+
     async def _generate(self, request: Request, chat: bool) -> Response:
         self._authorize(request)
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ApiError(400, f"the body is not valid JSON ({err})") from None
+        body = await self._body(request)
         parsed = parse_request(ChatRequest if chat else CompletionRequest, body)
         if parsed.model != self.server.name:
             raise ApiError(
@@ -241,6 +355,8 @@ class _Api:
                 )
             except QueueFull as err:
                 raise ApiError(429, str(err), "rate_limit_error") from None
+            except SchedulerFailed as err:
+                raise ApiError(503, str(err), "server_error") from None
             except UsageError as err:
                 raise ApiError(400, str(err)) from None
 
@@ -296,13 +412,16 @@ class _Api:
                 yield _event({**reply.head("chunk"), "choices": [], "usage": reply.usage()})
             yield "data: [DONE]\n\n"
             status = 200
+        except ApiError as err:  # the request failed after its headers went out: an error event ends it
+            status = err.status
+            yield _event(error_body(err))
         finally:
             if not reply.handle.finished.is_set():
                 reply.handle.cancel()
             self._finished(request, reply, status)
 
     def _finished(self, request: Request, reply: _Reply, status: int) -> None:
-        self.metrics.requests.labels(request.url.path, str(status)).inc()
+        self.metrics.requests.labels(self.route(request), str(status)).inc()
         self.metrics.finished(reply.handle.prompt_tokens, reply.handle.stats)
 
 
@@ -339,8 +458,14 @@ class _Reply:
         self.tokens, self.last = self.tokens + n, now
 
     def check(self) -> None:
-        if self.handle.error is not None:  # the engine failed (a bug): a 500 for the client, logged
-            raise self.handle.error
+        """ApiError when the request failed: a 400 for a caller's mistake, else a 500 naming the internal
+        error (logged by the scheduler)."""
+        error = self.handle.error
+        if error is not None:
+            status, kind = (
+                (400, "invalid_request_error") if isinstance(error, UsageError) else (500, "server_error")
+            )
+            raise ApiError(status, failure_message(error), kind)
 
     def head(self, what: str) -> dict:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -388,6 +513,11 @@ class _Reply:
 # ---------------------------------------------------------------------------------------------- running it
 
 
+def exposed(address: str) -> bool:
+    """Whether a bound ``address`` (an IP) takes connections from other machines: anything but loopback."""
+    return not ipaddress.ip_address(address.split("%")[0]).is_loopback
+
+
 def listen(host: str, port: int) -> socket.socket:
     """A listening socket on host:port (port 0: a free one); UsageError when it cannot be had."""
     try:
@@ -401,9 +531,63 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _protocol(limits: ServerConfig) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol with what it lacks: at most ``max_connections`` open (at the cap, a new
+    connection closes the oldest one still waiting for a request's headers, else itself) and a request's
+    headers due within ``header_timeout`` seconds of the connection opening or of the previous answer."""
+
+    class Bounded(H11Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)  # type: ignore[arg-type]
+            if len(self.connections) > limits.max_connections:
+                oldest = next(iter(waiting), self)
+                oldest._drop()
+                if oldest is self:
+                    return
+            self._await_headers()
+
+        def _await_headers(self) -> None:
+            self._stop_waiting()
+            waiting[self] = self.loop.call_later(limits.header_timeout, self._drop)
+
+        def _stop_waiting(self) -> None:
+            timer = waiting.pop(self, None)
+            if timer is not None:
+                timer.cancel()
+
+        def _drop(self) -> None:
+            self._stop_waiting()
+            self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # the headers are in
+                self._stop_waiting()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._await_headers()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_waiting()
+            super().connection_lost(exc)
+
+    waiting: dict[Bounded, asyncio.TimerHandle] = {}  # the connections waiting for headers, oldest first
+    return Bounded
+
+
 def _uvicorn(server: Server) -> uvicorn.Server:
+    limits = server.config
+    OncePerInterval.install()
     config = uvicorn.Config(
-        create_app(server), log_level="warning", access_log=False, timeout_graceful_shutdown=5
+        create_app(server),
+        http=_protocol(limits),
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=limits.keep_alive,  # type: ignore[arg-type]
+        h11_max_incomplete_event_size=64 << 10,  # bytes of a request line and headers
     )
     return uvicorn.Server(config)
 

@@ -1,8 +1,11 @@
 """The OpenAI API's request bodies as verispec reads them, and its response objects as verispec writes them.
 
 Requests are validated with pydantic in strict mode (a string where a number belongs is refused, not
-converted); fields verispec does not know are ignored, as OpenAI ignores them. verispec's own options ride in
-the body beside OpenAI's: ``top_k``, ``min_p``, ``drafter`` and ``k``. Every refusal is an :class:`ApiError`:
+converted). A field verispec does not implement is refused with a 400 naming it, never silently ignored
+(:data:`NOT_IMPLEMENTED`: OpenAI's fields, which pass only with the value that asks for nothing, such as
+``presence_penalty: 0``), as is a field nobody defines. verispec's own options ride in the body beside
+OpenAI's: ``top_k``, ``min_p``, ``drafter``, ``k`` and ``invariant`` (by default: invariant draws exactly when
+a ``seed`` is given). Every refusal is an :class:`ApiError`:
 an HTTP status and one line, written in OpenAI's error format by :func:`error_body`.
 """
 
@@ -31,6 +34,32 @@ __all__ = [
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    # OpenAI's fields that verispec does not implement → the values that ask for nothing (passed, unused)
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "metadata": (None, {}),
+}
+
 
 class ApiError(Exception):
     """A request refused: ``status`` and a one-line ``message``; ``kind`` is OpenAI's error type."""
@@ -48,7 +77,7 @@ def error_body(error: ApiError) -> dict:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
 
@@ -56,7 +85,7 @@ class StreamOptions(BaseModel):
 class _Request(BaseModel):
     """The fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -73,7 +102,8 @@ class _Request(BaseModel):
     min_p: Annotated[float, Field(ge=0, lt=1)] = 0.0
     drafter: str | None = None
     k: Annotated[int, Field(ge=0)] | str | None = None
-    invariant: bool = False
+    invariant: bool | None = None  # None: invariant draws exactly when a seed is given
+    user: str | None = None  # an end user's id, for OpenAI's abuse monitoring: no effect on the answer
 
     @field_validator("n")
     @classmethod
@@ -125,14 +155,14 @@ class CompletionRequest(_Request):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
@@ -153,9 +183,19 @@ class ChatRequest(_Request):
 
 
 def parse_request(kind: type[_Request], body: Any) -> _Request:
-    """The validated request, or ApiError 400 naming the first problem in one line."""
+    """The validated request, or ApiError 400 naming the first problem in one line (a field verispec does
+    not implement: by name, unless it has a value that asks for nothing)."""
     if not isinstance(body, Mapping):
         raise ApiError(400, "the request body must be a JSON object")
+    body = dict(body)
+    for name in [n for n in body if n not in kind.model_fields]:
+        value = body[name]
+        if any(type(value) is type(ok) and value == ok for ok in NOT_IMPLEMENTED.get(name, ())):
+            del body[name]  # asks for nothing
+        elif name in NOT_IMPLEMENTED:
+            raise ApiError(400, f"{name}: not implemented by verispec (refused, not ignored)", param=name)
+        else:
+            raise ApiError(400, f"{name[:60]!r}: not a field of this endpoint", param=name[:60])
     try:
         return kind.model_validate(body)
     except ValidationError as err:

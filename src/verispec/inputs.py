@@ -1,0 +1,42 @@
+"""Untrusted input, checked at the doors (the server's bodies, ``verispec batch``'s lines, prompts), so that a
+hostile value is a caller's mistake in one line (:class:`~verispec.errors.UsageError`), never a traceback
+from deep inside: JSON text (:func:`parse_json`: nesting too deep for the parser, an integer too long to
+convert) and text that is not valid Unicode (:func:`check_text`: a lone surrogate, which JSON's ``\\ud800``
+escapes can carry and no tokenizer encodes)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from verispec.errors import UsageError
+
+__all__ = ["check_text", "parse_json"]
+
+
+def parse_json(text: str | bytes) -> Any:
+    """The value of the JSON ``text``; UsageError "not JSON (why)" in one line otherwise."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise UsageError("not JSON (nested too deeply)") from None
+    except json.JSONDecodeError as err:
+        raise UsageError(f"not JSON ({err})") from None
+    except UnicodeDecodeError as err:
+        raise UsageError(f"not JSON (not UTF-8: {err.reason} at byte {err.start})") from None
+    except ValueError as err:  # int("9" * 5000): the interpreter's limit on converting digits
+        if "integer string conversion" not in str(err):
+            raise
+        raise UsageError("not JSON (an integer of more than 4300 digits)") from None
+
+
+def check_text(text: str, what: str) -> str:
+    """``text`` when it is valid Unicode; UsageError naming ``what`` and the first lone surrogate."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        raise UsageError(
+            f"{what} holds a lone surrogate (U+{code:04X}) at character {err.start}: not valid Unicode"
+        ) from None
+    return text
