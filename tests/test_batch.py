@@ -386,6 +386,32 @@ def test_bad_requests_are_refused_one_by_one():
         engine.submit(request)
 
 
+def test_a_request_that_fails_in_a_step_fails_alone(monkeypatch):
+    """A failure in one request's own part of a step (injected: its drafter raises, or its text does) ends
+    that request alone, with an internal error naming it; the others in the batch generate what they
+    generate alone, and a batch of one (``generate``) raises it. A prompt that is not valid Unicode is a
+    caller's mistake."""
+    target = TableLM(8, seed=1, max_context=40)
+    spec = Speculator((target, LetterTokenizer(8)), drafter="ngram")
+    options = dict(k=2, max_new_tokens=6, sampling=SamplingParams(temperature=1.0, seed=2))
+    alone = {p: spec.generate(p, **options).token_ids for p in ("abcab", "bcdbc")}
+    real = NGramDrafter.propose
+
+    def propose(self, ids, k, generator):
+        if ids[:3] == [7, 7, 7]:  # "hhh..."
+            raise RuntimeError("injected")
+        return real(self, ids, k, generator)
+
+    monkeypatch.setattr(NGramDrafter, "propose", propose)
+    prompts = ["abcab", "hhhh", "bcdbc", "a\ud800"]
+    results = spec.generate_batch(prompts, slots=3, **options)
+    assert results[1].error == "internal error: RuntimeError: injected"
+    assert "lone surrogate (U+D800)" in results[3].error
+    assert [results[0].token_ids, results[2].token_ids] == [alone["abcab"], alone["bcdbc"]]
+    with pytest.raises(RuntimeError, match="injected"):
+        spec.generate("hhhh", **options)
+
+
 def test_a_cancelled_request_frees_its_slot_at_once():
     target = TableLM(8, seed=1)
     engine = SpeculativeEngine(target, slots=1)

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import verispec.models.gguf as gguf_module
 from verispec.kernels.cpu import native_available
@@ -69,19 +70,29 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, model: LlamaForCausalLM, qtype: str = "F32") -> Path:
+def write_tiny_gguf(
+    path: Path,
+    model: LlamaForCausalLM,
+    qtype: str = "F32",
+    arch: str = "llama",
+    tensor_types: dict | None = None,
+) -> Path:
     """Write ``model`` (and a byte-level BPE tokenizer with a chat template) to ``path`` as llama.cpp would.
 
-    qtype "Q8_0" or "Q4_1" stores every matrix in such blocks; vectors stay float32."""
+    qtype "Q8_0" or "Q4_1" stores every matrix in such blocks; vectors stay float32. arch "llama" (q and k
+    rows permuted; Llama 3's rope scaling as llama.cpp's ``rope_freqs`` factors) or "qwen2" (a
+    Qwen2ForCausalLM: q/k/v biases, nothing permuted). tensor_types: another type for some matrices, by GGUF
+    name (``{"blk.0.attn_k": "Q4_1"}``; random bytes where gguf cannot quantize into it)."""
     config = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)
+    rope = getattr(config, "rope_parameters", None) or {}
+    writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     writer.add_vocab_size(config.vocab_size)
@@ -95,18 +106,31 @@ def write_tiny_gguf(path: Path, model: LlamaForCausalLM, qtype: str = "F32") -> 
     writer.add_eos_token_id(1)
     writer.add_add_bos_token(True)
     writer.add_chat_template(CHAT_TEMPLATE)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    if rope.get("rope_type") == "llama3":  # what llama.cpp's converter divides each frequency by
+        inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")  # [head_dim / 2]
+        default = rope["rope_theta"] ** -(torch.arange(0, 2 * len(inv_freq), 2).float() / (2 * len(inv_freq)))
+        writer.add_tensor("rope_freqs.weight", (default / inv_freq).numpy().astype(np.float32))
     for hf_name, tensor in model.state_dict().items():
         base, suffix = hf_name.rsplit(".", 1)
         data = tensor.numpy()
-        if base.endswith("q_proj"):
+        if arch == "llama" and base.endswith("q_proj"):
             data = _llama_cpp_permute(data, config.num_attention_heads)
-        elif base.endswith("k_proj"):
+        elif arch == "llama" and base.endswith("k_proj"):
             data = _llama_cpp_permute(data, config.num_key_value_heads)
         name = f"{names.get_name(base)}.{suffix}"
-        if qtype != "F32" and data.ndim == 2:
-            blocks = gguf.GGMLQuantizationType[qtype]
-            writer.add_tensor(name, gguf.quants.quantize(data, blocks), raw_dtype=blocks)
+        kind = (tensor_types or {}).get(names.get_name(base), qtype)
+        if kind != "F32" and data.ndim == 2:
+            blocks = gguf.GGMLQuantizationType[kind]
+            try:
+                raw = gguf.quants.quantize(data, blocks)
+            except NotImplementedError:  # a type without a reference quantizer: its bytes random
+                block, size = gguf.GGML_QUANT_SIZES[blocks]
+                raw = np.random.default_rng(0).integers(
+                    0, 256, (data.shape[0], data.shape[1] // block * size)
+                )
+                raw = raw.astype(np.uint8)
+            writer.add_tensor(name, raw, raw_dtype=blocks)
         else:
             writer.add_tensor(name, data)
     writer.write_header_to_file()

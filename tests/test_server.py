@@ -114,20 +114,25 @@ def test_greedy_through_the_server_is_plain_decoding(served, stories):
 
 
 def test_invariant_sampling_through_the_server_is_the_target_s_own(served, stories):
-    """``invariant`` (verispec's own field): a sampled answer is the target's own sampling with that seed,
-    whatever the drafter and K."""
+    """``invariant`` (verispec's own field, true by default with a seed): a sampled answer is the target's
+    own sampling with that seed, whatever the drafter and K; ``invariant: false`` opts out."""
     url, _ = served
     _, loaded = stories
     sampling = SamplingParams(temperature=0.8, seed=5, invariant=True)
     own = Speculator(loaded, drafter="none").generate(
         "Tom had a red ball.", k=0, max_new_tokens=32, sampling=sampling
     )
-    for drafter, k in (("ngram", 4), ("ngram", "auto"), ("none", 0)):
+    for drafter, k, flag in (("ngram", 4, {}), ("ngram", "auto", {"invariant": True}), ("none", 0, {})):
         answer = client(url).completions.create(
             model="stories260K", prompt="Tom had a red ball.", max_tokens=32, temperature=0.8, seed=5,
-            extra_body={"drafter": drafter, "k": k, "invariant": True},
+            extra_body={"drafter": drafter, "k": k, **flag},
         )  # fmt: skip
         assert answer.choices[0].text == own.text
+    opted = client(url).completions.create(
+        model="stories260K", prompt="Tom had a red ball.", max_tokens=32, temperature=0.8, seed=5,
+        extra_body={"drafter": "ngram", "k": 4, "invariant": False},
+    )  # fmt: skip
+    assert opted.choices[0].finish_reason == "length"
 
 
 def test_stream_usage_stop_strings_and_models(served):

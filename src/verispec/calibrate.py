@@ -258,7 +258,7 @@ def model_identity(model: LanguageModel) -> dict:
     else:
         arch = {"vocab_size": model.vocab_size, "max_context": model.max_context}
     fast_path = getattr(model, "cpu_precision", None)
-    return {
+    identity = {
         "class": type(model).__name__,
         "config": arch,
         "dtype": str(getattr(model, "dtype", "")),
@@ -266,6 +266,10 @@ def model_identity(model: LanguageModel) -> dict:
         "fast_path": fast_path,  # the CPU fast path's weights (native models)
         "kernels": library_path().name if fast_path not in (None, "fp32") else None,
     }
+    head = getattr(getattr(model, "_native_head", None), "format", None)
+    if head is not None and head != ("q8_0" if fast_path == "q4_1" else fast_path):
+        identity["head"] = head  # a GGUF file's own head read in place, in another format than packing's
+    return identity
 
 
 def drafter_identity(drafter: Drafter) -> dict:

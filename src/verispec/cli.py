@@ -1332,6 +1332,37 @@ def run_train_drafter(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- entry point
 
 
+def add_write_gguf_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec write-gguf``."""
+    parser = subparsers.add_parser(
+        "write-gguf",
+        help="write a random-weight Llama GGUF file of a given shape and tensor type (for speed runs)",
+        description="Write a GGUF file of a Llama-3-shaped model with random weights in one tensor type, "
+        "quickly (random blocks with sane scales, tensor by tensor), with a minimal tokenizer: speed does "
+        "not depend on the weights' values, so such a file measures the regime of large models without "
+        "downloading one. Its outputs are meaningless: never report their acceptance.",
+    )
+    parser.add_argument("--out", required=True, metavar="FILE.gguf", help="the file to write (atomically)")
+    parser.add_argument(
+        "--shape",
+        required=True,
+        help="llama3-1b, llama3-3b, or hidden=H,layers=L,heads=N,kv_heads=K,ffn=F,vocab=V "
+        "[,tied=0|1][,rope_base=B][,rope_factor=X|none][,context=C]",
+    )
+    parser.add_argument("--type", required=True, help="Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K or F16")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    parser.set_defaults(func=run_write_gguf)
+
+
+def run_write_gguf(args: argparse.Namespace) -> int:
+    """Run ``verispec write-gguf``: check every argument, write the file, print where it is."""
+    from verispec.models.gguf_write import parse_shape, write_random_gguf
+
+    path = write_random_gguf(args.out, parse_shape(args.shape), args.type, args.seed)
+    print(f"random-weight GGUF written to {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``verispec`` parser with all its subcommands."""
     parser = _Parser(prog=PROG, description="Exact speculative decoding for language models.")
@@ -1352,6 +1383,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_calibrate_parser(subparsers)
     add_drafter_data_parser(subparsers)
     add_train_drafter_parser(subparsers)
+    add_write_gguf_parser(subparsers)
     return parser
 
 

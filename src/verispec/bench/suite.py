@@ -91,7 +91,7 @@ from verispec.errors import UsageError
 from verispec.models.base import LanguageModel, Tokenizer
 from verispec.models.gguf import source_gguf
 from verispec.models.llama import DEFAULT_PRECISION
-from verispec.models.registry import DEFAULT_MODEL, model_dir
+from verispec.models.registry import DEFAULT_MODEL, gguf_file, model_dir
 from verispec.sampling import SamplingParams
 from verispec.viz import write_atomic
 from verispec.viz.charts import chart_directory
@@ -377,11 +377,9 @@ def learned_drafter(config: BenchConfig, kind: str) -> str | None:
 def llamacpp_gguf(config: BenchConfig) -> Path | None:
     """The GGUF file llama.cpp runs for the target: the SPEC itself, or the file a converted model came from
     (kept in the cache for the short names). None for targets of other formats."""
-    spec = Path(str(config.target)).expanduser()
-    if spec.suffix == ".gguf":
-        return spec if spec.is_file() else None
-    if spec.suffix == ".bin":
-        return None
+    gguf = gguf_file(config.target)  # a short name's is downloaded, not converted
+    if gguf is not None or Path(str(config.target)).suffix in (".gguf", ".bin"):
+        return gguf
     return source_gguf(model_dir(config.target))
 
 

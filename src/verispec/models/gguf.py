@@ -1,4 +1,5 @@
-"""GGUF files converted, once, into transformers-format directories in verispec's cache.
+"""GGUF files converted, once, into transformers-format directories in verispec's cache; their tokenizers
+alone, for models that run the file in place (:mod:`verispec.models.gguf_native`).
 
 A converted directory holds ``config.json``, ``generation_config.json``, ``model.safetensors`` (every tensor
 dequantized to float32, under the transformers parameter names, with llama.cpp's rotary q/k row permutation
@@ -7,9 +8,10 @@ undone), the tokenizer (``tokenizer.json``, ``tokenizer_config.json``), the chat
 work is transformers' own GGUF reading code; verispec only checks that every parameter came through and
 writes the result.
 
-A conversion is built in a hidden ``.NAME.partial-PID-*`` directory next to its target and renamed into place
-at the end, so the target directory either holds a complete conversion or does not exist. Partial directories
-left by a process that died are removed by the next conversion in the same cache.
+A conversion (or a tokenizer, :func:`gguf_tokenizer_dir`) is built in a hidden ``.NAME.partial-PID-*``
+directory next to its target and renamed into place at the end, so the target directory either holds a
+complete conversion or does not exist. Partial directories left by a process that died are removed by the
+next conversion in the same cache.
 
 The cache lives in ``$VERISPEC_CACHE/models`` (default ``~/.cache/verispec/models``).
 """
@@ -22,6 +24,7 @@ import os
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -34,11 +37,19 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from verispec.errors import UsageError
 
-__all__ = ["cache_dir", "convert_gguf", "gguf_cache_path", "is_converted", "source_gguf", "stored_format"]
+__all__ = [
+    "cache_dir",
+    "convert_gguf",
+    "gguf_cache_path",
+    "gguf_tokenizer_dir",
+    "is_converted",
+    "source_gguf",
+    "stored_format",
+]
 
 _PARTIAL = ".partial-"  # infix of the names of directories under construction
 _SOURCE = "verispec_source.json"  # what a conversion was made from (and the file's weight format)
-_KEPT = "model.gguf"  # the source file, kept in the conversion when asked (a download's only copy)
+_TOKENIZER = "-tokenizer"  # suffix of a tokenizer's directory beside the conversion's (gguf_tokenizer_dir)
 # GGUF tensor types verispec's native kernels multiply as they are (verispec.kernels.cpu.FORMATS)
 _NATIVE_TYPES = {"Q8_0": "q8_0", "Q4_1": "q4_1", "F16": "fp16"}
 
@@ -91,14 +102,40 @@ def _weight_format(gguf: Path) -> str | None:
     return _NATIVE_TYPES.get(types.most_common(1)[0][0]) if types else None
 
 
-def convert_gguf(gguf: Path, out_dir: Path, keep: bool = False) -> Path:
-    """Convert the GGUF file ``gguf`` into the transformers-format directory ``out_dir``, unless that is done;
-    ``keep``: copy the file into the conversion too (for a download, whose file goes away).
+def convert_gguf(gguf: Path, out_dir: Path) -> Path:
+    """Convert the GGUF file ``gguf`` into the transformers-format directory ``out_dir``, unless that is done.
 
     Returns ``out_dir``. UsageError (one line) when the file cannot be read or converted; nothing is left
     behind then."""
-    if is_converted(out_dir):
-        return out_dir
+    if not is_converted(out_dir):
+        _build(out_dir, is_converted, lambda partial: _write_transformers_dir(gguf, partial), gguf)
+    return out_dir
+
+
+def gguf_tokenizer_dir(gguf: Path) -> Path:
+    """The tokenizer (and chat template) transformers converts from the GGUF file's metadata, saved once in
+    the cache beside where its conversion would go (keyed the same way): later loads read these files.
+    UsageError (one line) when the file has no tokenizer transformers reads; nothing is left behind then."""
+    out_dir = gguf_cache_path(gguf)
+    out_dir = out_dir.with_name(out_dir.name + _TOKENIZER)
+
+    def done(directory: Path) -> bool:
+        return (directory / "tokenizer_config.json").is_file()
+
+    def write(partial: Path) -> None:
+        try:
+            AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(partial)
+        except (ValueError, KeyError, OSError, NotImplementedError, TypeError) as err:
+            raise UsageError(f"no tokenizer in {gguf} that transformers reads: {first_line(err)}") from err
+
+    if not done(out_dir):
+        _build(out_dir, done, write, gguf)
+    return out_dir
+
+
+def _build(out_dir: Path, done: Callable[[Path], bool], write: Callable[[Path], None], gguf: Path) -> None:
+    """Run ``write`` into a partial directory beside ``out_dir`` and rename it into place (see the module
+    docstring); ``done``: whether a directory holds the finished result (a concurrent build's)."""
     if not gguf.is_file():
         raise UsageError(f"no such GGUF file: {gguf}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -106,20 +143,19 @@ def convert_gguf(gguf: Path, out_dir: Path, keep: bool = False) -> Path:
     partial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{_PARTIAL}{os.getpid()}-", dir=out_dir.parent))
     partial.chmod(0o755)  # mkdtemp's 0o700 would stay on the finished directory
     try:
-        _write_transformers_dir(gguf, partial, keep)
+        write(partial)
         try:
             os.replace(partial, out_dir)
         except OSError as err:
-            if not is_converted(out_dir):  # not a concurrent conversion that finished first
+            if not done(out_dir):  # not a concurrent build that finished first
                 raise UsageError(
                     f"{out_dir} is in the way: not a finished conversion ({first_line(err)})"
                 ) from err
     finally:
         shutil.rmtree(partial, ignore_errors=True)  # nothing left there after a successful rename
-    return out_dir
 
 
-def _write_transformers_dir(gguf: Path, out: Path, keep: bool) -> None:
+def _write_transformers_dir(gguf: Path, out: Path) -> None:
     """Read, dequantize and check every tensor of ``gguf``; write the transformers-format files to ``out``."""
     folder, name = str(gguf.parent), gguf.name
     with tqdm(total=4, desc=f"Converting {name}", unit="step") as bar:
@@ -154,10 +190,8 @@ def _write_transformers_dir(gguf: Path, out: Path, keep: bool) -> None:
         weights = out / "model.safetensors"
         save_file({k: t.contiguous() for k, t in tensors.items()}, weights, {"format": "pt"})
         weights.chmod(0o644)  # safetensors writes 0o600; the other files follow the umask
-        if keep:
-            shutil.copyfile(gguf, out / _KEPT)
         source = {
-            "gguf": _KEPT if keep else str(gguf.resolve()),
+            "gguf": str(gguf.resolve()),
             "bytes": gguf.stat().st_size,
             "weight_format": _weight_format(gguf),
         }

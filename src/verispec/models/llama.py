@@ -837,11 +837,11 @@ class Llama(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device  # not the embeddings': a GGUF file's stay quantized
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.norm.weight.dtype
 
     @property
     def optimized_for_cpu(self) -> bool:

