@@ -1363,6 +1363,71 @@ def run_write_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_gguf_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec bench-gguf``."""
+    parser = subparsers.add_parser(
+        "bench-gguf",
+        help="GGUF files in place on the native kernels: tok/s against llama.cpp and the read limit, v(k)",
+        description="Per GGUF file: memory added by loading, load time, decoding's time per token against "
+        "the bandwidth limit of the weights' bytes, the verification cost v(k) for k = 1..max-k, prefill, "
+        "llama.cpp on the same file (default settings; where `make peers` installed it), and the speedup "
+        "the measured v(k) gives a drafter of known acceptance. --random SHAPE:TYPE measures a random-weight "
+        "file (e.g. llama3-1b:Q4_K), written once into verispec's cache: speed does not depend on the "
+        "weights' values, which are meaningless (no acceptance is measured on them).",
+    )
+    parser.add_argument("files", nargs="*", metavar="FILE.gguf", help="GGUF files to measure")
+    parser.add_argument(
+        "--random",
+        action="append",
+        default=[],
+        metavar="SHAPE:TYPE",
+        help="a random-weight file: llama3-1b, llama3-3b or explicit dims (see write-gguf), and a type",
+    )
+    parser.add_argument("--threads", type=int, help="threads for both engines (default: torch's)")
+    parser.add_argument(
+        "--context", type=int, default=256, help="positions before the timed tokens (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--prefill", type=int, default=128, help="prompt tokens timed for prefill (default: %(default)s)"
+    )
+    parser.add_argument("--max-k", type=int, default=8, help="v(k) for k = 1..max-k (default: %(default)s)")
+    parser.add_argument("--repetitions", type=int, default=7, help="timed turns (default: %(default)s)")
+    parser.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out")
+    parser.add_argument("--out", metavar="DIR", help="output directory (default: results/bench-gguf-STAMP)")
+    parser.set_defaults(func=run_bench_gguf)
+
+
+def run_bench_gguf(args: argparse.Namespace) -> int:
+    """Run ``verispec bench-gguf``: check every argument, measure each file, print the tables."""
+    import datetime
+
+    import torch
+
+    from verispec.bench.gguf import FileBenchConfig, bench_file, random_file, read_bandwidth, write_report
+
+    for name in ("context", "prefill", "max_k", "repetitions"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(args, name)}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be an integer >= 1, got {args.threads}")
+    files = [Path(f) for f in args.files]
+    for path in files:
+        if path.suffix != ".gguf" or not path.is_file():
+            raise UsageError(f"no such GGUF file: {path}")
+    if not files and not args.random:
+        raise UsageError("give GGUF files, or --random SHAPE:TYPE")
+    files += [random_file(spec) for spec in args.random]
+    threads = args.threads or torch.get_num_threads()
+    config = FileBenchConfig(
+        tuple(files), threads, args.context, args.prefill, args.max_k, args.repetitions, not args.no_llamacpp
+    )
+    bandwidth = read_bandwidth(threads)
+    results = [bench_file(path, config, bandwidth) for path in files]
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = write_report(results, config, Path(args.out or f"results/bench-gguf-{stamp}"))
+    return _show_results(out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``verispec`` parser with all its subcommands."""
     parser = _Parser(prog=PROG, description="Exact speculative decoding for language models.")
@@ -1384,6 +1449,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_drafter_data_parser(subparsers)
     add_train_drafter_parser(subparsers)
     add_write_gguf_parser(subparsers)
+    add_bench_gguf_parser(subparsers)
     return parser
 
 

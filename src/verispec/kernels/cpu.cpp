@@ -1477,6 +1477,140 @@ static int attention(const vs_model* m, int layer, const vs_batch* batch, const 
     return 0;
 }
 
+// ------------------------------------------------------------------------------------------ repacking
+
+// The 6-bit scale and minimum of sub-block i (of 8) of a Q4_K / Q5_K super-block's 12 scale bytes.
+static inline void scale_min_k4(const uint8_t* s, int i, uint8_t* sc, uint8_t* mn) {
+    if (i < 4) {
+        *sc = s[i] & 63;
+        *mn = s[i + 4] & 63;
+    } else {
+        *sc = (s[i + 4] & 15) | (s[i - 4] >> 6) << 4;
+        *mn = (s[i + 4] >> 4) | (s[i] >> 6) << 4;
+    }
+}
+
+static inline uint16_t load16(const uint8_t* p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+// Block b (32 columns) of one row of GGUF blocks `row` of `format`: its unsigned integers u[32], and its
+// scales (d, m: float16 bits of the block or its super-block; sc, sm: the K-quants' integer scales, two for
+// Q6_K's halves).
+static void unpack_block(int format, const uint8_t* row, int b, uint8_t* u, uint16_t* d, uint16_t* m, uint8_t* sc,
+                         uint8_t* sm) {
+    switch (format) {
+        case VS_Q8_0: {
+            const uint8_t* p = row + (size_t)b * 34;
+            *d = load16(p);
+            for (int j = 0; j < 32; j++) u[j] = (uint8_t)((int8_t)p[2 + j] + 128);
+            return;
+        }
+        case VS_Q4_0:
+        case VS_Q4_1:
+        case VS_Q5_0:
+        case VS_Q5_1: {
+            const int minimum = format == VS_Q4_1 || format == VS_Q5_1, five = format == VS_Q5_0 || format == VS_Q5_1;
+            const uint8_t* p = row + (size_t)b * (18 + 2 * minimum + 4 * five);
+            *d = load16(p);
+            if (minimum) *m = load16(p + 2);
+            uint32_t qh = 0;
+            if (five) memcpy(&qh, p + 2 + 2 * minimum, 4);
+            const uint8_t* qs = p + 2 + 2 * minimum + 4 * five;
+            for (int j = 0; j < 16; j++) {
+                u[j] = (uint8_t)((qs[j] & 15) | ((qh >> j) & 1) << 4);
+                u[j + 16] = (uint8_t)((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+            }
+            return;
+        }
+        case VS_Q4_K:
+        case VS_Q5_K: {
+            const int five = format == VS_Q5_K, i = b % 8;
+            const uint8_t* p = row + (size_t)(b / 8) * (five ? 176 : 144);
+            *d = load16(p);
+            *m = load16(p + 2);
+            scale_min_k4(p + 4, i, sc, sm);
+            const uint8_t* qh = p + 16;
+            const uint8_t* qs = p + 16 + 32 * five + 32 * (i / 2);
+            for (int l = 0; l < 32; l++)
+                u[l] = (uint8_t)(((qs[l] >> (4 * (i % 2))) & 15) | (five ? ((qh[l] >> i) & 1) << 4 : 0));
+            return;
+        }
+        case VS_Q6_K: {
+            const int i = b % 8, h = i / 4, k = i % 4;
+            const uint8_t* p = row + (size_t)(b / 8) * 210;
+            const uint8_t *ql = p + 64 * h + 32 * (k % 2), *qh = p + 128 + 32 * h;
+            *d = load16(p + 208);
+            sc[0] = p[192 + 2 * i];
+            sc[1] = p[192 + 2 * i + 1];
+            for (int l = 0; l < 32; l++) u[l] = (uint8_t)(((ql[l] >> (4 * (k / 2))) & 15) | ((qh[l] >> (2 * k)) & 3) << 4);
+            return;
+        }
+    }
+}
+
+// GGUF blocks of a block-format matrix, raw [rows, bytes per row], into the kernels' arrays of w (see the
+// products' layout), allocated by the caller for rows padded to a multiple of VS_GROUP and zeroed (padding
+// rows keep zero scales). Returns 0, or -1 for a format without blocks.
+extern "C" int vs_repack(const vs_matrix* w, const uint8_t* raw, size_t row_bytes, int threads) {
+    int chunks, scales;
+    switch (w->format) {
+        case VS_Q8_0: chunks = FQ8_0::CHUNKS, scales = S_BLOCK; break;
+        case VS_Q4_0: case VS_Q4_1: chunks = 4, scales = S_BLOCK; break;
+        case VS_Q5_0: case VS_Q5_1: chunks = 5, scales = S_BLOCK; break;
+        case VS_Q4_K: chunks = 4, scales = S_SUPER; break;
+        case VS_Q5_K: chunks = 5, scales = S_SUPER; break;
+        case VS_Q6_K: chunks = 6, scales = S_HALVES; break;
+        default: return -1;
+    }
+    const int nb = w->cols / QK, rows = w->rows;
+    uint8_t* q = (uint8_t*)w->q;
+    uint16_t *d = (uint16_t*)w->d, *m = (uint16_t*)w->m;
+    uint8_t *sc = (uint8_t*)w->sc, *sm = (uint8_t*)w->sm;
+    parallel_for((rows + VS_GROUP - 1) / VS_GROUP, threads, [&](int g) {
+        for (int l = 0; l < VS_GROUP && g * VS_GROUP + l < rows; l++) {
+            const uint8_t* row = raw + (size_t)(g * VS_GROUP + l) * row_bytes;
+            for (int b = 0; b < nb; b++) {
+                uint8_t u[32], s[2] = {0, 0}, mn = 0;
+                uint16_t bd = 0, bm = 0;
+                unpack_block(w->format, row, b, u, &bd, &bm, s, &mn);
+                uint8_t* out = q + ((size_t)(g * nb + b) * chunks * VS_GROUP + l) * 4;  // chunk 0, lane l
+                if (chunks == 8) {
+                    for (int c = 0; c < 8; c++) memcpy(out + (size_t)c * CHUNK, u + 4 * c, 4);
+                } else {
+                    for (int c = 0; c < 4; c++)
+                        for (int j = 0; j < 4; j++) out[c * CHUNK + j] = (uint8_t)((u[4 * c + j] & 15) | (u[16 + 4 * c + j] & 15) << 4);
+                    for (int bit = 4; bit < chunks; bit++)
+                        for (int j = 0; j < 4; j++) {
+                            uint8_t plane = 0;
+                            for (int c = 0; c < 4; c++)
+                                plane |= (uint8_t)(((u[4 * c + j] >> bit) & 1) << c | ((u[16 + 4 * c + j] >> bit) & 1) << (c + 4));
+                            out[bit * CHUNK + j] = plane;
+                        }
+                }
+                const size_t block = (size_t)(g * nb + b) * VS_GROUP + l, super = (size_t)(g * (nb / 8) + b / 8) * VS_GROUP + l;
+                if (scales == S_BLOCK) {
+                    d[block] = bd;
+                    if (m) m[block] = bm;
+                } else {
+                    d[super] = bd;
+                    if (scales == S_SUPER) {
+                        m[super] = bm;
+                        sc[block] = s[0];
+                        sm[block] = mn;
+                    } else {
+                        sc[((size_t)(g * nb + b) * 2) * VS_GROUP + l] = s[0];
+                        sc[((size_t)(g * nb + b) * 2 + 1) * VS_GROUP + l] = s[1];
+                    }
+                }
+            }
+        }
+    });
+    return 0;
+}
+
 // ------------------------------------------------------------------------------------------ entry points
 
 // Quantize n rows of x [n, cols] (cols % 32 == 0) into q [n, cols], d, s, sums and lo [n, cols / 32], as

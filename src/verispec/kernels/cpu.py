@@ -55,7 +55,6 @@ FORMATS = ("fp16", "q8_0", "q4_1")  # what a float32 matrix is packed in (Packed
 KERNEL_FORMATS = ("fp16", "f32", *BLOCK_FORMATS)  # every format the products multiply
 BLOCK = 32  # columns per quantization block
 _CODES = {"fp16": 1, "f32": 10} | {name: f.code for name, f in BLOCK_FORMATS.items()}
-_PACK_ROWS = 4096  # rows of GGUF blocks decoded and interleaved at a time
 # GGUF tensor types a matrix may be stored in, and the kernels' format each becomes (PackedMatrix.from_gguf)
 GGUF_TYPES = {"F32": "f32", "BF16": "f32", "F16": "fp16"} | {f.ggml.name: n for n, f in BLOCK_FORMATS.items()}
 
@@ -156,6 +155,8 @@ def _library(variant: str = "native") -> ctypes.CDLL:
         i32,
     ]
     lib.vs_forward.restype = i32
+    lib.vs_repack.argtypes = [ctypes.POINTER(_Matrix), _p, ctypes.c_size_t, i32]
+    lib.vs_repack.restype = i32
     lib.vs_group_size.argtypes = []
     lib.vs_group_size.restype = i32
     return lib
@@ -239,20 +240,26 @@ class PackedMatrix:
         variant: str = "native",
     ) -> PackedMatrix:
         """From GGUF blocks of the block format ``format`` (uint8 [rows, bytes per row], as a GGUF file stores
-        them), read a slice of rows at a time (a memory-mapped file is never copied whole)."""
-        fmt, group = BLOCK_FORMATS[format], _library(variant).vs_group_size()
-        padded = -(-rows // group) * group
-        step = max(group, _PACK_ROWS // group * group)
-        parts: list[list[np.ndarray | None]] = []
-        for r0 in range(0, padded, step):
-            raw = np.asarray(blocks[r0 : min(r0 + step, rows)], dtype=np.uint8)  # [≤ step, bytes per row]
-            dec = formats.decode(fmt, raw).padded(min(step, padded - r0))  # padding rows: zero scales
-            parts.append(list(formats.interleave(fmt, dec, group)))
-        tensors = tuple(
-            None if part[0] is None else torch.from_numpy(np.concatenate(part) if len(part) > 1 else part[0])
-            for part in zip(*parts, strict=True)
+        them; a view of a memory-mapped file is read in place), repacked by the kernels on every thread."""
+        fmt, lib = BLOCK_FORMATS[format], _library(variant)
+        group, nb = lib.vs_group_size(), cols // BLOCK
+        groups, per = -(-rows // group), nb if fmt.scales == "block" else nb // 8  # scales per lane
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.uint8) -> Tensor:
+            return torch.zeros(groups, *shape, group, dtype=dtype)  # padding rows: zero scales
+
+        tensors = (
+            torch.zeros(groups, nb, fmt.chunks, group, 4, dtype=torch.uint8),  # values, interleaved
+            zeros(per, dtype=torch.int16),  # d: float16 bits
+            zeros(per, dtype=torch.int16) if fmt.minimum else None,  # m or dmin: float16 bits
+            None if fmt.scales == "block" else zeros(nb, 2) if fmt.scales == "halves" else zeros(nb),  # sc
+            zeros(nb) if fmt.scales == "super" else None,  # sm
         )
-        return cls(format, rows, cols, tensors, bias, group, variant)
+        matrix = cls(format, rows, cols, tensors, bias, group, variant)
+        raw = np.ascontiguousarray(blocks, dtype=np.uint8)  # [rows, bytes per row]
+        if lib.vs_repack(ctypes.byref(matrix.struct), raw.ctypes.data, raw.shape[1], torch.get_num_threads()):
+            raise UsageError(f"{format} has no blocks to repack")
+        return matrix
 
     @classmethod
     def from_gguf(

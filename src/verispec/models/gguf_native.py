@@ -4,8 +4,8 @@ The file is memory-mapped (``gguf.GGUFReader``); the config comes from its metad
 goes to the native kernels from its raw bytes (:meth:`PackedMatrix.from_gguf`) — no float32 copy of any of
 them. llama.cpp stores the rows of q and k of a ``llama`` file permuted (its rotary layout); whole rows of
 blocks are put back in place, which needs no dequantization. q, k, v are stacked into one matrix, gate and up
-into another, from their raw rows when they share a type; a stack of mixed types (Q4_K_M files mix Q4_K and
-Q6_K) is dequantized and packed in Q8_0 (fp16 where its width has no Q8_0 form): the one repacking. Token
+into another, from their raw rows, where they share a type; otherwise (Q4_K_M files mix Q4_K and Q6_K) they
+stay apart, each in its own format, and the kernels run them side by side. Token
 embeddings stay in the file's blocks (:class:`GGUFEmbedding`, rows dequantized as they are looked up); a tied
 head multiplies ``token_embd``'s blocks, an untied one ``output.weight``'s. Once loaded, nothing refers to the
 mapping any more.
@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, quants
 from gguf.gguf_reader import ReaderTensor
 from torch import Tensor, nn
 
 from verispec.errors import UsageError
-from verispec.kernels.cpu import GGUF_TYPES, NativeLayer, NativeStack, PackedMatrix
+from verispec.kernels.cpu import GGUF_TYPES, NativeLayer, NativeStack, PackedMatrix, Projection
 from verispec.models.gguf import first_line
 from verispec.models.llama import FORMATS, Llama, LlamaConfig, RopeScaling, _DecoderLayer
 
@@ -34,7 +34,6 @@ __all__ = ["ARCHITECTURES", "GGUFEmbedding", "in_place_problem", "load_gguf", "r
 
 # general.architecture → whether llama.cpp permuted the rows of q and k (Mistral files are "llama" ones)
 ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False}
-_STACKS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
 
 
 class GGUFEmbedding(nn.Module):
@@ -146,24 +145,23 @@ def _assemble(path: Path, reader: GGUFReader, precision: str) -> Llama:
     rows |= {"attn_v": rows["attn_k"], "attn_output": c.hidden_size, "ffn_down": c.hidden_size}
     rows |= {"ffn_gate": c.intermediate_size, "ffn_up": c.intermediate_size}
     cols = {"attn_output": rows["attn_q"], "ffn_down": c.intermediate_size}
+
+    def part(i: int, name: str) -> tuple[str, np.ndarray, Tensor | None]:
+        shape = (rows[name], cols.get(name, c.hidden_size))
+        tensor, bias = _tensor(tensors, f"blk.{i}.{name}.weight", shape), None
+        if c.attention_bias and name in ("attn_q", "attn_k", "attn_v"):
+            key = f"blk.{i}.{name}.bias"
+            bias = torch.from_numpy(_vector(tensors.get(key), shape[0], key))
+        return _rows(tensor, bias, heads.get(name) if permuted else None)
+
     native = []
     for i, layer in enumerate(model.model.layers):
         assert isinstance(layer, _DecoderLayer)
-        parts = []
-        for stack in _STACKS:
-            pieces = []
-            for name in stack:
-                shape = (rows[name], cols.get(name, c.hidden_size))
-                tensor = _tensor(tensors, f"blk.{i}.{name}.weight", shape)
-                bias = None
-                if c.attention_bias and stack[0] == "attn_q":
-                    key = f"blk.{i}.{name}.bias"
-                    bias = torch.from_numpy(_vector(tensors.get(key), shape[0], key))
-                pieces.append((tensor, bias, heads.get(name) if permuted else None))
-            parts.append(_stacked(pieces, precision))
+        qkv = _projection([part(i, n) for n in ("attn_q", "attn_k", "attn_v")], precision)
+        gate_up = _projection([part(i, n) for n in ("ffn_gate", "ffn_up")], precision)
+        o, down = (_matrix(*part(i, n), precision) for n in ("attn_output", "ffn_down"))
         norms = [_norm(tensors, f"blk.{i}.{n}.weight", c.hidden_size) for n in ("attn_norm", "ffn_norm")]
         layer.input_layernorm.weight, layer.post_attention_layernorm.weight = norms
-        qkv, o, gate_up, down = parts
         native.append(NativeLayer(norms[0].data, norms[1].data, qkv, o, gate_up, down))
     model._native = NativeStack(
         hidden=c.hidden_size,
@@ -178,7 +176,7 @@ def _assemble(path: Path, reader: GGUFReader, precision: str) -> Llama:
         embed if c.tie_word_embeddings else _tensor(tensors, "output.weight", (c.vocab_size, c.hidden_size))
     )
     head_format = "auto" if precision == "auto" else "q8_0" if precision == "q4_1" else precision
-    model._native_head = _stacked([(head, None, None)], head_format)
+    model._native_head = _matrix(head.tensor_type.name, _raw(head, c.vocab_size), None, head_format)
     return model
 
 
@@ -270,30 +268,35 @@ def _norm(tensors: dict[str, ReaderTensor], name: str, size: int) -> nn.Paramete
     return nn.Parameter(torch.from_numpy(_vector(tensor, size)), requires_grad=False)
 
 
-def _stacked(pieces: list[tuple[ReaderTensor, Tensor | None, int | None]], precision: str) -> PackedMatrix:
-    """The matrices of ``pieces`` (tensor, its bias or None, the head count its rows are permuted by or None)
-    stacked by rows, packed in their own type ("auto") or in ``precision``."""
-    blocks, biases, types = [], [], {p[0].tensor_type.name for p in pieces}
-    for tensor, bias, permuted_heads in pieces:
-        rows, cols = (int(n) for n in reversed(tensor.shape))
-        raw = _raw(tensor, rows)  # uint8 [rows, bytes per row]
-        if permuted_heads is not None:  # llama.cpp's rows (head, half, pair) back to (head, pair, half)
-            raw = raw.reshape(permuted_heads, -1, 2, raw.shape[1]).swapaxes(1, 2).reshape(rows, -1)
-            if bias is not None:
-                bias = bias.reshape(permuted_heads, -1, 2).transpose(1, 2).reshape(rows)
-        blocks.append(raw)
-        biases.append(bias)
-    bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])  # [rows]
-    rows = sum(b.shape[0] for b in blocks)
-    if len(types) == 1:
-        (type_name,) = types
-        data = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)  # uint8 [rows, bytes per row]
-        packed = PackedMatrix.from_gguf(type_name, rows, cols, data, bias)
-        if precision in ("auto", packed.format):
-            return packed
-        return PackedMatrix.pack(packed.dequantized(), bias, precision)
-    weight = torch.from_numpy(  # float32 [rows, cols]: the stack of mixed types, dequantized
-        np.concatenate([quants.dequantize(b, p[0].tensor_type) for b, p in zip(blocks, pieces, strict=True)])
-    ).float()
-    fallback = "q8_0" if PackedMatrix.fits("q8_0", cols) else "fp16"
-    return PackedMatrix.pack(weight, bias, fallback if precision == "auto" else precision)
+def _rows(
+    tensor: ReaderTensor, bias: Tensor | None, heads: int | None
+) -> tuple[str, np.ndarray, Tensor | None]:
+    """A matrix's type, its raw rows uint8 [rows, bytes per row] (a view of the mapping unless moved) and its
+    bias [rows] (or None), with llama.cpp's permutation of ``heads`` heads (or None) undone: its rows (head,
+    half, pair) back to (head, pair, half), whole rows of blocks."""
+    rows = int(tensor.shape[-1])
+    raw = _raw(tensor, rows)
+    if heads is not None:
+        raw = raw.reshape(heads, -1, 2, raw.shape[1]).swapaxes(1, 2).reshape(rows, -1)
+        bias = None if bias is None else bias.reshape(heads, -1, 2).transpose(1, 2).reshape(rows)
+    return tensor.tensor_type.name, raw, bias
+
+
+def _projection(parts: list[tuple[str, np.ndarray, Tensor | None]], precision: str) -> Projection:
+    """Matrices of one input (:func:`_rows`' triples): one matrix of their rows stacked where they share a
+    type, else each apart in its own (a Q4_K_M file's Q4_K q beside its Q6_K v)."""
+    if len({type_name for type_name, _, _ in parts}) > 1:
+        return tuple(_matrix(*part, precision) for part in parts)
+    bias = None if parts[0][2] is None else torch.cat([b for _, _, b in parts if b is not None])  # [rows]
+    raw = np.concatenate([r for _, r, _ in parts])  # uint8 [rows, bytes per row]
+    return _matrix(parts[0][0], raw, bias, precision)
+
+
+def _matrix(type_name: str, raw: np.ndarray, bias: Tensor | None, precision: str) -> PackedMatrix:
+    """A matrix from its raw rows uint8 [rows, bytes per row] of ``type_name`` and bias [rows] (or None), in
+    its own format ("auto") or requantized into ``precision``."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    packed = PackedMatrix.from_gguf(type_name, raw.shape[0], raw.shape[1] // size * block, raw, bias)
+    if precision in ("auto", packed.format):
+        return packed
+    return PackedMatrix.pack(packed.dequantized(), bias, precision)

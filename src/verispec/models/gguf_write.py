@@ -83,8 +83,9 @@ _CHAT_TEMPLATE = (
 
 
 def parse_shape(text: str) -> GGUFShape:
-    """A preset's name (:data:`SHAPES`) or explicit dims ``hidden=H,layers=L,heads=N,kv_heads=K,ffn=F,vocab=V``
-    (optionally ``tied=0``, ``rope_base=B``, ``rope_factor=X`` or ``none``, ``context=C``); UsageError else."""
+    """A preset's name (:data:`SHAPES`) or explicit dims
+    ``hidden=H,layers=L,heads=N,kv_heads=K,ffn=F,vocab=V`` (optionally ``tied=0``, ``rope_base=B``,
+    ``rope_factor=X`` or ``none``, ``context=C``); UsageError else."""
     if text in SHAPES:
         return SHAPES[text]
     known = {f.name: f for f in fields(GGUFShape)}

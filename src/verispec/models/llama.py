@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from verispec.errors import UsageError
 from verispec.kernels.cpu import (
+    ACTIVATIONS,
     FORMATS,
     NativeLayer,
     NativeStack,
@@ -156,6 +157,13 @@ class LlamaConfig:
     sliding_window: attention span of a sliding-window model (Mistral); the model then serves contexts of at
     most this many positions, where sliding-window attention equals full attention. None: full attention.
     bos_token_id / eos_token_ids: the checkpoint's special tokens, when it names them (informational).
+
+    The architectures beside Llama's, on the native kernels only (:attr:`native_only`): qk_norm, per-head
+    RMSNorm of queries and keys before RoPE (Qwen3, Gemma 3); post_norms, norms of the attention's and the
+    MLP's outputs before the residual (Gemma 3); activation, the MLP's gate ("silu", or Gemma's
+    "gelu_tanh"); embed_scale, what token embeddings are multiplied by (Gemma: sqrt(hidden_size));
+    attn_scale, the attention scores' scale (None: 1 / sqrt(head_dim)); layer_windows, per layer the
+    positions a token sees (0: all; Gemma 3's sliding layers), those layers' RoPE base local_rope_theta.
     """
 
     vocab_size: int
@@ -176,6 +184,13 @@ class LlamaConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qk_norm: bool = False
+    post_norms: bool = False
+    activation: str = "silu"
+    embed_scale: float = 1.0
+    attn_scale: float | None = None
+    layer_windows: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -222,6 +237,36 @@ class LlamaConfig:
             _is_int(t) and t >= 0 for t in self.eos_token_ids
         ):
             raise UsageError(f"eos_token_ids must be a tuple of integers >= 0, got {self.eos_token_ids!r}")
+        for name in ("qk_norm", "post_norms"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.activation not in ACTIVATIONS:
+            raise UsageError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
+        for name in ("embed_scale", "attn_scale"):
+            value = getattr(self, name)
+            if value is not None and (not _is_number(value) or value <= 0):
+                raise UsageError(f"{name} must be a number > 0, got {value!r}")
+        windows = self.layer_windows
+        if not isinstance(windows, tuple) or (windows and len(windows) != self.num_layers):
+            raise UsageError(f"layer_windows must be a tuple of one window per layer, got {windows!r}")
+        if not all(_is_int(w) and w >= 0 for w in windows):
+            raise UsageError(f"layer_windows must be integers >= 0 (0: full attention), got {windows!r}")
+        if self.local_rope_theta is not None and (
+            not _is_number(self.local_rope_theta) or self.local_rope_theta <= 1
+        ):
+            raise UsageError(f"local_rope_theta must be a number > 1 or None, got {self.local_rope_theta!r}")
+
+    @property
+    def native_only(self) -> bool:
+        """Whether the model has parts only the native kernels run (see the class docstring)."""
+        return (
+            self.qk_norm
+            or self.post_norms
+            or self.activation != "silu"
+            or self.embed_scale != 1.0
+            or self.attn_scale is not None
+            or any(self.layer_windows)
+        )
 
     @property
     def max_context(self) -> int:
@@ -308,11 +353,13 @@ class LlamaConfig:
             eos_token_ids=eos_ids,
         )
 
-    def rope_inv_freq(self) -> Tensor:
-        """The RoPE inverse frequencies [head_dim // 2] float32, computed as transformers does."""
+    def rope_inv_freq(self, local: bool = False) -> Tensor:
+        """The RoPE inverse frequencies [head_dim // 2] float32, computed as transformers does (local: the
+        sliding-window layers', from local_rope_theta, unscaled)."""
         dim = self.head_dim
-        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        scaling = self.rope_scaling
+        theta = self.local_rope_theta if local and self.local_rope_theta is not None else self.rope_theta
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        scaling = None if local else self.rope_scaling
         if scaling is None:
             return inv_freq  # [head_dim // 2]
         if scaling.kind == "linear":
@@ -831,6 +878,8 @@ class Llama(nn.Module):
         )
         inv_freq = config.rope_inv_freq().to(device)  # [head_dim // 2] float32
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        local = config.rope_inv_freq(local=True).to(device)  # [head_dim // 2]: the sliding layers'
+        self.inv_freq_local = nn.Buffer(local, persistent=False)
         self._onednn_head = False  # the tied head runs on oneDNN (see optimize_for_cpu)
         self._native: NativeStack | None = None  # the decoder stack on the native kernels (optimize_for_cpu)
         self._native_head: PackedMatrix | None = None  # the output head on the native kernels
@@ -1045,7 +1094,7 @@ class Llama(nn.Module):
         draft.model.layers = nn.ModuleList(self.model.layers[:num_layers])
         draft.model.norm = self.model.norm
         draft.lm_head = self.lm_head
-        draft.inv_freq = self.inv_freq
+        draft.inv_freq, draft.inv_freq_local = self.inv_freq, self.inv_freq_local
         draft._onednn_head = self._onednn_head
         draft._native, draft._native_head = self._native, self._native_head  # run for num_layers layers
         return draft
@@ -1072,7 +1121,7 @@ class Llama(nn.Module):
         draft = Llama(dataclasses.replace(self.config, num_layers=n), device="meta", dtype=self.dtype)
         draft.model.embed_tokens, draft.model.norm = self.model.embed_tokens, self.model.norm
         draft.model.layers = nn.ModuleList(self.model.layers[:n])  # their released weights: for names only
-        draft.lm_head, draft.inv_freq = self.lm_head, self.inv_freq
+        draft.lm_head, draft.inv_freq, draft.inv_freq_local = self.lm_head, self.inv_freq, self.inv_freq_local
 
         def repacked(m: PackedMatrix, fmt: str = precision) -> PackedMatrix:
             return PackedMatrix.pack(m.dequantized(), m.bias, fmt)
@@ -1135,9 +1184,11 @@ class Llama(nn.Module):
             _checked_tree_mask(tree_mask, tokens.shape[1])
         if embeddings is not None and embeddings.shape != (*tokens.shape, self.config.hidden_size):
             raise UsageError(f"embeddings must be shaped [B, T, hidden], got {list(embeddings.shape)}")
-        h = self.model.embed_tokens(tokens) if embeddings is None else embeddings  # [B, T, hidden]
+        h = self.embed(tokens) if embeddings is None else embeddings  # [B, T, hidden]
         if self._native is not None:
             return self._native_hidden(self._native, h.float(), positions, cache, tree_mask)
+        if self.config.native_only:
+            raise UsageError("this architecture runs on the native kernels only (precision auto or a format)")
         mask = None
         if tree_mask is not None:  # a token tree: the committed slots, then the masked new tokens
             t = tokens.shape[1]
@@ -1146,6 +1197,27 @@ class Llama(nn.Module):
         # run_layers takes the _DecoderLayers of the ModuleList, whose items torch types as plain Modules
         h = run_layers(self.model.layers, h, positions, cache, self.inv_freq, mask)  # type: ignore[arg-type]
         return self.model.norm(h)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """The input vectors of ``tokens`` [...]: their embeddings [..., hidden] times the embedding scale."""
+        h = self.model.embed_tokens(tokens)  # [..., hidden]
+        scale = self.config.embed_scale
+        return h if scale == 1.0 else h * torch.tensor(scale, dtype=h.dtype)
+
+    def _rope(self, positions: Tensor) -> dict[str, Any]:
+        """The native forward's RoPE inputs for tokens at ``positions`` [N]: cos, sin [N, head_dim // 2] as
+        transformers computes them; the positions (int32) and the local tables for sliding-window layers."""
+        freqs = positions.reshape(-1, 1).float() * self.inv_freq  # [N, head_dim // 2]
+        local = None
+        if self.config.local_rope_theta is not None:
+            local = positions.reshape(-1, 1).float() * self.inv_freq_local  # [N, head_dim // 2]
+        return {
+            "cos": freqs.cos(),
+            "sin": freqs.sin(),
+            "pos": positions.reshape(-1).to(torch.int32).contiguous() if self.config.layer_windows else None,
+            "cos_local": None if local is None else local.cos(),
+            "sin_local": None if local is None else local.sin(),
+        }
 
     def _native_hidden(
         self, native: NativeStack, inputs: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None
@@ -1161,7 +1233,6 @@ class Llama(nn.Module):
         assert isinstance(cache.keys, Tensor) and isinstance(cache.values, Tensor)  # checked: one tensor
         start, end = cache._reserve(t)
         h = inputs.reshape(b * t, -1).clone()  # [B·T, hidden] float32, a copy: the kernels write into it
-        freqs = positions.reshape(-1, 1).float() * self.inv_freq  # [B·T, head_dim // 2], as transformers
         first = 0 if cache.row is None else cache.row  # a row view is row `row` of the whole cache
         rows = (first + torch.arange(b, dtype=torch.int32)).repeat_interleave(t)  # [B·T] each token's row
         slots = (start + torch.arange(t, dtype=torch.int32)).repeat(b)  # [B·T]
@@ -1169,8 +1240,7 @@ class Llama(nn.Module):
         native.forward(
             h,
             num_layers=self.config.num_layers,
-            cos=freqs.cos(),
-            sin=freqs.sin(),
+            **self._rope(positions.reshape(-1)),
             seq=rows,
             slot=slots,
             base=torch.full((b * t,), start, dtype=torch.int32),  # [B·T]: every committed slot is visible
@@ -1228,16 +1298,14 @@ class Llama(nn.Module):
                 if row.tree_mask is not None:
                     _checked_tree_mask(row.tree_mask, t)
                 masks.append(F.pad(mask.cpu(), (0, widest - t)))  # [T, widest]: its own new slots only
-        h = self.model.embed_tokens(torch.cat([row.tokens for row in rows])).contiguous()  # [N, hidden]
+        h = self.embed(torch.cat([row.tokens for row in rows])).float().contiguous()  # [N, hidden]
         positions = torch.cat([row.positions for row in rows])  # [N]
-        freqs = positions.reshape(-1, 1).float() * self.inv_freq  # [N, head_dim // 2], as transformers
         whole = caches[0].whole
         assert whole is not None
         self._native.forward(
             h,
             num_layers=self.config.num_layers,
-            cos=freqs.cos(),
-            sin=freqs.sin(),
+            **self._rope(positions),
             seq=torch.tensor(seq, dtype=torch.int32),  # [N]
             slot=torch.tensor(slot, dtype=torch.int32),  # [N]
             base=torch.tensor(base, dtype=torch.int32),  # [N]
