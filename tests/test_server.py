@@ -16,11 +16,13 @@ import time
 
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from verispec import cli
 from verispec import engine as engine_module
 from verispec.api import Speculator
+from verispec.drafting.tree import TreeShape
 from verispec.models.registry import load_model
 from verispec.sampling import SamplingParams
 from verispec.server.app import OncePerInterval, Server, ServerConfig, listen, serving
@@ -484,15 +486,12 @@ def test_a_client_that_hangs_up_mid_body_is_a_499_and_nothing_is_logged(served, 
 
 
 NOT_IMPLEMENTED = [
-    ("completions", {"logprobs": 2}, "logprobs"),
     ("completions", {"echo": True}, "echo"),
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
     ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
     ("completions", {"frequency_penalty": -1.0}, "frequency_penalty"),
     ("completions", {"suffix": "end"}, "suffix"),
-    ("chat", {"logprobs": True}, "logprobs"),
-    ("chat", {"logprobs": False, "top_logprobs": 3}, "top_logprobs"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"tool_choice": "auto"}, "tool_choice"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
@@ -695,3 +694,141 @@ def test_serve_warns_when_reachable_without_a_key(monkeypatch, capsys, address, 
     assert ("no --api-key is set" in capsys.readouterr().err) == warned
     assert cli.main(["serve", "--host", address, "--port", "0", "--drafter", "none", "--api-key", "k"]) == 0
     assert "no --api-key" not in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- logprobs
+
+
+def target_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), V]: the target's own log-softmax at each token's prefix, from one plain forward."""
+    ids = prompt + tokens
+    positions = torch.arange(len(ids) - 1).unsqueeze(0)  # [1, L - 1]
+    logits = model.forward(torch.tensor([ids[:-1]]), positions, model.new_cache())[0]  # [L - 1, V]
+    return torch.log_softmax(logits.float(), dim=-1)[len(prompt) - 1 :]  # [len(tokens), V]
+
+
+def check_logprobs(
+    reference: torch.Tensor, tokens: list[int], got: list[float], top: list[list[int]]
+) -> None:
+    """reference: [n, V]; each token's logprob and its likeliest alternatives' ids, most likely first."""
+    assert len(got) == len(tokens) == len(reference)
+    want = reference.gather(1, torch.tensor(tokens).unsqueeze(1))[:, 0]  # [n]
+    assert torch.allclose(torch.tensor(got), want, atol=1e-4)
+    for row, ids in zip(reference, top, strict=True):
+        assert torch.allclose(row[ids], row.topk(len(ids)).values, atol=1e-4)  # the likeliest, in order
+
+
+@pytest.mark.parametrize(
+    ("drafter", "tree", "sampling"),
+    [
+        ("ngram", None, SamplingParams(temperature=0)),
+        ("ngram", "2x3", SamplingParams(temperature=0)),
+        ("ngram", None, SamplingParams(temperature=0.8, top_k=20, seed=3, invariant=False)),
+        ("ngram", "2x3", SamplingParams(temperature=0.8, seed=4)),
+        ("none", None, SamplingParams(temperature=0.8, seed=5)),
+    ],
+)
+def test_library_logprobs_are_the_target_s_own_at_each_prefix(stories, drafter, tree, sampling):
+    """Accepted, recovered and bonus tokens, chains and trees, greedy and sampled: each token's logprob is the
+    target's log-softmax at its prefix (before the sampling transform), alone and in a batch."""
+    _, loaded = stories
+    shape = None if tree is None else TreeShape.parse(tree)
+    speculator = Speculator(loaded, drafter=drafter, tree=shape)
+    prompt = "Tom had a red ball. Tom had a red ball."
+    options = dict(k=4, max_new_tokens=40, sampling=sampling, logprobs=3)
+    result = speculator.generate(prompt, **options)
+    batched = speculator.generate_batch([prompt, "Once upon a time"], slots=2, **options)[0]
+    assert batched.token_ids == result.token_ids or not (sampling.greedy or sampling.invariant)
+    for got in (result, batched):
+        reference = target_logprobs(loaded[0], speculator.encode_prompt(prompt), got.token_ids)
+        assert [x.token for x in got.logprobs] == got.token_ids
+        top = [[t for t, _ in x.top] for x in got.logprobs]
+        check_logprobs(reference, got.token_ids, [x.logprob for x in got.logprobs], top)
+        assert all(x.top[0][1] >= x.logprob for x in got.logprobs)
+    assert speculator.generate(prompt, k=4, max_new_tokens=8, sampling=sampling).logprobs == ()
+
+
+def test_completions_logprobs_streamed_and_whole_are_the_target_s_own(served, stories):
+    url, _ = served
+    _, loaded = stories
+    prompt = "Tom had a red ball."
+    plain = Speculator(loaded, drafter="none").generate(
+        prompt, k=0, max_new_tokens=24, sampling=SamplingParams(temperature=0)
+    )
+    reference = target_logprobs(loaded[0], library_prompt(loaded, prompt), plain.token_ids)
+    spelled = [loaded[1].token_bytes()[t].decode() for t in plain.token_ids]
+    options = dict(model="stories260K", prompt=prompt, max_tokens=24, temperature=0, logprobs=5)
+    whole = client(url).completions.create(**options, extra_body={"drafter": "ngram", "k": 4})
+    chunks = list(client(url).completions.create(**options, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    got = whole.choices[0].logprobs
+    assert got.tokens == spelled == [t for lp in streamed for t in lp.tokens]
+    assert "".join(got.tokens) == whole.choices[0].text == plain.text
+    assert got.text_offset == [t for lp in streamed for t in lp.text_offset]
+    assert got.text_offset == [len("".join(spelled[:i])) for i in range(len(spelled))]
+    assert got.token_logprobs == pytest.approx([x for lp in streamed for x in lp.token_logprobs], abs=1e-5)
+    spell = {text: i for i, text in enumerate(b.decode("utf-8", "replace") for b in loaded[1].token_bytes())}
+    top = [[spell[t] for t in sorted(alts, key=alts.get, reverse=True)] for alts in got.top_logprobs]
+    check_logprobs(reference, plain.token_ids, got.token_logprobs, top)
+    assert all(len(alts) == 5 for alts in got.top_logprobs)
+    none = client(url).completions.create(model="stories260K", prompt=prompt, max_tokens=4, temperature=0)
+    assert none.choices[0].logprobs is None
+
+
+def test_chat_logprobs_streamed_and_whole_are_the_target_s_own(smollm2):
+    config = ServerConfig(target="smollm2-135m", drafter="ngram", max_batch=2)
+    messages = [{"role": "user", "content": "Count from one to ten."}]
+    plain = Speculator(smollm2, drafter="none").generate(
+        messages, k=0, max_new_tokens=20, chat=True, sampling=SamplingParams(temperature=0)
+    )
+    prompt = Speculator(smollm2, drafter="none").encode_prompt(messages, chat=True)
+    reference = target_logprobs(smollm2[0], prompt, plain.token_ids)
+    spelled = [smollm2[1].token_bytes()[t] for t in plain.token_ids]
+    with serving(Server(config, loaded=smollm2)) as url:
+        options = dict(model="smollm2-135m", messages=messages, max_tokens=20, temperature=0)
+        whole = client(url).chat.completions.create(**options, logprobs=True, top_logprobs=3)
+        chunks = list(
+            client(url).chat.completions.create(**options, logprobs=True, top_logprobs=3, stream=True)
+        )
+        bare = client(url).chat.completions.create(**options, logprobs=True)
+        with pytest.raises(openai.BadRequestError) as info:
+            client(url).chat.completions.create(**options, logprobs=True, top_logprobs=21)
+        assert info.value.body["param"] == "top_logprobs"
+    content = whole.choices[0].logprobs.content
+    streamed = [
+        x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content
+    ]
+    assert whole.choices[0].message.content == plain.text
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain.text
+    assert [bytes(x.bytes) for x in content] == spelled == [bytes(x.bytes) for x in streamed]
+    assert [x.token for x in content] == [b.decode("utf-8", "replace") for b in spelled]
+    ids = {b: i for i, b in reversed(list(enumerate(smollm2[1].token_bytes())))}
+    top = [[ids[bytes(alt.bytes)] for alt in x.top_logprobs] for x in content]
+    check_logprobs(reference, plain.token_ids, [x.logprob for x in content], top)
+    assert [x.logprob for x in streamed] == pytest.approx([x.logprob for x in content], abs=1e-5)
+    assert all(len(x.top_logprobs) == 3 for x in content)
+    assert [x.logprob for x in bare.choices[0].logprobs.content] == pytest.approx(
+        [x.logprob for x in content]
+    )
+    assert all(x.top_logprobs == [] for x in bare.choices[0].logprobs.content)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields", "name"),
+    [
+        ("completions", {"logprobs": 21}, "logprobs"),
+        ("completions", {"logprobs": -1}, "logprobs"),
+        ("completions", {"logprobs": True}, "logprobs"),
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("chat", {"logprobs": False, "top_logprobs": 3}, "top_logprobs"),
+        ("chat", {"top_logprobs": 2}, "top_logprobs"),
+        ("chat", {"logprobs": 1}, "logprobs"),
+    ],
+)
+def test_bad_logprobs_are_refused_by_name(served, endpoint, fields, name):
+    url, _ = served
+    body = {**(CHAT if endpoint == "chat" else GOOD), **fields}
+    status, _, answer = raw(url, "POST", f"/v1/{'chat/' if endpoint == 'chat' else ''}completions",
+                            json.dumps(body).encode(), {"content-type": "application/json"})  # fmt: skip
+    error = json.loads(answer)["error"]
+    assert status == 400 and error["param"] == name and name in error["message"]

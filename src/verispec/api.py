@@ -26,7 +26,7 @@ from verispec.drafting.learned.kinds import load_head, shipped_drafter
 from verispec.drafting.learned.medusa import MedusaHeads, medusa_tree
 from verispec.drafting.registry import DRAFTERS, DraftInputs, choose_auto, drafter_kind
 from verispec.drafting.tree import AUTO, TreeShape
-from verispec.engine import EngineConfig, GenerationStats, Request, SpeculativeEngine
+from verispec.engine import EngineConfig, GenerationStats, Request, SpeculativeEngine, TokenLogprob
 from verispec.errors import UsageError
 from verispec.inputs import check_text
 from verispec.models.base import Cache, HiddenStateModel, LanguageModel, Tokenizer
@@ -59,10 +59,12 @@ held out, 0.25–0.50 on the bench's tasks), so a drafter predicted to pay only 
 @dataclass(frozen=True)
 class Chunk:
     """What one round committed: its tokens, and the text that became final with them (possibly empty: text
-    is held back until it is whole characters and cannot be the start of a stop string)."""
+    is held back until it is whole characters and cannot be the start of a stop string); ``logprobs``: each
+    token's, when the request asks for them (see :meth:`Speculator.request`)."""
 
     text: str
     token_ids: list[int]
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class GenerationResult:
     token_ids: list[int]  # the generated token ids
     stats: dict  # GenerationStats.as_dict()
     error: str = ""  # in a batch: why this request was refused (one line), its other fields then empty
+    logprobs: tuple[TokenLogprob, ...] = ()  # each generated token's, when asked for (logprobs=N)
 
 
 def failure_message(error: BaseException) -> str:
@@ -358,8 +361,9 @@ class Speculator:
         :meth:`request`."""
         request, text = self.request(prompt, **options)
         engine = SpeculativeEngine(self.model)
-        for tokens in engine.follow(engine.submit(request)):
-            yield Chunk(text.add(tokens), tokens)
+        running = engine.submit(request)
+        for tokens in engine.follow(running):
+            yield Chunk(text.add(tokens), tokens, running.last_logprobs(len(tokens)))
         tail = text.finish()
         if tail:
             yield Chunk(tail, [])
@@ -375,14 +379,18 @@ class Speculator:
         stop: tuple[str, ...] = (),
         stats: GenerationStats | None = None,
         trace: TraceRecorder | None = None,
+        logprobs: int | None = None,
     ) -> tuple[Request, _TextAssembler]:
         """An engine request for ``prompt`` (its own drafter, made for the cache row it is given, its own K
         policy and stop check), and the text assembler of its output. ``stats`` (optional) is filled in as
-        it goes; ``trace`` (optional, chain rounds only) records every round (see :mod:`verispec.trace`)."""
+        it goes; ``trace`` (optional, chain rounds only) records every round (see :mod:`verispec.trace`);
+        ``logprobs`` (optional, 0 to 20): each token's log-probability under the target's own distribution
+        and that many likeliest alternatives, in each chunk (see :class:`~verispec.engine.TokenLogprob`)."""
         sampling = sampling or SamplingParams()
         for s in stop:
             check_text(s, "a stop string")
-        config = EngineConfig(max_new_tokens, sampling, self.tokenizer.eos_token_ids, tuple(stop))
+        eos = self.tokenizer.eos_token_ids
+        config = EngineConfig(max_new_tokens, sampling, eos, tuple(stop), logprobs)
         stats = stats if stats is not None else GenerationStats(self.drafter_name, self.k_label(k))
         text = _TextAssembler(self.tokenizer, config.stop_strings)
         request = Request(
@@ -438,13 +446,14 @@ class Speculator:
                     if handle.error is not None:
                         raise handle.error
                     if tokens:
-                        chunks.append(Chunk(text.add(tokens), tokens))
+                        chunks.append(Chunk(text.add(tokens), tokens, handle.last_logprobs(len(tokens))))
                     if handle.done:
                         tail = text.finish()
                         results[index] = GenerationResult(
                             "".join(c.text for c in chunks) + tail,
                             [t for c in chunks for t in c.token_ids],
                             handle.request.stats.as_dict(),
+                            logprobs=tuple(handle.logprobs),
                         )
                 except Exception as err:  # this request only
                     engine.cancel(handle)
@@ -461,6 +470,7 @@ class Speculator:
             text="".join(c.text for c in chunks),
             token_ids=[t for c in chunks for t in c.token_ids],
             stats=stats.as_dict(),
+            logprobs=tuple(x for c in chunks for x in c.logprobs),
         )
 
 

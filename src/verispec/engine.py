@@ -61,6 +61,7 @@ from verispec.verify.chain import (
 from verispec.verify.tree import TreeVerdict, tree_greedy_verify, tree_rejection_sample
 
 __all__ = [
+    "MAX_LOGPROBS",
     "PREFILL_CHUNK",
     "EngineConfig",
     "ForwardTotals",
@@ -68,9 +69,12 @@ __all__ = [
     "Request",
     "Running",
     "SpeculativeEngine",
+    "TokenLogprob",
+    "token_logprobs",
 ]
 
 PREFILL_CHUNK = 128  # prompt tokens a joining sequence adds to a step while other sequences decode
+MAX_LOGPROBS = 20  # the most likely alternatives a request may ask for per token, as OpenAI allows
 
 
 @dataclass(frozen=True)
@@ -81,11 +85,17 @@ class EngineConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     eos_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
+    logprobs: int | None = None  # N: each token's log-probability and its N likeliest (TokenLogprob)
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise UsageError(f"max_new_tokens must be an integer >= 1, got {n!r}")
+        top = self.logprobs
+        if top is not None and (
+            isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS
+        ):
+            raise UsageError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {top!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise UsageError("stop strings must be non-empty strings")
 
@@ -180,6 +190,36 @@ class ForwardTotals:
             self.prompt_tokens += prompt_tokens
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log-probability under the target's own distribution at its prefix: the log-softmax
+    of the target's logits there, before the sampling transform (temperature, top-k, top-p, min-p; vLLM's
+    default, OpenAI's), so that a greedy answer's values are the model's and no value is −inf. Exact by
+    construction: every committed token — accepted, recovered or bonus — was verified against the target's
+    logits at its own prefix, scored in that round's forward, and these are read from them (no forward
+    of their own). ``top``: the likeliest (token, logprob) pairs there, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """logits: [≥ len(tokens), V], the target's at each token's prefix (row i: the prefix of tokens[i]) → each
+    token's :class:`TokenLogprob` with its ``top`` likeliest alternatives."""
+    n = len(tokens)
+    logprobs = torch.log_softmax(logits[:n].float(), dim=-1)  # [n, V]
+    ids = torch.tensor(tokens, dtype=torch.long, device=logprobs.device)  # [n]
+    chosen = logprobs.gather(1, ids.unsqueeze(1))[:, 0]  # [n]
+    best = torch.topk(logprobs, min(top, logprobs.shape[1]), dim=-1)  # values, indices: [n, top] each
+    return [
+        TokenLogprob(token, value, tuple(zip(top_ids, top_values, strict=True)))
+        for token, value, top_ids, top_values in zip(
+            tokens, chosen.tolist(), best.indices.tolist(), best.values.tolist(), strict=True
+        )
+    ]
+
+
 DrafterFor = Callable[[Cache], Drafter | TreeDrafter]  # a drafter made for the cache row a request gets
 
 
@@ -204,7 +244,8 @@ class Request:
 class Running:
     """A request in its slot: the committed ids, the cache row, where it stands. ``done`` once it stopped
     (``request.stats.stop_reason`` says why); its slot is then free. ``error``: what failed it alone (its
-    drafter, verification or stop check raised; stop reason "error"), the rest of the batch going on."""
+    drafter, verification or stop check raised; stop reason "error"), the rest of the batch going on.
+    ``logprobs``: each committed token's :class:`TokenLogprob`, when its config asks for them."""
 
     request: Request
     slot: int
@@ -220,6 +261,11 @@ class Running:
     tree: bool = False  # its drafter proposes token trees
     hidden: list[torch.Tensor] = field(default_factory=list)  # what observe_hidden handed over, in order
     error: Exception | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def last_logprobs(self, count: int) -> tuple[TokenLogprob, ...]:
+        """The logprobs of its last ``count`` committed tokens (none unless its config asks for them)."""
+        return tuple(self.logprobs[len(self.logprobs) - count :]) if count else ()
 
     @property
     def decoding(self) -> bool:
@@ -470,10 +516,10 @@ class SpeculativeEngine:
             assert logits is not None
             try:
                 if rnd.tree is not None:
-                    emitted = self._settle_tree(rnd, logits, hidden)
+                    emitted, rows = self._settle_tree(rnd, logits, hidden)
                 else:
-                    emitted = self._settle(rnd, logits, hidden, verdicts.get(index))
-                out.append((running, self._commit(running, emitted)))
+                    emitted, rows = self._settle(rnd, logits, hidden, verdicts.get(index)), logits
+                out.append((running, self._commit(running, emitted, rows)))
             except Exception as err:
                 out.append((running, self._fail(running, err)))
         return out
@@ -654,8 +700,12 @@ class SpeculativeEngine:
         q = proposal.q.to(logits.device).unsqueeze(0)  # [1, k', V]
         return rejection_sample(draft, q=q, p=p, generator=generator, eos_token_id=eos)
 
-    def _settle_tree(self, rnd: _Round, logits: torch.Tensor, hidden: torch.Tensor | None) -> list[int]:
-        """Verify a tree round (logits [N, V]) and compact its accepted path into place."""
+    def _settle_tree(
+        self, rnd: _Round, logits: torch.Tensor, hidden: torch.Tensor | None
+    ) -> tuple[list[int], torch.Tensor]:
+        """Verify a tree round (logits [N, V]) and compact its accepted path into place; returns the tokens
+        it emits and the target's logits at each one's prefix [1 + accepted, V] (the root's, then each
+        accepted node's)."""
         running, tree = rnd.running, rnd.tree
         assert tree is not None
         cache = cast(TreeCache, running.cache)
@@ -667,7 +717,7 @@ class SpeculativeEngine:
         stats = running.request.stats
         stats.record_round(tree.max_depth, verdict.num_accepted)
         stats.tree_nodes += tree.num_nodes - 1
-        return verdict.tokens
+        return verdict.tokens, logits[[0, *verdict.accepted_nodes]]  # [1 + accepted, V]
 
     @staticmethod
     def _verify_tree(
@@ -687,8 +737,10 @@ class SpeculativeEngine:
         q = None if tree.q is None else tree.q.to(logits.device)  # [N, V]
         return tree_rejection_sample(tokens, parents, p=p, q=q, generator=generator, eos_token_id=eos)
 
-    def _commit(self, running: Running, emitted: list[int]) -> list[int]:
-        """Keep what the sequence's stopping rules allow of ``emitted``; retire it when it stopped."""
+    def _commit(self, running: Running, emitted: list[int], logits: torch.Tensor) -> list[int]:
+        """Keep what the sequence's stopping rules allow of ``emitted``, with their logprobs when asked for
+        (logits: [≥ len(emitted), V], the target's at each emitted token's prefix); retire it when it
+        stopped."""
         request, config = running.request, running.request.config
         emitted = emitted[: self._room(running)]
         stop = next((i for i, t in enumerate(emitted) if t in config.eos_token_ids), None)
@@ -698,6 +750,8 @@ class SpeculativeEngine:
             keep = keep[: max(0, cut - running.new)]
         running.ids += keep
         running.new += len(keep)
+        if config.logprobs is not None:
+            running.logprobs += token_logprobs(logits, keep, config.logprobs)
         stats = request.stats
         stats.new_tokens = running.new
         stats.total_seconds = time.perf_counter() - running.started

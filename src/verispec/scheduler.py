@@ -89,10 +89,10 @@ class Handle:
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
-    def _emit(self, tokens: list[int]) -> None:
+    def _emit(self, running: Running, tokens: list[int]) -> None:
         from verispec.api import Chunk
 
-        self._put(Chunk(self._text.add(tokens), tokens))
+        self._put(Chunk(self._text.add(tokens), tokens, running.last_logprobs(len(tokens))))
 
     def _put(self, item: object) -> None:
         if self._listener is None:
@@ -241,7 +241,7 @@ class Scheduler:
                 if running.error is not None:
                     raise running.error
                 if tokens:
-                    handle._emit(tokens)
+                    handle._emit(running, tokens)
             except Exception as err:  # this request alone
                 if not isinstance(err, UsageError):
                     _log.error("a request failed: %s", type(err).__name__, exc_info=err)

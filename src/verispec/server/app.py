@@ -30,7 +30,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from verispec.api import Chunk, ModelChoice, Speculator, failure_message, parse_k
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import DRAFTERS
+from verispec.engine import TokenLogprob
 from verispec.errors import UsageError
 from verispec.inputs import parse_json
 from verispec.scheduler import Handle, QueueFull, Scheduler, SchedulerFailed
@@ -56,11 +57,14 @@ from verispec.server.schema import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    chat_logprobs,
+    completion_logprobs,
     error_body,
     finish_reason,
     new_id,
     parse_request,
     speculation,
+    spelling,
     usage,
 )
 
@@ -155,6 +159,7 @@ class Server:
         self.default = config.speculator(loaded)
         self.default.k_policy(config.k)  # calibrates now (with --k auto), not in a client's request
         self._speculators = {self.default.drafter_name: self.default}
+        self.spell = spelling(self.default.tokenizer)  # each token's bytes, for log-probabilities
         self._lock = threading.Lock()
         self.scheduler = Scheduler(self.default, slots=config.max_batch, max_queue=config.max_queue)
         self.metrics = ServerMetrics(lambda: self.scheduler.running, lambda: self.scheduler.queue_depth)
@@ -343,6 +348,7 @@ class _Api:
             sampling=sampling,
             chat=chat,
             stop=parsed.stops,
+            logprobs=parsed.alternatives,
         )
         loop, chunks = asyncio.get_running_loop(), asyncio.Queue[Chunk | None]()
 
@@ -362,7 +368,7 @@ class _Api:
 
         started = time.perf_counter()
         handle = await anyio.to_thread.run_sync(submit)
-        reply = _Reply(self.server.name, chat, handle, started)
+        reply = _Reply(self.server, chat, handle, started, parsed.alternatives is not None)
         if parsed.stream:
             return StreamingResponse(
                 self._stream(request, reply, chunks, parsed.include_usage), media_type="text/event-stream"
@@ -382,17 +388,21 @@ class _Api:
             collector.cancel()
             self._finished(request, reply, 499)
             return Response(status_code=499)
-        text = collector.result()
+        text, logprobs = collector.result()
         self._finished(request, reply, 200)
-        return JSONResponse(reply.whole(text))
+        return JSONResponse(reply.whole(text, logprobs))
 
-    async def _collect(self, reply: _Reply, chunks: asyncio.Queue[Chunk | None]) -> str:
-        parts = []
+    async def _collect(
+        self, reply: _Reply, chunks: asyncio.Queue[Chunk | None]
+    ) -> tuple[str, list[TokenLogprob]]:
+        parts: list[str] = []
+        logprobs: list[TokenLogprob] = []
         while (chunk := await chunks.get()) is not None:
             reply.arrived(chunk, self.metrics)
             parts.append(chunk.text)
+            logprobs += chunk.logprobs
         reply.check()
-        return "".join(parts)
+        return "".join(parts), logprobs
 
     async def _stream(
         self, request: Request, reply: _Reply, chunks: asyncio.Queue[Chunk | None], include_usage: bool
@@ -404,8 +414,8 @@ class _Api:
                 yield _event(reply.chunk({"role": "assistant", "content": ""}))
             while (chunk := await chunks.get()) is not None:
                 reply.arrived(chunk, self.metrics)
-                if chunk.text:
-                    yield _event(reply.chunk(chunk.text))
+                if chunk.text or chunk.logprobs:
+                    yield _event(reply.chunk(chunk.text, logprobs=chunk.logprobs))
             reply.check()
             yield _event(reply.chunk(None, final=True))
             if include_usage:
@@ -436,13 +446,15 @@ def _event(payload: dict) -> str:
 
 
 class _Reply:
-    """One answer's ids and timing, and its OpenAI objects."""
+    """One answer's ids and timing, and its OpenAI objects (with ``logprobs``: each token's)."""
 
-    def __init__(self, model: str, chat: bool, handle: Handle, started: float) -> None:
-        self.model, self.chat, self.handle = model, chat, handle
+    def __init__(self, server: Server, chat: bool, handle: Handle, started: float, logprobs: bool) -> None:
+        self.model, self.chat, self.handle, self.logprobs = server.name, chat, handle, logprobs
+        self.spell = server.spell
         self.id, self.created = new_id("chatcmpl" if chat else "cmpl")
         self.started = self.last = started
         self.tokens = 0
+        self.offset = 0  # characters of the tokens' texts already answered: the next text_offset
 
     def arrived(self, chunk: Chunk, metrics: ServerMetrics) -> None:
         """Time a chunk: the first token's latency, then the gap per token."""
@@ -479,29 +491,39 @@ class _Reply:
     def usage(self) -> dict:
         return usage(self.handle.prompt_tokens, self.handle.stats)
 
-    def chunk(self, content: str | dict | None, final: bool = False) -> dict:
-        """A streamed chunk: text (or the chat's opening delta), or the last one with its finish reason."""
+    def logprob_object(self, entries: Sequence[TokenLogprob]) -> dict | None:
+        """OpenAI's ``logprobs`` of these tokens (the next ones answered), None when not asked for."""
+        if not self.logprobs or not entries:
+            return None
+        if self.chat:
+            return chat_logprobs(entries, self.spell)
+        out = completion_logprobs(entries, self.spell, self.offset)
+        self.offset += sum(len(token) for token in out["tokens"])
+        return out
+
+    def chunk(
+        self, content: str | dict | None, final: bool = False, logprobs: Sequence[TokenLogprob] = ()
+    ) -> dict:
+        """A streamed chunk: text (or the chat's opening delta) and its tokens' logprobs, or the last one with
+        its finish reason."""
         reason = finish_reason(self.handle.stats) if final else None
+        lp = self.logprob_object(logprobs)
         if self.chat:
             delta = content if isinstance(content, dict) else {} if content is None else {"content": content}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": content or "", "logprobs": lp, "finish_reason": reason}
         out = {**self.head("chunk"), "choices": [choice]}
         return {**out, "verispec": speculation(self.handle.stats)} if final else out
 
-    def whole(self, text: str) -> dict:
+    def whole(self, text: str, logprobs: Sequence[TokenLogprob]) -> dict:
         reason = finish_reason(self.handle.stats)
+        lp = self.logprob_object(logprobs)
         if self.chat:
             message = {"role": "assistant", "content": text}
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": message,
-                "logprobs": None,
-                "finish_reason": reason,
-            }
+            choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": lp, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
         return {
             **self.head(""),
             "choices": [choice],

@@ -7,28 +7,38 @@ converted). A field verispec does not implement is refused with a 400 naming it,
 OpenAI's: ``top_k``, ``min_p``, ``drafter``, ``k`` and ``invariant`` (by default: invariant draws exactly when
 a ``seed`` is given). Every refusal is an :class:`ApiError`:
 an HTTP status and one line, written in OpenAI's error format by :func:`error_body`.
+
+Log-probabilities (chat: ``logprobs: true`` and ``top_logprobs: N``; completions: ``logprobs: N``; N ≤
+:data:`~verispec.engine.MAX_LOGPROBS`) are the engine's (:class:`~verispec.engine.TokenLogprob`): the
+log-softmax of the target's own logits at each token's prefix, before the sampling transform, read from the
+forward that verified the token.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from itertools import accumulate
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from verispec.engine import GenerationStats
+from verispec.engine import MAX_LOGPROBS, GenerationStats, TokenLogprob
 from verispec.errors import UsageError
+from verispec.models.base import SpelledTokenizer, Tokenizer
 from verispec.sampling import SamplingParams
 
 __all__ = [
     "ApiError",
     "ChatRequest",
     "CompletionRequest",
+    "chat_logprobs",
+    "completion_logprobs",
     "error_body",
     "finish_reason",
     "parse_request",
+    "spelling",
     "usage",
 ]
 
@@ -36,8 +46,6 @@ MAX_STOP = 4  # stop strings per request, as OpenAI allows
 
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     # OpenAI's fields that verispec does not implement → the values that ask for nothing (passed, unused)
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
@@ -128,6 +136,11 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def alternatives(self) -> int | None:
+        """None when no log-probabilities are asked for, else how many likeliest alternatives per token."""
+        raise NotImplementedError  # each endpoint asks its own way
+
     def sampling(self) -> SamplingParams:
         try:
             return SamplingParams(
@@ -141,6 +154,11 @@ class CompletionRequest(_Request):
     """``POST /v1/completions``: one prompt (a string, or a list holding one string)."""
 
     prompt: str | list[str]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # N: each token's and N likeliest
+
+    @property
+    def alternatives(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -176,6 +194,19 @@ class ChatRequest(_Request):
     """``POST /v1/chat/completions``: a conversation, rendered with the model's chat template."""
 
     messages: Annotated[list[Message], Field(min_length=1)]
+    logprobs: bool | None = None  # each token's log-probability
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # and its N likeliest
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return top
+
+    @property
+    def alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def conversation(self) -> list[dict[str, str]]:
@@ -203,6 +234,47 @@ def parse_request(kind: type[_Request], body: Any) -> _Request:
         where = ".".join(str(part) for part in first["loc"]) or "body"
         message = str(first["msg"]).removeprefix("Value error, ")
         raise ApiError(400, f"{where}: {message}", param=where) from None
+
+
+def spelling(tokenizer: Tokenizer) -> Callable[[int], bytes]:
+    """Each token id's bytes: as the tokenizer spells them (a piece of a UTF-8 character is those bytes
+    alone), else its decoded text's."""
+    if isinstance(tokenizer, SpelledTokenizer):
+        spelled = tokenizer.token_bytes()
+        return spelled.__getitem__
+    return lambda token: tokenizer.decode([token]).encode()
+
+
+def _text(spelled: bytes) -> str:
+    return spelled.decode("utf-8", errors="replace")
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], spell: Callable[[int], bytes]) -> dict:
+    """OpenAI's chat ``logprobs`` object: each token's text, logprob, bytes and likeliest alternatives."""
+
+    def item(token: int, logprob: float) -> dict:
+        return {"token": _text(spell(token)), "logprob": logprob, "bytes": list(spell(token))}
+
+    return {
+        "content": [
+            {**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], spell: Callable[[int], bytes], offset: int) -> dict:
+    """OpenAI's completions ``logprobs`` object: tokens, token_logprobs, top_logprobs (text → logprob; tokens
+    spelled alike share an entry) and text_offset, each token's text counted from ``offset`` (the length of
+    the tokens' texts before them)."""
+    texts = [_text(spell(e.token)) for e in entries]
+    offsets = list(accumulate([len(t) for t in texts], initial=offset))[:-1]
+    return {
+        "tokens": texts,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{_text(spell(t)): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def finish_reason(stats: GenerationStats) -> str:
