@@ -126,3 +126,25 @@ def test_subprocess_closed_pipe_is_quiet():
     err = proc.stderr.read()
     proc.stderr.close()
     assert proc.wait(timeout=120) == 141 and err == b""
+
+
+HEAVY = ("torch", "transformers", "verispec.api", "verispec.bench.suite")
+COMMANDS = [c for c in cli.build_parser()._actions if c.dest == "command"][0].choices
+
+
+def test_help_and_usage_errors_import_no_torch():
+    """`verispec --help`, every `verispec COMMAND --help` and an argument error answer without importing
+    torch or transformers (what made them take seconds): one process, each command parsed in it."""
+    script = (
+        "import contextlib, io, sys\n"
+        "from verispec import cli\n"
+        "for argv in sys.argv[1:]:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "        cli.main(argv.split())\n"
+        f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    argvs = ["--help", *(f"{name} --help" for name in COMMANDS), "viz overlap --help", "generate --k"]
+    argvs += ["generate x --max-new-tokens many", "serve --port x", "bench --bogus"]
+    done = subprocess.run([sys.executable, "-c", script, *argvs], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ""  # none of them imported

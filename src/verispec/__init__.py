@@ -10,7 +10,8 @@ transform that defines the sampled distribution), the pure verifiers of :mod:`ve
 
 p is always the target's distribution and q the draft's, passed by keyword. See :mod:`verispec.verify.chain`
 for the vocabulary of accepted, recovered and bonus tokens, and :mod:`verispec.verify.tree` for verifying a
-token tree. The generation API (which loads transformers) is imported on first use.
+token tree. Every name but UsageError is imported on first use (torch, and transformers for the generation
+API, load only when needed).
 """
 
 from __future__ import annotations
@@ -19,44 +20,52 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from verispec.errors import UsageError
-from verispec.sampling import SamplingParams, probs_from_logits
-from verispec.verify.chain import (
-    Rule,
-    Verdict,
-    greedy_rule,
-    greedy_verify,
-    rejection_rule,
-    rejection_sample,
-    sample_verdict,
-    single_guess_rule,
-    single_guess_sample,
-)
-from verispec.verify.tree import (
-    SiblingRule,
-    TreeRule,
-    TreeVerdict,
-    greedy_sibling_rule,
-    sample_tree_verdict,
-    sibling_rule,
-    tree_greedy_verify,
-    tree_rejection_sample,
-)
 
 if TYPE_CHECKING:
     from verispec.api import Chunk, GenerationResult, Speculator, generate
     from verispec.drafting.tree import TreeShape
+    from verispec.sampling import SamplingParams, probs_from_logits
+    from verispec.verify.chain import (
+        Rule,
+        Verdict,
+        greedy_rule,
+        greedy_verify,
+        rejection_rule,
+        rejection_sample,
+        sample_verdict,
+        single_guess_rule,
+        single_guess_sample,
+    )
+    from verispec.verify.tree import (
+        SiblingRule,
+        TreeRule,
+        TreeVerdict,
+        greedy_sibling_rule,
+        sample_tree_verdict,
+        sibling_rule,
+        tree_greedy_verify,
+        tree_rejection_sample,
+    )
 
-_LAZY = {  # name → module, imported on first access (the generation API loads transformers)
-    "Chunk": "verispec.api",
-    "GenerationResult": "verispec.api",
-    "Speculator": "verispec.api",
-    "generate": "verispec.api",
-    "TreeShape": "verispec.drafting.tree",
-}
+_MODULES = {  # module → its public names here, imported on first access: `import verispec` loads no torch
+    "verispec.api": ("Chunk", "GenerationResult", "Speculator", "generate"),
+    "verispec.drafting.tree": ("TreeShape",),
+    "verispec.sampling": ("SamplingParams", "probs_from_logits"),
+    "verispec.verify.chain": (
+        "Rule", "Verdict", "greedy_rule", "greedy_verify", "rejection_rule", "rejection_sample",
+        "sample_verdict", "single_guess_rule", "single_guess_sample",
+    ),
+    "verispec.verify.tree": (
+        "SiblingRule", "TreeRule", "TreeVerdict", "greedy_sibling_rule", "sample_tree_verdict",
+        "sibling_rule", "tree_greedy_verify", "tree_rejection_sample",
+    ),
+}  # fmt: skip
+_LAZY = {name: module for module, names in _MODULES.items() for name in names}
 
 
 def __getattr__(name: str) -> Any:
-    """The generation API's names, imported on first use (PEP 562)."""
+    """The public names but UsageError, imported on first use (PEP 562): the command line's --help and usage
+    errors need no torch."""
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'verispec' has no attribute {name!r}")

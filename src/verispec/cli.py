@@ -15,6 +15,7 @@ and its traceback with ``--debug``. Ctrl-C exits with 130 after one line; a clos
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -22,19 +23,19 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from verispec import __version__
-from verispec.analysis.simulate import SimulationConfig, simulate
-from verispec.drafting.cross_tokenizer import ALGORITHMS
+from verispec.analysis.simulate import SimulationConfig, simulate  # numpy: no torch
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
-from verispec.drafting.registry import DRAFTERS
-from verispec.engine import EngineConfig, GenerationStats
+from verispec.drafting.registry import CROSS_TOKENIZER, DRAFTERS
 from verispec.errors import UsageError
-from verispec.models.llama import DEFAULT_PRECISION, PRECISION_CHOICES
-from verispec.sampling import SamplingParams
-from verispec.trace import Trace, TraceRecorder
 from verispec.viz import check_writable
+
+if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
+    from verispec.engine import GenerationStats
+    from verispec.sampling import SamplingParams
+    from verispec.trace import Trace
 
 __all__ = ["add_simulate_parser", "build_parser", "format_table", "main", "run_simulate"]
 
@@ -183,7 +184,7 @@ def _add_model_specs(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cross-tokenizer",
-        choices=ALGORITHMS,
+        choices=CROSS_TOKENIZER,
         default="auto",
         help="with a draft of another tokenizer: tli (token-level intersection: the draft's q over the "
         "tokens both share), string (its text re-encoded and guessed) or auto (default: whichever has "
@@ -191,13 +192,28 @@ def _add_model_specs(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--precision",
-        choices=PRECISION_CHOICES,
-        default=DEFAULT_PRECISION,
+        type=_precision,
+        default="auto",
+        metavar="PRECISION",
         help="weights of the native models on the CPU: fp32 (oneDNN), or on verispec's native kernels fp16, "
         "q8_0 or q4_1 (GGUF blocks, 8-bit activations): each another target, whose output is exactly its "
         "own; "
         "auto (default): the checkpoint's own format where the kernels run it, else fp16, else fp32",
     )
+
+
+def _precision(value: str) -> str:
+    """--precision's type: one of :data:`verispec.models.llama.PRECISION_CHOICES` (torch), read only when a
+    value other than the default auto is given (the help names them in words: --help imports no torch)."""
+    if value == "auto":
+        return value
+    from verispec.models.llama import PRECISION_CHOICES
+
+    if value not in PRECISION_CHOICES:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {value!r} (choose from {', '.join(PRECISION_CHOICES)})"
+        )
+    return value
 
 
 def _across(args: argparse.Namespace) -> dict[str, Any]:
@@ -369,6 +385,8 @@ def _add_invariant_argument(parser: argparse.ArgumentParser) -> None:
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
     """The sampling parameters of a command with a seed (generate, batch)."""
+    from verispec.sampling import SamplingParams
+
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed, args.invariant)
 
 
@@ -376,6 +394,8 @@ def run_generate(args: argparse.Namespace) -> int:
     """Run ``verispec generate``."""
     from verispec.api import ModelChoice, parse_k  # loads transformers: only for the commands that need it
     from verispec.drafting.tree import AUTO
+    from verispec.engine import EngineConfig, GenerationStats
+    from verispec.trace import TraceRecorder
 
     if args.batch is not None:
         return _run_batch(args)
@@ -430,6 +450,7 @@ def _run_batch(args: argparse.Namespace) -> int:
     """``verispec generate --batch FILE``: every request in a continuous batch of --max-batch sequences."""
     from verispec.api import ModelChoice, parse_k
     from verispec.batch import generate_requests, read_requests, record
+    from verispec.engine import EngineConfig
 
     if args.prompt is not None:
         raise UsageError("give PROMPT or --batch FILE, not both")
@@ -536,6 +557,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from verispec.drafting.learned.kinds import shipped_drafter
     from verispec.drafting.tree import AUTO
     from verispec.models.registry import DEFAULT_MODEL
+    from verispec.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0)
     k = AUTO if args.k is None else parse_k(args.k)
@@ -725,6 +747,7 @@ def _model_overlap(args: argparse.Namespace):
     """(p, q, label, title) of the next token after --prompt, for :func:`run_viz_overlap`."""
     from verispec.api import Speculator
     from verispec.models.registry import DEFAULT_MODEL
+    from verispec.sampling import SamplingParams
     from verispec.viz import visible_text
     from verispec.viz.overlap import next_token_distributions
 
@@ -753,7 +776,7 @@ def _model_overlap(args: argparse.Namespace):
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """Declare ``verispec bench``."""
-    from verispec.bench.suite import METHODS, TASKS  # light: no model is loaded
+    from verispec.bench.methods import METHODS, TASKS
 
     parser = subparsers.add_parser(
         "bench",
@@ -862,7 +885,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def add_bench_load_parser(subparsers: argparse._SubParsersAction) -> None:
     """Declare ``verispec bench-load``."""
-    from verispec.bench.load import LOAD_METHODS
+    from verispec.bench.methods import LOAD_METHODS
 
     parser = subparsers.add_parser(
         "bench-load",
@@ -1235,12 +1258,9 @@ def run_drafter_data(args: argparse.Namespace) -> int:
 
 def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
     """Declare ``verispec train-drafter``."""
-    from verispec.drafting.learned.kinds import HEADS
-    from verispec.drafting.learned.train import TrainConfig  # light: no model is loaded
+    from verispec.drafting.learned.config import KINDS, TrainConfig
 
-    KINDS = tuple(HEADS)
-
-    defaults = TrainConfig()
+    defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}  # no validation
     parser = subparsers.add_parser(
         "train-drafter",
         help="train a learned drafter (EAGLE head, Medusa heads, trained exit, lookahead tokens) on a "
@@ -1259,7 +1279,7 @@ def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", required=True, metavar="DIR", help="the data set (verispec drafter-data)")
     parser.add_argument("--out", required=True, metavar="DIR", help="the training run's directory")
     parser.add_argument(
-        "--kind", default=defaults.kind, choices=KINDS, help="drafter kind (default: %(default)s)"
+        "--kind", default=defaults["kind"], choices=KINDS, help="drafter kind (default: %(default)s)"
     )
     for flag, help_text in (
         ("steps", "optimizer steps"),
@@ -1279,7 +1299,7 @@ def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
         ("noise", "half-width of the uniform feature noise, relative to the features' RMS"),
         ("ce-target", "token (the target's next token) or distribution (its own on the draft vocabulary)"),
     ):
-        default = getattr(defaults, flag.replace("-", "_"))  # an int, float or str: the flag's type
+        default = defaults[flag.replace("-", "_")]  # an int, float or str: the flag's type
         parser.add_argument(
             f"--{flag}", type=type(default), default=default, help=f"{help_text} (default: {default})"
         )

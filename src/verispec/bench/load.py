@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from verispec.api import Speculator
+from verispec.bench.methods import LOAD_METHODS
 from verispec.bench.suite import _has_chat_template, builtin_tasks
 from verispec.errors import UsageError
 from verispec.models.llama import DEFAULT_PRECISION
@@ -40,8 +41,6 @@ from verispec.viz import write_atomic
 Prompt = str | Sequence[Mapping[str, str]]  # a prompt, or a conversation
 
 __all__ = ["LOAD_METHODS", "LoadConfig", "auto_against_best", "run_load", "write_load_report"]
-
-LOAD_METHODS = ("none", "ngram", "eagle", "auto", "transformers")  # auto: the drafter auto picks
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from verispec.bench.methods import LLAMACPP_PEERS, PEERS, TRANSFORMERS_PEERS
 from verispec.errors import UsageError
 from verispec.models.llama import Llama
 from verispec.models.llama2c import load_llama2c
@@ -47,12 +48,6 @@ __all__ = [
     "load_transformers",
     "to_transformers",
 ]
-
-TRANSFORMERS_PEERS = ("transformers", "transformers-assisted", "transformers-lookup")
-"""plain ``generate``; assisted generation with a draft model; prompt lookup decoding."""
-LLAMACPP_PEERS = ("llamacpp", "llamacpp-lookup")
-"""llama.cpp's plain decoding; its prompt lookup decoding."""
-PEERS = (*TRANSFORMERS_PEERS, *LLAMACPP_PEERS)
 
 
 def to_transformers(model: Llama, num_layers: int | None = None) -> LlamaForCausalLM:

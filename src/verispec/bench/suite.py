@@ -66,10 +66,16 @@ from verispec import __version__
 from verispec.analysis.analytic import CostModel, expected_tokens_per_call
 from verispec.api import Speculator, parse_k
 from verispec.bench.goals import load_goals
-from verispec.bench.peers import (
+from verispec.bench.methods import (
+    CROSS_METHODS,
     LLAMACPP_PEERS,
+    METHODS,
     PEERS,
+    TASKS,
     TRANSFORMERS_PEERS,
+    TREE_METHODS,
+)
+from verispec.bench.peers import (
     LlamaCppPeer,
     PeerRequest,
     TransformersPeer,
@@ -80,7 +86,6 @@ from verispec.bench.records import Calibration as CalibrationRecord
 from verispec.bench.records import Cell, Identity, Machine, Metrics, Results, Sample, Spread
 from verispec.bench.report import write_report
 from verispec.calibrate import Calibration, cpu_name
-from verispec.drafting.cross_tokenizer import ALGORITHMS
 from verispec.drafting.draft_model import early_exit_layers
 from verispec.drafting.learned.head import read_drafter_file
 from verispec.drafting.learned.kinds import shipped_drafter
@@ -110,12 +115,6 @@ __all__ = [
     "predicted_speedup",
 ]
 
-TASKS = ("chat", "summarization", "rag", "math", "code_completion", "code_editing", "translation")
-VERISPEC_METHODS = tuple(DRAFTERS)  # none first, then every drafter
-TREE_METHODS = tuple(f"{name}-tree" for name, kind in DRAFTERS.items() if kind.takes_trees)  # with --trees
-# the draft model through one cross-tokenizer algorithm each (its tokenizer differs from the target's)
-CROSS_METHODS = {f"model-{algorithm}": algorithm for algorithm in ALGORITHMS if algorithm != "auto"}
-METHODS = (*VERISPEC_METHODS, *CROSS_METHODS, *TREE_METHODS, *PEERS)
 BASELINE, PEER_BASELINE, LLAMACPP_BASELINE = "none", TRANSFORMERS_PEERS[0], LLAMACPP_PEERS[0]
 # the plain run each speculative peer's greedy output must equal
 PLAIN_PEER = {

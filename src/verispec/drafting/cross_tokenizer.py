@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from verispec.drafting.base import Proposal
+from verispec.drafting.registry import CROSS_TOKENIZER
 from verispec.errors import UsageError
 from verispec.models.base import LanguageModel, SpelledTokenizer, Tokenizer
 from verispec.sampling import SamplingParams, probs_from_logits, sample
@@ -48,7 +49,7 @@ __all__ = [
     "same_vocabulary",
 ]
 
-ALGORITHMS = ("auto", "tli", "string")  # what --cross-tokenizer accepts
+ALGORITHMS = CROSS_TOKENIZER  # what --cross-tokenizer accepts
 MIN_SHARED = 0.1  # the least share of the draft's tokens that must exist in the target's vocabulary
 _MAX_PIECE = 64  # bytes: longer pieces are never used to spell text
 

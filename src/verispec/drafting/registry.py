@@ -13,29 +13,34 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from verispec.analysis.analytic import CostModel
-from verispec.drafting.base import Drafter, NoDrafter, TreeDrafter
-from verispec.drafting.cross_tokenizer import CrossTokenizerDrafter, VocabularyPair
-from verispec.drafting.draft_model import ModelDrafter, ModelTreeDrafter
-from verispec.drafting.learned.eagle import EagleHead
-from verispec.drafting.learned.eagle_drafter import EagleDrafter, EagleTreeDrafter
-from verispec.drafting.learned.exit import ExitAdapter, ExitDraft
-from verispec.drafting.learned.head import LearnedHead, native_target
-from verispec.drafting.learned.lookahead import LookaheadDrafter, LookaheadTokens
-from verispec.drafting.learned.medusa import MedusaDrafter, MedusaHeads, MedusaTreeDrafter
-from verispec.drafting.ngram import NGramDrafter, NGramTreeDrafter
-from verispec.drafting.tree import TreeShape
 from verispec.errors import UsageError
-from verispec.models.base import Cache, LanguageModel
-from verispec.sampling import SamplingParams
 
-__all__ = ["AUTO", "CHOICES", "DRAFTERS", "DraftInputs", "DrafterKind", "choose_auto", "drafter_kind"]
+if TYPE_CHECKING:  # the drafters themselves are imported where they are built: this table loads no torch
+    from verispec.analysis.analytic import CostModel
+    from verispec.drafting.base import Drafter, TreeDrafter
+    from verispec.drafting.cross_tokenizer import VocabularyPair
+    from verispec.drafting.learned.head import LearnedHead
+    from verispec.drafting.tree import TreeShape
+    from verispec.models.base import Cache, LanguageModel
+    from verispec.sampling import SamplingParams
+
+    TreeFactory = Callable[[Drafter, TreeShape, CostModel | None], TreeDrafter]
+
+__all__ = [
+    "AUTO",
+    "CHOICES",
+    "CROSS_TOKENIZER",
+    "DRAFTERS",
+    "DraftInputs",
+    "DrafterKind",
+    "choose_auto",
+    "drafter_kind",
+]
 
 AUTO = "auto"
+CROSS_TOKENIZER = ("auto", "tli", "string")  # how a draft of another tokenizer drafts (--cross-tokenizer)
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,7 @@ class DraftInputs:
     target_cache: Cache | None = None  # the target's cache, read by an early-exit draft (its first layers)
     head: LearnedHead | None = None  # a learned drafter (``learned``), of the kind's own class
     pair: VocabularyPair | None = None  # a draft model with another tokenizer: the two vocabularies
-    cross_tokenizer: str = "auto"  # and the algorithm that drafts across them (cross_tokenizer.ALGORITHMS)
+    cross_tokenizer: str = "auto"  # and the algorithm that drafts across them (CROSS_TOKENIZER)
     cost_ratio: float | None = None  # the calibrated c of this drafter, once measured
 
     def need_draft(self, name: str) -> LanguageModel:
@@ -66,9 +71,6 @@ class DraftInputs:
                 f"drafter {name!r} needs a {kind.kind} drafter file (--drafter-path FILE){found}"
             )
         return self.head
-
-
-TreeFactory = Callable[[Drafter, TreeShape, CostModel | None], TreeDrafter]
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,9 @@ def _model_chain(inputs: DraftInputs) -> Drafter:
     """A draft model's chain: with the target's tokenizer, or across tokenizers
     (:mod:`verispec.drafting.cross_tokenizer`; auto weighs a draft forward at the calibrated c, or before
     the calibration at the models' size ratio)."""
+    from verispec.drafting.cross_tokenizer import CrossTokenizerDrafter
+    from verispec.drafting.draft_model import ModelDrafter
+
     draft = inputs.need_draft("model")
     if inputs.pair is None:
         return ModelDrafter(draft, inputs.sampling, inputs.target.vocab_size, inputs.target_cache)
@@ -110,6 +115,8 @@ def _model_chain(inputs: DraftInputs) -> Drafter:
 
 def _size_ratio(draft: LanguageModel, target: LanguageModel) -> float:
     """Parameters of the draft over the target's (what a memory-bound forward costs), 0.1 when unknown."""
+    import torch
+
     models = [m for m in (draft, target) if isinstance(m, torch.nn.Module)]
     sizes = [sum(p.numel() for p in m.parameters()) for m in models]
     return sizes[0] / sizes[1] if len(sizes) == 2 and sizes[1] else 0.1
@@ -118,6 +125,8 @@ def _size_ratio(draft: LanguageModel, target: LanguageModel) -> float:
 def _eagle_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> TreeDrafter:
     """The learned head's tree: sampled children above temperature 0 for a static shape, top-k (single
     guesses) for a dynamic one."""
+    from verispec.drafting.learned.eagle_drafter import EagleDrafter, EagleTreeDrafter
+
     assert isinstance(chain, EagleDrafter)  # the eagle kind's chain factory builds one
     if shape.budget is None:
         return EagleTreeDrafter(chain, shape, sampled=True)
@@ -126,30 +135,71 @@ def _eagle_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> Tre
 
 def _medusa_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> TreeDrafter:
     """Medusa's tree: each depth's children from its head, sampled above temperature 0."""
+    from verispec.drafting.learned.medusa import MedusaDrafter, MedusaTreeDrafter
+
     assert isinstance(chain, MedusaDrafter)  # the medusa kind's chain factory builds one
     return MedusaTreeDrafter(chain, shape, sampled=True)
 
 
 def _exit_chain(inputs: DraftInputs) -> Drafter:
     """The target's first layers and a trained exit, on the target's cache."""
+    from verispec.drafting.draft_model import ModelDrafter
+    from verispec.drafting.learned.exit import ExitAdapter, ExitDraft
+    from verispec.drafting.learned.head import native_target
+
     draft = ExitDraft(native_target(inputs.target), inputs.need_head("exit", ExitAdapter))
     return ModelDrafter(draft, inputs.sampling, inputs.target.vocab_size, inputs.target_cache)
 
 
 def _lookahead_chain(inputs: DraftInputs) -> Drafter:
     """Trained lookahead tokens after the context, run through the whole target on the target's cache."""
+    from verispec.drafting.learned.lookahead import LookaheadDrafter, LookaheadTokens
+
     tokens = inputs.need_head("lookahead", LookaheadTokens)
     return LookaheadDrafter(tokens, inputs.target, inputs.sampling, inputs.target_cache)
 
 
 def _model_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> TreeDrafter:
     """A draft model's tree of its top-k children."""
+    from verispec.drafting.draft_model import ModelDrafter, ModelTreeDrafter
+
     assert isinstance(chain, ModelDrafter)  # with the target's tokenizer (the API refuses trees across)
     return ModelTreeDrafter(chain, shape)
 
 
+def _no_chain(inputs: DraftInputs) -> Drafter:
+    """Plain decoding's drafter: nothing."""
+    from verispec.drafting.base import NoDrafter
+
+    return NoDrafter()
+
+
+def _ngram_chain(inputs: DraftInputs) -> Drafter:
+    """Prompt lookup."""
+    from verispec.drafting.ngram import NGramDrafter
+
+    return NGramDrafter()
+
+
+def _eagle_chain(inputs: DraftInputs) -> Drafter:
+    """The learned head, reading the target's hidden states."""
+    from verispec.drafting.learned.eagle import EagleHead
+    from verispec.drafting.learned.eagle_drafter import EagleDrafter
+
+    return EagleDrafter(inputs.need_head("eagle", EagleHead), inputs.sampling)
+
+
+def _medusa_chain(inputs: DraftInputs) -> Drafter:
+    """Every Medusa head in one forward."""
+    from verispec.drafting.learned.medusa import MedusaDrafter, MedusaHeads
+
+    return MedusaDrafter(inputs.need_head("medusa", MedusaHeads), inputs.sampling)
+
+
 def _ngram_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> TreeDrafter:
     """Several prompt-lookup matches merged into a tree."""
+    from verispec.drafting.ngram import NGramDrafter, NGramTreeDrafter
+
     assert isinstance(chain, NGramDrafter)  # the ngram kind's chain factory builds one
     return NGramTreeDrafter(shape, chain)
 
@@ -157,9 +207,7 @@ def _ngram_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> Tre
 DRAFTERS: dict[str, DrafterKind] = {
     kind.name: kind
     for kind in (
-        DrafterKind(
-            "none", "plain decoding: drafts nothing (the speed baseline)", lambda i: NoDrafter(), drafts=False
-        ),
+        DrafterKind("none", "plain decoding: drafts nothing (the speed baseline)", _no_chain, drafts=False),
         DrafterKind(
             "model",
             "a smaller model with the target's tokenizer, or the target's first layers (--draft layers:N)",
@@ -170,13 +218,13 @@ DRAFTERS: dict[str, DrafterKind] = {
         DrafterKind(
             "ngram",
             "prompt lookup: copies what followed the context's suffix earlier",
-            lambda i: NGramDrafter(),
+            _ngram_chain,
             _ngram_tree,
         ),
         DrafterKind(
             "eagle",
             "a learned head reading the target's hidden states (EAGLE-style)",
-            lambda i: EagleDrafter(i.need_head("eagle", EagleHead), i.sampling),
+            _eagle_chain,
             _eagle_tree,
             learned=True,
             dynamic_trees=True,
@@ -185,7 +233,7 @@ DRAFTERS: dict[str, DrafterKind] = {
         DrafterKind(
             "medusa",
             "Medusa heads on the target's last hidden state, head i guessing the token i + 1 ahead",
-            lambda i: MedusaDrafter(i.need_head("medusa", MedusaHeads), i.sampling),
+            _medusa_chain,
             _medusa_tree,
             learned=True,
             reads_target_hidden=True,

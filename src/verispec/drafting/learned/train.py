@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import sys
 import tempfile
@@ -62,13 +61,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
+from verispec.drafting.learned.config import TrainConfig
 from verispec.drafting.learned.data import load_split, read_data_meta
-from verispec.drafting.learned.eagle import MAX_LAYERS, EagleHead
+from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.exit import ExitAdapter, check_exit_layer, exit_features
 from verispec.drafting.learned.head import LearnedHead, native_target, target_fingerprint
-from verispec.drafting.learned.kinds import HEADS, load_head
-from verispec.drafting.learned.lookahead import MAX_LOOKAHEAD, LookaheadTokens, lookahead_mask
-from verispec.drafting.learned.medusa import MAX_HEADS, TOP_RANKS, MedusaHeads
+from verispec.drafting.learned.kinds import load_head
+from verispec.drafting.learned.lookahead import LookaheadTokens, lookahead_mask
+from verispec.drafting.learned.medusa import TOP_RANKS, MedusaHeads
 from verispec.errors import UsageError
 from verispec.models.base import LanguageModel
 from verispec.models.llama import KVCache, Llama, run_layers
@@ -88,92 +88,9 @@ CHECKPOINT = "checkpoint.pt"
 DRAFTER = "drafter.safetensors"
 LOG = "log.jsonl"
 EVAL_POSITIONS = 4  # draft positions whose held-out accuracy is reported
-CE_TARGETS = ("token", "distribution")  # the target's next token, or its distribution on the draft vocabulary
 _IGNORE = -100  # cross-entropy target of a slot that does not count
 _FEATURE_CHECK_TOKENS = 32  # positions of the data set recomputed to check that it belongs to the target
 _FEATURE_CHECK_TOLERANCE = 0.02  # relative error allowed (the data set stores float16)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """How a drafter is trained (see the module docstring); validated with UsageError."""
-
-    kind: str = "eagle"
-    steps: int = 2000
-    batch_tokens: int = 2048
-    window: int = 256
-    lr: float = 1e-3
-    warmup: int = 50
-    weight_decay: float = 0.0
-    draft_vocab: int = 8192
-    ce_weight: float = 0.1
-    ce_target: str = "token"
-    noise: float = 0.05
-    unroll: int = 1
-    grad_clip: float = 0.5
-    eval_every: int = 50
-    eval_tokens: int = 4096
-    checkpoint_every: int = 50
-    seed: int = 0
-    # a drafter file to start from (fine-tuning on new data), its draft vocabulary kept; "": none
-    init: str = ""
-    layers: int = 1  # decoder layers of the head (more than init's: the new ones start as no-ops)
-    heads: int = 4  # Medusa heads
-    exit_layer: int = 8  # the layer a trained exit reads
-    lookahead: int = 3  # lookahead tokens
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.init, str):
-            raise UsageError(f"init must be a drafter file path (a string), got {self.init!r}")
-        if self.kind not in HEADS:
-            raise UsageError(f"unknown drafter kind {self.kind!r}; verispec trains {', '.join(HEADS)}")
-        if self.ce_target not in CE_TARGETS:
-            raise UsageError(f"ce_target must be one of {', '.join(CE_TARGETS)}, got {self.ce_target!r}")
-        for name in (
-            "steps",
-            "batch_tokens",
-            "window",
-            "draft_vocab",
-            "eval_every",
-            "eval_tokens",
-            "checkpoint_every",
-        ):
-            _check(name, getattr(self, name), int, 1)
-        for name in ("warmup", "unroll", "seed"):
-            _check(name, getattr(self, name), int, 0)
-        for name, high in (("layers", MAX_LAYERS), ("heads", MAX_HEADS), ("lookahead", MAX_LOOKAHEAD)):
-            _check(name, getattr(self, name), int, 1)
-            if getattr(self, name) > high:
-                raise UsageError(f"{name} must be at most {high}, got {getattr(self, name)!r}")
-        _check("exit_layer", self.exit_layer, int, 1)
-        if self.init and self.kind != "eagle":
-            raise UsageError(f"init (fine-tuning a trained drafter) is for eagle heads, not {self.kind}")
-        if self.batch_tokens < self.window:
-            raise UsageError(f"batch_tokens ({self.batch_tokens}) must be at least window ({self.window})")
-        for name in ("weight_decay", "ce_weight", "noise"):
-            _check(name, getattr(self, name), float, 0)
-        for name in ("lr", "grad_clip"):
-            _check(name, getattr(self, name), float, 0)
-            if getattr(self, name) == 0:
-                raise UsageError(f"{name} must be > 0, got {getattr(self, name)!r}")
-
-    def lr_at(self, step: int) -> float:
-        """The learning rate of step ``step`` (0-based): linear warmup, then cosine decay to 10 %."""
-        if step < self.warmup:
-            return self.lr * (step + 1) / self.warmup
-        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
-        return self.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-def _check(name: str, value: object, kind: type, low: float) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float) if kind is float else int)
-        or not math.isfinite(value)
-        or value < low
-    ):
-        what = "an integer" if kind is int else "a number"
-        raise UsageError(f"{name} must be {what} >= {low}, got {value!r}")
 
 
 # ---------------------------------------------------------------------------------------------- data

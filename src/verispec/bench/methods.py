@@ -1,0 +1,31 @@
+"""The bench's names, light to import (no torch): the task suite, the methods ``verispec bench`` and
+``verispec bench-load`` run, and the peers among them. The command line's help lists them from here."""
+
+from __future__ import annotations
+
+from verispec.drafting.registry import CROSS_TOKENIZER, DRAFTERS
+
+__all__ = [
+    "CROSS_METHODS",
+    "LLAMACPP_PEERS",
+    "LOAD_METHODS",
+    "METHODS",
+    "PEERS",
+    "TASKS",
+    "TRANSFORMERS_PEERS",
+    "TREE_METHODS",
+    "VERISPEC_METHODS",
+]
+
+TASKS = ("chat", "summarization", "rag", "math", "code_completion", "code_editing", "translation")
+TRANSFORMERS_PEERS = ("transformers", "transformers-assisted", "transformers-lookup")
+"""plain ``generate``; assisted generation with a draft model; prompt lookup decoding."""
+LLAMACPP_PEERS = ("llamacpp", "llamacpp-lookup")
+"""llama.cpp's plain decoding; its prompt lookup decoding."""
+PEERS = (*TRANSFORMERS_PEERS, *LLAMACPP_PEERS)
+VERISPEC_METHODS = tuple(DRAFTERS)  # none first, then every drafter
+TREE_METHODS = tuple(f"{name}-tree" for name, kind in DRAFTERS.items() if kind.takes_trees)  # with --trees
+# the draft model through one cross-tokenizer algorithm each (its tokenizer differs from the target's)
+CROSS_METHODS = {f"model-{algorithm}": algorithm for algorithm in CROSS_TOKENIZER if algorithm != "auto"}
+METHODS = (*VERISPEC_METHODS, *CROSS_METHODS, *TREE_METHODS, *PEERS)
+LOAD_METHODS = ("none", "ngram", "eagle", "auto", "transformers")  # bench-load: auto, the drafter auto picks
