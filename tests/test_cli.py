@@ -148,3 +148,34 @@ def test_help_and_usage_errors_import_no_torch():
     done = subprocess.run([sys.executable, "-c", script, *argvs], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ""  # none of them imported
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--drafter", "none", "--tree-width", "2", "--tree-depth", "2"], "token trees need the"),
+        (["--drafter", "ngram", "--tree-width", "2", "--tree-depth", "2", "--tree-nodes", "3"], "dynamic"),
+        (["--k", "3", "--tree-width", "2", "--tree-depth", "2"], "--k is not used with a token tree"),
+    ],
+)
+def test_tree_mistakes_are_refused_before_a_model_loads(capsys, monkeypatch, argv, fragment):
+    def load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr("verispec.api._load", load)
+    status, out, err = run(capsys, "generate", "a prompt", *argv)
+    assert status == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("verispec: error: ") and fragment in err
+
+
+def test_max_new_tokens_beyond_the_context_is_a_warning(capsys, shared_model):
+    """More new tokens than the target's context leaves: one warning naming the limit, and the output stops
+    at the context."""
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    model = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
+    status, out, err = run(capsys, "generate", "Once", "--max-new-tokens", "100000", "--json", *model)
+    (warning,) = [line for line in err.splitlines() if "warning" in line]
+    limit = int(re.search(r"at most (\d+) new tokens", warning).group(1))
+    assert status == 0 and warning.startswith("verispec: warning: --max-new-tokens 100000 is more than")
+    result = json.loads(out)
+    assert result["stats"]["stop_reason"] in ("context", "eos") and len(result["token_ids"]) <= limit

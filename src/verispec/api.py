@@ -17,7 +17,7 @@ import torch
 
 from verispec.analysis.analytic import BatchCost, CostModel, speedup_by_k
 from verispec.calibrate import QUICK_REPETITIONS, Calibration, calibrate
-from verispec.drafting.base import Drafter, TreeDrafter, check_static
+from verispec.drafting.base import Drafter, TreeDrafter
 from verispec.drafting.cross_tokenizer import VocabularyPair, check_algorithm, same_vocabulary
 from verispec.drafting.draft_model import early_exit_layers, self_draft
 from verispec.drafting.learned.eagle_drafter import DEFAULT_TREE
@@ -207,6 +207,8 @@ class Speculator:
             raise UsageError("give a draft model (--draft) or a drafter file (--drafter-path), not both")
         if drafter_path is not None and kind is not None and not kind.learned:
             raise UsageError(f"a drafter file was given but drafter is {drafter!r}")
+        if kind is not None and isinstance(tree, TreeShape):
+            kind.check_tree(tree)  # before a model loads
         self.model, self.tokenizer = _load(
             DEFAULT_MODEL if target is None else target, tokenizer, device, precision
         )
@@ -247,12 +249,7 @@ class Speculator:
         elif tree is not None and not isinstance(tree, TreeShape):
             raise UsageError(f"tree must be a TreeShape, {AUTO!r} or None, got {tree!r}")
         if tree is not None:
-            if not self.kind.takes_trees:
-                *others, last = [name for name, k in DRAFTERS.items() if k.takes_trees]
-                takers = f"{', '.join(others)} or {last}" if others else last
-                raise UsageError(f"token trees need the {takers} drafter, not {self.kind.name!r}")
-            if not self.kind.dynamic_trees:
-                check_static(tree, self.kind.name)
+            self.kind.check_tree(tree)
             tree.check_fits(self.model.max_context)
         self.tree = tree
         if tree is not None and self.pair is not None:

@@ -251,7 +251,13 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "running acceptance rate favour, 0 included); default: auto, and with the learned drafter its token "
         "tree [[0], [1], [2], [0, 0]] instead of a chain",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default: 128)")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=128,
+        help="tokens to generate (default: 128); more than the target's context leaves after the prompt: a "
+        "warning, and generation stops at the context",
+    )
 
 
 def _add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
@@ -314,7 +320,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     tree = parser.add_argument_group(
         "token trees",
         "the ngram, model or eagle drafter proposes a tree of alternatives each round, scored by the target "
-        "in one forward (--k is then not used)",
+        "in one forward (give no --k with one)",
     )
     tree.add_argument("--tree-width", type=int, metavar="W", help="children of every tree node")
     tree.add_argument("--tree-depth", type=int, metavar="D", help="draft tokens on each root-to-leaf path")
@@ -408,6 +414,10 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.trace is not None:
         check_writable(args.trace)
     tree = _tree_shape(args)
+    if tree is not None and args.k is not None:
+        raise UsageError(
+            "--k is not used with a token tree (its shape sets what each round drafts): leave it out"
+        )
     tracing = args.trace is not None or args.show_trace
     if tree is not None and tracing:
         raise UsageError("token-fate traces record chain rounds only, not token trees")
@@ -419,6 +429,12 @@ def run_generate(args: argparse.Namespace) -> int:
     if tree is None and args.k is None and not tracing:
         tree = AUTO  # the learned drafter's tree, where it drafts
     speculator = ModelChoice(**_model_fields(args)).speculator(tree=tree)
+    room = speculator.model.max_context - len(speculator.encode_prompt(prompt, args.chat))
+    if args.max_new_tokens > room:
+        _warn(
+            f"--max-new-tokens {args.max_new_tokens} is more than the target's context of "
+            f"{speculator.model.max_context} tokens leaves after this prompt: at most {room} new tokens"
+        )
     recorder = TraceRecorder() if tracing else None
     options = dict(
         k=k,
@@ -1020,11 +1036,9 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = listen(args.host, args.port)  # before the model loads: a taken port fails at once
     host, port = sock.getsockname()[:2]
     if exposed(host) and config.api_key is None:
-        print(
-            f"verispec: warning: {host} is reachable from other machines and no --api-key is set: anyone "
-            "who can reach it can generate (bind 127.0.0.1, or give --api-key)",
-            file=sys.stderr,
-            flush=True,
+        _warn(
+            f"{host} is reachable from other machines and no --api-key is set: anyone who can reach it can "
+            "generate (bind 127.0.0.1, or give --api-key)"
         )
     server = Server(config)
     print(
@@ -1471,6 +1485,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_write_gguf_parser(subparsers)
     add_bench_gguf_parser(subparsers)
     return parser
+
+
+def _warn(message: str) -> None:
+    """Print ``verispec: warning: <message>`` as one line on stderr (what a run cannot honour in full)."""
+    print(f"{PROG}: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _report(message: str, status: int) -> int:

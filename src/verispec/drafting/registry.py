@@ -98,6 +98,18 @@ class DrafterKind:
         """Whether the kind proposes token trees."""
         return self.tree is not None
 
+    def check_tree(self, shape: TreeShape) -> None:
+        """UsageError unless this kind drafts token trees of ``shape`` (one with a node budget: only a kind
+        with dynamic trees); asked before any model loads."""
+        if not self.takes_trees:
+            *others, last = [name for name, k in DRAFTERS.items() if k.takes_trees]
+            takers = f"{', '.join(others)} or {last}" if others else last
+            raise UsageError(f"token trees need the {takers} drafter, not {self.name!r}")
+        if not self.dynamic_trees:
+            from verispec.drafting.base import check_static
+
+            check_static(shape, self.name)
+
 
 def _model_chain(inputs: DraftInputs) -> Drafter:
     """A draft model's chain: with the target's tokenizer, or across tokenizers
