@@ -80,11 +80,18 @@ def write_tiny_gguf(
     """Write ``model`` (and a byte-level BPE tokenizer with a chat template) to ``path`` as llama.cpp would.
 
     qtype "Q8_0" or "Q4_1" stores every matrix in such blocks; vectors stay float32. arch "llama" (q and k
-    rows permuted; Llama 3's rope scaling as llama.cpp's ``rope_freqs`` factors) or "qwen2" (a
-    Qwen2ForCausalLM: q/k/v biases, nothing permuted). tensor_types: another type for some matrices, by GGUF
-    name (``{"blk.0.attn_k": "Q4_1"}``; random bytes where gguf cannot quantize into it)."""
+    rows permuted; Llama 3's rope scaling as llama.cpp's ``rope_freqs`` factors), "qwen2" (a
+    Qwen2ForCausalLM: q/k/v biases, nothing permuted), "qwen3" (a Qwen3ForCausalLM: q/k norms) or "gemma3" (a
+    Gemma3ForCausalLM: every norm stored as 1 + w, as llama.cpp's converter does; its sliding window).
+    tensor_types: another type for some matrices, by GGUF name (``{"blk.0.attn_k": "Q4_1"}``; random bytes
+    where gguf cannot quantize into it)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
+    if arch in ("qwen3", "gemma3"):  # heads of their own width
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+    if arch == "gemma3":
+        writer.add_sliding_window(config.sliding_window)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -92,6 +99,7 @@ def write_tiny_gguf(
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     rope = getattr(config, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3's: the full layers' (the sliding ones': 10000)
     writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
@@ -113,11 +121,15 @@ def write_tiny_gguf(
         writer.add_tensor("rope_freqs.weight", (default / inv_freq).numpy().astype(np.float32))
     for hf_name, tensor in model.state_dict().items():
         base, suffix = hf_name.rsplit(".", 1)
+        if base == "lm_head" and config.tie_word_embeddings:
+            continue  # the embeddings', as a tied checkpoint's file holds it
         data = tensor.numpy()
         if arch == "llama" and base.endswith("q_proj"):
             data = _llama_cpp_permute(data, config.num_attention_heads)
         elif arch == "llama" and base.endswith("k_proj"):
             data = _llama_cpp_permute(data, config.num_key_value_heads)
+        if arch == "gemma3" and base.endswith("norm"):
+            data = data + 1.0
         name = f"{names.get_name(base)}.{suffix}"
         kind = (tensor_types or {}).get(names.get_name(base), qtype)
         if kind != "F32" and data.ndim == 2:

@@ -17,7 +17,16 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import verispec.models.gguf as gguf_module
 from test_gguf import MERGES, SPECIALS, tiny_llama, write_tiny_gguf
@@ -49,41 +58,81 @@ def cache(tmp_path, monkeypatch) -> Path:
     return tmp_path / "cache" / "models"
 
 
-def run(model, ids: list[int] = IDS, prefill: int = 6) -> torch.Tensor:
-    """Logits [len(ids), vocab] of a prefill of ``prefill`` tokens, then one token a forward."""
+def run(model, ids: list[int] = IDS, prefill: int = 6, block: int = 1) -> torch.Tensor:
+    """Logits [len(ids), vocab] of a prefill of ``prefill`` tokens, then ``block`` tokens a forward (a
+    verification's block of a draft and its last token)."""
     cache = model.new_cache(1, 32)
     out = [model(torch.tensor([ids[:prefill]]), torch.arange(prefill)[None], cache)[0]]
-    for i in range(prefill, len(ids)):
-        out.append(model(torch.tensor([[ids[i]]]), torch.tensor([[i]]), cache)[0])
+    for i in range(prefill, len(ids), block):
+        part = ids[i : i + block]
+        out.append(model(torch.tensor([part]), torch.arange(i, i + len(part))[None], cache)[0])
     return torch.cat(out)
 
 
-def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
-    """A random 2-layer Qwen2 (q/k/v biases, untied head) on test_gguf's tiny vocabulary."""
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(SPECIALS) + 256 + len(MERGES),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-    model = Qwen2ForCausalLM(config).eval()
+def batched(model, ids: list[int], others: list[list[int]]) -> torch.Tensor:
+    """Logits [len(ids), vocab] of ``ids`` scored as rows of a batch beside ``others``: a prefill of half
+    of it, then the rest in one block, every other row beside it each time."""
+    caches = model.new_cache_rows(1 + len(others))
+    half = len(ids) // 2
+    out = []
+    for start, end in ((0, half), (half, len(ids))):
+        rows = [ids[start:end]] + [o[start:end] or o[-1:] for o in others]
+        inputs = [
+            RowInput(cache, torch.tensor(r), torch.arange(start, start + len(r)), None, True, False)
+            for cache, r in zip(caches, rows, strict=True)
+        ]
+        out.append(model.forward_rows(inputs)[0][0])
+    return torch.cat(out)
+
+
+TINY = {  # test_gguf's tiny vocabulary, 4 heads of 2 kv heads
+    "vocab_size": len(SPECIALS) + 256 + len(MERGES),
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
+
+def randomized(model: torch.nn.Module, norm_mean: float = 1.0) -> torch.nn.Module:
+    """``model`` in eval mode with random weights that matter: norms around ``norm_mean`` (Gemma's norms
+    multiply by 1 + w), biases large."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
+                param.uniform_(norm_mean - 0.5, norm_mean + 0.5)
             elif name.endswith("bias"):
-                param.normal_(0, 0.5)  # q/k/v biases that matter
+                param.normal_(0, 0.5)
             else:
                 param.normal_(0, 0.2)
-    return model
+    return model.eval()
+
+
+def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
+    """A random 2-layer Qwen2 (q/k/v biases, untied head)."""
+    torch.manual_seed(seed)
+    return randomized(Qwen2ForCausalLM(Qwen2Config(**TINY, num_hidden_layers=2, tie_word_embeddings=False)))
+
+
+def tiny_qwen3(seed: int = 0) -> Qwen3ForCausalLM:
+    """A random 2-layer Qwen3: heads of 32 (not hidden / heads), q/k norms, tied embeddings."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(**TINY, num_hidden_layers=2, head_dim=32, tie_word_embeddings=True)
+    return randomized(Qwen3ForCausalLM(config))
+
+
+def tiny_gemma3(seed: int = 0) -> Gemma3ForCausalLM:
+    """A random 6-layer Gemma 3: layers 0-4 see the last 4 positions (RoPE base 10000), layer 5 all of them
+    (base 1e6); heads of 32, the scores scaled by 1 / sqrt(32) as llama.cpp scales them."""
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        **TINY, num_hidden_layers=6, head_dim=32, sliding_window=4, query_pre_attn_scalar=32
+    )
+    return randomized(Gemma3ForCausalLM(config), norm_mean=0.0)
 
 
 def llama3_scaled(original: int) -> LlamaForCausalLM:
@@ -166,11 +215,12 @@ def test_matrices_of_mixed_types_stay_apart_each_in_its_own(tmp_path, cache):
 # --- against transformers --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2", "llama3-rope", "llama3-rope-other"])
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "gemma3", "llama3-rope", "llama3-rope-other"])
 def test_in_place_matches_transformers(tmp_path, case):
-    """Over prefill and decode, within float tolerance (float16 weights, exactly; a float16 KV cache)."""
-    arch = "qwen2" if case == "qwen2" else "llama"
-    hf = {"llama": tiny_llama, "qwen2": tiny_qwen2}.get(
+    """Over prefill and decode, a verification block, and rows of a batch, within float tolerance (float16
+    weights, exactly; a float16 KV cache)."""
+    arch = case if case in ("qwen2", "qwen3", "gemma3") else "llama"
+    hf = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "gemma3": tiny_gemma3}.get(
         case, lambda: llama3_scaled(8192 if case == "llama3-rope" else 64)
     )()
     source = write_tiny_gguf(tmp_path / f"{case}.gguf", hf, "F16", arch=arch)
@@ -180,8 +230,15 @@ def test_in_place_matches_transformers(tmp_path, case):
             if param.ndim == 2:
                 param.copy_(param.half().float())
         expected = hf(torch.tensor([IDS])).logits[0]  # [T, vocab]
-    torch.testing.assert_close(model.inv_freq, hf.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
+    rotary = hf.model.rotary_emb
+    inv_freq = getattr(rotary, "full_attention_inv_freq", getattr(rotary, "inv_freq", None))
+    torch.testing.assert_close(model.inv_freq, inv_freq, rtol=1e-6, atol=0)
+    if case == "gemma3":
+        torch.testing.assert_close(model.inv_freq_local, rotary.sliding_attention_inv_freq, rtol=1e-6, atol=0)
+        assert model.config.layer_windows == (4, 4, 4, 4, 4, 0)  # IDS is longer than the window
     torch.testing.assert_close(run(model), expected, rtol=0, atol=1e-2)
+    torch.testing.assert_close(run(model, prefill=3, block=4), expected, rtol=0, atol=1e-2)
+    torch.testing.assert_close(batched(model, IDS, [IDS[:4], IDS[2:]]), expected, rtol=0, atol=1e-2)
     if case == "llama3-rope":  # Llama 3.1-3.3's parameters: recognized, in the config
         assert model.config.rope_scaling is not None and model.config.rope_scaling.factor == 8.0
     if case == "llama3-rope-other":  # not those: the frequencies as llama.cpp divides them

@@ -1,46 +1,73 @@
 """GGUF files read in place: a native :class:`~verispec.models.llama.Llama` straight from the file's blocks.
 
-The file is memory-mapped (``gguf.GGUFReader``); the config comes from its metadata, and every weight matrix
-goes to the native kernels from its raw bytes (:meth:`PackedMatrix.from_gguf`) — no float32 copy of any of
-them. llama.cpp stores the rows of q and k of a ``llama`` file permuted (its rotary layout); whole rows of
-blocks are put back in place, which needs no dequantization. q, k, v are stacked into one matrix, gate and up
-into another, from their raw rows, where they share a type; otherwise (Q4_K_M files mix Q4_K and Q6_K) they
-stay apart, each in its own format, and the kernels run them side by side. Token
+The file is memory-mapped (:class:`~verispec.models.gguf_file.GGUFFile`); the config comes from its
+metadata, and every weight matrix goes to the native kernels from its raw bytes
+(:meth:`PackedMatrix.from_gguf`) — no float32 copy of any of them. llama.cpp stores the rows of q and k of a
+``llama`` file permuted (its rotary layout); whole rows of blocks are put back in place, which needs no
+dequantization. q, k, v are stacked into one matrix, gate and up into another, from their raw rows, where
+they share a type; otherwise (Q4_K_M files mix Q4_K and Q6_K) they stay apart, each in its own format, and
+the kernels run them side by side. Token
 embeddings stay in the file's blocks (:class:`GGUFEmbedding`, rows dequantized as they are looked up); a tied
 head multiplies ``token_embd``'s blocks, an untied one ``output.weight``'s. Once loaded, nothing refers to the
 mapping any more.
+
+Architectures (:data:`ARCHITECTURES`): llama and mistral (Llama 3's rope scaling from ``rope_freqs``), qwen2
+(q/k/v biases), qwen3 (per-head q/k RMSNorm), gemma3 (embeddings scaled by sqrt(hidden), GELU-tanh, norms
+before and after attention and MLP, q/k norms, sliding-window layers with their own RoPE base). llama.cpp's
+converter stores Gemma's norms as 1 + w, the weight its RMSNorm multiplies by: the file's values are used
+as they are.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 import mmap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, quants
-from gguf.gguf_reader import ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from torch import Tensor, nn
 
 from verispec.errors import UsageError
 from verispec.kernels.cpu import GGUF_TYPES, NativeLayer, NativeStack, PackedMatrix, Projection
 from verispec.models.gguf import first_line
+from verispec.models.gguf_file import GGUFFile, GGUFTensor
 from verispec.models.llama import FORMATS, Llama, LlamaConfig, RopeScaling, _DecoderLayer
 
 __all__ = ["ARCHITECTURES", "GGUFEmbedding", "in_place_problem", "load_gguf", "read_gguf"]
 
-# general.architecture → whether llama.cpp permuted the rows of q and k (Mistral files are "llama" ones)
-ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False}
+
+@dataclass(frozen=True)
+class _Architecture:
+    """How a ``general.architecture``'s file is laid out and what its model adds to Llama's."""
+
+    permuted: bool = False  # llama.cpp permuted the rows of q and k (its rotary layout)
+    bias: bool = False  # q, k, v have biases
+    qk_norm: bool = False  # per-head RMSNorm of q and k (attn_q_norm, attn_k_norm)
+    gemma: bool = False  # Gemma 3's: scaled embeddings, GELU-tanh, post norms, sliding-window layers
+
+
+ARCHITECTURES = {  # Mistral files are mostly "llama" ones
+    "llama": _Architecture(permuted=True),
+    "mistral": _Architecture(permuted=True),
+    "qwen2": _Architecture(bias=True),
+    "qwen3": _Architecture(qk_norm=True),
+    "gemma3": _Architecture(qk_norm=True, gemma=True),
+}
+_GEMMA_SWA_PATTERN = 6  # Gemma 3: every 6th layer attends to all positions, the others to a window
+_GEMMA_LOCAL_ROPE_BASE = 10000.0  # Gemma 3's sliding layers' RoPE base (llama.cpp's default too)
 
 
 class GGUFEmbedding(nn.Module):
     """Token embeddings [vocab, hidden] read in place: a mapping of the file's ``token_embd`` bytes alone, of
     which a lookup reads (and dequantizes) only its rows — memory holds the pages of the rows looked up."""
 
-    def __init__(self, path: Path, tensor: ReaderTensor, hidden: int) -> None:
+    def __init__(self, path: Path, tensor: GGUFTensor, hidden: int) -> None:
         super().__init__()
         self.qtype, self.hidden = tensor.tensor_type, hidden
         start = int(tensor.data_offset)
@@ -68,15 +95,15 @@ class GGUFEmbedding(nn.Module):
         return self(torch.arange(self.rows.shape[0]))
 
 
-def read_gguf(path: Path) -> GGUFReader:
+def read_gguf(path: Path) -> GGUFFile:
     """The memory-mapped file; UsageError (one line, naming it) when it is no readable GGUF file."""
     try:
-        return GGUFReader(path)
-    except (ValueError, OSError, KeyError, IndexError, TypeError) as err:  # truncated, corrupt, not GGUF
+        return GGUFFile(path)
+    except (ValueError, OSError) as err:  # truncated, corrupt, not GGUF
         raise UsageError(f"cannot read {path} as a GGUF file: {first_line(err)}") from err
 
 
-def in_place_problem(reader: GGUFReader) -> str | None:
+def in_place_problem(reader: GGUFFile) -> str | None:
     """Why the native kernels cannot run this file as it is (an architecture or a tensor type they lack),
     None when they can."""
     arch = _field(reader, "general.architecture", "?")
@@ -122,11 +149,11 @@ def _trim_heap() -> None:
         pass
 
 
-def _assemble(path: Path, reader: GGUFReader, precision: str) -> Llama:
+def _assemble(path: Path, reader: GGUFFile, precision: str) -> Llama:
     """The model of ``reader``'s file (see :func:`load_gguf`); every array read from the mapping is copied."""
     arch = str(_field(reader, "general.architecture"))
     tensors = {t.name: t for t in reader.tensors}
-    c, permuted = _config(reader, arch, tensors), ARCHITECTURES[arch]
+    c, layout = _config(reader, arch, tensors), ARCHITECTURES[arch]
     inv_freq = c.rope_inv_freq()  # [head_dim / 2]
     factors = tensors.get("rope_freqs.weight")
     if factors is not None:  # Llama 3.1+: llama.cpp divides the frequencies by these factors
@@ -137,6 +164,7 @@ def _assemble(path: Path, reader: GGUFReader, precision: str) -> Llama:
             c, inv_freq = llama3, llama3.rope_inv_freq()  # Llama 3.1-3.3's parameters: the config says so
     model = Llama(c, device="meta")  # allocates nothing; the parts below replace what runs
     model.inv_freq = nn.Buffer(inv_freq, persistent=False)
+    model.inv_freq_local = nn.Buffer(c.rope_inv_freq(local=True), persistent=False)  # [head_dim / 2]
     embed = _tensor(tensors, "token_embd.weight", (c.vocab_size, c.hidden_size))
     model.model.register_module("embed_tokens", GGUFEmbedding(path, embed, c.hidden_size))
     model.model.norm.weight = _norm(tensors, "output_norm.weight", c.hidden_size)
@@ -152,7 +180,12 @@ def _assemble(path: Path, reader: GGUFReader, precision: str) -> Llama:
         if c.attention_bias and name in ("attn_q", "attn_k", "attn_v"):
             key = f"blk.{i}.{name}.bias"
             bias = torch.from_numpy(_vector(tensors.get(key), shape[0], key))
-        return _rows(tensor, bias, heads.get(name) if permuted else None)
+        return _rows(tensor, bias, heads.get(name) if layout.permuted else None)
+
+    def vector(i: int, name: str, size: int) -> Tensor | None:
+        return _norm(tensors, f"blk.{i}.{name}.weight", size).data
+
+    extras: dict[str, Any] = {}
 
     native = []
     for i, layer in enumerate(model.model.layers):
@@ -162,7 +195,20 @@ def _assemble(path: Path, reader: GGUFReader, precision: str) -> Llama:
         o, down = (_matrix(*part(i, n), precision) for n in ("attn_output", "ffn_down"))
         norms = [_norm(tensors, f"blk.{i}.{n}.weight", c.hidden_size) for n in ("attn_norm", "ffn_norm")]
         layer.input_layernorm.weight, layer.post_attention_layernorm.weight = norms
-        native.append(NativeLayer(norms[0].data, norms[1].data, qkv, o, gate_up, down))
+        if layout.qk_norm:
+            extras |= {
+                "q_norm": vector(i, "attn_q_norm", c.head_dim),
+                "k_norm": vector(i, "attn_k_norm", c.head_dim),
+            }
+        if layout.gemma:
+            window = c.layer_windows[i]
+            extras |= {
+                "post_attn_norm": vector(i, "post_attention_norm", c.hidden_size),
+                "post_mlp_norm": vector(i, "post_ffw_norm", c.hidden_size),
+                "window": window,
+                "local_rope": window > 0,
+            }
+        native.append(NativeLayer(norms[0].data, norms[1].data, qkv, o, gate_up, down, **extras))
     model._native = NativeStack(
         hidden=c.hidden_size,
         intermediate=c.intermediate_size,
@@ -171,6 +217,8 @@ def _assemble(path: Path, reader: GGUFReader, precision: str) -> Llama:
         head_dim=c.head_dim,
         eps=c.rms_norm_eps,
         layers=native,
+        attn_scale=c.attn_scale,
+        activation=c.activation,
     )
     head = (
         embed if c.tie_word_embeddings else _tensor(tensors, "output.weight", (c.vocab_size, c.hidden_size))
@@ -180,7 +228,7 @@ def _assemble(path: Path, reader: GGUFReader, precision: str) -> Llama:
     return model
 
 
-def _config(reader: GGUFReader, arch: str, tensors: dict[str, ReaderTensor]) -> LlamaConfig:
+def _config(reader: GGUFFile, arch: str, tensors: dict[str, GGUFTensor]) -> LlamaConfig:
     """The model's shape from the file's metadata, as transformers' conversion reads it."""
     hidden, heads = (
         int(_field(reader, f"{arch}.embedding_length")),
@@ -203,11 +251,30 @@ def _config(reader: GGUFReader, arch: str, tensors: dict[str, ReaderTensor]) -> 
     embed = tensors.get("token_embd.weight")
     vocab = _field(reader, f"{arch}.vocab_size", None) or (embed.shape[-1] if embed is not None else 0)
     eos = _field(reader, "tokenizer.ggml.eos_token_id", None)
+    layers, layout = int(_field(reader, f"{arch}.block_count")), ARCHITECTURES[arch]
+    gemma: dict[str, Any] = {}
+    if layout.gemma:
+        window = int(_field(reader, f"{arch}.attention.sliding_window"))
+        pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", _GEMMA_SWA_PATTERN)
+        sliding = (
+            [bool(x) for x in pattern]
+            if isinstance(pattern, np.ndarray)
+            else [(i + 1) % int(pattern) != 0 for i in range(layers)]
+        )
+        if len(sliding) != layers:
+            raise UsageError(f"sliding_window_pattern has {len(sliding)} layers, the model {layers}")
+        gemma = {
+            "post_norms": True,
+            "activation": "gelu_tanh",
+            "embed_scale": math.sqrt(hidden),
+            "layer_windows": tuple(window if s else 0 for s in sliding),
+            "local_rope_theta": float(_field(reader, f"{arch}.rope.freq_base_swa", _GEMMA_LOCAL_ROPE_BASE)),
+        }
     return LlamaConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
         head_dim=int(head_dim or 0),
@@ -216,26 +283,27 @@ def _config(reader: GGUFReader, arch: str, tensors: dict[str, ReaderTensor]) -> 
         rope_scaling=RopeScaling.from_hf(rope, positions),
         max_position_embeddings=positions,
         tie_word_embeddings="output.weight" not in tensors,
-        attention_bias=arch == "qwen2",
+        attention_bias=layout.bias,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_ids=() if eos is None else (int(eos),),
+        qk_norm=layout.qk_norm,
+        **gemma,
     )
 
 
 _MISSING: Any = object()
 
 
-def _field(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
+def _field(reader: GGUFFile, key: str, default: Any = _MISSING) -> Any:
     """A metadata value; ``default`` when absent (UsageError without one)."""
-    field = reader.fields.get(key)
-    if field is None:
+    if key not in reader.fields:
         if default is _MISSING:
             raise UsageError(f"no metadata {key!r}")
         return default
-    return field.contents()
+    return reader.fields[key]
 
 
-def _tensor(tensors: dict[str, ReaderTensor], name: str, shape: tuple[int, int]) -> ReaderTensor:
+def _tensor(tensors: dict[str, GGUFTensor], name: str, shape: tuple[int, int]) -> GGUFTensor:
     """The 2-D tensor ``name`` of [rows, cols] ``shape``; UsageError when missing or shaped otherwise."""
     tensor = tensors.get(name)
     if tensor is None:
@@ -246,12 +314,12 @@ def _tensor(tensors: dict[str, ReaderTensor], name: str, shape: tuple[int, int])
     return tensor
 
 
-def _raw(tensor: ReaderTensor, rows: int) -> np.ndarray:
+def _raw(tensor: GGUFTensor, rows: int) -> np.ndarray:
     """The tensor's bytes as they lie in the mapping, row by row: uint8 [rows, bytes per row] (a view)."""
     return np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
 
 
-def _vector(tensor: ReaderTensor | None, size: int, what: str = "") -> np.ndarray:
+def _vector(tensor: GGUFTensor | None, size: int, what: str = "") -> np.ndarray:
     """A 1-D tensor's values as a float32 copy [size]; UsageError when missing or of another size."""
     if tensor is None:
         raise UsageError(f"no tensor {what}")
@@ -260,7 +328,7 @@ def _vector(tensor: ReaderTensor | None, size: int, what: str = "") -> np.ndarra
     return quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32).reshape(size)
 
 
-def _norm(tensors: dict[str, ReaderTensor], name: str, size: int) -> nn.Parameter:
+def _norm(tensors: dict[str, GGUFTensor], name: str, size: int) -> nn.Parameter:
     """An RMSNorm weight [size] float32 (a copy)."""
     tensor = tensors.get(name)
     if tensor is None:
@@ -269,7 +337,7 @@ def _norm(tensors: dict[str, ReaderTensor], name: str, size: int) -> nn.Paramete
 
 
 def _rows(
-    tensor: ReaderTensor, bias: Tensor | None, heads: int | None
+    tensor: GGUFTensor, bias: Tensor | None, heads: int | None
 ) -> tuple[str, np.ndarray, Tensor | None]:
     """A matrix's type, its raw rows uint8 [rows, bytes per row] (a view of the mapping unless moved) and its
     bias [rows] (or None), with llama.cpp's permutation of ``heads`` heads (or None) undone: its rows (head,
