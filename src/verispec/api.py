@@ -9,9 +9,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 import torch
 
@@ -36,6 +39,9 @@ from verispec.policies import AdditiveK, ConstantK, CostModelK, KPolicy
 from verispec.sampling import SamplingParams
 from verispec.trace import TraceRecorder
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 __all__ = [
     "DEFAULT_K",
     "Chunk",
@@ -49,6 +55,54 @@ __all__ = [
 ]
 
 DEFAULT_K = "auto"
+DEFAULT_SAMPLING = SamplingParams(temperature=0)
+"""What the library generates with unless given ``sampling`` (or ``temperature``), as the command line does:
+greedy, the target's own greedy output token for token and the same on every run (transformers' ``generate``
+is greedy by default too). The server keeps OpenAI's default temperature of 1."""
+FOREIGN_KEYWORDS = {  # transformers' (and OpenAI's) generation keywords → what verispec takes instead
+    "max_length": "max_new_tokens (tokens after the prompt)",
+    "max_tokens": "max_new_tokens",
+    "do_sample": "temperature (0: greedy) or sampling=SamplingParams(...)",
+    "generation_config": "sampling=SamplingParams(...)",
+    "stop_strings": "stop",
+    "random_seed": "seed",
+}
+
+
+def check_keywords(given: Iterable[str], allowed: Sequence[str]) -> None:
+    """One-line UsageError for the first of ``given`` that is not one of ``allowed``, naming verispec's own
+    keyword for a transformers one (``max_length`` → ``max_new_tokens``), else the keywords taken."""
+    for name in given:
+        if name not in allowed:
+            use = FOREIGN_KEYWORDS.get(name, f"one of {', '.join(allowed)}")
+            raise UsageError(f"{name} is not a verispec argument; use {use}")
+
+
+def _own_keywords(function: Callable[P, R]) -> Callable[P, R]:
+    """``function``, refusing a keyword it does not take with :func:`check_keywords` (not a TypeError)."""
+    allowed = tuple(inspect.signature(function).parameters)
+
+    @functools.wraps(function)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        check_keywords(kwargs, allowed)
+        return function(*args, **kwargs)
+
+    return checked
+
+
+def check_device(name: str) -> torch.device:
+    """The torch device ``name`` names, or a one-line UsageError when it is unknown or not on this machine."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"unknown device {name!r}: use 'cpu' or 'cuda'") from None
+    count = {"cuda": torch.cuda.device_count(), "mps": int(torch.backends.mps.is_available())}
+    if device.type in count and (device.index or 0) >= count[device.type]:
+        found = f"{count[device.type]} {device.type} device(s)" if count[device.type] else f"no {device.type}"
+        raise UsageError(f"device {name!r} is not on this machine (torch sees {found}): use 'cpu'")
+    return device
+
+
 LEARNED_MARGIN = 1.5
 """``auto`` drafts with the learned drafter only where the cost model predicts it this much faster than plain
 decoding at the agreement its file records on held-out data: that agreement is measured on chats the target
@@ -191,6 +245,7 @@ class Speculator:
         cross_tokenizer: str = "auto",
     ) -> None:
         check_algorithm(cross_tokenizer)
+        torch_device = check_device(device)
         layers = early_exit_layers(draft) if isinstance(draft, str) else None
         itself = self_draft(draft) if isinstance(draft, str) else None
         own_weights = layers is not None or itself is not None  # the target's own: its tokenizer
@@ -210,7 +265,7 @@ class Speculator:
         if kind is not None and isinstance(tree, TreeShape):
             kind.check_tree(tree)  # before a model loads
         self.model, self.tokenizer = _load(
-            DEFAULT_MODEL if target is None else target, tokenizer, device, precision
+            DEFAULT_MODEL if target is None else target, tokenizer, torch_device, precision
         )
         self.draft = None
         self.pair: VocabularyPair | None = None  # a draft with another tokenizer: the two vocabularies
@@ -221,7 +276,7 @@ class Speculator:
         elif itself is not None:
             self.draft = _requantized(self.model, *itself)
         elif draft is not None:
-            self.draft, spoken = _load(draft, draft_tokenizer or tokenizer, device, precision)
+            self.draft, spoken = _load(draft, draft_tokenizer or tokenizer, torch_device, precision)
             if not same_vocabulary(self.tokenizer, spoken):  # drafts across tokenizers
                 self.pair = VocabularyPair.build(self.tokenizer, spoken, self.draft.vocab_size)
         if cross_tokenizer != "auto" and self.pair is None:
@@ -356,6 +411,7 @@ class Speculator:
     def stream(self, prompt: str | Sequence[Mapping[str, str]], **options) -> Iterator[Chunk]:
         """Yields what each round commits, decoding ``prompt`` alone (a batch of one); options as for
         :meth:`request`."""
+        check_keywords(options, REQUEST_OPTIONS)
         request, text = self.request(prompt, **options)
         engine = SpeculativeEngine(self.model)
         running = engine.submit(request)
@@ -379,11 +435,12 @@ class Speculator:
         logprobs: int | None = None,
     ) -> tuple[Request, _TextAssembler]:
         """An engine request for ``prompt`` (its own drafter, made for the cache row it is given, its own K
-        policy and stop check), and the text assembler of its output. ``stats`` (optional) is filled in as
+        policy and stop check), and the text assembler of its output; ``sampling`` defaults to
+        :data:`DEFAULT_SAMPLING`, greedy. ``stats`` (optional) is filled in as
         it goes; ``trace`` (optional, chain rounds only) records every round (see :mod:`verispec.trace`);
         ``logprobs`` (optional, 0 to 20): each token's log-probability under the target's own distribution
         and that many likeliest alternatives, in each chunk (see :class:`~verispec.engine.TokenLogprob`)."""
-        sampling = sampling or SamplingParams()
+        sampling = sampling or DEFAULT_SAMPLING
         for s in stop:
             check_text(s, "a stop string")
         eos = self.tokenizer.eos_token_ids
@@ -421,7 +478,8 @@ class Speculator:
             raise UsageError(f"slots must be an integer >= 1, got {slots!r}")
         if seeds is not None and len(seeds) != len(prompts):
             raise UsageError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        sampling = options.pop("sampling", None) or SamplingParams()
+        check_keywords(options, REQUEST_OPTIONS)
+        sampling = options.pop("sampling", None) or DEFAULT_SAMPLING
         results: list[GenerationResult | None] = [None] * len(prompts)
         engine = SpeculativeEngine(self.model, slots=min(slots, max(1, len(prompts))))
         waiting = list(enumerate(prompts))
@@ -469,6 +527,9 @@ class Speculator:
             stats=stats.as_dict(),
             logprobs=tuple(x for c in chunks for x in c.logprobs),
         )
+
+
+REQUEST_OPTIONS = tuple(inspect.signature(Speculator.request).parameters)[2:]  # after self and prompt
 
 
 TEXT_WINDOW = 8  # tokens decoded before the newest ones, so that a tokenizer's joins across them are seen
@@ -591,13 +652,14 @@ def _learned_head(
 
 
 def _load(
-    spec: str | tuple[LanguageModel, Tokenizer], tokenizer: str | None, device: str, precision: str
+    spec: str | tuple[LanguageModel, Tokenizer], tokenizer: str | None, device: torch.device, precision: str
 ) -> tuple[LanguageModel, Tokenizer]:
     if isinstance(spec, tuple):
         return spec
-    return load_model(spec, tokenizer=tokenizer, device=torch.device(device), precision=precision)
+    return load_model(spec, tokenizer=tokenizer, device=device, precision=precision)
 
 
+@_own_keywords
 def generate(
     prompt: str,
     *,
@@ -607,7 +669,7 @@ def generate(
     tokenizer: str | None = None,
     k: int | str = DEFAULT_K,
     max_new_tokens: int = 128,
-    temperature: float = 1.0,
+    temperature: float = DEFAULT_SAMPLING.temperature,
     top_k: int = 0,
     top_p: float = 1.0,
     min_p: float = 0.0,
@@ -619,11 +681,12 @@ def generate(
     drafter_path: str | None = None,
     precision: str = DEFAULT_PRECISION,
 ) -> GenerationResult:
-    """Generate text for ``prompt`` with speculative decoding; the same arguments as ``verispec generate``
-    (``invariant``: None, invariant draws exactly when a ``seed`` is given, see
-    :class:`~verispec.sampling.SamplingParams`; ``tree``: a :class:`~verispec.drafting.tree.TreeShape`,
-    "WxD" or a JSON shape file, either with ":N" or ":auto" for a dynamic tree, or "auto": the learned
-    drafter's default tree, see :class:`Speculator`)."""
+    """Generate text for ``prompt`` with speculative decoding; the same arguments and defaults as ``verispec
+    generate`` (greedy unless ``temperature`` > 0: :data:`DEFAULT_SAMPLING`; a keyword of transformers'
+    ``generate`` such as ``max_length`` is a one-line UsageError naming verispec's own; ``invariant``: None,
+    invariant draws exactly when a ``seed`` is given, see :class:`~verispec.sampling.SamplingParams`;
+    ``tree``: a :class:`~verispec.drafting.tree.TreeShape`, "WxD" or a JSON shape file, either with ":N" or
+    ":auto" for a dynamic tree, or "auto": the learned drafter's default tree, see :class:`Speculator`)."""
     sampling = SamplingParams(temperature, top_k, top_p, min_p, seed, invariant)
     shape = TreeShape.parse(tree) if isinstance(tree, str) and tree != AUTO else tree
     speculator = Speculator(
