@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 
 from verispec import cli
-from verispec.trace import FATES
 from verispec.viz.figures import COLOURS
-from verispec.viz.trace import write_trace_html
+from verispec.viz.trace import KINDS, write_trace_html
 from viz_helpers import Elements, assert_picture, has_colour, toy_trace
 
 WINDOW = (1200, 900)
@@ -108,10 +107,10 @@ def test_rendered_tokens_match_the_stats(chromium, traces, name, tmp_path):
     assert stats["stop_reason"] == "max_new_tokens"  # no end-of-sequence: every round ends with a token
     dom = rendered_dom(chromium, page, tmp_path)
     tokens = [a for tag, a in dom.elements if tag == "span" and "tok" in a.get("class", "").split()]
-    fates = [next(c for c in a["class"].split() if c in FATES) for a in tokens]
+    fates = [next(c for c in a["class"].split() if c in KINDS) for a in tokens]
     assert len(tokens) == stats["new_tokens"]
     assert fates.count("accepted") == stats["accepted"]
-    assert fates.count("recovered") + fates.count("bonus") == stats["target_calls"]
+    assert fates.count("recovered") + fates.count("bonus") + fates.count("plain") == stats["target_calls"]
     rejected = [a for tag, a in dom.elements if tag == "s" and a.get("class", "").split()[0] == "rejected"]
     assert len(rejected) == fates.count("recovered")
     rounds = [a for tag, a in dom.elements if tag == "span" and a.get("class") == "round"]
@@ -119,7 +118,7 @@ def test_rendered_tokens_match_the_stats(chromium, traces, name, tmp_path):
     assert sorted({int(a["data-round"]) for a in tokens}) == list(range(stats["target_calls"]))
     for a in tokens:
         assert 0 <= float(a["data-p"]) <= 1 and "p(x) = " in a["data-tip"]
-        assert (a["data-accept"] == "") == ("bonus" in a["class"])
+        assert (a["data-accept"] == "") == any(k in a["class"] for k in ("bonus", "plain"))
     if name == "layers2":  # a 2-layer early exit of a 5-layer model: all three fates at temperature 1
         assert {"accepted", "recovered", "bonus"} <= set(fates)
 
@@ -131,7 +130,7 @@ def test_screenshot_is_not_blank(chromium, traces, name, tmp_path):
     source = Elements()
     source.feed(page.read_text(encoding="utf-8"))
     classes = " ".join(a.get("class", "") for tag, a in source.elements if tag == "span")
-    for fate in FATES:  # the colour of every fate in the run is on screen (the strip, the underlines)
+    for fate in KINDS:  # the colour of every kind in the run is on screen (the strip, the underlines)
         assert has_colour(rgb, COLOURS[fate]) == (f"tok {fate}" in classes), fate
 
 

@@ -190,14 +190,16 @@ def test_html_trace_is_self_contained_and_escaped(tmp_path):
         "tok accepted",
         "tok bonus",
         "tok recovered",
-        "tok bonus",
-        "tok bonus empty",
+        "tok plain",  # alone in its round: nothing was drafted, a plain decoding step
+        "tok plain empty",
     ]
     assert parsed.token_texts == ["Hel", "lo", ' <img src=x onerror="alert(1)">', "↵\n", "⟨6⟩"]
     assert [a["data-round"] for a in tokens] == ["0", "0", "1", "2", "3"]
     assert tokens[0]["data-p"] == "0.25" and tokens[0]["data-accept"] == "0.5" and tokens[1]["data-q"] == ""
     assert "p(x) = 0.25" in tokens[2]["data-tip"] and "'&p'" in tokens[2]["data-tip"]
     assert sum(tag == "s" and a["class"] == "rejected" for tag, a in parsed.elements) == 1
+    assert "plain step (nothing drafted)" in tokens[3]["data-tip"] and "bonus token" in tokens[1]["data-tip"]
+    assert '<b id="count-bonus">1</b>' in document and '<b id="count-plain">2</b>' in document
     assert sum(tag == "span" and a.get("class") == "round" for tag, a in parsed.elements) == 4
     path = write_trace_html(toy_trace(), tmp_path / "t.html")
     assert path.read_text(encoding="utf-8") == document
@@ -207,9 +209,11 @@ def test_terminal_trace_plain_markers_and_colours():
     plain = trace_terminal(toy_trace(), colour=False)
     header, legend, blank, *text = plain.split("\n")
     assert header.startswith("tokens 5, target calls 4,") and "target toy" in header
-    assert legend.startswith("accepted draft token  [recovered token]  {bonus token}  ~rejected draft token~")
-    assert "(1 accepted, 1 recovered, 3 bonus)" in legend
-    assert "\n".join(text) == 'Hel{lo}~&p~[ <img src=x onerror="alert(1)">]{↵\n}{⟨6⟩}\n'
+    assert legend.startswith(
+        "accepted draft token  [recovered token]  {bonus token}  <plain step (nothing drafted)>  ~rejected"
+    )
+    assert "(1 accepted, 1 recovered, 1 bonus, 2 plain)" in legend
+    assert "\n".join(text) == 'Hel{lo}~&p~[ <img src=x onerror="alert(1)">]<↵\n><⟨6⟩>\n'
     coloured = trace_terminal(toy_trace(), colour=True)
     assert "\x1b[32mHel\x1b[0m" in coloured and "\x1b[2;9;31m&p\x1b[0m" in coloured
     assert "[" not in coloured.split("\n", 3)[3].replace("\x1b[", "")  # no plain markers with colours
@@ -291,7 +295,7 @@ def test_generate_show_trace_and_html_trace(stories_args, tmp_path, capsys):
     """--show-trace prints the plain trace when stdout is not a terminal; --trace writes the HTML file whose
     fates add up to the --json stats."""
     common = ["generate", "Once upon a time", *stories_args, "--draft", "layers:2", "--k", "4"]
-    common += ["--temperature", "1", "--seed", "2", "--max-new-tokens", "24"]
+    common += ["--temperature", "1", "--seed", "2", "--no-invariant", "--max-new-tokens", "24"]
     status, out, err = run(capsys, *common, "--show-trace")
     assert status == 0 and "\x1b[" not in out
     assert out.startswith("tokens 24, target calls") and "~rejected draft token~" in out

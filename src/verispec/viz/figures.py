@@ -28,6 +28,7 @@ COLOURS = {
     "recovered": "#3b6fd6",
     "residual": "#3b6fd6",
     "bonus": "#e69f00",
+    "plain": "#8c8c8c",  # a plain step's token (a trace round that drafted nothing)
     "neutral": "#555555",
 }
 FIGURE_FORMATS = ("png", "svg")

@@ -2,44 +2,56 @@
 
 HTML (:func:`trace_html`, :func:`write_trace_html`): no network, no script — inline CSS only, and a
 Content-Security-Policy that forbids loading anything. Each generated token is one
-``<span class="tok FATE">`` (FATE: accepted, recovered, bonus) with data attributes ``data-token-id``,
-``data-round`` (0-based), ``data-p``, ``data-q``, ``data-accept`` (the last two empty where undefined) and
-a tooltip (``data-tip``, shown on hover by CSS) with p(x), q(x) and the acceptance probability; the
-tokens of a round sit in one ``<span class="round">``, drawn with a boundary after it. A recovered token is
-preceded by the draft token it replaced, struck through (``<s class="rejected">``, hidden by a checkbox).
-A header gives the run's stats and the count of each fate, and a strip shows each round's tokens as a
-column of coloured cells.
+``<span class="tok KIND">`` (KIND: accepted, recovered, bonus, or plain: the token of a round that drafted
+nothing, a plain decoding step, which the trace records as a bonus token) with data attributes
+``data-token-id``, ``data-round`` (0-based), ``data-p``, ``data-q``, ``data-accept`` (the last two empty
+where undefined) and a tooltip (``data-tip``, shown on hover by CSS) with p(x), q(x) and the acceptance
+probability; the tokens of a round sit in one ``<span class="round">``, drawn with a boundary after it. A
+recovered token is preceded by the draft token it replaced, struck through (``<s class="rejected">``, hidden
+by a checkbox). A header gives the run's stats and the count of each kind, and a strip shows each round's
+tokens as a column of coloured cells.
 All token text is escaped.
 
 Terminal (:func:`trace_terminal`): with ``colour``, ANSI colours — accepted green, recovered blue, bonus
-amber, rejected draft tokens struck through in red. Without (stdout is not a terminal), markers::
+amber, plain steps dim, rejected draft tokens struck through in red. Without (stdout is not a terminal),
+markers::
 
     plain text  accepted draft token      [text]  recovered token
     {text}      bonus token               ~text~  rejected draft token (before the token that replaced it)
+    <text>      plain step (nothing drafted)
 
 Either way a token without text of its own (a special token, or a byte that only starts a UTF-8 character)
 is shown as ⟨id⟩, a newline as ↵ (followed by the line break, except in a rejected draft token), and every
-round ends with its recovered or bonus token.
+round ends with its recovered, bonus or plain step's token.
 """
 
 from __future__ import annotations
 
 import html
+import itertools
 import os
 import string
+from collections import Counter
 from pathlib import Path
 
 from verispec.trace import FATES, TokenFate, TokenProbs, Trace
 from verispec.viz import write_atomic
 from verispec.viz.figures import COLOURS
 
-__all__ = ["trace_html", "trace_terminal", "write_trace_html"]
+__all__ = ["KINDS", "token_kinds", "trace_html", "trace_terminal", "write_trace_html"]
 
-FATE_NAMES = {"accepted": "accepted draft token", "recovered": "recovered token", "bonus": "bonus token"}
+KINDS = (*FATES, "plain")  # how a generated token is shown: its fate, or "plain" for a plain step's token
+FATE_NAMES = {
+    "accepted": "accepted draft token",
+    "recovered": "recovered token",
+    "bonus": "bonus token",
+    "plain": "plain step (nothing drafted)",
+}
 
-_ANSI = {"accepted": "\x1b[32m", "recovered": "\x1b[1;34m", "bonus": "\x1b[1;33m", "rejected": "\x1b[2;9;31m"}
+_ANSI = {"accepted": "\x1b[32m", "recovered": "\x1b[1;34m", "bonus": "\x1b[1;33m", "plain": "\x1b[2m",
+         "rejected": "\x1b[2;9;31m"}  # fmt: skip
 _ANSI_RESET = "\x1b[0m"
-_PLAIN = {"accepted": "{}", "recovered": "[{}]", "bonus": "{{{}}}", "rejected": "~{}~"}
+_PLAIN = {"accepted": "{}", "recovered": "[{}]", "bonus": "{{{}}}", "plain": "<{}>", "rejected": "~{}~"}
 _KIND_NAMES = {**FATE_NAMES, "rejected": "rejected draft token"}
 
 _CELL = 9  # px: one token in the rounds strip
@@ -61,6 +73,7 @@ pre.prompt { white-space: pre-wrap; color: #666; background: #f6f6f6; padding: .
 .accepted { background: ${accepted}33; border-bottom: 2px solid $accepted; }
 .recovered { background: ${recovered}33; border-bottom: 2px solid $recovered; }
 .bonus { background: ${bonus}33; border-bottom: 2px solid $bonus; }
+.plain { background: ${plain}33; border-bottom: 2px solid $plain; }
 .rejected { color: $rejected; font-size: .75em; text-decoration: line-through; }
 .empty { color: #888; font-style: italic; }
 .tok:hover, .rejected:hover { outline: 1px solid #222; }
@@ -73,6 +86,19 @@ svg.strip { display: block; margin: .3em 0; max-width: 100%; height: auto; }
 .caption { font-size: .85em; color: #666; margin: 0; }
 footer { margin-top: 1.5em; font-size: .85em; color: #555; }
 """
+
+
+def token_kinds(trace: Trace) -> list[str]:
+    """Each generated token's kind (:data:`KINDS`), in order: its fate, but "plain" for a bonus token alone
+    in its round — a round that drafted nothing (K = 0, or no proposal) is a plain decoding step."""
+    sizes = Counter(t.round for t in trace.tokens)
+    return ["plain" if t.fate == "bonus" and sizes[t.round] == 1 else t.fate for t in trace.tokens]
+
+
+def _rounds(trace: Trace) -> list[list[tuple[TokenFate, str]]]:
+    """The tokens of each round with their kinds."""
+    pairs = zip(trace.tokens, token_kinds(trace), strict=True)
+    return [list(group) for _, group in itertools.groupby(pairs, key=lambda pair: pair[0].round)]
 
 
 def _fmt(value: float | None) -> str:
@@ -102,12 +128,14 @@ def _probs_line(name: str, probs: TokenProbs) -> str:
     return line + ("" if probs.q is None else f"   q({name}) = {_fmt(probs.q)}")
 
 
-def _tip(t: TokenFate) -> str:
-    """The hover text of a generated token."""
-    lines = [f"{t.token.text!r} (id {t.token.token_id}): {FATE_NAMES[t.fate]}, round {t.round + 1}"]
+def _tip(t: TokenFate, kind: str) -> str:
+    """The hover text of a generated token of ``kind``."""
+    lines = [f"{t.token.text!r} (id {t.token.token_id}): {FATE_NAMES[kind]}, round {t.round + 1}"]
     lines.append(_probs_line("x", t.token))
-    if t.fate == "bonus":
-        lines.append("all drafted tokens accepted (or none drafted): x ~ p")
+    if kind == "plain":
+        lines.append("nothing drafted this round: x ~ p, as plain decoding")
+    elif t.fate == "bonus":
+        lines.append("all drafted tokens accepted: x ~ p")
     elif t.fate == "accepted":
         lines.append(f"accept prob min(1, p/q) = {_fmt(t.accept_prob)}")
     else:
@@ -139,7 +167,7 @@ def _shown(probs: TokenProbs, line_breaks: bool = True) -> tuple[str, str]:
     return probs.text.replace("\n", "↵\n" if line_breaks else "↵"), ""
 
 
-def _token_html(t: TokenFate) -> str:
+def _token_html(t: TokenFate, kind: str) -> str:
     parts = []
     if t.rejected is not None:
         shown, extra = _shown(t.rejected, line_breaks=False)
@@ -152,21 +180,21 @@ def _token_html(t: TokenFate) -> str:
         "data-p": _fmt(t.token.p),
         "data-q": _fmt(t.token.q),
         "data-accept": _fmt(t.accept_prob),
-        "data-tip": _tip(t),
+        "data-tip": _tip(t, kind),
     }
     attr_text = " ".join(f'{k}="{html.escape(v)}"' for k, v in attrs.items())
-    parts.append(f'<span class="tok {t.fate}{extra}" {attr_text}>{html.escape(shown)}</span>')
+    parts.append(f'<span class="tok {kind}{extra}" {attr_text}>{html.escape(shown)}</span>')
     return "".join(parts)
 
 
 def _strip_svg(trace: Trace) -> str:
-    """An inline SVG: one column per round, one cell per emitted token (coloured by fate) from the bottom,
+    """An inline SVG: one column per round, one cell per emitted token (coloured by kind) from the bottom,
     a red cell on top of a round whose draft was rejected."""
-    rounds = trace.rounds
-    height = max((len(r) + (r[-1].fate == "recovered") for r in rounds), default=1)
+    rounds = _rounds(trace)
+    height = max((len(r) + (r[-1][1] == "recovered") for r in rounds), default=1)
     cells = []
     for i, tokens in enumerate(rounds):
-        fates = [t.fate for t in tokens] + (["rejected"] if tokens[-1].fate == "recovered" else [])
+        fates = [kind for _, kind in tokens] + (["rejected"] if tokens[-1][1] == "recovered" else [])
         for j, fate in enumerate(fates):
             x, y = i * _CELL, (height - 1 - j) * _CELL
             cells.append(
@@ -185,15 +213,17 @@ def trace_html(trace: Trace) -> str:
     stats = "".join(
         f"<div><dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd></div>" for k, v in _header_items(trace)
     )
+    counts = Counter(token_kinds(trace))
     legend = "".join(
-        f'<span><span class="key {fate}">{FATE_NAMES[fate]}</span> × <b id="count-{fate}">'
-        f"{trace.count(fate)}</b></span>"
-        for fate in FATES
+        f'<span><span class="key {kind}">{FATE_NAMES[kind]}</span> × <b id="count-{kind}">'
+        f"{counts[kind]}</b></span>"
+        for kind in KINDS
     )
     legend += '<span><s class="key rejected">rejected draft token</s></span>'
     body = "".join(
-        f'<span class="round" data-round="{tokens[0].round}">{"".join(_token_html(t) for t in tokens)}</span>'
-        for tokens in trace.rounds
+        f'<span class="round" data-round="{tokens[0][0].round}">'
+        f"{''.join(_token_html(t, kind) for t, kind in tokens)}</span>"
+        for tokens in _rounds(trace)
     )
     greedy = any(t.token.p_softmax is not None for t in trace.tokens)
     note = (
@@ -224,7 +254,7 @@ def trace_html(trace: Trace) -> str:
 <h2>tokens per round (one column per target call)</h2>
 {_strip_svg(trace)}
 <p class="caption">from the bottom: accepted (green), then recovered (blue) or bonus (amber); a red cell on
-top marks the rejected draft token that the recovered token replaced</p>
+top marks the rejected draft token that the recovered token replaced; a grey cell alone, a plain step</p>
 <h2>generated text (hover a token for p, q and its acceptance probability)</h2>
 <input type="checkbox" id="show-rejected" checked>
 <label for="show-rejected">show rejected draft tokens</label>
@@ -232,7 +262,8 @@ top marks the rejected draft token that the recovered token replaced</p>
 </main>
 <footer>Each round drafts tokens, the target scores them in one call, and the verifier keeps a prefix
 (accepted, accept prob min(1, p/q)), then emits one recovered token (sampled from the residual (p − q)⁺ after
-a rejection) or one bonus token (sampled from p after a fully accepted draft). A grey bar ends each round.
+a rejection) or one bonus token (sampled from p after a fully accepted draft); a round that drafted nothing
+is a plain step (its token sampled from p, as plain decoding). A grey bar ends each round.
 {html.escape(note)}</footer>
 </body>
 </html>
@@ -257,10 +288,11 @@ def trace_terminal(trace: Trace, colour: bool) -> str:
 
     header = ", ".join(f"{k} {v}" for k, v in _header_items(trace))
     legend = "  ".join(mark(kind, name) for kind, name in _KIND_NAMES.items())
-    counts = ", ".join(f"{trace.count(f)} {f}" for f in FATES)
+    kinds = token_kinds(trace)
+    counts = ", ".join(f"{kinds.count(kind)} {kind}" for kind in KINDS)
     text = []
-    for t in trace.tokens:
+    for t, kind in zip(trace.tokens, kinds, strict=True):
         if t.rejected is not None:
             text.append(token("rejected", t.rejected))
-        text.append(token(t.fate, t.token))
+        text.append(token(kind, t.token))
     return f"{header}\n{legend}  ({counts})\n\n{''.join(text)}\n"
