@@ -14,9 +14,10 @@ their outputs are meaningless and no acceptance is measured on them.
 
 from __future__ import annotations
 
-import gc
 import json
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -29,7 +30,8 @@ from verispec.bench.peers import llamacpp_missing
 from verispec.errors import UsageError
 from verispec.models.gguf import cache_dir
 from verispec.models.gguf_native import load_gguf, read_gguf
-from verispec.models.gguf_write import TYPES, parse_shape, write_random_gguf
+from verispec.models.gguf_write import RANDOM_NAME, TYPES, parse_shape, write_random_gguf
+from verispec.models.llama import Llama
 
 __all__ = ["FileBenchConfig", "FileResult", "bench_file", "random_file", "read_bandwidth", "write_report"]
 
@@ -59,12 +61,14 @@ class FileResult:
     formats: str
     load_seconds: float
     rss_added: int
+    startup_rss: int  # a process's one-time memory for its first model (torch's start), apart from rss_added
     decode_seconds: float
     bandwidth: float
     verify: list[float]  # v(1) .. v(max_k)
     prefill_tps: float
     llamacpp_decode_seconds: float | None = None
     llamacpp_prefill_tps: float | None = None
+    agreement: dict | None = None  # against llama.cpp's logits on a real file (see _agreement)
     predicted: list[dict] = field(default_factory=list)
 
     @property
@@ -102,12 +106,37 @@ def _timed(work: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _rss() -> int:
-    """This process's resident memory, bytes (Linux)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+_LOAD = """
+import json, sys, time
+from pathlib import Path
+import torch
+from verispec.models.gguf_native import load_gguf
+from verispec.models.llama import Llama, LlamaConfig
+
+def rss():
+    lines = Path("/proc/self/status").read_text().splitlines()
+    return next(int(x.split()[1]) * 1024 for x in lines if x.startswith("VmRSS:"))
+
+torch.set_num_threads(int(sys.argv[2]))
+start = rss()
+Llama(LlamaConfig(8, 8, 8, 1, 1, 1), device="meta")  # torch's one-time start of a first model
+before, start_seconds = rss(), time.perf_counter()
+model = load_gguf(sys.argv[1])
+seconds, added = time.perf_counter() - start_seconds, rss() - before
+print(json.dumps({"seconds": seconds, "rss_added": added, "startup": before - start}))
+"""
+
+
+def _load_in_child(path: Path, threads: int) -> dict:
+    """Load time and memory added, {"seconds", "rss_added", "startup"}, measured in a fresh process (Linux):
+    what loading adds to a process that has imported verispec and made its first model (``startup``: the
+    memory that first model took, once per process, whatever its size: torch's own start)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD, str(path), str(threads)], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise UsageError(f"cannot load {path}: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def bench_file(path: Path, config: FileBenchConfig, bandwidth: float) -> FileResult:
@@ -120,12 +149,12 @@ def bench_file(path: Path, config: FileBenchConfig, bandwidth: float) -> FileRes
     )
     if not any(t.name == "output.weight" for t in reader.tensors):  # a tied head reads the embeddings
         weight_bytes += next(int(t.n_bytes) for t in reader.tensors if t.name == "token_embd.weight")
+    # random weights: no agreement to measure
+    real = not str(reader.fields.get("general.name", "")).startswith(RANDOM_NAME)
     del reader
-    gc.collect()
+    loads = [_load_in_child(path, config.threads) for _ in range(2)]  # the first reads the file from disk
     torch.set_num_threads(config.threads)
-    before, start = _rss(), time.perf_counter()
     model = load_gguf(path)
-    load_seconds, rss_added = time.perf_counter() - start, _rss() - before
     vocab, capacity = model.vocab_size, config.context + max(config.max_k, config.prefill) + 16
     ids = torch.randint(0, vocab, (1, capacity), generator=torch.Generator().manual_seed(0))  # [1, capacity]
     cache = model.new_cache(1, capacity)
@@ -163,14 +192,16 @@ def bench_file(path: Path, config: FileBenchConfig, bandwidth: float) -> FileRes
         file_bytes=path.stat().st_size,
         weight_bytes=weight_bytes,
         formats=model.cpu_precision or "",
-        load_seconds=load_seconds,
-        rss_added=rss_added,
+        load_seconds=loads[1]["seconds"],
+        rss_added=max(load["rss_added"] for load in loads),
+        startup_rss=max(load["startup"] for load in loads),
         decode_seconds=statistics.median(singles),
         bandwidth=bandwidth,
         verify=verify,
         prefill_tps=config.prefill / prefill,
         llamacpp_decode_seconds=statistics.median(peer_singles) if peer_singles else None,
         llamacpp_prefill_tps=peer.prefill_tps(ids[0, : config.prefill].tolist()) if peer else None,
+        agreement=_agreement(model, path, peer) if peer is not None and real else None,
     )
     for alpha, c in PREDICTED:
         k = optimal_k(alpha, c, verify)
@@ -204,12 +235,80 @@ class _LlamaCpp:
         self.model.n_tokens = self.context  # the next eval drops what came after
         return _timed(lambda: self.model.eval(ids[-1:]))
 
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """llama.cpp's logits [len(ids), vocab] of every position of ``ids``, in one evaluation."""
+        import llama_cpp
+
+        self.model.reset()
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.model.ctx), True)  # its KV cache too
+        batch = llama_cpp.llama_batch_init(len(ids), 0, 1)
+        try:
+            batch.n_tokens = len(ids)
+            for i, token in enumerate(ids):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, True
+                batch.seq_id[i][0] = 0
+            if llama_cpp.llama_decode(self.model.ctx, batch) != 0:
+                raise UsageError("llama.cpp could not evaluate the agreement text")
+            vocab = self.model.n_vocab()
+            values = llama_cpp.llama_get_logits(self.model.ctx)
+            return torch.tensor([values[i * vocab : (i + 1) * vocab] for i in range(len(ids))])
+        finally:
+            llama_cpp.llama_batch_free(batch)
+
     def prefill_tps(self, ids: list[int]) -> float:
         def once() -> None:
             self.model.reset()
             self.model.eval(ids)
 
         return len(ids) / min(_timed(once) for _ in range(3))
+
+
+AGREEMENT_POSITIONS = 256  # positions of the built-in summarization prompts compared with llama.cpp
+
+
+def _agreement(model: Llama, path: Path, peer: _LlamaCpp) -> dict:
+    """verispec's logits against llama.cpp's on the same file, over the first AGREEMENT_POSITIONS tokens of
+    the bench's summarization prompts (the file's own tokenizer): the share of positions where their most
+    likely tokens agree and KL(llama.cpp ‖ verispec), mean and max; and how many of verispec's 48 greedy
+    tokens after the first 128 of them llama.cpp's greedy choice repeats before it first differs."""
+    from verispec.bench.suite import builtin_tasks
+    from verispec.models.registry import load_tokenizer
+
+    text = "\n\n".join(str(p.for_model(chat=False)) for p in builtin_tasks()["summarization"])
+    ids = load_tokenizer(path).encode(text)[: min(AGREEMENT_POSITIONS, peer.context)]
+    theirs = peer.logits(ids)  # [T, vocab]
+    with torch.no_grad():
+        ours = model(torch.tensor([ids]), torch.arange(len(ids))[None], model.new_cache(1, len(ids)))[0]
+        prompt, greedy = ids[:128], []
+        cache = model.new_cache(1, len(prompt) + 48)
+        logits = model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache)[0, -1]  # [vocab]
+        for i in range(48):
+            greedy.append(int(logits.argmax()))
+            position = torch.tensor([[len(prompt) + i]])
+            logits = model(torch.tensor([[greedy[-1]]]), position, cache)[0, -1]
+    their_greedy = peer.logits(prompt + greedy[:-1])[len(prompt) - 1 :].argmax(-1).tolist()  # [48]
+    same = next((i for i, (a, b) in enumerate(zip(greedy, their_greedy, strict=True)) if a != b), 48)
+    reference = load_gguf(path, "fp16")  # the file's weights (fp16 holds them), float activations
+    with torch.no_grad():
+        exact = reference(
+            torch.tensor([ids]), torch.arange(len(ids))[None], reference.new_cache(1, len(ids))
+        )[0]
+    kl = _kl(theirs, ours)  # [T]
+    return {
+        "positions": len(ids),
+        "top1": float((theirs.argmax(-1) == ours.argmax(-1)).float().mean()),
+        "kl_mean": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "greedy_same": same,
+        "kl_float_llamacpp": float(_kl(exact, theirs).mean()),
+        "kl_float_verispec": float(_kl(exact, ours).mean()),
+    }
+
+
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p ‖ q) per position [T] of logits [T, vocab]."""
+    p, q = p_logits.float().log_softmax(-1), q_logits.float().log_softmax(-1)  # [T, vocab]
+    return (p.exp() * (p - q)).sum(-1)
 
 
 def write_report(results: list[FileResult], config: FileBenchConfig, out: Path) -> Path:
@@ -245,6 +344,28 @@ def report(results: list[FileResult], config: FileBenchConfig) -> str:
             f"{r.rss_added / r.file_bytes:.2f} | {r.load_seconds:.1f} | {r.prefill_tps:.0f} | "
             f"{'—' if peer_prefill is None else f'{r.prefill_tps / peer_prefill:.2f}'} |"
         )
+    agreements = [r for r in results if r.agreement is not None]
+    if agreements:
+        lines += [
+            "",
+            "Against llama.cpp's logits on the same file (real weights): the share of positions whose most "
+            "likely token agrees, KL(llama.cpp ‖ verispec) per position, and how many of verispec's 48 "
+            "greedy tokens llama.cpp's greedy choice repeats before it first differs; and each engine's KL "
+            "from a float reference (the file's weights in fp16, which holds them, float activations): "
+            "both quantize activations, each its own way.",
+            "",
+            "| file | positions | top-1 agreement | KL mean | KL max | greedy tokens the same "
+            "| KL float ‖ llama.cpp | KL float ‖ verispec |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in agreements:
+            a = r.agreement
+            assert a is not None
+            lines.append(
+                f"| {Path(r.file).name} | {a['positions']} | {a['top1']:.3f} | {a['kl_mean']:.4f} | "
+                f"{a['kl_max']:.3f} | {a['greedy_same']} / 48 | {a['kl_float_llamacpp']:.4f} | "
+                f"{a['kl_float_verispec']:.4f} |"
+            )
     lines += ["", "Verification cost v(k) = T(k) / T(1):", ""]
     ks = range(1, config.max_k + 1)
     lines += ["| file | " + " | ".join(f"v({k})" for k in ks) + " |", "|---|" + "---|" * len(ks)]
@@ -260,5 +381,12 @@ def report(results: list[FileResult], config: FileBenchConfig) -> str:
     for r in results:
         cells = [f"{p['speedup']:.2f}× (K={p['k']})" for p in r.predicted]
         lines.append(f"| {Path(r.file).name} | " + " | ".join(cells) + " |")
-    lines += ["", f"Read rate measured in this run: {results[0].bandwidth:.1f} GB/s." if results else ""]
+    if results:
+        lines += [
+            "",
+            f"Read rate measured in this run: {results[0].bandwidth:.1f} GB/s. RSS/file: memory a load adds "
+            "(a fresh process, after its first model: torch's one-time start took "
+            f"{max(r.startup_rss for r in results) / 2**20:.0f} MB more); load s: a second load, the file "
+            "in the page cache.",
+        ]
     return "\n".join(lines) + "\n"

@@ -24,7 +24,8 @@ from verispec.errors import UsageError
 from verispec.models.gguf import first_line
 from verispec.models.llama import LlamaConfig
 
-__all__ = ["SHAPES", "TYPES", "GGUFShape", "parse_shape", "random_blocks", "write_random_gguf"]
+__all__ = ["RANDOM_NAME", "SHAPES", "TYPES", "GGUFShape", "parse_shape", "random_blocks", "write_random_gguf"]
+RANDOM_NAME = "random-weight"  # how general.name of a file written here starts
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ def write_random_gguf(path: str | Path, shape: GGUFShape, type_name: str, seed: 
 def _write(path: Path, shape: GGUFShape, c: LlamaConfig, type_name: str, rng: np.random.Generator) -> None:
     """The file's metadata, then each tensor generated and written in turn."""
     writer = GGUFWriter(str(path), "llama")
-    writer.add_name(f"random {type_name} llama (meaningless weights)")
+    writer.add_name(f"{RANDOM_NAME} {type_name} llama (meaningless weights)")
     writer.add_block_count(c.num_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
