@@ -1439,9 +1439,11 @@ def run_bench_gguf(args: argparse.Namespace) -> int:
 
     from verispec.bench.gguf import FileBenchConfig, bench_file, random_file, read_bandwidth, write_report
 
-    for name in ("context", "prefill", "max_k", "repetitions"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(args, name)}")
+    for name, least in (("context", 1), ("prefill", 2), ("max_k", 1), ("repetitions", 1)):
+        if getattr(args, name) < least:
+            raise UsageError(
+                f"--{name.replace('_', '-')} must be an integer >= {least}, got {getattr(args, name)}"
+            )
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be an integer >= 1, got {args.threads}")
     files = [Path(f) for f in args.files]
