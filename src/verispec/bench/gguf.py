@@ -181,6 +181,7 @@ def bench_file(path: Path, config: FileBenchConfig, bandwidth: float) -> FileRes
             ratios[k].append(step(k) / one)
         if peer is not None:
             peer_singles.append(peer.decode(ids[0, : config.context + 1].tolist()))
+
     def prefill() -> None:  # the prompt into a fresh cache, logits of its last token only (as llama.cpp's)
         fresh, n = model.new_cache(1, config.prefill), config.prefill
         model.prefill(ids[:, : n - 1], torch.arange(n - 1)[None], fresh)

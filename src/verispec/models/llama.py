@@ -256,6 +256,10 @@ class LlamaConfig:
         ):
             raise UsageError(f"local_rope_theta must be a number > 1 or None, got {self.local_rope_theta!r}")
 
+    def first_layers(self, num_layers: int) -> LlamaConfig:
+        """The config of this model's first ``num_layers`` layers (their sliding windows with them)."""
+        return dataclasses.replace(self, num_layers=num_layers, layer_windows=self.layer_windows[:num_layers])
+
     @property
     def native_only(self) -> bool:
         """Whether the model has parts only the native kernels run (see the class docstring)."""
@@ -1088,7 +1092,7 @@ class Llama(nn.Module):
             raise UsageError(
                 f"num_layers must be an integer in [1, {self.config.num_layers - 1}], got {num_layers!r}"
             )
-        config = dataclasses.replace(self.config, num_layers=num_layers)
+        config = self.config.first_layers(num_layers)
         draft = Llama(config, device="meta", dtype=self.dtype)  # allocates nothing; every module is replaced
         draft.model.embed_tokens = self.model.embed_tokens
         draft.model.layers = nn.ModuleList(self.model.layers[:num_layers])
@@ -1118,7 +1122,7 @@ class Llama(nn.Module):
         n = self.config.num_layers if num_layers is None else num_layers
         if not _is_int(n) or not 0 < n <= self.config.num_layers:
             raise UsageError(f"num_layers must be an integer in [1, {self.config.num_layers}], got {n!r}")
-        draft = Llama(dataclasses.replace(self.config, num_layers=n), device="meta", dtype=self.dtype)
+        draft = Llama(self.config.first_layers(n), device="meta", dtype=self.dtype)
         draft.model.embed_tokens, draft.model.norm = self.model.embed_tokens, self.model.norm
         draft.model.layers = nn.ModuleList(self.model.layers[:n])  # their released weights: for names only
         draft.lm_head, draft.inv_freq, draft.inv_freq_local = self.lm_head, self.inv_freq, self.inv_freq_local
