@@ -405,7 +405,8 @@ def test_an_architecture_or_type_the_kernels_lack_is_refused_in_one_line(tmp_pat
     )
     with pytest.raises(
         ValueError,
-        match="cannot run in place: tensor blk.1.attn_v.weight is IQ4_NL, which has no native kernel",
+        match=r"cannot run in place: tensor blk.1.attn_v.weight is IQ4_NL, which has no native kernel "
+        r"\(native: F32, BF16, F16, Q8_0, Q4_1, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K\)",
     ) as info:
         load_gguf(no_kernel)
     assert "\n" not in str(info.value) and str(no_kernel) in str(info.value)
@@ -421,6 +422,20 @@ def test_an_architecture_or_type_the_kernels_lack_is_refused_in_one_line(tmp_pat
         load_gguf(tmp_path / "gpt2.gguf")
     with pytest.raises(ValueError, match="precision auto, "):
         load_gguf(no_kernel, "fp32")
+
+
+def test_a_file_the_kernels_lack_is_converted_saying_why(tmp_path, cache, capsys):
+    no_kernel = write_tiny_gguf(
+        tmp_path / "iq4.gguf", tiny_llama(), "Q8_0", tensor_types={"blk.1.attn_v": "IQ4_NL"}
+    )
+    """Said on stderr before the conversion starts; the conversion then checks the values (this file's
+    IQ4_NL blocks are random bytes, some scales not finite: refused in one line, nothing left behind)."""
+    with pytest.raises(ValueError, match="tensor model.layers.1.self_attn.v_proj.weight holds non-finite"):
+        load_model(no_kernel, precision="auto")
+    err = capsys.readouterr().err
+    assert "iq4.gguf does not run in place (tensor blk.1.attn_v.weight is IQ4_NL" in err
+    assert "converting it once through transformers into float32" in err
+    assert not cache.exists() or not [p for p in cache.iterdir() if not p.name.endswith("-tokenizer")]
 
 
 # --- memory ----------------------------------------------------------------------------------------------

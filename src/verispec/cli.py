@@ -430,7 +430,7 @@ def run_generate(args: argparse.Namespace) -> int:
         tree = AUTO  # the learned drafter's tree, where it drafts
     speculator = ModelChoice(**_model_fields(args)).speculator(tree=tree)
     room = speculator.model.max_context - len(speculator.encode_prompt(prompt, args.chat))
-    if args.max_new_tokens > room:
+    if 0 < room < args.max_new_tokens:  # no room at all: generation refuses the prompt, in one line
         _warn(
             f"--max-new-tokens {args.max_new_tokens} is more than the target's context of "
             f"{speculator.model.max_context} tokens leaves after this prompt: at most {room} new tokens"

@@ -113,7 +113,10 @@ def in_place_problem(reader: GGUFFile) -> str | None:
     for t in reader.tensors:
         matrix = t.name.startswith("blk.") and len(t.shape) == 2 or t.name == "output.weight"
         if (matrix or tied and t.name == "token_embd.weight") and t.tensor_type.name not in GGUF_TYPES:
-            return f"tensor {t.name} is {t.tensor_type.name}, which has no native kernel"
+            return (
+                f"tensor {t.name} is {t.tensor_type.name}, which has no native kernel "
+                f"(native: {', '.join(GGUF_TYPES)})"
+            )
     return None
 
 

@@ -190,7 +190,14 @@ def _runs_in_place(
     native = backend != "hf" and precision != "fp32" and native_available() is None
     if not native or torch.device(device).type != "cpu" or dtype != torch.float32:
         return False
-    return in_place_problem(read_gguf(gguf)) is None
+    problem = in_place_problem(read_gguf(gguf))
+    if problem is not None:  # say why a conversion is coming (float32: 4 bytes a weight, on disk)
+        print(
+            f"verispec: {gguf.name} does not run in place ({problem}): converting it once through "
+            "transformers into float32",
+            file=sys.stderr,
+        )
+    return problem is None
 
 
 def model_dir(spec: str | Path) -> Path:
