@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from verispec import cli
 from verispec.analysis.analytic import acceptance_rate
 from verispec.analysis.simulate import SimulationConfig, simulate
-from verispec.viz import visible_text, write_atomic
+from verispec.viz import visible_text
 from verispec.viz.charts import CHARTS, simulation_charts
 from verispec.viz.figures import COLOURS, figure_paths, save_figure
 from verispec.viz.overlap import next_token_distributions, overlap_bars, overlap_figure
@@ -125,21 +124,6 @@ def test_next_token_distributions_refuse_a_draft_with_another_vocabulary():
 
 
 # ---------------------------------------------------------------------------------------------- output
-
-
-def test_write_atomic_leaves_nothing_half_written(tmp_path):
-    target = tmp_path / "out.html"
-    target.write_text("old")
-
-    def broken(tmp: str) -> None:
-        Path(tmp).write_text("half")
-        raise OSError(28, "No space left on device")
-
-    with pytest.raises(ValueError, match="No space left on device"):
-        write_atomic(target, broken)
-    assert target.read_text() == "old" and os.listdir(tmp_path) == ["out.html"]
-    with pytest.raises(ValueError, match="is a directory"):
-        write_atomic(tmp_path, lambda tmp: None)
 
 
 def test_visible_text():

@@ -38,9 +38,9 @@ from typing import Any
 from verispec.api import GenerationResult, ModelChoice, parse_k
 from verispec.engine import EngineConfig
 from verispec.errors import UsageError
+from verispec.files import atomic_path, atomic_write
 from verispec.inputs import check_text, parse_json
 from verispec.sampling import SamplingParams
-from verispec.viz import write_atomic
 
 __all__ = [
     "BatchJob",
@@ -273,19 +273,16 @@ def _prepare(job: BatchJob, requests: Sequence[Request]) -> tuple[int, set[int]]
 
 def _write_text(path: Path, text: str) -> None:
     """``text`` in ``path``, atomically."""
-    write_atomic(path, lambda tmp: Path(tmp).write_text(text))
+    atomic_write(path, text)
 
 
 def _finish(job: BatchJob, count: int) -> None:
     """The output assembled from the shards, in order; the shards removed."""
     paths = [job.parts / f"shard-{i:06d}.jsonl" for i in range(count)]
 
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as out:
-            for path in paths:
-                out.write(path.read_text())
-
-    write_atomic(Path(job.output), write)
+    with atomic_path(job.output) as tmp, open(tmp, "w") as out:
+        for path in paths:
+            out.write(path.read_text())
     shutil.rmtree(job.parts)
 
 

@@ -43,11 +43,9 @@ import datetime
 import hashlib
 import json
 import math
-import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +62,7 @@ from verispec.drafting.learned.lookahead import LookaheadDrafter
 from verispec.drafting.learned.medusa import MedusaDrafter
 from verispec.drafting.ngram import NGramDrafter
 from verispec.errors import UsageError
+from verispec.files import atomic_write
 from verispec.kernels.build import library_path
 from verispec.models.base import HiddenStateModel, LanguageModel, RowInput, RowModel
 from verispec.models.gguf import cache_dir
@@ -557,9 +556,7 @@ def _draft_costs(cached: dict) -> DraftCosts:
 def _write(path: Path, entry: dict) -> None:
     """Write ``entry`` as JSON at ``path`` atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".tmp-", suffix=".json", delete=False) as f:
-        json.dump(entry, f, indent=1, default=str)
-    os.replace(f.name, path)
+    atomic_write(path, json.dumps(entry, indent=1, default=str))
 
 
 def _positive(x: object) -> bool:

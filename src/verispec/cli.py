@@ -30,7 +30,7 @@ from verispec.analysis.simulate import SimulationConfig, simulate  # numpy: no t
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import CROSS_TOKENIZER, DRAFTERS
 from verispec.errors import UsageError
-from verispec.viz import check_writable
+from verispec.files import check_writable
 
 if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
     from verispec.engine import GenerationStats

@@ -32,11 +32,11 @@ from verispec.api import Speculator
 from verispec.bench.methods import LOAD_METHODS
 from verispec.bench.suite import _has_chat_template, builtin_tasks
 from verispec.errors import UsageError
+from verispec.files import atomic_write
 from verispec.models.llama import DEFAULT_PRECISION
 from verispec.models.registry import DEFAULT_MODEL
 from verispec.sampling import SamplingParams
 from verispec.scheduler import Scheduler
-from verispec.viz import write_atomic
 
 Prompt = str | Sequence[Mapping[str, str]]  # a prompt, or a conversation
 
@@ -328,7 +328,7 @@ def write_load_report(results: dict, out: str | Path) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(results, indent=1)
-    write_atomic(out / "results.json", lambda tmp: Path(tmp).write_text(text))
+    atomic_write(out / "results.json", text)
     cells = results["cells"]
     plain = {c["concurrency"]: c["tokens_per_second"] for c in cells if c["method"] == "none"}
     alone = plain[min(plain)] if plain else None  # none at the lowest concurrency: batch 1 when it ran
@@ -376,7 +376,7 @@ def write_load_report(results: dict, out: str | Path) -> Path:
             lines.append(
                 f"| {c['method']} k=auto | {c['concurrency']} | {c['auto_vs_best']:.2f}× | {turns} |"
             )
-    write_atomic(out / "results.md", lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
+    atomic_write(out / "results.md", "\n".join(lines) + "\n")
     _chart(cells, out / "tokens_per_second")
     return out
 

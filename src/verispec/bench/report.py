@@ -31,7 +31,7 @@ from verispec.bench.records import (
     metrics,
     tokens_per_second,
 )
-from verispec.viz import write_atomic
+from verispec.files import atomic_write
 from verispec.viz.figures import COLOURS, figure_style, new_figure, save_figure
 
 __all__ = ["CHARTS", "COLUMNS", "charts", "goals", "markdown", "summary", "tree_comparison", "write_report"]
@@ -421,5 +421,5 @@ def charts(results: Results, out_dir: str | os.PathLike) -> list[Path]:
 def write_report(results: Results, out_dir: str | os.PathLike) -> list[Path]:
     """Write results.md and the charts into ``out_dir``; returns the paths written."""
     text = markdown(results)
-    md = write_atomic(Path(out_dir) / "results.md", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    md = atomic_write(Path(out_dir) / "results.md", text)
     return [md, *charts(results, out_dir)]

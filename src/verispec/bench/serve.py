@@ -36,9 +36,9 @@ from verispec.bench.load import (
     run_clients,
 )
 from verispec.errors import UsageError
+from verispec.files import atomic_write
 from verispec.models.llama import DEFAULT_PRECISION
 from verispec.models.registry import DEFAULT_MODEL
-from verispec.viz import write_atomic
 
 __all__ = ["ServeLoadConfig", "run_serve_load", "write_serve_report"]
 
@@ -322,7 +322,7 @@ def write_serve_report(result: Mapping, out: str | Path) -> Path:
     """results.json and results.md."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "results.json", lambda tmp: Path(tmp).write_text(json.dumps(result, indent=1)))
+    atomic_write(out / "results.json", json.dumps(result, indent=1))
     s = result["served"]
 
     def ms(value: float | None) -> str:
@@ -352,5 +352,5 @@ def write_serve_report(result: Mapping, out: str | Path) -> Path:
                   f"served / engine = {result['served_over_engine']:.2f}."]  # fmt: skip
     if s["failure_examples"]:
         lines += ["", "Failures, first few: " + "; ".join(s["failure_examples"])]
-    write_atomic(out / "results.md", lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
+    atomic_write(out / "results.md", "\n".join(lines) + "\n")
     return out

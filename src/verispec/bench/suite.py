@@ -93,12 +93,12 @@ from verispec.drafting.registry import DRAFTERS
 from verispec.drafting.tree import AUTO, TreeShape
 from verispec.engine import GenerationStats
 from verispec.errors import UsageError
+from verispec.files import atomic_write
 from verispec.models.base import LanguageModel, Tokenizer
 from verispec.models.gguf import source_gguf
 from verispec.models.llama import DEFAULT_PRECISION
 from verispec.models.registry import DEFAULT_MODEL, gguf_file, model_dir
 from verispec.sampling import SamplingParams
-from verispec.viz import write_atomic
 from verispec.viz.charts import chart_directory
 
 __all__ = [
@@ -921,7 +921,7 @@ class Bench:
         """Write results.json atomically; returns what was written."""
         results = self.results(finished, interrupted)
         text = json.dumps(results, indent=1)
-        write_atomic(self.out / "results.json", lambda tmp: Path(tmp).write_text(text))
+        atomic_write(self.out / "results.json", text)
         return results
 
     def _cost(self, record: Cell) -> CostModel | None:

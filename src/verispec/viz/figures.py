@@ -8,7 +8,6 @@ amber is a bonus token.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.typing import RcKeyType
 
 from verispec.errors import UsageError
-from verispec.viz import check_writable, write_atomic
+from verispec.files import atomic_path, check_writable
 
 __all__ = ["COLOURS", "FIGURE_FORMATS", "figure_paths", "figure_style", "new_figure", "save_figure"]
 
@@ -76,5 +75,6 @@ def save_figure(fig: Figure, out: str | os.PathLike) -> tuple[Path, ...]:
     paths = figure_paths(out)
     with figure_style():
         for path in paths:
-            write_atomic(path, functools.partial(fig.savefig, format=path.suffix[1:], dpi=_DPI))
+            with atomic_path(path) as tmp:
+                fig.savefig(tmp, format=path.suffix[1:], dpi=_DPI)
     return paths

@@ -34,8 +34,8 @@ import string
 from collections import Counter
 from pathlib import Path
 
+from verispec.files import atomic_write
 from verispec.trace import FATES, TokenFate, TokenProbs, Trace
-from verispec.viz import write_atomic
 from verispec.viz.figures import COLOURS
 
 __all__ = ["KINDS", "token_kinds", "trace_html", "trace_terminal", "write_trace_html"]
@@ -273,7 +273,7 @@ is a plain step (its token sampled from p, as plain decoding). A grey bar ends e
 def write_trace_html(trace: Trace, path: str | os.PathLike) -> Path:
     """Write :func:`trace_html` to ``path`` atomically (one-line UsageError when it cannot be written)."""
     document = trace_html(trace)
-    return write_atomic(path, lambda tmp: Path(tmp).write_text(document, encoding="utf-8"))
+    return atomic_write(path, document)
 
 
 def trace_terminal(trace: Trace, colour: bool) -> str:

@@ -20,9 +20,7 @@ The last token of each sequence is dropped: generation never feeds it, so it has
 from __future__ import annotations
 
 import json
-import os
 import random
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +30,7 @@ from torch import Tensor
 
 from verispec.drafting.learned.prompts import FOLLOW_UPS, chat_prompts
 from verispec.errors import UsageError
+from verispec.files import atomic_path
 
 __all__ = [
     "DataConfig",
@@ -131,15 +130,8 @@ def _write_split(path: Path, sequences: list[tuple[list[int], int, Tensor]]) -> 
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),  # [S+1]
         "prompt_lengths": torch.tensor([n for _, n, _ in sequences], dtype=torch.long),  # [S]
     }
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         save_file(tensors, tmp)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 is for the temporary file only
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _load_target(target: str):

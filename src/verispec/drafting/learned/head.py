@@ -21,8 +21,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from verispec.errors import UsageError
+from verispec.files import atomic_path
 from verispec.models.base import LanguageModel
 from verispec.models.llama import Llama, _Linear, _onednn_linear_works, _RMSNorm, pack_linears
 
@@ -247,14 +246,8 @@ class LearnedHead(nn.Module):
             "kind": self.kind,
         }
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
-        os.close(fd)
-        try:
+        with atomic_path(path) as tmp:
             save_file(tensors, tmp, metadata=metadata)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
         return path
 
     @classmethod

@@ -48,9 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +68,7 @@ from verispec.drafting.learned.kinds import load_head
 from verispec.drafting.learned.lookahead import LookaheadTokens, lookahead_mask
 from verispec.drafting.learned.medusa import TOP_RANKS, MedusaHeads
 from verispec.errors import UsageError
+from verispec.files import atomic_path
 from verispec.models.base import LanguageModel
 from verispec.models.llama import KVCache, Llama, run_layers
 
@@ -649,14 +648,8 @@ def _check_data(directory: Path, target: Llama, label: str) -> tuple[dict, dict[
 
 def _write_atomic(path: Path, obj: object) -> None:
     """Save ``obj`` to ``path`` with torch.save, atomically (a temporary file renamed over it)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @dataclass

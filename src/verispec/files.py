@@ -1,0 +1,70 @@
+"""Files written atomically, the one way verispec writes a file that must never be seen half-written.
+
+A temporary file beside the target is filled, then renamed over it (``os.replace``): a reader sees the old
+file or the new one, never part of either, and a failure leaves the old file and no temporary file. The new
+file gets the permissions a plain ``open(path, "w")`` would give it: an existing file's own mode, else
+0o666 less the umask (never ``mkstemp``'s 0o600, nor the 0o600 some libraries create their files with).
+An OSError is a one-line UsageError naming the path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+from verispec.errors import UsageError
+
+__all__ = ["atomic_path", "atomic_write", "check_writable"]
+
+
+def check_writable(path: str | os.PathLike) -> Path:
+    """``path`` as a Path, if a file can be created there (its directory exists and is writable, and it is
+    not a directory); else UsageError. Checked before a long computation whose result goes there."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise UsageError(f"cannot write {path}: it is a directory")
+    if not parent.is_dir():
+        raise UsageError(f"cannot write {path}: no directory {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write {path}: directory {parent} is not writable")
+    return path
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path beside ``path`` (an empty file, same suffix) for the body of the ``with`` to write,
+    by itself or through a library that writes to a path (safetensors' ``save_file``, ``torch.save``,
+    matplotlib's ``savefig``); when the body returns, the file gets plain ``open()``'s permissions and
+    replaces ``path``. If the body raises, ``path`` is untouched and the temporary file removed; an OSError
+    becomes a one-line UsageError."""
+    path = check_writable(path)
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode) if path.is_file() else None
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp{path.suffix}")
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # the umask applies here
+        mode = stat.S_IMODE(tmp.stat().st_mode) if mode is None else mode
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
+    try:
+        yield tmp
+        os.chmod(tmp, mode)  # a library may have recreated it with its own mode
+        os.replace(tmp, path)
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
+    """Write ``data`` (text as UTF-8) to ``path`` atomically (see :func:`atomic_path`); the path written."""
+    with atomic_path(path) as tmp:
+        if isinstance(data, str):
+            tmp.write_text(data, encoding="utf-8")
+        else:
+            tmp.write_bytes(data)
+    return Path(path)
