@@ -31,7 +31,7 @@ from verispec.drafting.registry import DRAFTERS, DraftInputs, choose_auto, draft
 from verispec.drafting.tree import AUTO, TreeShape
 from verispec.engine import EngineConfig, GenerationStats, Request, SpeculativeEngine, TokenLogprob
 from verispec.errors import UsageError
-from verispec.inputs import check_text
+from verispec.inputs import check_text, is_int
 from verispec.models.base import Cache, HiddenStateModel, LanguageModel, Tokenizer
 from verispec.models.llama import DEFAULT_PRECISION, Llama
 from verispec.models.registry import DEFAULT_MODEL, load_model
@@ -474,7 +474,7 @@ class Speculator:
         prompt alone (greedy: token for token; sampled: the same tokens for the same seed at a fixed K, or at
         any K with ``SamplingParams.invariant``). ``seeds``: one sampling seed per prompt (instead of the
         sampling parameters' one for all)."""
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        if not is_int(slots) or slots < 1:
             raise UsageError(f"slots must be an integer >= 1, got {slots!r}")
         if seeds is not None and len(seeds) != len(prompts):
             raise UsageError(f"{len(seeds)} seeds for {len(prompts)} prompts")

@@ -39,7 +39,7 @@ from verispec.api import GenerationResult, ModelChoice, parse_k
 from verispec.engine import EngineConfig
 from verispec.errors import UsageError
 from verispec.files import atomic_path, atomic_write
-from verispec.inputs import check_text, parse_json
+from verispec.inputs import check_text, is_int, parse_json
 from verispec.sampling import SamplingParams
 
 __all__ = [
@@ -178,7 +178,7 @@ class BatchJob(ModelChoice):
             object.__setattr__(self, "sampling", dataclasses.replace(self.sampling, invariant=True))
         for name, low in (("max_batch", 1), ("shard_size", 1), ("workers", 1), ("max_new_tokens", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_int(value) or value < low:
                 raise UsageError(f"{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
         parse_k(self.k)
         EngineConfig(self.max_new_tokens, self.sampling, stop_strings=self.stop)
@@ -388,7 +388,7 @@ def drafter_data_on_ray(target: str, out: str | Path, config, address: str, work
 
     if config.questions != "templates":
         raise UsageError("--ray cuts the template prompt set into ranges: target-written questions run here")
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+    if not is_int(workers) or workers < 1:
         raise UsageError(f"--workers must be an integer >= 1, got {workers!r}")
     out = Path(out)
     if out.exists():

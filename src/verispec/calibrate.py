@@ -63,6 +63,7 @@ from verispec.drafting.learned.medusa import MedusaDrafter
 from verispec.drafting.ngram import NGramDrafter
 from verispec.errors import UsageError
 from verispec.files import atomic_write
+from verispec.inputs import is_int
 from verispec.kernels.build import library_path
 from verispec.models.base import HiddenStateModel, LanguageModel, RowInput, RowModel
 from verispec.models.gguf import cache_dir
@@ -322,7 +323,7 @@ def calibrate(
     """The costs of ``target`` (and ``drafter``, if given) on this machine: from the cache, or measured with
     ``repetitions`` timed repetitions and cached. ``force``: measure them again, and drop the entries of other
     drafters (measured again when next needed). The labels name the models in the cache file and notices."""
-    if isinstance(repetitions, bool) or not isinstance(repetitions, int) or repetitions < 1:
+    if not is_int(repetitions) or repetitions < 1:
         raise UsageError(f"repetitions must be an integer >= 1, got {repetitions!r}")
     target_label = target_label or type(target).__name__
     identity = {"model": model_identity(target), "machine": _machine_identity(), "method": _METHOD}

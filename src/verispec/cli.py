@@ -31,6 +31,7 @@ from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import CROSS_TOKENIZER, DRAFTERS
 from verispec.errors import UsageError
 from verispec.files import check_writable
+from verispec.inputs import is_int
 
 if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
     from verispec.engine import GenerationStats
@@ -472,7 +473,7 @@ def _run_batch(args: argparse.Namespace) -> int:
         raise UsageError("give PROMPT or --batch FILE, not both")
     if args.trace is not None or args.show_trace or _tree_shape(args) is not None:
         raise UsageError("--batch decodes chains: no traces, no token trees")
-    if isinstance(args.max_batch, bool) or args.max_batch < 1:
+    if not is_int(args.max_batch) or args.max_batch < 1:
         raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
     sampling = _sampling(args)
     k = parse_k(args.k if args.k is not None else "auto")

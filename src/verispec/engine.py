@@ -38,6 +38,7 @@ import torch
 from verispec.drafting.base import Drafter, HiddenStateReader, Proposal, TreeDrafter
 from verispec.drafting.tree import TreeProposal
 from verispec.errors import UsageError
+from verispec.inputs import is_int
 from verispec.models.base import (
     Cache,
     HiddenStateModel,
@@ -89,12 +90,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if not is_int(n) or n < 1:
             raise UsageError(f"max_new_tokens must be an integer >= 1, got {n!r}")
         top = self.logprobs
-        if top is not None and (
-            isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS
-        ):
+        if top is not None and (not is_int(top) or not 0 <= top <= MAX_LOGPROBS):
             raise UsageError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {top!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise UsageError("stop strings must be non-empty strings")
@@ -319,7 +318,7 @@ class SpeculativeEngine:
         prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
         for name, value in (("slots", slots), ("prefill_chunk", prefill_chunk)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
         if cache is not None and slots != 1:
             raise UsageError("a given cache serves one sequence: slots must be 1")

@@ -2,16 +2,25 @@
 hostile value is a caller's mistake in one line (:class:`~verispec.errors.UsageError`), never a traceback
 from deep inside: JSON text (:func:`parse_json`: nesting too deep for the parser, an integer too long to
 convert) and text that is not valid Unicode (:func:`check_text`: a lone surrogate, which JSON's ``\\ud800``
-escapes can carry and no tokenizer encodes)."""
+escapes can carry and no tokenizer encodes); and :func:`is_int`, the one test of an integer argument (a bool
+is not one)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import numbers
+from typing import Any, TypeGuard
 
 from verispec.errors import UsageError
 
-__all__ = ["check_text", "parse_json"]
+__all__ = ["check_text", "is_int", "parse_json"]
+
+
+def is_int(value: object, *, integral: bool = False) -> TypeGuard[int]:
+    """Whether ``value`` is an integer: an ``int`` and not a bool (``True`` is an int to Python, never a
+    count to verispec); ``integral``: any ``numbers.Integral`` (NumPy's integers too), bools still not."""
+    kind = numbers.Integral if integral else int
+    return isinstance(value, kind) and not isinstance(value, bool)
 
 
 def parse_json(text: str | bytes) -> Any:

@@ -18,6 +18,7 @@ import numpy as np
 
 from verispec.analysis.analytic import BatchCost, CostModel, speedup_by_k
 from verispec.errors import UsageError
+from verispec.inputs import is_int
 
 __all__ = ["CONTEXT_STEP", "AdditiveK", "AutoKConfig", "ConstantK", "CostModelK", "KPolicy", "plan_batch"]
 
@@ -42,7 +43,7 @@ class ConstantK(KPolicy):
     """Always the same draft length."""
 
     def __init__(self, k: int) -> None:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        if not is_int(k) or k < 0:
             raise UsageError(f"k must be an integer >= 0, got {k!r}")
         self.k = k
         self.name = str(k)
@@ -99,12 +100,8 @@ class AutoKConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 < value <= 1):
                 raise UsageError(f"{name} must be a number in (0, 1], got {value!r}")
-        if self.k_max is not None and not (_is_int(self.k_max) and self.k_max >= 0):
+        if self.k_max is not None and not (is_int(self.k_max) and self.k_max >= 0):
             raise UsageError(f"k_max must be an integer >= 0 or None, got {self.k_max!r}")
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class CostModelK(KPolicy):

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from verispec.errors import UsageError
+from verispec.inputs import is_int
 
 __all__ = ["RACE_GROUP", "SamplingParams", "draft_draw", "position_draws", "probs_from_logits", "sample"]
 
@@ -70,7 +71,7 @@ class SamplingParams:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= MAX_TEMPERATURE:
             raise UsageError(f"temperature must be a number in [0, {MAX_TEMPERATURE:.4g}], got {t!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise UsageError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
@@ -79,7 +80,7 @@ class SamplingParams:
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not (0 <= m < 1):
             raise UsageError(f"min_p must be in [0, 1), got {m!r}")
         s = self.seed
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**63):
+        if s is not None and (not is_int(s) or not 0 <= s < 2**63):
             raise UsageError(f"seed must be an integer in [0, 2**63) or None, got {s!r}")
         if not isinstance(self.invariant, bool):
             raise UsageError(f"invariant must be true or false, got {self.invariant!r}")

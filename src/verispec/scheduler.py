@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from verispec.engine import GenerationStats, Request, Running, SpeculativeEngine
 from verispec.errors import UsageError
+from verispec.inputs import is_int
 
 if TYPE_CHECKING:
     from verispec.api import Chunk, Speculator, _TextAssembler
@@ -122,7 +123,7 @@ class Scheduler:
 
     def __init__(self, speculator: Speculator, slots: int = 8, max_queue: int = 64) -> None:
         for name, value in (("slots", slots), ("max_queue", max_queue)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "slots" else 0):
+            if not is_int(value) or value < (1 if name == "slots" else 0):
                 raise UsageError(f"{name} must be an integer >= {1 if name == 'slots' else 0}, got {value!r}")
         self.speculator = speculator
         self.engine = SpeculativeEngine(speculator.model, slots=slots)

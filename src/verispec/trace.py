@@ -36,6 +36,7 @@ from torch import Tensor
 
 from verispec.drafting.base import Proposal
 from verispec.errors import UsageError
+from verispec.inputs import is_int
 from verispec.models.base import Tokenizer
 from verispec.sampling import SamplingParams, probs_from_logits
 from verispec.verify.chain import Verdict, rejection_rule
@@ -65,7 +66,7 @@ class TokenProbs:
     text: str = ""  # what the token adds to the decoded text (filled in by TraceRecorder.finish)
 
     def __post_init__(self) -> None:
-        if isinstance(self.token_id, bool) or not isinstance(self.token_id, int) or self.token_id < 0:
+        if not is_int(self.token_id) or self.token_id < 0:
             raise UsageError(f"token_id must be an integer >= 0, got {self.token_id!r}")
         _check_prob("p", self.p)
         _check_prob("q", self.q, optional=True)
@@ -85,7 +86,7 @@ class TokenFate:
     def __post_init__(self) -> None:
         if self.fate not in FATES:
             raise UsageError(f"fate must be one of {FATES}, got {self.fate!r}")
-        if isinstance(self.round, bool) or not isinstance(self.round, int) or self.round < 0:
+        if not is_int(self.round) or self.round < 0:
             raise UsageError(f"round must be an integer >= 0, got {self.round!r}")
         _check_prob("accept_prob", self.accept_prob, optional=self.fate == "bonus")
         if (self.rejected is not None) != (self.fate == "recovered"):

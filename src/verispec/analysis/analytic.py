@@ -26,11 +26,11 @@ import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeGuard
 
 import numpy as np
 
 from verispec.errors import UsageError
+from verispec.inputs import is_int
 
 __all__ = [
     "DEFAULT_K_MAX",
@@ -78,13 +78,9 @@ def _check_real(name: str, value: object, low: float = -math.inf, high: float = 
 
 def _check_k(k: object, name: str = "k") -> int:
     """k as an int, if it is an integer (not a bool) ≥ 0; else UsageError."""
-    if not _integral(k) or k < 0:
+    if not is_int(k, integral=True) or k < 0:
         raise UsageError(f"{name} must be an integer >= 0, got {k!r}")
     return int(k)
-
-
-def _integral(x: object) -> TypeGuard[int]:  # numpy integers included
-    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
 
 
 def _alphas(alpha: float | Sequence[float] | np.ndarray, k: int | None) -> np.ndarray:
@@ -201,7 +197,7 @@ class BatchCost:
             if (
                 not isinstance(axis, (tuple, list))
                 or len(axis) < 2
-                or not all(_integral(x) and x >= 1 for x in axis)
+                or not all(is_int(x, integral=True) and x >= 1 for x in axis)
                 or any(a >= b for a, b in zip(axis, axis[1:], strict=False))
             ):
                 raise UsageError(f"BatchCost.{name} must be >= 2 increasing integers >= 1, got {axis!r}")
@@ -220,7 +216,7 @@ class BatchCost:
         """V(b, n): a forward of ``tokens`` = n ≥ b new tokens over ``rows`` = b ≥ 1 sequences, piecewise
         linear in the tokens per row n / b and then in b through the grid, extended linearly past its ends,
         never below the grid's smallest cost."""
-        if not (_integral(rows) and _integral(tokens) and 1 <= rows <= tokens):
+        if not (is_int(rows, integral=True) and is_int(tokens, integral=True) and 1 <= rows <= tokens):
             raise UsageError(
                 f"a batch forward needs 1 <= rows <= tokens, got {rows!r} rows, {tokens!r} tokens"
             )

@@ -50,6 +50,7 @@ from verispec.analysis.analytic import (
     speedup_from_tokens,
 )
 from verispec.errors import UsageError
+from verispec.inputs import is_int
 
 __all__ = [
     "MODES",
@@ -115,7 +116,7 @@ class SimulationConfig:
         object.__setattr__(self, "modes", modes)
         for name, low in (("rounds", 2), ("seed", 0), ("vocab_size", 2), ("pool_size", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+            if not is_int(value, integral=True) or value < low:
                 raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
         c = self.concentration
         if isinstance(c, bool) or not isinstance(c, numbers.Real) or not 0 < c < math.inf:
@@ -236,7 +237,7 @@ def simulate_rounds(
     chunks, so memory does not grow with ``rounds``.
     """
     for name, value in (("k", k), ("rounds", rounds)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        if not is_int(value, integral=True) or value < 1:
             raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
     per_pair = pair_acceptance(p, q, mode)  # [M]; validates p, q and mode
     greedy_accept = per_pair > 0.5 if mode == "greedy" else None  # [M] bool

@@ -33,6 +33,7 @@ from verispec.bench.methods import LOAD_METHODS
 from verispec.bench.suite import _has_chat_template, builtin_tasks
 from verispec.errors import UsageError
 from verispec.files import atomic_write
+from verispec.inputs import is_int
 from verispec.models.llama import DEFAULT_PRECISION
 from verispec.models.registry import DEFAULT_MODEL
 from verispec.sampling import SamplingParams
@@ -70,9 +71,7 @@ class LoadConfig:
             raise UsageError(
                 f"unknown method {unknown[0] if unknown else ''!r}; choose from {', '.join(LOAD_METHODS)}"
             )
-        if not self.concurrency or any(
-            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.concurrency
-        ):
+        if not self.concurrency or any(not is_int(c) or c < 1 for c in self.concurrency):
             raise UsageError(f"concurrency levels must be integers >= 1, got {list(self.concurrency)}")
         for k in self.ks:
             if k != "auto" and not (k.isdigit() and int(k) >= 1):
@@ -83,7 +82,7 @@ class LoadConfig:
             ("max_new_tokens", self.max_new_tokens),
         )
         for name, value in numbers:
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is not None and (not is_int(value) or value < 1):
                 raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
 
     @property

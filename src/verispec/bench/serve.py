@@ -37,6 +37,7 @@ from verispec.bench.load import (
 )
 from verispec.errors import UsageError
 from verispec.files import atomic_write
+from verispec.inputs import is_int
 from verispec.models.llama import DEFAULT_PRECISION
 from verispec.models.registry import DEFAULT_MODEL
 
@@ -67,7 +68,7 @@ class ServeLoadConfig:
     def __post_init__(self) -> None:
         for name in ("clients", "max_tokens", "disconnect_every"):
             value, low = getattr(self, name), 0 if name == "disconnect_every" else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_int(value) or value < low:
                 raise UsageError(f"{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
         seconds = self.seconds
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:

@@ -94,6 +94,7 @@ from verispec.drafting.tree import AUTO, TreeShape
 from verispec.engine import GenerationStats
 from verispec.errors import UsageError
 from verispec.files import atomic_write
+from verispec.inputs import is_int
 from verispec.models.base import LanguageModel, Tokenizer
 from verispec.models.gguf import source_gguf
 from verispec.models.llama import DEFAULT_PRECISION
@@ -266,7 +267,7 @@ class BenchConfig:
         def positive(name: str, value: object, optional: bool = False) -> None:
             if optional and value is None:
                 return
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
 
         positive("max_new_tokens", self.max_new_tokens)

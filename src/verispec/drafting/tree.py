@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from verispec.errors import UsageError
+from verispec.inputs import is_int
 
 __all__ = ["AUTO", "MAX_NODES", "TreeProposal", "TreeShape", "likeliest_nodes", "parse_budget"]
 
@@ -105,7 +106,7 @@ class TreeShape:
         """This shape made dynamic: each round verifies its ``budget`` likeliest draft nodes (an integer
         >= 1), or as many as the costs pay for (AUTO); None: static again."""
         valid = budget is None or budget == AUTO
-        valid |= isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1
+        valid |= is_int(budget) and budget >= 1
         if not valid:
             raise UsageError(f"a tree's node budget is an integer >= 1 or {AUTO!r}, got {budget!r}")
         base = self.name.rsplit(":", 1)[0] if self.budget is not None else self.name
@@ -128,7 +129,7 @@ class TreeShape:
         except TypeError:
             raise UsageError("a tree shape is a list of paths, each a list of child ranks") from None
         for path in given:
-            if not all(isinstance(r, int) and not isinstance(r, bool) for r in path):
+            if not all(is_int(r) for r in path):
                 raise UsageError(f"path {list(path)} must hold integer child ranks")
             if any(r < 0 for r in path):
                 raise UsageError(f"path {list(path)} has a negative rank")
@@ -166,7 +167,7 @@ class TreeShape:
     def full(cls, width: int, depth: int, max_nodes: int = MAX_NODES) -> TreeShape:
         """Every node has ``width`` children, down to ``depth``: (width^(depth+1) − 1) / (width − 1) nodes."""
         for label, value in (("width", width), ("depth", depth)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise UsageError(f"tree {label} must be an integer >= 1, got {value!r}")
         nodes = sum(width**d for d in range(depth + 1))
         if nodes > max_nodes:
@@ -177,7 +178,7 @@ class TreeShape:
     @classmethod
     def chain(cls, k: int) -> TreeShape:
         """A single path of ``k`` draft nodes: the chain round's draft, as a tree."""
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        if not is_int(k) or k < 1:
             raise UsageError(f"chain length must be an integer >= 1, got {k!r}")
         return cls.from_paths([(0,) * d for d in range(1, k + 1)], name=f"chain{k}")
 
@@ -189,7 +190,7 @@ class TreeShape:
         if n < 2 or parents[0] != -1:
             raise UsageError("a parents list starts with -1 (the root) and has at least one more node")
         for i, parent in enumerate(parents[1:], 1):
-            if isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < n:
+            if not is_int(parent) or not 0 <= parent < n:
                 raise UsageError(f"node {i} has parent {parent!r}, not a node index in [0, {n})")
         paths: dict[int, tuple[int, ...]] = {0: ()}
         children: dict[int, list[int]] = {}

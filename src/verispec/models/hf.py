@@ -24,6 +24,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from verispec.errors import UsageError
+from verispec.inputs import is_int
 from verispec.models.base import Cache
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
@@ -193,8 +194,7 @@ class HFModel:
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
     """UsageError unless ``value`` is an integer in [low, high] (high None: unbounded)."""
-    in_range = isinstance(value, int) and low <= value and (high is None or value <= high)
-    if isinstance(value, bool) or not in_range:
+    if not (is_int(value) and low <= value and (high is None or value <= high)):
         bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise UsageError(f"{name} must be an integer {bounds}, got {value!r}")
 

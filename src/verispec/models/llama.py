@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from verispec.errors import UsageError
+from verispec.inputs import is_int
 from verispec.kernels.cpu import (
     ACTIVATIONS,
     FORMATS,
@@ -75,10 +76,6 @@ _SUPPORTED_MODEL_TYPES = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -109,7 +106,7 @@ class RopeScaling:
                     f"llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor, got {lo}, {hi}"
                 )
             if (
-                not _is_int(self.original_max_position_embeddings)
+                not is_int(self.original_max_position_embeddings)
                 or self.original_max_position_embeddings <= 0
             ):
                 raise UsageError(
@@ -203,7 +200,7 @@ class LlamaConfig:
             "max_position_embeddings",
         ):
             value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise UsageError(f"{name} must be an integer > 0, got {value!r}")
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
@@ -212,7 +209,7 @@ class LlamaConfig:
                     "give head_dim"
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        if not _is_int(self.head_dim) or self.head_dim <= 0 or self.head_dim % 2:
+        if not is_int(self.head_dim) or self.head_dim <= 0 or self.head_dim % 2:
             raise UsageError(f"head_dim must be an even integer > 0, got {self.head_dim!r}")
         if self.num_heads % self.num_kv_heads:
             raise UsageError(
@@ -229,12 +226,12 @@ class LlamaConfig:
         for name in ("tie_word_embeddings", "attention_bias", "attention_out_bias", "mlp_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.sliding_window is not None and (not _is_int(self.sliding_window) or self.sliding_window <= 0):
+        if self.sliding_window is not None and (not is_int(self.sliding_window) or self.sliding_window <= 0):
             raise UsageError(f"sliding_window must be an integer > 0 or None, got {self.sliding_window!r}")
-        if self.bos_token_id is not None and not (_is_int(self.bos_token_id) and self.bos_token_id >= 0):
+        if self.bos_token_id is not None and not (is_int(self.bos_token_id) and self.bos_token_id >= 0):
             raise UsageError(f"bos_token_id must be an integer >= 0 or None, got {self.bos_token_id!r}")
         if not isinstance(self.eos_token_ids, tuple) or not all(
-            _is_int(t) and t >= 0 for t in self.eos_token_ids
+            is_int(t) and t >= 0 for t in self.eos_token_ids
         ):
             raise UsageError(f"eos_token_ids must be a tuple of integers >= 0, got {self.eos_token_ids!r}")
         for name in ("qk_norm", "post_norms"):
@@ -249,7 +246,7 @@ class LlamaConfig:
         windows = self.layer_windows
         if not isinstance(windows, tuple) or (windows and len(windows) != self.num_layers):
             raise UsageError(f"layer_windows must be a tuple of one window per layer, got {windows!r}")
-        if not all(_is_int(w) and w >= 0 for w in windows):
+        if not all(is_int(w) and w >= 0 for w in windows):
             raise UsageError(f"layer_windows must be integers >= 0 (0: full attention), got {windows!r}")
         if self.local_rope_theta is not None and (
             not _is_number(self.local_rope_theta) or self.local_rope_theta <= 1
@@ -418,7 +415,7 @@ class KVCache:
             ("capacity", capacity),
             ("head_dim", head_dim),
         ):
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise UsageError(f"{name} must be an integer > 0, got {value!r}")
         if tiled and (separate_layers or dtype != torch.float16):
             raise UsageError("a tiled cache holds every layer in one float16 tensor")
@@ -468,7 +465,7 @@ class KVCache:
 
     def truncate(self, length: int) -> None:
         """Drop every slot from ``length`` on (0 ≤ length ≤ self.length; UsageError otherwise)."""
-        if not _is_int(length) or not 0 <= length <= self._length:
+        if not is_int(length) or not 0 <= length <= self._length:
             raise UsageError(f"cannot truncate a cache of length {self._length} to {length!r}")
         self._length = length
 
@@ -477,10 +474,10 @@ class KVCache:
         …, and drop every slot after them: a token tree's accepted path kept in place, the rest dropped. One
         gather over every layer at once; nothing moves when ``keep`` is already start, start + 1, …"""
         keep = list(keep)
-        if not _is_int(start) or not 0 <= start <= self._length:
+        if not is_int(start) or not 0 <= start <= self._length:
             raise UsageError(f"cannot compact a cache of length {self._length} from slot {start!r}")
         bounds = [start - 1, *keep, self._length]
-        if not all(_is_int(s) for s in keep) or any(a >= b for a, b in itertools.pairwise(bounds)):
+        if not all(is_int(s) for s in keep) or any(a >= b for a, b in itertools.pairwise(bounds)):
             raise UsageError(f"slots to keep must ascend within [{start}, {self._length}), got {keep}")
         end = start + len(keep)
         if keep != list(range(start, end)):
@@ -518,7 +515,7 @@ class KVCache:
         of the model that fills this one, which computes exactly those layers, so the draft finds every slot
         the full model has written. Slots the draft writes beyond that are the full model's to overwrite."""
         layers = len(self.keys)
-        if not _is_int(num_layers) or not 0 < num_layers <= layers:
+        if not is_int(num_layers) or not 0 < num_layers <= layers:
             raise UsageError(f"num_layers must be an integer in [1, {layers}], got {num_layers!r}")
         view = object.__new__(KVCache)
         view.keys, view.values = self.keys[:num_layers], self.values[:num_layers]
@@ -538,7 +535,7 @@ class KVCache:
         assert isinstance(self.keys, Tensor) and isinstance(self.values, Tensor)
         assert isinstance(source.keys, Tensor) and isinstance(source.values, Tensor)
         n = source.length if length is None else length
-        if not _is_int(n) or not 0 <= n <= source.length:
+        if not is_int(n) or not 0 <= n <= source.length:
             raise UsageError(f"cannot copy {n!r} slots of a cache of length {source.length}")
         same = self.tiled == source.tiled and self.values.shape[:3] == source.values.shape[:3]
         if not same or self.values.shape[4:] != source.values.shape[4:] or n > self.capacity:
@@ -552,7 +549,7 @@ class KVCache:
         """A new cache holding copies of this one's committed slots, with room for ``extra`` more: a copy that
         autograd follows, so that training can extend one context along several branches (the unrolled
         draft steps of :mod:`verispec.drafting.learned.train`) without writing into tensors it still needs."""
-        if not _is_int(extra) or extra < 0:
+        if not is_int(extra) or extra < 0:
             raise UsageError(f"extra must be an integer >= 0, got {extra!r}")
         if self.tiled:
             raise UsageError("a tiled cache (the native kernels') does not grow: training uses the plain one")
@@ -1009,9 +1006,9 @@ class Llama(nn.Module):
         holds fused, packed or emptied tensors. Only float32 models on a CPU; elsewhere (CUDA, half types)
         the model keeps the plain path, and a native precision is refused. UsageError for a precision this
         machine or model cannot run, naming those it can. Returns whether the model is now on a fast path."""
-        if not _is_int(batch_size_hint) or batch_size_hint <= 0:
+        if not is_int(batch_size_hint) or batch_size_hint <= 0:
             raise UsageError(f"batch_size_hint must be an integer > 0, got {batch_size_hint!r}")
-        if not _is_int(min_weight_elements) or min_weight_elements < 0:
+        if not is_int(min_weight_elements) or min_weight_elements < 0:
             raise UsageError(f"min_weight_elements must be an integer >= 0, got {min_weight_elements!r}")
         check_precision(precision)
         on_cpu = self.device.type == "cpu" and self.dtype == torch.float32
@@ -1088,7 +1085,7 @@ class Llama(nn.Module):
         """A draft sharing this model's weights that runs only its first ``num_layers`` decoder layers, then
         the final norm and the head (self-speculation by early exit). Nothing is copied: the draft costs no
         memory but its own cache, and follows this model's fast path."""
-        if not _is_int(num_layers) or not 0 < num_layers < self.config.num_layers:
+        if not is_int(num_layers) or not 0 < num_layers < self.config.num_layers:
             raise UsageError(
                 f"num_layers must be an integer in [1, {self.config.num_layers - 1}], got {num_layers!r}"
             )
@@ -1120,7 +1117,7 @@ class Llama(nn.Module):
         ):
             raise UsageError(f"a self-draft is packed in q8_0 or q4_1 (with widths of 32), got {precision!r}")
         n = self.config.num_layers if num_layers is None else num_layers
-        if not _is_int(n) or not 0 < n <= self.config.num_layers:
+        if not is_int(n) or not 0 < n <= self.config.num_layers:
             raise UsageError(f"num_layers must be an integer in [1, {self.config.num_layers}], got {n!r}")
         draft = Llama(self.config.first_layers(n), device="meta", dtype=self.dtype)
         draft.model.embed_tokens, draft.model.norm = self.model.embed_tokens, self.model.norm
@@ -1149,7 +1146,7 @@ class Llama(nn.Module):
     def new_cache(self, batch_size: int = 1, capacity: int | None = None) -> KVCache:
         """An empty cache for ``batch_size`` sequences of at most ``capacity`` (default max_context) slots."""
         capacity = self.max_context if capacity is None else capacity
-        if not _is_int(capacity) or not 0 < capacity <= self.max_context:
+        if not is_int(capacity) or not 0 < capacity <= self.max_context:
             raise UsageError(
                 f"cache capacity must be an integer in [1, {self.max_context}], got {capacity!r}"
             )

@@ -50,7 +50,7 @@ from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import DRAFTERS
 from verispec.engine import TokenLogprob
 from verispec.errors import UsageError
-from verispec.inputs import parse_json
+from verispec.inputs import is_int, parse_json
 from verispec.scheduler import Handle, QueueFull, Scheduler, SchedulerFailed
 from verispec.server.metrics import ServerMetrics
 from verispec.server.schema import (
@@ -132,7 +132,7 @@ class ServerConfig(ModelChoice):
     def __post_init__(self) -> None:
         for name, low in (("max_batch", 1), ("max_queue", 0), ("max_connections", 1), ("max_body", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_int(value) or value < low:
                 raise UsageError(f"{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
         for name in ("keep_alive", "header_timeout", "body_timeout"):
             value = getattr(self, name)

@@ -26,6 +26,7 @@ from matplotlib.typing import LineStyleType
 
 from verispec.analysis.analytic import acceptance_rate
 from verispec.errors import UsageError
+from verispec.inputs import is_int
 from verispec.models.base import LanguageModel
 from verispec.sampling import SamplingParams, probs_from_logits
 from verispec.viz.figures import COLOURS, figure_style, new_figure
@@ -72,7 +73,7 @@ def overlap_bars(p: object, q: object, top: int) -> OverlapBars:
         raise UsageError("p and q must be lists of numbers") from None
     if p.ndim != 1 or p.shape != q.shape:
         raise UsageError(f"p and q must be lists of the same length, got shapes {p.shape} and {q.shape}")
-    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+    if not is_int(top) or top < 1:
         raise UsageError(f"top must be an integer >= 1, got {top!r}")
     alpha = acceptance_rate(p, q)  # validates: non-empty, finite, non-negative, each summing to 1
     assert isinstance(alpha, float)  # one α for one pair of distributions [V]

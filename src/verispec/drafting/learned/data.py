@@ -31,6 +31,7 @@ from torch import Tensor
 from verispec.drafting.learned.prompts import FOLLOW_UPS, chat_prompts
 from verispec.errors import UsageError
 from verispec.files import atomic_path
+from verispec.inputs import is_int
 
 __all__ = [
     "DataConfig",
@@ -60,7 +61,7 @@ class DataConfig:
         for name in ("num_prompts", "max_new_tokens", "batch_size", "first_prompt", "turns", "seed"):
             value = getattr(self, name)
             low = {"first_prompt": 0, "seed": 0}.get(name, 1)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_int(value) or value < low:
                 raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
         if not 0 < self.heldout_fraction < 1:
             raise UsageError(f"heldout_fraction must lie in (0, 1), got {self.heldout_fraction!r}")

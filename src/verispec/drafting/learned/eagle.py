@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from verispec.drafting.learned.head import LearnedHead, native_target, shape_count
 from verispec.errors import UsageError
+from verispec.inputs import is_int
 from verispec.models.base import LanguageModel
 from verispec.models.llama import KVCache, Llama, _DecoderLayer, _Linear, _RMSNorm, run_layers
 
@@ -48,11 +49,7 @@ class EagleHead(LearnedHead):
     ) -> None:
         super().__init__(target, draft_vocab, metadata)
         target = native_target(target)
-        if (
-            isinstance(num_layers, bool)
-            or not isinstance(num_layers, int)
-            or not 1 <= num_layers <= MAX_LAYERS
-        ):
+        if not is_int(num_layers) or not 1 <= num_layers <= MAX_LAYERS:
             raise UsageError(f"a draft head has 1 to {MAX_LAYERS} decoder layers, got {num_layers!r}")
         self.config = dataclasses.replace(target.config, num_layers=num_layers)
         h, device = self.config.hidden_size, target.device

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from verispec.drafting.learned.head import LearnedHead, native_target, shape_count
 from verispec.errors import UsageError
+from verispec.inputs import is_int
 from verispec.models.base import Cache, LanguageModel
 from verispec.models.llama import KVCache, Llama, _Linear
 
@@ -38,7 +39,7 @@ __all__ = ["ExitAdapter", "ExitDraft", "check_exit_layer", "exit_features"]
 def check_exit_layer(target: Llama, exit_layer: object) -> int:
     """``exit_layer`` when the target has a layer after it; UsageError otherwise."""
     layers = target.config.num_layers
-    if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not 1 <= exit_layer < layers:
+    if not is_int(exit_layer) or not 1 <= exit_layer < layers:
         raise UsageError(f"the exit layer must be an integer in [1, {layers - 1}], got {exit_layer!r}")
     return exit_layer
 

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from verispec.drafting.base import Proposal
 from verispec.drafting.learned.head import LearnedHead, native_target, shape_count
 from verispec.errors import UsageError
+from verispec.inputs import is_int
 from verispec.models.base import Cache, LanguageModel
 from verispec.models.llama import KVCache, Llama
 from verispec.sampling import SamplingParams, draft_draw, probs_from_logits
@@ -56,11 +57,7 @@ class LookaheadTokens(LearnedHead):
         self, target: LanguageModel, draft_vocab: Tensor, metadata: dict[str, Any], num_tokens: int = 3
     ) -> None:
         super().__init__(target, draft_vocab, metadata)
-        if (
-            isinstance(num_tokens, bool)
-            or not isinstance(num_tokens, int)
-            or not 1 <= num_tokens <= MAX_LOOKAHEAD
-        ):
+        if not is_int(num_tokens) or not 1 <= num_tokens <= MAX_LOOKAHEAD:
             raise UsageError(
                 f"lookahead drafting has 1 to {MAX_LOOKAHEAD} lookahead tokens, got {num_tokens!r}"
             )

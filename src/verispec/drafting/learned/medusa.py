@@ -44,6 +44,7 @@ from verispec.drafting.base import BranchedTreeDrafter, Proposal
 from verispec.drafting.learned.head import LearnedHead, shape_count
 from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
+from verispec.inputs import is_int
 from verispec.models.base import LanguageModel
 from verispec.models.llama import Llama, _Linear
 from verispec.sampling import SamplingParams, draft_draw, probs_from_logits
@@ -64,7 +65,7 @@ class MedusaHeads(LearnedHead):
         self, target: LanguageModel, draft_vocab: Tensor, metadata: dict[str, Any], num_heads: int = 4
     ) -> None:
         super().__init__(target, draft_vocab, metadata)
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or not 1 <= num_heads <= MAX_HEADS:
+        if not is_int(num_heads) or not 1 <= num_heads <= MAX_HEADS:
             raise UsageError(f"Medusa has 1 to {MAX_HEADS} heads, got {num_heads!r}")
         h = self.hidden_size
         self.blocks = nn.ModuleList(
