@@ -11,6 +11,7 @@ import concurrent.futures
 import http.client
 import json
 import logging
+import re
 import socket
 import time
 
@@ -22,6 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from verispec import cli
 from verispec import engine as engine_module
 from verispec.api import Speculator
+from verispec.drafting.registry import AUTO as AUTO_DRAFTER
+from verispec.drafting.registry import DRAFTERS
 from verispec.drafting.tree import TreeShape
 from verispec.models.registry import load_model
 from verispec.sampling import SamplingParams
@@ -272,6 +275,15 @@ def test_wrong_methods_and_the_server_still_serves(served):
     url, _ = served
     assert raw(url, "GET", "/v1/completions")[0] == 405
     assert client(url).completions.create(**GOOD).usage.completion_tokens == 4
+
+
+def test_an_unknown_drafter_s_error_names_every_drafter_of_the_registry(served):
+    url, _ = served
+    body = json.dumps({**GOOD, "drafter": "telepathy"}).encode()
+    got, _, answer = raw(url, "POST", "/v1/completions", body, {"content-type": "application/json"})
+    message = json.loads(answer)["error"]["message"]
+    named = set(re.findall(r"[a-z]+", message.split("choose from", 1)[1]))
+    assert got == 400 and {AUTO_DRAFTER, *DRAFTERS} <= named, message
 
 
 def scrape(url: str) -> dict:

@@ -209,19 +209,19 @@ class Speculator:
     target, draft: model SPECs (see :func:`verispec.models.registry.load_model`) or already loaded
     (model, tokenizer) pairs; the target defaults to ``smollm2-135m``. The draft may also be ``layers:N``:
     the target's own first N layers (early exit, sharing the target's weights).
-    drafter: "none", "ngram", "model" (needs ``draft``), "eagle" (a learned drafter: ``drafter_path``, or the
-    one verispec ships for the target) or "auto" (model when a draft is given, else the shipped learned
-    drafter when it exists and matches the target, else ngram).
-    tree: a token-tree shape (:class:`~verispec.drafting.tree.TreeShape`): the ngram, model or eagle drafter
-    then
+    drafter: a name of :data:`~verispec.drafting.registry.DRAFTERS` (one that ``needs_draft_model`` needs
+    ``draft``; a ``learned`` one its file: ``drafter_path``, or the one verispec ships for the target) or
+    "auto" (model when a draft is given, else the shipped learned drafter when it exists and matches the
+    target, else ngram).
+    tree: a token-tree shape (:class:`~verispec.drafting.tree.TreeShape`): a drafter that ``takes_trees`` then
     proposes a tree each round (several n-gram matches; the draft's top-k children at each node; the learned
     head's top-k when greedy, else independent samples of its q), which the target scores in one forward; K is
     then not used. A dynamic shape (with a node budget, e.g. ``TreeShape.parse("3x4:auto")``) needs the eagle
     drafter; budget "auto" sizes each tree by the calibrated costs (:meth:`calibration`). ``tree="auto"``:
     the eagle drafter's :data:`~verispec.drafting.learned.eagle_drafter.DEFAULT_TREE`, Medusa's sparse tree
     shaped by its heads' accuracies, chain rounds for the other drafters.
-    drafter_path: a learned drafter file (``verispec train-drafter``) for the target, for "eagle", "medusa",
-    "exit", "lookahead" (files of that kind) or "auto" (the file's kind).
+    drafter_path: a learned drafter file (``verispec train-drafter``) for the target, for a ``learned``
+    drafter (a file of its kind) or "auto" (the file's kind).
     target_label: names a loaded target (default: its SPEC) in messages and calibration notices, and picks
     the drafter verispec ships for it.
     precision: the weights of target and draft models loaded from a SPEC ("fp32", "fp16" or "auto": the

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from verispec import __version__
 from verispec.analysis.simulate import SimulationConfig, simulate  # numpy: no torch
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
-from verispec.drafting.registry import CROSS_TOKENIZER, DRAFTERS
+from verispec.drafting.registry import CROSS_TOKENIZER, DRAFTERS, drafter_names
 from verispec.errors import UsageError
 from verispec.files import check_writable
 from verispec.inputs import is_int
@@ -320,8 +320,8 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     tree = parser.add_argument_group(
         "token trees",
-        "the ngram, model or eagle drafter proposes a tree of alternatives each round, scored by the target "
-        "in one forward (give no --k with one)",
+        f"the {drafter_names(lambda kind: kind.takes_trees)} drafter proposes a tree of alternatives each "
+        "round, scored by the target in one forward (give no --k with one)",
     )
     tree.add_argument("--tree-width", type=int, metavar="W", help="children of every tree node")
     tree.add_argument("--tree-depth", type=int, metavar="D", help="draft tokens on each root-to-leaf path")
@@ -793,7 +793,7 @@ def _model_overlap(args: argparse.Namespace):
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """Declare ``verispec bench``."""
-    from verispec.bench.methods import METHODS, TASKS
+    from verispec.bench.methods import METHODS, TASKS, TREE_METHODS
 
     parser = subparsers.add_parser(
         "bench",
@@ -822,8 +822,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--drafter-path",
         metavar="FILE",
-        help="a learned drafter for the method of its kind (eagle, medusa, exit or lookahead); the others "
-        "use the ones shipped for the target, if any",
+        help=f"a learned drafter for the method of its kind ({drafter_names(lambda kind: kind.learned)}); "
+        "the others use the ones shipped for the target, if any",
     )
     parser.add_argument(
         "--k",
@@ -835,8 +835,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "--trees",
         type=_list_of(str, "tree shapes"),
         default=(),
-        help="token-tree shapes for the tree methods (ngram-tree, model-tree, eagle-tree, medusa-tree, "
-        "exit-tree), comma-separated: WxD "
+        help=f"token-tree shapes for the tree methods ({', '.join(TREE_METHODS)}), comma-separated: WxD "
         "(width x depth) or a JSON shape file; each tree of N nodes runs beside its chain method at "
         "K = N - 1 (default: none)",
     )

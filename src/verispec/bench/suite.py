@@ -226,8 +226,8 @@ class BenchConfig:
 
     tasks: built-in task names (None: all of them); the tasks of ``prompts_file`` are always added.
     methods: names from :data:`METHODS` (None: all that apply; those needing a draft only with ``draft``).
-    drafter_path: a learned drafter for the method of its kind (eagle, medusa, exit, lookahead; the others,
-    and every kind when None: the files shipped for the target, if any).
+    drafter_path: a learned drafter for the method of its kind (a ``learned`` kind of the registry; the
+    others, and every kind when None: the files shipped for the target, if any).
     ks: draft lengths, each an integer or "auto" (and "additive"); K-free methods run once.
     trees: token-tree shapes ("WxD" or a JSON shape file) for the tree methods (``ngram-tree``,
     ``model-tree``), which run only with them; each tree of N nodes also brings its chain method at
@@ -363,8 +363,8 @@ class Method:
 
 
 def learned_drafter(config: BenchConfig, kind: str) -> str | None:
-    """The learned drafter of the method ``kind`` (eagle, medusa, exit, lookahead): ``drafter_path`` when the
-    file is of that kind, else the file of that kind shipped for the target."""
+    """The learned drafter of the method ``kind`` (a ``learned`` kind of the registry): ``drafter_path`` when
+    the file is of that kind, else the file of that kind shipped for the target."""
     if (
         config.drafter_path is not None
         and read_drafter_file(config.drafter_path, tensors=False)[0].get("kind") == kind

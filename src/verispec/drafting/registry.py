@@ -37,6 +37,7 @@ __all__ = [
     "DrafterKind",
     "choose_auto",
     "drafter_kind",
+    "drafter_names",
 ]
 
 AUTO = "auto"
@@ -102,8 +103,7 @@ class DrafterKind:
         """UsageError unless this kind drafts token trees of ``shape`` (one with a node budget: only a kind
         with dynamic trees); asked before any model loads."""
         if not self.takes_trees:
-            *others, last = [name for name, k in DRAFTERS.items() if k.takes_trees]
-            takers = f"{', '.join(others)} or {last}" if others else last
+            takers = drafter_names(lambda kind: kind.takes_trees)
             raise UsageError(f"token trees need the {takers} drafter, not {self.name!r}")
         if not self.dynamic_trees:
             from verispec.drafting.base import check_static
@@ -276,6 +276,13 @@ def drafter_kind(name: str) -> DrafterKind:
         return DRAFTERS[name]
     except (KeyError, TypeError):
         raise UsageError(f"unknown drafter {name!r}; choose one of {', '.join(CHOICES)}") from None
+
+
+def drafter_names(which: Callable[[DrafterKind], bool] = lambda kind: True, last: str = "or") -> str:
+    """The names of the drafters ``which`` holds for, in the registry's order, as text ("a, b or c"): every
+    list of drafters in a help text or an error is built here, so none goes stale when one is added."""
+    *others, final = [name for name, kind in DRAFTERS.items() if which(kind)] or [""]
+    return f"{', '.join(others)} {last} {final}" if others else final
 
 
 def choose_auto(has_draft_model: bool, has_learned_drafter: bool) -> DrafterKind:

@@ -47,7 +47,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from verispec.api import Chunk, ModelChoice, Speculator, failure_message, parse_k
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
-from verispec.drafting.registry import DRAFTERS
+from verispec.drafting.registry import DRAFTERS, drafter_names
 from verispec.engine import TokenLogprob
 from verispec.errors import UsageError
 from verispec.inputs import is_int, parse_json
@@ -165,17 +165,21 @@ class Server:
         self.metrics = ServerMetrics(lambda: self.scheduler.running, lambda: self.scheduler.queue_depth)
 
     def speculator(self, drafter: str | None) -> Speculator:
-        """The speculator of a request's drafter (the server's own by default): none, ngram, eagle where the
-        target has a learned drafter, or the server's. Made on first use and kept."""
+        """The speculator of a request's drafter (the server's own by default): any drafter of the registry
+        that needs no draft model (a learned one where the target has its file), or the server's. Made on
+        first use and kept."""
         name = self.default.drafter_name if drafter in (None, AUTO_DRAFTER) else drafter
         with self._lock:
             if name in self._speculators:
                 return self._speculators[name]
             if name not in DRAFTERS or DRAFTERS[name].needs_draft_model:
-                offered = sorted({"none", "ngram", "eagle", self.default.drafter_name})
+                own = self.default.drafter_name
+                served = drafter_names(lambda kind: not kind.needs_draft_model or kind.name == own)
+                unserved = drafter_names(lambda kind: kind.needs_draft_model and kind.name != own, "and")
+                why = f" ({unserved}: with a draft model, only as the server's own)" if unserved else ""
                 raise ApiError(
                     400,
-                    f"drafter {drafter!r} is not served here; choose from {', '.join(offered)}",
+                    f"drafter {drafter!r} is not served here; choose from {AUTO_DRAFTER}, {served}{why}",
                     param="drafter",
                 )
             try:
