@@ -10,11 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from verispec.drafting.learned.eagle import EagleHead
-from verispec.drafting.learned.head import target_fingerprint
+from test_eagle import VOCAB, fresh_head, tiny_target
 from verispec.errors import UsageError
 from verispec.files import atomic_path, atomic_write
-from verispec.models.llama import Llama, LlamaConfig
 
 
 def mode(path: Path) -> int:
@@ -76,18 +74,7 @@ def test_files_get_the_permissions_of_a_plain_open(tmp_path):
         atomic_write(kept, "new")
         assert mode(kept) == 0o640 and kept.read_text() == "new"
 
-        config = LlamaConfig(
-            vocab_size=16,
-            hidden_size=32,
-            intermediate_size=48,
-            num_layers=1,
-            num_heads=4,
-            num_kv_heads=2,
-            max_position_embeddings=64,
-        )
-        target = Llama(config)
-        metadata = {"kind": "eagle", "target": "tiny", "target_fingerprint": target_fingerprint(target)}
-        head = EagleHead.create(target, torch.arange(16), torch.Generator().manual_seed(0), metadata)
+        head = fresh_head(tiny_target(), torch.arange(VOCAB))
         drafter = head.save(tmp_path / "drafters" / "eagle.safetensors")
         assert mode(drafter) == expected  # was 0o600
         assert sorted(os.listdir(drafter.parent)) == ["eagle.safetensors"]
