@@ -43,15 +43,15 @@ CURVES = [None, linear, MEASURED, lambda k: 1.0 + 0.01 * (k - 1) ** 2]
 
 
 def test_acceptance_rate_examples():
-    assert acceptance_rate([0.5, 0.5, 0.0], [0.25, 0.25, 0.5]) == pytest.approx(0.5)
-    assert acceptance_rate([0.3, 0.7], [0.3, 0.7]) == pytest.approx(1.0)
-    assert acceptance_rate([1.0, 0.0], [0.0, 1.0]) == 0.0
+    assert acceptance_rate(p=[0.5, 0.5, 0.0], q=[0.25, 0.25, 0.5]) == pytest.approx(0.5)
+    assert acceptance_rate(p=[0.3, 0.7], q=[0.3, 0.7]) == pytest.approx(1.0)
+    assert acceptance_rate(p=[1.0, 0.0], q=[0.0, 1.0]) == 0.0
 
 
 def test_acceptance_rate_is_batched_over_leading_axes():
     p = np.array([[0.5, 0.5], [1.0, 0.0]])  # [2, V=2]
     q = np.array([[0.5, 0.5], [0.5, 0.5]])
-    np.testing.assert_allclose(acceptance_rate(p, q), [1.0, 0.5])
+    np.testing.assert_allclose(acceptance_rate(p=p, q=q), [1.0, 0.5])
 
 
 @pytest.mark.parametrize(
@@ -67,7 +67,7 @@ def test_acceptance_rate_is_batched_over_leading_axes():
 )
 def test_acceptance_rate_rejects_bad_distributions(p, q):
     with pytest.raises(ValueError, match=r"^[^\n]+$"):
-        acceptance_rate(p, q)
+        acceptance_rate(p=p, q=q)
 
 
 # ------------------------------------------------------------------------------------------ tokens per call

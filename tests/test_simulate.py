@@ -49,18 +49,18 @@ def test_family_has_acceptance_rate_equal_to_agreement(agreement, vocab_size):
     assert p.shape == q.shape == (50, vocab_size)
     np.testing.assert_allclose(p.sum(axis=1), 1.0, atol=1e-12)
     np.testing.assert_allclose(q.sum(axis=1), 1.0, atol=1e-12)
-    np.testing.assert_allclose(acceptance_rate(p, q), agreement, atol=1e-12)
+    np.testing.assert_allclose(acceptance_rate(p=p, q=q), agreement, atol=1e-12)
     assert np.all(p[:, vocab_size // 2 :] == 0)
 
 
 def test_pair_acceptance_modes():
     p, q = agreement_pairs(0.6, 16, 200, np.random.default_rng(1))
-    np.testing.assert_allclose(pair_acceptance(p, q, "sampled"), 0.6, atol=1e-12)
-    greedy = pair_acceptance(p, q, "greedy")
+    np.testing.assert_allclose(pair_acceptance(p=p, q=q, mode="sampled"), 0.6, atol=1e-12)
+    greedy = pair_acceptance(p=p, q=q, mode="greedy")
     assert set(np.unique(greedy)) <= {0.0, 1.0}
     np.testing.assert_array_equal(greedy, np.argmax(q, axis=1) == np.argmax(p, axis=1))
     with pytest.raises(ValueError, match="mode"):
-        pair_acceptance(p, q, "beam")
+        pair_acceptance(p=p, q=q, mode="beam")
 
 
 # ---------------------------------------------------------------------------------- Monte-Carlo vs analytic
@@ -118,7 +118,8 @@ def test_simulate_rounds_counts_every_round_in_chunks(monkeypatch):
         sim, "_CHUNK_POSITIONS", 1000
     )  # 333 rounds of K = 3 per chunk: 31 chunks, last partial
     p, q = agreement_pairs(0.7, 8, 16, np.random.default_rng(2))
-    hist, accepted = simulate_rounds(p, q, "sampled", 3, 10_001, np.random.default_rng(3))
+    rng = np.random.default_rng(3)
+    hist, accepted = simulate_rounds(p=p, q=q, mode="sampled", k=3, rounds=10_001, rng=rng)
     assert hist.shape == (4,) and hist.sum() == 10_001
     assert accepted >= hist @ np.arange(4)  # at least the accepted prefixes
     rate = accepted / (3 * 10_001)
@@ -208,4 +209,4 @@ def test_simulate_rounds_validates(mode, k, rounds, dims):
     if dims == 1:
         p, q = p[0], q[0]
     with pytest.raises(ValueError, match=r"^[^\n]+$"):
-        simulate_rounds(p, q, mode, k, rounds, np.random.default_rng(0))
+        simulate_rounds(p=p, q=q, mode=mode, k=k, rounds=rounds, rng=np.random.default_rng(0))

@@ -40,8 +40,8 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 @pytest.mark.parametrize(("seed", "vocab", "top"), [(0, 3, 3), (1, 40, 10), (2, 512, 12), (3, 5, 1)])
 def test_overlap_bars_decompose_p_and_q(seed, vocab, top):
     p, q = random_pair(seed, vocab)
-    bars = overlap_bars(p, q, top)
-    alpha = acceptance_rate(p, q)
+    bars = overlap_bars(p=p, q=q, top=top)
+    alpha = acceptance_rate(p=p, q=q)
     assert bars.alpha == alpha
     assert bars.green.sum() == pytest.approx(alpha, abs=1e-12)
     assert bars.red.sum() == pytest.approx(1 - alpha, abs=1e-12)
@@ -57,8 +57,8 @@ def test_overlap_bars_decompose_p_and_q(seed, vocab, top):
 def test_overlap_figure_draws_the_numbers_of_acceptance_rate():
     """The heights of the drawn green, red and blue bars add up to α, 1 − α, 1 − α, and the title says α."""
     p, q = random_pair(5, 30)
-    alpha = acceptance_rate(p, q)
-    fig = overlap_figure(p, q, top=8, title="random")
+    alpha = acceptance_rate(p=p, q=q)
+    fig = overlap_figure(p=p, q=q, top=8, title="random")
     top_ax = fig.axes[0]
     heights = {gid: sum(r.get_height() for r in top_ax.patches if r.get_gid() == gid) for gid in COLOURS}
     assert heights["accepted"] == pytest.approx(2 * alpha)  # green under the p bar and under the q bar
@@ -68,9 +68,9 @@ def test_overlap_figure_draws_the_numbers_of_acceptance_rate():
 
 
 def test_identical_distributions_have_nothing_to_reject():
-    bars = overlap_bars([0.25] * 4, [0.25] * 4, 2)
+    bars = overlap_bars(p=[0.25] * 4, q=[0.25] * 4, top=2)
     assert bars.alpha == 1.0 and not bars.residual.any()
-    overlap_figure([0.25] * 4, [0.25] * 4)  # draws without dividing by zero
+    overlap_figure(p=[0.25] * 4, q=[0.25] * 4)  # draws without dividing by zero
 
 
 @pytest.mark.parametrize(
@@ -87,14 +87,14 @@ def test_identical_distributions_have_nothing_to_reject():
 )
 def test_distributions_are_validated(p, q, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        overlap_bars(p, q, 2)
+        overlap_bars(p=p, q=q, top=2)
     with pytest.raises(ValueError, match="top"):
-        overlap_bars(TOY_P, TOY_Q, 0)
+        overlap_bars(p=TOY_P, q=TOY_Q, top=0)
 
 
 def test_figure_files_are_pictures(tmp_path):
     p, q = random_pair(7, 50)
-    png, svg = save_figure(overlap_figure(p, q, top=10), tmp_path / "overlap")
+    png, svg = save_figure(overlap_figure(p=p, q=q, top=10), tmp_path / "overlap")
     assert (png.name, svg.name) == ("overlap.png", "overlap.svg")
     rgb = assert_picture(png, 600, 500)
     for colour in ("accepted", "rejected", "residual"):
@@ -269,7 +269,7 @@ def test_viz_overlap_model_command(stories_args, tmp_path, capsys):
     ids = speculator.encode_prompt(prompt)
     sampling = SamplingParams(temperature=0.8, top_k=40)
     p, q = next_token_distributions(speculator.model, speculator.draft, ids, sampling)
-    assert out.splitlines()[0] == f"alpha = sum min(p, q) = {acceptance_rate(p, q):.6f}"
+    assert out.splitlines()[0] == f"alpha = sum min(p, q) = {acceptance_rate(p=p, q=q):.6f}"
     assert_picture(tmp_path / "m.png", 800, 500)
     status, out, err = run(capsys, "viz", "overlap", *stories_args, "--draft", "layers:9", "--prompt", "Once")
     assert status == 2 and "num_layers" in err and err.count("\n") == 1

@@ -754,8 +754,8 @@ def run_viz_overlap(args: argparse.Namespace) -> int:
         p, q, label, title = args.p, args.q, names.__getitem__, "toy distributions"
     else:
         p, q, label, title = _model_overlap(args)
-    paths = save_figure(overlap_figure(p, q, top=args.top, label=label, title=title), args.out)
-    print(f"alpha = sum min(p, q) = {acceptance_rate(p, q):.6f}")  # p and q were validated by the figure
+    paths = save_figure(overlap_figure(p=p, q=q, top=args.top, label=label, title=title), args.out)
+    print(f"alpha = sum min(p, q) = {acceptance_rate(p=p, q=q):.6f}")  # p and q were validated by the figure
     print(f"written: {', '.join(str(path) for path in paths)}")
     return 0
 

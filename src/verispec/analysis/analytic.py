@@ -238,7 +238,7 @@ def _piecewise(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
 # ---------------------------------------------------------------------------------------------- the model
 
 
-def acceptance_rate(p: np.ndarray, q: np.ndarray) -> float | np.ndarray:
+def acceptance_rate(*, p: np.ndarray, q: np.ndarray) -> float | np.ndarray:
     """α = Σ_x min(p(x), q(x)), the probability that rejection sampling accepts a token drawn from q.
 
     p, q: [..., V] target and draft distributions, same shape, non-negative, each summing to 1 (within 1e-6).

@@ -209,7 +209,7 @@ def _accept_sampled(p: np.ndarray, q: np.ndarray, pair: np.ndarray, rng: np.rand
     return rng.random(pair.size) * q[pair, x] < p[pair, x]
 
 
-def pair_acceptance(p: np.ndarray, q: np.ndarray, mode: str) -> np.ndarray:
+def pair_acceptance(*, p: np.ndarray, q: np.ndarray, mode: str) -> np.ndarray:
     """The exact probability that each pair of the pool accepts a drafted token in ``mode``.
 
     p, q: [M, V] pool of target and draft distributions. Returns [M] float64: Σ_x min(p, q) for "sampled",
@@ -220,13 +220,13 @@ def pair_acceptance(p: np.ndarray, q: np.ndarray, mode: str) -> np.ndarray:
         raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
     if np.ndim(p) != 2:
         raise UsageError(f"p and q must be pools of distributions of shape [M, V], got {np.shape(p)}")
-    alpha = acceptance_rate(p, q)  # [M]; validates p and q
+    alpha = acceptance_rate(p=p, q=q)  # [M]; validates p and q
     assert isinstance(alpha, np.ndarray)  # one α per pair of the pool
     return alpha if mode == "sampled" else (np.argmax(q, axis=1) == np.argmax(p, axis=1)).astype(np.float64)
 
 
 def simulate_rounds(
-    p: np.ndarray, q: np.ndarray, mode: str, k: int, rounds: int, rng: np.random.Generator
+    *, p: np.ndarray, q: np.ndarray, mode: str, k: int, rounds: int, rng: np.random.Generator
 ) -> tuple[np.ndarray, int]:
     """Play ``rounds`` rounds of K ≥ 1 drafted positions, each on a pair drawn uniformly from the pool.
 
@@ -239,7 +239,7 @@ def simulate_rounds(
     for name, value in (("k", k), ("rounds", rounds)):
         if not is_int(value, integral=True) or value < 1:
             raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
-    per_pair = pair_acceptance(p, q, mode)  # [M]; validates p, q and mode
+    per_pair = pair_acceptance(p=p, q=q, mode=mode)  # [M]; validates p, q and mode
     greedy_accept = per_pair > 0.5 if mode == "greedy" else None  # [M] bool
     hist, accepted = np.zeros(k + 1, dtype=np.int64), 0
     chunk = max(1, _CHUNK_POSITIONS // k)
@@ -263,9 +263,9 @@ def _cell(config: SimulationConfig, mode: str, agreement: float, k: int) -> Cell
     agreement_key = int(np.float64(agreement).view(np.uint64))  # the float's bits: an exact integer key
     pool_rng = _rng(config.seed, 0, agreement_key)
     p, q = agreement_pairs(agreement, config.vocab_size, config.pool_size, pool_rng, config.concentration)
-    rate = float(np.mean(pair_acceptance(p, q, mode)))
+    rate = float(np.mean(pair_acceptance(p=p, q=q, mode=mode)))
     rounds_rng = _rng(config.seed, 1, MODES.index(mode), k, agreement_key)
-    hist, accepted = simulate_rounds(p, q, mode, k, config.rounds, rounds_rng)
+    hist, accepted = simulate_rounds(p=p, q=q, mode=mode, k=k, rounds=config.rounds, rng=rounds_rng)
     n, tokens = config.rounds, np.arange(1, k + 2)  # a round that accepted i tokens emits i + 1
     tau = float(hist @ tokens) / n
     tau_var = float(hist @ (tokens - tau) ** 2) / (n - 1)

@@ -63,7 +63,7 @@ class OverlapBars:
         return self.blue / (1.0 - self.alpha) if self.alpha < 1.0 else np.zeros_like(self.blue)
 
 
-def overlap_bars(p: object, q: object, top: int) -> OverlapBars:
+def overlap_bars(*, p: object, q: object, top: int) -> OverlapBars:
     """The bars for distributions p, q [V] and the ``top`` ≥ 1 tokens of largest max(p, q); one-line
     UsageError unless p and q are distributions (as :func:`verispec.analysis.analytic.acceptance_rate`
     checks) of the same length."""
@@ -75,7 +75,7 @@ def overlap_bars(p: object, q: object, top: int) -> OverlapBars:
         raise UsageError(f"p and q must be lists of the same length, got shapes {p.shape} and {q.shape}")
     if not is_int(top) or top < 1:
         raise UsageError(f"top must be an integer >= 1, got {top!r}")
-    alpha = acceptance_rate(p, q)  # validates: non-empty, finite, non-negative, each summing to 1
+    alpha = acceptance_rate(p=p, q=q)  # validates: non-empty, finite, non-negative, each summing to 1
     assert isinstance(alpha, float)  # one α for one pair of distributions [V]
     order = np.lexsort((np.arange(p.size), -np.maximum(p, q)))  # by max(p, q) down, then by id
     shown, others = order[:top], order[top:]
@@ -96,10 +96,10 @@ def overlap_bars(p: object, q: object, top: int) -> OverlapBars:
 
 
 def overlap_figure(
-    p: object, q: object, top: int = 12, label: Callable[[int], str] = str, title: str = ""
+    *, p: object, q: object, top: int = 12, label: Callable[[int], str] = str, title: str = ""
 ) -> Figure:
     """The overlap picture of p and q [V] (see the module doc); ``label(token_id)`` names a token."""
-    bars = overlap_bars(p, q, top)
+    bars = overlap_bars(p=p, q=q, top=top)
     names = [label(t) for t in bars.tokens] + ([f"{bars.rest} others"] if bars.rest else [])
     x = np.arange(len(names))  # [N (+1)]
     width = 0.38
