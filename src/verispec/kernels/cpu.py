@@ -20,6 +20,7 @@ row, never with a scale shared across a call.
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -34,6 +35,7 @@ from verispec.errors import UsageError
 from verispec.kernels import formats
 from verispec.kernels.build import NativeUnavailable, load
 from verispec.kernels.formats import BLOCK_FORMATS
+from verispec.kernels.threads import THREADS
 
 __all__ = [
     "ACTIVATIONS",
@@ -336,7 +338,7 @@ class PackedMatrix:
         x = x.contiguous()
         y = x.new_empty(x.shape[0], self.rows)  # [n, rows]
         status = _library(self.variant).vs_matmul(
-            ctypes.byref(self.struct), x.shape[0], x.data_ptr(), y.data_ptr(), torch.get_num_threads()
+            ctypes.byref(self.struct), x.shape[0], x.data_ptr(), y.data_ptr(), THREADS.count()
         )
         if status:
             raise MemoryError("the native matmul ran out of memory")
@@ -368,7 +370,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, variant: str = "native") -> T
     y = torch.empty_like(x)  # [n, dim]
     lib = _library(variant)
     lib.vs_rmsnorm(
-        x.shape[0], x.shape[1], x.data_ptr(), weight.data_ptr(), eps, y.data_ptr(), torch.get_num_threads()
+        x.shape[0], x.shape[1], x.data_ptr(), weight.data_ptr(), eps, y.data_ptr(), THREADS.count()
     )
     return y
 
@@ -526,6 +528,7 @@ class NativeStack:
             _ptr(sin_local),
         )
         cache = _Cache(keys.data_ptr(), values.data_ptr(), values.shape[1], values.shape[3])
+        start = time.perf_counter()
         status = self._lib.vs_forward(
             ctypes.byref(self._model),
             0,
@@ -533,8 +536,9 @@ class NativeStack:
             ctypes.byref(batch),
             ctypes.byref(cache),
             h.data_ptr(),
-            torch.get_num_threads(),
+            THREADS.count(),
         )
+        THREADS.record(h.shape[0], time.perf_counter() - start)
         if status == -2:
             raise MemoryError("the native forward ran out of memory")
         if status:

@@ -1,0 +1,70 @@
+"""The kernels' thread count (:mod:`verispec.kernels.threads`) on made-up timings: torch's count while it is
+the faster, one thread once a probe finds one faster by the margin (a busy machine), back when the cores free
+up; probes where they belong; nothing to choose on one thread. (Outputs never depend on the count: the
+kernels' tests check every product and forward on other thread counts.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec.kernels.threads import ThreadChoice
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def run(choice: ThreadChoice, calls: int, seconds: dict[int, float], tokens: int = 1) -> list[int]:
+    """``calls`` forwards of ``tokens`` tokens taking seconds[threads]; the thread counts they ran on."""
+    counts = []
+    for _ in range(calls):
+        count = choice.count()
+        counts.append(count)
+        choice.record(tokens, seconds[count])
+    return counts
+
+
+def test_an_idle_machine_keeps_torchs_count_probing_one_thread_now_and_then(two_threads):
+    choice = ThreadChoice()
+    counts = run(choice, 16 + 2 * 64, {2: 0.003, 1: 0.004})
+    probes = [i for i, c in enumerate(counts) if c == 1]
+    first = list(range(16 - 4, 16))
+    assert probes == first + [i + 64 for i in first] + [i + 128 for i in first]
+    assert not choice.single and choice.count() == 2
+
+
+def test_a_busy_machine_moves_to_one_thread_after_the_first_probe_and_back_when_it_pays(two_threads):
+    choice = ThreadChoice()
+    counts = run(choice, 16, {2: 0.010, 1: 0.004})
+    assert counts[-4:] == [1, 1, 1, 1] and choice.single and choice.count() == 1
+    counts = run(choice, 64, {2: 0.010, 1: 0.004})
+    assert counts[:60] == [1] * 60 and counts[60:] == [2] * 4 and choice.single  # probed, not worth it
+    run(choice, 64, {2: 0.0035, 1: 0.004})  # two threads faster, but not by the margin: stays
+    assert choice.single
+    run(choice, 64, {2: 0.002, 1: 0.004})
+    assert not choice.single and choice.count() == 2
+
+
+def test_every_token_count_compared_must_favour_the_switch(two_threads):
+    """Forwards of different token counts are compared each with its own kind (decode with decode)."""
+    choice = ThreadChoice()
+    for _ in range(16):
+        count = choice.count()
+        tokens = 1 if choice.calls % 2 else 5
+        choice.record(tokens, {(2, 1): 0.010, (1, 1): 0.004, (2, 5): 0.010, (1, 5): 0.012}[(count, tokens)])
+    assert not choice.single  # one thread faster for 1 token, slower for 5: no switch
+
+
+def test_one_thread_has_nothing_to_choose():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        choice = ThreadChoice()
+        assert run(choice, 100, {1: 0.01}) == [1] * 100 and choice.calls == 0
+    finally:
+        torch.set_num_threads(before)
