@@ -68,3 +68,11 @@ def test_one_thread_has_nothing_to_choose():
         assert run(choice, 100, {1: 0.01}) == [1] * 100 and choice.calls == 0
     finally:
         torch.set_num_threads(before)
+
+
+def test_held_keeps_the_choice_without_probes_or_records(two_threads):
+    """Timings that compare forwards (calibration, benchmarks) run on the current choice throughout."""
+    choice = ThreadChoice()
+    with choice.held():
+        assert run(choice, 100, {2: 0.010, 1: 0.001}) == [2] * 100
+    assert choice.calls == 0 and not choice.seconds and not choice.single

@@ -65,6 +65,7 @@ from verispec.errors import UsageError
 from verispec.files import atomic_write
 from verispec.inputs import is_int
 from verispec.kernels.build import library_path
+from verispec.kernels.threads import THREADS
 from verispec.models.base import HiddenStateModel, LanguageModel, RowInput, RowModel
 from verispec.models.gguf import cache_dir
 from verispec.models.llama import KVCache
@@ -332,7 +333,8 @@ def calibrate(
     if entry is None or force:
         _notice(f"calibrating {target_label} on this machine ({repetitions} repetitions), cached in {path}")
         entry = {"version": _VERSION, "identity": identity, "drafts": {}}
-        entry["target"] = dataclasses.asdict(_measure_target(target, target_label, repetitions))
+        with THREADS.held():
+            entry["target"] = dataclasses.asdict(_measure_target(target, target_label, repetitions))
         _write(path, entry)
     draft = None
     if drafter is not None:
@@ -342,7 +344,8 @@ def calibrate(
         if cached is None or force:
             draft_label = draft_label or drafter.name
             _notice(f"calibrating the {draft_label} drafter against {target_label}")
-            costs = _measure_drafter(drafter, target, draft_label, repetitions)
+            with THREADS.held():
+                costs = _measure_drafter(drafter, target, draft_label, repetitions)
             cached = {"identity": draft_identity, **dataclasses.asdict(costs)}
             entry["drafts"][key] = cached
             _write(path, entry)

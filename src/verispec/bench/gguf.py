@@ -28,6 +28,7 @@ import torch
 from verispec.analysis.analytic import expected_speedup, optimal_k
 from verispec.bench.peers import llamacpp_missing
 from verispec.errors import UsageError
+from verispec.kernels.threads import THREADS
 from verispec.models.gguf import cache_dir
 from verispec.models.gguf_native import load_gguf, read_gguf
 from verispec.models.gguf_write import RANDOM_NAME, TYPES, parse_shape, write_random_gguf
@@ -155,6 +156,20 @@ def bench_file(path: Path, config: FileBenchConfig, bandwidth: float) -> FileRes
     loads = [_load_in_child(path, config.threads) for _ in range(2)]  # the first reads the file from disk
     torch.set_num_threads(config.threads)
     model = load_gguf(path)
+    with THREADS.held():  # no probe of another thread count among the timed forwards
+        return _measured(model, path, config, bandwidth, weight_bytes, loads, real)
+
+
+def _measured(
+    model: Llama,
+    path: Path,
+    config: FileBenchConfig,
+    bandwidth: float,
+    weight_bytes: int,
+    loads: list,
+    real: bool,
+) -> FileResult:
+    """:func:`bench_file`'s timings of the loaded ``model``."""
     vocab, capacity = model.vocab_size, config.context + max(config.max_k, config.prefill) + 16
     ids = torch.randint(0, vocab, (1, capacity), generator=torch.Generator().manual_seed(0))  # [1, capacity]
     cache = model.new_cache(1, capacity)

@@ -13,6 +13,9 @@ choice: every kernel computes each output the same way on any number of threads 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 __all__ = ["ThreadChoice", "THREADS"]
@@ -31,13 +34,24 @@ class ThreadChoice:
         self.single = False  # whether one thread is the current choice
         self.calls = 0
         self.seconds: dict[tuple[bool, int], list[float]] = {}  # (one thread, tokens) → the latest times
+        self.holds = 0  # held(): no probe, nothing recorded
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """The current choice throughout, no probe and nothing recorded: for timings that compare forwards
+        (calibration, benchmarks), which a probe's forward would skew."""
+        self.holds += 1
+        try:
+            yield
+        finally:
+            self.holds -= 1
 
     def _phase(self) -> int:
         """Where the next forward falls in its period: probes take the last PROBE places."""
         return self.calls + self.PERIOD - self.FIRST if self.calls < self.FIRST else self.calls - self.FIRST
 
     def _probing(self) -> bool:
-        return self._phase() % self.PERIOD >= self.PERIOD - self.PROBE
+        return not self.holds and self._phase() % self.PERIOD >= self.PERIOD - self.PROBE
 
     def count(self) -> int:
         """Threads for the next call: torch's count (the most), or 1."""
@@ -46,7 +60,7 @@ class ThreadChoice:
 
     def record(self, tokens: int, seconds: float) -> None:
         """A native forward of ``tokens`` tokens took ``seconds`` on :meth:`count` threads."""
-        if torch.get_num_threads() <= 1:
+        if torch.get_num_threads() <= 1 or self.holds:
             return
         single = self.single != self._probing()
         if self._phase() % self.PERIOD == self.PERIOD - self.PROBE:  # a probe starts: its own times afresh
