@@ -82,8 +82,9 @@ def write_tiny_gguf(
 
     qtype "Q8_0" or "Q4_1" stores every matrix in such blocks; vectors stay float32. arch "llama" (q and k
     rows permuted; Llama 3's rope scaling as llama.cpp's ``rope_freqs`` factors), "qwen2" (a
-    Qwen2ForCausalLM: q/k/v biases, nothing permuted), "qwen3" (a Qwen3ForCausalLM: q/k norms) or "gemma3" (a
-    Gemma3ForCausalLM: every norm stored as 1 + w, as llama.cpp's converter does; its sliding window).
+    Qwen2ForCausalLM: q/k/v biases, nothing permuted), "qwen3" (a Qwen3ForCausalLM: q/k norms), "gemma3" (a
+    Gemma3ForCausalLM: every norm stored as 1 + w, as llama.cpp's converter does; its sliding window) or
+    "phi3" (a Phi3ForCausalLM: q, k, v and gate, up fused; its sliding window).
     tensor_types: another type for some matrices, by GGUF name (``{"blk.0.attn_k": "Q4_1"}``; random bytes
     where gguf cannot quantize into it). chat_template: the file's, or None for none."""
     config = model.config
@@ -91,7 +92,7 @@ def write_tiny_gguf(
     if arch in ("qwen3", "gemma3"):  # heads of their own width
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
-    if arch == "gemma3":
+    if arch == "gemma3" or arch == "phi3" and config.sliding_window:
         writer.add_sliding_window(config.sliding_window)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)

@@ -22,6 +22,8 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -125,6 +127,15 @@ def tiny_qwen3(seed: int = 0) -> Qwen3ForCausalLM:
     return randomized(Qwen3ForCausalLM(config))
 
 
+def tiny_phi3(seed: int = 0) -> Phi3ForCausalLM:
+    """A random 2-layer Phi-3: q, k, v and gate, up fused; every layer sees the last 4 positions."""
+    torch.manual_seed(seed)
+    config = Phi3Config(
+        **TINY, num_hidden_layers=2, sliding_window=4, pad_token_id=0, tie_word_embeddings=False
+    )
+    return randomized(Phi3ForCausalLM(config))
+
+
 def tiny_gemma3(seed: int = 0) -> Gemma3ForCausalLM:
     """A random 6-layer Gemma 3: layers 0-4 see the last 4 positions (RoPE base 10000), layer 5 all of them
     (base 1e6); heads of 32, the scores scaled by 1 / sqrt(32) as llama.cpp scales them."""
@@ -215,14 +226,20 @@ def test_matrices_of_mixed_types_stay_apart_each_in_its_own(tmp_path, cache):
 # --- against transformers --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "gemma3", "llama3-rope", "llama3-rope-other"])
+@pytest.mark.parametrize(
+    "case", ["llama", "qwen2", "qwen3", "gemma3", "phi3", "llama3-rope", "llama3-rope-other"]
+)
 def test_in_place_matches_transformers(tmp_path, case):
     """Over prefill and decode, a verification block, and rows of a batch, within float tolerance (float16
     weights, exactly; a float16 KV cache)."""
-    arch = case if case in ("qwen2", "qwen3", "gemma3") else "llama"
-    hf = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "gemma3": tiny_gemma3}.get(
-        case, lambda: llama3_scaled(8192 if case == "llama3-rope" else 64)
-    )()
+    arch = case if case in ("qwen2", "qwen3", "gemma3", "phi3") else "llama"
+    hf = {
+        "llama": tiny_llama,
+        "qwen2": tiny_qwen2,
+        "qwen3": tiny_qwen3,
+        "gemma3": tiny_gemma3,
+        "phi3": tiny_phi3,
+    }.get(case, lambda: llama3_scaled(8192 if case == "llama3-rope" else 64))()
     source = write_tiny_gguf(tmp_path / f"{case}.gguf", hf, "F16", arch=arch)
     model = load_gguf(source)
     with torch.no_grad():
@@ -236,6 +253,8 @@ def test_in_place_matches_transformers(tmp_path, case):
     if case == "gemma3":
         torch.testing.assert_close(model.inv_freq_local, rotary.sliding_attention_inv_freq, rtol=1e-6, atol=0)
         assert model.config.layer_windows == (4, 4, 4, 4, 4, 0)  # IDS is longer than the window
+    if case == "phi3":
+        assert model.config.layer_windows == (4, 4) and isinstance(model._native.layers[0].qkv, PackedMatrix)
     torch.testing.assert_close(run(model), expected, rtol=0, atol=1e-2)
     torch.testing.assert_close(run(model, prefill=3, block=4), expected, rtol=0, atol=1e-2)
     torch.testing.assert_close(batched(model, IDS, [IDS[:4], IDS[2:]]), expected, rtol=0, atol=1e-2)
@@ -422,6 +441,14 @@ def test_an_architecture_or_type_the_kernels_lack_is_refused_in_one_line(tmp_pat
         load_gguf(tmp_path / "gpt2.gguf")
     with pytest.raises(ValueError, match="precision auto, "):
         load_gguf(no_kernel, "fp32")
+    writer = gguf.GGUFWriter(str(tmp_path / "phi3-128k.gguf"), "phi3")
+    writer.add_tensor("rope_factors_long.weight", np.ones(8, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"cannot run in place: LongRoPE \(rope_factors_long"):
+        load_gguf(tmp_path / "phi3-128k.gguf")
 
 
 def test_a_file_the_kernels_lack_is_converted_saying_why(tmp_path, cache, capsys):

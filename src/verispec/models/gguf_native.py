@@ -12,7 +12,8 @@ head multiplies ``token_embd``'s blocks, an untied one ``output.weight``'s. Once
 mapping any more.
 
 Architectures (:data:`ARCHITECTURES`): llama and mistral (Llama 3's rope scaling from ``rope_freqs``), qwen2
-(q/k/v biases), qwen3 (per-head q/k RMSNorm), gemma3 (embeddings scaled by sqrt(hidden), GELU-tanh, norms
+(q/k/v biases), qwen3 (per-head q/k RMSNorm), phi3 (q, k, v fused in one matrix, gate and up in another),
+gemma3 (embeddings scaled by sqrt(hidden), GELU-tanh, norms
 before and after attention and MLP, q/k norms, sliding-window layers with their own RoPE base). llama.cpp's
 converter stores Gemma's norms as 1 + w, the weight its RMSNorm multiplies by: the file's values are used
 as they are.
@@ -50,6 +51,7 @@ class _Architecture:
     bias: bool = False  # q, k, v have biases
     qk_norm: bool = False  # per-head RMSNorm of q and k (attn_q_norm, attn_k_norm)
     gemma: bool = False  # Gemma 3's: scaled embeddings, GELU-tanh, post norms, sliding-window layers
+    fused: bool = False  # q, k, v in one matrix (attn_qkv), gate and up in one (ffn_up, gate rows first)
 
 
 ARCHITECTURES = {  # Mistral files are mostly "llama" ones
@@ -58,6 +60,7 @@ ARCHITECTURES = {  # Mistral files are mostly "llama" ones
     "qwen2": _Architecture(bias=True),
     "qwen3": _Architecture(qk_norm=True),
     "gemma3": _Architecture(qk_norm=True, gemma=True),
+    "phi3": _Architecture(fused=True),
 }
 _GEMMA_SWA_PATTERN = 6  # Gemma 3: every 6th layer attends to all positions, the others to a window
 _GEMMA_LOCAL_ROPE_BASE = 10000.0  # Gemma 3's sliding layers' RoPE base (llama.cpp's default too)
@@ -109,6 +112,8 @@ def in_place_problem(reader: GGUFFile) -> str | None:
     arch = _field(reader, "general.architecture", "?")
     if arch not in ARCHITECTURES:
         return f"architecture {arch!r} (native: {', '.join(ARCHITECTURES)})"
+    if any(t.name == "rope_factors_long.weight" for t in reader.tensors):
+        return "LongRoPE (rope_factors_long, Phi-3's long-context files) is not native"
     tied = all(t.name != "output.weight" for t in reader.tensors)
     for t in reader.tensors:
         matrix = t.name.startswith("blk.") and len(t.shape) == 2 or t.name == "output.weight"
@@ -174,8 +179,14 @@ def _assemble(path: Path, reader: GGUFFile, precision: str) -> Llama:
     heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}
     rows = {"attn_q": c.num_heads * c.head_dim, "attn_k": c.num_kv_heads * c.head_dim}
     rows |= {"attn_v": rows["attn_k"], "attn_output": c.hidden_size, "ffn_down": c.hidden_size}
-    rows |= {"ffn_gate": c.intermediate_size, "ffn_up": c.intermediate_size}
+    rows |= {"ffn_gate": c.intermediate_size, "ffn_up": c.intermediate_size * (2 if layout.fused else 1)}
+    rows |= {"attn_qkv": rows["attn_q"] + 2 * rows["attn_k"]}
     cols = {"attn_output": rows["attn_q"], "ffn_down": c.intermediate_size}
+    stacks = (
+        (("attn_qkv",), ("ffn_up",))
+        if layout.fused
+        else (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+    )
 
     def part(i: int, name: str) -> tuple[str, np.ndarray, Tensor | None]:
         shape = (rows[name], cols.get(name, c.hidden_size))
@@ -193,8 +204,7 @@ def _assemble(path: Path, reader: GGUFFile, precision: str) -> Llama:
     native = []
     for i, layer in enumerate(model.model.layers):
         assert isinstance(layer, _DecoderLayer)
-        qkv = _projection([part(i, n) for n in ("attn_q", "attn_k", "attn_v")], precision)
-        gate_up = _projection([part(i, n) for n in ("ffn_gate", "ffn_up")], precision)
+        qkv, gate_up = (_projection([part(i, n) for n in names], precision) for names in stacks)
         o, down = (_matrix(*part(i, n), precision) for n in ("attn_output", "ffn_down"))
         norms = [_norm(tensors, f"blk.{i}.{n}.weight", c.hidden_size) for n in ("attn_norm", "ffn_norm")]
         layer.input_layernorm.weight, layer.post_attention_layernorm.weight = norms
@@ -203,13 +213,13 @@ def _assemble(path: Path, reader: GGUFFile, precision: str) -> Llama:
                 "q_norm": vector(i, "attn_q_norm", c.head_dim),
                 "k_norm": vector(i, "attn_k_norm", c.head_dim),
             }
-        if layout.gemma:
-            window = c.layer_windows[i]
+        if c.layer_windows:
+            extras["window"] = c.layer_windows[i]
+        if layout.gemma:  # its sliding layers have a RoPE base of their own
             extras |= {
                 "post_attn_norm": vector(i, "post_attention_norm", c.hidden_size),
                 "post_mlp_norm": vector(i, "post_ffw_norm", c.hidden_size),
-                "window": window,
-                "local_rope": window > 0,
+                "local_rope": c.layer_windows[i] > 0,
             }
         native.append(NativeLayer(norms[0].data, norms[1].data, qkv, o, gate_up, down, **extras))
     model._native = NativeStack(
@@ -255,7 +265,7 @@ def _config(reader: GGUFFile, arch: str, tensors: dict[str, GGUFTensor]) -> Llam
     vocab = _field(reader, f"{arch}.vocab_size", None) or (embed.shape[-1] if embed is not None else 0)
     eos = _field(reader, "tokenizer.ggml.eos_token_id", None)
     layers, layout = int(_field(reader, f"{arch}.block_count")), ARCHITECTURES[arch]
-    gemma: dict[str, Any] = {}
+    fields: dict[str, Any] = {}  # Gemma 3's own fields, Phi-3's windows
     if layout.gemma:
         window = int(_field(reader, f"{arch}.attention.sliding_window"))
         pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", _GEMMA_SWA_PATTERN)
@@ -266,13 +276,15 @@ def _config(reader: GGUFFile, arch: str, tensors: dict[str, GGUFTensor]) -> Llam
         )
         if len(sliding) != layers:
             raise UsageError(f"sliding_window_pattern has {len(sliding)} layers, the model {layers}")
-        gemma = {
+        fields = {
             "post_norms": True,
             "activation": "gelu_tanh",
             "embed_scale": math.sqrt(hidden),
             "layer_windows": tuple(window if s else 0 for s in sliding),
             "local_rope_theta": float(_field(reader, f"{arch}.rope.freq_base_swa", _GEMMA_LOCAL_ROPE_BASE)),
         }
+    elif layout.fused and _field(reader, f"{arch}.attention.sliding_window", None):  # Phi-3: every layer's
+        fields = {"layer_windows": (int(_field(reader, f"{arch}.attention.sliding_window")),) * layers}
     return LlamaConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -290,7 +302,7 @@ def _config(reader: GGUFFile, arch: str, tensors: dict[str, GGUFTensor]) -> Llam
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_ids=() if eos is None else (int(eos),),
         qk_norm=layout.qk_norm,
-        **gemma,
+        **fields,
     )
 
 
