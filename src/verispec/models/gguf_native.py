@@ -196,7 +196,7 @@ def _assemble(path: Path, reader: GGUFFile, precision: str) -> Llama:
             bias = torch.from_numpy(_vector(tensors.get(key), shape[0], key))
         return _rows(tensor, bias, heads.get(name) if layout.permuted else None)
 
-    def vector(i: int, name: str, size: int) -> Tensor | None:
+    def vector(i: int, name: str, size: int) -> Tensor:  # [size]
         return _norm(tensors, f"blk.{i}.{name}.weight", size).data
 
     extras: dict[str, Any] = {}
