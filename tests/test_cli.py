@@ -179,3 +179,32 @@ def test_max_new_tokens_beyond_the_context_is_a_warning(capsys, shared_model):
     assert status == 0 and warning.startswith("verispec: warning: --max-new-tokens 100000 is more than")
     result = json.loads(out)
     assert result["stats"]["stop_reason"] in ("context", "eos") and len(result["token_ids"]) <= limit
+
+
+def test_threads_on_every_command_that_runs_a_model(capsys, shared_model, monkeypatch):
+    """--threads N on generate, demo, batch and serve: refused below 1 before a model loads; torch's count
+    otherwise, and the same tokens on one thread as on two (outputs never depend on it)."""
+    import torch
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("verispec.api._load", no_load)
+    for command in (["generate", "x"], ["demo"], ["batch", "--input", "a", "--output", "b"], ["serve"]):
+        status, out, err = run(capsys, *command, "--threads", "0")
+        assert status == 2 and err == "verispec: error: --threads must be an integer >= 1, got 0\n", command
+    monkeypatch.undo()
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    model = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
+    before = torch.get_num_threads()
+    try:
+        outputs = []
+        for threads in ("1", "2"):
+            status, out, _ = run(
+                capsys, "generate", "Once upon a time", "--threads", threads, "--json", *model
+            )
+            assert status == 0 and torch.get_num_threads() == int(threads)
+            outputs.append(json.loads(out)["token_ids"])
+        assert outputs[0] == outputs[1]
+    finally:
+        torch.set_num_threads(before)

@@ -274,6 +274,13 @@ def _add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drafter-path", metavar="FILE", help="a learned drafter (verispec train-drafter) for the target"
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="threads for the models (default: torch's, the cores this process may use); on a busy machine "
+        "the native kernels drop to one by themselves; outputs never depend on it",
+    )
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -1132,12 +1139,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from verispec.analysis.analytic import optimal_k
     from verispec.api import ModelChoice
 
-    for name in ("repetitions", "threads"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise UsageError(f"--{name} must be an integer >= 1, got {value}")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    if args.repetitions < 1:
+        raise UsageError(f"--repetitions must be an integer >= 1, got {args.repetitions}")
     speculator = ModelChoice(**_model_fields(args)).speculator()
     calibration = speculator.calibration(force=True, repetitions=args.repetitions)
     if args.json:
@@ -1444,8 +1447,6 @@ def run_bench_gguf(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"--{name.replace('_', '-')} must be an integer >= {least}, got {getattr(args, name)}"
             )
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be an integer >= 1, got {args.threads}")
     files = [Path(f) for f in args.files]
     for path in files:
         if path.suffix != ".gguf" or not path.is_file():
@@ -1500,6 +1501,18 @@ def _report(message: str, status: int) -> int:
     return status
 
 
+def _threads(args: argparse.Namespace) -> None:
+    """A command's --threads N (where it has one and N is given): checked, and torch's thread count."""
+    threads = getattr(args, "threads", None)
+    if threads is None:
+        return
+    if threads < 1:
+        raise UsageError(f"--threads must be an integer >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: sys.argv[1:]), run the subcommand, return the exit status (module doc)."""
     args = None
@@ -1508,6 +1521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = build_parser().parse_args(argv)
         except SystemExit as exit_:  # --help or --version: printed, status 0
             return exit_.code if isinstance(exit_.code, int) else 0
+        _threads(args)
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
         return status
