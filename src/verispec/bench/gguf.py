@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -150,26 +151,33 @@ def bench_file(path: Path, config: FileBenchConfig, bandwidth: float) -> FileRes
     )
     if not any(t.name == "output.weight" for t in reader.tensors):  # a tied head reads the embeddings
         weight_bytes += next(int(t.n_bytes) for t in reader.tensors if t.name == "token_embd.weight")
-    # random weights: no agreement to measure
-    real = not str(reader.fields.get("general.name", "")).startswith(RANDOM_NAME)
+    real = not str(reader.fields.get("general.name", "")).startswith(RANDOM_NAME)  # random: no agreement
     del reader
     loads = [_load_in_child(path, config.threads) for _ in range(2)]  # the first reads the file from disk
     torch.set_num_threads(config.threads)
     model = load_gguf(path)
     with THREADS.held():  # no probe of another thread count among the timed forwards
-        return _measured(model, path, config, bandwidth, weight_bytes, loads, real)
+        timings = _timings(model, path, config, real)
+    result = FileResult(
+        file=str(path),
+        file_bytes=path.stat().st_size,
+        weight_bytes=weight_bytes,
+        formats=model.cpu_precision or "",
+        load_seconds=loads[1]["seconds"],
+        rss_added=max(load["rss_added"] for load in loads),
+        startup_rss=max(load["startup"] for load in loads),
+        bandwidth=bandwidth,
+        **timings,
+    )
+    for alpha, c in PREDICTED:
+        k = optimal_k(alpha, c, result.verify)
+        speedup = expected_speedup(alpha, k, c, result.verify) if k else 1.0
+        result.predicted.append({"alpha": alpha, "cost_ratio": c, "k": k, "speedup": speedup})
+    return result
 
 
-def _measured(
-    model: Llama,
-    path: Path,
-    config: FileBenchConfig,
-    bandwidth: float,
-    weight_bytes: int,
-    loads: list,
-    real: bool,
-) -> FileResult:
-    """:func:`bench_file`'s timings of the loaded ``model``."""
+def _timings(model: Llama, path: Path, config: FileBenchConfig, real: bool) -> dict[str, Any]:
+    """The timed fields of :class:`FileResult` (and on a ``real`` file, its agreement with llama.cpp)."""
     vocab, capacity = model.vocab_size, config.context + max(config.max_k, config.prefill) + 16
     ids = torch.randint(0, vocab, (1, capacity), generator=torch.Generator().manual_seed(0))  # [1, capacity]
     cache = model.new_cache(1, capacity)
@@ -202,29 +210,14 @@ def _measured(
         model.prefill(ids[:, : n - 1], torch.arange(n - 1)[None], fresh)
         model(ids[:, n - 1 : n], torch.tensor([[n - 1]]), fresh)
 
-    prefill_seconds = min(_timed(prefill) for _ in range(3))
-    verify = [1.0] + [statistics.median(ratios[k]) for k in ratios]
-    result = FileResult(
-        file=str(path),
-        file_bytes=path.stat().st_size,
-        weight_bytes=weight_bytes,
-        formats=model.cpu_precision or "",
-        load_seconds=loads[1]["seconds"],
-        rss_added=max(load["rss_added"] for load in loads),
-        startup_rss=max(load["startup"] for load in loads),
-        decode_seconds=statistics.median(singles),
-        bandwidth=bandwidth,
-        verify=verify,
-        prefill_tps=config.prefill / prefill_seconds,
-        llamacpp_decode_seconds=statistics.median(peer_singles) if peer_singles else None,
-        llamacpp_prefill_tps=peer.prefill_tps(ids[0, : config.prefill].tolist()) if peer else None,
-        agreement=_agreement(model, path, peer) if peer is not None and real else None,
-    )
-    for alpha, c in PREDICTED:
-        k = optimal_k(alpha, c, verify)
-        speedup = expected_speedup(alpha, k, c, verify) if k else 1.0
-        result.predicted.append({"alpha": alpha, "cost_ratio": c, "k": k, "speedup": speedup})
-    return result
+    return {
+        "decode_seconds": statistics.median(singles),
+        "verify": [1.0] + [statistics.median(ratios[k]) for k in ratios],
+        "prefill_tps": config.prefill / min(_timed(prefill) for _ in range(3)),
+        "llamacpp_decode_seconds": statistics.median(peer_singles) if peer_singles else None,
+        "llamacpp_prefill_tps": peer.prefill_tps(ids[0, : config.prefill].tolist()) if peer else None,
+        "agreement": _agreement(model, path, peer) if peer is not None and real else None,
+    }
 
 
 class _LlamaCpp:

