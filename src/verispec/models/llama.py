@@ -48,6 +48,7 @@ from verispec.kernels.cpu import (
 from verispec.models.base import Cache, RowInput
 
 __all__ = [
+    "ARCHITECTURE_FIELDS",
     "DEFAULT_PRECISION",
     "PRECISIONS",
     "PRECISION_CHOICES",
@@ -141,6 +142,12 @@ class RopeScaling:
                 "original_max_position_embeddings", max_position_embeddings
             ),
         )
+
+
+# LlamaConfig's fields for architectures beside Llama's, which only the native kernels run
+ARCHITECTURE_FIELDS = (
+    "qk_norm", "post_norms", "activation", "embed_scale", "attn_scale", "layer_windows", "local_rope_theta",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -257,17 +264,19 @@ class LlamaConfig:
         """The config of this model's first ``num_layers`` layers (their sliding windows with them)."""
         return dataclasses.replace(self, num_layers=num_layers, layer_windows=self.layer_windows[:num_layers])
 
+    def architecture_fields(self) -> dict[str, Any]:
+        """The fields for architectures beside Llama's (see the class docstring) that differ from their
+        defaults: none for a Llama-family model."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name in ARCHITECTURE_FIELDS and getattr(self, f.name) != f.default
+        }
+
     @property
     def native_only(self) -> bool:
         """Whether the model has parts only the native kernels run (see the class docstring)."""
-        return (
-            self.qk_norm
-            or self.post_norms
-            or self.activation != "silu"
-            or self.embed_scale != 1.0
-            or self.attn_scale is not None
-            or any(self.layer_windows)
-        )
+        return bool(self.architecture_fields())
 
     @property
     def max_context(self) -> int:

@@ -31,7 +31,14 @@ from torch import Tensor, nn
 from verispec.errors import UsageError
 from verispec.files import atomic_path
 from verispec.models.base import LanguageModel
-from verispec.models.llama import Llama, _Linear, _onednn_linear_works, _RMSNorm, pack_linears
+from verispec.models.llama import (
+    ARCHITECTURE_FIELDS,
+    Llama,
+    _Linear,
+    _onednn_linear_works,
+    _RMSNorm,
+    pack_linears,
+)
 
 __all__ = ["FORMAT", "LearnedHead", "native_target", "read_drafter_file", "target_fingerprint"]
 
@@ -53,22 +60,14 @@ def native_target(model: LanguageModel) -> Llama:
     return model
 
 
-# LlamaConfig's fields for architectures beside Llama's, left out of a fingerprint at their defaults (so that
-# the fingerprints of drafters trained before they existed still name their targets)
-_ARCHITECTURE_FIELDS = frozenset(
-    {"qk_norm", "post_norms", "activation", "embed_scale", "attn_scale", "layer_windows", "local_rope_theta"}
-)
-
-
 def target_fingerprint(model: LanguageModel) -> str:
     """A short hash naming the target's weights: its config, a strided sample of the token embeddings and
     every RMSNorm weight, rounded to bfloat16 first (so that float32 and half-precision copies of one
     checkpoint agree). The projection weights are left out: the CPU fast path holds them in a packed form."""
     model = native_target(model)
-    config = dataclasses.asdict(model.config)
-    for field in dataclasses.fields(model.config):  # fields at their defaults since added: as before them
-        if field.name in _ARCHITECTURE_FIELDS and getattr(model.config, field.name) == field.default:
-            del config[field.name]
+    config = dataclasses.asdict(model.config)  # architecture fields at their defaults left out, so that
+    for name in set(ARCHITECTURE_FIELDS) - set(model.config.architecture_fields()):  # drafters trained
+        del config[name]  # before those fields existed still name their targets
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     stride = max(1, model.vocab_size // _FINGERPRINT_ROWS)
     rows = torch.arange(0, model.vocab_size, stride, device=model.device)  # [rows]
