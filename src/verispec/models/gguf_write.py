@@ -12,7 +12,6 @@ tokens, filler tokens up to the vocabulary) and a chat template, so the file loa
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
@@ -21,7 +20,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 
 from verispec.errors import UsageError
-from verispec.models.gguf import first_line
+from verispec.files import atomic_path
 from verispec.models.llama import LlamaConfig
 
 __all__ = ["RANDOM_NAME", "SHAPES", "TYPES", "GGUFShape", "parse_shape", "random_blocks", "write_random_gguf"]
@@ -145,18 +144,10 @@ def write_random_gguf(path: str | Path, shape: GGUFShape, type_name: str, seed: 
     widths = sorted({c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size})
     if any(w % block for w in widths):
         raise UsageError(f"{type_name} needs widths that are multiples of {block}, and these are {widths}")
-    if not path.parent.is_dir():
-        raise UsageError(f"no such directory: {path.parent}")
     if path.suffix != ".gguf":
         raise UsageError(f"the output file must end in .gguf, got {path.name}")
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
+    with atomic_path(path) as partial:
         _write(partial, shape, c, type_name, np.random.default_rng(seed))
-        os.replace(partial, path)
-    except OSError as err:
-        raise UsageError(f"cannot write {path}: {first_line(err)}") from err
-    finally:
-        partial.unlink(missing_ok=True)
     return path
 
 
