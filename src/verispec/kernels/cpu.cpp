@@ -1551,38 +1551,30 @@ static void unpack_block(int format, const uint8_t* row, int b, uint8_t* u, uint
     }
 }
 
-// GGUF blocks of a block-format matrix, raw [rows, bytes per row], into the kernels' arrays of w (see the
-// products' layout), allocated by the caller for rows padded to a multiple of VS_GROUP and zeroed (padding
-// rows keep zero scales). Returns 0, or -1 for a format without blocks.
-extern "C" int vs_repack(const vs_matrix* w, const uint8_t* raw, size_t row_bytes, int threads) {
-    int chunks, scales;
-    switch (w->format) {
-        case VS_Q8_0: chunks = FQ8_0::CHUNKS, scales = S_BLOCK; break;
-        case VS_Q4_0: case VS_Q4_1: chunks = 4, scales = S_BLOCK; break;
-        case VS_Q5_0: case VS_Q5_1: chunks = 5, scales = S_BLOCK; break;
-        case VS_Q4_K: chunks = 4, scales = S_SUPER; break;
-        case VS_Q5_K: chunks = 5, scales = S_SUPER; break;
-        case VS_Q6_K: chunks = 6, scales = S_HALVES; break;
-        default: return -1;
-    }
+// GGUF blocks of a block-format matrix FMT, raw [rows, bytes per row], into the kernels' arrays of w (the
+// layout group_view gives), allocated by the caller for rows padded to a multiple of VS_GROUP and zeroed
+// (padding rows keep zero scales).
+template <class FMT>
+static void repack(const vs_matrix* w, const uint8_t* raw, size_t row_bytes, int threads) {
     const int nb = w->cols / QK, rows = w->rows;
-    uint8_t* q = (uint8_t*)w->q;
-    uint16_t *d = (uint16_t*)w->d, *m = (uint16_t*)w->m;
-    uint8_t *sc = (uint8_t*)w->sc, *sm = (uint8_t*)w->sm;
     parallel_for((rows + VS_GROUP - 1) / VS_GROUP, threads, [&](int g) {
+        const GroupView v = group_view<FMT>(w, g);  // the arrays' group g, written here
+        uint8_t* q = (uint8_t*)v.q;
+        uint16_t *d = (uint16_t*)v.d, *m = (uint16_t*)v.m;
+        uint8_t *sc = (uint8_t*)v.sc, *sm = (uint8_t*)v.sm;
         for (int l = 0; l < VS_GROUP && g * VS_GROUP + l < rows; l++) {
             const uint8_t* row = raw + (size_t)(g * VS_GROUP + l) * row_bytes;
             for (int b = 0; b < nb; b++) {
                 uint8_t u[32], s[2] = {0, 0}, mn = 0;
                 uint16_t bd = 0, bm = 0;
                 unpack_block(w->format, row, b, u, &bd, &bm, s, &mn);
-                uint8_t* out = q + ((size_t)(g * nb + b) * chunks * VS_GROUP + l) * 4;  // chunk 0, lane l
-                if (chunks == 8) {
+                uint8_t* out = q + (size_t)b * FMT::CHUNKS * CHUNK + 4 * l;  // chunk 0, lane l
+                if (FMT::BITS == 8) {
                     for (int c = 0; c < 8; c++) memcpy(out + (size_t)c * CHUNK, u + 4 * c, 4);
                 } else {
                     for (int c = 0; c < 4; c++)
                         for (int j = 0; j < 4; j++) out[c * CHUNK + j] = (uint8_t)((u[4 * c + j] & 15) | (u[16 + 4 * c + j] & 15) << 4);
-                    for (int bit = 4; bit < chunks; bit++)
+                    for (int bit = 4; bit < FMT::BITS; bit++)
                         for (int j = 0; j < 4; j++) {
                             uint8_t plane = 0;
                             for (int c = 0; c < 4; c++)
@@ -1590,25 +1582,31 @@ extern "C" int vs_repack(const vs_matrix* w, const uint8_t* raw, size_t row_byte
                             out[bit * CHUNK + j] = plane;
                         }
                 }
-                const size_t block = (size_t)(g * nb + b) * VS_GROUP + l, super = (size_t)(g * (nb / 8) + b / 8) * VS_GROUP + l;
-                if (scales == S_BLOCK) {
+                const size_t block = (size_t)b * VS_GROUP + l, super = (size_t)(b / 8) * VS_GROUP + l;
+                if (FMT::SCALES == S_BLOCK) {
                     d[block] = bd;
-                    if (m) m[block] = bm;
-                } else {
-                    d[super] = bd;
-                    if (scales == S_SUPER) {
-                        m[super] = bm;
-                        sc[block] = s[0];
-                        sm[block] = mn;
-                    } else {
-                        sc[((size_t)(g * nb + b) * 2) * VS_GROUP + l] = s[0];
-                        sc[((size_t)(g * nb + b) * 2 + 1) * VS_GROUP + l] = s[1];
-                    }
+                    if (FMT::MIN) m[block] = bm;
+                } else if (FMT::SCALES == S_SUPER) {
+                    d[super] = bd, m[super] = bm, sc[block] = s[0], sm[block] = mn;
+                } else {  // S_HALVES
+                    d[super] = bd, sc[2 * (size_t)b * VS_GROUP + l] = s[0], sc[(2 * (size_t)b + 1) * VS_GROUP + l] = s[1];
                 }
             }
         }
     });
-    return 0;
+}
+
+// The block-format matrix w's arrays from GGUF blocks (see repack). Returns 0, or -1 for a format without
+// blocks.
+extern "C" int vs_repack(const vs_matrix* w, const uint8_t* raw, size_t row_bytes, int threads) {
+    switch (w->format) {
+#define VS_FORMAT(CODE, FMT) \
+    case CODE: repack<FMT>(w, raw, row_bytes, threads); return 0;
+        VS_FORMAT(VS_Q8_0, FQ8_0) VS_FORMAT(VS_Q4_0, FQ4_0) VS_FORMAT(VS_Q4_1, FQ4_1) VS_FORMAT(VS_Q5_0, FQ5_0)
+        VS_FORMAT(VS_Q5_1, FQ5_1) VS_FORMAT(VS_Q4_K, FQ4_K) VS_FORMAT(VS_Q5_K, FQ5_K) VS_FORMAT(VS_Q6_K, FQ6_K)
+#undef VS_FORMAT
+    }
+    return -1;
 }
 
 // ------------------------------------------------------------------------------------------ entry points
