@@ -6,16 +6,16 @@ import inspect
 import pytest
 
 import verispec
-from verispec import api, cli
+from verispec import api, cli, options
 from verispec.errors import UsageError
 
 
 def test_library_and_cli_share_one_default_temperature():
     """Greedy, whether through verispec.generate, Speculator.request or verispec generate / batch."""
-    assert api.DEFAULT_SAMPLING.greedy
+    assert options.DEFAULT_SAMPLING.greedy
     assert inspect.signature(api.generate).parameters["temperature"].default == 0
     for argv in (["generate", "x"], ["batch", "--input", "i", "--output", "o"]):
-        assert cli.build_parser().parse_args(argv).temperature == api.DEFAULT_SAMPLING.temperature
+        assert cli.build_parser().parse_args(argv).temperature == options.DEFAULT_SAMPLING.temperature
 
 
 @pytest.mark.parametrize(

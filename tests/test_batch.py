@@ -35,8 +35,9 @@ from verispec.drafting.tree import TreeShape
 from verispec.engine import EngineConfig, GenerationStats, Request, SpeculativeEngine
 from verispec.kernels.cpu import native_available
 from verispec.models.base import RowInput
+from verispec.options import GenerationOptions, SamplingParams
 from verispec.policies import ConstantK
-from verispec.sampling import SamplingParams, position_draws, probs_from_logits
+from verispec.sampling import position_draws, probs_from_logits
 from verispec.scheduler import QueueFull, Scheduler
 
 GREEDY = SamplingParams(temperature=0)
@@ -283,14 +284,14 @@ def test_a_joining_request_copies_the_start_a_running_row_holds(native_target, t
     )
     first, second = "thecatsatonthemat", "thecatsatonthehat"
     for sampling in (GREEDY, SamplingParams(temperature=1.0, top_k=20, seed=5, invariant=False)):
-        options = dict(k=k, max_new_tokens=12, sampling=sampling)
-        alone = [spec.generate(p, **options).token_ids for p in (first, second)]
+        options = GenerationOptions(k=k, max_new_tokens=12, sampling=sampling)
+        alone = [spec.generate(p, options).token_ids for p in (first, second)]
         engine = SpeculativeEngine(native_target, slots=2)
         got: dict[int, list[int]] = {}
-        running = engine.submit(spec.request(first, **options)[0])
+        running = engine.submit(spec.request(first, options)[0])
         for handle, tokens in engine.step():  # its prompt in one chunk, and a first token
             got.setdefault(id(handle), []).extend(tokens)
-        joining = engine.submit(spec.request(second, **options)[0])
+        joining = engine.submit(spec.request(second, options)[0])
         assert joining.slot != running.slot
         assert joining.request.stats.cached_prompt_tokens == len("thecatsatonthe")  # what the two share
         while engine.running:
@@ -581,13 +582,13 @@ def test_batch_bad_combinations(tmp_path, capsys):
 @needs_native
 def test_scheduler_serves_many_threads_each_as_alone(native_target):
     spec = speculator(native_target, "ngram")
-    options = dict(k=2, max_new_tokens=16, sampling=GREEDY)
-    alone = {p: spec.generate(p, **options) for p in PROMPTS}
+    options = GenerationOptions(k=2, max_new_tokens=16, sampling=GREEDY)
+    alone = {p: spec.generate(p, options) for p in PROMPTS}
     got: dict[str, list[int]] = {}
     texts: dict[str, str] = {}
 
     def client(prompt: str) -> None:
-        handle = scheduler.submit(prompt, **options)
+        handle = scheduler.submit(prompt, options)
         chunks = list(handle)
         got[prompt] = [t for c in chunks for t in c.token_ids]
         texts[prompt] = "".join(c.text for c in chunks)
@@ -605,20 +606,20 @@ def test_scheduler_serves_many_threads_each_as_alone(native_target):
 def test_scheduler_cancel_frees_the_slot_and_a_full_queue_refuses():
     target = TableLM(8, seed=1)
     spec = Speculator((target, LetterTokenizer(8)), drafter="none")
-    options = dict(k=0, max_new_tokens=200, sampling=GREEDY)
+    options = GenerationOptions(k=0, max_new_tokens=200, sampling=GREEDY)
     with Scheduler(spec, slots=1, max_queue=1) as scheduler:
-        first = scheduler.submit("abc", **options)
-        second = scheduler.submit("bcd", **dict(options, max_new_tokens=3))
+        first = scheduler.submit("abc", options)
+        second = scheduler.submit("bcd", dataclasses.replace(options, max_new_tokens=3))
         with pytest.raises(QueueFull, match="1 requests running and 1 waiting"):
-            scheduler.submit("cde", **options)
+            scheduler.submit("cde", options)
         next(iter(first))  # it runs
         first.cancel()
         assert len([t for c in second for t in c.token_ids]) == 3  # the slot went to the waiting one
         assert first.finished.wait(10) and first.stats.stop_reason == "cancelled"
         with pytest.raises(ValueError, match="the prompt is empty"):
-            scheduler.submit("", **options)
+            scheduler.submit("", options)
     with pytest.raises(ValueError, match="the scheduler is closed"):
-        scheduler.submit("abc", **options)
+        scheduler.submit("abc", options)
 
 
 def test_auto_is_compared_with_the_best_rival_of_its_own_turn():

@@ -21,7 +21,7 @@ from verispec import batch as batch_module
 from verispec import cli
 from verispec.batch import LOCAL, BatchJob, prompt_seed, run_job
 from verispec.errors import UsageError
-from verispec.sampling import SamplingParams
+from verispec.options import SamplingParams
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily was sad because", "Tom and Sue went"]
 

@@ -28,8 +28,8 @@ from verispec.drafting.base import Proposal
 from verispec.drafting.ngram import NGramDrafter
 from verispec.models.llama import Llama, LlamaConfig
 from verispec.models.registry import load_model
+from verispec.options import SamplingParams
 from verispec.policies import ConstantK, CostModelK
-from verispec.sampling import SamplingParams
 
 
 @pytest.fixture(autouse=True)

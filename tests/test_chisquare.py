@@ -41,7 +41,7 @@ from toy import (
     target_joint,
     without_bonus,
 )
-from verispec.sampling import SamplingParams
+from verispec.options import SamplingParams
 
 ROWS = 200_000  # generations per chi-square test, all in one batch
 ALPHA = 1e-4  # family-wise significance level of the module

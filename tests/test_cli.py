@@ -145,6 +145,10 @@ def test_help_and_usage_errors_import_no_torch():
     )
     argvs = ["--help", *(f"{name} --help" for name in COMMANDS), "viz overlap --help", "generate --k"]
     argvs += ["generate x --max-new-tokens many", "serve --port x", "bench --bogus"]
+    # mistakes found once parsed, still before anything loads: K, sampling, stop strings, batch settings
+    argvs += ["generate x --k ²", "generate x --temperature -1", "generate x --top-p 0", "generate x --stop="]
+    argvs += ["generate x --max-new-tokens 0", "generate --batch f --k x", "demo --k x"]
+    argvs += ["batch --input i --output o --k x", "batch --input i --output i"]
     done = subprocess.run([sys.executable, "-c", script, *argvs], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ""  # none of them imported
@@ -162,7 +166,7 @@ def test_tree_mistakes_are_refused_before_a_model_loads(capsys, monkeypatch, arg
     def load(*args, **kwargs):
         raise AssertionError("a model was loaded before the arguments were checked")
 
-    monkeypatch.setattr("verispec.api._load", load)
+    monkeypatch.setattr("verispec.resolve._load", load)
     status, out, err = run(capsys, "generate", "a prompt", *argv)
     assert status == 2 and out == "" and err.count("\n") == 1
     assert err.startswith("verispec: error: ") and fragment in err
@@ -189,7 +193,7 @@ def test_threads_on_every_command_that_runs_a_model(capsys, shared_model, monkey
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("verispec.api._load", no_load)
+    monkeypatch.setattr("verispec.resolve._load", no_load)
     for command in (["generate", "x"], ["demo"], ["batch", "--input", "a", "--output", "b"], ["serve"]):
         status, out, err = run(capsys, *command, "--threads", "0")
         assert status == 2 and err == "verispec: error: --threads must be an integer >= 1, got 0\n", command

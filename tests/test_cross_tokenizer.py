@@ -35,7 +35,8 @@ from verispec.drafting.cross_tokenizer import (
     same_vocabulary,
 )
 from verispec.errors import UsageError
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.options import GenerationOptions, SamplingParams
+from verispec.sampling import probs_from_logits
 from verispec.verify.chain import Rule, greedy_rule, rejection_rule, single_guess_rule
 
 EXACT_TV = 1e-12
@@ -475,7 +476,7 @@ def test_real_pair_is_spelled_and_shared(real_pair):
 @pytest.mark.parametrize("algorithm", ["tli", "string", "auto"])
 def test_real_pair_greedy_equals_plain_greedy(real_pair, algorithm: str):
     from verispec.api import Speculator
-    from verispec.sampling import SamplingParams
+    from verispec.options import SamplingParams
 
     greedy = SamplingParams(temperature=0)
     plain = Speculator(real_pair[0], drafter="none")
@@ -506,7 +507,7 @@ def test_real_pair_first_sampled_token_follows_the_target(real_pair, algorithm: 
 
     def request(seed: int) -> Request:
         sampling = SamplingParams(temperature=1.0, seed=seed, invariant=False)
-        return spec.request(prompt, k=2, max_new_tokens=2, sampling=sampling)[0]
+        return spec.request(prompt, GenerationOptions(k=2, max_new_tokens=2, sampling=sampling))[0]
 
     counts = first_token_counts(model, request, n)
     ids = tokenizer.encode(prompt)

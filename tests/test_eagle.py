@@ -21,9 +21,10 @@ from scipy import stats as scipy_stats
 
 from fakes import LetterTokenizer, TableLM
 from first_rounds import first_token_counts
+from one_sequence import OneSequence
 from test_real_models import STORY_PROMPTS
-from verispec import api as api_module
 from verispec import cli
+from verispec import resolve as resolve_module
 from verispec.analysis.analytic import CostModel, best_tree_size, speedup_by_k
 from verispec.api import Speculator
 from verispec.bench.suite import BenchConfig, Method, plan_methods
@@ -46,11 +47,12 @@ from verispec.drafting.learned.train import (
 )
 from verispec.drafting.ngram import NGramTreeDrafter
 from verispec.drafting.tree import TreeShape
-from verispec.engine import EngineConfig, GenerationStats, Request, SpeculativeEngine
+from verispec.engine import EngineConfig, GenerationStats, Request
 from verispec.models.llama import Llama, LlamaConfig
 from verispec.models.registry import load_model
+from verispec.options import GenerationOptions, SamplingParams
 from verispec.policies import ConstantK
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.sampling import probs_from_logits
 
 VOCAB = 64
 GREEDY = SamplingParams(temperature=0)
@@ -249,10 +251,12 @@ def test_a_drafter_for_another_target_is_refused(target, tmp_path):
 def test_a_loaded_target_is_named_by_its_label(target, trained, tmp_path, monkeypatch):
     """``target_label`` names a loaded target: the shipped drafter is looked up under it; errors say it."""
     tokenizer = LetterTokenizer(VOCAB)
-    monkeypatch.setattr(Speculator, "_learned_pays", lambda self, label: True)  # the costs: another test
+    monkeypatch.setattr(
+        resolve_module, "_learned_pays", lambda model, head, label: True
+    )  # the costs: another test
     asked = []
     monkeypatch.setattr(
-        api_module, "shipped_drafter", lambda label, kind="eagle": asked.append(label) or trained
+        resolve_module, "shipped_drafter", lambda label, kind="eagle": asked.append(label) or trained
     )
     assert Speculator((target, tokenizer), target_label="tiny-0").drafter_name == "eagle"
     assert asked == ["tiny-0"]
@@ -465,15 +469,17 @@ def test_greedy_equals_plain_greedy_tiny(target, trained, tmp_path):
 def test_auto_takes_the_shipped_drafter_only_when_it_matches(target, trained, tmp_path, monkeypatch):
     tokenizer = LetterTokenizer(VOCAB)
     foreign = fresh_head(tiny_target(seed=1), torch.arange(VOCAB)).save(tmp_path / "foreign.safetensors")
-    monkeypatch.setattr(api_module, "shipped_drafter", lambda label, kind="eagle": trained)
-    monkeypatch.setattr(Speculator, "_learned_pays", lambda self, label: True)  # the costs: the next test
+    monkeypatch.setattr(resolve_module, "shipped_drafter", lambda label, kind="eagle": trained)
+    monkeypatch.setattr(
+        resolve_module, "_learned_pays", lambda model, head, label: True
+    )  # the costs: the next test
     assert Speculator((target, tokenizer)).drafter_name == "eagle"
     assert Speculator((target, tokenizer), draft=(target, tokenizer)).drafter_name == "model"
     assert Speculator((target, tokenizer), tree=TreeShape.full(2, 2)).drafter_name == "eagle"
-    monkeypatch.setattr(api_module, "shipped_drafter", lambda label, kind="eagle": foreign)
+    monkeypatch.setattr(resolve_module, "shipped_drafter", lambda label, kind="eagle": foreign)
     assert Speculator((target, tokenizer)).drafter_name == "ngram"
     one_line_error(lambda: Speculator((target, tokenizer), drafter="eagle"), "trained for target")
-    monkeypatch.setattr(api_module, "shipped_drafter", lambda label, kind="eagle": None)
+    monkeypatch.setattr(resolve_module, "shipped_drafter", lambda label, kind="eagle": None)
     assert Speculator((target, tokenizer)).drafter_name == "ngram"
     one_line_error(lambda: Speculator((target, tokenizer), drafter="eagle"), "needs a drafter file")
     one_line_error(
@@ -489,7 +495,7 @@ def test_auto_takes_the_shipped_drafter_only_where_the_costs_say_it_pays(
     """At the held-out agreement its file records, the cost model must predict the shipped drafter
     LEARNED_MARGIN times faster than plain decoding; a drafter named by its path is always taken."""
     tokenizer = LetterTokenizer(VOCAB)
-    monkeypatch.setattr(api_module, "shipped_drafter", lambda label, kind="eagle": trained)
+    monkeypatch.setattr(resolve_module, "shipped_drafter", lambda label, kind="eagle": trained)
     heldout = [0.9, 0.85, 0.8]
     real_from_file = EagleHead.from_file
 
@@ -501,9 +507,9 @@ def test_auto_takes_the_shipped_drafter_only_where_the_costs_say_it_pays(
     monkeypatch.setattr(EagleHead, "from_file", staticmethod(from_file))
     costs = CostModel(cost_ratio, [1.0] + [verify + 0.1 * i for i in range(15)])
     calibration = SimpleNamespace(cost_model=costs)
-    monkeypatch.setattr(api_module, "calibrate", lambda *args, **kwargs: calibration)
+    monkeypatch.setattr(resolve_module, "calibrate", lambda *args, **kwargs: calibration)
     predicted = speedup_by_k(heldout + [heldout[-1]] * 12, costs.round_costs(15)).max()
-    assert (predicted >= api_module.LEARNED_MARGIN) == pays  # the two settings straddle the margin
+    assert (predicted >= resolve_module.LEARNED_MARGIN) == pays  # the two settings straddle the margin
     assert Speculator((target, tokenizer)).drafter_name == ("eagle" if pays else "ngram")
     assert Speculator((target, tokenizer), drafter_path=str(trained)).drafter_name == "eagle"
 
@@ -634,7 +640,7 @@ class RecordingDrafter:
 def test_engine_hands_over_the_committed_hidden_states(target, sampling):
     """The drafter receives f_0..f_{n-1} of the final sequence x_0..x_n, in order, nothing else."""
     drafter = RecordingDrafter(target)
-    engine = SpeculativeEngine(target, drafter, ConstantK(3))
+    engine = OneSequence(target, drafter, ConstantK(3))
     prompt = [5, 17, 40, 2]
     stats = GenerationStats("recording", "3")
     new = [t for chunk in engine.stream(prompt, EngineConfig(30, sampling), stats) for t in chunk]
@@ -642,7 +648,7 @@ def test_engine_hands_over_the_committed_hidden_states(target, sampling):
     received = torch.cat(drafter.hidden)  # [n, H]
     torch.testing.assert_close(received, hidden_states(target, prompt + new[:-1]), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="hidden states"):
-        SpeculativeEngine(TableLM(VOCAB, seed=0), drafter, ConstantK(3))
+        OneSequence(TableLM(VOCAB, seed=0), drafter, ConstantK(3))
 
 
 # Chi-square through the engine: the first sampled token of N seeded generations with the learned drafter
@@ -653,7 +659,7 @@ ALPHA = 1e-3
 
 def first_token_chi_square(speculator: Speculator, model: Llama, prompt_ids: list[int], prompt, sampling_kw):
     def request(sampling: SamplingParams) -> Request:
-        return speculator.request(prompt, k=1, max_new_tokens=2, sampling=sampling)[0]
+        return speculator.request(prompt, GenerationOptions(k=1, max_new_tokens=2, sampling=sampling))[0]
 
     return chi_square_of_first_tokens(request, model, prompt_ids, sampling_kw)
 
@@ -774,7 +780,7 @@ def test_tree_rounds_hand_over_the_committed_path(target, trained, sampling):
     """After a generation with tree rounds, the head holds the target's hidden states f_0..f_{n-1} of the
     final sequence: the accepted path's, in order, none of a rejected node."""
     drafter = EagleTreeDrafter(EagleDrafter(EagleHead.load(trained, target), sampling), TreeShape.full(2, 2))
-    engine = SpeculativeEngine(target, drafter, ConstantK(0))
+    engine = OneSequence(target, drafter, ConstantK(0))
     prompt = [5, 17, 40, 2]
     stats = GenerationStats("eagle", "tree")
     new = [t for chunk in engine.stream(prompt, EngineConfig(30, sampling), stats) for t in chunk]
@@ -914,7 +920,7 @@ def test_dynamic_tree_greedy_equals_plain_greedy(target, trained, spec, tmp_path
             shape = TreeShape.parse(spec)
             drafter = EagleTreeDrafter(EagleDrafter(head, GREEDY), shape, cost=cost)
             stats = GenerationStats("eagle", spec)
-            engine = SpeculativeEngine(target, drafter, ConstantK(0))
+            engine = OneSequence(target, drafter, ConstantK(0))
             out = [t for chunk in engine.stream(ids, EngineConfig(50, GREEDY), stats) for t in chunk]
             assert out == reference, (spec, prompt)
             accepted, nodes = accepted + stats.accepted, nodes + stats.tree_nodes

@@ -13,12 +13,14 @@ from scipy import stats as scipy_stats
 
 import verispec.engine as engine_module
 from fakes import TableLM
+from one_sequence import OneSequence
 from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.ngram import NGramDrafter
 from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
+from verispec.options import SamplingParams
 from verispec.policies import AdditiveK, ConstantK
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.sampling import probs_from_logits
 from verispec.verify.chain import rejection_rule, sample_verdict
 
 V = 6
@@ -62,14 +64,14 @@ def test_greedy_output_equals_plain_greedy(policy, seed):
     config = EngineConfig(max_new_tokens=37, sampling=GREEDY)
     reference = target.greedy(prompt, 37)
     for drafter in drafters(target, GREEDY):
-        out, stats = run(SpeculativeEngine(target, drafter, policy), prompt, config)
+        out, stats = run(OneSequence(target, drafter, policy), prompt, config)
         assert out == reference, drafter.name
         assert stats.new_tokens == 37 and stats.stop_reason == "max_new_tokens"
 
 
 def test_perfect_draft_needs_one_call_per_k_plus_one_tokens():
     target = TableLM(V, seed=3)
-    engine = SpeculativeEngine(target, ModelDrafter(target, GREEDY, V), ConstantK(4))
+    engine = OneSequence(target, ModelDrafter(target, GREEDY, V), ConstantK(4))
     out, stats = run(engine, [1, 2], EngineConfig(max_new_tokens=25, sampling=GREEDY))
     assert len(out) == 25
     assert stats.target_calls == 5  # 5 tokens per round: 4 accepted + 1 bonus
@@ -80,7 +82,7 @@ def test_perfect_draft_needs_one_call_per_k_plus_one_tokens():
 def test_never_overshoots_max_new_tokens(max_new):
     """k is capped by the tokens still allowed, so even a fully accepted draft stops exactly at the limit."""
     target, draft = TableLM(V, seed=5), TableLM(V, seed=5)  # the same weights: every draft token is accepted
-    engine = SpeculativeEngine(target, ModelDrafter(draft, GREEDY, V), ConstantK(8))
+    engine = OneSequence(target, ModelDrafter(draft, GREEDY, V), ConstantK(8))
     out, stats = run(engine, [0], EngineConfig(max_new_tokens=max_new, sampling=GREEDY))
     assert out == target.greedy([0], max_new)
     assert max(target.calls) <= max_new  # no round scored more positions than tokens it may keep
@@ -93,7 +95,7 @@ def test_stops_at_end_of_sequence_inside_a_draft():
     expected = target.greedy([2, 3], 40, eos=frozenset({eos}))
     for drafter in drafters(target, GREEDY):
         out, stats = run(
-            SpeculativeEngine(target, drafter, ConstantK(5)),
+            OneSequence(target, drafter, ConstantK(5)),
             [2, 3],
             EngineConfig(max_new_tokens=40, sampling=GREEDY, eos_token_ids=frozenset({eos})),
         )
@@ -102,7 +104,7 @@ def test_stops_at_end_of_sequence_inside_a_draft():
 
 def test_stops_at_the_context_limit():
     target = TableLM(V, seed=1, max_context=20)
-    engine = SpeculativeEngine(target, ModelDrafter(target, GREEDY, V), ConstantK(6))
+    engine = OneSequence(target, ModelDrafter(target, GREEDY, V), ConstantK(6))
     out, stats = run(engine, [1, 2, 3], EngineConfig(max_new_tokens=100, sampling=GREEDY))
     assert len(out) == 17 and stats.stop_reason == "context"
     assert out == target.greedy([1, 2, 3], 17)
@@ -110,7 +112,7 @@ def test_stops_at_the_context_limit():
 
 def test_bad_prompts():
     target = TableLM(V, seed=1, max_context=8)
-    engine = SpeculativeEngine(target, NoDrafter(), ConstantK(2))
+    engine = OneSequence(target, NoDrafter(), ConstantK(2))
     config = EngineConfig(max_new_tokens=4, sampling=GREEDY)
     with pytest.raises(ValueError, match="empty"):
         run(engine, [], config)
@@ -134,7 +136,7 @@ def test_draft_cache_stays_in_sync_after_bonus_tokens():
     """After each round the draft's cache holds a prefix of the committed tokens (never a rejected one)."""
     target = TableLM(V, seed=11)
     drafter = ModelDrafter(noisy_copy(target, 5, 1.5), GREEDY, V)
-    engine = SpeculativeEngine(target, drafter, AdditiveK())
+    engine = OneSequence(target, drafter, AdditiveK())
     prompt = [4, 1]
     stats = GenerationStats("model", "additive")
     out: list[int] = []
@@ -205,7 +207,7 @@ def sampled_run(target, drafter, seed: int, n: int, sampling_kw=None) -> list[in
     sampling = SamplingParams(seed=seed, invariant=False, **(sampling_kw or {}))
     if isinstance(drafter, ModelDrafter):
         drafter = ModelDrafter(drafter.model, sampling, target.vocab_size)
-    out, _ = run(SpeculativeEngine(target, drafter, ConstantK(3)), [1], EngineConfig(n, sampling), False)
+    out, _ = run(OneSequence(target, drafter, ConstantK(3)), [1], EngineConfig(n, sampling), False)
     return out
 
 

@@ -35,7 +35,7 @@ from toy import (
     single_threaded,
     target_joint,
 )
-from verispec.sampling import SamplingParams
+from verispec.options import SamplingParams
 from verispec.verify.chain import Rule, greedy_rule, rejection_rule, single_guess_rule
 
 EXACT_TV = 1e-12  # float64 round-off over a few thousand terms is far below this

@@ -41,8 +41,8 @@ from verispec.models.gguf import convert_gguf, gguf_cache_path, gguf_tokenizer_d
 from verispec.models.gguf_native import GGUFEmbedding, load_gguf
 from verispec.models.hf import HFModel, HFTokenizer
 from verispec.models.llama import Llama
-from verispec.models.registry import DEFAULT_MODEL, gguf_file, load_model, load_tokenizer, model_dir
-from verispec.sampling import SamplingParams
+from verispec.models.registry import gguf_file, load_model, load_tokenizer, model_dir
+from verispec.options import DEFAULT_MODEL, SamplingParams
 
 pytestmark = pytest.mark.skipif(
     native_available() is not None, reason=f"no native kernels: {native_available()}"

@@ -27,7 +27,7 @@ from verispec.kernels.cpu import (
     rmsnorm,
 )
 from verispec.models import Llama, LlamaConfig
-from verispec.sampling import SamplingParams
+from verispec.options import SamplingParams
 
 if native_available() is not None:
     pytest.skip(f"the native kernels do not run here: {native_available()}", allow_module_level=True)

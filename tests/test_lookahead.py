@@ -54,7 +54,8 @@ from verispec.engine import GenerationStats
 from verispec.kernels.cpu import native_available
 from verispec.models.llama import Llama
 from verispec.models.registry import load_model
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.options import SamplingParams
+from verispec.sampling import probs_from_logits
 
 PROMPTS = ("abc", "hello", "qqqzzz", "the", "mnopqrs", "x")
 TRAINING = dataclasses.replace(

@@ -55,7 +55,8 @@ from verispec.drafting.tree import TreeShape
 from verispec.engine import GenerationStats
 from verispec.models.llama import Llama
 from verispec.models.registry import load_model
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.options import SamplingParams
+from verispec.sampling import probs_from_logits
 
 KINDS = ("medusa", "exit")
 PROMPTS = ("abc", "hello", "qqqzzz", "the", "mnopqrs", "x")

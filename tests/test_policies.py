@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from verispec.analysis.analytic import BatchCost, CostModel
-from verispec.api import k_policy, parse_k
+from verispec.api import k_policy
+from verispec.options import parse_k
 from verispec.policies import CONTEXT_STEP, AdditiveK, AutoKConfig, ConstantK, CostModelK, plan_batch
 
 K_MAX = 12

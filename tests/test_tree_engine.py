@@ -14,6 +14,7 @@ from scipy import stats as scipy_stats
 
 import verispec.engine as engine_module
 from fakes import TableLM, TokenCache
+from one_sequence import OneSequence
 from test_hf_adapter import tiny_model
 from verispec import cli
 from verispec.api import Speculator, generate
@@ -24,8 +25,9 @@ from verispec.drafting.tree import TreeShape
 from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
 from verispec.models.hf import HFModel
 from verispec.models.registry import load_model
+from verispec.options import SamplingParams
 from verispec.policies import ConstantK
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.sampling import probs_from_logits
 from verispec.verify.tree import SiblingRule, sample_tree_verdict, sibling_rule
 
 V = 6
@@ -110,7 +112,7 @@ def test_greedy_tree_rounds_equal_plain_greedy(shape, seed):
     reference = target.greedy(prompt, 41)
     config = EngineConfig(max_new_tokens=41, sampling=GREEDY)
     for drafter in tree_drafters(target, SHAPES[shape], GREEDY):
-        out, stats = run(SpeculativeEngine(target, drafter, ConstantK(0)), prompt, config)
+        out, stats = run(OneSequence(target, drafter, ConstantK(0)), prompt, config)
         assert out == reference, drafter.name
         assert stats.new_tokens == 41 and stats.stop_reason == "max_new_tokens"
 
@@ -121,7 +123,7 @@ def test_per_depth_acceptance_and_forward_sizes():
     target = TreeTableLM(V, seed=3)
     shape = TreeShape.full(2, 3)
     draft = noisy_copy(target, 1, 0.0)  # the target's table in a model of its own: its calls are apart
-    engine = SpeculativeEngine(target, ModelTreeDrafter(ModelDrafter(draft, GREEDY, V), shape), ConstantK(0))
+    engine = OneSequence(target, ModelTreeDrafter(ModelDrafter(draft, GREEDY, V), shape), ConstantK(0))
     out, stats = run(engine, [1, 2], EngineConfig(max_new_tokens=24, sampling=GREEDY))
     assert out == target.greedy([1, 2], 24)
     assert stats.target_calls == 6 and stats.tokens_per_target_call == 4.0
@@ -134,7 +136,7 @@ def test_never_overshoots_max_new_tokens(max_new):
     """The tree's depth is capped by the tokens still allowed: even a perfect draft stops exactly there."""
     target = TreeTableLM(V, seed=5)
     drafter = ModelTreeDrafter(ModelDrafter(target, GREEDY, V), TreeShape.full(2, 4))
-    out, stats = run(SpeculativeEngine(target, drafter, ConstantK(0)), [0], EngineConfig(max_new, GREEDY))
+    out, stats = run(OneSequence(target, drafter, ConstantK(0)), [0], EngineConfig(max_new, GREEDY))
     assert out == target.greedy([0], max_new)
     assert len(stats.drafted_per_position) <= max_new - 1  # no tree deeper than the tokens left - 1
 
@@ -146,7 +148,7 @@ def test_stops_at_end_of_sequence_inside_the_tree():
     expected = target.greedy([2, 3], 40, eos=frozenset({eos}))
     for drafter in tree_drafters(target, TreeShape.full(2, 3), GREEDY):
         out, stats = run(
-            SpeculativeEngine(target, drafter, ConstantK(0)),
+            OneSequence(target, drafter, ConstantK(0)),
             [2, 3],
             EngineConfig(max_new_tokens=40, sampling=GREEDY, eos_token_ids=frozenset({eos})),
         )
@@ -157,7 +159,7 @@ def test_stops_at_the_context_limit():
     """Near the end of the context the tree is cut to the slots left, down to the root alone."""
     target = TreeTableLM(V, seed=1, max_context=20)
     drafter = ModelTreeDrafter(ModelDrafter(target, GREEDY, V), TreeShape.full(2, 3))
-    out, stats = run(SpeculativeEngine(target, drafter, ConstantK(0)), [1, 2, 3], EngineConfig(100, GREEDY))
+    out, stats = run(OneSequence(target, drafter, ConstantK(0)), [1, 2, 3], EngineConfig(100, GREEDY))
     assert len(out) == 17 and stats.stop_reason == "context"
     assert out == target.greedy([1, 2, 3], 17)
 
@@ -166,11 +168,11 @@ def test_engine_refuses_what_trees_cannot_use():
     plain = TableLM(V, seed=0)  # its cache cannot compact
     drafter = NGramTreeDrafter(TreeShape.full(2, 2))
     with pytest.raises(ValueError, match="compacts"):
-        SpeculativeEngine(plain, drafter, ConstantK(0))
+        OneSequence(plain, drafter, ConstantK(0))
     with pytest.raises(ValueError, match="traces"):
-        SpeculativeEngine(TreeTableLM(V, seed=0), drafter, ConstantK(0), trace=object())
+        OneSequence(TreeTableLM(V, seed=0), drafter, ConstantK(0), trace=object())
     with pytest.raises(ValueError, match="context of 7"):
-        SpeculativeEngine(TreeTableLM(V, seed=0, max_context=7), drafter, ConstantK(0))
+        OneSequence(TreeTableLM(V, seed=0, max_context=7), drafter, ConstantK(0))
 
 
 def test_ngram_tree_keeps_the_other_matches_as_branches():
@@ -221,7 +223,7 @@ def first_two_tokens_p_value(kind: str) -> float:
             drafter = NGramTreeDrafter(shape, NGramDrafter(2, 1))
         else:
             drafter = ModelTreeDrafter(ModelDrafter(draft, sampling, 4), shape, sampled=kind == "sampled")
-        out, _ = run(SpeculativeEngine(target, drafter, ConstantK(0)), PROMPT, EngineConfig(2, sampling))
+        out, _ = run(OneSequence(target, drafter, ConstantK(0)), PROMPT, EngineConfig(2, sampling))
         counts[out[0], out[1]] += 1
     expected = torch.zeros(4, 4, dtype=torch.float64)  # exact P(first, second) under the target alone
     for a, b in itertools.product(range(4), repeat=2):
@@ -267,7 +269,7 @@ def test_same_seed_same_tokens():
     def sample(seed: int) -> list[int]:
         sampling = SamplingParams(seed=seed, invariant=False)
         drafter = ModelTreeDrafter(ModelDrafter(draft, sampling, V), TreeShape.full(2, 2), sampled=True)
-        return run(SpeculativeEngine(target, drafter, ConstantK(0)), [1], EngineConfig(40, sampling))[0]
+        return run(OneSequence(target, drafter, ConstantK(0)), [1], EngineConfig(40, sampling))[0]
 
     assert sample(123) == sample(123) and sample(123) != sample(124)
 
@@ -278,10 +280,10 @@ def test_transformers_adapter_tree_rounds_equal_plain_greedy():
     target = HFModel(tiny_model("llama").eval())
     prompt = [3, 14, 15, 92, 65, 35, 89, 79, 3, 14]
     config = EngineConfig(max_new_tokens=24, sampling=GREEDY)
-    plain, _ = run(SpeculativeEngine(target, NoDrafter(), ConstantK(0)), prompt, config, check_cache=False)
+    plain, _ = run(OneSequence(target, NoDrafter(), ConstantK(0)), prompt, config, check_cache=False)
     draft = ModelDrafter(HFModel(tiny_model("llama").eval()), GREEDY, target.vocab_size)
     for drafter in (NGramTreeDrafter(TreeShape.full(2, 2)), ModelTreeDrafter(draft, TreeShape.full(2, 2))):
-        engine = SpeculativeEngine(target, drafter, ConstantK(0))
+        engine = OneSequence(target, drafter, ConstantK(0))
         out, stats = run(engine, prompt, config, check_cache=False)
         assert out == plain and engine.cache.length == len(prompt) + len(out) - 1
     assert stats.target_calls == 8  # the model tree: 2 accepted + 1 bonus per forward

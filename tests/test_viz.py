@@ -115,7 +115,7 @@ def test_figure_paths(tmp_path):
 
 def test_next_token_distributions_refuse_a_draft_with_another_vocabulary():
     from fakes import TableLM
-    from verispec.sampling import SamplingParams
+    from verispec.options import SamplingParams
 
     with pytest.raises(ValueError, match="share the target's vocabulary"):
         next_token_distributions(TableLM(6, seed=0), TableLM(7, seed=0), [1, 2], SamplingParams())
@@ -259,7 +259,7 @@ def stories_args(shared_model) -> list[str]:
 def test_viz_overlap_model_command(stories_args, tmp_path, capsys):
     """The α printed is acceptance_rate of the two models' transformed next-token distributions."""
     from verispec.api import Speculator
-    from verispec.sampling import SamplingParams
+    from verispec.options import SamplingParams
 
     prompt = "Once upon a time, there was a little girl named Lily. She"
     argv = ["viz", "overlap", *stories_args, "--draft", "layers:4", "--prompt", prompt, "--top", "8"]

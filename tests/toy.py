@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.options import SamplingParams
+from verispec.sampling import probs_from_logits
 from verispec.verify.chain import (
     Rule,
     Verdict,

@@ -4,8 +4,9 @@
     >>> result = verispec.generate("Once upon a time", drafter="ngram", max_new_tokens=32, temperature=0)
 
 The public names, all importable from here: :func:`generate` and :class:`Speculator` (load a target and a
-drafter, then generate, streamed or whole), :class:`SamplingParams` and :func:`probs_from_logits` (the one
-transform that defines the sampled distribution), the pure verifiers of :mod:`verispec.verify` and
+drafter, then generate, streamed or whole), :class:`GenerationOptions` and :class:`SamplingParams` (what a
+generation asks for), :func:`probs_from_logits` (the one transform that
+defines the sampled distribution), the pure verifiers of :mod:`verispec.verify` and
 :class:`UsageError`, the exception for a caller's mistake.
 
 p is always the target's distribution and q the draft's, passed by keyword. See :mod:`verispec.verify.chain`
@@ -22,9 +23,11 @@ from typing import TYPE_CHECKING, Any
 from verispec.errors import UsageError
 
 if TYPE_CHECKING:
-    from verispec.api import Chunk, GenerationResult, Speculator, generate
+    from verispec.api import GenerationResult, Speculator, generate
     from verispec.drafting.tree import TreeShape
-    from verispec.sampling import SamplingParams, probs_from_logits
+    from verispec.options import GenerationOptions, SamplingParams
+    from verispec.sampling import probs_from_logits
+    from verispec.text import Chunk
     from verispec.verify.chain import (
         Rule,
         Verdict,
@@ -48,9 +51,11 @@ if TYPE_CHECKING:
     )
 
 _MODULES = {  # module → its public names here, imported on first access: `import verispec` loads no torch
-    "verispec.api": ("Chunk", "GenerationResult", "Speculator", "generate"),
+    "verispec.api": ("GenerationResult", "Speculator", "generate"),
     "verispec.drafting.tree": ("TreeShape",),
-    "verispec.sampling": ("SamplingParams", "probs_from_logits"),
+    "verispec.options": ("GenerationOptions", "SamplingParams"),
+    "verispec.sampling": ("probs_from_logits",),
+    "verispec.text": ("Chunk",),
     "verispec.verify.chain": (
         "Rule", "Verdict", "greedy_rule", "greedy_verify", "rejection_rule", "rejection_sample",
         "sample_verdict", "single_guess_rule", "single_guess_sample",
@@ -73,6 +78,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Chunk",
+    "GenerationOptions",
     "GenerationResult",
     "Rule",
     "SamplingParams",

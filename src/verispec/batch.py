@@ -33,14 +33,15 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from verispec.api import GenerationResult, ModelChoice, parse_k
-from verispec.engine import EngineConfig
 from verispec.errors import UsageError
 from verispec.files import atomic_path, atomic_write
 from verispec.inputs import check_text, is_int, parse_json
-from verispec.sampling import SamplingParams
+from verispec.options import GenerationOptions, ModelChoice, SamplingParams
+
+if TYPE_CHECKING:  # the models load where a job runs: its settings are checked without them
+    from verispec.api import GenerationResult, Speculator
 
 __all__ = [
     "BatchJob",
@@ -121,13 +122,20 @@ def prompt_seed(seed: int, ident: str) -> int:
 
 
 def generate_requests(
-    speculator, requests: Sequence[Request], *, slots: int, chat: bool = False, seeds=None, **options
-):
+    speculator: Speculator,
+    requests: Sequence[Request],
+    options: GenerationOptions,
+    *,
+    slots: int,
+    seeds: Sequence[int] | None = None,
+) -> list[GenerationResult]:
     """Every request's :class:`~verispec.api.GenerationResult`, in order: plain prompts in one continuous
-    batch (in the chat template with ``chat``), conversations in another; ``seeds``: one per request, or None
-    (the options' sampling seed for all). A request that cannot run gets a result with ``error``."""
+    batch (in the chat template with ``options.chat``), conversations in another; ``seeds``: one per request,
+    or None (the options' sampling seed for all). A request that cannot run gets a result with ``error``."""
+    from verispec.api import GenerationResult
+
     bodies = [body for _, body in requests]
-    chats = [chat or isinstance(body, list) for body in bodies]
+    chats = [options.chat or isinstance(body, list) for body in bodies]
     results: dict[int, Any] = {
         i: GenerationResult("", [], {}, error=body["error"])
         for i, body in enumerate(bodies)
@@ -138,8 +146,12 @@ def generate_requests(
         if not chosen:
             continue
         chosen_seeds = None if seeds is None else [seeds[i] for i in chosen]
+        prompts = [bodies[i] for i in chosen]  # error lines were answered above
         done = speculator.generate_batch(
-            [bodies[i] for i in chosen], slots=slots, chat=as_chat, seeds=chosen_seeds, **options
+            prompts,  # type: ignore[arg-type]
+            dataclasses.replace(options, chat=as_chat),
+            slots=slots,
+            seeds=chosen_seeds,
         )
         results.update(zip(chosen, done, strict=True))
     return [results[i] for i in range(len(requests))]
@@ -180,12 +192,22 @@ class BatchJob(ModelChoice):
             value = getattr(self, name)
             if not is_int(value) or value < low:
                 raise UsageError(f"{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
-        parse_k(self.k)
-        EngineConfig(self.max_new_tokens, self.sampling, stop_strings=self.stop)
+        self.options  # noqa: B018 (checks k, max-new-tokens, the sampling and the stop strings)
         if self.workers > 1 and self.ray is None:
             raise UsageError("--workers N runs N Ray workers: give --ray too")
         if Path(self.output).resolve() == Path(self.input).resolve():
             raise UsageError("the output would overwrite the input")
+
+    @property
+    def options(self) -> GenerationOptions:
+        """What each request of the job is generated with (its own seed apart)."""
+        return GenerationOptions(
+            k=self.k,
+            max_new_tokens=self.max_new_tokens,
+            sampling=self.sampling,
+            chat=self.chat,
+            stop=self.stop,
+        )
 
     @property
     def parts(self) -> Path:
@@ -204,17 +226,8 @@ class BatchJob(ModelChoice):
 
 def _shard_lines(job: BatchJob, speculator, shard: Sequence[Request], seed: int) -> tuple[str, int]:
     """A shard's JSONL text and its generated tokens."""
-    results = generate_requests(
-        speculator,
-        shard,
-        slots=job.max_batch,
-        chat=job.chat,
-        seeds=[prompt_seed(seed, ident) for ident, _ in shard],
-        k=parse_k(job.k),
-        max_new_tokens=job.max_new_tokens,
-        sampling=job.sampling,
-        stop=job.stop,
-    )
+    seeds = [prompt_seed(seed, ident) for ident, _ in shard]
+    results = generate_requests(speculator, shard, job.options, slots=job.max_batch, seeds=seeds)
     lines = "".join(json.dumps(record(ident, r)) + "\n" for (ident, _), r in zip(shard, results, strict=True))
     return lines, sum(len(r.token_ids) for r in results)
 

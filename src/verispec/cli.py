@@ -35,7 +35,7 @@ from verispec.inputs import is_int
 
 if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
     from verispec.engine import GenerationStats
-    from verispec.sampling import SamplingParams
+    from verispec.options import SamplingParams
     from verispec.trace import Trace
 
 __all__ = ["add_simulate_parser", "build_parser", "format_table", "main", "run_simulate"]
@@ -399,24 +399,24 @@ def _add_invariant_argument(parser: argparse.ArgumentParser) -> None:
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
     """The sampling parameters of a command with a seed (generate, batch)."""
-    from verispec.sampling import SamplingParams
+    from verispec.options import SamplingParams
 
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed, args.invariant)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     """Run ``verispec generate``."""
-    from verispec.api import ModelChoice, parse_k  # loads transformers: only for the commands that need it
     from verispec.drafting.tree import AUTO
-    from verispec.engine import EngineConfig, GenerationStats
-    from verispec.trace import TraceRecorder
+    from verispec.options import GenerationOptions
 
     if args.batch is not None:
         return _run_batch(args)
     prompt = args.prompt if args.prompt is not None else _read_stdin()
     sampling = _sampling(args)
-    k = AUTO if args.k is None else parse_k(args.k)  # validate everything before loading a model
-    EngineConfig(args.max_new_tokens, sampling, stop_strings=tuple(args.stop))
+    k = AUTO if args.k is None else args.k  # every argument checked before a model loads
+    options = GenerationOptions(
+        k=k, max_new_tokens=args.max_new_tokens, sampling=sampling, chat=args.chat, stop=tuple(args.stop)
+    )
     if args.show_trace and args.json:
         raise UsageError("--show-trace and --json both write to standard output: choose one")
     if args.trace is not None:
@@ -436,6 +436,10 @@ def run_generate(args: argparse.Namespace) -> int:
         )
     if tree is None and args.k is None and not tracing:
         tree = AUTO  # the learned drafter's tree, where it drafts
+    from verispec.engine import GenerationStats
+    from verispec.options import ModelChoice
+    from verispec.trace import TraceRecorder
+
     speculator = ModelChoice(**_model_fields(args)).speculator(tree=tree)
     room = speculator.model.max_context - len(speculator.encode_prompt(prompt, args.chat))
     if 0 < room < args.max_new_tokens:  # no room at all: generation refuses the prompt, in one line
@@ -444,21 +448,13 @@ def run_generate(args: argparse.Namespace) -> int:
             f"{speculator.model.max_context} tokens leaves after this prompt: at most {room} new tokens"
         )
     recorder = TraceRecorder() if tracing else None
-    options = dict(
-        k=k,
-        max_new_tokens=args.max_new_tokens,
-        sampling=sampling,
-        chat=args.chat,
-        stop=args.stop,
-        trace=recorder,
-    )
     if args.json:
-        result = speculator.generate(prompt, **options)
+        result = speculator.generate(prompt, options, trace=recorder)
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats}))
         stats = result.stats
     else:
-        live = GenerationStats(speculator.drafter_name, speculator.k_label(k))
-        for chunk in speculator.stream(prompt, stats=live, **options):
+        live = GenerationStats(speculator.drafter_name, speculator.k_label(options.k))
+        for chunk in speculator.stream(prompt, options, stats=live, trace=recorder):
             if not args.show_trace:  # the trace shows the text instead
                 print(chunk.text, end="", flush=True)
         if not args.show_trace:
@@ -472,9 +468,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def _run_batch(args: argparse.Namespace) -> int:
     """``verispec generate --batch FILE``: every request in a continuous batch of --max-batch sequences."""
-    from verispec.api import ModelChoice, parse_k
-    from verispec.batch import generate_requests, read_requests, record
-    from verispec.engine import EngineConfig
+    from verispec.options import GenerationOptions
 
     if args.prompt is not None:
         raise UsageError("give PROMPT or --batch FILE, not both")
@@ -482,16 +476,20 @@ def _run_batch(args: argparse.Namespace) -> int:
         raise UsageError("--batch decodes chains: no traces, no token trees")
     if not is_int(args.max_batch) or args.max_batch < 1:
         raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
-    sampling = _sampling(args)
-    k = parse_k(args.k if args.k is not None else "auto")
-    EngineConfig(args.max_new_tokens, sampling, stop_strings=tuple(args.stop))
+    options = GenerationOptions(
+        k=args.k if args.k is not None else "auto",
+        max_new_tokens=args.max_new_tokens,
+        sampling=_sampling(args),
+        chat=args.chat,
+        stop=tuple(args.stop),
+    )
+    from verispec.batch import generate_requests, read_requests, record
+    from verispec.options import ModelChoice
+
     requests = read_requests(args.batch)  # refused before a model loads when no line is a request
     speculator = ModelChoice(**_model_fields(args)).speculator()
     start = time.perf_counter()
-    results = generate_requests(
-        speculator, requests, slots=args.max_batch, chat=args.chat, k=k, max_new_tokens=args.max_new_tokens,
-        sampling=sampling, stop=tuple(args.stop),
-    )  # fmt: skip
+    results = generate_requests(speculator, requests, options, slots=args.max_batch)
     seconds = time.perf_counter() - start
     tokens = 0
     for (ident, _), result in zip(requests, results, strict=True):
@@ -513,7 +511,7 @@ def _run_batch(args: argparse.Namespace) -> int:
 
 def _trace_settings(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     """The header items of a trace that the stats do not hold: models and sampling settings."""
-    from verispec.models.registry import DEFAULT_MODEL
+    from verispec.options import DEFAULT_MODEL
 
     items = [("target", args.target or DEFAULT_MODEL)]
     if args.draft is not None:
@@ -577,15 +575,15 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run ``verispec demo``: exit status 1 if any speculative output differs from plain decoding's."""
-    from verispec.api import Speculator, parse_k
-    from verispec.drafting.learned.kinds import shipped_drafter
     from verispec.drafting.tree import AUTO
-    from verispec.models.registry import DEFAULT_MODEL
-    from verispec.sampling import SamplingParams
+    from verispec.options import GenerationOptions
 
-    greedy = SamplingParams(temperature=0)
-    k = AUTO if args.k is None else parse_k(args.k)
-    options = dict(k=k, max_new_tokens=args.max_new_tokens, sampling=greedy, chat=True)
+    k = AUTO if args.k is None else args.k
+    options = GenerationOptions(k=k, max_new_tokens=args.max_new_tokens, chat=True)  # greedy
+    from verispec.api import Speculator  # loads transformers: once every argument is checked
+    from verispec.drafting.learned.kinds import shipped_drafter
+    from verispec.options import DEFAULT_MODEL
+
     plain = Speculator(args.target, drafter="none", tokenizer=args.tokenizer, precision=args.precision)
     loaded = (plain.model, plain.tokenizer)  # shared: the target is loaded once
     label = args.target or DEFAULT_MODEL  # names the loaded target: auto finds the drafter shipped for it
@@ -609,10 +607,10 @@ def run_demo(args: argparse.Namespace) -> int:
             )
         print(f"drafter auto chooses {chosen.drafter_name} for this target on this machine\n")
     speculators[chosen.drafter_name] = chosen
-    plain.generate(args.prompt, **dict(options, max_new_tokens=4))  # warm-up: first-call overheads
+    plain.generate(args.prompt, options, max_new_tokens=4)  # warm-up: first-call overheads
     results = {}
     for name, speculator in speculators.items():
-        results[name] = speculator.generate(args.prompt, **options)
+        results[name] = speculator.generate(args.prompt, options)
         print(f"--- {name} ---\n{results[name].text.strip()}\n")
     base = results["none"]
     for name, result in results.items():
@@ -770,8 +768,7 @@ def run_viz_overlap(args: argparse.Namespace) -> int:
 def _model_overlap(args: argparse.Namespace):
     """(p, q, label, title) of the next token after --prompt, for :func:`run_viz_overlap`."""
     from verispec.api import Speculator
-    from verispec.models.registry import DEFAULT_MODEL
-    from verispec.sampling import SamplingParams
+    from verispec.options import DEFAULT_MODEL, SamplingParams
     from verispec.viz import visible_text
     from verispec.viz.overlap import next_token_distributions
 
@@ -1137,7 +1134,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     import torch
 
     from verispec.analysis.analytic import optimal_k
-    from verispec.api import ModelChoice
+    from verispec.options import ModelChoice
 
     if args.repetitions < 1:
         raise UsageError(f"--repetitions must be an integer >= 1, got {args.repetitions}")
@@ -1334,7 +1331,8 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     """Run ``verispec train-drafter``: validate, load the target, train, print where the drafter is."""
     from verispec.drafting.learned.data import read_data_meta
     from verispec.drafting.learned.train import TrainConfig, train_drafter
-    from verispec.models.registry import DEFAULT_MODEL, load_model
+    from verispec.models.registry import load_model
+    from verispec.options import DEFAULT_MODEL
 
     config = TrainConfig(
         kind=args.kind,

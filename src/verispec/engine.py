@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -48,8 +48,9 @@ from verispec.models.base import (
     TreeCache,
     TreeLanguageModel,
 )
+from verispec.options import SamplingParams, check_generation
 from verispec.policies import CostModelK, KPolicy, plan_batch
-from verispec.sampling import SamplingParams, position_draws, probs_from_logits
+from verispec.sampling import position_draws, probs_from_logits
 from verispec.trace import TraceRecorder
 from verispec.verify.chain import (
     Verdict,
@@ -62,7 +63,6 @@ from verispec.verify.chain import (
 from verispec.verify.tree import TreeVerdict, tree_greedy_verify, tree_rejection_sample
 
 __all__ = [
-    "MAX_LOGPROBS",
     "PREFILL_CHUNK",
     "EngineConfig",
     "ForwardTotals",
@@ -75,7 +75,6 @@ __all__ = [
 ]
 
 PREFILL_CHUNK = 128  # prompt tokens a joining sequence adds to a step while other sequences decode
-MAX_LOGPROBS = 20  # the most likely alternatives a request may ask for per token, as OpenAI allows
 
 
 @dataclass(frozen=True)
@@ -89,14 +88,7 @@ class EngineConfig:
     logprobs: int | None = None  # N: each token's log-probability and its N likeliest (TokenLogprob)
 
     def __post_init__(self) -> None:
-        n = self.max_new_tokens
-        if not is_int(n) or n < 1:
-            raise UsageError(f"max_new_tokens must be an integer >= 1, got {n!r}")
-        top = self.logprobs
-        if top is not None and (not is_int(top) or not 0 <= top <= MAX_LOGPROBS):
-            raise UsageError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {top!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop_strings):
-            raise UsageError("stop strings must be non-empty strings")
+        check_generation(self.max_new_tokens, self.logprobs, self.stop_strings)
 
 
 @dataclass
@@ -148,7 +140,7 @@ class GenerationStats:
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += i < accepted
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "new_tokens": self.new_tokens,
             "target_calls": self.target_calls,
@@ -297,37 +289,20 @@ class _Round:
 
 class SpeculativeEngine:
     """Generates from ``target`` for up to ``slots`` sequences at once; exact w.r.t. each sequence's
-    sampling distribution whatever else is in the batch.
-
-    ``drafter``, ``k_policy``, ``trace``: what :meth:`stream` decodes with (a request of :meth:`submit`
-    brings its own). ``cache`` (optional, batch 1 only): the target's cache for that one sequence, made by
-    ``target.new_cache()``, for a drafter that reads it; otherwise the engine makes the cache: one row per
+    sampling distribution whatever else is in the batch. Its one way in is a :class:`Request`
+    (:meth:`submit`), which brings its drafter, K policy and trace; the engine makes the cache: one row per
     slot of a target cache (when its rows can be scored together: :class:`~verispec.models.base.RowModel`),
     else a cache per slot. A tree drafter needs a target that takes a tree mask and a cache that compacts.
     """
 
-    def __init__(
-        self,
-        target: LanguageModel,
-        drafter: Drafter | TreeDrafter | None = None,
-        k_policy: KPolicy | None = None,
-        trace: TraceRecorder | None = None,
-        cache: Cache | None = None,
-        *,
-        slots: int = 1,
-        prefill_chunk: int = PREFILL_CHUNK,
-    ) -> None:
+    def __init__(self, target: LanguageModel, *, slots: int = 1, prefill_chunk: int = PREFILL_CHUNK) -> None:
         for name, value in (("slots", slots), ("prefill_chunk", prefill_chunk)):
             if not is_int(value) or value < 1:
                 raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
-        if cache is not None and slots != 1:
-            raise UsageError("a given cache serves one sequence: slots must be 1")
-        self.target, self.drafter, self.k_policy, self.trace = target, drafter, k_policy, trace
+        self.target = target
         self.prefill_chunk = prefill_chunk
         self.caches: list[Cache]
-        if cache is not None:
-            self.caches = [cache]
-        elif slots > 1 and isinstance(target, RowModel):
+        if slots > 1 and isinstance(target, RowModel):
             self.caches = target.new_cache_rows(slots)
         else:
             self.caches = [target.new_cache() for _ in range(slots)]
@@ -336,8 +311,6 @@ class SpeculativeEngine:
         self.running: list[Running] = []
         self._last: dict[int, Running] = {}  # slot → the last sequence admitted there
         self.forwards = ForwardTotals()
-        if drafter is not None:
-            self._check_drafter(drafter, trace, self.cache)
 
     @property
     def slots(self) -> int:
@@ -456,20 +429,6 @@ class SpeculativeEngine:
         if not running.done:
             running.done = True
             running.request.stats.stop_reason = "cancelled"
-
-    def stream(
-        self,
-        prompt: list[int],
-        config: EngineConfig,
-        stats: GenerationStats,
-        stop_check: Callable[[list[int]], int | None] | None = None,
-    ) -> Iterator[list[int]]:
-        """Batch 1: yields the tokens committed by each round of one sequence decoded with this engine's
-        drafter, K policy and trace; ``stats`` is filled in as it goes."""
-        if self.drafter is None or self.k_policy is None:
-            raise UsageError("stream needs the engine's drafter and K policy")
-        request = Request(prompt, config, self.drafter, self.k_policy, stats, stop_check, self.trace)
-        yield from self.follow(self.submit(request))
 
     def follow(self, running: Running) -> Iterator[list[int]]:
         """Steps the engine until ``running`` is done, yielding the tokens each step commits for it (the

@@ -1,4 +1,4 @@
-"""Sampling parameters and the one transform from logits to the distribution that defines sampling.
+"""The one transform from logits to the distribution that defines sampling, and the draws from it.
 
 Exactness in verispec is always *with respect to the target's transformed distribution*: speculative decoding
 with parameters ``params`` produces tokens distributed exactly as ``probs_from_logits(target_logits, params)``
@@ -17,97 +17,16 @@ draws from q at t with the same noise (:func:`draft_draw`) proposes the target's
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from verispec.errors import UsageError
-from verispec.inputs import is_int
+from verispec.options import SamplingParams
 
-__all__ = ["RACE_GROUP", "SamplingParams", "draft_draw", "position_draws", "probs_from_logits", "sample"]
-
-
-MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)
-"""The largest temperature: logits are divided by it in float32, where a larger one is infinite (and a
-masked token's −inf / inf is NaN)."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the target samples; validated on construction (UsageError with a one-line message).
-
-    temperature: in [0, :data:`MAX_TEMPERATURE`]; 0 means greedy decoding.
-    top_k: keep the k most likely tokens; 0 keeps all.
-    top_p: in (0, 1]; keep the smallest set of most likely tokens whose mass reaches top_p (at least the most
-        likely token, however small top_p is); 1 keeps all.
-    min_p: in [0, 1); drop tokens whose probability is below min_p × the largest probability; 0 keeps all.
-    seed: seed of the generator that drives all sampling; None draws a fresh seed.
-    invariant: draw the token at each sequence position from the seed and that position alone
-        (:func:`position_draws`), not from the generator's stream: the sampled tokens are then the
-        target's own sampling with that seed, token for token, whatever the drafter, K (``auto`` included),
-        token tree or batch. A drafter's sampled proposal is drawn with the same noise (coupled), and
-        accepted a little less often than by rejection sampling; a single guess (prompt lookup, a greedy
-        draft) is accepted with probability p(x) either way. None (the default) means: invariant exactly
-        when a seed is given, so that a seed always names the same tokens; ``invariant=False`` with a seed
-        opts out (rejection sampling's stream of draws: a little more acceptance, tokens that depend on the
-        drafter and K).
-    """
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    invariant: bool | None = None  # resolved on construction: a bool
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_follows_seed", self.invariant is None)  # not a field: follows_seed
-        if self.invariant is None:
-            object.__setattr__(self, "invariant", self.seed is not None)
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= MAX_TEMPERATURE:
-            raise UsageError(f"temperature must be a number in [0, {MAX_TEMPERATURE:.4g}], got {t!r}")
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise UsageError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
-            raise UsageError(f"top_p must be in (0, 1], got {p!r}")
-        m = self.min_p
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not (0 <= m < 1):
-            raise UsageError(f"min_p must be in [0, 1), got {m!r}")
-        s = self.seed
-        if s is not None and (not is_int(s) or not 0 <= s < 2**63):
-            raise UsageError(f"seed must be an integer in [0, 2**63) or None, got {s!r}")
-        if not isinstance(self.invariant, bool):
-            raise UsageError(f"invariant must be true or false, got {self.invariant!r}")
-
-    def with_seed(self, seed: int | None) -> SamplingParams:
-        """These parameters with ``seed``; invariant draws as chosen on construction, or (when not chosen)
-        following the new seed, as for ``SamplingParams(..., seed=seed)``. ``dataclasses.replace`` instead
-        keeps the resolved choice."""
-        return dataclasses.replace(self, seed=seed, invariant=None if self.follows_seed else self.invariant)
-
-    @property
-    def follows_seed(self) -> bool:
-        """Whether ``invariant`` was left to follow the seed (None on construction), not chosen."""
-        return bool(vars(self)["_follows_seed"])
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        """A generator seeded with ``seed`` (a fresh random seed when it is None)."""
-        g = torch.Generator(device=device)
-        if self.seed is None:
-            g.seed()
-        else:
-            g.manual_seed(self.seed)
-        return g
+__all__ = ["RACE_GROUP", "draft_draw", "position_draws", "probs_from_logits", "sample"]
 
 
 def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:

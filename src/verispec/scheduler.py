@@ -24,12 +24,15 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from verispec.engine import GenerationStats, Request, Running, SpeculativeEngine
+from verispec.driver import Driver
+from verispec.engine import GenerationStats, Request, Running
 from verispec.errors import UsageError
 from verispec.inputs import is_int
 
 if TYPE_CHECKING:
-    from verispec.api import Chunk, Speculator, _TextAssembler
+    from verispec.api import Speculator
+    from verispec.options import GenerationOptions
+    from verispec.text import Chunk, TextAssembler
 
 __all__ = ["Handle", "QueueFull", "Scheduler", "SchedulerFailed"]
 
@@ -45,42 +48,35 @@ class SchedulerFailed(RuntimeError):
     server's 503)."""
 
 
-_END = object()  # a handle's last item
-
-
 class Handle:
-    """One submitted request. Iterating it yields its :class:`~verispec.api.Chunk`\\ s as they are committed
-    (blocking), ending when it stops; ``stats`` fills in as it goes; :meth:`cancel` stops it. With a
-    ``listener``, each chunk is handed to it instead, in the scheduler's thread, and then None at the end (an
-    event loop's reader: ``loop.call_soon_threadsafe``); such a handle is not iterated."""
+    """One submitted request, and the :class:`~verispec.driver.Sink` of its output. Iterating it yields its
+    :class:`~verispec.text.Chunk`\\ s as they are committed (blocking), ending when it stops; ``stats``
+    fills in as it goes; :meth:`cancel` stops it. With a ``listener``, each chunk is handed to it instead, in
+    the scheduler's thread, and then None at the end (an event loop's reader: ``loop.call_soon_threadsafe``);
+    such a handle is not iterated."""
 
     def __init__(
         self,
         stats: GenerationStats,
-        text: _TextAssembler,
         listener: Callable[[Chunk | None], object] | None = None,
         prompt_tokens: int = 0,
     ) -> None:
         self.stats = stats
         self.prompt_tokens = prompt_tokens
-        self._text = text
         self._listener = listener
-        self._chunks: queue.Queue[object] = queue.Queue()
+        self._chunks: queue.Queue[Chunk | None] = queue.Queue()  # None: the end
         self._cancelled = threading.Event()
-        self.error: BaseException | None = None  # the worker's failure, re-raised to the reader
+        self.error: BaseException | None = None  # why it failed, re-raised to the reader
         self.running: Running | None = None  # its place in the engine, once admitted
         self.finished = threading.Event()
 
     def __iter__(self) -> Iterator[Chunk]:
         if self._listener is not None:
             raise UsageError("this handle hands its chunks to its listener")
-        while True:
-            item = self._chunks.get()
-            if item is _END:
-                if self.error is not None:
-                    raise self.error
-                return
-            yield item  # type: ignore[misc]
+        while (item := self._chunks.get()) is not None:
+            yield item
+        if self.error is not None:
+            raise self.error
 
     def cancel(self) -> None:
         """Stop this request: it leaves the batch at the next step (its stop reason "cancelled")."""
@@ -90,31 +86,19 @@ class Handle:
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
-    def _emit(self, running: Running, tokens: list[int]) -> None:
-        from verispec.api import Chunk
+    def chunk(self, chunk: Chunk) -> None:
+        self._put(chunk)
 
-        self._put(Chunk(self._text.add(tokens), tokens, running.last_logprobs(len(tokens))))
+    def end(self, error: BaseException | None) -> None:
+        self.error = error
+        self.finished.set()
+        self._put(None)
 
-    def _put(self, item: object) -> None:
+    def _put(self, item: Chunk | None) -> None:
         if self._listener is None:
             self._chunks.put(item)
         else:
-            self._listener(None if item is _END else item)  # type: ignore[arg-type]
-
-    def _finish(self, error: BaseException | None = None) -> None:
-        from verispec.api import Chunk
-
-        if error is None:
-            try:
-                tail = self._text.finish()
-            except Exception as err:  # this request alone
-                _log.error("a request failed: %s", type(err).__name__, exc_info=err)
-                error, tail = err, ""
-            if tail:
-                self._put(Chunk(tail, []))
-        self.error = error
-        self.finished.set()
-        self._put(_END)
+            self._listener(item)
 
 
 class Scheduler:
@@ -126,10 +110,10 @@ class Scheduler:
             if not is_int(value) or value < (1 if name == "slots" else 0):
                 raise UsageError(f"{name} must be an integer >= {1 if name == 'slots' else 0}, got {value!r}")
         self.speculator = speculator
-        self.engine = SpeculativeEngine(speculator.model, slots=slots)
+        self.driver = Driver(speculator.model, slots=slots, log_failures=True)
         self.max_queue = max_queue
-        self._waiting: deque[tuple[Handle, Request]] = deque()  # (handle, its engine request)
-        self._handles: dict[int, Handle] = {}  # id(Running) → its handle
+        self._waiting: deque[tuple[Handle, Request, TextAssembler]] = deque()
+        self._handles: dict[int, Handle] = {}  # id(Running) → its handle, while it runs
         self._wake = threading.Condition()
         self._closed = False
         self.failure: BaseException | None = None  # what killed the worker, if anything did
@@ -148,38 +132,38 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._handles)
+        return self.driver.live
 
     def submit(
         self,
         prompt: str | Sequence[Mapping[str, str]],
+        options: GenerationOptions,
         *,
         speculator: Speculator | None = None,
         listener: Callable[[Chunk | None], object] | None = None,
-        **options,
     ) -> Handle:
-        """Queue a generation (options as for :meth:`verispec.api.Speculator.stream`, but ``trace``) and
-        return its handle at once: by ``speculator`` (another drafter over this scheduler's target; default
-        the scheduler's own), its chunks to ``listener`` if given (see :class:`Handle`). UsageError for a bad
-        request, :class:`QueueFull` when every slot is busy and ``max_queue`` requests already wait,
+        """Queue a generation of ``prompt`` with ``options`` and return its handle at once: by
+        ``speculator`` (another drafter over this scheduler's target; default the scheduler's own), its
+        chunks to ``listener`` if given (see :class:`Handle`). UsageError for a bad request,
+        :class:`QueueFull` when every slot is busy and ``max_queue`` requests already wait,
         :class:`SchedulerFailed` once the worker has died."""
         speculator = speculator or self.speculator
         if speculator.model is not self.speculator.model:
             raise UsageError("a request's speculator must share the scheduler's target model")
-        request, text = speculator.request(prompt, **options)  # a bad request fails here, in the caller
+        request, text = speculator.request(prompt, options)  # a bad request fails here, in the caller
         if len(request.prompt) >= speculator.model.max_context:
             context = speculator.model.max_context
             raise UsageError(f"the prompt has {len(request.prompt)} tokens; the context holds {context}")
-        handle = Handle(request.stats, text, listener, len(request.prompt))
+        handle = Handle(request.stats, listener, len(request.prompt))
         with self._wake:
             if self.failure is not None:
                 raise SchedulerFailed(f"the scheduler has failed ({type(self.failure).__name__}): restart it")
             if self._closed:
                 raise UsageError("the scheduler is closed")
-            if len(self._handles) + len(self._waiting) >= self.engine.slots + self.max_queue:
-                slots = self.engine.slots
+            if self.driver.live + len(self._waiting) >= self.driver.engine.slots + self.max_queue:
+                slots = self.driver.engine.slots
                 raise QueueFull(f"{slots} requests running and {self.max_queue} waiting: try again later")
-            self._waiting.append((handle, request))
+            self._waiting.append((handle, request, text))
             self._wake.notify()
         return handle
 
@@ -199,82 +183,43 @@ class Scheduler:
         except BaseException as err:  # a bug in the worker itself: said, and every request learns of it
             with self._wake:
                 self.failure = err
-                handles = [*self._handles.values(), *(h for h, _ in self._waiting)]
+                handles = [*self._handles.values(), *(h for h, _, _ in self._waiting)]
                 self._handles.clear()
                 self._waiting.clear()
             _log.critical("the scheduler's worker died: nothing more is served", exc_info=err)
             for handle in handles:
-                handle._finish(err)
+                if not handle.finished.is_set():
+                    handle.end(err)
             return
-        for running in list(self.engine.running):
-            self.engine.cancel(running)
-            self._retire(running)
-        for handle, _ in self._waiting:
+        self.driver.close()
+        for handle, _, _ in self._waiting:
             handle.stats.stop_reason = "cancelled"
-            handle._finish()
+            handle.end(None)
         self._waiting.clear()
 
     def _serve_once(self) -> bool:
         """Admit what waits, run one engine step and hand out its tokens; False once closed."""
         with self._wake:
-            while not self._closed and not self._waiting and not self._handles:
+            while not self._closed and not self._waiting and not self.driver.live:
                 self._wake.wait()
             if self._closed:
                 return False
-            admitted: list[tuple[Handle, Request]] = []
-            while self._waiting and len(admitted) < self.engine.free_slots:
+            admitted: list[tuple[Handle, Request, TextAssembler]] = []
+            while self._waiting and len(admitted) < self.driver.free_slots:
                 admitted.append(self._waiting.popleft())
-        for handle, request in admitted:
-            self._admit(handle, request)
-        self._cancel_requested()
-        try:
-            stepped = self.engine.step()
-        except Exception as err:  # what the rows share failed: those in the batch fail, the next ones run
-            _log.error("an engine step failed, and its %d requests", len(self._handles), exc_info=err)
-            for handle in self._handles.values():
-                handle._finish(err)
-            self._handles.clear()
-            self.engine = SpeculativeEngine(self.speculator.model, slots=self.engine.slots)
-            return True
-        for running, tokens in stepped:
-            handle = self._handles[id(running)]
-            try:
-                if running.error is not None:
-                    raise running.error
-                if tokens:
-                    handle._emit(running, tokens)
-            except Exception as err:  # this request alone
-                if not isinstance(err, UsageError):
-                    _log.error("a request failed: %s", type(err).__name__, exc_info=err)
-                self.engine.cancel(running)
-                del self._handles[id(running)]
-                handle._finish(err)
+        for handle, request, text in admitted:
+            if handle.cancelled:
+                handle.stats.stop_reason = "cancelled"
+                handle.end(None)
                 continue
-            if running.done:
-                self._retire(running)
+            handle.running = self.driver.admit(request, text, handle)
+            if handle.running is not None:
+                self._handles[id(handle.running)] = handle
+        for key, handle in list(self._handles.items()):
+            if handle.finished.is_set():
+                del self._handles[key]  # ended in the last step
+            elif handle.cancelled and handle.running is not None:
+                self.driver.cancel(handle.running)
+                del self._handles[key]
+        self.driver.step()
         return True
-
-    def _admit(self, handle: Handle, request: Request) -> None:
-        if handle.cancelled:
-            handle.stats.stop_reason = "cancelled"
-            handle._finish()
-            return
-        try:
-            running = self.engine.submit(request)
-        except Exception as err:  # this request alone
-            if not isinstance(err, UsageError):
-                _log.error("a request failed: %s", type(err).__name__, exc_info=err)
-            handle._finish(err)
-            return
-        handle.running = running
-        self._handles[id(running)] = handle
-
-    def _cancel_requested(self) -> None:
-        for handle in list(self._handles.values()):
-            if handle.cancelled and handle.running is not None and not handle.running.done:
-                self.engine.cancel(handle.running)
-                self._retire(handle.running)
-
-    def _retire(self, running: Running) -> None:
-        handle = self._handles.pop(id(running))
-        handle._finish()

@@ -1,6 +1,6 @@
 """Token-fate traces: what happened to every generated token, recorded by the engine only when asked.
 
-Pass a :class:`TraceRecorder` to the engine (``SpeculativeEngine(..., trace=recorder)``, or
+Pass a :class:`TraceRecorder` with a request (``Request(..., trace=recorder)``, or
 ``Speculator.stream(..., trace=recorder)``); without one the engine computes nothing extra. After each round
 the recorder receives the proposal, the target's logits and the verdict, and keeps one :class:`TokenFate` per
 emitted token: its fate (*accepted* draft token, *recovered* token, *bonus* token — the vocabulary of
@@ -38,7 +38,8 @@ from verispec.drafting.base import Proposal
 from verispec.errors import UsageError
 from verispec.inputs import is_int
 from verispec.models.base import Tokenizer
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.options import SamplingParams
+from verispec.sampling import probs_from_logits
 from verispec.verify.chain import Verdict, rejection_rule
 
 __all__ = ["FATES", "TokenFate", "TokenProbs", "Trace", "TraceRecorder", "token_texts"]

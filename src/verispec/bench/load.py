@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -34,9 +33,7 @@ from verispec.bench.suite import _has_chat_template, builtin_tasks
 from verispec.errors import UsageError
 from verispec.files import atomic_write
 from verispec.inputs import is_int
-from verispec.models.llama import DEFAULT_PRECISION
-from verispec.models.registry import DEFAULT_MODEL
-from verispec.sampling import SamplingParams
+from verispec.options import DEFAULT_MODEL, DEFAULT_PRECISION, GenerationOptions
 from verispec.scheduler import Scheduler
 
 Prompt = str | Sequence[Mapping[str, str]]  # a prompt, or a conversation
@@ -139,8 +136,7 @@ def _verispec_cell(
     ttft: list[float] = []
     itl: list[float] = []
     tokens, calls, drafted, failures, prompt, cached = [0], [0], [0], [0], [0], [0]
-    options: dict[str, Any] = dict(k=int(k) if k.isdigit() else k, max_new_tokens=config.max_new_tokens,
-                                   sampling=SamplingParams(temperature=0), chat=chat)  # fmt: skip
+    options = GenerationOptions(k=k, max_new_tokens=config.max_new_tokens, chat=chat)  # greedy
 
     def client(scheduler: Scheduler) -> None:
         while True:
@@ -150,7 +146,7 @@ def _verispec_cell(
                 index = queue.pop(0)
             start = time.perf_counter()
             try:
-                handle = scheduler.submit(prompts[index % len(prompts)], **options)
+                handle = scheduler.submit(prompts[index % len(prompts)], options)
                 last, count, mine = start, 0, []
                 for chunk in handle:
                     now = time.perf_counter()
@@ -175,7 +171,7 @@ def _verispec_cell(
 
     with Scheduler(spec, slots=concurrency, max_queue=concurrency) as scheduler:
         seconds = run_clients(lambda: client(scheduler), concurrency)
-    forwards = scheduler.engine.forwards
+    forwards = scheduler.driver.engine.forwards
     return {"seconds": seconds, "tokens": tokens[0], "calls": calls[0], "drafted": drafted[0],
             "failures": failures[0], "ttft": ttft, "itl": itl, "prompt_tokens": prompt[0],
             "cached_prompt_tokens": cached[0], "forward_seconds": forwards.seconds,

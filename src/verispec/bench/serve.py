@@ -38,8 +38,7 @@ from verispec.bench.load import (
 from verispec.errors import UsageError
 from verispec.files import atomic_write
 from verispec.inputs import is_int
-from verispec.models.llama import DEFAULT_PRECISION
-from verispec.models.registry import DEFAULT_MODEL
+from verispec.options import DEFAULT_MODEL, DEFAULT_PRECISION
 
 __all__ = ["ServeLoadConfig", "run_serve_load", "write_serve_report"]
 

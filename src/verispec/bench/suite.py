@@ -64,7 +64,7 @@ from tqdm import tqdm
 
 from verispec import __version__
 from verispec.analysis.analytic import CostModel, expected_tokens_per_call
-from verispec.api import Speculator, parse_k
+from verispec.api import Speculator
 from verispec.bench.goals import load_goals
 from verispec.bench.methods import (
     CROSS_METHODS,
@@ -97,9 +97,8 @@ from verispec.files import atomic_write
 from verispec.inputs import is_int
 from verispec.models.base import LanguageModel, Tokenizer
 from verispec.models.gguf import source_gguf
-from verispec.models.llama import DEFAULT_PRECISION
-from verispec.models.registry import DEFAULT_MODEL, gguf_file, model_dir
-from verispec.sampling import SamplingParams
+from verispec.models.registry import gguf_file, model_dir
+from verispec.options import DEFAULT_MODEL, DEFAULT_PRECISION, SamplingParams, parse_k
 from verispec.viz.charts import chart_directory
 
 __all__ = [
@@ -692,7 +691,7 @@ class Bench:
         """A tree method's speculator: its chain method's models (already loaded), drafting the tree."""
         chain = self.speculators[method.name.removesuffix("-tree")]  # planned with every tree method
         draft: str | tuple[LanguageModel, Tokenizer] | None = None
-        if chain.early_exit:  # layers:N reads the target's cache: named again, nothing to load
+        if chain.parts.early_exit:  # layers:N reads the target's cache: named again, nothing to load
             draft = self.config.draft
         elif chain.draft is not None:
             draft = (chain.draft, self.tokenizer)
@@ -732,7 +731,7 @@ class Bench:
         start = time.perf_counter()
         chunks = speculator.stream(
             prompt.for_model(self.chat),
-            k=k,
+            k=k if speculator.tree is None else 0,  # a tree's label, its shape, is not a K
             max_new_tokens=self.config.max_new_tokens,
             sampling=sampling,
             chat=self.chat,

@@ -34,7 +34,8 @@ from verispec.drafting.base import Proposal
 from verispec.drafting.registry import CROSS_TOKENIZER
 from verispec.errors import UsageError
 from verispec.models.base import LanguageModel, SpelledTokenizer, Tokenizer
-from verispec.sampling import SamplingParams, probs_from_logits, sample
+from verispec.options import SamplingParams
+from verispec.sampling import probs_from_logits, sample
 
 __all__ = [
     "ALGORITHMS",

@@ -13,7 +13,8 @@ from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
 from verispec.models.base import Cache, LanguageModel, TreeLanguageModel
 from verispec.models.llama import KVCache, Llama
-from verispec.sampling import SamplingParams, draft_draw, probs_from_logits
+from verispec.options import SamplingParams
+from verispec.sampling import draft_draw, probs_from_logits
 
 __all__ = ["EARLY_EXIT", "SELF", "ModelDrafter", "ModelTreeDrafter", "early_exit_layers", "self_draft"]
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the drafters themselves are imported where they are built: 
     from verispec.drafting.learned.head import LearnedHead
     from verispec.drafting.tree import TreeShape
     from verispec.models.base import Cache, LanguageModel
-    from verispec.sampling import SamplingParams
+    from verispec.options import SamplingParams
 
     TreeFactory = Callable[[Drafter, TreeShape, CostModel | None], TreeDrafter]
 

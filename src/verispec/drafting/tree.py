@@ -35,13 +35,15 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from verispec.errors import UsageError
 from verispec.inputs import is_int
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: the command line checks shapes without it
+    from torch import Tensor
 
 __all__ = ["AUTO", "MAX_NODES", "TreeProposal", "TreeShape", "likeliest_nodes", "parse_budget"]
 
@@ -150,6 +152,8 @@ class TreeShape:
         ordered = ((), *sorted(drafts, key=lambda p: (len(p), p)))
         index = {path: i for i, path in enumerate(ordered)}
         n = len(ordered)
+        import torch
+
         parents = torch.tensor([-1] + [index[p[:-1]] for p in ordered[1:]], dtype=torch.int64)  # [N]
         mask = torch.eye(n, dtype=torch.bool)  # [N, N]
         for i in range(1, n):
@@ -284,6 +288,8 @@ class TreeShape:
     def select(self, nodes: Sequence[int], tokens: Sequence[int], q: Tensor | None = None) -> TreeProposal:
         """The tree of the given shape ``nodes`` (ascending, starting with the root 0, holding every ancestor
         of each) with ``tokens`` at them; q: [len(nodes), V] or None (see :class:`TreeProposal`)."""
+        import torch
+
         index = torch.tensor(nodes, dtype=torch.int64)  # [M]
         position = {node: i for i, node in enumerate(nodes)}
         parents = [-1] + [position[int(self.parents[node])] for node in nodes[1:]]

@@ -49,7 +49,6 @@ from verispec.models.base import Cache, RowInput
 
 __all__ = [
     "ARCHITECTURE_FIELDS",
-    "DEFAULT_PRECISION",
     "PRECISIONS",
     "PRECISION_CHOICES",
     "KVCache",
@@ -65,7 +64,6 @@ PRECISIONS = ("fp32", *FORMATS)  # the weight formats of the CPU fast path, most
 PRECISION_CHOICES = (*PRECISIONS, "auto")  # what a caller may ask for (see resolve_precision)
 NATIVE_CHUNK = 64  # a longer prompt runs through the native kernels in blocks of this many tokens
 KEY_TILE = 16  # slots per key tile in the native kernels' cache (KVCache tiled)
-DEFAULT_PRECISION = "auto"  # what the API and CLI load in
 
 # transformers model_type → the architecture name its config.json lists
 _SUPPORTED_MODEL_TYPES = {

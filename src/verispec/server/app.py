@@ -45,12 +45,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from verispec.api import Chunk, ModelChoice, Speculator, failure_message, parse_k
+from verispec.api import Speculator, failure_message
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import DRAFTERS, drafter_names
 from verispec.engine import TokenLogprob
 from verispec.errors import UsageError
 from verispec.inputs import is_int, parse_json
+from verispec.models.base import LanguageModel, Tokenizer
+from verispec.options import GenerationOptions, ModelChoice, parse_k
 from verispec.scheduler import Handle, QueueFull, Scheduler, SchedulerFailed
 from verispec.server.metrics import ServerMetrics
 from verispec.server.schema import (
@@ -67,6 +69,7 @@ from verispec.server.schema import (
     spelling,
     usage,
 )
+from verispec.text import Chunk
 
 __all__ = ["OncePerInterval", "Server", "ServerConfig", "create_app", "exposed", "listen", "run", "serving"]
 
@@ -86,7 +89,9 @@ class OncePerInterval(logging.Filter):
     def __init__(self, interval: float = LOG_INTERVAL, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self.interval, self.clock = interval, clock
-        self._held: dict[tuple, list] = {}  # key → [when it may pass again, records held back since]
+        self._held: dict[
+            tuple[object, ...], list[Any]
+        ] = {}  # key → [when it may pass again, records held back since]
         self._lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -153,7 +158,7 @@ class Server:
     """The state behind the app. ``loaded``: a target already in memory (model, tokenizer) to serve instead
     of loading ``config.target``."""
 
-    def __init__(self, config: ServerConfig, loaded: tuple | None = None) -> None:
+    def __init__(self, config: ServerConfig, loaded: tuple[LanguageModel, Tokenizer] | None = None) -> None:
         self.config = config
         self.name = config.served_name
         self.default = config.speculator(loaded)
@@ -234,7 +239,9 @@ class _Api:
         path = request.url.path
         return path if path in self.known else UNKNOWN_ROUTE
 
-    def guarded(self, endpoint: Callable[[Request], Awaitable[Response]]) -> Callable:
+    def guarded(
+        self, endpoint: Callable[[Request], Awaitable[Response]]
+    ) -> Callable[[Request], Awaitable[Response]]:
         """``endpoint``, its unexpected failures a 500 naming an internal error (logged once per interval),
         not Starlette's error page and a second traceback from the server."""
 
@@ -339,30 +346,30 @@ class _Api:
                 "not_found_error",
                 "model",
             )
-        sampling = parsed.sampling()
+        limit = parsed.max_completion_tokens or parsed.max_tokens
+        prompt = parsed.conversation if isinstance(parsed, ChatRequest) else parsed.text  # type: ignore[attr-defined]
         try:
             k = parse_k(parsed.k if parsed.k is not None else self.server.config.k)
         except UsageError as err:
             raise ApiError(400, str(err), param="k") from None
-        limit = parsed.max_completion_tokens or parsed.max_tokens
-        prompt = parsed.conversation if isinstance(parsed, ChatRequest) else parsed.text  # type: ignore[attr-defined]
-        options = dict(
-            k=k,
-            max_new_tokens=limit or (self.server.default.model.max_context if chat else 16),
-            sampling=sampling,
-            chat=chat,
-            stop=parsed.stops,
-            logprobs=parsed.alternatives,
-        )
+        try:
+            options = GenerationOptions(
+                k=k,
+                max_new_tokens=limit or (self.server.default.model.max_context if chat else 16),
+                sampling=parsed.sampling(),
+                chat=chat,
+                stop=parsed.stops,
+                logprobs=parsed.alternatives,
+            )
+        except UsageError as err:
+            raise ApiError(400, str(err)) from None
         loop, chunks = asyncio.get_running_loop(), asyncio.Queue[Chunk | None]()
 
         def submit() -> Handle:
             speculator = self.server.speculator(parsed.drafter)
             listener = lambda item: loop.call_soon_threadsafe(chunks.put_nowait, item)  # noqa: E731
             try:
-                return self.server.scheduler.submit(
-                    prompt, speculator=speculator, listener=listener, **options
-                )
+                return self.server.scheduler.submit(prompt, options, speculator=speculator, listener=listener)
             except QueueFull as err:
                 raise ApiError(429, str(err), "rate_limit_error") from None
             except SchedulerFailed as err:
@@ -445,7 +452,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _event(payload: dict) -> str:
+def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
@@ -483,7 +490,7 @@ class _Reply:
             )
             raise ApiError(status, failure_message(error), kind)
 
-    def head(self, what: str) -> dict:
+    def head(self, what: str) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
         return {
             "id": self.id,
@@ -492,10 +499,10 @@ class _Reply:
             "model": self.model,
         }
 
-    def usage(self) -> dict:
+    def usage(self) -> dict[str, Any]:
         return usage(self.handle.prompt_tokens, self.handle.stats)
 
-    def logprob_object(self, entries: Sequence[TokenLogprob]) -> dict | None:
+    def logprob_object(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         """OpenAI's ``logprobs`` of these tokens (the next ones answered), None when not asked for."""
         if not self.logprobs or not entries:
             return None
@@ -506,8 +513,8 @@ class _Reply:
         return out
 
     def chunk(
-        self, content: str | dict | None, final: bool = False, logprobs: Sequence[TokenLogprob] = ()
-    ) -> dict:
+        self, content: str | dict[str, Any] | None, final: bool = False, logprobs: Sequence[TokenLogprob] = ()
+    ) -> dict[str, Any]:
         """A streamed chunk: text (or the chat's opening delta) and its tokens' logprobs, or the last one with
         its finish reason."""
         reason = finish_reason(self.handle.stats) if final else None
@@ -520,7 +527,7 @@ class _Reply:
         out = {**self.head("chunk"), "choices": [choice]}
         return {**out, "verispec": speculation(self.handle.stats)} if final else out
 
-    def whole(self, text: str, logprobs: Sequence[TokenLogprob]) -> dict:
+    def whole(self, text: str, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
         reason = finish_reason(self.handle.stats)
         lp = self.logprob_object(logprobs)
         if self.chat:

@@ -9,7 +9,7 @@ a ``seed`` is given). Every refusal is an :class:`ApiError`:
 an HTTP status and one line, written in OpenAI's error format by :func:`error_body`.
 
 Log-probabilities (chat: ``logprobs: true`` and ``top_logprobs: N``; completions: ``logprobs: N``; N ≤
-:data:`~verispec.engine.MAX_LOGPROBS`) are the engine's (:class:`~verispec.engine.TokenLogprob`): the
+:data:`~verispec.options.MAX_LOGPROBS`) are the engine's (:class:`~verispec.engine.TokenLogprob`): the
 log-softmax of the target's own logits at each token's prefix, before the sampling transform, read from the
 forward that verified the token.
 """
@@ -24,10 +24,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from verispec.engine import MAX_LOGPROBS, GenerationStats, TokenLogprob
+from verispec.engine import GenerationStats, TokenLogprob
 from verispec.errors import UsageError
 from verispec.models.base import SpelledTokenizer, Tokenizer
-from verispec.sampling import SamplingParams
+from verispec.options import MAX_LOGPROBS, SamplingParams
 
 __all__ = [
     "ApiError",
@@ -79,7 +79,7 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
-def error_body(error: ApiError) -> dict:
+def error_body(error: ApiError) -> dict[str, Any]:
     """OpenAI's error object."""
     return {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": None}}
 
@@ -249,10 +249,10 @@ def _text(spelled: bytes) -> str:
     return spelled.decode("utf-8", errors="replace")
 
 
-def chat_logprobs(entries: Sequence[TokenLogprob], spell: Callable[[int], bytes]) -> dict:
+def chat_logprobs(entries: Sequence[TokenLogprob], spell: Callable[[int], bytes]) -> dict[str, Any]:
     """OpenAI's chat ``logprobs`` object: each token's text, logprob, bytes and likeliest alternatives."""
 
-    def item(token: int, logprob: float) -> dict:
+    def item(token: int, logprob: float) -> dict[str, Any]:
         return {"token": _text(spell(token)), "logprob": logprob, "bytes": list(spell(token))}
 
     return {
@@ -263,7 +263,9 @@ def chat_logprobs(entries: Sequence[TokenLogprob], spell: Callable[[int], bytes]
     }
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], spell: Callable[[int], bytes], offset: int) -> dict:
+def completion_logprobs(
+    entries: Sequence[TokenLogprob], spell: Callable[[int], bytes], offset: int
+) -> dict[str, Any]:
     """OpenAI's completions ``logprobs`` object: tokens, token_logprobs, top_logprobs (text → logprob; tokens
     spelled alike share an entry) and text_offset, each token's text counted from ``offset`` (the length of
     the tokens' texts before them)."""
@@ -283,7 +285,7 @@ def finish_reason(stats: GenerationStats) -> str:
     return "stop" if stats.stop_reason in ("eos", "stop_string") else "length"
 
 
-def usage(prompt_tokens: int, stats: GenerationStats) -> dict:
+def usage(prompt_tokens: int, stats: GenerationStats) -> dict[str, Any]:
     """OpenAI's usage object; ``cached_tokens``: the prompt's first tokens whose keys and values the slot
     still held (not scored again)."""
     return {
@@ -294,7 +296,7 @@ def usage(prompt_tokens: int, stats: GenerationStats) -> dict:
     }
 
 
-def speculation(stats: GenerationStats) -> dict:
+def speculation(stats: GenerationStats) -> dict[str, Any]:
     """What speculation did for one request: the ``verispec`` object of every response."""
     return {
         "drafter": stats.drafter,

@@ -28,7 +28,8 @@ from verispec.analysis.analytic import acceptance_rate
 from verispec.errors import UsageError
 from verispec.inputs import is_int
 from verispec.models.base import LanguageModel
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.options import SamplingParams
+from verispec.sampling import probs_from_logits
 from verispec.viz.figures import COLOURS, figure_style, new_figure
 
 __all__ = ["OverlapBars", "next_token_distributions", "overlap_bars", "overlap_figure"]

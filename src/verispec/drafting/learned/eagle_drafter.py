@@ -39,7 +39,8 @@ from verispec.drafting.base import BranchedTreeDrafter, Proposal
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.tree import AUTO, TreeProposal, TreeShape, likeliest_nodes
 from verispec.errors import UsageError
-from verispec.sampling import SamplingParams, draft_draw, probs_from_logits
+from verispec.options import SamplingParams
+from verispec.sampling import draft_draw, probs_from_logits
 
 __all__ = ["DEFAULT_TREE", "EagleDrafter", "EagleTreeDrafter"]
 

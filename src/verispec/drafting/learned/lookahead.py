@@ -41,7 +41,8 @@ from verispec.errors import UsageError
 from verispec.inputs import is_int
 from verispec.models.base import Cache, LanguageModel
 from verispec.models.llama import KVCache, Llama
-from verispec.sampling import SamplingParams, draft_draw, probs_from_logits
+from verispec.options import SamplingParams
+from verispec.sampling import draft_draw, probs_from_logits
 
 __all__ = ["MAX_LOOKAHEAD", "LookaheadDrafter", "LookaheadTokens", "lookahead_mask"]
 

@@ -47,7 +47,8 @@ from verispec.errors import UsageError
 from verispec.inputs import is_int
 from verispec.models.base import LanguageModel
 from verispec.models.llama import Llama, _Linear
-from verispec.sampling import SamplingParams, draft_draw, probs_from_logits
+from verispec.options import SamplingParams
+from verispec.sampling import draft_draw, probs_from_logits
 
 __all__ = ["DEFAULT_NODES", "MAX_HEADS", "MedusaDrafter", "MedusaHeads", "MedusaTreeDrafter", "medusa_tree"]
 

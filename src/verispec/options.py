@@ -1,0 +1,272 @@
+"""What a generation asks for, parsed once where it comes in (library keywords, the command line, a batch
+line, a server request) into frozen objects: :class:`SamplingParams` (how the target samples),
+:class:`GenerationOptions` (K, the length, the stop strings, chat, log-probabilities, and the sampling) and
+:class:`ModelChoice` (which models and drafter, by name).
+
+Light to import (no torch): the command line checks every argument with these before it loads anything, so a
+mistake is reported in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypedDict
+
+from verispec.errors import UsageError
+from verispec.inputs import check_text, is_int
+
+if TYPE_CHECKING:
+    import torch
+
+    from verispec.api import Speculator
+    from verispec.drafting.tree import TreeShape
+    from verispec.models.base import LanguageModel, Tokenizer
+
+__all__ = [
+    "DEFAULT_K",
+    "DEFAULT_MODEL",
+    "DEFAULT_PRECISION",
+    "DEFAULT_SAMPLING",
+    "K_NAMES",
+    "MAX_LOGPROBS",
+    "MAX_TEMPERATURE",
+    "GenerationOptions",
+    "ModelChoice",
+    "OptionFields",
+    "SamplingParams",
+    "check_generation",
+    "parse_k",
+]
+
+MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest value
+"""The largest temperature: logits are divided by it in float32, where a larger one is infinite (and a
+masked token's −inf / inf is NaN)."""
+MAX_LOGPROBS = 20  # the most likely alternatives a request may ask for per token, as OpenAI allows
+K_NAMES = ("additive", "auto")  # the K policies named rather than numbered (verispec.policies)
+DEFAULT_K = "auto"
+DEFAULT_MODEL = (
+    "smollm2-135m"  # the target a choice names unless told (a short name of verispec.models.registry)
+)
+DEFAULT_PRECISION = "auto"  # the weights models load in unless told (verispec.models.llama.resolve_precision)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target samples; validated on construction (UsageError with a one-line message).
+
+    temperature: in [0, :data:`MAX_TEMPERATURE`]; 0 means greedy decoding.
+    top_k: keep the k most likely tokens; 0 keeps all.
+    top_p: in (0, 1]; keep the smallest set of most likely tokens whose mass reaches top_p (at least the most
+        likely token, however small top_p is); 1 keeps all.
+    min_p: in [0, 1); drop tokens whose probability is below min_p × the largest probability; 0 keeps all.
+    seed: seed of the generator that drives all sampling; None draws a fresh seed.
+    invariant: draw the token at each sequence position from the seed and that position alone
+        (:func:`verispec.sampling.position_draws`), not from the generator's stream: the sampled tokens are
+        then the target's own sampling with that seed, token for token, whatever the drafter, K (``auto``
+        included), token tree or batch. A drafter's sampled proposal is drawn with the same noise (coupled),
+        and accepted a little less often than by rejection sampling; a single guess (prompt lookup, a greedy
+        draft) is accepted with probability p(x) either way. None (the default) means: invariant exactly
+        when a seed is given, so that a seed always names the same tokens; ``invariant=False`` with a seed
+        opts out (rejection sampling's stream of draws: a little more acceptance, tokens that depend on the
+        drafter and K).
+
+    The distribution these parameters define is :func:`verispec.sampling.probs_from_logits`'s.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    invariant: bool | None = None  # resolved on construction: a bool
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_follows_seed", self.invariant is None)  # not a field: follows_seed
+        if self.invariant is None:
+            object.__setattr__(self, "invariant", self.seed is not None)
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= MAX_TEMPERATURE:
+            raise UsageError(f"temperature must be a number in [0, {MAX_TEMPERATURE:.4g}], got {t!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise UsageError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
+            raise UsageError(f"top_p must be in (0, 1], got {p!r}")
+        m = self.min_p
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not (0 <= m < 1):
+            raise UsageError(f"min_p must be in [0, 1), got {m!r}")
+        s = self.seed
+        if s is not None and (not is_int(s) or not 0 <= s < 2**63):
+            raise UsageError(f"seed must be an integer in [0, 2**63) or None, got {s!r}")
+        if not isinstance(self.invariant, bool):
+            raise UsageError(f"invariant must be true or false, got {self.invariant!r}")
+
+    def with_seed(self, seed: int | None) -> SamplingParams:
+        """These parameters with ``seed``; invariant draws as chosen on construction, or (when not chosen)
+        following the new seed, as for ``SamplingParams(..., seed=seed)``. ``dataclasses.replace`` instead
+        keeps the resolved choice."""
+        return dataclasses.replace(self, seed=seed, invariant=None if self.follows_seed else self.invariant)
+
+    @property
+    def follows_seed(self) -> bool:
+        """Whether ``invariant`` was left to follow the seed (None on construction), not chosen."""
+        return bool(vars(self)["_follows_seed"])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """A generator seeded with ``seed`` (a fresh random seed when it is None)."""
+        import torch
+
+        g = torch.Generator(device=device)
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
+
+
+DEFAULT_SAMPLING = SamplingParams(temperature=0)
+"""What the library generates with unless given ``sampling`` (or ``temperature``), as the command line does:
+greedy, the target's own greedy output token for token and the same on every run (transformers' ``generate``
+is greedy by default too). The server keeps OpenAI's default temperature of 1."""
+
+
+def parse_k(k: int | str) -> int | str:
+    """``k`` as given (an int, or text from a command line or a request), validated: an integer ≥ 0 (fixed),
+    "additive" (+2 / −1 rule) or "auto" (the K that the calibrated cost model and the running acceptance
+    estimate favour, 0 included)."""
+    if isinstance(k, str):
+        if k in K_NAMES:
+            return k
+        if not (k.isascii() and k.isdigit()) or len(k) > 9:  # "²" is a digit to isdigit, not to int
+            raise UsageError(f"k must be an integer >= 0, 'additive' or 'auto', got {k[:20]!r}")
+        k = int(k)
+    if not is_int(k) or k < 0:
+        raise UsageError(f"k must be an integer >= 0, got {k!r}")
+    return k
+
+
+def check_generation(max_new_tokens: object, logprobs: object, stop: tuple[object, ...]) -> None:
+    """UsageError unless ``max_new_tokens`` is an integer ≥ 1, ``logprobs`` None or an integer in [0,
+    :data:`MAX_LOGPROBS`] and every stop string a non-empty string of valid text."""
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
+        raise UsageError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise UsageError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise UsageError("stop strings must be non-empty strings")
+        check_text(s, "a stop string")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationOptions:
+    """How one generation runs, checked once on construction (UsageError).
+
+    k: the draft length, :func:`parse_k`'s (a fixed K, "additive" or "auto"; not used by token trees).
+    max_new_tokens: at most this many tokens after the prompt. sampling: :data:`DEFAULT_SAMPLING` (greedy)
+    unless given. chat: the prompt in the model's chat template (it may then be a list of messages). stop:
+    strings that end the generation (not included in the text). logprobs: each token's log-probability
+    under the target's own distribution and that many likeliest alternatives (0 to :data:`MAX_LOGPROBS`).
+    """
+
+    k: int | str = DEFAULT_K
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default=DEFAULT_SAMPLING)
+    chat: bool = False
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "k", parse_k(self.k))
+        if not isinstance(self.sampling, SamplingParams):
+            raise UsageError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        if not isinstance(self.chat, bool):
+            raise UsageError(f"chat must be true or false, got {self.chat!r}")
+        if isinstance(self.stop, str) or not isinstance(self.stop, (tuple, list)):
+            raise UsageError(f"stop must be a sequence of strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        check_generation(self.max_new_tokens, self.logprobs, self.stop)
+
+    @classmethod
+    def of(cls, options: GenerationOptions | None = None, **fields: object) -> GenerationOptions:
+        """``options`` (default: the defaults) with ``fields`` replaced: the one door from keywords to the
+        object; a keyword that is not a field is a UsageError naming verispec's own (see
+        :func:`check_keywords`)."""
+        check_keywords(fields, OPTION_NAMES)
+        base = options if options is not None else cls()
+        return dataclasses.replace(base, **fields) if fields else base  # type: ignore[arg-type]
+
+
+class OptionFields(TypedDict, total=False):
+    """:class:`GenerationOptions`' fields as keywords (``Speculator.generate(prompt, k=4)``)."""
+
+    k: int | str
+    max_new_tokens: int
+    sampling: SamplingParams
+    chat: bool
+    stop: tuple[str, ...]
+    logprobs: int | None
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(GenerationOptions))
+
+FOREIGN_KEYWORDS = {  # transformers' (and OpenAI's) generation keywords → what verispec takes instead
+    "max_length": "max_new_tokens (tokens after the prompt)",
+    "max_tokens": "max_new_tokens",
+    "do_sample": "temperature (0: greedy) or sampling=SamplingParams(...)",
+    "generation_config": "sampling=SamplingParams(...)",
+    "stop_strings": "stop",
+    "random_seed": "seed",
+}
+
+
+def check_keywords(given: Iterable[str], allowed: tuple[str, ...]) -> None:
+    """One-line UsageError for the first of ``given`` (keyword names) that is not one of ``allowed``, naming
+    verispec's own keyword for a transformers one (``max_length`` → ``max_new_tokens``), else the keywords
+    taken."""
+    for name in given:
+        if name not in allowed:
+            use = FOREIGN_KEYWORDS.get(name, f"one of {', '.join(allowed)}")
+            raise UsageError(f"{name} is not a verispec argument; use {use}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelChoice:
+    """The models to load and the drafter to draft with, as a config (``verispec serve``, ``verispec batch``
+    extend it): the :class:`~verispec.api.Speculator` arguments that name files and choices, checked when it
+    loads."""
+
+    target: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    draft: str | None = None
+    draft_tokenizer: str | None = None  # the draft's own tokenizer file (a llama2.c draft)
+    cross_tokenizer: str = "auto"  # with a draft of another tokenizer: tli, string or auto
+    drafter: str = "auto"
+    drafter_path: str | None = None
+    precision: str = DEFAULT_PRECISION
+
+    def speculator(
+        self, loaded: tuple[LanguageModel, Tokenizer] | None = None, tree: TreeShape | str | None = None
+    ) -> Speculator:
+        """The Speculator of this choice, drafting token trees of ``tree`` if given; ``loaded``: the target
+        already in memory, instead of loading ``target`` (which still names it)."""
+        from verispec.api import Speculator  # loads torch and transformers
+
+        return Speculator(
+            loaded if loaded is not None else self.target,
+            self.draft,
+            self.drafter,
+            self.tokenizer,
+            tree=tree,
+            drafter_path=self.drafter_path,
+            target_label=self.target,
+            precision=self.precision,
+            draft_tokenizer=self.draft_tokenizer,
+            cross_tokenizer=self.cross_tokenizer,
+        )

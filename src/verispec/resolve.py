@@ -1,0 +1,253 @@
+"""From a choice of models and drafter to the loaded parts a :class:`~verispec.api.Speculator` generates
+with: every check of the choice that needs no model (made first, so that a mistake costs no load), the
+loading, and every "auto" rule in one place — which drafter auto drafts with (a draft model when given, else
+the learned drafter verispec ships for the target where the cost model says it pays, else prompt lookup),
+which tree ``tree="auto"`` is, which learned drafter file a target gets. The drafters' names mean something
+only here and in the registry (:mod:`verispec.drafting.registry`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from verispec.analysis.analytic import speedup_by_k
+from verispec.calibrate import calibrate
+from verispec.drafting.cross_tokenizer import VocabularyPair, check_algorithm, same_vocabulary
+from verispec.drafting.draft_model import early_exit_layers, self_draft
+from verispec.drafting.learned.eagle_drafter import DEFAULT_TREE
+from verispec.drafting.learned.head import LearnedHead, native_target
+from verispec.drafting.learned.kinds import load_head, shipped_drafter
+from verispec.drafting.learned.medusa import MedusaHeads, medusa_tree
+from verispec.drafting.registry import DRAFTERS, DrafterKind, DraftInputs, choose_auto, drafter_kind
+from verispec.drafting.tree import AUTO, TreeShape
+from verispec.errors import UsageError
+from verispec.models.base import HiddenStateModel, LanguageModel, Tokenizer
+from verispec.models.llama import Llama
+from verispec.models.registry import load_model
+from verispec.options import DEFAULT_MODEL, DEFAULT_PRECISION, SamplingParams
+
+__all__ = ["LEARNED_MARGIN", "Parts", "check_device", "resolve"]
+
+Loadable = str | tuple[LanguageModel, Tokenizer]  # a model SPEC, or a model already loaded with its tokenizer
+
+LEARNED_MARGIN = 1.5
+"""``auto`` drafts with the learned drafter only where the cost model predicts it this much faster than plain
+decoding at the agreement its file records on held-out data: that agreement is measured on chats the target
+wrote itself and overestimates acceptance elsewhere (the shipped SmolLM2 drafter: 0.64 at the first position
+held out, 0.25–0.50 on the bench's tasks), so a drafter predicted to pay only a little does not pay."""
+
+
+def check_device(name: str) -> torch.device:
+    """The torch device ``name`` names, or a one-line UsageError when it is unknown or not on this machine."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"unknown device {name!r}: use 'cpu' or 'cuda'") from None
+    count = {"cuda": torch.cuda.device_count(), "mps": int(torch.backends.mps.is_available())}
+    if device.type in count and (device.index or 0) >= count[device.type]:
+        found = f"{count[device.type]} {device.type} device(s)" if count[device.type] else f"no {device.type}"
+        raise UsageError(f"device {name!r} is not on this machine (torch sees {found}): use 'cpu'")
+    return device
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a speculator generates with: the loaded target and its tokenizer, the drafter's kind and what it
+    drafts from (a draft model, the two vocabularies of a draft with another tokenizer, a learned drafter),
+    the token tree (None: chain rounds), and the labels that name target and draft in calibrations."""
+
+    model: LanguageModel
+    tokenizer: Tokenizer
+    kind: DrafterKind
+    draft: LanguageModel | None = None
+    pair: VocabularyPair | None = None  # a draft with another tokenizer: the two vocabularies
+    cross_tokenizer: str = "auto"
+    head: LearnedHead | None = None  # the learned drafter's
+    tree: TreeShape | None = None
+    early_exit: bool = False  # the draft is the target's first layers, on the target's cache
+    target_label: str = ""
+    draft_label: str = ""
+
+    @property
+    def drafter_name(self) -> str:
+        """How stats name the drafter (a draft across tokenizers: with its algorithm)."""
+        return self.kind.name if self.pair is None else f"{self.kind.name}-{self.cross_tokenizer}"
+
+
+def resolve(
+    target: Loadable | None = None,
+    draft: Loadable | None = None,
+    drafter: str = AUTO,
+    tokenizer: str | None = None,
+    device: str = "cpu",
+    tree: TreeShape | str | None = None,
+    drafter_path: str | Path | None = None,
+    target_label: str | None = None,
+    precision: str = DEFAULT_PRECISION,
+    draft_tokenizer: str | None = None,
+    cross_tokenizer: str = "auto",
+) -> Parts:
+    """The parts of a choice (the arguments of :class:`~verispec.api.Speculator`, which documents them),
+    loaded; UsageError for a choice that cannot work, before any model loads where that can be known."""
+    kind = _check_choice(draft, drafter, drafter_path, draft_tokenizer, cross_tokenizer, tree)
+    torch_device = check_device(device)
+    layers = early_exit_layers(draft) if isinstance(draft, str) else None
+    itself = self_draft(draft) if isinstance(draft, str) else None
+    model, spoken_by_target = _load(
+        DEFAULT_MODEL if target is None else target, tokenizer, torch_device, precision
+    )
+    draft_model, pair = None, None
+    if layers is not None:
+        draft_model = _early_exit(model, layers)
+    elif itself is not None:
+        draft_model = _requantized(model, *itself)
+    elif draft is not None:
+        draft_model, spoken = _load(draft, draft_tokenizer or tokenizer, torch_device, precision)
+        if not same_vocabulary(spoken_by_target, spoken):  # drafts across tokenizers
+            pair = VocabularyPair.build(spoken_by_target, spoken, draft_model.vocab_size)
+    if cross_tokenizer != "auto" and pair is None:
+        raise UsageError("--cross-tokenizer applies to a draft whose tokenizer differs from the target's")
+    if target_label is None:
+        target_label = DEFAULT_MODEL if target is None else target if isinstance(target, str) else ""
+    head = None
+    learned = kind.learned if kind is not None else draft is None  # auto: the shipped one, if any
+    if learned or drafter_path is not None:
+        wanted = kind.name if kind is not None else None if drafter_path is not None else "eagle"
+        head = _learned_head(model, drafter_path, target_label, kind is not None, wanted)
+    shipped = kind is None and draft is None and drafter_path is None and head is not None
+    if shipped and head is not None and not _learned_pays(model, head, target_label):
+        head = None  # auto: prompt lookup instead of the shipped drafter (see LEARNED_MARGIN)
+    if kind is None and head is not None:  # auto with a drafter file: the file's kind
+        kind = DRAFTERS[head.kind]
+    kind = kind if kind is not None else choose_auto(draft is not None, head is not None)
+    if kind.reads_target_hidden and not isinstance(model, HiddenStateModel):
+        raise UsageError(
+            f"drafter {kind.name!r} reads the target's hidden states: it needs a native target, "
+            f"not a {type(model).__name__}"
+        )
+    shape = _default_tree(kind, head) if tree == AUTO else tree
+    if shape is not None:
+        assert isinstance(shape, TreeShape)  # checked in _check_choice
+        kind.check_tree(shape)
+        shape.check_fits(model.max_context)
+        if pair is not None:
+            raise UsageError("token trees are drafted with the target's tokenizer, not across tokenizers")
+    return Parts(
+        model,
+        spoken_by_target,
+        kind,
+        draft=draft_model,
+        pair=pair,
+        cross_tokenizer=cross_tokenizer,
+        head=head,
+        tree=shape,
+        early_exit=layers is not None,
+        target_label=target_label,
+        draft_label=draft if isinstance(draft, str) else "",
+    )
+
+
+def _check_choice(
+    draft: Loadable | None,
+    drafter: str,
+    drafter_path: str | Path | None,
+    draft_tokenizer: str | None,
+    cross_tokenizer: str,
+    tree: TreeShape | str | None,
+) -> DrafterKind | None:
+    """The drafter's kind (None for auto), after every check that needs no model."""
+    check_algorithm(cross_tokenizer)
+    own_weights = isinstance(draft, str) and (
+        early_exit_layers(draft) is not None or self_draft(draft) is not None
+    )
+    if draft_tokenizer is not None and (draft is None or own_weights):
+        raise UsageError("--draft-tokenizer is the tokenizer of a draft model (--draft SPEC)")
+    if cross_tokenizer != "auto" and (draft is None or own_weights):
+        raise UsageError("--cross-tokenizer applies to a draft whose tokenizer differs from the target's")
+    kind = None if drafter == AUTO else drafter_kind(drafter)
+    if kind is not None and kind.needs_draft_model and draft is None:
+        raise UsageError(f"drafter {drafter!r} needs a draft model (--draft SPEC)")
+    if draft is not None and kind is not None and not kind.needs_draft_model:
+        raise UsageError(f"a draft model was given but drafter is {drafter!r}")
+    if draft is not None and drafter_path is not None:
+        raise UsageError("give a draft model (--draft) or a drafter file (--drafter-path), not both")
+    if drafter_path is not None and kind is not None and not kind.learned:
+        raise UsageError(f"a drafter file was given but drafter is {drafter!r}")
+    if tree is not None and tree != AUTO and not isinstance(tree, TreeShape):
+        raise UsageError(f"tree must be a TreeShape, {AUTO!r} or None, got {tree!r}")
+    if kind is not None and isinstance(tree, TreeShape):
+        kind.check_tree(tree)
+    return kind
+
+
+def _default_tree(kind: DrafterKind, head: LearnedHead | None) -> TreeShape | None:
+    """The tree of ``tree="auto"``: the eagle drafter's :data:`DEFAULT_TREE`, Medusa's sparse tree shaped
+    by its heads' held-out accuracies; None (chain rounds) for the other drafters."""
+    if kind.name == "eagle":
+        return DEFAULT_TREE
+    if isinstance(head, MedusaHeads) and head.rank_accuracy:
+        return medusa_tree(head.rank_accuracy)
+    return None
+
+
+def _learned_pays(model: LanguageModel, head: LearnedHead, target_label: str) -> bool:
+    """Whether auto should draft with the learned drafter: the cost model (this machine's calibrated costs,
+    measured once and cached) predicts it at least LEARNED_MARGIN times faster than plain decoding at its
+    best K, at the per-position agreement its file records on held-out data."""
+    heldout = head.heldout_accuracy
+    if not heldout:
+        return False
+    greedy = SamplingParams(temperature=0)
+    drafter = DRAFTERS["eagle"].chain(DraftInputs(greedy, model, head=head))
+    cost = calibrate(model, drafter, target_label=target_label).cost_model
+    k_max = cost.max_k if cost.max_k is not None else len(heldout)
+    alphas = [*heldout, *[heldout[-1]] * max(0, k_max - len(heldout))][:k_max]  # the last one after it
+    return float(speedup_by_k(alphas, cost.round_costs(k_max)).max()) >= LEARNED_MARGIN
+
+
+def _early_exit(model: LanguageModel, layers: int) -> LanguageModel:
+    """The early-exit draft: the target's first ``layers`` layers (native models only)."""
+    if not isinstance(model, Llama):
+        raise UsageError(f"early-exit drafts need a native model; this target is a {type(model).__name__}")
+    return model.first_layers(layers)
+
+
+def _requantized(model: LanguageModel, layers: int | None, precision: str) -> LanguageModel:
+    """The self-draft ``self:PRECISION`` / ``layers:N:PRECISION``: the target's own weights in another
+    precision (native models only)."""
+    if not isinstance(model, Llama):
+        raise UsageError(f"self-drafts need a native model; this target is a {type(model).__name__}")
+    return model.requantized(precision, layers)
+
+
+def _learned_head(
+    model: LanguageModel, path: str | Path | None, target_label: str, required: bool, kind: str | None
+) -> LearnedHead | None:
+    """The learned drafter: read from ``path`` (of ``kind`` when given), else the file of ``kind`` shipped for
+    the target. Unless ``required`` (drafter "auto"), a missing or mismatched shipped file gives None."""
+    chosen = path if path is not None else shipped_drafter(target_label, kind or "eagle")
+    if chosen is None:
+        if not required:
+            return None
+        raise UsageError(
+            f"drafter {kind!r} needs a drafter file (--drafter-path FILE, made by verispec train-drafter "
+            f"--kind {kind}): verispec ships none for {target_label or 'this target'!r}"
+        )
+    fast = bool(getattr(model, "optimized_for_cpu", False))  # on the CPU fast path like its target
+    if not required and path is None:
+        try:
+            return load_head(chosen, native_target(model), target_label, fast, kind)
+        except UsageError:  # a shipped file for another version of the target: fall back to ngram
+            return None
+    return load_head(chosen, native_target(model), target_label, fast, kind)
+
+
+def _load(
+    spec: str | tuple[LanguageModel, Tokenizer], tokenizer: str | None, device: torch.device, precision: str
+) -> tuple[LanguageModel, Tokenizer]:
+    if isinstance(spec, tuple):
+        return spec
+    return load_model(spec, tokenizer=tokenizer, device=device, precision=precision)
