@@ -38,6 +38,15 @@ import torch
 from verispec.drafting.base import Drafter, HiddenStateReader, Proposal, TreeDrafter
 from verispec.drafting.tree import TreeProposal
 from verispec.errors import UsageError
+from verispec.grammar.rounds import (
+    GrammarState,
+    chain_masks,
+    constrain,
+    finish,
+    forced_run,
+    tree_masks,
+    with_forced,
+)
 from verispec.inputs import is_int
 from verispec.models.base import (
     Cache,
@@ -102,6 +111,7 @@ class GenerationStats:
     drafted: int = 0
     accepted: int = 0
     tree_nodes: int = 0  # draft nodes the target scored in tree rounds (there, drafted adds up tree depths)
+    forced: int = 0  # drafted tokens that were the grammar's forced ones (in drafted and accepted too)
     drafted_per_position: list[int] = field(default_factory=list)  # rounds that drafted a token at position i
     accepted_per_position: list[int] = field(default_factory=list)  # rounds that accepted position i
     cached_prompt_tokens: int = 0  # prompt tokens whose keys and values its slot still held: not scored again
@@ -150,6 +160,7 @@ class GenerationStats:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "tree_nodes": self.tree_nodes,
+            "forced": self.forced,
             "tokens_per_second": self.tokens_per_second,
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "prefill_seconds": self.prefill_seconds,
@@ -220,7 +231,9 @@ class Request:
     own drafter (or a function making one for the cache row it is given: an early exit reads that row), its
     own K policy, and ``stats`` filled in as it runs. ``stop_check(new_ids) -> int | None`` (optional) returns
     how many generated tokens to keep when a stop string has appeared in them; ``trace`` (optional, chain
-    rounds only) records every round."""
+    rounds only) records every round; ``grammar`` (optional) constrains the output
+    (:mod:`verispec.grammar`: this request's own state, e.g. ``Constraint.state(tokenizer)``, at the prompt's
+    end): the target's logits masked at every verified position, the forced tokens drafted first."""
 
     prompt: list[int]
     config: EngineConfig
@@ -229,6 +242,7 @@ class Request:
     stats: GenerationStats
     stop_check: Callable[[list[int]], int | None] | None = None
     trace: TraceRecorder | None = None
+    grammar: GrammarState | None = None
 
 
 @dataclass(eq=False)
@@ -280,6 +294,8 @@ class _Round:
     proposal: Proposal | None = None  # a chain round's
     tree: TreeProposal | None = None  # a tree round's
     draft_seconds: float = 0.0
+    allowed: torch.Tensor | None = None  # [T, V'] bool: each scored position's grammar mask (constrained)
+    forced: int = 0  # the grammar's forced tokens that begin the chain's draft
 
     @property
     def chunk(self) -> bool:
@@ -462,7 +478,11 @@ class SpeculativeEngine:
         scored = self._score(rounds)
         seconds = time.perf_counter() - t0
         self.forwards.record(seconds, sum(len(r.tokens) for r in rounds if r.chunk))
-        verdicts = self._verify_greedy_chains(rounds, [logits for logits, _ in scored])
+        masked = [
+            logits if logits is None or rnd.allowed is None else constrain(logits, rnd.allowed)  # [T, V]
+            for rnd, (logits, _) in zip(rounds, scored, strict=True)
+        ]
+        verdicts = self._verify_greedy_chains(rounds, masked)
         for index, (rnd, (logits, hidden)) in enumerate(zip(rounds, scored, strict=True)):
             running = rnd.running
             if rnd.chunk:
@@ -471,12 +491,16 @@ class SpeculativeEngine:
                 continue
             running.request.stats.draft_seconds += rnd.draft_seconds
             running.request.stats.target_seconds += seconds
-            assert logits is not None
+            score = masked[
+                index
+            ]  # the constrained target's logits, which verify (logprobs: the target's own)
+            assert logits is not None and score is not None
             try:
                 if rnd.tree is not None:
-                    emitted, rows = self._settle_tree(rnd, logits, hidden)
+                    emitted, nodes = self._settle_tree(rnd, score, hidden)
+                    rows = logits[nodes]  # [1 + accepted, V]
                 else:
-                    emitted, rows = self._settle(rnd, logits, hidden, verdicts.get(index)), logits
+                    emitted, rows = self._settle(rnd, score, hidden, verdicts.get(index)), logits
                 out.append((running, self._commit(running, emitted, rows)))
             except Exception as err:
                 out.append((running, self._fail(running, err)))
@@ -528,19 +552,35 @@ class SpeculativeEngine:
     def _propose(self, running: Running, planned: int | None = None) -> _Round:
         """A decoding sequence's round: its tree, or a chain of ``planned`` tokens (None: its K policy's
         choice), capped by its room."""
-        ids, drafter, room = running.ids, running.drafter, self._room(running)
+        ids, drafter, room, grammar = (
+            running.ids,
+            running.drafter,
+            self._room(running),
+            running.request.grammar,
+        )
         t0 = time.perf_counter()
         if running.tree:  # checked on submission: a tree drafter, a cache that compacts
             drafter, cache = cast(TreeDrafter, drafter), cast(TreeCache, running.cache)
             shape = drafter.shape.capped(room - 1, cache.capacity - (len(ids) - 1))
             tree = drafter.propose_tree(ids, shape, running.generator)
-            return _Round(running, tree.tokens.tolist(), len(ids) - 1, tree=tree,
+            nodes = tree.tokens.tolist()
+            allowed = (
+                None if grammar is None else tree_masks(grammar, nodes, tree.parents.tolist())
+            )  # [N, V']
+            return _Round(running, nodes, len(ids) - 1, tree=tree, allowed=allowed,
                           draft_seconds=time.perf_counter() - t0)  # fmt: skip
+        forced = [] if grammar is None else forced_run(grammar, room - 1)  # certain: drafted for free
         k = running.request.k_policy.next_k(len(ids)) if planned is None else planned
-        k = min(k, room - 1)
-        proposal = cast(Drafter, drafter).propose(ids, k, running.generator) if k > 0 else Proposal.empty()
-        return _Round(running, [ids[-1], *proposal.tokens.tolist()], len(ids) - 1, proposal=proposal,
-                      draft_seconds=time.perf_counter() - t0)  # fmt: skip
+        k = min(k, room - 1 - len(forced))
+        context = ids + forced
+        proposal = (
+            cast(Drafter, drafter).propose(context, k, running.generator) if k > 0 else Proposal.empty()
+        )
+        proposal = with_forced(forced, proposal)
+        tokens = proposal.tokens.tolist()
+        allowed = None if grammar is None else chain_masks(grammar, tokens)  # [1 + len(tokens), V']
+        return _Round(running, [ids[-1], *tokens], len(ids) - 1, proposal=proposal, allowed=allowed,
+                      forced=len(forced), draft_seconds=time.perf_counter() - t0)  # fmt: skip
 
     def _score(self, rounds: Sequence[_Round]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
         """(logits [T, V] or None for a prompt chunk, hidden states [T, H] for a drafter that reads them, else
@@ -633,9 +673,11 @@ class SpeculativeEngine:
         emitted, accepted, drafted = verdict.row(row), int(verdict.num_accepted[row]), len(proposal.tokens)
         running.cache.truncate(len(running.ids) - 1 + len(emitted))  # the committed tokens but the new last
         running.observe_hidden(None if hidden is None else hidden[: len(emitted)])  # [len(emitted), H]
-        cast(Drafter, running.drafter).observe(accepted)
-        request.k_policy.observe(drafted, accepted)
+        own = max(0, accepted - rnd.forced)  # the drafter's own tokens accepted, after the forced ones
+        cast(Drafter, running.drafter).observe(own)
+        request.k_policy.observe(drafted - rnd.forced, own)
         request.stats.record_round(drafted, accepted)
+        request.stats.forced += rnd.forced
         return emitted
 
     @staticmethod
@@ -660,10 +702,9 @@ class SpeculativeEngine:
 
     def _settle_tree(
         self, rnd: _Round, logits: torch.Tensor, hidden: torch.Tensor | None
-    ) -> tuple[list[int], torch.Tensor]:
+    ) -> tuple[list[int], list[int]]:
         """Verify a tree round (logits [N, V]) and compact its accepted path into place; returns the tokens
-        it emits and the target's logits at each one's prefix [1 + accepted, V] (the root's, then each
-        accepted node's)."""
+        it emits and the nodes whose logits are at each one's prefix (the root, then each accepted node)."""
         running, tree = rnd.running, rnd.tree
         assert tree is not None
         cache = cast(TreeCache, running.cache)
@@ -675,7 +716,7 @@ class SpeculativeEngine:
         stats = running.request.stats
         stats.record_round(tree.max_depth, verdict.num_accepted)
         stats.tree_nodes += tree.num_nodes - 1
-        return verdict.tokens, logits[[0, *verdict.accepted_nodes]]  # [1 + accepted, V]
+        return verdict.tokens, [0, *verdict.accepted_nodes]
 
     @staticmethod
     def _verify_tree(
@@ -701,6 +742,9 @@ class SpeculativeEngine:
         stopped."""
         request, config = running.request, running.request.config
         emitted = emitted[: self._room(running)]
+        if request.grammar is not None:  # a finished grammar's end commits without a forward, with no logprob
+            room = self._room(running) if config.logprobs is None else len(emitted)
+            emitted = finish(request.grammar, emitted, room, config.eos_token_ids)
         stop = next((i for i, t in enumerate(emitted) if t in config.eos_token_ids), None)
         keep = emitted if stop is None else emitted[: stop + 1]
         cut = request.stop_check(running.ids[len(request.prompt) :] + keep) if request.stop_check else None

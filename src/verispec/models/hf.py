@@ -253,6 +253,10 @@ class HFTokenizer:
         assert isinstance(text, str)  # one sequence of ids decodes to one text
         return text
 
+    def special_token_ids(self) -> frozenset[int]:
+        """The ids of its special tokens (those decoding skips): never text to a grammar."""
+        return frozenset(i for i, t in self._tokenizer.added_tokens_decoder.items() if t.special)
+
     def token_bytes(self) -> list[bytes]:
         """The bytes each id stands for (:class:`~verispec.models.base.SpelledTokenizer`): byte-level pieces
         ("Ġ") through GPT-2's byte alphabet, SentencePiece pieces with "▁" as a space and ``<0xNN>`` as a

@@ -1,0 +1,76 @@
+"""What a request constrains its output to, as a frozen spec checked once: a JSON schema, any JSON object, a
+regular expression or a grammar (Lark, or GBNF converted to Lark by llguidance); compiled by llguidance, and
+a fresh per-sequence state made from it for each request (:meth:`Constraint.state`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+
+from verispec.errors import UsageError
+from verispec.grammar.matcher import MatcherState
+from verispec.inputs import parse_json
+from verispec.models.base import SpelledTokenizer
+
+__all__ = ["KINDS", "Constraint"]
+
+KINDS = ("json_schema", "json_object", "regex", "grammar")  # json_object: any JSON object, no text
+_NAMES = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regex", "grammar": "grammar"}
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """``kind`` one of :data:`KINDS`; ``text`` the schema (JSON text), the regex or the grammar (empty for
+    ``json_object``). Checked on construction: a bad schema, regex or grammar is a one-line UsageError."""
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise UsageError(f"unknown constraint {self.kind!r}: choose from {', '.join(KINDS)}")
+        if not isinstance(self.text, str) or (self.kind == "json_object") == bool(self.text):
+            need = "no text" if self.kind == "json_object" else "its text"
+            raise UsageError(f"a {self.kind} constraint takes {need}")
+        if self.kind == "json_schema":
+            try:
+                schema = parse_json(self.text)
+            except UsageError as err:
+                raise UsageError(f"invalid JSON schema: {err}") from None
+            if not isinstance(schema, dict):
+                raise UsageError("invalid JSON schema: not a JSON object")
+        import llguidance
+
+        problem = llguidance.LLMatcher.validate_grammar(self.grammar)
+        if problem:
+            raise UsageError(f"invalid {_NAMES[self.kind]}: {_first_line(problem)}")
+
+    @cached_property
+    def grammar(self) -> str:
+        """llguidance's grammar text for this constraint (never raises: :meth:`__post_init__` checks it)."""
+        import llguidance
+
+        if self.kind == "json_object":
+            return llguidance.grammar_from("json_schema", json.dumps({"type": "object"}))
+        try:
+            return llguidance.grammar_from(self.kind, self.text)  # type: ignore[arg-type]
+        except ValueError as err:  # a schema llguidance cannot take, or GBNF it cannot convert
+            raise UsageError(f"invalid {_NAMES[self.kind]}: {_first_line(str(err))}") from None
+
+    def state(self, tokenizer: SpelledTokenizer) -> MatcherState:
+        """A fresh grammar state for one sequence of ``tokenizer``'s tokens (UsageError when the grammar
+        does not compile for it)."""
+        import llguidance
+
+        from verispec.grammar.tokens import llg_tokenizer
+
+        tokens = llg_tokenizer(tokenizer)
+        matcher = llguidance.LLMatcher(tokens, self.grammar, log_level=0)
+        if matcher.is_error():
+            raise UsageError(f"invalid {_NAMES[self.kind]}: {_first_line(matcher.get_error())}")
+        return MatcherState(matcher, tokens.vocab_size)
+
+
+def _first_line(message: str) -> str:
+    return next((line.strip() for line in message.splitlines() if line.strip()), "rejected")

@@ -1,0 +1,136 @@
+"""The per-sequence grammar state the engine drives, and the pure steps of a constrained round (the definition
+is in :mod:`verispec.grammar`): the masks of a chain's or a tree's positions, the forced run, a proposal with
+it first, the masked logits, and the commit after verification.
+
+A state holds the committed tokens and a *tentative* path after them: ``mask_after(path)`` moves the tentative
+path to ``path`` (rolling back only what differs) and ``settle(tokens)`` makes ``tokens`` committed, rolled
+back to the prefix they share with the tentative path first. Nothing a drafter does reaches it: only the
+engine's ``settle`` after verification advances the committed tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from verispec.drafting.base import Proposal
+from verispec.errors import UsageError
+
+__all__ = [
+    "GrammarState",
+    "chain_masks",
+    "committed_mask",
+    "constrain",
+    "finish",
+    "forced_run",
+    "tree_masks",
+    "with_forced",
+]
+
+
+@runtime_checkable
+class GrammarState(Protocol):
+    """One sequence's grammar state: committed tokens plus a tentative path after them."""
+
+    vocab_size: int  # the width of its masks (the tokenizer's; a model's logits may be wider)
+
+    def mask_after(self, path: Sequence[int]) -> Tensor | None:
+        """[vocab_size] bool: the tokens allowed after the committed ones and ``path``; None when ``path``
+        leaves the grammar (a token it does not allow, or anything after the end). Tentative: the committed
+        tokens are unchanged."""
+        ...
+
+    def settle(self, tokens: Sequence[int]) -> None:
+        """Commit ``tokens`` (allowed ones) after the committed tokens; the tentative path is then empty."""
+        ...
+
+    @property
+    def finished(self) -> bool:
+        """Whether nothing but an end-of-sequence token is allowed after the committed tokens."""
+        ...
+
+
+def committed_mask(state: GrammarState) -> Tensor:
+    """[V'] bool, the tokens allowed after the committed ones; UsageError when the grammar allows none (a
+    dead end: the request ends with that reason instead of looping)."""
+    mask = state.mask_after([])
+    if mask is None or not bool(mask.any()):
+        raise UsageError("the grammar allows no token here: the output cannot be completed")
+    return mask
+
+
+def _reachable(mask: Tensor | None, width: int) -> Tensor:
+    """A position's mask, or every token where it cannot be reached (after a token the grammar does not
+    allow, or after the end): verification never gets there (p(x) = 0 rejects that token with certainty),
+    and the transform needs a row with a token in it."""
+    if mask is None or not bool(mask.any()):
+        return torch.ones(width, dtype=torch.bool)  # [V']
+    return mask
+
+
+def forced_run(state: GrammarState, limit: int) -> list[int]:
+    """The tokens forced after the committed ones: while exactly one token is allowed, that token, at most
+    ``limit`` of them (none after an end-of-sequence token: nothing is allowed there)."""
+    run: list[int] = []
+    mask: Tensor | None = committed_mask(state)
+    while len(run) < limit and mask is not None and int(mask.sum()) == 1:
+        run.append(int(mask.nonzero()[0, 0]))
+        mask = state.mask_after(run)
+    return run
+
+
+def chain_masks(state: GrammarState, tokens: Sequence[int]) -> Tensor:
+    """[len(tokens) + 1, V'] bool: row i the tokens allowed after the committed ones and ``tokens[:i]``, the
+    mask of the round's position i (row 0: the committed prefix's)."""
+    rows = [committed_mask(state)]
+    rows += [_reachable(state.mask_after(tokens[: i + 1]), state.vocab_size) for i in range(len(tokens))]
+    return torch.stack(rows)
+
+
+def tree_masks(state: GrammarState, tokens: Sequence[int], parents: Sequence[int]) -> Tensor:
+    """[N, V'] bool: node i's row the tokens allowed after the committed ones and the path from the root
+    (node 0, the last committed token, not on the path) to node i, its own token included: the mask of its
+    children's position. ``parents`` [N], each node after its parent."""
+    paths: list[list[int]] = [[]]
+    for node in range(1, len(tokens)):
+        paths.append([*paths[parents[node]], tokens[node]])
+    rows = [committed_mask(state)]
+    rows += [_reachable(state.mask_after(path), state.vocab_size) for path in paths[1:]]
+    return torch.stack(rows)
+
+
+def constrain(logits: Tensor, allowed: Tensor) -> Tensor:
+    """logits [..., V] with −inf at every token ``allowed`` [..., V'] (bool, V' ≤ V; ids ≥ V' are never
+    allowed) does not hold: what the one transform then turns into the constrained p."""
+    width = allowed.shape[-1]
+    keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)  # [..., V]
+    keep[..., :width] = allowed.to(logits.device)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def with_forced(forced: Sequence[int], proposal: Proposal) -> Proposal:
+    """``proposal`` (the drafter's, after the forced tokens) with the forced tokens first; when it has q,
+    each forced token's row of q is a point mass on it (it was drawn from that)."""
+    if not forced:
+        return proposal
+    head = torch.tensor(list(forced), dtype=torch.long)  # [F]
+    tokens = torch.cat([head, proposal.tokens.to(head.device)])  # [F + K']
+    if proposal.q is None:
+        return Proposal(tokens, None)
+    points = proposal.q.new_zeros(len(forced), proposal.q.shape[-1])  # [F, V]
+    points[torch.arange(len(forced)), head.to(points.device)] = 1.0
+    return Proposal(tokens, torch.cat([points, proposal.q]))  # q: [F + K', V]
+
+
+def finish(state: GrammarState, emitted: list[int], room: int, eos: Collection[int]) -> list[int]:
+    """Commit ``emitted`` (a round's tokens, at most ``room``) to ``state``; where the grammar is then
+    finished and allows one end-of-sequence token alone, that token is appended (its constrained p is a
+    point mass: it needs no forward). Returns the tokens the sequence commits."""
+    state.settle(emitted)
+    if len(emitted) >= room or (emitted and emitted[-1] in eos) or not state.finished:
+        return emitted
+    last = forced_run(state, 1)
+    return emitted + last if last and last[0] in eos else emitted
