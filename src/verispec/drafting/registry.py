@@ -96,6 +96,7 @@ class DrafterKind:
     dynamic_trees: bool = False  # takes tree shapes with a node budget (ranks its nodes, EAGLE-2)
     reads_target_hidden: bool = False  # drafts from the target's hidden states: needs a native target
     reads_target_cache: bool = False  # runs the target's first layers on the target's own cache
+    shared_cache: bool = False  # drafts from a cache shared across requests (DraftInputs.suffix_cache)
 
     @property
     def takes_trees(self) -> bool:
@@ -256,6 +257,7 @@ DRAFTERS: dict[str, DrafterKind] = {
             "SuffixDecoding: what followed the context's longest suffix in this request or earlier outputs",
             _suffix_chain,
             _suffix_tree,
+            shared_cache=True,
         ),
         DrafterKind(
             "eagle",
