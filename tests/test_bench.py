@@ -79,7 +79,8 @@ def test_the_task_files():
         tasks
     )
     for name, prompts in tasks.items():
-        assert len(prompts) >= 6, name
+        requests = sum(len(p.follow_ups) + 1 for p in prompts)  # a sequence is several requests
+        assert len(prompts) >= 4 and requests >= 6, name
         assert len({p.id for p in prompts}) == len(prompts)
         assert all(p.task == name and p.messages[-1][0] == "user" for p in prompts)
     assert all(len(p.messages) >= 3 for p in tasks["chat"])  # multi-turn
@@ -128,6 +129,8 @@ def test_plan_methods(monkeypatch):
         "none",
         "ngram k=4",
         "ngram k=auto",
+        "suffix k=4",
+        "suffix k=auto",
         "eagle k=4",  # the drafter shipped for the default target
         "eagle k=auto",
         "medusa k=4",  # the Medusa heads, the trained exit and the lookahead tokens shipped for it
@@ -136,6 +139,8 @@ def test_plan_methods(monkeypatch):
         "exit k=auto",
         "lookahead k=4",
         "lookahead k=auto",
+        "suffix-warm k=4",  # the suffix cache after the workload's first pass
+        "suffix-warm k=auto",
         "transformers",
         "transformers-lookup k=4",
     ]
@@ -278,6 +283,10 @@ def test_smoke_bench_on_stories260k(capsys, tmp_path, stories_args):
         "none",
         "ngram k=4",
         "ngram k=auto",
+        "suffix k=4",
+        "suffix k=auto",
+        "suffix-warm k=4",
+        "suffix-warm k=auto",
         "model k=4",
         "model k=auto",
         "transformers",
@@ -296,7 +305,7 @@ def test_smoke_bench_on_stories260k(capsys, tmp_path, stories_args):
             assert m["predicted_speedup"] > 0 and m["efficiency"] > 0
     ngram = next(c for c in results["cells"] if c["label"] == "ngram k=4")["metrics"]
     assert 0 < ngram["acceptance_rate"] <= 1 and ngram["acceptance_per_position"]
-    assert set(results["calibration"]) == {"none", "ngram", "model"}
+    assert set(results["calibration"]) == {"none", "ngram", "suffix", "suffix-warm", "model"}
     assert results["machine"]["threads"] == 1 and results["machine"]["cpu"]
     table = (out / "results.md").read_text()
     assert (

@@ -395,6 +395,6 @@ def test_cli_generate_with_a_tree(capsys, shared_model, tmp_path):
     )
     assert one_shot.token_ids == plain["token_ids"] and one_shot.stats["k"] == "tree 2x2"
     assert cli.main([*common, "--drafter", "none", "--tree-width", "2", "--tree-depth", "2"]) == 2
-    assert "model, ngram, eagle, medusa or exit drafter" in capsys.readouterr().err
+    assert "model, ngram, suffix, eagle, medusa or exit drafter" in capsys.readouterr().err
     assert cli.main([*common, "--tree-width", "2", "--tree-depth", "9"]) == 2  # 1023 nodes, context 512
     assert "context of" in capsys.readouterr().err

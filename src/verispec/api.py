@@ -24,6 +24,7 @@ from verispec.analysis.analytic import BatchCost, CostModel
 from verispec.calibrate import QUICK_REPETITIONS, Calibration, calibrate
 from verispec.drafting.base import Drafter, TreeDrafter
 from verispec.drafting.registry import DraftInputs
+from verispec.drafting.suffix_cache import SuffixCache, tokenizer_identity
 from verispec.drafting.tree import AUTO, TreeShape
 from verispec.driver import Collected, Driver
 from verispec.engine import EngineConfig, GenerationStats, Request, TokenLogprob
@@ -178,20 +179,34 @@ class Speculator:
         self.model, self.tokenizer, self.kind = parts.model, parts.tokenizer, parts.kind
         self.draft, self.pair, self.head, self.tree = parts.draft, parts.pair, parts.head, parts.tree
         self.drafter_name = parts.drafter_name
+        self.suffix_cache: SuffixCache | None = None  # a drafter's cache shared by every request (suffix)
+        if parts.kind.shared_cache:
+            self.suffix_cache = SuffixCache(vocabulary=tokenizer_identity(parts.tokenizer))
         self._calibration: Calibration | None = None
 
-    def _drafter(self, sampling: SamplingParams, target_cache: Cache | None = None) -> Drafter | TreeDrafter:
+    def _drafter(
+        self,
+        sampling: SamplingParams,
+        target_cache: Cache | None = None,
+        suffix_cache: SuffixCache | None = None,
+    ) -> Drafter | TreeDrafter:
         """The drafter for one generation (a tree drafter with ``tree``); an early-exit draft reads
-        ``target_cache`` (when given)."""
-        chain = self._chain_drafter(sampling, target_cache)
+        ``target_cache`` (when given), a suffix drafter ``suffix_cache`` (default: this speculator's)."""
+        chain = self._chain_drafter(sampling, target_cache, suffix_cache or self.suffix_cache)
         if self.tree is None:
             return chain
         assert self.kind.tree is not None  # checked by resolve
         cost = self.calibration().cost_model if self.tree.budget == AUTO else None
         return self.kind.tree(chain, self.tree, cost)
 
-    def _chain_drafter(self, sampling: SamplingParams, target_cache: Cache | None = None) -> Drafter:
-        """The chain drafter (what :meth:`calibration` measures; a tree drafter branches it)."""
+    def _chain_drafter(
+        self,
+        sampling: SamplingParams,
+        target_cache: Cache | None = None,
+        suffix_cache: SuffixCache | None = None,
+    ) -> Drafter:
+        """The chain drafter (what :meth:`calibration` measures, with a private empty suffix cache, so that
+        the cost measured never depends on what the shared one holds; a tree drafter branches it)."""
         shared = target_cache if self.parts.early_exit or self.kind.reads_target_cache else None
         inputs = DraftInputs(
             sampling,
@@ -202,6 +217,7 @@ class Speculator:
             pair=self.pair,
             cross_tokenizer=self.parts.cross_tokenizer,
             cost_ratio=self._calibration.cost_ratio if self._calibration is not None else None,
+            suffix_cache=suffix_cache,
         )
         return self.kind.chain(inputs)
 
@@ -259,11 +275,13 @@ class Speculator:
         *,
         stats: GenerationStats | None = None,
         trace: TraceRecorder | None = None,
+        suffix_cache: SuffixCache | None = None,
     ) -> tuple[Request, TextAssembler]:
         """An engine request for ``prompt`` with ``options`` (its own drafter, made for the cache row it is
         given, its own K policy and stop check), and the text assembler of its output. ``stats`` (optional)
         is filled in as it goes; ``trace`` (optional, chain rounds only) records every round (see
-        :mod:`verispec.trace`)."""
+        :mod:`verispec.trace`); ``suffix_cache``: the suffix drafter's shared cache for this request (a
+        server tenant's; default :attr:`suffix_cache`)."""
         eos = self.tokenizer.eos_token_ids
         config = EngineConfig(options.max_new_tokens, options.sampling, eos, options.stop, options.logprobs)
         stats = stats if stats is not None else GenerationStats(self.drafter_name, self.k_label(options.k))
@@ -271,7 +289,7 @@ class Speculator:
         request = Request(
             self.encode_prompt(prompt, options.chat),
             config,
-            lambda cache: self._drafter(options.sampling, cache),
+            lambda cache: self._drafter(options.sampling, cache, suffix_cache),
             self.k_policy(options.k),
             stats,
             text.stop_check if options.stop else None,

@@ -61,6 +61,7 @@ from verispec.drafting.learned.exit import ExitDraft
 from verispec.drafting.learned.lookahead import LookaheadDrafter
 from verispec.drafting.learned.medusa import MedusaDrafter
 from verispec.drafting.ngram import NGramDrafter
+from verispec.drafting.suffix import SuffixDrafter
 from verispec.errors import UsageError
 from verispec.files import atomic_write
 from verispec.inputs import is_int
@@ -295,6 +296,10 @@ def drafter_identity(drafter: Drafter) -> dict:
         }
     if isinstance(drafter, NGramDrafter):
         return {"drafter": drafter.name, "max_ngram": drafter.max_ngram, "min_ngram": drafter.min_ngram}
+    if isinstance(
+        drafter, SuffixDrafter
+    ):  # a lookup like the n-gram's: its settings, not its cache's content
+        return {"drafter": drafter.name, **dataclasses.asdict(drafter.config)}
     if isinstance(drafter, EagleDrafter):
         return {
             "drafter": drafter.name,

@@ -35,7 +35,7 @@ from typing import Any, cast
 
 import torch
 
-from verispec.drafting.base import Drafter, HiddenStateReader, Proposal, TreeDrafter
+from verispec.drafting.base import Drafter, HiddenStateReader, Proposal, SequenceEnd, TreeDrafter
 from verispec.drafting.tree import TreeProposal
 from verispec.errors import UsageError
 from verispec.grammar.rounds import (
@@ -764,6 +764,10 @@ class SpeculativeEngine:
         return keep
 
     def _retire(self, running: Running, reason: str) -> None:
+        """``running`` leaves the batch for ``reason``; its drafter, if a :class:`SequenceEnd`, is told the
+        tokens of a sequence that finished (not of a failed one)."""
         running.done = True
         running.request.stats.stop_reason = reason
         self.running.remove(running)
+        if reason != "error" and isinstance(running.drafter, SequenceEnd):
+            running.drafter.finish(list(running.ids))

@@ -15,17 +15,31 @@ __all__ = [
     "TRANSFORMERS_PEERS",
     "TREE_METHODS",
     "VERISPEC_METHODS",
+    "WARM_METHODS",
 ]
 
-TASKS = ("chat", "summarization", "rag", "math", "code_completion", "code_editing", "translation")
+TASKS = (
+    "chat",
+    "summarization",
+    "rag",
+    "math",
+    "code_completion",
+    "code_editing",
+    "translation",
+    "agent_tools",  # the agentic ones: sequences of requests, each fed the earlier outputs
+    "code_edit_loop",
+    "chat_quoting",
+)
 TRANSFORMERS_PEERS = ("transformers", "transformers-assisted", "transformers-lookup")
 """plain ``generate``; assisted generation with a draft model; prompt lookup decoding."""
 LLAMACPP_PEERS = ("llamacpp", "llamacpp-lookup")
 """llama.cpp's plain decoding; its prompt lookup decoding."""
 PEERS = (*TRANSFORMERS_PEERS, *LLAMACPP_PEERS)
 VERISPEC_METHODS = tuple(DRAFTERS)  # none first, then every drafter
+# a drafter with a cache shared across requests, starting each sample from the workload's first pass
+WARM_METHODS = tuple(f"{name}-warm" for name, kind in DRAFTERS.items() if kind.shared_cache)
 TREE_METHODS = tuple(f"{name}-tree" for name, kind in DRAFTERS.items() if kind.takes_trees)  # with --trees
 # the draft model through one cross-tokenizer algorithm each (its tokenizer differs from the target's)
 CROSS_METHODS = {f"model-{algorithm}": algorithm for algorithm in CROSS_TOKENIZER if algorithm != "auto"}
-METHODS = (*VERISPEC_METHODS, *CROSS_METHODS, *TREE_METHODS, *PEERS)
+METHODS = (*VERISPEC_METHODS, *WARM_METHODS, *CROSS_METHODS, *TREE_METHODS, *PEERS)
 LOAD_METHODS = ("none", "ngram", "eagle", "auto", "transformers")  # bench-load: auto, the drafter auto picks

@@ -3,7 +3,10 @@ own generation on the same weights — written as ``results.json``, ``results.md
 
 Tasks (Spec-Bench style, ``verispec/data/tasks/*.jsonl``): multi-turn chat, summarization of a passage,
 question answering over a passage (RAG), math word problems, code completion, code editing, translation;
-``--prompts FILE`` adds a JSONL file of one's own (see :func:`load_prompts`).
+and agentic sequences of requests, each fed the earlier outputs (:mod:`verispec.bench.workloads`): a
+tool-calling agent loop, a code-editing loop, a chat quoting itself. ``--prompts FILE`` adds a JSONL file of
+one's own (see :func:`load_prompts`). A drafter with a cache shared across requests (``suffix``) runs cold
+and, as ``suffix-warm``, from the cache the workload's first pass left.
 
 Methods (:func:`plan_methods`): verispec ``none`` (plain decoding in the engine: the baseline of every
 speedup), then every other drafter of :data:`verispec.drafting.registry.DRAFTERS` (those that need a draft
@@ -85,11 +88,13 @@ from verispec.bench.peers import (
 from verispec.bench.records import Calibration as CalibrationRecord
 from verispec.bench.records import Cell, Identity, Machine, Metrics, Results, Sample, Spread
 from verispec.bench.report import write_report
+from verispec.bench.workloads import WARM, CacheSnapshots, turns
 from verispec.calibrate import Calibration, cpu_name
 from verispec.drafting.draft_model import early_exit_layers
 from verispec.drafting.learned.head import read_drafter_file
 from verispec.drafting.learned.kinds import shipped_drafter
 from verispec.drafting.registry import DRAFTERS
+from verispec.drafting.suffix_cache import SuffixCache
 from verispec.drafting.tree import AUTO, TreeShape
 from verispec.engine import GenerationStats
 from verispec.errors import UsageError
@@ -98,7 +103,7 @@ from verispec.inputs import is_int
 from verispec.models.base import LanguageModel, Tokenizer
 from verispec.models.gguf import source_gguf
 from verispec.models.registry import gguf_file, model_dir
-from verispec.options import DEFAULT_MODEL, DEFAULT_PRECISION, SamplingParams, parse_k
+from verispec.options import DEFAULT_MODEL, DEFAULT_PRECISION, GenerationOptions, SamplingParams, parse_k
 from verispec.viz.charts import chart_directory
 
 __all__ = [
@@ -137,6 +142,14 @@ class Prompt:
     task: str
     id: str
     messages: tuple[tuple[str, str], ...]  # (role, content)
+    follow_ups: tuple[str, ...] = ()  # a sequence's later user turns (:mod:`verispec.bench.workloads`)
+
+    def turn(self, replies: Sequence[str]) -> Prompt:
+        """Request ``len(replies)`` of this sequence, after those replies (:func:`workloads.turns`)."""
+        if not replies:
+            return self
+        messages = turns(self.messages, self.follow_ups, replies)
+        return Prompt(self.task, f"{self.id}#{len(replies)}", messages)
 
     def for_model(self, chat: bool) -> str | list[dict[str, str]]:
         """What the speculator encodes: the messages for a chat template, else their contents as plain text,
@@ -147,7 +160,8 @@ class Prompt:
 
 
 def _parse_prompt(line: str, where: str, task: str, index: int) -> Prompt:
-    """One JSONL line: {"prompt": str} or {"messages": [{"role", "content"}, ...]}, optional "id", "task"."""
+    """One JSONL line: {"prompt": str} or {"messages": [{"role", "content"}, ...]}, optional "id", "task"
+    and "follow_ups" (a sequence's later user turns, non-empty strings)."""
     try:
         data = json.loads(line)
     except json.JSONDecodeError as err:
@@ -176,7 +190,10 @@ def _parse_prompt(line: str, where: str, task: str, index: int) -> Prompt:
     prompt_id = data.get("id", f"{task}-{index}")
     if not isinstance(prompt_id, str) or not prompt_id:
         raise UsageError(f'{where}: "id" must be a non-empty string')
-    return Prompt(task, prompt_id, tuple(pairs))
+    follow_ups = data.get("follow_ups", [])
+    if not isinstance(follow_ups, list) or not all(isinstance(f, str) and f.strip() for f in follow_ups):
+        raise UsageError(f'{where}: "follow_ups" must be a list of non-empty strings')
+    return Prompt(task, prompt_id, tuple(pairs), tuple(follow_ups))
 
 
 def load_prompts(path: str | os.PathLike, default_task: str | None = None) -> list[Prompt]:
@@ -638,7 +655,7 @@ class Bench:
         self.speculators = {BASELINE: base}
         chains = (m.name for m in methods if not m.is_peer and m.name not in (BASELINE, *TREE_METHODS))
         for name in dict.fromkeys(chains):
-            kind = DRAFTERS["model" if name in CROSS_METHODS else name]
+            kind = DRAFTERS["model" if name in CROSS_METHODS else name.removesuffix(WARM)]
             path = learned_drafter(config, kind.name) if kind.learned else None
             self.speculators[name] = Speculator(
                 loaded,
@@ -651,6 +668,7 @@ class Bench:
                 cross_tokenizer=CROSS_METHODS.get(name, "auto"),
             )
         self.trees = {m.label: self._tree_speculator(m) for m in methods if m.name in TREE_METHODS}
+        self.snapshots = CacheSnapshots()  # the warm caches of the shared-cache methods
         self.chat = _has_chat_template(self.tokenizer)
         self.prompt_ids = {
             (p.task, p.id): base.encode_prompt(p.for_model(self.chat), self.chat)
@@ -710,34 +728,54 @@ class Bench:
     def _sampling(self, temperature: float, repetition: int, index: int) -> SamplingParams:
         return SamplingParams(temperature=temperature, seed=self.config.seed + 1000 * repetition + index)
 
-    def _generate(self, method: Method, prompt: Prompt, sampling: SamplingParams) -> tuple[list[int], Sample]:
+    def _generate(
+        self, method: Method, prompt: Prompt, sampling: SamplingParams, cache: SuffixCache | None = None
+    ) -> tuple[list[int], Sample]:
+        """One prompt's generations, a sequence's in order, each fed the replies before it: their token ids
+        and counters and timings, added up. ``cache``: what a shared-cache method drafts from (None:
+        empty)."""
+        cache = SuffixCache() if cache is None else cache
+        ids: list[int] = []
+        records: list[Sample] = []
+        replies: list[str] = []
+        for _ in range(len(prompt.follow_ups) + 1):
+            out, record = self._generate_one(method, prompt.turn(replies), sampling, cache)
+            ids += out
+            records.append(record)
+            replies.append(self.tokenizer.decode(out))
+        return ids, _add_samples(records)
+
+    def _generate_one(
+        self, method: Method, prompt: Prompt, sampling: SamplingParams, cache: SuffixCache
+    ) -> tuple[list[int], Sample]:
         """One generation: its token ids and its counters and timings."""
         _reset_peak_memory()
         rss_before, _ = _memory_mib()
         if method.is_peer:
             ids, record = self._generate_peer(method, prompt, sampling)
         else:
-            ids, record = self._generate_verispec(method, prompt, sampling)
+            ids, record = self._generate_verispec(method, prompt, sampling, cache)
         _, peak = _memory_mib()
         record["peak_rss_mib"], record["rss_growth_mib"] = peak, max(0.0, peak - rss_before)
         return ids, record
 
     def _generate_verispec(
-        self, method: Method, prompt: Prompt, sampling: SamplingParams
+        self, method: Method, prompt: Prompt, sampling: SamplingParams, cache: SuffixCache
     ) -> tuple[list[int], Sample]:
         speculator = self.trees.get(method.label) or self.speculators[method.name]
         k = method.k or 0
         stats = GenerationStats(method.name, str(k))
-        start = time.perf_counter()
-        chunks = speculator.stream(
-            prompt.for_model(self.chat),
+        options = GenerationOptions(
             k=k if speculator.tree is None else 0,  # a tree's label, its shape, is not a K
             max_new_tokens=self.config.max_new_tokens,
             sampling=sampling,
             chat=self.chat,
-            stats=stats,
         )
-        ids = [t for chunk in chunks for t in chunk.token_ids]
+        start = time.perf_counter()
+        text = prompt.for_model(self.chat)
+        if speculator.kind.shared_cache:
+            speculator.suffix_cache = cache  # this sample's: empty, or warm from the workload's first pass
+        ids = [t for chunk in speculator.stream(text, options, stats=stats) for t in chunk.token_ids]
         seconds = time.perf_counter() - start
         return ids, {
             "tokens": len(ids),
@@ -762,8 +800,12 @@ class Bench:
     ) -> tuple[list[int], Sample]:
         peer = self.llamacpp if method.name in LLAMACPP_PEERS else self.peer
         assert peer is not None, "peers are loaded with the methods that need them"
+        key = (prompt.task, prompt.id)
+        ids = self.prompt_ids.get(key) or self.speculators[BASELINE].encode_prompt(
+            prompt.for_model(self.chat), self.chat
+        )  # a sequence's later requests: encoded as they come
         request = PeerRequest(
-            prompt_ids=self.prompt_ids[(prompt.task, prompt.id)],
+            prompt_ids=ids,
             method=method.name,
             k=int(method.k or 0),
             max_new_tokens=self.config.max_new_tokens,
@@ -793,11 +835,19 @@ class Bench:
         }
 
     def _sample(self, cell: _Cell, repetition: int, tick: Callable[[], None]) -> None:
-        """One sample: the cell's method over every prompt of its task."""
+        """One sample: the cell's method over every prompt of its task (a shared-cache method from an empty
+        cache, or a warm one: :class:`~verispec.bench.workloads.CacheSnapshots`)."""
         records = []
-        for index, prompt in enumerate(self.tasks[cell.task]):
+        prompts = self.tasks[cell.task]
+
+        def first_pass(cache: SuffixCache) -> None:
+            for index, prompt in enumerate(prompts):
+                self._generate(cell.method, prompt, self._sampling(cell.temperature, 0, index), cache)
+
+        cache = self.snapshots.cache_for(cell.method.name, cell.task, first_pass)
+        for index, prompt in enumerate(prompts):
             ids, record = self._generate(
-                cell.method, prompt, self._sampling(cell.temperature, repetition, index)
+                cell.method, prompt, self._sampling(cell.temperature, repetition, index), cache
             )
             cell.outputs.setdefault(prompt.id, ids)
             records.append(record)

@@ -16,7 +16,11 @@ the distributions q it sampled them from, and is then told how many of them the 
   :mod:`verispec.drafting.learned`) also gets ``observe_hidden(hidden)``, hidden: [T, H], the target's final
   hidden states at the next T committed positions, in order (the prompt's but its last token after
   ``begin``, then each round's committed ones, before ``observe``); the engine computes them only for such a
-  drafter.
+  drafter;
+- a drafter that is a :class:`SequenceEnd` (the suffix drafters of :mod:`verispec.drafting.suffix`) is also
+  told, with ``finish(ids)``, the committed tokens (prompt, then output) of a sequence the engine retires
+  having finished it (an end of sequence, a stop string, the token limit or the context's), once; never for
+  a cancelled or failed one.
 
 The tree counterpart: a tree drafter sees the committed context and a tree shape
 (:mod:`verispec.drafting.tree`; the drafter's own :attr:`TreeDrafter.shape`, capped by the engine to the
@@ -33,7 +37,8 @@ tokens and context left) and returns a tree within that shape, rooted at the las
 - a shape with a node budget (dynamic) is taken only by drafters that rank their nodes (``dynamic``: the
   learned head's); the others refuse it.
 
-The drafters themselves: :mod:`verispec.drafting.ngram` (prompt lookup), :mod:`verispec.drafting.draft_model`
+The drafters themselves: :mod:`verispec.drafting.ngram` (prompt lookup), :mod:`verispec.drafting.suffix`
+(SuffixDecoding: the request's own text and previous requests' outputs), :mod:`verispec.drafting.draft_model`
 (a smaller model, or the target's first layers), :mod:`verispec.drafting.learned` (EAGLE heads, Medusa heads,
 a trained exit, lookahead tokens); their names, capabilities and factories are in
 :mod:`verispec.drafting.registry`.
@@ -57,6 +62,7 @@ __all__ = [
     "HiddenStateReader",
     "NoDrafter",
     "Proposal",
+    "SequenceEnd",
     "TreeDrafter",
     "check_static",
 ]
@@ -114,6 +120,15 @@ class HiddenStateReader(Protocol):
 
     def observe_hidden(self, hidden: Tensor) -> None:
         """hidden: [T, H], the target's final hidden states at the next T committed positions, in order."""
+        ...
+
+
+@runtime_checkable
+class SequenceEnd(Protocol):
+    """A drafter told when its sequence finishes (module docstring): what learns from whole outputs."""
+
+    def finish(self, ids: list[int]) -> None:
+        """The sequence finished with the committed tokens ``ids``: its prompt, then its output."""
         ...
 
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the drafters themselves are imported where they are built: 
     from verispec.drafting.base import Drafter, TreeDrafter
     from verispec.drafting.cross_tokenizer import VocabularyPair
     from verispec.drafting.learned.head import LearnedHead
+    from verispec.drafting.suffix_cache import SuffixCache
     from verispec.drafting.tree import TreeShape
     from verispec.models.base import Cache, LanguageModel
     from verispec.options import SamplingParams
@@ -57,6 +58,8 @@ class DraftInputs:
     pair: VocabularyPair | None = None  # a draft model with another tokenizer: the two vocabularies
     cross_tokenizer: str = "auto"  # and the algorithm that drafts across them (CROSS_TOKENIZER)
     cost_ratio: float | None = None  # the calibrated c of this drafter, once measured
+    suffix_cache: SuffixCache | None = None  # the suffix drafter's cache shared across requests (None: a
+    # private one per drafter, cold)
 
     def need_draft(self, name: str) -> LanguageModel:
         """The draft model, or UsageError naming the drafter that needs one."""
@@ -93,6 +96,7 @@ class DrafterKind:
     dynamic_trees: bool = False  # takes tree shapes with a node budget (ranks its nodes, EAGLE-2)
     reads_target_hidden: bool = False  # drafts from the target's hidden states: needs a native target
     reads_target_cache: bool = False  # runs the target's first layers on the target's own cache
+    shared_cache: bool = False  # drafts from a cache shared across requests (DraftInputs.suffix_cache)
 
     @property
     def takes_trees(self) -> bool:
@@ -216,6 +220,21 @@ def _ngram_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> Tre
     return NGramTreeDrafter(shape, chain)
 
 
+def _suffix_chain(inputs: DraftInputs) -> Drafter:
+    """SuffixDecoding over the request's own text and the shared cache of previous outputs."""
+    from verispec.drafting.suffix import SuffixDrafter
+
+    return SuffixDrafter(inputs.suffix_cache)
+
+
+def _suffix_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> TreeDrafter:
+    """The suffix matches' continuations, by count, merged into a tree."""
+    from verispec.drafting.suffix import SuffixDrafter, SuffixTreeDrafter
+
+    assert isinstance(chain, SuffixDrafter)  # the suffix kind's chain factory builds one
+    return SuffixTreeDrafter(shape, chain)
+
+
 DRAFTERS: dict[str, DrafterKind] = {
     kind.name: kind
     for kind in (
@@ -232,6 +251,13 @@ DRAFTERS: dict[str, DrafterKind] = {
             "prompt lookup: copies what followed the context's suffix earlier",
             _ngram_chain,
             _ngram_tree,
+        ),
+        DrafterKind(
+            "suffix",
+            "SuffixDecoding: what followed the context's longest suffix in this request or earlier outputs",
+            _suffix_chain,
+            _suffix_tree,
+            shared_cache=True,
         ),
         DrafterKind(
             "eagle",
