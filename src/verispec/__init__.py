@@ -4,10 +4,10 @@
     >>> result = verispec.generate("Once upon a time", drafter="ngram", max_new_tokens=32, temperature=0)
 
 The public names, all importable from here: :func:`generate` and :class:`Speculator` (load a target and a
-drafter, then generate, streamed or whole), :class:`GenerationOptions` and :class:`SamplingParams` (what a
-generation asks for), :func:`probs_from_logits` (the one transform that
-defines the sampled distribution), the pure verifiers of :mod:`verispec.verify` and
-:class:`UsageError`, the exception for a caller's mistake.
+drafter, then generate, streamed or whole), :class:`GenerationOptions`, :class:`SamplingParams` and
+:class:`Constraint` (what a generation asks for; a Constraint: structured output, a JSON schema, a regex or a
+grammar), :func:`probs_from_logits` (the one transform that defines the sampled distribution), the pure
+verifiers of :mod:`verispec.verify` and :class:`UsageError`, the exception for a caller's mistake.
 
 p is always the target's distribution and q the draft's, passed by keyword. See :mod:`verispec.verify.chain`
 for the vocabulary of accepted, recovered and bonus tokens, and :mod:`verispec.verify.tree` for verifying a
@@ -25,6 +25,7 @@ from verispec.errors import UsageError
 if TYPE_CHECKING:
     from verispec.api import GenerationResult, Speculator, generate
     from verispec.drafting.tree import TreeShape
+    from verispec.grammar.constraint import Constraint
     from verispec.options import GenerationOptions, SamplingParams
     from verispec.sampling import probs_from_logits
     from verispec.text import Chunk
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
 _MODULES = {  # module → its public names here, imported on first access: `import verispec` loads no torch
     "verispec.api": ("GenerationResult", "Speculator", "generate"),
     "verispec.drafting.tree": ("TreeShape",),
+    "verispec.grammar.constraint": ("Constraint",),
     "verispec.options": ("GenerationOptions", "SamplingParams"),
     "verispec.sampling": ("probs_from_logits",),
     "verispec.text": ("Chunk",),
@@ -78,6 +80,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Chunk",
+    "Constraint",
     "GenerationOptions",
     "GenerationResult",
     "Rule",

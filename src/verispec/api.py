@@ -29,8 +29,10 @@ from verispec.drafting.tree import AUTO, TreeShape
 from verispec.driver import Collected, Driver
 from verispec.engine import EngineConfig, GenerationStats, Request, TokenLogprob
 from verispec.errors import UsageError
+from verispec.grammar.constraint import Constraint
+from verispec.grammar.rounds import GrammarState
 from verispec.inputs import check_text, is_int
-from verispec.models.base import Cache
+from verispec.models.base import Cache, SpelledTokenizer
 from verispec.options import (
     DEFAULT_K,
     DEFAULT_PRECISION,
@@ -282,20 +284,32 @@ class Speculator:
         is filled in as it goes; ``trace`` (optional, chain rounds only) records every round (see
         :mod:`verispec.trace`); ``suffix_cache``: the suffix drafter's shared cache for this request (a
         server tenant's; default :attr:`suffix_cache`)."""
-        eos = self.tokenizer.eos_token_ids
+        eos = self.tokenizer.eos_token_ids  # the ends the grammar allows too (its tokenizer's own)
         config = EngineConfig(options.max_new_tokens, options.sampling, eos, options.stop, options.logprobs)
         stats = stats if stats is not None else GenerationStats(self.drafter_name, self.k_label(options.k))
         text = TextAssembler(self.tokenizer, options.stop)
+        ids = self.encode_prompt(prompt, options.chat)
         request = Request(
-            self.encode_prompt(prompt, options.chat),
+            ids,
             config,
             lambda cache: self._drafter(options.sampling, cache, suffix_cache),
             self.k_policy(options.k),
             stats,
             text.stop_check if options.stop else None,
             trace,
+            grammar=self._grammar(options.constraint),
         )
         return request, text
+
+    def _grammar(self, constraint: Constraint | None) -> GrammarState | None:
+        """A fresh grammar state for one request (never shared), or None without a constraint."""
+        if constraint is None:
+            return None
+        if not isinstance(self.tokenizer, SpelledTokenizer) or not self.tokenizer.eos_token_ids:
+            raise UsageError(
+                "structured output needs a tokenizer that spells its tokens and has an end token"
+            )
+        return constraint.state(self.tokenizer)
 
     def stream(
         self,
@@ -345,14 +359,15 @@ class Speculator:
     def generate_batch(
         self,
         prompts: Sequence[str | Sequence[Mapping[str, str]]],
-        options: GenerationOptions | None = None,
+        options: GenerationOptions | Sequence[GenerationOptions] | None = None,
         *,
         slots: int = 8,
         seeds: Sequence[int] | None = None,
         **fields: Unpack[OptionFields],
     ) -> list[GenerationResult]:
         """Every prompt generated in a continuous batch of up to ``slots`` sequences (each request joining as
-        a slot frees; options as for :meth:`stream`), results in the prompts' order. A prompt that cannot be
+        a slot frees; options as for :meth:`stream`, or one per prompt: each its own sampling, constraint,
+        chat, length...), results in the prompts' order. A prompt that cannot be
         generated (empty, too long for the context, not valid Unicode) gets a result with ``error`` set, as
         does one whose generation fails on its own (an internal error: its type and message); the others are
         untouched. Each result equals what :meth:`generate` gives for that prompt alone (greedy: token for
@@ -363,7 +378,10 @@ class Speculator:
             raise UsageError(f"slots must be an integer >= 1, got {slots!r}")
         if seeds is not None and len(seeds) != len(prompts):
             raise UsageError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        chosen = GenerationOptions.of(options, **fields)
+        if isinstance(options, Sequence) and len(options) != len(prompts):
+            raise UsageError(f"{len(options)} options for {len(prompts)} prompts")
+        each = options if isinstance(options, Sequence) else [options] * len(prompts)
+        chosen = [GenerationOptions.of(own, **fields) for own in each]
         results: list[GenerationResult | None] = [None] * len(prompts)
         collected: dict[int, tuple[Collected, GenerationStats]] = {}
         driver = Driver(self.model, slots=min(slots, max(1, len(prompts))))
@@ -371,9 +389,9 @@ class Speculator:
         while waiting or driver.live:
             while waiting and driver.free_slots:
                 index, prompt = waiting.popleft()
-                own = chosen
+                own = chosen[index]
                 if seeds is not None:
-                    own = dataclasses.replace(chosen, sampling=chosen.sampling.with_seed(seeds[index]))
+                    own = dataclasses.replace(own, sampling=own.sampling.with_seed(seeds[index]))
                 try:
                     request, text = self.request(prompt, own)
                 except Exception as err:  # this request only
@@ -408,6 +426,9 @@ def generate(
     tree: TreeShape | str | None = None,
     drafter_path: str | None = None,
     precision: str = DEFAULT_PRECISION,
+    json_schema: Mapping[str, Any] | str | None = None,
+    regex: str | None = None,
+    grammar: str | None = None,
 ) -> GenerationResult:
     """Generate text for ``prompt`` with speculative decoding; the same arguments and defaults as ``verispec
     generate`` (greedy unless ``temperature`` > 0: :data:`~verispec.options.DEFAULT_SAMPLING`; a keyword of
@@ -415,9 +436,13 @@ def generate(
     ``invariant``: None, invariant draws exactly when a ``seed`` is given, see
     :class:`~verispec.options.SamplingParams`; ``tree``: a :class:`~verispec.drafting.tree.TreeShape`, "WxD"
     or a JSON shape file, either with ":N" or ":auto" for a dynamic tree, or "auto": the learned drafter's
-    default tree, see :class:`Speculator`)."""
+    default tree, see :class:`Speculator`; ``json_schema`` (a dict or its JSON text), ``regex`` or ``grammar``
+    (Lark or GBNF): at most one, the output's structure, see :class:`~verispec.grammar.Constraint`)."""
     sampling = SamplingParams(temperature, top_k, top_p, min_p, seed, invariant)
-    options = GenerationOptions(k=k, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat, stop=stop)
+    constraint = Constraint.of(json_schema, regex, grammar)
+    options = GenerationOptions(
+        k=k, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat, stop=stop, constraint=constraint
+    )
     shape = TreeShape.parse(tree) if isinstance(tree, str) and tree != AUTO else tree
     speculator = Speculator(
         target, draft, drafter, tokenizer, tree=shape, drafter_path=drafter_path, precision=precision

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from verispec.errors import UsageError
 from verispec.files import atomic_path, atomic_write
+from verispec.grammar.constraint import Constraint
 from verispec.inputs import check_text, is_int, parse_json
 from verispec.options import GenerationOptions, ModelChoice, SamplingParams
 
@@ -55,15 +56,17 @@ __all__ = [
 ]
 
 Body = str | list[dict[str, str]] | dict[str, str]  # a prompt, a conversation, or {"error"} (malformed)
-Request = tuple[str, Body]  # (id, body)
+Request = tuple[str, Body, Constraint | None]  # (id, body, the line's own constraint)
 LOCAL = "local"  # --ray without an address: a Ray started here
 
 
 def read_requests(path: str | Path) -> list[Request]:
-    """(id, prompt or messages) of every line of a JSONL request file (a line without an id gets its line
-    number). A malformed line (not UTF-8, not JSON, nested too deeply, an integer too long, a prompt that is
-    not valid Unicode, ...) becomes a request whose body is ``{"error": message}``, naming the line: it gets
-    an error record and the others run. A file without one well-formed request is a UsageError."""
+    """(id, prompt or messages, constraint) of every line of a JSONL request file (a line without an id gets
+    its line number; a line's constraint from its "json_schema" (an object or its JSON text), "regex" or
+    "grammar" key, at most one, else None). A malformed line (not UTF-8, not JSON, nested too deeply, an
+    integer too long, a prompt that is not valid Unicode, a bad schema, regex or grammar, ...) becomes a
+    request whose body is ``{"error": message}``, naming the line: it gets an error record and the others
+    run. A file without one well-formed request is a UsageError."""
     try:
         lines = Path(path).read_bytes().splitlines()  # lines end at \n, \r\n or \r, never inside a string
     except OSError as err:
@@ -74,12 +77,12 @@ def read_requests(path: str | Path) -> list[Request]:
         if not line.strip():
             continue
         try:
-            ident, body = _request(line, f"{path}:{number}", number, seen)
+            request = _request(line, f"{path}:{number}", number, seen)
         except UsageError as err:
-            ident, body = f"line-{number}", {"error": str(err)}
-        seen.add(ident)
-        requests.append((ident, body))
-    refused = [body["error"] for _, body in requests if isinstance(body, dict)]
+            request = f"line-{number}", {"error": str(err)}, None
+        seen.add(request[0])
+        requests.append(request)
+    refused = [body["error"] for _, body, _ in requests if isinstance(body, dict)]
     if refused and len(refused) == len(requests):
         more = f" (and the {len(refused) - 1} other lines)" if len(refused) > 1 else ""
         raise UsageError(refused[0] + more)
@@ -111,7 +114,11 @@ def _request(line: bytes, where: str, number: int, seen: set[str]) -> Request:
     ident = str(entry.get("id", number))
     if ident in seen:
         raise UsageError(f"{where}: id {ident!r} repeats an earlier line's")
-    return ident, body
+    try:
+        constraint = Constraint.of(entry.get("json_schema"), entry.get("regex"), entry.get("grammar"))
+    except UsageError as err:
+        raise UsageError(f"{where}: {err}") from None
+    return ident, body, constraint
 
 
 def prompt_seed(seed: int, ident: str) -> int:
@@ -129,30 +136,28 @@ def generate_requests(
     slots: int,
     seeds: Sequence[int] | None = None,
 ) -> list[GenerationResult]:
-    """Every request's :class:`~verispec.api.GenerationResult`, in order: plain prompts in one continuous
-    batch (in the chat template with ``options.chat``), conversations in another; ``seeds``: one per request,
-    or None (the options' sampling seed for all). A request that cannot run gets a result with ``error``."""
+    """Every request's :class:`~verispec.api.GenerationResult`, in order, in one continuous batch: each with
+    ``options``, a conversation (or every prompt, with ``options.chat``) in the chat template, a request's own
+    constraint instead of the options' one; ``seeds``: one per request, or None (the options' sampling seed
+    for all). A request that cannot run gets a result with ``error``."""
     from verispec.api import GenerationResult
 
-    bodies = [body for _, body in requests]
-    chats = [options.chat or isinstance(body, list) for body in bodies]
-    results: dict[int, Any] = {
-        i: GenerationResult("", [], {}, error=body["error"])
-        for i, body in enumerate(bodies)
-        if isinstance(body, dict)
-    }
-    for as_chat in (False, True):  # the chat template is a per-batch option
-        chosen = [i for i, c in enumerate(chats) if c == as_chat and i not in results]
-        if not chosen:
+    results: dict[int, GenerationResult] = {}
+    chosen: list[int] = []
+    prompts: list[str | list[dict[str, str]]] = []
+    each: list[GenerationOptions] = []
+    for i, (_, body, constraint) in enumerate(requests):
+        if isinstance(body, dict):  # a malformed line: its error record
+            results[i] = GenerationResult("", [], {}, error=body["error"])
             continue
+        chat = options.chat or isinstance(body, list)
+        own = dataclasses.replace(options, chat=chat, constraint=constraint or options.constraint)
+        chosen.append(i)
+        prompts.append(body)
+        each.append(own)
+    if chosen:
         chosen_seeds = None if seeds is None else [seeds[i] for i in chosen]
-        prompts = [bodies[i] for i in chosen]  # error lines were answered above
-        done = speculator.generate_batch(
-            prompts,  # type: ignore[arg-type]
-            dataclasses.replace(options, chat=as_chat),
-            slots=slots,
-            seeds=chosen_seeds,
-        )
+        done = speculator.generate_batch(prompts, each, slots=slots, seeds=chosen_seeds)
         results.update(zip(chosen, done, strict=True))
     return [results[i] for i in range(len(requests))]
 
@@ -179,6 +184,7 @@ class BatchJob(ModelChoice):
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
     chat: bool = False
     stop: tuple[str, ...] = ()
+    constraint: Constraint | None = None  # every request's, unless its line brings its own
     max_batch: int = 8
     shard_size: int = 64
     ray: str | None = None
@@ -207,6 +213,7 @@ class BatchJob(ModelChoice):
             sampling=self.sampling,
             chat=self.chat,
             stop=self.stop,
+            constraint=self.constraint,
         )
 
     @property
@@ -220,15 +227,15 @@ class BatchJob(ModelChoice):
         for name in ("output", "ray", "workers", "progress", "max_batch"):
             fields.pop(name)  # the output does not depend on them
         fields["sampling"] = {**dataclasses.asdict(self.sampling), "seed": seed}
-        fields["requests"] = hashlib.sha256(json.dumps(requests).encode()).hexdigest()
+        fields["requests"] = hashlib.sha256(json.dumps(_plain(requests)).encode()).hexdigest()
         return fields
 
 
 def _shard_lines(job: BatchJob, speculator, shard: Sequence[Request], seed: int) -> tuple[str, int]:
     """A shard's JSONL text and its generated tokens."""
-    seeds = [prompt_seed(seed, ident) for ident, _ in shard]
+    seeds = [prompt_seed(seed, ident) for ident, _, _ in shard]
     results = generate_requests(speculator, shard, job.options, slots=job.max_batch, seeds=seeds)
-    lines = "".join(json.dumps(record(ident, r)) + "\n" for (ident, _), r in zip(shard, results, strict=True))
+    lines = "".join(json.dumps(record(r[0], result)) + "\n" for r, result in zip(shard, results, strict=True))
     return lines, sum(len(r.token_ids) for r in results)
 
 
@@ -239,18 +246,27 @@ class ShardWorker:
         import torch
 
         torch.set_num_threads(threads)
-        self.job = BatchJob(**{**job, "sampling": SamplingParams(**job["sampling"])})
+        constraint = job["constraint"] and Constraint(**job["constraint"])
+        self.job = BatchJob(
+            **{**job, "sampling": SamplingParams(**job["sampling"]), "constraint": constraint}
+        )
         self.seed = seed
         self.speculator = self.job.speculator()
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, list]:
         shards, lines, tokens = [], [], []
         for index, requests in zip(batch["shard"], batch["requests"], strict=True):
-            text, count = _shard_lines(self.job, self.speculator, json.loads(requests), self.seed)
+            shard = [(i, body, c and Constraint(*c)) for i, body, c in json.loads(requests)]
+            text, count = _shard_lines(self.job, self.speculator, shard, self.seed)
             shards.append(int(index))
             lines.append(text)
             tokens.append(count)
         return {"shard": shards, "lines": lines, "tokens": tokens}
+
+
+def _plain(requests: Sequence[Request]) -> list[tuple[str, Body, tuple[str, str] | None]]:
+    """``requests`` as JSON holds them (a constraint as its kind and text)."""
+    return [(i, body, None if c is None else (c.kind, c.text)) for i, body, c in requests]
 
 
 def _shards(requests: Sequence[Request], size: int) -> list[list[Request]]:
@@ -367,7 +383,7 @@ def _on_ray(ray, job: BatchJob, shards, pending: Sequence[int], seed: int) -> It
     if not pending:
         return
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)) // job.workers)
-    rows = [{"shard": i, "requests": json.dumps(shards[i])} for i in pending]
+    rows = [{"shard": i, "requests": json.dumps(_plain(shards[i]))} for i in pending]
     spec = {**dataclasses.asdict(job), "sampling": dataclasses.asdict(job.sampling)}
     dataset = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(  # a block per shard
         ShardWorker,

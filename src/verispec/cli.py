@@ -35,6 +35,7 @@ from verispec.inputs import is_int
 
 if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
     from verispec.engine import GenerationStats
+    from verispec.grammar.constraint import Constraint
     from verispec.options import SamplingParams
     from verispec.trace import Trace
 
@@ -301,6 +302,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    _add_constraint_arguments(parser)
     parser.add_argument(
         "--batch",
         metavar="FILE.jsonl",
@@ -397,6 +399,36 @@ def _add_invariant_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# ------------------------------------------------------------------------------------- structured output
+
+
+def _add_constraint_arguments(parser: argparse.ArgumentParser) -> None:
+    """--json-schema, --regex, --grammar (generate, batch): one of them."""
+    group = parser.add_argument_group(
+        "structured output",
+        "constrain the output (exactly: distributed as constrained sampling without speculation); one of "
+        'these, or a batch line\'s own "json_schema", "regex" or "grammar" key',
+    ).add_mutually_exclusive_group()
+    group.add_argument("--json-schema", metavar="FILE", help="a JSON schema file: the output is such JSON")
+    group.add_argument("--regex", metavar="TEXT", help="a regular expression the whole output matches")
+    group.add_argument("--grammar", metavar="FILE", help="a grammar file, Lark or GBNF (llguidance's)")
+
+
+def _constraint(args: argparse.Namespace) -> Constraint | None:
+    """The constraint the flags give, its file read and checked before any model loads (UsageError)."""
+    from verispec.grammar.constraint import Constraint
+
+    def read(path: str | None) -> str | None:
+        if path is None:
+            return None
+        try:
+            return Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise UsageError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+
+    return Constraint.of(read(args.json_schema), args.regex, read(args.grammar))
+
+
 def _sampling(args: argparse.Namespace) -> SamplingParams:
     """The sampling parameters of a command with a seed (generate, batch)."""
     from verispec.options import SamplingParams
@@ -415,8 +447,9 @@ def run_generate(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     k = AUTO if args.k is None else args.k  # every argument checked before a model loads
     options = GenerationOptions(
-        k=k, max_new_tokens=args.max_new_tokens, sampling=sampling, chat=args.chat, stop=tuple(args.stop)
-    )
+        k=k, max_new_tokens=args.max_new_tokens, sampling=sampling, chat=args.chat, stop=tuple(args.stop),
+        constraint=_constraint(args),
+    )  # fmt: skip
     if args.show_trace and args.json:
         raise UsageError("--show-trace and --json both write to standard output: choose one")
     if args.trace is not None:
@@ -482,6 +515,7 @@ def _run_batch(args: argparse.Namespace) -> int:
         sampling=_sampling(args),
         chat=args.chat,
         stop=tuple(args.stop),
+        constraint=_constraint(args),
     )
     from verispec.batch import generate_requests, read_requests, record
     from verispec.options import ModelChoice
@@ -492,7 +526,7 @@ def _run_batch(args: argparse.Namespace) -> int:
     results = generate_requests(speculator, requests, options, slots=args.max_batch)
     seconds = time.perf_counter() - start
     tokens = 0
-    for (ident, _), result in zip(requests, results, strict=True):
+    for (ident, _, _), result in zip(requests, results, strict=True):
         tokens += len(result.token_ids)
         if args.json:
             print(json.dumps(record(ident, result)))
@@ -652,6 +686,7 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_invariant_argument(parser)
     parser.add_argument("--chat", action="store_true", help="wrap plain prompts in the model's chat template")
     parser.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+    _add_constraint_arguments(parser)
     parser.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequences decoded at once (8)")
     parser.add_argument(
         "--shard-size", type=int, default=64, metavar="N", help="requests per shard, what resumes (64)"
@@ -680,6 +715,7 @@ def run_batch(args: argparse.Namespace) -> int:
         sampling=_sampling(args),
         chat=args.chat,
         stop=tuple(args.stop),
+        constraint=_constraint(args),
         max_batch=args.max_batch,
         shard_size=args.shard_size,
         ray=args.ray,

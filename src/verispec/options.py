@@ -1,7 +1,8 @@
 """What a generation asks for, parsed once where it comes in (library keywords, the command line, a batch
 line, a server request) into frozen objects: :class:`SamplingParams` (how the target samples),
-:class:`GenerationOptions` (K, the length, the stop strings, chat, log-probabilities, and the sampling) and
-:class:`ModelChoice` (which models and drafter, by name).
+:class:`GenerationOptions` (K, the length, the stop strings, chat, log-probabilities, the sampling, and the
+output's structure: a :class:`~verispec.grammar.Constraint`) and :class:`ModelChoice` (which models and
+drafter, by name).
 
 Light to import (no torch): the command line checks every argument with these before it loads anything, so a
 mistake is reported in a fraction of a second.
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypedDict
 
 from verispec.errors import UsageError
+from verispec.grammar.constraint import Constraint  # light: llguidance loads when one is checked
 from verispec.inputs import check_text, is_int
 
 if TYPE_CHECKING:
@@ -173,6 +175,9 @@ class GenerationOptions:
     unless given. chat: the prompt in the model's chat template (it may then be a list of messages). stop:
     strings that end the generation (not included in the text). logprobs: each token's log-probability
     under the target's own distribution and that many likeliest alternatives (0 to :data:`MAX_LOGPROBS`).
+    constraint: the output's structure (:class:`~verispec.grammar.Constraint`: a JSON schema, any JSON
+    object, a regex or a grammar), checked when the Constraint is built; the output is then distributed
+    exactly as the target's constrained sampling without speculation (:mod:`verispec.grammar`).
     """
 
     k: int | str = DEFAULT_K
@@ -181,9 +186,12 @@ class GenerationOptions:
     chat: bool = False
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "k", parse_k(self.k))
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise UsageError(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
         if not isinstance(self.sampling, SamplingParams):
             raise UsageError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
         if not isinstance(self.chat, bool):
@@ -212,6 +220,7 @@ class OptionFields(TypedDict, total=False):
     chat: bool
     stop: tuple[str, ...]
     logprobs: int | None
+    constraint: Constraint | None
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(GenerationOptions))

@@ -32,7 +32,22 @@ Modules: :mod:`~verispec.grammar.constraint` (the frozen spec a request carries,
 (llguidance's tokenizer from a tokenizer's spelled tokens).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from verispec.grammar.constraint import KINDS, Constraint
-from verispec.grammar.rounds import GrammarState
+
+if TYPE_CHECKING:
+    from verispec.grammar.rounds import GrammarState
 
 __all__ = ["KINDS", "Constraint", "GrammarState"]
+
+
+def __getattr__(name: str) -> Any:
+    """``GrammarState`` imported on first use: a :class:`Constraint` is checked without torch."""
+    if name == "GrammarState":
+        from verispec.grammar.rounds import GrammarState
+
+        return GrammarState
+    raise AttributeError(f"module 'verispec.grammar' has no attribute {name!r}")

@@ -5,13 +5,17 @@ a fresh per-sequence state made from it for each request (:meth:`Constraint.stat
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 from verispec.errors import UsageError
-from verispec.grammar.matcher import MatcherState
 from verispec.inputs import parse_json
-from verispec.models.base import SpelledTokenizer
+
+if TYPE_CHECKING:  # light to import (no torch): the command line checks a constraint before a model loads
+    from verispec.grammar.matcher import MatcherState
+    from verispec.models.base import SpelledTokenizer
 
 __all__ = ["KINDS", "Constraint"]
 
@@ -46,6 +50,30 @@ class Constraint:
         if problem:
             raise UsageError(f"invalid {_NAMES[self.kind]}: {_first_line(problem)}")
 
+    @classmethod
+    def of(
+        cls,
+        json_schema: Mapping[str, Any] | str | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
+    ) -> Constraint | None:
+        """The one constraint given by keyword (``json_schema``: a dict or its JSON text; ``regex``;
+        ``grammar``: Lark or GBNF text), or None for none; UsageError for more than one."""
+        given = {"json_schema": json_schema, "regex": regex, "grammar": grammar}
+        chosen = [kind for kind, value in given.items() if value is not None]
+        if len(chosen) > 1:
+            raise UsageError(f"give one of json_schema, regex and grammar, not {' and '.join(chosen)}")
+        if not chosen:
+            return None
+        value = given[chosen[0]]
+        if chosen[0] == "json_schema" and isinstance(value, Mapping):
+            value = json.dumps(dict(value))
+        if not isinstance(value, str):
+            raise UsageError(
+                f"{chosen[0]} must be text (a schema: a JSON object), got {type(value).__name__}"
+            )
+        return cls(chosen[0], value)
+
     @cached_property
     def grammar(self) -> str:
         """llguidance's grammar text for this constraint (never raises: :meth:`__post_init__` checks it)."""
@@ -63,6 +91,7 @@ class Constraint:
         does not compile for it)."""
         import llguidance
 
+        from verispec.grammar.matcher import MatcherState
         from verispec.grammar.tokens import llg_tokenizer
 
         tokens = llg_tokenizer(tokenizer)

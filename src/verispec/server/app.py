@@ -352,6 +352,8 @@ class _Api:
             k = parse_k(parsed.k if parsed.k is not None else self.server.config.k)
         except UsageError as err:
             raise ApiError(400, str(err), param="k") from None
+        structure = parsed.response_format
+        constraint = None if structure is None else structure.constraint()  # a bad schema: 400
         try:
             options = GenerationOptions(
                 k=k,
@@ -360,6 +362,7 @@ class _Api:
                 chat=chat,
                 stop=parsed.stops,
                 logprobs=parsed.alternatives,
+                constraint=constraint,
             )
         except UsageError as err:
             raise ApiError(400, str(err)) from None

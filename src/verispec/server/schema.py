@@ -5,7 +5,9 @@ converted). A field verispec does not implement is refused with a 400 naming it,
 (:data:`NOT_IMPLEMENTED`: OpenAI's fields, which pass only with the value that asks for nothing, such as
 ``presence_penalty: 0``), as is a field nobody defines. verispec's own options ride in the body beside
 OpenAI's: ``top_k``, ``min_p``, ``drafter``, ``k`` and ``invariant`` (by default: invariant draws exactly when
-a ``seed`` is given). Every refusal is an :class:`ApiError`:
+a ``seed`` is given). ``response_format`` (``text``, ``json_object``, or ``json_schema`` with its ``name``,
+``schema`` and ``strict``) constrains the output through :class:`~verispec.grammar.Constraint`, exactly and
+whatever ``strict`` says (the schema is enforced either way). Every refusal is an :class:`ApiError`:
 an HTTP status and one line, written in OpenAI's error format by :func:`error_body`.
 
 Log-probabilities (chat: ``logprobs: true`` and ``top_logprobs: N``; completions: ``logprobs: N``; N ≤
@@ -16,6 +18,7 @@ forward that verified the token.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from verispec.engine import GenerationStats, TokenLogprob
 from verispec.errors import UsageError
+from verispec.grammar.constraint import Constraint
 from verispec.models.base import SpelledTokenizer, Tokenizer
 from verispec.options import MAX_LOGPROBS, SamplingParams
 
@@ -57,7 +61,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -90,6 +93,39 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` or not, it is enforced)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: text (no constraint), any JSON object, or JSON of a schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> Constraint | None:
+        """The constraint it asks for; ApiError 400 for a schema llguidance refuses."""
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ApiError(
+                400, "response_format: json_schema goes with type json_schema", param="response_format"
+            )
+        if self.json_schema is None:
+            return Constraint("json_object") if self.type == "json_object" else None
+        try:
+            return Constraint("json_schema", json.dumps(self.json_schema.schema_))
+        except UsageError as err:
+            raise ApiError(400, f"response_format: {err}", param="response_format") from None
+
+
 class _Request(BaseModel):
     """The fields both endpoints share."""
 
@@ -112,6 +148,7 @@ class _Request(BaseModel):
     k: Annotated[int, Field(ge=0)] | str | None = None
     invariant: bool | None = None  # None: invariant draws exactly when a seed is given
     user: str | None = None  # an end user's id, for OpenAI's abuse monitoring: no effect on the answer
+    response_format: ResponseFormat | None = None  # structured output, exact under speculation
 
     @field_validator("n")
     @classmethod
