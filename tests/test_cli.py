@@ -149,6 +149,13 @@ def test_help_and_usage_errors_import_no_torch():
     argvs += ["generate x --k ²", "generate x --temperature -1", "generate x --top-p 0", "generate x --stop="]
     argvs += ["generate x --max-new-tokens 0", "generate --batch f --k x", "demo --k x"]
     argvs += ["batch --input i --output o --k x", "batch --input i --output i"]
+    # structured output: a bad regex, an unreadable schema, two constraints (llguidance, not torch)
+    argvs += [
+        "generate x --regex [0-9",
+        "generate x --json-schema /no/file",
+        "batch --input i --output o --regex (",
+    ]
+    argvs += ["generate x --regex a --grammar g"]
     done = subprocess.run([sys.executable, "-c", script, *argvs], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ""  # none of them imported

@@ -1,7 +1,8 @@
 """Structured output under every drafter of the registry, on stories260K through the library: speculative
 greedy == constrained greedy decoding (drafter "none"), token for token, for a regex and a JSON schema, each
-drafter alone and in a continuous batch, and each that takes token trees with a 2x3 tree. The learned kinds draft with random heads (exactness never depends
-on what a drafter proposes; random heads are rejected often, so rollback runs)."""
+drafter alone and in a continuous batch, and each that takes token trees with a 2x3 tree. The learned kinds
+draft with random heads (exactness never depends on what a drafter proposes; random heads are rejected
+often, so rollback runs)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from test_eagle import fresh_head
+from test_grammar import GREEDY, REGEX, SCHEMA
 from test_lookahead import random_lookahead
 from test_medusa_exit import random_exit, random_medusa
 from toy import single_threaded
@@ -21,22 +23,10 @@ from verispec.drafting.tree import TreeShape
 from verispec.engine import GenerationStats
 from verispec.grammar import Constraint
 from verispec.models.registry import load_model
-from verispec.options import GenerationOptions, SamplingParams
+from verispec.options import GenerationOptions
 
 PROMPT = "Once upon a time"
-REGEX = r"(Once|One day), [a-z ]{5,30}\. (The|She) [a-z]+ [0-9]{2}!"
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-    "x-guidance": {"whitespace_flexible": False},
-}
 CONSTRAINTS = (Constraint("regex", REGEX), Constraint("json_schema", json.dumps(SCHEMA)))
-GREEDY = SamplingParams(temperature=0)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -101,6 +101,7 @@ ACROSS = one_block("Drafts with another tokenizer")  # run as written: SmolLM2 d
 OFFLINE = one_block("Offline batches")  # run on stories260K, on a local Ray; the cluster line refused
 OWN_GGUF = one_block("Your own model")  # model.gguf a tiny random Llama file; gemma3-270m as written
 BENCH_GGUF = one_block("Your model's GGUF file")  # shrunk: tiny shapes, llama.cpp left out
+STRUCTURED = one_block("Structured output")  # run on stories260K with the files it names
 
 
 def logical_lines(code: str) -> list[tuple[int, str]]:
@@ -159,7 +160,7 @@ def test_the_readme_has_the_blocks_this_file_runs():
     assert PYTHON_BLOCKS
     with_commands = {b.line for b in SHELL_BLOCKS if verispec_commands(b)}
     runs = {SYNOPSIS.line, RECIPE.line, BENCHMARK.line, SERVING.line, LOAD.line, SERVE_LOAD.line, ACROSS.line}
-    runs |= {OFFLINE.line, OWN_GGUF.line, BENCH_GGUF.line}
+    runs |= {OFFLINE.line, OWN_GGUF.line, BENCH_GGUF.line, STRUCTURED.line}
     assert with_commands == runs, "a new sh block: run it here too"
 
 
@@ -609,6 +610,33 @@ def test_offline_batch_commands_run(shared_model, tmp_path, monkeypatch, own_cac
     )
     assert first == second and len(first) == len(STORIES)
     assert "--ray" in cluster.words and not Path(outputs[2]).exists()
+
+
+@pytest.mark.slow
+def test_structured_output_commands_run(shared_model, tmp_path, monkeypatch, own_cache, capsys):
+    """The README's structured-output lines on stories260K, from a directory holding the files they name
+    (a person schema, a Lark grammar, two requests): every output is what its constraint allows."""
+    monkeypatch.chdir(tmp_path)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}},
+        "required": ["name"],
+    }
+    Path("person.json").write_text(json.dumps({**schema, "additionalProperties": False}))
+    Path("answer.lark").write_text('start: ("yes" | "no") "."')
+    Path("requests.jsonl").write_text(
+        '{"prompt": "Once upon a time"}\n{"prompt": "Tom", "regex": "[a-z]+!"}\n'
+    )
+    model = _stories_target(shared_model)
+    outputs = run_commands(verispec_commands(STRUCTURED), {"generate": model, "batch": model}, capsys)
+    texts = [out for out, _ in outputs.values()]
+    assert re.fullmatch(r"(Once|One day), [a-z ]{5,30}\.", texts[0].strip()), texts[0]
+    assert set(json.loads(json.loads(texts[1])["text"])) == {"name"}
+    assert texts[2].strip() in ("yes.", "no.")
+    batch = [json.loads(line)["text"] for line in texts[3].splitlines()]
+    assert set(json.loads(batch[0])) == {"name"} and re.fullmatch("[a-z]+!", batch[1])
+    results = [json.loads(line)["text"] for line in Path("results.jsonl").read_text().splitlines()]
+    assert re.fullmatch(r"[A-Z][a-z]+\.", results[0]) and results[1] == batch[1]
 
 
 TINY_SHAPE = "hidden=256,layers=2,heads=4,kv_heads=2,ffn=512,vocab=300,context=512"

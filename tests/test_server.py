@@ -212,6 +212,13 @@ def test_an_api_key_guards_the_v1_routes(stories):
 
 
 GOOD = {"model": "stories260K", "prompt": "Once", "max_tokens": 4}
+
+
+def schema_format(schema: dict, name: str = "x") -> dict:
+    """A response_format asking for JSON of ``schema``."""
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}}
+
+
 CHAT = {"model": "stories260K", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 BAD_REQUESTS = [
     # (path, body (bytes, or an object sent as JSON), status, message fragment)
@@ -253,6 +260,14 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]}, 400, "content"),
     ("/v1/chat/completions", CHAT, 400, "no chat template"),
     ("/v1/nowhere", GOOD, 404, "Not Found"),
+    # structured output: response_format (issue 38)
+    ("/v1/completions", {**GOOD, "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "yaml"}}, 400, "response_format.type"),
+    ("/v1/completions", {**GOOD, "response_format": {"type": "json_schema"}}, 400, "json_schema goes with"),
+    ("/v1/completions", {**GOOD, "response_format": "json"}, 400, "response_format"),
+    ("/v1/completions", {**GOOD, **schema_format({"type": "objectx"})}, 400, "invalid JSON schema"),
+    ("/v1/chat/completions", {**CHAT, **schema_format({"pattern": "(["})}, 400, "invalid JSON schema"),
+    ("/v1/completions", {**GOOD, **schema_format({}, name="")}, 400, "json_schema.name"),
 ]
 
 
@@ -506,7 +521,6 @@ NOT_IMPLEMENTED = [
     ("completions", {"suffix": "end"}, "suffix"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"tool_choice": "auto"}, "tool_choice"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat", {"extra_body": {"invented": 1}}, "invented"),
 ]
 

@@ -20,6 +20,10 @@ if TYPE_CHECKING:  # light to import (no torch): the command line checks a const
 __all__ = ["KINDS", "Constraint"]
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")  # json_object: any JSON object, no text
+COMPACT_JSON = {"whitespace_flexible": False}
+"""llguidance's JSON options unless a schema gives its own ``"x-guidance"``: no whitespace outside strings (a
+small model allowed JSON's whitespace may spend its tokens on newlines; ``{"whitespace_flexible": true}`` in
+a schema's ``"x-guidance"`` allows it)."""
 _NAMES = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regex", "grammar": "grammar"}
 
 
@@ -79,10 +83,12 @@ class Constraint:
         """llguidance's grammar text for this constraint (never raises: :meth:`__post_init__` checks it)."""
         import llguidance
 
-        if self.kind == "json_object":
-            return llguidance.grammar_from("json_schema", json.dumps({"type": "object"}))
+        kind, text = self.kind, self.text
+        if kind in ("json_object", "json_schema"):  # compact JSON unless the schema says otherwise
+            schema = json.loads(text) if text else {"type": "object"}
+            kind, text = "json_schema", json.dumps({"x-guidance": COMPACT_JSON, **schema})
         try:
-            return llguidance.grammar_from(self.kind, self.text)  # type: ignore[arg-type]
+            return llguidance.grammar_from(kind, text)  # type: ignore[arg-type]
         except ValueError as err:  # a schema llguidance cannot take, or GBNF it cannot convert
             raise UsageError(f"invalid {_NAMES[self.kind]}: {_first_line(str(err))}") from None
 
