@@ -68,7 +68,9 @@ def test_bad_suffix_flags_are_one_line_before_any_model_loads(command, tmp_path,
     suffix = [*command, *absent, "--drafter", "suffix"]
     one_line_error(capsys, [*command, *absent, "--suffix-cache", "c.npz"], "give --drafter suffix (not auto)")
     one_line_error(
-        capsys, [*command, *absent, "--drafter", "ngram", "--suffix-budget", "9"], "--drafter suffix (not ngram)"
+        capsys,
+        [*command, *absent, "--drafter", "ngram", "--suffix-budget", "9"],
+        "--drafter suffix (not ngram)",
     )
     one_line_error(capsys, [*suffix, "--suffix-budget", "0"], "--suffix-budget must be an integer >= 1")
     one_line_error(capsys, [*suffix, "--suffix-cache", str(tmp_path / "no" / "c.npz")], "no directory")

@@ -1123,7 +1123,11 @@ def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "engine alone on the same work. Writes results.json and results.md to --out.",
     )
     _add_model_specs(parser)
-    parser.add_argument("--drafter", default="auto", help="the server's drafter (default: auto)")
+    parser.add_argument(
+        "--drafter",
+        default="auto",
+        help="the server's drafter (default: auto); suffix-warm: suffix, every prompt once through it first",
+    )
     parser.add_argument("--k", default="auto", help="the server's K (default: auto)")
     parser.add_argument("--clients", type=int, default=8, help="concurrent streaming clients (default: 8)")
     parser.add_argument("--seconds", type=float, default=30.0, help="how long they keep at it (default: 30)")
