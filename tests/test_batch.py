@@ -688,3 +688,19 @@ def test_bench_load_runs_and_reports(tmp_path, capsys, shared_model):
                          (["--repetitions", "0"], "repetitions must be an integer >= 1")]:  # fmt: skip
         assert cli.main(["bench-load", *model, *bad, "--out", str(tmp_path / "x")]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_bench_load_runs_the_suffix_drafter_cold_and_warm(tmp_path, shared_model):
+    """``suffix`` and ``suffix-warm`` are rows of their own; greedy: the same tokens as ``none``; warm (every
+    prompt once through the speculator first) accepts more per target call than cold."""
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    out = tmp_path / "load"
+    model = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
+    argv = ["bench-load", *model, "--methods", "none,suffix,suffix-warm", "--concurrency", "2", "--k", "4",
+            "--requests", "4", "--max-new-tokens", "12", "--threads", "1", "--out", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    cells = {c["method"]: c for c in json.loads((out / "results.json").read_text())["cells"]}
+    assert set(cells) == {"none", "suffix", "suffix-warm"}
+    assert cells["suffix"]["tokens"] == cells["suffix-warm"]["tokens"] == cells["none"]["tokens"]
+    assert cells["suffix-warm"]["tokens_per_target_call"] > cells["suffix"]["tokens_per_target_call"]
+    assert "| suffix-warm k=4 | 2 |" in (out / "results.md").read_text()

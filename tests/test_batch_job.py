@@ -345,3 +345,22 @@ def test_drafter_data_on_ray(local_ray, tmp_path, capsys):
     assert here.keys() == there.keys()
     assert sum(here[p] == there[p] for p in here) >= 3  # the three greedy answers at least
     assert cli.main([*common, "--out", str(tmp_path / "x"), "--ray", "--merge", "a", "b"]) == 2
+
+
+def test_ray_workers_merge_their_suffix_caches_into_the_file(local_ray, stories, requests_file, tmp_path):
+    """Two Ray workers drafting with suffix, each from the cache file: every request's output merged into it
+    (greedy, the in-process output line for line)."""
+    from verispec.drafting.suffix_cache import SuffixCache
+
+    greedy = SamplingParams(temperature=0)
+    cache = tmp_path / "cache.npz"
+    here = str(tmp_path / "here.jsonl")
+    run_job(job(stories, requests_file, here, shard_size=4, drafter="none", k="0", sampling=greedy))
+    there = str(tmp_path / "ray.jsonl")
+    suffix = dict(drafter="suffix", sampling=greedy, suffix_cache_file=str(cache))
+    run_job(job(stories, requests_file, there, shard_size=3, ray=LOCAL, workers=2, **suffix))
+    assert read(there) == read(here)
+    produced = [
+        r["token_ids"] for r in map(json.loads, Path(there).read_text().splitlines()) if "token_ids" in r
+    ]
+    assert sorted(SuffixCache.load(cache).sequences()) == sorted(t for t in produced if t)

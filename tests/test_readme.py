@@ -102,6 +102,7 @@ OFFLINE = one_block("Offline batches")  # run on stories260K, on a local Ray; th
 OWN_GGUF = one_block("Your own model")  # model.gguf a tiny random Llama file; gemma3-270m as written
 BENCH_GGUF = one_block("Your model's GGUF file")  # shrunk: tiny shapes, llama.cpp left out
 STRUCTURED = one_block("Structured output")  # run on stories260K with the files it names
+SUFFIX = one_block("The suffix drafter")  # run on stories260K
 
 
 def logical_lines(code: str) -> list[tuple[int, str]]:
@@ -160,7 +161,7 @@ def test_the_readme_has_the_blocks_this_file_runs():
     assert PYTHON_BLOCKS
     with_commands = {b.line for b in SHELL_BLOCKS if verispec_commands(b)}
     runs = {SYNOPSIS.line, RECIPE.line, BENCHMARK.line, SERVING.line, LOAD.line, SERVE_LOAD.line, ACROSS.line}
-    runs |= {OFFLINE.line, OWN_GGUF.line, BENCH_GGUF.line, STRUCTURED.line}
+    runs |= {OFFLINE.line, OWN_GGUF.line, BENCH_GGUF.line, STRUCTURED.line, SUFFIX.line}
     assert with_commands == runs, "a new sh block: run it here too"
 
 
@@ -637,6 +638,23 @@ def test_structured_output_commands_run(shared_model, tmp_path, monkeypatch, own
     assert set(json.loads(batch[0])) == {"name"} and re.fullmatch("[a-z]+!", batch[1])
     results = [json.loads(line)["text"] for line in Path("results.jsonl").read_text().splitlines()]
     assert re.fullmatch(r"[A-Z][a-z]+\.", results[0]) and results[1] == batch[1]
+
+
+def test_suffix_cache_commands_run(shared_model, tmp_path, monkeypatch, own_cache, capsys):
+    """The README's suffix drafter lines on stories260K (8 new tokens), from a fresh directory: the cache file
+    written by the first, loaded and grown by the second, and by the batch's every request."""
+    from verispec.drafting.suffix_cache import SuffixCache
+
+    monkeypatch.chdir(tmp_path)
+    Path("prompts.jsonl").write_text(
+        "".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(STORIES))
+    )
+    target = [*_stories_target(shared_model), "--max-new-tokens", "8"]
+    commands = verispec_commands(SUFFIX)
+    run_commands(commands[:1], {"generate": target}, capsys)
+    assert SuffixCache.load("cache.npz").stats()["sequences"] == 1
+    run_commands(commands[1:], {"generate": target, "batch": target}, capsys)
+    assert SuffixCache.load("cache.npz").stats()["sequences"] == 2 + len(STORIES)
 
 
 TINY_SHAPE = "hidden=256,layers=2,heads=4,kv_heads=2,ffn=512,vocab=300,context=512"

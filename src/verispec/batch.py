@@ -192,6 +192,7 @@ class BatchJob(ModelChoice):
     progress: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.sampling.follows_seed:  # every request has a seed: invariant draws, unless opted out
             object.__setattr__(self, "sampling", dataclasses.replace(self.sampling, invariant=True))
         for name, low in (("max_batch", 1), ("shard_size", 1), ("workers", 1), ("max_new_tokens", 1)):
@@ -224,19 +225,34 @@ class BatchJob(ModelChoice):
     def settings(self, requests: Sequence[Request], seed: int) -> dict:
         """What the shards depend on: a resumed run must have the same."""
         fields = dataclasses.asdict(self)
-        for name in ("output", "ray", "workers", "progress", "max_batch"):
+        for name in (
+            "output",
+            "ray",
+            "workers",
+            "progress",
+            "max_batch",
+            "suffix_cache_file",
+            "suffix_budget",
+        ):
             fields.pop(name)  # the output does not depend on them
         fields["sampling"] = {**dataclasses.asdict(self.sampling), "seed": seed}
         fields["requests"] = hashlib.sha256(json.dumps(_plain(requests)).encode()).hexdigest()
         return fields
 
 
-def _shard_lines(job: BatchJob, speculator, shard: Sequence[Request], seed: int) -> tuple[str, int]:
-    """A shard's JSONL text and its generated tokens."""
+Done = tuple[int, str, int, str]  # a shard's index, JSONL text, generated tokens and suffix cache additions
+
+
+def _shard_lines(job: BatchJob, speculator, index: int, shard: Sequence[Request], seed: int) -> Done:
+    """A shard done: its JSONL text, generated tokens and what it added to the worker's suffix cache (JSON:
+    its tokenizer's identity and the sequences; empty without a cache file to merge them into)."""
     seeds = [prompt_seed(seed, ident) for ident, _, _ in shard]
+    cache = speculator.suffix_cache if job.suffix_cache_file is not None else None
+    mark = cache.added if cache is not None else 0
     results = generate_requests(speculator, shard, job.options, slots=job.max_batch, seeds=seeds)
     lines = "".join(json.dumps(record(r[0], result)) + "\n" for r, result in zip(shard, results, strict=True))
-    return lines, sum(len(r.token_ids) for r in results)
+    added = json.dumps([cache.vocabulary, cache.sequences(since=mark)]) if cache is not None else ""
+    return index, lines, sum(len(r.token_ids) for r in results), added
 
 
 class ShardWorker:
@@ -254,14 +270,13 @@ class ShardWorker:
         self.speculator = self.job.speculator()
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, list]:
-        shards, lines, tokens = [], [], []
+        done = []
         for index, requests in zip(batch["shard"], batch["requests"], strict=True):
             shard = [(i, body, c and Constraint(*c)) for i, body, c in json.loads(requests)]
-            text, count = _shard_lines(self.job, self.speculator, shard, self.seed)
-            shards.append(int(index))
-            lines.append(text)
-            tokens.append(count)
-        return {"shard": shards, "lines": lines, "tokens": tokens}
+            done.append(_shard_lines(self.job, self.speculator, int(index), shard, self.seed))
+        return dict(
+            zip(("shard", "lines", "tokens", "added"), map(list, zip(*done, strict=True)), strict=True)
+        )
 
 
 def _plain(requests: Sequence[Request]) -> list[tuple[str, Body, tuple[str, str] | None]]:
@@ -324,10 +339,15 @@ def run_job(job: BatchJob) -> dict:
     seed, done = _prepare(job, requests)
     pending = [i for i in range(len(shards)) if i not in done]
     started, tokens = time.perf_counter(), 0
+    merged = _merged_cache(job) if pending else None
     with _progress(job, requests, shards, done) as bar:
         run = _here(job, shards, pending, seed) if ray is None else _on_ray(ray, job, shards, pending, seed)
-        for index, lines, count in run:
+        for index, lines, count, added in run:
             _write_text(job.parts / f"shard-{index:06d}.jsonl", lines)
+            if merged is not None:  # each worker's additions, saved as they come: a resumed job starts warm
+                vocabulary, sequences = json.loads(added)
+                merged.merge(sequences, vocabulary)
+                job.save_suffix_cache(merged)
             tokens += count
             bar.update(len(shards[index]))
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - started):.1f} tok/s")
@@ -337,10 +357,22 @@ def run_job(job: BatchJob) -> dict:
             "tokens": tokens, "seconds": time.perf_counter() - started}  # fmt: skip
 
 
-def _here(job: BatchJob, shards, pending: Sequence[int], seed: int) -> Iterator[tuple[int, str, int]]:
+def _merged_cache(job: BatchJob):
+    """The suffix cache that every worker's additions are merged into and saved: ``suffix_cache_file``'s
+    (each worker starts from it too), None without one."""
+    from verispec.drafting.suffix_files import open_suffix_cache
+
+    return (
+        None
+        if job.suffix_cache_file is None
+        else open_suffix_cache(job.suffix_cache_file, job.suffix_budget, "")
+    )
+
+
+def _here(job: BatchJob, shards, pending: Sequence[int], seed: int) -> Iterator[Done]:
     speculator = job.speculator() if pending else None
     for index in pending:
-        yield index, *_shard_lines(job, speculator, shards[index], seed)
+        yield _shard_lines(job, speculator, index, shards[index], seed)
 
 
 def _connect(address: str):
@@ -378,7 +410,7 @@ def _check_reachable(address: str) -> None:
         raise UsageError(f"cannot reach Ray at {address}: {err.strerror or err}") from None
 
 
-def _on_ray(ray, job: BatchJob, shards, pending: Sequence[int], seed: int) -> Iterable[tuple[int, str, int]]:
+def _on_ray(ray, job: BatchJob, shards, pending: Sequence[int], seed: int) -> Iterable[Done]:
     """The pending shards through Ray Data: one row per shard, ``workers`` ShardWorker actors."""
     if not pending:
         return
@@ -393,7 +425,7 @@ def _on_ray(ray, job: BatchJob, shards, pending: Sequence[int], seed: int) -> It
         num_cpus=cpus,
     )
     for row in dataset.iter_rows():
-        yield int(row["shard"]), str(row["lines"]), int(row["tokens"])
+        yield int(row["shard"]), str(row["lines"]), int(row["tokens"]), str(row["added"])
 
 
 def _progress(job: BatchJob, requests, shards, done: set[int]):

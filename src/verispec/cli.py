@@ -284,6 +284,32 @@ def _add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_suffix_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a suffix drafter's cache kept across runs (generate, batch, serve)."""
+    shared = drafter_names(lambda kind: kind.shared_cache)
+    group = parser.add_argument_group(
+        "suffix cache",
+        f"the {shared} drafter's cache of earlier outputs, kept in a file (README: the suffix drafter)",
+    )
+    group.add_argument(
+        "--suffix-cache",
+        metavar="FILE",
+        help="load the cache from FILE at start (when it exists), save it there at exit (Ctrl-C too)",
+    )
+    group.add_argument(
+        "--suffix-budget",
+        type=int,
+        metavar="N",
+        help="tokens the cache holds, the oldest evicted beyond (~32 bytes a token; default: FILE's, else "
+        "1000000)",
+    )
+
+
+def _suffix_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """A :class:`~verispec.options.ModelChoice`'s suffix cache fields, from the flags."""
+    return {"suffix_cache_file": args.suffix_cache, "suffix_budget": args.suffix_budget}
+
+
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     """Declare ``verispec generate``."""
     parser = subparsers.add_parser(
@@ -296,6 +322,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         "prompt", nargs="?", metavar="PROMPT", help="the prompt (default: read standard input)"
     )
     _add_model_arguments(parser)
+    _add_suffix_arguments(parser)
     _add_sampling_arguments(parser, temperature=0.0)
     parser.add_argument("--seed", type=int, help="seed of all sampling (default: random)")
     _add_invariant_argument(parser)
@@ -469,11 +496,21 @@ def run_generate(args: argparse.Namespace) -> int:
         )
     if tree is None and args.k is None and not tracing:
         tree = AUTO  # the learned drafter's tree, where it drafts
-    from verispec.engine import GenerationStats
     from verispec.options import ModelChoice
+
+    choice = ModelChoice(**_model_fields(args), **_suffix_fields(args))
+    speculator = choice.speculator(tree=tree)
+    try:
+        return _generate(args, speculator, prompt, options, tracing)
+    finally:  # Ctrl-C too
+        choice.save_suffix_cache(speculator.suffix_cache)
+
+
+def _generate(args: argparse.Namespace, speculator, prompt: str, options, tracing: bool) -> int:
+    """``verispec generate`` of one prompt by ``speculator``: the text streamed (or --json), the summary."""
+    from verispec.engine import GenerationStats
     from verispec.trace import TraceRecorder
 
-    speculator = ModelChoice(**_model_fields(args)).speculator(tree=tree)
     room = speculator.model.max_context - len(speculator.encode_prompt(prompt, args.chat))
     if 0 < room < args.max_new_tokens:  # no room at all: generation refuses the prompt, in one line
         _warn(
@@ -521,9 +558,13 @@ def _run_batch(args: argparse.Namespace) -> int:
     from verispec.options import ModelChoice
 
     requests = read_requests(args.batch)  # refused before a model loads when no line is a request
-    speculator = ModelChoice(**_model_fields(args)).speculator()
+    choice = ModelChoice(**_model_fields(args), **_suffix_fields(args))
+    speculator = choice.speculator()
     start = time.perf_counter()
-    results = generate_requests(speculator, requests, options, slots=args.max_batch)
+    try:
+        results = generate_requests(speculator, requests, options, slots=args.max_batch)
+    finally:  # Ctrl-C too
+        choice.save_suffix_cache(speculator.suffix_cache)
     seconds = time.perf_counter() - start
     tokens = 0
     for (ident, _, _), result in zip(requests, results, strict=True):
@@ -681,6 +722,7 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--input", required=True, metavar="FILE.jsonl", help="the requests")
     parser.add_argument("--output", required=True, metavar="FILE.jsonl", help="the results")
     _add_model_arguments(parser)
+    _add_suffix_arguments(parser)
     _add_sampling_arguments(parser, temperature=0.0)
     parser.add_argument("--seed", type=int, help="the job's seed (default: random, kept for a resumed run)")
     _add_invariant_argument(parser)
@@ -710,6 +752,7 @@ def run_batch(args: argparse.Namespace) -> int:
         input=args.input,
         output=args.output,
         **_model_fields(args),
+        **_suffix_fields(args),
         k=args.k if args.k is not None else "auto",
         max_new_tokens=args.max_new_tokens,
         sampling=_sampling(args),
@@ -1030,6 +1073,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "position. Requests may name their own drafter, k, top_k and min_p in the body.",
     )
     _add_drafter_arguments(parser)
+    _add_suffix_arguments(parser)
+    parser.add_argument(
+        "--share-suffix-cache",
+        action="store_true",
+        help="one suffix cache for every --api-key tenant (default: one each, saved as FILE.<tenant>.npz)",
+    )
     parser.add_argument(
         "--k", default="auto", help="K of requests naming none: N, additive or auto (default)"
     )
@@ -1039,7 +1088,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-queue", type=int, default=64, metavar="N", help="requests waiting; more: 429 (64)"
     )
-    parser.add_argument("--api-key", metavar="KEY", help="require Authorization: Bearer KEY on /v1 routes")
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="require Authorization: Bearer KEY on /v1 routes (repeatable: each key a tenant)",
+    )
     parser.add_argument(
         "--model-name", metavar="NAME", help="the model id clients name (default: the target's)"
     )
@@ -1064,10 +1118,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(
         **_model_fields(args),
+        **_suffix_fields(args),
+        share_suffix_cache=args.share_suffix_cache,
         k=args.k,
         max_batch=args.max_batch,
         max_queue=args.max_queue,
-        api_key=args.api_key,
+        api_key=tuple(args.api_key) if args.api_key else None,
         model_name=args.model_name,
         **{name: value for name in SERVER_LIMITS if (value := getattr(args, name)) is not None},
     )
@@ -1103,7 +1159,11 @@ def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "engine alone on the same work. Writes results.json and results.md to --out.",
     )
     _add_model_specs(parser)
-    parser.add_argument("--drafter", default="auto", help="the server's drafter (default: auto)")
+    parser.add_argument(
+        "--drafter",
+        default="auto",
+        help="the server's drafter (default: auto); suffix-warm: suffix, every prompt once through it first",
+    )
     parser.add_argument("--k", default="auto", help="the server's K (default: auto)")
     parser.add_argument("--clients", type=int, default=8, help="concurrent streaming clients (default: 8)")
     parser.add_argument("--seconds", type=float, default=30.0, help="how long they keep at it (default: 30)")

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from verispec.api import Speculator
+    from verispec.drafting.suffix_cache import SuffixCache
     from verispec.drafting.tree import TreeShape
     from verispec.models.base import LanguageModel, Tokenizer
 
@@ -259,15 +260,25 @@ class ModelChoice:
     drafter: str = "auto"
     drafter_path: str | None = None
     precision: str = DEFAULT_PRECISION
+    suffix_cache_file: str | None = None  # a suffix drafter's cache: loaded at start, saved at exit
+    suffix_budget: int | None = None  # its budget in tokens (None: the saved one, else the default)
+
+    def __post_init__(self) -> None:
+        from verispec.drafting.suffix_files import check_suffix_choice  # numpy, no torch
+
+        check_suffix_choice(self.drafter, self.suffix_cache_file, self.suffix_budget)
 
     def speculator(
         self, loaded: tuple[LanguageModel, Tokenizer] | None = None, tree: TreeShape | str | None = None
     ) -> Speculator:
         """The Speculator of this choice, drafting token trees of ``tree`` if given; ``loaded``: the target
-        already in memory, instead of loading ``target`` (which still names it)."""
+        already in memory, instead of loading ``target`` (which still names it). A drafter with a shared
+        cache starts from ``suffix_cache_file`` where it exists (:meth:`save_suffix_cache` saves it)."""
         from verispec.api import Speculator  # loads torch and transformers
+        from verispec.drafting.suffix_cache import tokenizer_identity
+        from verispec.drafting.suffix_files import open_suffix_cache
 
-        return Speculator(
+        speculator = Speculator(
             loaded if loaded is not None else self.target,
             self.draft,
             self.drafter,
@@ -279,3 +290,12 @@ class ModelChoice:
             draft_tokenizer=self.draft_tokenizer,
             cross_tokenizer=self.cross_tokenizer,
         )
+        if speculator.kind.shared_cache:
+            identity = tokenizer_identity(speculator.tokenizer)
+            speculator.suffix_cache = open_suffix_cache(self.suffix_cache_file, self.suffix_budget, identity)
+        return speculator
+
+    def save_suffix_cache(self, cache: SuffixCache | None) -> None:
+        """Save ``cache`` to ``suffix_cache_file`` (atomically), when both are given."""
+        if cache is not None and self.suffix_cache_file is not None:
+            cache.save(self.suffix_cache_file)

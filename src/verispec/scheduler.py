@@ -31,6 +31,7 @@ from verispec.inputs import is_int
 
 if TYPE_CHECKING:
     from verispec.api import Speculator
+    from verispec.drafting.suffix_cache import SuffixCache
     from verispec.options import GenerationOptions
     from verispec.text import Chunk, TextAssembler
 
@@ -141,16 +142,18 @@ class Scheduler:
         *,
         speculator: Speculator | None = None,
         listener: Callable[[Chunk | None], object] | None = None,
+        suffix_cache: SuffixCache | None = None,
     ) -> Handle:
         """Queue a generation of ``prompt`` with ``options`` and return its handle at once: by
         ``speculator`` (another drafter over this scheduler's target; default the scheduler's own), its
-        chunks to ``listener`` if given (see :class:`Handle`). UsageError for a bad request,
+        chunks to ``listener`` if given (see :class:`Handle`), a suffix drafter drafting from
+        ``suffix_cache`` (a server tenant's; default the speculator's own). UsageError for a bad request,
         :class:`QueueFull` when every slot is busy and ``max_queue`` requests already wait,
         :class:`SchedulerFailed` once the worker has died."""
         speculator = speculator or self.speculator
         if speculator.model is not self.speculator.model:
             raise UsageError("a request's speculator must share the scheduler's target model")
-        request, text = speculator.request(prompt, options)  # a bad request fails here, in the caller
+        request, text = speculator.request(prompt, options, suffix_cache=suffix_cache)  # a bad one fails here
         if len(request.prompt) >= speculator.model.max_context:
             context = speculator.model.max_context
             raise UsageError(f"the prompt has {len(request.prompt)} tokens; the context holds {context}")

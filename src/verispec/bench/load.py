@@ -13,6 +13,10 @@ again); and every ``--k auto`` cell's speed against the best of ``none`` and its
 turn (:func:`auto_against_best`). The peer, transformers, generates the same requests greedily in batches of
 C (left-padded), timed whole. ``results.json``, ``results.md`` and a chart (tokens/s against concurrency)
 are written to ``--out``.
+
+A drafter with a cache shared across requests (``suffix``) starts every timed cell from an empty cache; as
+``suffix-warm``, from the cache one untimed pass of every prompt through the same speculator left
+(:func:`ready_cache`). Each is its own row.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import torch
 from verispec.api import Speculator
 from verispec.bench.methods import LOAD_METHODS
 from verispec.bench.suite import _has_chat_template, builtin_tasks
+from verispec.bench.workloads import WARM
+from verispec.drafting.suffix_cache import SuffixCache
 from verispec.errors import UsageError
 from verispec.files import atomic_write
 from verispec.inputs import is_int
@@ -125,6 +131,20 @@ def _load_prompts(
     if not fit:
         raise UsageError(f"no prompt leaves room for {max_new_tokens} new tokens in the model's context")
     return fit
+
+
+def ready_cache(
+    spec: Speculator, method: str, prompts: list[Prompt], k: str, config: LoadConfig, chat: bool
+) -> None:
+    """Before a timed cell of a drafter with a shared cache: the cache emptied, then, for a ``-warm`` method,
+    filled by every prompt run once through ``spec`` (untimed)."""
+    if spec.suffix_cache is None:
+        return
+    spec.suffix_cache = SuffixCache(spec.suffix_cache.budget, vocabulary=spec.suffix_cache.vocabulary)
+    if method.endswith(WARM):
+        _verispec_cell(
+            spec, prompts, len(prompts), k, dataclasses.replace(config, requests=len(prompts)), chat
+        )
 
 
 def _verispec_cell(
@@ -267,7 +287,8 @@ def run_load(config: LoadConfig, progress: bool = True) -> dict:
     for method in config.methods:
         if method != "transformers":
             spec = base if method == "none" else Speculator(
-                loaded, drafter=method, target_label=str(config.target), precision=config.precision
+                loaded, drafter=method.removesuffix(WARM), target_label=str(config.target),
+                precision=config.precision,
             )  # fmt: skip
             turns += [(method, k, spec) for k in (("0",) if method == "none" else config.ks)]
     for _, k, spec in turns:
@@ -277,6 +298,7 @@ def run_load(config: LoadConfig, progress: bool = True) -> dict:
         for c in config.concurrency:
             for index in rotated(len(turns), repetition):
                 method, k, spec = turns[index]
+                ready_cache(spec, method, prompts, k, config, chat)
                 runs.setdefault((index, c), []).append(_verispec_cell(spec, prompts, c, k, config, chat))
                 run = runs[(index, c)][-1]
                 _say(progress, method, k, c, run["tokens"] / run["seconds"], repetition)

@@ -11,6 +11,7 @@ __all__ = [
     "LOAD_METHODS",
     "METHODS",
     "PEERS",
+    "SHARED_CACHE",
     "TASKS",
     "TRANSFORMERS_PEERS",
     "TREE_METHODS",
@@ -42,4 +43,6 @@ TREE_METHODS = tuple(f"{name}-tree" for name, kind in DRAFTERS.items() if kind.t
 # the draft model through one cross-tokenizer algorithm each (its tokenizer differs from the target's)
 CROSS_METHODS = {f"model-{algorithm}": algorithm for algorithm in CROSS_TOKENIZER if algorithm != "auto"}
 METHODS = (*VERISPEC_METHODS, *WARM_METHODS, *CROSS_METHODS, *TREE_METHODS, *PEERS)
-LOAD_METHODS = ("none", "ngram", "eagle", "auto", "transformers")  # bench-load: auto, the drafter auto picks
+SHARED_CACHE = tuple(name for name, kind in DRAFTERS.items() if kind.shared_cache)  # suffix: cold and warm
+# bench-load: auto, the drafter auto picks; a shared cache's drafter from an empty cache and a warm one
+LOAD_METHODS = ("none", "ngram", *SHARED_CACHE, *WARM_METHODS, "eagle", "auto", "transformers")

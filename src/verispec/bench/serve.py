@@ -10,6 +10,10 @@ time to first token and inter-token latency p50/p99 (a chunk's gap shared by its
 over its chunks), and the server's resident memory after its first request and at the end. The server is
 then stopped, and the engine runs the same number of requests at the same concurrency in this process
 (:mod:`verispec.bench.load`): the served tokens/s over that is what the HTTP layer costs.
+
+A drafter with a cache shared across requests (``--drafter suffix``) is timed from the server's cache as the
+one request that readied it left it; ``suffix-warm`` serves ``suffix`` and runs every prompt once through the
+server before timing (and once through the engine before its run).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,8 +38,10 @@ from verispec.bench.load import (
     _percentile,
     _summary,
     _verispec_cell,
+    ready_cache,
     run_clients,
 )
+from verispec.bench.workloads import WARM
 from verispec.errors import UsageError
 from verispec.files import atomic_write
 from verispec.inputs import is_int
@@ -79,8 +86,9 @@ class _Child:
 
     def __init__(self, config: ServeLoadConfig) -> None:
         argv = [sys.executable, "-m", "verispec", "serve", "--port", "0", "--target", config.target,
-                "--precision", config.precision, "--drafter", config.drafter, "--k", config.k,
-                "--max-batch", str(config.clients), "--max-queue", str(config.clients)]  # fmt: skip
+                "--precision", config.precision, "--drafter", config.drafter.removesuffix(WARM),
+                "--k", config.k, "--max-batch", str(config.clients),
+                "--max-queue", str(config.clients)]  # fmt: skip
         if config.tokenizer:
             argv += ["--tokenizer", config.tokenizer]
         self.process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
@@ -266,7 +274,7 @@ def run_serve_load(config: ServeLoadConfig, progress: bool = True) -> dict:
     from verispec.api import Speculator
     from verispec.bench.suite import _has_chat_template
 
-    spec = Speculator(config.target, drafter=config.drafter, tokenizer=config.tokenizer,
+    spec = Speculator(config.target, drafter=config.drafter.removesuffix(WARM), tokenizer=config.tokenizer,
                       precision=config.precision)  # fmt: skip
     chat = _has_chat_template(spec.tokenizer)
     prompts = _load_prompts(config.prompts, spec, chat, config.max_tokens)
@@ -275,6 +283,13 @@ def run_serve_load(config: ServeLoadConfig, progress: bool = True) -> dict:
         warm = _one_request(child, _body(child, prompts[0], chat, config), False, [], [])
         if warm[0] != "completed":
             raise UsageError(f"the server's first request failed: {warm[0]}")
+        if config.drafter.endswith(WARM):  # every prompt once through the server's cache, untimed
+            with ThreadPoolExecutor(config.clients) as pool:
+                list(
+                    pool.map(
+                        lambda p: _one_request(child, _body(child, p, chat, config), False, [], []), prompts
+                    )
+                )
         rss_start = child.rss_mib()
         if progress:
             say = f"bench-serve: {config.clients} clients for {config.seconds:g} s"
@@ -301,6 +316,7 @@ def run_serve_load(config: ServeLoadConfig, progress: bool = True) -> dict:
         load = LoadConfig(target=config.target, max_new_tokens=config.max_tokens,
                           requests=max(config.clients, measured["completed"]))  # fmt: skip
         _verispec_cell(spec, prompts, 1, config.k, replace(load, requests=1), chat)  # warm-up
+        ready_cache(spec, config.drafter, prompts, config.k, load, chat)
         engine = _summary(
             [_verispec_cell(spec, prompts, config.clients, config.k, load, chat)], load.request_count
         )

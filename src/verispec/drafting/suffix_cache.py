@@ -24,7 +24,7 @@ import hashlib
 import threading
 import zipfile
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +65,7 @@ class SuffixCache:
         self._lengths: deque[int] = deque()  # each held sequence's tokens, oldest first
         self._held = 0
         self._evictions = 0
+        self._added = 0  # sequences added so far, evicted ones included
 
     def add(self, prompt: Sequence[int], output: Sequence[int]) -> None:
         """A finished request's ``output`` (and ``prompt``, with ``prompts``) enter the cache as a new
@@ -85,6 +86,7 @@ class SuffixCache:
             self._index.close()
             self._lengths.append(len(tokens))
             self._held += len(tokens)
+            self._added += 1
 
     def stats(self) -> dict[str, int]:
         """tokens held, sequences held, sequences evicted so far, and the budget."""
@@ -110,13 +112,34 @@ class SuffixCache:
         with self._lock:
             return self._index.draft_tree(context, shape, config)
 
-    def sequences(self) -> list[list[int]]:
-        """The held sequences, oldest first."""
+    @property
+    def added(self) -> int:
+        """Sequences added so far, evicted ones included: a mark for :meth:`sequences`."""
+        with self._lock:
+            return self._added
+
+    def sequences(self, since: int = 0) -> list[list[int]]:
+        """The held sequences, oldest first; with ``since`` (an earlier :attr:`added`), only those added
+        after it."""
         with self._lock:
             live = self._index.tokens[self._index.start : self._index.size]  # [L]
             ends = np.flatnonzero(live == SEPARATOR)  # [S]
             starts = np.concatenate([[0], ends + 1])[:-1]  # [S]
-            return [live[s:e].tolist() for s, e in zip(starts, ends, strict=True)]
+            skip = max(0, len(ends) - (self._added - since))  # the held ones added before the mark
+            return [live[s:e].tolist() for s, e in zip(starts[skip:], ends[skip:], strict=True)]
+
+    def merge(self, sequences: Iterable[Sequence[int]], vocabulary: str = "") -> None:
+        """Add another cache's ``sequences`` (a batch worker's, since it started from the same file) as the
+        newest, in order; ``vocabulary``: that cache's tokenizer identity, a UsageError when it is not this
+        one's (this one's, when empty, becomes it)."""
+        if vocabulary and self.vocabulary and vocabulary != self.vocabulary:
+            raise UsageError(
+                f"cannot merge a suffix cache of another tokenizer ({vocabulary}, not {self.vocabulary})"
+            )
+        self.vocabulary = self.vocabulary or vocabulary
+        for tokens in sequences:
+            if len(tokens):
+                self._add(tokens)
 
     def save(self, path: str | Path) -> None:
         """Write the cache to ``path`` (an ``.npz`` archive; module docstring), atomically."""
@@ -139,28 +162,40 @@ class SuffixCache:
     ) -> SuffixCache:
         """The cache saved at ``path``, with ``budget`` (None: the saved one; a smaller one keeps the newest
         sequences); UsageError, one line, for a file that is not a suffix cache or was saved for another
-        tokenizer than ``vocabulary`` (module docstring)."""
-        path = Path(path)
-        try:
-            with np.load(path, allow_pickle=False) as archive:
-                tag = str(archive["format"])
-                if tag != FORMAT:
-                    raise ValueError(f"format {tag[:40]!r}, not {FORMAT!r}")
-                saved_for, saved_budget = str(archive["vocabulary"]), int(archive["budget"])
-                lengths, tokens = archive["lengths"], archive["tokens"]
-            if lengths.ndim != 1 or tokens.ndim != 1 or lengths.dtype.kind != "i" or tokens.dtype.kind != "i":
-                raise ValueError("lengths and tokens are not integer vectors")
-            if (lengths < 0).any() or int(lengths.sum()) != len(tokens) or (tokens < 0).any():
-                raise ValueError("lengths and tokens disagree")
-        except OSError as err:
-            raise UsageError(f"cannot read the suffix cache {path}: {err.strerror or err}") from None
-        except (ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as err:
-            raise UsageError(f"{path} is not a verispec suffix cache ({err})") from None
+        tokenizer than ``vocabulary`` ("": any, the cache then keeps the saved one) (module docstring)."""
+        saved_for, saved_budget, lengths, tokens = _read(Path(path))
         if vocabulary and saved_for and saved_for != vocabulary:
             raise UsageError(
                 f"the suffix cache {path} was saved for another tokenizer ({saved_for}, not {vocabulary})"
             )
-        cache = cls(saved_budget if budget is None else budget, prompts=prompts, vocabulary=vocabulary)
+        budget = saved_budget if budget is None else budget
+        cache = cls(budget, prompts=prompts, vocabulary=vocabulary or saved_for)
         for sequence in np.split(tokens, np.cumsum(lengths)[:-1]) if len(lengths) else []:
             cache._add(sequence.tolist())
         return cache
+
+    @staticmethod
+    def check(path: str | Path) -> None:
+        """UsageError, one line, unless ``path`` holds a suffix cache (read, not indexed: fast, and before a
+        model loads); its tokenizer is checked by :meth:`load`."""
+        _read(Path(path))
+
+
+def _read(path: Path) -> tuple[str, int, np.ndarray, np.ndarray]:
+    """A cache file's tokenizer identity, budget, sequence lengths and tokens; UsageError unless it is one."""
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            tag = str(archive["format"])
+            if tag != FORMAT:
+                raise ValueError(f"format {tag[:40]!r}, not {FORMAT!r}")
+            saved_for, saved_budget = str(archive["vocabulary"]), int(archive["budget"])
+            lengths, tokens = archive["lengths"], archive["tokens"]
+        if lengths.ndim != 1 or tokens.ndim != 1 or lengths.dtype.kind != "i" or tokens.dtype.kind != "i":
+            raise ValueError("lengths and tokens are not integer vectors")
+        if (lengths < 0).any() or int(lengths.sum()) != len(tokens) or (tokens < 0).any():
+            raise ValueError("lengths and tokens disagree")
+    except OSError as err:
+        raise UsageError(f"cannot read the suffix cache {path}: {err.strerror or err}") from None
+    except (ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as err:
+        raise UsageError(f"{path} is not a verispec suffix cache ({err})") from None
+    return saved_for, saved_budget, lengths, tokens

@@ -107,7 +107,8 @@ class TokenIndex:
         self.size, self.start, self._where = len(live), 0, {}
         order = np.argsort(live, kind="stable")  # [L] positions grouped by token, ascending within each
         values, firsts = np.unique(live[order], return_index=True)
-        for token, group in zip(values.tolist(), np.split(order, firsts[1:]), strict=True):
+        groups = np.split(order, firsts[1:]) if len(live) else []  # everything evicted: no group
+        for token, group in zip(values.tolist(), groups, strict=True):
             if token != SEPARATOR:
                 self._where[token] = array("q", group.astype(np.int64).tobytes())
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -48,6 +49,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from verispec.api import Speculator, failure_message
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import DRAFTERS, drafter_names
+from verispec.drafting.suffix_cache import tokenizer_identity
 from verispec.engine import TokenLogprob
 from verispec.errors import UsageError
 from verispec.inputs import is_int, parse_json
@@ -69,6 +71,7 @@ from verispec.server.schema import (
     spelling,
     usage,
 )
+from verispec.server.tenants import SuffixTenants
 from verispec.text import Chunk
 
 __all__ = ["OncePerInterval", "Server", "ServerConfig", "create_app", "exposed", "listen", "run", "serving"]
@@ -126,7 +129,8 @@ class ServerConfig(ModelChoice):
     k: str = "auto"  # the K of requests that do not name one
     max_batch: int = 8
     max_queue: int = 64
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None  # a key, or several: each a tenant (its own suffix cache)
+    share_suffix_cache: bool = False  # one suffix cache for every tenant (server/tenants.py)
     model_name: str | None = None  # the model id clients name (default: the target's name)
     max_connections: int = 512  # open connections; beyond, the oldest idle one closes (or the new one)
     keep_alive: float = 5.0  # seconds an idle keep-alive connection stays open
@@ -135,6 +139,7 @@ class ServerConfig(ModelChoice):
     max_body: int = 4 << 20  # bytes of a request's body
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name, low in (("max_batch", 1), ("max_queue", 0), ("max_connections", 1), ("max_body", 1)):
             value = getattr(self, name)
             if not is_int(value) or value < low:
@@ -144,8 +149,20 @@ class ServerConfig(ModelChoice):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
                 raise UsageError(f"{name.replace('_', '-')} must be seconds in (0, 86400], got {value!r}")
         parse_k(self.k)
-        if self.api_key is not None and not self.api_key.strip():
+        if any(not key.strip() for key in self.api_keys) or self.api_key == ():
             raise UsageError("the API key is empty")
+        self.tenants().check()
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys a request may give (none: every request is served)."""
+        return (self.api_key,) if isinstance(self.api_key, str) else self.api_key or ()
+
+    def tenants(self) -> SuffixTenants:
+        """The suffix caches of the tenants that the keys and ``share_suffix_cache`` make, not yet loaded."""
+        return SuffixTenants(
+            self.api_keys, self.share_suffix_cache, self.suffix_cache_file, self.suffix_budget
+        )
 
     @property
     def served_name(self) -> str:
@@ -161,13 +178,19 @@ class Server:
     def __init__(self, config: ServerConfig, loaded: tuple[LanguageModel, Tokenizer] | None = None) -> None:
         self.config = config
         self.name = config.served_name
-        self.default = config.speculator(loaded)
+        self.default = dataclasses.replace(config, suffix_cache_file=None).speculator(
+            loaded
+        )  # tenants' caches
+        self.tenants = config.tenants()
+        self.tenants.open(tokenizer_identity(self.default.tokenizer))
         self.default.k_policy(config.k)  # calibrates now (with --k auto), not in a client's request
         self._speculators = {self.default.drafter_name: self.default}
         self.spell = spelling(self.default.tokenizer)  # each token's bytes, for log-probabilities
         self._lock = threading.Lock()
         self.scheduler = Scheduler(self.default, slots=config.max_batch, max_queue=config.max_queue)
-        self.metrics = ServerMetrics(lambda: self.scheduler.running, lambda: self.scheduler.queue_depth)
+        self.metrics = ServerMetrics(
+            lambda: self.scheduler.running, lambda: self.scheduler.queue_depth, self.tenants.stats
+        )
 
     def speculator(self, drafter: str | None) -> Speculator:
         """The speculator of a request's drafter (the server's own by default): any drafter of the registry
@@ -201,7 +224,9 @@ class Server:
             return made
 
     def close(self) -> None:
+        """Stop the scheduler, then save the tenants' suffix caches."""
         self.scheduler.close()
+        self.tenants.save()
 
 
 def create_app(server: Server) -> Starlette:
@@ -288,15 +313,18 @@ class _Api:
             request, ApiError(error.status_code, str(error.detail), "invalid_request_error")
         )
 
-    def _authorize(self, request: Request) -> None:
-        key = self.server.config.api_key
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+    def _authorize(self, request: Request) -> str | None:
+        """The key the request gave (its tenant), None on a server without keys; 401 otherwise."""
+        keys = self.server.config.api_keys
+        if not keys:
+            return None
+        given = request.headers.get("authorization", "").encode()
+        matched = [key for key in keys if hmac.compare_digest(given, f"Bearer {key}".encode())]  # every key
+        if not matched:
             raise ApiError(
                 401, "a missing or wrong API key (Authorization: Bearer KEY)", "authentication_error"
             )
+        return matched[0]
 
     # ------------------------------------------------------------------ generation
 
@@ -336,7 +364,7 @@ class _Api:
             raise ApiError(400, f"the body is {err}") from None
 
     async def _generate(self, request: Request, chat: bool) -> Response:
-        self._authorize(request)
+        key = self._authorize(request)
         body = await self._body(request)
         parsed = parse_request(ChatRequest if chat else CompletionRequest, body)
         if parsed.model != self.server.name:
@@ -371,8 +399,11 @@ class _Api:
         def submit() -> Handle:
             speculator = self.server.speculator(parsed.drafter)
             listener = lambda item: loop.call_soon_threadsafe(chunks.put_nowait, item)  # noqa: E731
+            cache = self.server.tenants.cache(key) if speculator.kind.shared_cache else None  # the tenant's
             try:
-                return self.server.scheduler.submit(prompt, options, speculator=speculator, listener=listener)
+                return self.server.scheduler.submit(
+                    prompt, options, speculator=speculator, listener=listener, suffix_cache=cache
+                )
             except QueueFull as err:
                 raise ApiError(429, str(err), "rate_limit_error") from None
             except SchedulerFailed as err:

@@ -4,7 +4,7 @@ share counters).
 Per request: requests by endpoint and status, prompt and generated tokens, target calls, draft tokens drafted
 and accepted at each draft position (acceptance by position = accepted / drafted), tokens per target call,
 time to first token and inter-token latency. Of the engine, read at each scrape: the sequences decoding (the
-batch) and the requests waiting (the queue).
+batch) and the requests waiting (the queue); and the suffix caches' stats, summed over tenants.
 """
 
 from __future__ import annotations
@@ -18,14 +18,27 @@ from verispec.engine import GenerationStats
 __all__ = ["ServerMetrics"]
 
 _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # seconds
+SUFFIX_STATS = {  # the suffix caches' stats in /metrics, summed over tenants: no label per tenant
+    "caches": "Caches",
+    "tokens": "Tokens held",
+    "sequences": "Sequences (outputs) held",
+    "evictions": "Sequences evicted so far",
+    "budget": "Tokens the budgets allow",
+}
 _TOKENS_PER_CALL = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0)
 
 
 class ServerMetrics:
     """Counters, gauges and histograms of one server."""
 
-    def __init__(self, running: Callable[[], int], waiting: Callable[[], int]) -> None:
-        """running, waiting: read at each scrape, the engine's batch size and queue depth."""
+    def __init__(
+        self,
+        running: Callable[[], int],
+        waiting: Callable[[], int],
+        suffix: Callable[[], dict[str, int]] | None = None,
+    ) -> None:
+        """running, waiting: read at each scrape, the engine's batch size and queue depth; suffix: the suffix
+        caches' stats summed over tenants (:meth:`~verispec.server.tenants.SuffixTenants.stats`)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -68,6 +81,9 @@ class ServerMetrics:
         )
         Gauge("verispec_batch_size", "Sequences decoding together", registry=r).set_function(running)
         Gauge("verispec_queue_depth", "Requests waiting for a slot", registry=r).set_function(waiting)
+        for stat, text in () if suffix is None else SUFFIX_STATS.items():
+            gauge = Gauge(f"verispec_suffix_cache_{stat}", f"{text}, all tenants' suffix caches", registry=r)
+            gauge.set_function(lambda stat=stat: suffix()[stat])  # type: ignore[misc]
 
     def finished(self, prompt_tokens: int, stats: GenerationStats) -> None:
         """Count a request that generated (completed, or stopped by its client)."""
