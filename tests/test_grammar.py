@@ -129,6 +129,29 @@ def test_tentative_paths_and_rollback_equal_a_fresh_matcher(stories) -> None:
     assert state.mask_after([tokenizer.vocab_size - 1] * 40) is None  # a path that leaves the grammar
 
 
+def test_nothing_follows_the_end_and_rolling_back_over_it_restores_the_masks(stories) -> None:
+    """Once the grammar is complete, the end-of-sequence token alone is forced, once (llguidance's mask after
+    it allows it again: consuming it twice broke the rollback count, a draft past the end then putting the
+    matcher back inside the text — found by SmolLM2 answering a JSON schema); rolled back over the end, every
+    mask is as before."""
+    _, tokenizer = stories
+    state = Constraint("regex", "ab").state(tokenizer)
+    ends = tokenizer.eos_token_ids
+    text = forced_run(state, 10)  # "a", "b" (however the tokenizer spells them), then the end if it is one
+    if text[-1] not in ends:  # two end tokens here: the end is then allowed, not forced
+        assert set(state.mask_after(text).nonzero().flatten().tolist()) == ends
+        text.append(min(ends))
+    assert not ends & set(text[:-1])
+    before = [state.mask_after(text[:i]) for i in range(len(text))]
+    after_end = state.mask_after(text)
+    assert after_end is not None and not after_end.any()  # nothing after the end
+    assert state.mask_after([*text, text[-1]]) is None  # and the matcher does not consume it
+    for i in range(len(text)):
+        assert torch.equal(state.mask_after(text[:i]), before[i])
+    state.settle(text)
+    assert state.finished and not state.mask_after([]).any()
+
+
 def test_forced_tokens_and_masked_logits(stories) -> None:
     """The regex's fixed text comes as a forced run, each token the one allowed; masked logits keep exactly
     the allowed tokens (the model's wider vocabulary never allowed)."""

@@ -104,7 +104,7 @@ class Constraint:
         matcher = llguidance.LLMatcher(tokens, self.grammar, log_level=0)
         if matcher.is_error():
             raise UsageError(f"invalid {_NAMES[self.kind]}: {_first_line(matcher.get_error())}")
-        return MatcherState(matcher, tokens.vocab_size)
+        return MatcherState(matcher, tokens.vocab_size, tokenizer.eos_token_ids)
 
 
 def _first_line(message: str) -> str:
