@@ -100,6 +100,8 @@ def test_the_task_files():
         (['{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}'], "last"),
         (['{"prompt": "a", "id": "x"}', '{"prompt": "b", "id": "x"}'], "repeat"),
         (['{"prompt": "a", "task": "no spaces allowed"}'], "task"),
+        (['{"prompt": "a", "schema": "{}"}'], "must be a JSON schema"),
+        (['{"prompt": "a", "schema": {"type": "nope"}}'], "mine.jsonl:1: invalid JSON schema"),
         ([""], "no prompts"),
     ],
 )
@@ -139,6 +141,13 @@ def test_plan_methods(monkeypatch):
         "exit k=auto",
         "lookahead k=4",
         "lookahead k=auto",
+        "none-json",  # constrained to each prompt's schema, on the tasks that bring one (json)
+        "ngram-json k=4",
+        "ngram-json k=auto",
+        "suffix-json k=4",
+        "suffix-json k=auto",
+        "eagle-json k=4",
+        "eagle-json k=auto",
         "suffix-warm k=4",  # the suffix cache after the workload's first pass
         "suffix-warm k=auto",
         "transformers",
@@ -147,6 +156,7 @@ def test_plan_methods(monkeypatch):
     notes = plan_methods(BenchConfig())[1]
     assert any("model" in n and "--draft" in n for n in notes)
     assert "llamacpp: llama.cpp is not installed" in notes
+    assert "llamacpp-json: llama.cpp is not installed" in notes
     with_draft = plan_methods(BenchConfig(draft="layers:3", ks=("2", "auto")))[0]
     assert Method("model", "auto") in with_draft and Method("transformers-assisted", "2") in with_draft
     assert Method("transformers-assisted", "auto") not in with_draft  # transformers takes a number
@@ -161,8 +171,10 @@ def test_llama_cpp_peers_are_planned_on_a_gguf_target(monkeypatch, tmp_path):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     monkeypatch.setattr(bench, "llamacpp_missing", lambda: None)
-    config = BenchConfig(target=str(gguf), ks=("3", "auto"), methods=("none", "llamacpp", "llamacpp-lookup"))
-    assert plan_methods(config)[0] == [Method("none"), Method("llamacpp"), Method("llamacpp-lookup", "3")]
+    methods = ("none", "llamacpp", "llamacpp-lookup", "llamacpp-json")
+    config = BenchConfig(target=str(gguf), ks=("3", "auto"), methods=methods)
+    planned = [Method("none"), Method("llamacpp"), Method("llamacpp-lookup", "3"), Method("llamacpp-json")]
+    assert plan_methods(config)[0] == planned
     assert bench.llamacpp_gguf(config) == gguf
     stories = BenchConfig(target="stories260K.bin", methods=("llamacpp",))
     with pytest.raises(ValueError, match="method 'llamacpp' cannot run: the target is not from a GGUF"):
@@ -489,3 +501,57 @@ def test_llama_cpp_peer_generates_from_a_gguf_file(tmp_path):
     assert generate("llamacpp", eos=frozenset({stop})).token_ids == plain[: plain.index(stop) + 1]
     with pytest.raises(ValueError, match="unknown llama.cpp method 'llamacpp-draft'"):
         generate("llamacpp-draft")
+    with pytest.raises(ValueError, match="llamacpp-json needs a JSON schema"):
+        generate("llamacpp-json")
+    # held to a schema by llama.cpp's grammar: random weights, valid JSON all the same
+    from verispec.bench.schemas import valid_json
+
+    # (llama-cpp-python's conversion to GBNF drops an integer's minimum and maximum: none here)
+    properties = {"pet": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"}}
+    schema = json.dumps({"type": "object", "properties": properties, "required": ["pet", "ok"]})
+    peer = LlamaCppPeer(gguf, threads=1, context=128)
+    for seed in (1, 2):
+        request = PeerRequest([0, 5, 77], "llamacpp-json", 0, 100, frozenset({1}), 1.0, seed, schema)
+        ids = peer.generate(request).token_ids
+        assert ids[-1] == 1 and valid_json(peer._model(0).detokenize(ids[:-1]).decode(), schema)
+
+
+@pytest.mark.slow
+def test_the_json_task_runs_constrained_and_every_constrained_output_validates(
+    capsys, tmp_path, stories_args
+):
+    """The json task on stories260K, stub-free: the constrained methods' outputs parse and validate against
+    their prompts' schemas (checked by jsonschema, not by the grammar engine), equal none-json's greedy
+    output, count their forced tokens; the unconstrained ones are checked too (stories260K writes no JSON)."""
+    out = tmp_path / "out"
+    argv = [*stories_args[:5], "--threads", "1", "--max-new-tokens", "200", "--tasks", "json"]
+    argv += ["--methods", "none,none-json,ngram-json", "--k", "4", "--prompts-per-task", "2"]
+    status, _, _ = run(capsys, *argv, "--repetitions", "1", "--out", str(out))
+    assert status == 0
+    results = json.loads((out / "results.json").read_text())
+    cells = {c["label"]: c for c in results["cells"]}
+    assert set(cells) == {"none", "none-json", "ngram-json k=4"}
+    for label in ("none-json", "ngram-json k=4"):
+        cell = cells[label]
+        assert cell["schema_valid"] == {"checked": 2, "valid": 2, "invalid": []}, label
+        assert cell["greedy_identity"] == {"compared": 2, "differ": []}, label
+        assert 0 < cell["metrics"]["forced_share"] < 1 and cell["samples"][0]["forced"] > 0
+    assert cells["none"]["schema_valid"]["checked"] == 2 and cells["none"]["metrics"]["forced_share"] is None
+    table = (out / "results.md").read_text()
+    assert "| valid |" in table and "✓ 2/2" in table and "| forced |" in table
+    # the same task without a constrained method: nothing constrained to leave out; without the json task:
+    # the constrained methods are left out, and why
+    argv[argv.index("json")] = "math"
+    status, _, _ = run(capsys, *argv, "--max-new-tokens", "4", "--out", str(tmp_path / "math"))
+    results = json.loads((tmp_path / "math" / "results.json").read_text())
+    assert status == 0 and {c["label"] for c in results["cells"]} == {"none"}
+    assert "none-json: no task with schemas (json)" in results["notes"]
+
+
+def test_outputs_are_checked_against_their_schema():
+    from verispec.bench.schemas import valid_json
+
+    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    assert valid_json('{"n": 3}', schema) and valid_json(' {"n":3}\n', schema)
+    assert not valid_json('{"n": "3"}', schema) and not valid_json('{"n": 3', schema)
+    assert not valid_json("{}", schema) and not valid_json('{"n": 3} and more', schema)

@@ -103,6 +103,7 @@ OWN_GGUF = one_block("Your own model")  # model.gguf a tiny random Llama file; g
 BENCH_GGUF = one_block("Your model's GGUF file")  # shrunk: tiny shapes, llama.cpp left out
 STRUCTURED = one_block("Structured output")  # run on stories260K with the files it names
 SUFFIX = one_block("The suffix drafter")  # run on stories260K
+JSON_BENCH = one_block("The bench's json task")  # run on stories260K: one prompt, one repetition
 
 
 def logical_lines(code: str) -> list[tuple[int, str]]:
@@ -161,7 +162,7 @@ def test_the_readme_has_the_blocks_this_file_runs():
     assert PYTHON_BLOCKS
     with_commands = {b.line for b in SHELL_BLOCKS if verispec_commands(b)}
     runs = {SYNOPSIS.line, RECIPE.line, BENCHMARK.line, SERVING.line, LOAD.line, SERVE_LOAD.line, ACROSS.line}
-    runs |= {OFFLINE.line, OWN_GGUF.line, BENCH_GGUF.line, STRUCTURED.line, SUFFIX.line}
+    runs |= {OFFLINE.line, OWN_GGUF.line, BENCH_GGUF.line, STRUCTURED.line, SUFFIX.line, JSON_BENCH.line}
     assert with_commands == runs, "a new sh block: run it here too"
 
 
@@ -460,6 +461,36 @@ def test_learned_drafter_recipe_runs(chat_target, tmp_path, monkeypatch, capsys)
 
 
 STORIES = ["Once upon a time", "Lily and Tom went to the park", "The little dog was sad because"]
+
+
+def test_json_bench_command_runs(shared_model, tmp_path, monkeypatch, own_cache, restore_threads, capsys):
+    """The README's json bench line on stories260K (one prompt, one repetition, a few tokens): every method it
+    names that runs there, unconstrained and constrained, on the json task, each output checked."""
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "bench"
+    model = ("--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin"))
+    added = {
+        "bench": [
+            *model,
+            "--threads",
+            "1",
+            "--prompts-per-task",
+            "1",
+            "--repetitions",
+            "1",
+            "--out",
+            str(out),
+        ]
+    }
+    (command,) = verispec_commands(JSON_BENCH)
+    run_commands([command], added, capsys)
+    results = json.loads((out / "results.json").read_text())
+    args = cli.build_parser().parse_args(command.words[1:])
+    methods = _on_stories(",".join(args.methods)).split(",")
+    labels = {cell["label"].split(" ")[0] for cell in results["cells"]}
+    assert results["complete"] and results["config"]["tasks"] == ["json"] and labels == set(methods)
+    assert all(cell["schema_valid"]["checked"] == 1 for cell in results["cells"])
 
 
 def test_benchmark_command_runs(shared_model, tmp_path, monkeypatch, own_cache, restore_threads, capsys):

@@ -6,6 +6,8 @@ from __future__ import annotations
 from verispec.drafting.registry import CROSS_TOKENIZER, DRAFTERS
 
 __all__ = [
+    "CONSTRAINED",
+    "CONSTRAINED_METHODS",
     "CROSS_METHODS",
     "LLAMACPP_PEERS",
     "LOAD_METHODS",
@@ -30,11 +32,13 @@ TASKS = (
     "agent_tools",  # the agentic ones: sequences of requests, each fed the earlier outputs
     "code_edit_loop",
     "chat_quoting",
+    "json",  # extraction into a JSON object: each prompt brings its schema (the constrained methods')
 )
 TRANSFORMERS_PEERS = ("transformers", "transformers-assisted", "transformers-lookup")
 """plain ``generate``; assisted generation with a draft model; prompt lookup decoding."""
-LLAMACPP_PEERS = ("llamacpp", "llamacpp-lookup")
-"""llama.cpp's plain decoding; its prompt lookup decoding."""
+CONSTRAINED = "-json"  # a method's constrained variant: each prompt's output held to the prompt's schema
+LLAMACPP_PEERS = ("llamacpp", "llamacpp-lookup", f"llamacpp{CONSTRAINED}")
+"""llama.cpp's plain decoding; its prompt lookup decoding; its decoding held to a schema by a grammar."""
 PEERS = (*TRANSFORMERS_PEERS, *LLAMACPP_PEERS)
 VERISPEC_METHODS = tuple(DRAFTERS)  # none first, then every drafter
 # a drafter with a cache shared across requests, starting each sample from the workload's first pass
@@ -42,7 +46,19 @@ WARM_METHODS = tuple(f"{name}-warm" for name, kind in DRAFTERS.items() if kind.s
 TREE_METHODS = tuple(f"{name}-tree" for name, kind in DRAFTERS.items() if kind.takes_trees)  # with --trees
 # the draft model through one cross-tokenizer algorithm each (its tokenizer differs from the target's)
 CROSS_METHODS = {f"model-{algorithm}": algorithm for algorithm in CROSS_TOKENIZER if algorithm != "auto"}
-METHODS = (*VERISPEC_METHODS, *WARM_METHODS, *CROSS_METHODS, *TREE_METHODS, *PEERS)
+# drafters constrained to the prompts' schemas (on tasks whose prompts bring one: json), and llama.cpp
+CONSTRAINED_METHODS = (
+    *(f"{name}{CONSTRAINED}" for name in ("none", "ngram", "suffix", "eagle")),
+    LLAMACPP_PEERS[-1],
+)
+METHODS = (
+    *VERISPEC_METHODS,
+    *CONSTRAINED_METHODS[:-1],
+    *WARM_METHODS,
+    *CROSS_METHODS,
+    *TREE_METHODS,
+    *PEERS,
+)
 SHARED_CACHE = tuple(name for name, kind in DRAFTERS.items() if kind.shared_cache)  # suffix: cold and warm
 # bench-load: auto, the drafter auto picks; a shared cache's drafter from an empty cache and a warm one
 LOAD_METHODS = ("none", "ngram", *SHARED_CACHE, *WARM_METHODS, "eagle", "auto", "transformers")

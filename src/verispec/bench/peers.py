@@ -1,6 +1,7 @@
 """Peers in benchmarks: the same weights run by transformers' own ``generate`` (plain, with assisted
 generation from a draft model and with prompt lookup), and the same GGUF file run by llama.cpp (plain and
-with its prompt lookup), timed the way verispec's engine times itself.
+with its prompt lookup and constrained to a JSON schema by its grammars), timed the way verispec's engine
+times itself.
 
 The transformers model of a SPEC is loaded from its transformers-format directory with
 ``AutoModelForCausalLM``; a llama2.c checkpoint has none, so its native weights are put into a
@@ -13,8 +14,9 @@ count the calls; the first target call processes the prompt and yields the first
 
 llama.cpp runs through llama-cpp-python where it is installed (``make peers`` builds it from source into the
 virtual environment); its prompt lookup is ``LlamaPromptLookupDecoding`` (n-grams of up to 2 tokens, K
-guesses per round). Its extra buffer types (weight repacking, AMX tiles) are switched off: AMX crashed on
-these machines, and repacking has no Q4_1 form.
+guesses per round); its constrained decoding a ``LlamaGrammar`` from the schema (llama.cpp's own conversion
+of a JSON schema to GBNF), made once per schema. Its extra buffer types (weight repacking, AMX tiles) are
+switched off: AMX crashed on these machines, and repacking has no Q4_1 form.
 """
 
 from __future__ import annotations
@@ -122,7 +124,8 @@ class PeerRequest:
     """One generation asked of a peer: ``method`` (one of :data:`PEERS`) on ``prompt_ids``, K guesses or
     draft tokens per round where the method drafts, stopping at any of ``eos_token_ids`` or after
     ``max_new_tokens``; ``temperature`` 0 is greedy, else pure sampling at that temperature (no top-k, top-p
-    or min-p), seeded with ``seed`` (None: not reseeded)."""
+    or min-p), seeded with ``seed`` (None: not reseeded); ``json_schema``: the output's schema (JSON text)
+    for a constrained method."""
 
     prompt_ids: list[int]
     method: str
@@ -131,6 +134,7 @@ class PeerRequest:
     eos_token_ids: frozenset[int]
     temperature: float
     seed: int | None
+    json_schema: str | None = None
 
 
 @dataclass
@@ -249,8 +253,9 @@ def llamacpp_missing() -> str | None:
 
 
 class LlamaCppPeer:
-    """Generates with llama.cpp (llama-cpp-python) on a GGUF file: plain decoding, or its prompt lookup with
-    K guesses per round. Each generation starts from an empty context (no prompt reused from the last one)."""
+    """Generates with llama.cpp (llama-cpp-python) on a GGUF file: plain decoding, its prompt lookup with K
+    guesses per round, or plain decoding held to a JSON schema by its grammar. Each generation starts from an
+    empty context (no prompt reused from the last one)."""
 
     def __init__(self, gguf: Path, threads: int, context: int) -> None:
         missing = llamacpp_missing()
@@ -258,6 +263,7 @@ class LlamaCppPeer:
             raise UsageError(missing)
         self.gguf, self.threads, self.context = gguf, threads, context
         self._models: dict[int, object] = {}  # K (0: plain) → its llama_cpp.Llama
+        self._grammars: dict[str, object] = {}  # a JSON schema's text → its llama_cpp.LlamaGrammar
 
     def _model(self, k: int):  # llama_cpp.Llama; untyped package
         if k not in self._models:
@@ -287,6 +293,13 @@ class LlamaCppPeer:
                 bindings.llama_model_default_params = default_params
         return self._models[k]
 
+    def _grammar(self, schema: str):  # llama_cpp.LlamaGrammar
+        if schema not in self._grammars:
+            from llama_cpp import LlamaGrammar
+
+            self._grammars[schema] = LlamaGrammar.from_json_schema(schema, verbose=False)
+        return self._grammars[schema]
+
     def generate(self, request: PeerRequest) -> PeerRun:
         """One generation (sampling by llama.cpp's own sampler). Forward calls are not counted (llama.cpp
         does not report them): 0."""
@@ -298,6 +311,10 @@ class LlamaCppPeer:
         if request.seed is not None:
             model.set_seed(request.seed)
         options = dict(temp=request.temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
+        if request.method == LLAMACPP_PEERS[-1]:
+            if request.json_schema is None:
+                raise UsageError(f"{request.method} needs a JSON schema")
+            options["grammar"] = self._grammar(request.json_schema)
         tokens: list[int] = []
         start = time.perf_counter()
         first = 0.0

@@ -19,6 +19,7 @@ __all__ = [
     "Spread",
     "TargetCosts",
     "TimeSplit",
+    "Validity",
     "metrics",
     "tokens_per_second",
 ]
@@ -40,6 +41,7 @@ class Sample(TypedDict):
     drafted_per_position: list[int]  # rounds that drafted position i
     accepted_per_position: list[int]  # rounds that accepted position i
     tree_nodes: int  # draft nodes the target scored in tree rounds (0 for chains and transformers)
+    forced: int  # drafted tokens that were the grammar's forced ones (constrained verispec methods)
     peak_rss_mib: float
     rss_growth_mib: float
     prompts: int
@@ -81,6 +83,7 @@ class Metrics(TypedDict):
     decode_speedup_vs_none: float | None
     predicted_speedup: float | None
     efficiency: float | None
+    forced_share: float | None  # forced tokens / tokens (constrained verispec methods; None: no forced token)
 
 
 class Identity(TypedDict):
@@ -88,6 +91,15 @@ class Identity(TypedDict):
 
     compared: int
     differ: list[str]
+
+
+class Validity(TypedDict):
+    """A cell's outputs against their prompts' JSON schemas (every sample's): how many were checked, how many
+    parsed and validated, and the ids of the prompts with an invalid one."""
+
+    checked: int
+    valid: int
+    invalid: list[str]
 
 
 class Cell(TypedDict, total=False):
@@ -105,6 +117,7 @@ class Cell(TypedDict, total=False):
     chain_k: str  # a tree cell's chain method's K
     metrics: Metrics | None  # None before the first sample
     greedy_identity: Identity | None
+    schema_valid: Validity | None  # None on a task without schemas
     outputs: dict[str, list[int]]  # prompt id → generated ids (first sample)
 
 

@@ -28,6 +28,7 @@ from verispec.bench.records import (
     Results,
     Spread,
     TimeSplit,
+    Validity,
     metrics,
     tokens_per_second,
 )
@@ -73,6 +74,15 @@ def _identity(identity: Identity | None) -> str:
     return f"✗ {len(differ)}/{compared} differ: {', '.join(differ)}"
 
 
+def _validity(validity: Validity | None) -> str:
+    if validity is None:
+        return _MISSING
+    checked, valid = validity["checked"], validity["valid"]
+    if valid == checked:
+        return f"✓ {valid}/{checked}"
+    return f"✗ {valid}/{checked}: {', '.join(validity['invalid'])}"
+
+
 # (header, the cell's metrics → the column's text)
 COLUMNS: tuple[tuple[str, Callable[[Metrics], str]], ...] = (
     ("tok/s (min–max)", lambda m: _speed(m["tokens_per_second"])),
@@ -87,6 +97,7 @@ COLUMNS: tuple[tuple[str, Callable[[Metrics], str]], ...] = (
     ("peak RSS MiB (+growth)", lambda m: f"{m['peak_rss_mib']:.0f} (+{m['rss_growth_mib']:.0f})"),
     ("predicted", lambda m: _number(".2f", "×")(m["predicted_speedup"])),
     ("efficiency", lambda m: _number(".2f")(m["efficiency"])),
+    ("forced", lambda m: _number(".0%")(m.get("forced_share"))),
 )
 
 LEGEND = """\
@@ -108,8 +119,14 @@ LEGEND = """\
   Σ n_d·E[L](α_1..α_d) / Σ n_d·(v(d+1) + d·c), from this cell's measured per-position acceptance and draft
   lengths and the calibrated v(k), c.
   **efficiency**: the measured decoding speedup over `none` divided by the predicted one.
+- **forced**: the share of a constrained method's tokens that the grammar forced (drafted for free).
 - **greedy = none**: each prompt's greedy output compared with `none`'s, token for token (✓: identical); a
-  speculative peer's (assisted, lookup) with its own plain output's.
+  speculative peer's (assisted, lookup) with its own plain output's; a constrained method's (`-json`) with
+  `none-json`'s.
+- **valid**: on a task whose prompts bring a JSON schema (json), the outputs (every repetition's) that parse
+  and validate against their prompt's schema (`jsonschema`), of those checked; ✗ names the prompts with an
+  invalid one. A constrained method (`-json`, llama.cpp's included: its grammar from the schema) holds each
+  output to the schema; its × none and × llama.cpp are over `none-json` and `llamacpp-json`.
 """
 
 
@@ -256,7 +273,7 @@ def markdown(results: Results) -> str:
     if len(config["tasks"]) > 1:
         for temperature in config["temperatures"]:
             lines += ["", f"## Summary — {_mode(temperature)}", "", *summary(results, temperature)]
-    headers = ["method", *(h for h, _ in COLUMNS), "greedy = none"]
+    headers = ["method", *(h for h, _ in COLUMNS), "greedy = none", "valid"]
     for task in config["tasks"]:
         for temperature in config["temperatures"]:
             cells = _cells(results, task, temperature)
@@ -268,6 +285,7 @@ def markdown(results: Results) -> str:
                 row = [_label(cell, config["repetitions"])]
                 row += [column(metrics(cell)) for _, column in COLUMNS]
                 row.append(_identity(cell.get("greedy_identity")))
+                row.append(_validity(cell.get("schema_valid")))
                 lines.append("| " + " | ".join(row) + " |")
     if any(c["samples"] and len(c["samples"]) < config["repetitions"] for c in results["cells"]):
         lines += ["", "† fewer repetitions than asked (the run was interrupted)."]

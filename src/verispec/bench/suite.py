@@ -70,6 +70,7 @@ from verispec.analysis.analytic import CostModel, expected_tokens_per_call
 from verispec.api import Speculator
 from verispec.bench.goals import load_goals
 from verispec.bench.methods import (
+    CONSTRAINED,
     CROSS_METHODS,
     LLAMACPP_PEERS,
     METHODS,
@@ -86,8 +87,9 @@ from verispec.bench.peers import (
     load_transformers,
 )
 from verispec.bench.records import Calibration as CalibrationRecord
-from verispec.bench.records import Cell, Identity, Machine, Metrics, Results, Sample, Spread
+from verispec.bench.records import Cell, Identity, Machine, Metrics, Results, Sample, Spread, Validity
 from verispec.bench.report import write_report
+from verispec.bench.schemas import valid_json
 from verispec.bench.workloads import WARM, CacheSnapshots, turns
 from verispec.calibrate import Calibration, cpu_name
 from verispec.drafting.draft_model import early_exit_layers
@@ -99,6 +101,7 @@ from verispec.drafting.tree import AUTO, TreeShape
 from verispec.engine import GenerationStats
 from verispec.errors import UsageError
 from verispec.files import atomic_write
+from verispec.grammar.constraint import Constraint
 from verispec.inputs import is_int
 from verispec.models.base import LanguageModel, Tokenizer
 from verispec.models.gguf import source_gguf
@@ -121,6 +124,9 @@ __all__ = [
 ]
 
 BASELINE, PEER_BASELINE, LLAMACPP_BASELINE = "none", TRANSFORMERS_PEERS[0], LLAMACPP_PEERS[0]
+# a constrained cell's baselines: the same constraint without speculation, in verispec and in llama.cpp
+JSON_BASELINE, LLAMACPP_JSON = f"{BASELINE}{CONSTRAINED}", f"{LLAMACPP_BASELINE}{CONSTRAINED}"
+K_FREE = (BASELINE, PEER_BASELINE, LLAMACPP_BASELINE, JSON_BASELINE, LLAMACPP_JSON)
 # the plain run each speculative peer's greedy output must equal
 PLAIN_PEER = {
     "transformers-assisted": PEER_BASELINE,
@@ -143,13 +149,14 @@ class Prompt:
     id: str
     messages: tuple[tuple[str, str], ...]  # (role, content)
     follow_ups: tuple[str, ...] = ()  # a sequence's later user turns (:mod:`verispec.bench.workloads`)
+    constraint: Constraint | None = None  # the schema a constrained method holds the output to
 
     def turn(self, replies: Sequence[str]) -> Prompt:
         """Request ``len(replies)`` of this sequence, after those replies (:func:`workloads.turns`)."""
         if not replies:
             return self
         messages = turns(self.messages, self.follow_ups, replies)
-        return Prompt(self.task, f"{self.id}#{len(replies)}", messages)
+        return Prompt(self.task, f"{self.id}#{len(replies)}", messages, constraint=self.constraint)
 
     def for_model(self, chat: bool) -> str | list[dict[str, str]]:
         """What the speculator encodes: the messages for a chat template, else their contents as plain text,
@@ -160,8 +167,9 @@ class Prompt:
 
 
 def _parse_prompt(line: str, where: str, task: str, index: int) -> Prompt:
-    """One JSONL line: {"prompt": str} or {"messages": [{"role", "content"}, ...]}, optional "id", "task"
-    and "follow_ups" (a sequence's later user turns, non-empty strings)."""
+    """One JSONL line: {"prompt": str} or {"messages": [{"role", "content"}, ...]}, optional "id", "task",
+    "follow_ups" (a sequence's later user turns, non-empty strings) and "schema" (a JSON schema, the output's
+    for the constrained methods)."""
     try:
         data = json.loads(line)
     except json.JSONDecodeError as err:
@@ -193,7 +201,14 @@ def _parse_prompt(line: str, where: str, task: str, index: int) -> Prompt:
     follow_ups = data.get("follow_ups", [])
     if not isinstance(follow_ups, list) or not all(isinstance(f, str) and f.strip() for f in follow_ups):
         raise UsageError(f'{where}: "follow_ups" must be a list of non-empty strings')
-    return Prompt(task, prompt_id, tuple(pairs), tuple(follow_ups))
+    schema = data.get("schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise UsageError(f'{where}: "schema" must be a JSON schema (an object)')
+    try:
+        constraint = Constraint.of(json_schema=schema)
+    except UsageError as err:
+        raise UsageError(f"{where}: {err}") from None
+    return Prompt(task, prompt_id, tuple(pairs), tuple(follow_ups), constraint)
 
 
 def load_prompts(path: str | os.PathLike, default_task: str | None = None) -> list[Prompt]:
@@ -377,6 +392,16 @@ class Method:
     def is_peer(self) -> bool:
         return self.name in PEERS
 
+    @property
+    def constrained(self) -> bool:
+        """Whether each output is held to its prompt's schema (run on tasks whose prompts bring one)."""
+        return self.name.endswith(CONSTRAINED)
+
+    @property
+    def base(self) -> str:
+        """The method without its constraint: the speculator or peer that runs it."""
+        return self.name.removesuffix(CONSTRAINED)
+
 
 def learned_drafter(config: BenchConfig, kind: str) -> str | None:
     """The learned drafter of the method ``kind`` (a ``learned`` kind of the registry): ``drafter_path`` when
@@ -411,6 +436,7 @@ def plan_methods(config: BenchConfig) -> tuple[list[Method], list[str]]:
     chosen = METHODS if config.methods is None else config.methods
     model_drafters = [name for name, kind in DRAFTERS.items() if kind.needs_draft_model]
     needs_draft = {*model_drafters, *(f"{name}-tree" for name in model_drafters), *CROSS_METHODS}
+    needs_draft |= {f"{name}{CONSTRAINED}" for name in model_drafters}
     needs_draft.add("transformers-assisted")
     numeric = [k for k in config.ks if k.isdigit()]
     methods, notes = [], []
@@ -431,7 +457,7 @@ def plan_methods(config: BenchConfig) -> tuple[list[Method], list[str]]:
                 raise UsageError(f"method {name!r} cannot run with --draft-tokenizer: {uag}")
             notes.append(f"{name}: {uag}")
             continue
-        kind = DRAFTERS.get(name.removesuffix("-tree"))
+        kind = DRAFTERS.get(name.removesuffix("-tree").removesuffix(CONSTRAINED))
         if kind is not None and kind.learned and learned_drafter(config, kind.name) is None:
             if config.methods is not None:
                 raise UsageError(f"method {name!r} needs a learned drafter (--drafter-path FILE)")
@@ -444,7 +470,7 @@ def plan_methods(config: BenchConfig) -> tuple[list[Method], list[str]]:
                     raise UsageError(f"method {name!r} cannot run: {why}")
                 notes.append(f"{name}: {why}")
                 continue
-        if name in (BASELINE, PEER_BASELINE, LLAMACPP_BASELINE):
+        if name in K_FREE:
             methods.append(Method(name))
         elif name in PEERS:
             methods += [Method(name, k) for k in numeric]
@@ -531,6 +557,7 @@ def _add_samples(samples: Sequence[Sample]) -> Sample:
         "drafted_per_position": _positionwise(s["drafted_per_position"] for s in samples),
         "accepted_per_position": _positionwise(s["accepted_per_position"] for s in samples),
         "tree_nodes": sum(s["tree_nodes"] for s in samples),
+        "forced": sum(s["forced"] for s in samples),
         "peak_rss_mib": max(s["peak_rss_mib"] for s in samples),
         "rss_growth_mib": max(s["rss_growth_mib"] for s in samples),
         "prompts": sum(s["prompts"] for s in samples),
@@ -578,6 +605,7 @@ def cell_metrics(
         "decode_speedup_vs_none": decode_speedup,
         "predicted_speedup": predicted,
         "efficiency": decode_speedup / predicted if predicted and decode_speedup else None,
+        "forced_share": total["forced"] / total["tokens"] if total["forced"] and total["tokens"] else None,
     }
 
 
@@ -628,6 +656,8 @@ class _Cell:
     method: Method
     samples: list[Sample] = field(default_factory=list)
     outputs: dict[str, list[int]] = field(default_factory=dict)  # prompt id → generated ids (first sample)
+    invalid: dict[str, int] = field(default_factory=dict)  # prompt id → its outputs not valid for its schema
+    checked: int = 0  # outputs checked against their prompt's schema (every sample's)
 
 
 class Bench:
@@ -641,8 +671,13 @@ class Bench:
         notes: Sequence[str] = (),
     ) -> None:
         """``tasks``, ``methods``: from :func:`select_tasks` and :func:`plan_methods`; ``notes``: the methods
-        left out, and why (recorded in the results)."""
-        self.config, self.tasks, self.methods, self.notes = config, tasks, methods, list(notes)
+        left out, and why (recorded in the results). A constrained method runs on the tasks whose prompts
+        bring a schema, and is left out (noted) where none does."""
+        self.notes = list(notes)
+        if not any(p.constraint for prompts in tasks.values() for p in prompts):
+            self.notes += [f"{m.label}: no task with schemas (json)" for m in methods if m.constrained]
+            methods = [m for m in methods if not m.constrained]
+        self.config, self.tasks, self.methods = config, tasks, methods
         self.goals = [] if config.goals is None else load_goals(config.goals)
         self.out = chart_directory(config.out)
         if config.threads is not None:
@@ -653,7 +688,7 @@ class Bench:
         self.tokenizer = base.tokenizer
         loaded = (base.model, base.tokenizer)
         self.speculators = {BASELINE: base}
-        chains = (m.name for m in methods if not m.is_peer and m.name not in (BASELINE, *TREE_METHODS))
+        chains = (m.base for m in methods if not m.is_peer and m.base not in (BASELINE, *TREE_METHODS))
         for name in dict.fromkeys(chains):
             kind = DRAFTERS["model" if name in CROSS_METHODS else name.removesuffix(WARM)]
             path = learned_drafter(config, kind.name) if kind.learned else None
@@ -700,7 +735,13 @@ class Bench:
             )
             for name, speculator in self.speculators.items()  # the baseline first: it clears the cache
         }
-        self.cells = [_Cell(task, t, m) for task in tasks for t in config.temperatures for m in methods]
+        self.cells = [
+            _Cell(task, t, m)
+            for task, prompts in tasks.items()
+            for t in config.temperatures
+            for m in methods
+            if not m.constrained or any(p.constraint for p in prompts)
+        ]
         self.started_at = _now()
         self.load_at_start = os.getloadavg()
         self.exact_peaks = _reset_peak_memory()
@@ -762,7 +803,7 @@ class Bench:
     def _generate_verispec(
         self, method: Method, prompt: Prompt, sampling: SamplingParams, cache: SuffixCache
     ) -> tuple[list[int], Sample]:
-        speculator = self.trees.get(method.label) or self.speculators[method.name]
+        speculator = self.trees.get(method.label) or self.speculators[method.base]
         k = method.k or 0
         stats = GenerationStats(method.name, str(k))
         options = GenerationOptions(
@@ -770,6 +811,7 @@ class Bench:
             max_new_tokens=self.config.max_new_tokens,
             sampling=sampling,
             chat=self.chat,
+            constraint=prompt.constraint if method.constrained else None,
         )
         start = time.perf_counter()
         text = prompt.for_model(self.chat)
@@ -790,6 +832,7 @@ class Bench:
             "drafted_per_position": list(stats.drafted_per_position),
             "accepted_per_position": list(stats.accepted_per_position),
             "tree_nodes": stats.tree_nodes,
+            "forced": stats.forced,
             "peak_rss_mib": 0.0,  # measured by _generate
             "rss_growth_mib": 0.0,
             "prompts": 1,
@@ -812,6 +855,7 @@ class Bench:
             eos_token_ids=self.tokenizer.eos_token_ids,
             temperature=sampling.temperature,
             seed=sampling.seed,
+            json_schema=prompt.constraint.text if method.constrained and prompt.constraint else None,
         )
         run = peer.generate(request)
         tokens = len(run.token_ids)
@@ -829,6 +873,7 @@ class Bench:
             "drafted_per_position": [],
             "accepted_per_position": [],
             "tree_nodes": 0,
+            "forced": 0,
             "peak_rss_mib": 0.0,  # measured by _generate
             "rss_growth_mib": 0.0,
             "prompts": 1,
@@ -850,6 +895,10 @@ class Bench:
                 cell.method, prompt, self._sampling(cell.temperature, repetition, index), cache
             )
             cell.outputs.setdefault(prompt.id, ids)
+            if prompt.constraint is not None:
+                cell.checked += 1
+                if not valid_json(self.tokenizer.decode(ids), prompt.constraint.text):
+                    cell.invalid[prompt.id] = cell.invalid.get(prompt.id, 0) + 1
             records.append(record)
             tick()
         cell.samples.append(_add_samples(records))
@@ -875,9 +924,10 @@ class Bench:
             disable=not progress,  # shown in logs too: a bench runs for minutes
         )
         try:
-            first = next(iter(self.tasks.values()))[0]
             for method in self.methods:  # warm-up: first calls build kernels and caches
                 bar.set_postfix_str(f"warm-up {method.label}")
+                cell = next(c for c in self.cells if c.method == method)  # a task it runs on
+                first = self.tasks[cell.task][0]
                 self._generate(method, first, self._sampling(config.temperatures[0], 0, 0))
                 bar.update()
             for task in self.tasks:
@@ -921,21 +971,27 @@ class Bench:
                 "peer_acceptance_unknown": cell.method.name in ("transformers-lookup", "llamacpp-lookup"),
                 "tree_nodes": None if tree is None or tree.budget == AUTO else tree.max_forward,
                 "outputs": cell.outputs,
+                "schema_valid": _validity(cell),
             }
             if tree is not None:
                 record["chain_k"] = chain_k(tree)
             cells.append(record)
         by_key = {(c["task"], c["temperature"], c["label"]): c for c in cells}
         for c in cells:  # the baselines first: the other cells' speedups divide by theirs
-            if c["label"] in (BASELINE, PEER_BASELINE, LLAMACPP_BASELINE):
+            if c["label"] in K_FREE:
                 c["metrics"] = cell_metrics(c, None, None, None, self._cost(c))
         for c in cells:
+            constrained = c["method"].endswith(CONSTRAINED)  # against the same constraint's baselines
+            none_name, llamacpp_name = (
+                (JSON_BASELINE, LLAMACPP_JSON) if constrained else (BASELINE, LLAMACPP_BASELINE)
+            )
             none, peer, llamacpp = (
                 by_key.get((c["task"], c["temperature"], name))
-                for name in (BASELINE, PEER_BASELINE, LLAMACPP_BASELINE)
+                for name in (none_name, PEER_BASELINE, llamacpp_name)
             )
             c["metrics"] = cell_metrics(c, none, peer, llamacpp, self._cost(c))
-            plain = by_key.get((c["task"], c["temperature"], PLAIN_PEER.get(c["method"], BASELINE)))
+            plain_name = PLAIN_PEER.get(c["method"], none_name)
+            plain = by_key.get((c["task"], c["temperature"], plain_name))
             c["greedy_identity"] = _identity(c, plain)
         return {
             "version": 1,
@@ -977,9 +1033,8 @@ class Bench:
     def _cost(self, record: Cell) -> CostModel | None:
         """The calibrated cost model of a verispec cell's drafter at its task's typical context (the mean
         prompt plus half the new tokens); None for peers."""
-        calibration = (
-            self.calibrations.get(record["method"]) if record["method"] in self.speculators else None
-        )
+        name = record["method"].removesuffix(CONSTRAINED)
+        calibration = self.calibrations.get(name) if name in self.speculators else None
         if calibration is None:
             return None
         prompts = [len(ids) for (task, _), ids in self.prompt_ids.items() if task == record["task"]]
@@ -1030,6 +1085,14 @@ def _identity(cell: Cell, plain: Cell | None) -> Identity | None:
     reference, outputs = plain["outputs"], cell["outputs"]
     compared = [p for p in outputs if p in reference]
     return {"compared": len(compared), "differ": [p for p in compared if outputs[p] != reference[p]]}
+
+
+def _validity(cell: _Cell) -> Validity | None:
+    """A cell's outputs against their prompts' schemas (None on a task without schemas)."""
+    if not cell.checked:
+        return None
+    invalid = sum(cell.invalid.values())
+    return {"checked": cell.checked, "valid": cell.checked - invalid, "invalid": sorted(cell.invalid)}
 
 
 def _has_chat_template(tokenizer) -> bool:
