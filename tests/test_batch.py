@@ -398,10 +398,10 @@ def test_a_request_that_fails_in_a_step_fails_alone(monkeypatch):
     alone = {p: spec.generate(p, **options).token_ids for p in ("abcab", "bcdbc")}
     real = NGramDrafter.propose
 
-    def propose(self, ids, k, generator):
+    def propose(self, ids, k, generator, allowed=None):
         if ids[:3] == [7, 7, 7]:  # "hhh..."
             raise RuntimeError("injected")
-        return real(self, ids, k, generator)
+        return real(self, ids, k, generator, allowed)
 
     monkeypatch.setattr(NGramDrafter, "propose", propose)
     prompts = ["abcab", "hhhh", "bcdbc", "a\ud800"]

@@ -24,7 +24,7 @@ from verispec.calibrate import (
     model_identity,
 )
 from verispec.cli import main
-from verispec.drafting.base import Proposal
+from verispec.drafting.base import Allowed, Proposal
 from verispec.drafting.ngram import NGramDrafter
 from verispec.models.llama import Llama, LlamaConfig
 from verispec.models.registry import load_model
@@ -124,7 +124,9 @@ class _Lagging:
     def begin(self, prompt: list[int]) -> None:
         self.read = 0
 
-    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+    def propose(
+        self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> Proposal:
         time.sleep(self.per * (len(context) - 1 - self.read))
         self.read = len(context) - 1
         return Proposal.empty()

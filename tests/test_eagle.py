@@ -29,7 +29,7 @@ from verispec.analysis.analytic import CostModel, best_tree_size, speedup_by_k
 from verispec.api import Speculator
 from verispec.bench.suite import BenchConfig, Method, plan_methods
 from verispec.calibrate import DRAFT_K, FILLS, drafter_identity
-from verispec.drafting.base import Proposal
+from verispec.drafting.base import Allowed, Proposal
 from verispec.drafting.learned import train as train_module
 from verispec.drafting.learned.data import load_split
 from verispec.drafting.learned.eagle import EagleHead
@@ -626,7 +626,9 @@ class RecordingDrafter:
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         self.hidden.append(hidden.clone())
 
-    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+    def propose(
+        self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> Proposal:
         best = int(self.model.logits(hidden_states(self.model, context)[-1:])[0].argmax())
         return Proposal(tokens=torch.tensor([best] + context[-1:] * (k - 1)), q=None)
 

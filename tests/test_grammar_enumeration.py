@@ -25,9 +25,10 @@ import torch
 from torch import Tensor
 
 from toy import SETTINGS, make_pair, single_threaded
-from verispec.drafting.base import Proposal
+from verispec.drafting.base import Proposal, allowed_guesses, allowed_logits
 from verispec.errors import UsageError
 from verispec.grammar.rounds import GrammarState, chain_masks, constrain, finish, forced_run, with_forced
+from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
 from verispec.verify.chain import greedy_rule, rejection_rule, single_guess_rule
 
@@ -141,15 +142,65 @@ def reference(grammar: Grammar, setting: str) -> dict[tuple[int, ...], float]:
     return out
 
 
+def toy_draft(
+    state: ToyGrammar,
+    forced: list[int],
+    prefix: tuple[int, ...],
+    draft: tuple[int, ...],
+    params: SamplingParams,
+    mask_q: bool,
+    cut: bool,
+    broken: str,
+) -> tuple[Proposal, float]:
+    """A toy drafter's proposal after the ``forced`` tokens, and its probability, for the draws ``draft``
+    [kd], given the grammar's mask at each draft position through the drafters' hook as the engine gives it
+    (:data:`~verispec.drafting.base.Allowed`: ``state.mask_after(forced + path)``).
+
+    ``mask_q``: a sampling drafter masking through the hook (:func:`allowed_logits`), which stops where
+    the grammar allows nothing (one canonical draw, all 0, for the positions after); else unmasked. ``cut``:
+    the draws as single guesses cut at the first the grammar forbids (:func:`allowed_guesses`). ``broken``:
+    "q_state" (q told masked with the committed state at every position), "told_unmasked" (drawn from the
+    masked q, the unmasked one told), "drawn_one_off" (drawn from q masked with the state one token behind,
+    the right one told)."""
+
+    def allowed(path: Sequence[int]) -> Tensor | None:
+        return state.mask_after([*forced, *path])
+
+    def behind(path: Sequence[int]) -> Tensor | None:
+        return state.mask_after([*forced, *path][:-1])
+
+    told: list[Tensor] = []  # [V] each
+    weight, kept = 1.0, len(draft)
+    for j, token in enumerate(draft):
+        raw = _logits(PAIR.draft.logits, prefix + tuple(forced) + draft[:j])  # [V]
+        masked = allowed_logits(raw, allowed, draft[:j]) if mask_q else raw
+        if masked is None:  # the drafter stops here
+            kept, weight = j, weight * all(t == 0 for t in draft[j:])
+            break
+        drawn = allowed_logits(raw, behind, draft[:j]) if broken == "drawn_one_off" else masked
+        tell = {"q_state": constrain(raw, state.mask_after([])), "told_unmasked": raw}.get(broken, masked)
+        weight *= 0.0 if drawn is None else float(probs_from_logits(drawn, params)[token])
+        told.append(probs_from_logits(tell, params))
+    if cut:
+        return Proposal(torch.tensor(allowed_guesses(draft, allowed), dtype=torch.long), None), weight
+    q = torch.stack(told[:kept]) if kept else None  # [kept, V]
+    return Proposal(torch.tensor(draft[:kept], dtype=torch.long), q), weight
+
+
 def speculative(
-    grammar: Grammar, setting: str, verifier: str, k: int, mask_q: bool = False, broken: str = ""
+    grammar: Grammar,
+    setting: str,
+    verifier: str,
+    k: int,
+    mask_q: bool = False,
+    broken: str = "",
+    cut: bool = False,
 ) -> dict[tuple[int, ...], float]:
     """The exact output distribution of constrained speculative decoding with the engine's round steps.
 
-    ``mask_q``: the draft drawn from q masked with the grammar advanced over the drafts before it (else
-    unmasked). ``broken``: "q_state" (q told to the verifier masked with the committed state at every
-    position, the draft drawn from the right one), "after_transform" (the mask applied to p after top-p and
-    the rest, renormalised), "off_by_one" (rollback), "bonus" (the bonus token from the unconstrained p)."""
+    ``mask_q``, ``cut``: the toy drafter's (:func:`toy_draft`). ``broken``: the drafter's (:func:`toy_draft`),
+    or "after_transform" (the mask applied to p after top-p and the rest, renormalised), "off_by_one"
+    (rollback), "bonus" (the bonus token from the unconstrained p)."""
     params = SETTINGS[setting]
     out: dict[tuple[int, ...], float] = {}
 
@@ -163,25 +214,15 @@ def speculative(
         kd = min(k, room - 1 - len(forced))
         result: dict[Emitted, float] = {}
         for draft in itertools.product(range(V), repeat=kd):
-            tokens = [*forced, *draft]
-            masks = chain_masks(state, tokens)  # [T + 1, V]
-            contexts = [prefix + tuple(tokens[:i]) for i in range(len(tokens) + 1)]
             proposal, weight = with_forced(forced, Proposal.empty()), 1.0
             if kd:
-                draft_logits = torch.stack(
-                    [_logits(PAIR.draft.logits, c) for c in contexts[len(forced) : -1]]
-                )
-                drafted = (
-                    constrain(draft_logits, masks[len(forced) : -1]) if mask_q else draft_logits
-                )  # [kd, V]
-                q_draw = probs_from_logits(drafted, params)  # [kd, V]
-                q_told = q_draw
-                if broken == "q_state":
-                    q_told = probs_from_logits(constrain(draft_logits, masks[:1].expand(kd, V)), params)
-                weight = float(q_draw[torch.arange(kd), list(draft)].prod())
-                proposal = with_forced(forced, Proposal(torch.tensor(draft, dtype=torch.long), q_told))
+                own, weight = toy_draft(state, forced, prefix, draft, params, mask_q, cut, broken)
+                proposal = with_forced(forced, own)
             if weight == 0:
                 continue
+            tokens = proposal.tokens.tolist()
+            masks = chain_masks(state, tokens)  # [T + 1, V]
+            contexts = [prefix + tuple(tokens[:i]) for i in range(len(tokens) + 1)]
             logits = torch.stack([_logits(PAIR.target.logits, c) for c in contexts])  # [T + 1, V]
             if broken == "after_transform":
                 p = probs_from_logits(logits, params) * masks
@@ -277,6 +318,27 @@ def test_broken_variants_are_caught(broken: str, verifier: str, setting: str, ma
     """Each broken variant is off by far more than round-off under at least one grammar."""
     worst = max(
         tv(speculative(g, setting, verifier, 2, mask_q=mask_q, broken=broken), reference(g, setting))
+        for g in GRAMMARS.values()
+    )
+    assert worst > BROKEN_TV, worst
+
+
+@pytest.mark.parametrize("grammar", GRAMMARS)
+@pytest.mark.parametrize("k", [1, 3])
+def test_drafters_masking_through_the_hook_are_exact(grammar: str, k: int) -> None:
+    """A drafter of single guesses cut at the first the grammar forbids (through the hook): TV ≤ 1e-12
+    (a sampling drafter masking through the hook: test_constrained_speculation_is_exact, mask_q)."""
+    expected = reference(GRAMMARS[grammar], "t0.7")
+    got = speculative(GRAMMARS[grammar], "t0.7", "single_guess", k, cut=True)
+    assert tv(got, expected) <= EXACT_TV, tv(got, expected)
+
+
+@pytest.mark.parametrize("broken", ["told_unmasked", "drawn_one_off"])
+def test_broken_hook_drafters_are_caught(broken: str) -> None:
+    """A drafter that samples from the masked q but tells the unmasked one, or draws from q masked with the
+    state one token behind: off by far more than round-off under at least one grammar."""
+    worst = max(
+        tv(speculative(g, "t1", "rejection", 2, mask_q=True, broken=broken), reference(g, "t1"))
         for g in GRAMMARS.values()
     )
     assert worst > BROKEN_TV, worst

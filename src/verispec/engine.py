@@ -35,7 +35,14 @@ from typing import Any, cast
 
 import torch
 
-from verispec.drafting.base import Drafter, HiddenStateReader, Proposal, SequenceEnd, TreeDrafter
+from verispec.drafting.base import (
+    Allowed,
+    Drafter,
+    HiddenStateReader,
+    Proposal,
+    SequenceEnd,
+    TreeDrafter,
+)
 from verispec.drafting.tree import TreeProposal
 from verispec.errors import UsageError
 from verispec.grammar.rounds import (
@@ -204,6 +211,12 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+
+
+def _after(grammar: GrammarState, forced: list[int]) -> Allowed:
+    """The grammar's mask at each position of a chain drafted after the ``forced`` tokens, for the drafter
+    (tentative: the committed state never moves)."""
+    return lambda path: grammar.mask_after([*forced, *path])
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
@@ -562,7 +575,9 @@ class SpeculativeEngine:
         if running.tree:  # checked on submission: a tree drafter, a cache that compacts
             drafter, cache = cast(TreeDrafter, drafter), cast(TreeCache, running.cache)
             shape = drafter.shape.capped(room - 1, cache.capacity - (len(ids) - 1))
-            tree = drafter.propose_tree(ids, shape, running.generator)
+            tree = drafter.propose_tree(
+                ids, shape, running.generator, None if grammar is None else grammar.mask_after
+            )
             nodes = tree.tokens.tolist()
             allowed = (
                 None if grammar is None else tree_masks(grammar, nodes, tree.parents.tolist())
@@ -573,8 +588,11 @@ class SpeculativeEngine:
         k = running.request.k_policy.next_k(len(ids)) if planned is None else planned
         k = min(k, room - 1 - len(forced))
         context = ids + forced
+        within = None if grammar is None else _after(grammar, forced)  # each draft position's mask
         proposal = (
-            cast(Drafter, drafter).propose(context, k, running.generator) if k > 0 else Proposal.empty()
+            cast(Drafter, drafter).propose(context, k, running.generator, within)
+            if k > 0
+            else Proposal.empty()
         )
         proposal = with_forced(forced, proposal)
         tokens = proposal.tokens.tolist()

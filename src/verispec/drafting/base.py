@@ -10,6 +10,16 @@ the distributions q it sampled them from, and is then told how many of them the 
   and is verified as single guesses (still exact); with ``SamplingParams.invariant`` the engine keeps a draft
   token only where it is the target's own draw, so any proposal is exact, and a drafter that samples draws
   with the target's noise at that position (:func:`verispec.sampling.draft_draw`) to propose that draw often;
+- ``propose`` takes ``allowed`` (an :data:`Allowed`, None without a grammar): under structured output
+  (:mod:`verispec.grammar`), the grammar's mask at each draft position, ``allowed(path)`` [V'] bool the tokens
+  allowed after the context and the draft tokens ``path`` proposed before that position (None: the path left
+  the grammar). It only looks: the committed grammar state never moves. A drafter that samples from q masks
+  its logits with it BEFORE the one transform (:func:`allowed_logits`), samples from that masked q and
+  reports it — the condition above, so still exact, and no draft position is spent on a token whose
+  constrained p is 0; with invariant draws it draws from the masked q with the same noise. A drafter of
+  single guesses stops its chain at the first guess the grammar forbids (:func:`allowed_guesses`). Not
+  masking stays exact too (the constrained p of a forbidden token is 0: it is rejected with certainty) but
+  wastes the position;
 - ``observe`` is called once after every ``propose`` with the number of accepted tokens, before the next
   ``propose``, so a stateful drafter can roll its cache back to the committed context;
 - a drafter that is a :class:`HiddenStateReader` (the eagle and medusa drafters of
@@ -34,6 +44,9 @@ tokens and context left) and returns a tree within that shape, rooted at the las
   draft's after :func:`verispec.sampling.probs_from_logits` with the engine's parameters, given as each
   child's row of ``q``: the condition under which tree rejection sampling is exact (with invariant draws,
   the first child is the position's own draw instead, as above);
+- with ``allowed`` (as above; ``path`` the tokens from the root, excluded, to the node whose children are
+  drafted), sampled children come from the masked q, and single-guess trees hold only allowed tokens
+  (top-c of the masked logits, or :func:`allowed_tree`: forbidden nodes dropped with their subtrees);
 - a shape with a node budget (dynamic) is taken only by drafters that rank their nodes (``dynamic``: the
   learned head's); the others refuse it.
 
@@ -46,6 +59,7 @@ a trained exit, lookahead tokens); their names, capabilities and factories are i
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -57,6 +71,7 @@ from verispec.errors import UsageError
 from verispec.sampling import draft_draw, probs_from_logits, sample
 
 __all__ = [
+    "Allowed",
     "BranchedTreeDrafter",
     "Drafter",
     "HiddenStateReader",
@@ -64,8 +79,89 @@ __all__ = [
     "Proposal",
     "SequenceEnd",
     "TreeDrafter",
+    "allowed_guesses",
+    "allowed_logits",
+    "allowed_tree",
     "check_static",
+    "constrain",
 ]
+
+Allowed = Callable[[Sequence[int]], Tensor | None]
+"""The grammar's mask at a draft position, for one proposal: ``allowed(path)`` → [V'] bool, the tokens the
+grammar allows after the context and the draft tokens ``path`` before that position, or None where ``path``
+leaves the grammar (V' ≤ V: ids ≥ V' are never allowed). Tentative: it never advances the committed state."""
+
+
+def constrain(logits: Tensor, allowed: Tensor) -> Tensor:
+    """logits [..., V] with −inf at every token ``allowed`` [..., V'] (bool, V' ≤ V; ids ≥ V' are never
+    allowed) does not hold: what the one transform then turns into the constrained p (or masked q)."""
+    width = allowed.shape[-1]
+    keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)  # [..., V]
+    keep[..., :width] = allowed.to(logits.device)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def allowed_logits(
+    logits: Tensor, allowed: Allowed | None, path: Sequence[int], ids: Tensor | None = None
+) -> Tensor | None:
+    """A draft's logits [W] (entry i the target's id ``ids[i]``, −1 for none; None: i) masked to the tokens
+    ``allowed`` after ``path`` (−inf elsewhere, then through the one transform: the q a drafter samples from
+    and reports is the masked one); unchanged without a grammar; None where the grammar allows none of them
+    there (the path left it, or ended): the draft stops. The one place a drafter's logits are masked."""
+    if allowed is None:
+        return logits
+    mask = allowed(path)  # [V'] bool
+    if mask is None:
+        return None
+    if ids is not None:
+        ids = ids.to(mask.device)
+        inside = (ids >= 0) & (ids < mask.shape[0])  # [W]
+        mask = inside & mask[ids.clamp(0, mask.shape[0] - 1)]  # [W]
+    masked = constrain(logits, mask)  # [W]
+    return masked if bool(torch.isfinite(masked).any()) else None
+
+
+def allowed_guesses(tokens: Sequence[int], allowed: Allowed | None) -> list[int]:
+    """The single guesses ``tokens`` up to the first one the grammar forbids after those before it (all of
+    them without a grammar). Exact: a single guess x is accepted with probability p(x), and the constrained
+    p(x) of a forbidden x is 0, so it would be rejected with certainty, the token then drawn from the
+    residual — p itself, as p(x) = 0 — exactly what the target draws when the chain stops before x; the
+    guesses after it are never reached. Cutting the chain there changes no output, only spares positions."""
+    kept: list[int] = []
+    for token in tokens:
+        mask = None if allowed is None else allowed(kept)  # [V'] bool
+        if allowed is not None and (mask is None or token >= mask.shape[0] or not bool(mask[token])):
+            break
+        kept.append(int(token))
+    return kept
+
+
+def allowed_tree(tree: TreeProposal, allowed: Allowed | None) -> TreeProposal:
+    """A single-guess tree (q None) without the nodes the grammar forbids after their path, each dropped
+    with its subtree (unchanged without a grammar). Exact as :func:`allowed_guesses`: at a node, the
+    children are tried as single guesses, a forbidden one (constrained p = 0) is rejected with certainty
+    and leaves the residual unchanged, so the verification goes on as if it were not there."""
+    if allowed is None:
+        return tree
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    paths: dict[int, list[int]] = {0: []}  # kept node → its tokens from the root (excluded)
+    for node in range(1, len(tokens)):
+        if parents[node] in paths:
+            mask = allowed(paths[parents[node]])  # [V'] bool
+            if mask is not None and tokens[node] < mask.shape[0] and bool(mask[tokens[node]]):
+                paths[node] = [*paths[parents[node]], tokens[node]]
+    kept = sorted(paths)
+    if len(kept) == len(tokens):
+        return tree
+    index = torch.tensor(kept, dtype=torch.long)  # [M]
+    position = {node: i for i, node in enumerate(kept)}
+    return TreeProposal(
+        tokens=tree.tokens[index],  # [M]
+        parents=torch.tensor([-1] + [position[parents[n]] for n in kept[1:]], dtype=torch.long),  # [M]
+        depth=tree.depth[index],  # [M]
+        mask=tree.mask[index][:, index],  # [M, M]
+        q=None,
+    )
 
 
 @dataclass(frozen=True)
@@ -89,8 +185,11 @@ class Drafter(Protocol):
         """Start a new sequence whose context begins with ``prompt``."""
         ...
 
-    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
-        """Up to ``k`` tokens likely to follow ``context`` (the whole committed sequence)."""
+    def propose(
+        self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> Proposal:
+        """Up to ``k`` tokens likely to follow ``context`` (the whole committed sequence), within
+        ``allowed`` (the grammar's mask at each draft position; None: no grammar)."""
         ...
 
     def observe(self, num_accepted: int) -> None:
@@ -106,7 +205,9 @@ class NoDrafter:
     def begin(self, prompt: list[int]) -> None:
         pass
 
-    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+    def propose(
+        self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> Proposal:
         return Proposal.empty()
 
     def observe(self, num_accepted: int) -> None:
@@ -143,8 +244,11 @@ class TreeDrafter(Protocol):
         """Start a new sequence whose context begins with ``prompt``."""
         ...
 
-    def propose_tree(self, context: list[int], shape: TreeShape, generator: torch.Generator) -> TreeProposal:
-        """A tree within ``shape`` (a capped version of :attr:`shape`) rooted at ``context[-1]``."""
+    def propose_tree(
+        self, context: list[int], shape: TreeShape, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> TreeProposal:
+        """A tree within ``shape`` (a capped version of :attr:`shape`) rooted at ``context[-1]``, within
+        ``allowed`` (the grammar's mask after each node's path; None: no grammar)."""
         ...
 
 
@@ -173,12 +277,13 @@ class BranchedTreeDrafter:
     def _pick(
         self, logits: Tensor, count: int, generator: torch.Generator, position: int, ids: Tensor | None = None
     ) -> tuple[Tensor, Tensor | None]:
-        """``count`` children at ``position`` of a node from its draft logits [W] (over the draft's own
+        """``count`` children at ``position`` of a node from its draft logits [W] (masked by the grammar
+        with :func:`allowed_logits`, or not; over the draft's own
         vocabulary, entry i the target's id ``ids[i]``; None: i): the top ``count`` indices and None, or
         (``sampled``) ``count`` samples and the q [W] they were drawn from: independent ones, or with
         invariant draws the position's own draw (:func:`~verispec.sampling.draft_draw`) first."""
-        if not self.sampled:
-            return logits.topk(min(count, logits.shape[-1])).indices, None
+        if not self.sampled:  # top-c of the tokens not masked out
+            return logits.topk(min(count, int(torch.isfinite(logits).sum()))).indices, None
         sampling = self.drafter.sampling
         q = probs_from_logits(logits, sampling)  # [W]
         if not sampling.invariant:
@@ -186,6 +291,15 @@ class BranchedTreeDrafter:
         return torch.cat(
             [draft_draw(q, generator, sampling, position, ids), sample(q, generator, count - 1)]
         ), q
+
+    @staticmethod
+    def _path(node: int, tokens: dict[int, int], parents: list[int]) -> list[int]:
+        """The tokens from the root (excluded) to ``node`` (included): the path of its children's mask."""
+        path: list[int] = []
+        while node > 0:
+            path.append(tokens[node])
+            node = parents[node]
+        return path[::-1]
 
     def _proposal(
         self, shape: TreeShape, root: int, tokens: dict[int, int], q_rows: dict[int, Tensor | None]

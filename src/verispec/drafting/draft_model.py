@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from verispec.drafting.base import BranchedTreeDrafter, Proposal
+from verispec.drafting.base import Allowed, BranchedTreeDrafter, Proposal, allowed_logits
 from verispec.drafting.learned.exit import ExitDraft
 from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
@@ -102,7 +102,9 @@ class ModelDrafter:
         self.cache.truncate(0)
         self._committed = self._drafted = 0
 
-    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+    def propose(
+        self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> Proposal:
         if self.shared is not None:
             self.cache = self._shared_layers(*self.shared)
         k = min(k, self.model.max_context - len(context))
@@ -112,11 +114,15 @@ class ModelDrafter:
         device = self.model.device
         feed = torch.tensor([context[self.cache.length :]], dtype=torch.long, device=device)  # [1, T]
         self._committed = len(context)
-        tokens, qs = [], []
+        tokens: list[Tensor] = []
+        qs = []
         for i in range(k):
             start = self.cache.length
             positions = torch.arange(start, start + feed.shape[1], device=device).unsqueeze(0)  # [1, T]
-            logits = self.model.forward(feed, positions, self.cache)[0, -1]  # [V]
+            raw = self.model.forward(feed, positions, self.cache)[0, -1]  # [V]
+            logits = allowed_logits(raw, allowed, [int(t) for t in tokens])  # [V], masked by the grammar
+            if logits is None:  # the grammar allows nothing more
+                break
             if self.sampling.greedy:
                 token = logits.argmax().view(1)
             else:
@@ -125,7 +131,9 @@ class ModelDrafter:
                 qs.append(q)
             tokens.append(token)
             feed = token.view(1, 1)
-        self._drafted = k - 1  # the last draft token is never fed
+        self._drafted = len(tokens) - 1 if len(tokens) == k else len(tokens)  # the last of k is never fed
+        if not tokens:
+            return Proposal.empty()
         return Proposal(tokens=torch.cat(tokens).cpu(), q=torch.stack(qs).cpu() if qs else None)
 
     def observe(self, num_accepted: int) -> None:
@@ -153,7 +161,9 @@ class ModelTreeDrafter(BranchedTreeDrafter):
         super().__init__(drafter, shape, sampled)
         self.tree_model: TreeLanguageModel = drafter.model
 
-    def propose_tree(self, context: list[int], shape: TreeShape, generator: torch.Generator) -> TreeProposal:
+    def propose_tree(
+        self, context: list[int], shape: TreeShape, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> TreeProposal:
         self.drafter.propose(context, 0, generator)  # drafts nothing: brings an early exit's cache view up
         model, cache = self.drafter.model, self.drafter.cache
         committed = len(context)
@@ -163,10 +173,13 @@ class ModelTreeDrafter(BranchedTreeDrafter):
         feed = torch.tensor([context[cache.length :]], dtype=torch.long, device=model.device)  # [1, T]
         positions = torch.arange(cache.length, committed, device=model.device).unsqueeze(0)  # [1, T]
         logits = {0: model.forward(feed, positions, cache)[0, -1]}  # node → the draft's next logits [V]
-        children = shape.children()
+        children, parents = shape.children(), shape.parent_list
         tokens, q_rows = {0: context[-1]}, {}
         for depth in range(1, shape.max_depth + 1):
-            for node, node_logits in logits.items():
+            for node, raw in logits.items():
+                node_logits = allowed_logits(raw, allowed, self._path(node, tokens, parents))  # [V]
+                if node_logits is None:  # the grammar allows nothing after it: a leaf
+                    continue
                 picked, q = self._pick(node_logits, len(children[node]), generator, committed + depth - 1)
                 for child, token in zip(children[node][: len(picked)], picked.tolist(), strict=True):
                     tokens[child], q_rows[child] = token, q

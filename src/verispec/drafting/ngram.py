@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from verispec.drafting.base import Proposal, check_static
+from verispec.drafting.base import Allowed, Proposal, allowed_guesses, allowed_tree, check_static
 from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
 
@@ -57,7 +57,9 @@ class NGramDrafter:
                 self._latest[tuple(context[end - n : end])] = end
         self._seen = context[:-1] if len(context) > 1 else []
 
-    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+    def propose(
+        self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> Proposal:
         """The first of :meth:`continuations`, from an index kept across rounds (a lookup per n-gram length
         instead of a scan of the whole context)."""
         if k <= 0:
@@ -66,7 +68,8 @@ class NGramDrafter:
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
             start = self._latest.get(tuple(context[-n:]))
             if start is not None:
-                return Proposal(tokens=torch.tensor(context[start : start + k], dtype=torch.long), q=None)
+                guesses = allowed_guesses(context[start : start + k], allowed)
+                return Proposal(tokens=torch.tensor(guesses, dtype=torch.long), q=None)
         return Proposal.empty()
 
     def continuations(self, context: list[int], k: int) -> Iterator[np.ndarray]:
@@ -102,5 +105,9 @@ class NGramTreeDrafter:
     def begin(self, prompt: list[int]) -> None:
         pass
 
-    def propose_tree(self, context: list[int], shape: TreeShape, generator: torch.Generator) -> TreeProposal:
-        return shape.merge(context[-1], self.lookup.continuations(context, shape.max_depth))
+    def propose_tree(
+        self, context: list[int], shape: TreeShape, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> TreeProposal:
+        return allowed_tree(
+            shape.merge(context[-1], self.lookup.continuations(context, shape.max_depth)), allowed
+        )

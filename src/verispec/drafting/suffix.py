@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafting.base import Proposal, check_static
+from verispec.drafting.base import Allowed, Proposal, allowed_guesses, allowed_tree, check_static
 from verispec.drafting.suffix_cache import SuffixCache
 from verispec.drafting.suffix_index import SuffixConfig, TokenIndex
 from verispec.drafting.tree import TreeProposal, TreeShape
@@ -57,14 +57,17 @@ class SuffixDrafter:
         self.local.extend(context[self.local.size :])
         return context[-self.config.max_depth :]
 
-    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+    def propose(
+        self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> Proposal:
         if k <= 0 or not context:
             return Proposal.empty()
         tail = self.read(context)
         own, own_score = self.local.draft_chain(tail, self.config, k)
         shared, shared_score = self.cache.chain(tail, self.config, k)
         tokens = shared if shared_score > own_score else own
-        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long), q=None)  # [K'] single guesses
+        guesses = allowed_guesses(tokens, allowed)
+        return Proposal(tokens=torch.tensor(guesses, dtype=torch.long), q=None)  # [K'] single guesses
 
     def observe(self, num_accepted: int) -> None:
         pass
@@ -90,13 +93,15 @@ class SuffixTreeDrafter:
     def begin(self, prompt: list[int]) -> None:
         self.drafter.begin(prompt)
 
-    def propose_tree(self, context: list[int], shape: TreeShape, generator: torch.Generator) -> TreeProposal:
+    def propose_tree(
+        self, context: list[int], shape: TreeShape, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> TreeProposal:
         drafter = self.drafter
         tail = drafter.read(context)
         own = drafter.local.draft_tree(tail, shape, drafter.config)
         shared = drafter.cache.tree(tail, shape, drafter.config)
         nodes, tokens, _ = shared if shared[2] > own[2] else own
-        return shape.select(nodes, tokens)
+        return allowed_tree(shape.select(nodes, tokens), allowed)
 
     def finish(self, ids: list[int]) -> None:
         self.drafter.finish(ids)

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from verispec.drafting.base import Proposal
+from verispec.drafting.base import Proposal, constrain
 from verispec.errors import UsageError
 
 __all__ = [
@@ -100,15 +100,6 @@ def tree_masks(state: GrammarState, tokens: Sequence[int], parents: Sequence[int
     rows = [committed_mask(state)]
     rows += [_reachable(state.mask_after(path), state.vocab_size) for path in paths[1:]]
     return torch.stack(rows)
-
-
-def constrain(logits: Tensor, allowed: Tensor) -> Tensor:
-    """logits [..., V] with −inf at every token ``allowed`` [..., V'] (bool, V' ≤ V; ids ≥ V' are never
-    allowed) does not hold: what the one transform then turns into the constrained p."""
-    width = allowed.shape[-1]
-    keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)  # [..., V]
-    keep[..., :width] = allowed.to(logits.device)
-    return logits.masked_fill(~keep, float("-inf"))
 
 
 def with_forced(forced: Sequence[int], proposal: Proposal) -> Proposal:
