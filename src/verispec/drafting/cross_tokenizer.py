@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from verispec.drafting.base import Proposal
+from verispec.drafting.base import Allowed, Proposal, allowed_guesses, allowed_logits
 from verispec.drafting.registry import CROSS_TOKENIZER
 from verispec.errors import UsageError
 from verispec.models.base import LanguageModel, SpelledTokenizer, Tokenizer
@@ -344,16 +344,21 @@ class TokenIntersectionDrafter(_CrossDraft):
 
     name = "model"
 
-    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+    def propose(
+        self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> Proposal:
         logits = self.start(context) if k > 0 else None
         tokens: list[int] = []
         qs: list[Tensor] = []  # [V_t] each
         while logits is not None and len(tokens) < k:
+            within = allowed_logits(logits, allowed, tokens, self.pair.to_target)  # [V_d], grammar's
+            if within is None:  # the grammar allows nothing more
+                break
             if self.sampling.greedy:
-                masked = torch.where(self.pair.shared, logits, torch.tensor(-math.inf))  # [V_d]
+                masked = torch.where(self.pair.shared, within, torch.tensor(-math.inf))  # [V_d]
                 draft_token = int(masked.argmax())
             else:
-                restricted = intersect(probs_from_logits(logits, self.sampling), self.pair)
+                restricted = intersect(probs_from_logits(within, self.sampling), self.pair)
                 if restricted is None:
                     break
                 draft_token = int(sample(restricted[0], generator))
@@ -394,7 +399,9 @@ class StringMatchDrafter(_CrossDraft):
         super().__init__(model, pair, sampling)
         self.keep_boundary = keep_boundary
 
-    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+    def propose(
+        self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> Proposal:
         logits = self.start(context) if k > 0 else None
         draft_tokens: list[int] = []
         ended = False
@@ -416,7 +423,7 @@ class StringMatchDrafter(_CrossDraft):
             guesses = [*guesses, self.pair.target_eos]  # type: ignore[list-item]
         elif not self.keep_boundary or len(guesses) > k:
             guesses = guesses[:-1]
-        return Proposal(torch.tensor(guesses[:k], dtype=torch.long), None)
+        return Proposal(torch.tensor(allowed_guesses(guesses[:k], allowed), dtype=torch.long), None)
 
 
 class CrossTokenizerDrafter:
@@ -471,10 +478,12 @@ class CrossTokenizerDrafter:
                 return name
         return max(self._drafters, key=lambda n: self.tally[n][0] / max(self.tally[n][1], 1e-9))
 
-    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+    def propose(
+        self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> Proposal:
         self._last = self.choose()
         self.used[self._last] += 1
-        return self._drafters[self._last].propose(context, k, generator)
+        return self._drafters[self._last].propose(context, k, generator, allowed)
 
     def observe(self, num_accepted: int) -> None:
         drafter = self._drafters[self._last]

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from verispec.analysis.analytic import CostModel, best_tree_size, tree_rates
-from verispec.drafting.base import BranchedTreeDrafter, Proposal
+from verispec.drafting.base import Allowed, BranchedTreeDrafter, Proposal, allowed_logits
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.tree import AUTO, TreeProposal, TreeShape, likeliest_nodes
 from verispec.errors import UsageError
@@ -93,15 +93,21 @@ class EagleDrafter:
         return self._next
 
     @torch.inference_mode()
-    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+    def propose(
+        self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> Proposal:
         n = len(context) - 1
         k = min(k, self.cache.capacity - n + 1)  # draft slots n .. n + k - 2
         feature = self.catch_up(context) if k > 0 else None  # [1, 1, H]
         if feature is None:
             return Proposal.empty()
-        drafts, qs = [], []
+        drafts: list[Tensor] = []
+        qs = []
         for i in range(k):
-            logits = self.head.logits(feature[0])[0]  # [Vd]
+            raw = self.head.logits(feature[0])[0]  # [Vd]
+            logits = allowed_logits(raw, allowed, [int(t) for t in drafts], self.head.draft_vocab)  # [Vd]
+            if logits is None:  # the grammar allows nothing more
+                break
             if self.sampling.greedy:
                 token = self.head.draft_vocab[logits.argmax()].view(1)
             else:
@@ -113,6 +119,8 @@ class EagleDrafter:
             if i < k - 1:
                 position = torch.tensor([[n + i]], device=feature.device)  # [1, 1]
                 feature = self.head(token.view(1, 1), feature, position, self.cache)  # [1, 1, H]
+        if not drafts:
+            return Proposal.empty()
         return Proposal(tokens=torch.cat(drafts).cpu(), q=torch.stack(qs).cpu() if qs else None)
 
     def observe(self, num_accepted: int) -> None:
@@ -152,7 +160,9 @@ class EagleTreeDrafter(BranchedTreeDrafter):
         self.drafter.observe_hidden(hidden)
 
     @torch.inference_mode()
-    def propose_tree(self, context: list[int], shape: TreeShape, generator: torch.Generator) -> TreeProposal:
+    def propose_tree(
+        self, context: list[int], shape: TreeShape, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> TreeProposal:
         drafter, head = self.drafter, self.drafter.head
         root_feature = drafter.catch_up(context)  # [1, 1, H]
         committed = drafter.cache.length
@@ -170,7 +180,13 @@ class EagleTreeDrafter(BranchedTreeDrafter):
             probs = self._confidence(logits) if dynamic else None  # [M, Vd]
             for i, node in enumerate(frontier):
                 position = len(context) + depth - 1  # the children's
-                picked, q = self._pick(logits[i], len(children[node]), generator, position, head.draft_vocab)
+                path = self._path(node, tokens, shape.parent_list)
+                node_logits = allowed_logits(logits[i], allowed, path, head.draft_vocab)  # [Vd]
+                if node_logits is None:  # the grammar allows nothing after it: a leaf
+                    continue
+                picked, q = self._pick(
+                    node_logits, len(children[node]), generator, position, head.draft_vocab
+                )
                 q_row = None if q is None else head.full_q(q)  # [V]
                 chosen = head.draft_vocab[picked].tolist()
                 # fewer children where the draft vocabulary ran out

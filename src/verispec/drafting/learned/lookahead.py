@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from verispec.drafting.base import Proposal
+from verispec.drafting.base import Allowed, Proposal, allowed_logits
 from verispec.drafting.learned.head import LearnedHead, native_target, shape_count
 from verispec.errors import UsageError
 from verispec.inputs import is_int
@@ -140,7 +140,9 @@ class LookaheadDrafter:
         return self.target_cache.first_layers(self.target.config.num_layers)
 
     @torch.inference_mode()
-    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+    def propose(
+        self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> Proposal:
         target, cache = self.target, self._view()
         k = min(k, target.max_context - len(context), self.tokens.num_tokens + 1)
         if k <= 0 or len(context) <= cache.length:
@@ -153,20 +155,24 @@ class LookaheadDrafter:
         positions = torch.arange(cache.length, cache.length + f + m, device=target.device)[None]  # [1, F + m]
         hidden = target.forward_hidden(tokens, positions, cache, embeddings=inputs)[0, f - 1 :]  # [1 + m, H]
         cache.truncate(len(context))  # its own cache keeps the committed tokens; a view is let go
-        first = target.logits(hidden[None, :1])[0]  # [1, V]: the target's own distribution of x_{n+1}
+        first = target.logits(hidden[None, :1])[0, 0]  # [V]: the target's own distribution of x_{n+1}
         later = self.tokens.logits(hidden[1:].float())  # [m, Vd]
-        if self.sampling.greedy:
-            picked = torch.cat([first.argmax(-1), self.tokens.draft_vocab[later.argmax(-1)]])  # [k]
-            return Proposal(tokens=picked.cpu(), q=None)
-        q_first = probs_from_logits(first, self.sampling)  # [1, V]
-        q_later = probs_from_logits(later, self.sampling)  # [m, Vd], each independent of the drafts
-        ids, n = self.tokens.draft_vocab, len(context)  # the first draft token's position: n
-        drawn = [draft_draw(q_first[0], generator, self.sampling, n)]
-        drawn += [
-            ids[draft_draw(row, generator, self.sampling, n + 1 + j, ids)] for j, row in enumerate(q_later)
-        ]
-        q = torch.cat([q_first, *(self.tokens.full_q(row)[None] for row in q_later)])  # [k, V]
-        return Proposal(tokens=torch.cat(drawn).cpu(), q=q.cpu())
+        vocab, n = self.tokens.draft_vocab, len(context)  # the first draft token's position: n
+        drafts: list[int] = []
+        qs = []  # [V] each, masked after the drafts before it
+        for j, (raw, ids) in enumerate([(first, None), *((row, vocab) for row in later)]):
+            row = allowed_logits(raw, allowed, drafts, ids)  # [V] or [Vd]
+            if row is None:  # the grammar allows nothing more
+                break
+            if self.sampling.greedy:
+                index = int(row.argmax())
+            else:
+                q_row = probs_from_logits(row, self.sampling)  # [V] or [Vd]
+                index = int(draft_draw(q_row, generator, self.sampling, n + j, ids))
+                qs.append(q_row if ids is None else self.tokens.full_q(q_row))
+            drafts.append(index if ids is None else int(ids[index]))
+        q = torch.stack(qs).cpu() if qs else None  # [K', V]
+        return Proposal(tokens=torch.tensor(drafts, dtype=torch.long), q=q)
 
     def observe(self, num_accepted: int) -> None:
         pass

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from verispec.drafting.base import BranchedTreeDrafter, Proposal
+from verispec.drafting.base import Allowed, BranchedTreeDrafter, Proposal, allowed_logits
 from verispec.drafting.learned.head import LearnedHead, shape_count
 from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
@@ -156,19 +156,27 @@ class MedusaDrafter:
         return self.heads.logits(self.heads(self._last, heads)[0])
 
     @torch.inference_mode()
-    def propose(self, context: list[int], k: int, generator: torch.Generator) -> Proposal:
+    def propose(
+        self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> Proposal:
         logits = self.head_logits(context, min(k, self.heads.num_heads))  # [K', Vd]
         if logits is None:
             return Proposal.empty()
-        if self.sampling.greedy:
-            return Proposal(tokens=self.heads.draft_vocab[logits.argmax(-1)].cpu(), q=None)
-        q_draft = probs_from_logits(logits, self.sampling)  # [K', Vd], each head's own distribution
         ids, n = self.heads.draft_vocab, len(context)  # the first draft token's position: n
-        picked = torch.cat(
-            [draft_draw(row, generator, self.sampling, n + j, ids) for j, row in enumerate(q_draft)]
-        )  # [K']: each head's own draw
-        q = torch.stack([self.heads.full_q(row) for row in q_draft])  # [K', V]
-        return Proposal(tokens=self.heads.draft_vocab[picked].cpu(), q=q.cpu())
+        drafts: list[int] = []
+        qs = []  # [V] each: each head's own distribution, masked after the drafts before it
+        for j, raw in enumerate(logits):
+            row = allowed_logits(raw, allowed, drafts, ids)  # [Vd]
+            if row is None:  # the grammar allows nothing more
+                break
+            if self.sampling.greedy:
+                drafts.append(int(ids[row.argmax()]))
+                continue
+            q_draft = probs_from_logits(row, self.sampling)  # [Vd]
+            drafts.append(int(ids[draft_draw(q_draft, generator, self.sampling, n + j, ids)]))
+            qs.append(self.heads.full_q(q_draft))
+        q = torch.stack(qs).cpu() if qs else None  # [K', V]
+        return Proposal(tokens=torch.tensor(drafts, dtype=torch.long), q=q)
 
     def observe(self, num_accepted: int) -> None:
         pass
@@ -186,7 +194,9 @@ class MedusaTreeDrafter(BranchedTreeDrafter):
         self.drafter.observe_hidden(hidden)
 
     @torch.inference_mode()
-    def propose_tree(self, context: list[int], shape: TreeShape, generator: torch.Generator) -> TreeProposal:
+    def propose_tree(
+        self, context: list[int], shape: TreeShape, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> TreeProposal:
         heads = self.drafter.heads
         shape = shape.capped(heads.num_heads, shape.num_nodes)
         logits = self.drafter.head_logits(context, shape.max_depth)  # [D, Vd]
@@ -199,7 +209,11 @@ class MedusaTreeDrafter(BranchedTreeDrafter):
                 continue
             depth = int(shape.depth[node])
             position = len(context) + depth  # the children's
-            picked, q = self._pick(logits[depth], len(children[node]), generator, position, heads.draft_vocab)
+            path = self._path(node, tokens, shape.parent_list)
+            node_logits = allowed_logits(logits[depth], allowed, path, heads.draft_vocab)  # [Vd]
+            if node_logits is None:  # the grammar allows nothing after it: a leaf
+                continue
+            picked, q = self._pick(node_logits, len(children[node]), generator, position, heads.draft_vocab)
             q_row = None if q is None else heads.full_q(q)  # [V]
             for child, token in zip(children[node], heads.draft_vocab[picked].tolist(), strict=False):
                 tokens[child], q_rows[child] = token, q_row
