@@ -596,8 +596,8 @@ def test_k_auto_calibrates_real_proposals(target, trained, tmp_path, monkeypatch
     lengths = []
     propose = EagleDrafter.propose
 
-    def counted(self, context, k, generator):
-        proposal = propose(self, context, k, generator)
+    def counted(self, context, k, generator, allowed=None):
+        proposal = propose(self, context, k, generator, allowed)
         lengths.append(len(proposal.tokens))
         return proposal
 
