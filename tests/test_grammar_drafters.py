@@ -82,3 +82,14 @@ def test_every_drafter_is_constrained_greedy_alone_and_in_a_batch(speculators) -
         batch = speculator.generate_batch([PROMPT] * 3, [mine[0], free, mine[1]], slots=2)
         got = [r.token_ids for r in batch]
         assert got == [reference[0].token_ids, unconstrained.token_ids, reference[1].token_ids], name
+
+
+def test_tree_rounds_draft_the_forced_trunk(speculators) -> None:
+    """Each tree speculator under the JSON schema: the grammar's forced runs (the opening brace and keys)
+    drafted as the trees' trunks, and still the tokens of constrained greedy decoding."""
+    options = GenerationOptions(k=0, max_new_tokens=60, sampling=GREEDY, constraint=CONSTRAINTS[1])
+    reference = speculators["none"].generate(PROMPT, options).token_ids
+    for name in (name for name in speculators if name.endswith(" tree")):
+        stats = GenerationStats(name, "3")
+        got = speculators[name].generate(PROMPT, dataclasses.replace(options, k=3), stats=stats)
+        assert got.token_ids == reference and stats.forced > 0, name
