@@ -101,3 +101,14 @@ def test_masked_q_raises_acceptance(speculators, monkeypatch) -> None:
     masked = acceptance()
     monkeypatch.setattr(engine, "_after", lambda grammar, forced: None)
     assert masked > acceptance() + 0.05, masked
+
+
+def test_tree_rounds_draft_the_forced_trunk(speculators) -> None:
+    """Each tree speculator under the JSON schema: the grammar's forced runs (the opening brace and keys)
+    drafted as the trees' trunks, and still the tokens of constrained greedy decoding."""
+    options = GenerationOptions(k=0, max_new_tokens=60, sampling=GREEDY, constraint=CONSTRAINTS[1])
+    reference = speculators["none"].generate(PROMPT, options).token_ids
+    for name in (name for name in speculators if name.endswith(" tree")):
+        stats = GenerationStats(name, "3")
+        got = speculators[name].generate(PROMPT, dataclasses.replace(options, k=3), stats=stats)
+        assert got.token_ids == reference and stats.forced > 0, name

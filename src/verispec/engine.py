@@ -8,7 +8,9 @@ giving p_1..p_{k+1}), verifies, and truncates the row to the committed tokens: r
 back. A tree round (a :class:`~verispec.drafting.base.TreeDrafter`) proposes a token tree rooted at ids[-1],
 scores every node (node i at position len(ids) − 1 + depth[i], attending to the committed context and its
 ancestors), verifies the tree (:mod:`verispec.verify.tree`) and compacts the accepted path's entries into
-place, dropping the rest; its depth is capped like k and the K policy is not consulted.
+place, dropping the rest; its depth is capped like k and the K policy is not consulted. Under a grammar that
+forces a run of tokens after ids[-1], the tree's trunk is that run (point masses, each node its parent's only
+child) and the drafter's tree hangs from its end (:func:`~verispec.grammar.rounds.tree_with_forced`).
 
 One step of the engine (:meth:`SpeculativeEngine.step`) does that for every running sequence at once: each
 proposes with its own drafter, K policy and generator; the target scores all of them in ONE forward (sequence
@@ -52,6 +54,7 @@ from verispec.grammar.rounds import (
     finish,
     forced_run,
     tree_masks,
+    tree_with_forced,
     with_forced,
 )
 from verispec.inputs import is_int
@@ -308,7 +311,7 @@ class _Round:
     tree: TreeProposal | None = None  # a tree round's
     draft_seconds: float = 0.0
     allowed: torch.Tensor | None = None  # [T, V'] bool: each scored position's grammar mask (constrained)
-    forced: int = 0  # the grammar's forced tokens that begin the chain's draft
+    forced: int = 0  # the grammar's forced tokens that begin the chain's draft or make the tree's trunk
 
     @property
     def chunk(self) -> bool:
@@ -574,15 +577,17 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         if running.tree:  # checked on submission: a tree drafter, a cache that compacts
             drafter, cache = cast(TreeDrafter, drafter), cast(TreeCache, running.cache)
-            shape = drafter.shape.capped(room - 1, cache.capacity - (len(ids) - 1))
-            tree = drafter.propose_tree(
-                ids, shape, running.generator, None if grammar is None else grammar.mask_after
-            )
+            space = cache.capacity - (len(ids) - 1)  # the nodes a forward may add
+            trunk = [] if grammar is None else forced_run(grammar, min(room, space) - 1)  # certain: free
+            shape = drafter.shape.capped(room - 1 - len(trunk), space - len(trunk))
+            masks = None if grammar is None else _after(grammar, trunk)
+            tree = drafter.propose_tree(ids + trunk, shape, running.generator, masks)
+            tree = tree_with_forced(ids[-1], trunk, tree)  # the drafter's tree hung from the trunk's end
             nodes = tree.tokens.tolist()
             allowed = (
                 None if grammar is None else tree_masks(grammar, nodes, tree.parents.tolist())
             )  # [N, V']
-            return _Round(running, nodes, len(ids) - 1, tree=tree, allowed=allowed,
+            return _Round(running, nodes, len(ids) - 1, tree=tree, allowed=allowed, forced=len(trunk),
                           draft_seconds=time.perf_counter() - t0)  # fmt: skip
         forced = [] if grammar is None else forced_run(grammar, room - 1)  # certain: drafted for free
         k = running.request.k_policy.next_k(len(ids)) if planned is None else planned
@@ -734,6 +739,7 @@ class SpeculativeEngine:
         stats = running.request.stats
         stats.record_round(tree.max_depth, verdict.num_accepted)
         stats.tree_nodes += tree.num_nodes - 1
+        stats.forced += rnd.forced
         return verdict.tokens, [0, *verdict.accepted_nodes]
 
     @staticmethod

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from verispec.drafting.base import Proposal, constrain
+from verispec.drafting.tree import TreeProposal
 from verispec.errors import UsageError
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "finish",
     "forced_run",
     "tree_masks",
+    "tree_with_forced",
     "with_forced",
 ]
 
@@ -114,6 +116,42 @@ def with_forced(forced: Sequence[int], proposal: Proposal) -> Proposal:
     points = proposal.q.new_zeros(len(forced), proposal.q.shape[-1])  # [F, V]
     points[torch.arange(len(forced)), head.to(points.device)] = 1.0
     return Proposal(tokens, torch.cat([points, proposal.q]))  # q: [F + K', V]
+
+
+def tree_with_forced(root: int, forced: Sequence[int], tree: TreeProposal) -> TreeProposal:
+    """The tree a constrained tree round verifies: ``root`` (the last committed token), the ``forced`` run as
+    a trunk below it (node i + 1 holds forced[i], the only child of node i), and the drafter's ``tree`` (its
+    root: the trunk's end, forced[-1]; drafted from the context that ends with the forced run) hung from the
+    trunk's end. With q, each trunk node's row is a point mass on its token (row 0: on the root).
+
+    Why the tree verifiers stay exact (:class:`~verispec.drafting.tree.TreeProposal`'s conditions,
+    :mod:`verispec.verify.tree`): each trunk node is its parent's only child, and its token is a function of
+    the committed prefix alone (with q: a sample of its point mass; without q: a deterministic guess), so the
+    conditions hold for the trunk; the drafter's nodes keep theirs, their paths now beginning with the trunk
+    (a function of the committed prefix, so a node's distribution given its path is still what the drafter
+    drew it from). The trunk costs nothing in acceptance: its masks come from :func:`tree_masks` along the
+    same paths, each trunk node's parent has one allowed token, so the constrained p there is a point mass on
+    the trunk's token whatever the sampling settings: accepted with probability 1 by the sampled-siblings
+    rule (min(1, 1/1)), the single-guess rule (p(x) = 1), greedy (the argmax) and invariant draws (the only
+    token of positive weight); the drafter's tree is then verified at the trunk's end exactly as if the
+    forced run had been committed first, which is what constrained sampling without speculation does."""
+    if not forced:
+        return tree
+    size = len(forced)
+    rest = tree.num_nodes - 1  # the drafter's nodes below its root
+    tokens = torch.cat([torch.tensor([root, *forced], dtype=torch.long), tree.tokens[1:]])  # [1 + F + R]
+    parents = torch.cat([torch.arange(-1, size), tree.parents[1:] + size])  # [1 + F + R]
+    depth = torch.cat([torch.arange(size + 1), tree.depth[1:] + size])  # [1 + F + R]
+    mask = torch.zeros(size + 1 + rest, size + 1 + rest, dtype=torch.bool)  # [N, N]
+    mask[: size + 1, : size + 1] = torch.ones(size + 1, size + 1, dtype=torch.bool).tril()  # the trunk
+    mask[size + 1 :, : size + 1] = True  # the drafter's nodes see the whole trunk
+    mask[size + 1 :, size + 1 :] = tree.mask[1:, 1:]
+    q = None
+    if tree.q is not None:
+        points = tree.q.new_zeros(size + 1, tree.q.shape[-1])  # [1 + F, V]
+        points[torch.arange(size + 1), tokens[: size + 1].to(points.device)] = 1.0
+        q = torch.cat([points, tree.q[1:]])  # [N, V]
+    return TreeProposal(tokens=tokens, parents=parents, depth=depth, mask=mask, q=q)
 
 
 def finish(state: GrammarState, emitted: list[int], room: int, eos: Collection[int]) -> list[int]:
