@@ -463,6 +463,18 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed, args.invariant)
 
 
+def _option_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The fields of a :class:`~verispec.options.GenerationOptions` (generate, batch), from the flags."""
+    return dict(
+        k=args.k if args.k is not None else "auto",
+        max_new_tokens=args.max_new_tokens,
+        sampling=_sampling(args),
+        chat=args.chat,
+        stop=tuple(args.stop),
+        constraint=_constraint(args),
+    )
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Run ``verispec generate``."""
     from verispec.drafting.tree import AUTO
@@ -471,12 +483,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.batch is not None:
         return _run_batch(args)
     prompt = args.prompt if args.prompt is not None else _read_stdin()
-    sampling = _sampling(args)
-    k = AUTO if args.k is None else args.k  # every argument checked before a model loads
-    options = GenerationOptions(
-        k=k, max_new_tokens=args.max_new_tokens, sampling=sampling, chat=args.chat, stop=tuple(args.stop),
-        constraint=_constraint(args),
-    )  # fmt: skip
+    options = GenerationOptions(**_option_fields(args))  # every argument checked before a model loads
+    sampling = options.sampling
     if args.show_trace and args.json:
         raise UsageError("--show-trace and --json both write to standard output: choose one")
     if args.trace is not None:
@@ -546,14 +554,7 @@ def _run_batch(args: argparse.Namespace) -> int:
         raise UsageError("--batch decodes chains: no traces, no token trees")
     if not is_int(args.max_batch) or args.max_batch < 1:
         raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
-    options = GenerationOptions(
-        k=args.k if args.k is not None else "auto",
-        max_new_tokens=args.max_new_tokens,
-        sampling=_sampling(args),
-        chat=args.chat,
-        stop=tuple(args.stop),
-        constraint=_constraint(args),
-    )
+    options = GenerationOptions(**_option_fields(args))
     from verispec.batch import generate_requests, read_requests, record
     from verispec.options import ModelChoice
 
@@ -753,12 +754,7 @@ def run_batch(args: argparse.Namespace) -> int:
         output=args.output,
         **_model_fields(args),
         **_suffix_fields(args),
-        k=args.k if args.k is not None else "auto",
-        max_new_tokens=args.max_new_tokens,
-        sampling=_sampling(args),
-        chat=args.chat,
-        stop=tuple(args.stop),
-        constraint=_constraint(args),
+        **_option_fields(args),
         max_batch=args.max_batch,
         shard_size=args.shard_size,
         ray=args.ray,
