@@ -46,3 +46,32 @@ def test_speculator_methods_refuse_transformers_keywords(shared_model):
 def test_a_device_not_on_this_machine_is_a_usage_error(device):
     with pytest.raises(UsageError, match="^(device|unknown device)"):
         verispec.Speculator(device=device)  # before any model loads
+
+
+def test_a_next_turn_keeps_the_last_streams_keys_and_values(shared_model):
+    """Streams on one speculator share its engine: a prompt that begins with the last prompt and its output
+    keeps that start (cached_prompt_tokens) and gives the tokens a fresh speculator gives, greedy and sampled
+    with a seed; a reader that leaves early frees the slot, and a stream opened while another is open runs
+    beside it on an engine of its own, the same tokens again."""
+    from verispec.api import Speculator
+    from verispec.engine import GenerationStats
+    from verispec.options import GenerationOptions, SamplingParams
+
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    target = str(root / "stories260K.bin")
+    tokenizer = str(root / "tok512.bin")
+    for sampling in (SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3)):
+        options = GenerationOptions(k=3, max_new_tokens=24, sampling=sampling)
+        spec = Speculator(target, drafter="ngram", tokenizer=tokenizer)
+        first = spec.generate("Once upon a time", options)
+        follow = "Once upon a time" + first.text + " The end. Then"
+        stats = GenerationStats("ngram", "3")
+        again = spec.generate(follow, options, stats=stats)
+        fresh = Speculator(target, drafter="ngram", tokenizer=tokenizer).generate(follow, options)
+        assert again.token_ids == fresh.token_ids and stats.cached_prompt_tokens > 10
+        left = spec.stream(follow, options)
+        next(left)  # open: the speculator's engine is taken
+        beside = spec.generate(follow, options)  # on an engine of its own
+        assert beside.token_ids == fresh.token_ids
+        left.close()  # the reader leaves early: its slot freed, the engine free again
+        assert spec.generate(follow, options).token_ids == fresh.token_ids

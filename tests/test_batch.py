@@ -211,8 +211,11 @@ def test_a_slot_keeps_the_prompt_start_it_shares_and_that_changes_nothing(native
     ids = [LetterTokenizer(VOCAB).encode(p) for p in SHARED_STARTS]
     for sampling in (GREEDY, SamplingParams(temperature=1.0, top_k=20, seed=5, invariant=False)):
         options = dict(k=k, max_new_tokens=12, sampling=sampling)
-        alone = [spec.generate(p, **options) for p in SHARED_STARTS]  # a fresh engine each: nothing held
-        assert all(r.stats["cached_prompt_tokens"] == 0 for r in alone)
+        alone = [speculator(native_target, drafter, draft).generate(p, **options) for p in SHARED_STARTS]
+        assert all(r.stats["cached_prompt_tokens"] == 0 for r in alone)  # a fresh engine each: nothing held
+        streamed = [spec.generate(p, **options) for p in SHARED_STARTS]  # one speculator's engine, kept
+        assert [r.token_ids for r in streamed] == [r.token_ids for r in alone]
+        assert [r.stats["cached_prompt_tokens"] for r in streamed][1:4] == [16, 14, 5]
         one_slot = spec.generate_batch(SHARED_STARTS, slots=1, **options)
         assert [r.token_ids for r in one_slot] == [r.token_ids for r in alone]
         for i in range(1, len(ids)):  # the slot holds what the request before wrote: all its ids but the last

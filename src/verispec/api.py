@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -185,6 +186,8 @@ class Speculator:
         if parts.kind.shared_cache:
             self.suffix_cache = SuffixCache(vocabulary=tokenizer_identity(parts.tokenizer))
         self._calibration: Calibration | None = None
+        self._driver: Driver | None = None  # the streams' engine, kept between them (see stream)
+        self._streams = threading.Lock()  # held by the stream running on it
 
     def _drafter(
         self,
@@ -323,18 +326,39 @@ class Speculator:
         """Yields what each round commits, decoding ``prompt`` alone (a batch of one): ``options``, or the
         defaults, with ``fields`` replaced (``k=4``, ``max_new_tokens=64``, ``sampling=``, ``chat=``,
         ``stop=``, ``logprobs=``: :class:`~verispec.options.GenerationOptions`); ``stats`` and ``trace`` as
-        for :meth:`request`."""
+        for :meth:`request`.
+
+        One stream at a time runs on this speculator's own engine, kept from stream to stream: a prompt that
+        begins with the last one's prompt and output (a chat's next turn, an agent's next step) keeps the
+        keys and values of that start instead of scoring it again (``stats.cached_prompt_tokens``; the
+        tokens are the same either way: a position's keys and values are a function of the tokens up to it).
+        A stream started while another is open (another thread, or a generator not yet finished) runs on an
+        engine of its own."""
         request, text = self.request(
             prompt, GenerationOptions.of(options, **fields), stats=stats, trace=trace
         )
-        driver, sink = Driver(self.model), Collected()
-        driver.admit(request, text, sink)
-        while not sink.ended:
-            driver.step()
+        owned = self._streams.acquire(blocking=False)
+        driver = self._own_driver() if owned else Driver(self.model)
+        sink = Collected()
+        running = driver.admit(request, text, sink)
+        try:
+            while not sink.ended:
+                driver.step()
+                yield from sink.take()
             yield from sink.take()
-        yield from sink.take()
+        finally:
+            if not sink.ended and running is not None:  # the reader left early: its slot is freed
+                driver.cancel(running)
+            if owned:
+                self._streams.release()
         if sink.error is not None:
             raise sink.error
+
+    def _own_driver(self) -> Driver:
+        """The engine this speculator's streams run on, one at a time (made on first use)."""
+        if self._driver is None:
+            self._driver = Driver(self.model)
+        return self._driver
 
     def generate(
         self,
