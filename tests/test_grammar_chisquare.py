@@ -40,14 +40,6 @@ def stories(shared_model):
     return load_model(root / "stories260K.bin", tokenizer=root / "tok512.bin")
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return load_model("smollm2-135m")
-    except ValueError as err:  # no registry access on this machine: say so
-        pytest.skip(f"SmolLM2-135M unavailable: {err}")
-
-
 def assert_first_free_token_follows_the_masked_target(
     speculator: Speculator, prompt: str, constraint: Constraint, runs: int
 ) -> None:

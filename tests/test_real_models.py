@@ -72,14 +72,6 @@ def stories(shared_model):
     return model, tokenizer
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return load_model("smollm2-135m")
-    except ValueError as err:  # no registry access on this machine: say so
-        pytest.skip(f"SmolLM2-135M unavailable: {err}")
-
-
 def greedy_ids(
     speculator: Speculator, prompt: str, n: int, k: int | str = 4, chat: bool = False
 ) -> list[int]:

@@ -366,14 +366,6 @@ def test_serve_refuses_bad_flags_in_one_line(capsys):
         assert message in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return load_model("smollm2-135m")
-    except ValueError as err:  # no registry access on this machine: say so
-        pytest.skip(f"SmolLM2-135M unavailable: {err}")
-
-
 def test_chat_completions_on_a_chat_model(smollm2):
     config = ServerConfig(target="smollm2-135m", drafter="ngram", max_batch=2)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]

@@ -87,6 +87,10 @@ class Driver:
         """How many admitted requests have not ended."""
         return len(self._live)
 
+    def admitted(self) -> list[tuple[Running, Sink]]:
+        """Each admitted request that has not ended, with its sink."""
+        return [(live.running, live.sink) for live in self._live.values()]
+
     def admit(self, request: Request, text: TextAssembler, sink: Sink) -> Running | None:
         """``request`` into a free slot, its output to ``sink``; None (the sink ended with the error) when it
         cannot be admitted."""

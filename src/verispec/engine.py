@@ -507,9 +507,7 @@ class SpeculativeEngine:
                 continue
             running.request.stats.draft_seconds += rnd.draft_seconds
             running.request.stats.target_seconds += seconds
-            score = masked[
-                index
-            ]  # the constrained target's logits, which verify (logprobs: the target's own)
+            score = masked[index]  # the constrained target's logits verify; logprobs read the target's own
             assert logits is not None and score is not None
             try:
                 if rnd.tree is not None:
@@ -568,12 +566,8 @@ class SpeculativeEngine:
     def _propose(self, running: Running, planned: int | None = None) -> _Round:
         """A decoding sequence's round: its tree, or a chain of ``planned`` tokens (None: its K policy's
         choice), capped by its room."""
-        ids, drafter, room, grammar = (
-            running.ids,
-            running.drafter,
-            self._room(running),
-            running.request.grammar,
-        )
+        ids, drafter, room = running.ids, running.drafter, self._room(running)
+        grammar = running.request.grammar
         t0 = time.perf_counter()
         if running.tree:  # checked on submission: a tree drafter, a cache that compacts
             drafter, cache = cast(TreeDrafter, drafter), cast(TreeCache, running.cache)

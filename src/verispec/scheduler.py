@@ -22,10 +22,10 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from verispec.driver import Driver
-from verispec.engine import GenerationStats, Request, Running
+from verispec.engine import GenerationStats, Request
 from verispec.errors import UsageError
 from verispec.inputs import is_int
 
@@ -68,7 +68,6 @@ class Handle:
         self._chunks: queue.Queue[Chunk | None] = queue.Queue()  # None: the end
         self._cancelled = threading.Event()
         self.error: BaseException | None = None  # why it failed, re-raised to the reader
-        self.running: Running | None = None  # its place in the engine, once admitted
         self.finished = threading.Event()
 
     def __iter__(self) -> Iterator[Chunk]:
@@ -114,7 +113,6 @@ class Scheduler:
         self.driver = Driver(speculator.model, slots=slots, log_failures=True)
         self.max_queue = max_queue
         self._waiting: deque[tuple[Handle, Request, TextAssembler]] = deque()
-        self._handles: dict[int, Handle] = {}  # id(Running) → its handle, while it runs
         self._wake = threading.Condition()
         self._closed = False
         self.failure: BaseException | None = None  # what killed the worker, if anything did
@@ -186,8 +184,8 @@ class Scheduler:
         except BaseException as err:  # a bug in the worker itself: said, and every request learns of it
             with self._wake:
                 self.failure = err
-                handles = [*self._handles.values(), *(h for h, _, _ in self._waiting)]
-                self._handles.clear()
+                running = [cast(Handle, sink) for _, sink in self.driver.admitted()]
+                handles = [*running, *(h for h, _, _ in self._waiting)]
                 self._waiting.clear()
             _log.critical("the scheduler's worker died: nothing more is served", exc_info=err)
             for handle in handles:
@@ -215,14 +213,9 @@ class Scheduler:
                 handle.stats.stop_reason = "cancelled"
                 handle.end(None)
                 continue
-            handle.running = self.driver.admit(request, text, handle)
-            if handle.running is not None:
-                self._handles[id(handle.running)] = handle
-        for key, handle in list(self._handles.items()):
-            if handle.finished.is_set():
-                del self._handles[key]  # ended in the last step
-            elif handle.cancelled and handle.running is not None:
-                self.driver.cancel(handle.running)
-                del self._handles[key]
+            self.driver.admit(request, text, handle)
+        for running, sink in self.driver.admitted():
+            if cast(Handle, sink).cancelled:
+                self.driver.cancel(running)
         self.driver.step()
         return True
