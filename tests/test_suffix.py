@@ -10,6 +10,8 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
 from first_rounds import first_token_counts
@@ -93,6 +95,83 @@ def test_eviction_compacts_without_changing_lookups():
         assert cache.chain(context, config, 6) == fresh.draft_chain(context, config, 6)
     stats = cache.stats()
     assert stats["evictions"] > 0 and stats["budget"] == 300 and stats["sequences"] == len(cache.sequences())
+
+
+def _naive_chain(
+    flat: list[int], context: list[int], config: SuffixConfig, k: int
+) -> tuple[list[int], float]:
+    """The definition, on a plain list of tokens (-1 between sequences): the occurrences of the context's
+    last token followed by a token (the most recent max_candidates), each one's match length backwards, the
+    longest kept; then, depth by depth, the most frequent next token (ties: the smaller), while the path's
+    probability stays >= min_prob."""
+    ends = [i for i in range(len(flat) - 1) if flat[i] == context[-1] and flat[i + 1] != -1]
+    ends = ends[-config.max_candidates :]
+    if not ends:
+        return [], 0.0
+
+    def length(end: int) -> int:
+        n = 0
+        while n < min(config.max_depth, len(context)) and end - n >= 0 and flat[end - n] == context[-1 - n]:
+            n += 1
+        return n
+
+    best = max(map(length, ends))
+    if best < config.min_match:
+        return [], 0.0
+    ends = [e for e in ends if length(e) == best]
+    tokens, prob, score = [], 1.0, 0.0
+    for depth in range(1, min(k, int(config.alpha * best)) + 1):
+        following = [flat[e + depth] if e + depth < len(flat) else -1 for e in ends]
+        counts = {t: following.count(t) for t in following if t != -1}
+        if not counts:
+            break
+        token = min(counts, key=lambda t: (-counts[t], t))
+        if prob * counts[token] / len(ends) < config.min_prob:
+            break
+        prob *= counts[token] / len(ends)
+        tokens.append(token)
+        score += prob
+        ends = [e for e, t in zip(ends, following, strict=True) if t == token]
+    return tokens, score
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    outputs=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=30), min_size=1, max_size=25),
+    contexts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=4),
+    budget=st.integers(5, 200),
+    candidates=st.integers(1, 40),
+    depth=st.integers(1, 8),
+    k=st.integers(1, 10),
+)
+def test_chains_equal_the_definition_on_plain_lists(outputs, contexts, budget, candidates, depth, k):
+    """A shared cache (evictions and compactions included) and a request's open index draft what the
+    definition does on the held sequences as plain lists; a tree shaped as a chain drafts the same."""
+    cache = SuffixCache(budget=budget)
+    for output in outputs:
+        cache.add([], output)
+    config = SuffixConfig(max_depth=depth, max_candidates=candidates)
+    local = TokenIndex()
+    local.extend([t for output in outputs for t in output])  # one open sequence
+    for context in contexts:
+        held = [t for sequence in cache.sequences() for t in [*sequence, -1]]
+        expected = _naive_chain(held, context, config, k)
+        tokens, score = cache.chain(context, config, k)
+        assert tokens == expected[0] and score == pytest.approx(expected[1])
+        nodes, tree_tokens, tree_score = cache.tree(context, TreeShape.chain(k), config)
+        assert tree_tokens[1:] == tokens and tree_score == pytest.approx(score)
+        expected = _naive_chain([t for output in outputs for t in output], context, config, k)
+        tokens, score = local.draft_chain(context, config, k)
+        assert tokens == expected[0] and score == pytest.approx(expected[1])
+
+
+def test_a_match_stops_at_the_first_position_of_a_full_array():
+    """A match walking back past position 0 ends there, also when the tokens fill the array's first
+    capacity (nothing wraps around to the array's end)."""
+    index = TokenIndex()
+    index.extend([7, 8] + [0] * (len(index.tokens) - 2))
+    assert index.match([0, 7, 8], max_depth=8, max_candidates=8).length == 2
+    assert index.draft_chain([0, 7, 8], SuffixConfig(min_match=3), 4) == ([], 0.0)
 
 
 def test_a_sequence_longer_than_the_budget_keeps_its_end():
@@ -291,3 +370,26 @@ def test_first_sampled_token_follows_the_target_with_an_adversarial_warm_cache(s
     big = expected >= 5
     obs, exp = np.append(counts[big], counts[~big].sum()), np.append(expected[big], expected[~big].sum())
     assert scipy_stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
+def test_bench_suffix_cache_fills_within_the_budget_and_times_lookups(shared_model, tmp_path, capsys):
+    """`verispec bench-suffix-cache` on stories260K: the cache held within its budget at every record, both
+    proposals timed against a target step; bad settings are one line, exit 2, before a model loads."""
+    import json
+
+    from verispec import cli
+
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    model = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
+    argv = ["bench-suffix-cache", *model, "--requests", "60", "--budget", "2000", "--lookups", "8"]
+    assert cli.main([*argv, "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["fill"][-1]["requests"] == 60 and results["fill"][-1]["evictions"] > 0
+    assert all(row["tokens"] <= 2000 for row in results["fill"])
+    assert results["target_step_ms"] > 0
+    assert {"chain", "tree"} == set(results["lookups"]) and results["lookups"]["tree"]["median_ms"] > 0
+    assert "median / target step" in capsys.readouterr().out
+    for bad in (["--requests", "0"], ["--budget", "-1"], ["--tree", "0x"]):
+        assert cli.main(["bench-suffix-cache", *model, *bad, "--out", str(tmp_path / "no")]) == 2
+        assert capsys.readouterr().err.count("\n") == 1
+    assert not (tmp_path / "no").exists()

@@ -1197,6 +1197,55 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     return _show_results(out)
 
 
+def add_bench_suffix_cache_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec bench-suffix-cache``."""
+    parser = subparsers.add_parser(
+        "bench-suffix-cache",
+        help="the suffix cache at its budget: memory after many requests, a lookup against a target step",
+        description="Fill a suffix cache of --budget tokens with --requests synthetic outputs (Zipf-drawn "
+        "phrases of the target's token ids), recording its size and the process's memory growth; then time "
+        "the suffix drafter's chain (--k tokens) and tree (--tree) proposals in the full cache against the "
+        "target's plain decoding step, in turns. Writes results.json and results.md to --out.",
+    )
+    parser.add_argument("--target", metavar="SPEC", help="target model (default: smollm2-135m)")
+    parser.add_argument("--tokenizer", metavar="FILE", help="tokenizer file, for llama2.c checkpoints")
+    parser.add_argument("--requests", type=int, default=10_000, help="outputs added (default: 10000)")
+    parser.add_argument(
+        "--budget", type=int, default=1_000_000, help="the cache's budget in tokens (default: 1000000)"
+    )
+    parser.add_argument("--lookups", type=int, default=400, help="proposals timed (default: 400)")
+    parser.add_argument("--k", type=int, default=8, help="a chain proposal's tokens (default: 8)")
+    parser.add_argument("--tree", default="2x4", help="a tree proposal's shape (default: 2x4)")
+    parser.add_argument(
+        "--out", metavar="DIR", help="output directory (default: results/bench-suffix-cache-STAMP)"
+    )
+    parser.set_defaults(func=run_bench_suffix_cache)
+
+
+def run_bench_suffix_cache(args: argparse.Namespace) -> int:
+    """Run ``verispec bench-suffix-cache``: print the tables; the files go to --out."""
+    import datetime
+
+    from verispec.bench.suffix_cache import (
+        SuffixCacheBenchConfig,
+        run_suffix_cache_bench,
+        write_suffix_cache_report,
+    )
+    from verispec.options import DEFAULT_MODEL
+
+    out = args.out or f"results/bench-suffix-cache-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    config = SuffixCacheBenchConfig(
+        target=args.target or DEFAULT_MODEL,
+        tokenizer=args.tokenizer,
+        requests=args.requests,
+        budget=args.budget,
+        lookups=args.lookups,
+        k=args.k,
+        tree=args.tree,
+    )
+    return _show_results(write_suffix_cache_report(run_suffix_cache_bench(config), out).parent)
+
+
 # ---------------------------------------------------------------------------------------------- calibrate
 
 
@@ -1572,6 +1621,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_load_parser(subparsers)
     add_serve_parser(subparsers)
     add_bench_serve_parser(subparsers)
+    add_bench_suffix_cache_parser(subparsers)
     add_calibrate_parser(subparsers)
     add_drafter_data_parser(subparsers)
     add_train_drafter_parser(subparsers)

@@ -119,6 +119,7 @@ __all__ = [
     "builtin_tasks",
     "cell_metrics",
     "load_prompts",
+    "memory_mib",
     "plan_methods",
     "predicted_speedup",
 ]
@@ -622,7 +623,7 @@ def _ratio(spread: Spread, other: Cell | None, decode: bool = False) -> float | 
 # ---------------------------------------------------------------------------------------------- memory
 
 
-def _memory_mib() -> tuple[float, float]:
+def memory_mib() -> tuple[float, float]:
     """(current, peak) resident set size of this process in MiB: VmRSS and VmHWM, or getrusage's peak."""
     try:
         status = Path("/proc/self/status").read_text()
@@ -791,12 +792,12 @@ class Bench:
     ) -> tuple[list[int], Sample]:
         """One generation: its token ids and its counters and timings."""
         _reset_peak_memory()
-        rss_before, _ = _memory_mib()
+        rss_before, _ = memory_mib()
         if method.is_peer:
             ids, record = self._generate_peer(method, prompt, sampling)
         else:
             ids, record = self._generate_verispec(method, prompt, sampling, cache)
-        _, peak = _memory_mib()
+        _, peak = memory_mib()
         record["peak_rss_mib"], record["rss_growth_mib"] = peak, max(0.0, peak - rss_before)
         return ids, record
 

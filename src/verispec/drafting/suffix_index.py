@@ -29,6 +29,7 @@ from verispec.inputs import is_int
 __all__ = ["SEPARATOR", "Match", "SuffixConfig", "TokenIndex"]
 
 SEPARATOR = -1  # follows every closed sequence: no match or continuation crosses it
+_FEW = 48  # occurrences grouped in Python rather than NumPy (TokenIndex._children)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,9 @@ class TokenIndex:
     the positions of each token; not thread-safe (the global cache holds a lock around it)."""
 
     def __init__(self) -> None:
-        self.tokens = np.full(1024, SEPARATOR, dtype=np.int64)  # [capacity], the first `size` used
+        # [capacity] the first `size` used; always one slot more than used, so that tokens[size] and
+        # tokens[-1] are separators (a match walking back past position 0 reads one and stops)
+        self.tokens = np.full(1024, SEPARATOR, dtype=np.int64)
         self.size = 0
         self.start = 0  # positions before it are evicted
         self._where: dict[int, array] = {}  # token -> its positions (int64), ascending
@@ -80,8 +83,8 @@ class TokenIndex:
     def extend(self, tokens: Sequence[int]) -> None:
         """Append ``tokens`` to the open sequence."""
         n = len(tokens)
-        if self.size + n > len(self.tokens):
-            grown = np.full(max(2 * len(self.tokens), self.size + n), SEPARATOR, dtype=np.int64)
+        if self.size + n >= len(self.tokens):
+            grown = np.full(max(2 * len(self.tokens), self.size + n + 1), SEPARATOR, dtype=np.int64)
             grown[: self.size] = self.tokens[: self.size]
             self.tokens = grown
         self.tokens[self.size : self.size + n] = tokens
@@ -94,8 +97,9 @@ class TokenIndex:
         self.extend([SEPARATOR])
 
     def evict(self, end: int) -> None:
-        """Drop every position before ``end`` (a sequence boundary); the array is compacted once the evicted
-        part is half of it."""
+        """Drop every position before ``end`` (a sequence boundary: its tokens become separators, so no
+        match reaches them); the array is compacted once the evicted part is half of it."""
+        self.tokens[self.start : end] = SEPARATOR
         self.start = max(self.start, end)
         if self.start > self.size // 2:
             self._compact()
@@ -119,20 +123,31 @@ class TokenIndex:
         where = self._where.get(int(context[-1])) if context else None
         if where is None:
             return empty
-        ends = np.frombuffer(where, dtype=np.int64)  # [O] ascending
-        ends = ends[np.searchsorted(ends, self.start) :]
-        ends = ends[ends + 1 < self.size]  # a continuation exists ...
-        ends = ends[self.tokens[ends + 1] != SEPARATOR][-max_candidates:]  # ... and is a token
+        ends = self._candidates(np.frombuffer(where, dtype=np.int64), max_candidates)
         if len(ends) == 0:
             return empty
         length = 1
         for back in range(1, min(max_depth, len(context))):
-            before = ends - back  # [M]
-            same = (before >= self.start) & (self.tokens[np.maximum(before, 0)] == int(context[-1 - back]))
-            if not same.any():
+            # [M'] those whose token `back` before is the context's too (an evicted token, a sequence's end
+            # and, before position 0, tokens[-1] are separators: a match stops there)
+            same = ends[self.tokens[ends - back] == int(context[-1 - back])]
+            if not len(same):
                 break
-            ends, length = ends[same], back + 1
+            ends, length = same, back + 1
         return Match(length, ends)
+
+    def _candidates(self, where: np.ndarray, most: int) -> np.ndarray:
+        """The last ``most`` of a token's positions ``where`` [O] (ascending) that are live and followed by
+        a token, looked for in a window from the end that doubles until it holds them or everything (a
+        frequent token's whole list is never scanned for a lookup)."""
+        live = where[np.searchsorted(where, self.start) :]  # [L]
+        window = most + 16
+        while True:
+            ends = live[-window:]  # [W]
+            ends = ends[self.tokens[ends + 1] != SEPARATOR]  # [W'] followed by a token (tokens[size]: none)
+            if len(ends) >= most or window >= len(live):
+                return ends[-most:]
+            window *= 2
 
     def _limited(self, context: Sequence[int], config: SuffixConfig) -> tuple[Match, int]:
         """The match of ``context`` (none below ``min_match``) and the depth it pays to draft to."""
@@ -155,10 +170,23 @@ class TokenIndex:
         match, limit = self._limited(context, config)
         return self.tree(match, int(context[-1]), shape, limit, config.min_prob)
 
-    def _next(self, ends: np.ndarray, depth: int) -> np.ndarray:
-        """The token ``depth`` positions after each of ``ends`` [M] (SEPARATOR past a sequence's end)."""
+    def _children(self, ends: np.ndarray, depth: int, width: int) -> list[tuple[int, int, np.ndarray]]:
+        """The ``width`` most frequent tokens ``depth`` positions after ``ends`` [M] (ties: the smaller token
+        first), each with its count and the occurrences it follows [count]; a sequence's end is no token.
+        Few occurrences are grouped in Python (NumPy's fixed cost per call is larger there)."""
+        if len(ends) <= _FEW:
+            groups: dict[int, list[int]] = {}
+            for end in ends.tolist():
+                token = int(self.tokens[end + depth]) if end + depth < self.size else SEPARATOR
+                if token != SEPARATOR:
+                    groups.setdefault(token, []).append(end)
+            top = sorted(groups.items(), key=lambda item: (-len(item[1]), item[0]))[:width]
+            return [(token, len(group), np.array(group, dtype=np.int64)) for token, group in top]
         at = ends + depth  # [M]
-        return np.where(at < self.size, self.tokens[np.minimum(at, self.size - 1)], SEPARATOR)
+        following = np.where(at < self.size, self.tokens[np.minimum(at, self.size - 1)], SEPARATOR)  # [M]
+        values, counts = np.unique(following[following != SEPARATOR], return_counts=True)  # [U], [U]
+        order = np.argsort(-counts, kind="stable")[:width]  # [≤ width]
+        return [(int(values[i]), int(counts[i]), ends[following == values[i]]) for i in order]
 
     def chain(self, match: Match, limit: int, min_prob: float) -> tuple[list[int], float]:
         """The likeliest continuation of ``match``, up to ``limit`` tokens: at each depth the most frequent
@@ -167,17 +195,18 @@ class TokenIndex:
         probabilities (the tokens it expects accepted)."""
         ends, tokens, prob, score = match.ends, [], 1.0, 0.0
         for depth in range(1, limit + 1):
-            following = self._next(ends, depth)  # [M]
-            values, counts = np.unique(following[following != SEPARATOR], return_counts=True)
-            if len(values) == 0:
+            if len(ends) == 1:  # one occurrence left: its continuation, each token with the same probability
+                rest = self.tokens[ends[0] + depth : min(ends[0] + limit + 1, self.size)].tolist()
+                rest = rest[: rest.index(SEPARATOR)] if SEPARATOR in rest else rest
+                return tokens + rest, score + prob * len(rest)
+            best = self._children(ends, depth, 1)
+            if not best or prob * best[0][1] / len(ends) < min_prob:
                 break
-            best = int(np.argmax(counts))
-            prob *= counts[best] / len(ends)
-            if prob < min_prob:
-                break
-            tokens.append(int(values[best]))
+            token, count, following = best[0]
+            prob *= count / len(ends)
+            tokens.append(token)
             score += prob
-            ends = ends[following == values[best]]
+            ends = following
         return tokens, score
 
     def tree(
@@ -191,18 +220,19 @@ class TokenIndex:
         filled = {0: (match.ends, 1.0)}  # shape node -> (its occurrences [M], its path probability)
         ranked: dict[int, list[tuple[int, float, np.ndarray]]] = {}  # node -> its children's candidates
         depths = shape.depth.tolist()
+        widths: dict[int, int] = {}  # node -> how many children the shape gives it
+        for node in range(1, shape.num_nodes):
+            parent = shape.parent_list[node]
+            widths[parent] = max(widths.get(parent, 0), shape.paths[node][-1] + 1)
         for node in range(1, shape.num_nodes):
             parent, rank, depth = shape.parent_list[node], shape.paths[node][-1], depths[node]
             if parent not in filled or depth > limit:
                 continue
             if parent not in ranked:
                 ends, prob = filled[parent]
-                following = self._next(ends, depth)  # [M]
-                values, counts = np.unique(following[following != SEPARATOR], return_counts=True)
-                order = np.argsort(-counts, kind="stable")
                 ranked[parent] = [
-                    (int(values[i]), prob * counts[i] / len(ends), ends[following == values[i]])
-                    for i in order
+                    (token, prob * count / len(ends), following)
+                    for token, count, following in self._children(ends, depth, widths[parent])
                 ]
             if rank >= len(ranked[parent]) or ranked[parent][rank][1] < min_prob:
                 continue
