@@ -192,6 +192,10 @@ def test_max_new_tokens_beyond_the_context_is_a_warning(capsys, shared_model):
     assert result["stats"]["stop_reason"] in ("context", "eos") and len(result["token_ids"]) <= limit
 
 
+def _has(parser, flag: str) -> bool:
+    return any(flag in action.option_strings for action in parser._actions)
+
+
 def test_threads_on_every_command_that_runs_a_model(capsys, shared_model, monkeypatch):
     """--threads N on generate, demo, batch and serve: refused below 1 before a model loads; torch's count
     otherwise, and the same tokens on one thread as on two (outputs never depend on it)."""
@@ -204,6 +208,15 @@ def test_threads_on_every_command_that_runs_a_model(capsys, shared_model, monkey
     for command in (["generate", "x"], ["demo"], ["batch", "--input", "a", "--output", "b"], ["serve"]):
         status, out, err = run(capsys, *command, "--threads", "0")
         assert status == 2 and err == "verispec: error: --threads must be an integer >= 1, got 0\n", command
+    commands = COMMANDS  # name -> its parser
+    overlap = commands["viz"]._subparsers._group_actions[0].choices["overlap"]
+    with_threads = {
+        name for name, sub in [*commands.items(), ("viz overlap", overlap)] if _has(sub, "--threads")
+    }
+    assert with_threads == {
+        "generate", "batch", "demo", "viz overlap", "bench", "bench-load", "serve", "bench-serve",
+        "bench-suffix-cache", "calibrate", "drafter-data", "train-drafter", "bench-gguf",
+    }  # fmt: skip
     monkeypatch.undo()
     root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
     model = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from verispec import __version__
 from verispec.analysis.simulate import SimulationConfig, simulate  # numpy: no torch
+from verispec.cores import use_threads
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import CROSS_TOKENIZER, DRAFTERS, drafter_names
 from verispec.errors import UsageError
@@ -275,12 +276,18 @@ def _add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drafter-path", metavar="FILE", help="a learned drafter (verispec train-drafter) for the target"
     )
+    _add_threads_argument(parser)
+
+
+def _add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """``--threads N``, on every command that runs a model (applied by :func:`main` before it runs)."""
     parser.add_argument(
         "--threads",
         type=int,
         metavar="N",
-        help="threads for the models (default: torch's, the cores this process may use); on a busy machine "
-        "the native kernels drop to one by themselves; outputs never depend on it",
+        help="threads for the models (default: OMP_NUM_THREADS if set, else the cores this process may use: "
+        "its CPU affinity, capped by a container's CPU quota); on a busy machine the native kernels drop to "
+        "one by themselves; outputs never depend on it",
     )
 
 
@@ -812,6 +819,7 @@ def add_viz_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="FILE.png, FILE.svg or FILE: writes FILE.png and FILE.svg (default: overlap.png)",
     )
+    _add_threads_argument(overlap)
     overlap.set_defaults(func=run_viz_overlap)
 
 
@@ -927,7 +935,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--repetitions", type=int, default=3, help="timed runs per cell (default: 3)")
     parser.add_argument("--prompts-per-task", type=int, metavar="N", help="the first N prompts of each task")
-    parser.add_argument("--threads", type=int, help="torch threads for every method (default: torch's)")
+    _add_threads_argument(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled runs (default: 0)")
     parser.add_argument("--out", metavar="DIR", help="output directory (default: results/bench-TIMESTAMP)")
     parser.add_argument(
@@ -1018,7 +1026,7 @@ def add_bench_load_parser(subparsers: argparse._SubParsersAction) -> None:
         "(default: %(default)s)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=64, help="per request (default: %(default)s)")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    _add_threads_argument(parser)
     parser.add_argument("--out", metavar="DIR", help="output directory (default: results/bench-load-STAMP)")
     parser.set_defaults(func=run_bench_load)
 
@@ -1168,6 +1176,7 @@ def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--disconnect-every", type=int, default=10, metavar="N", help="every N-th request hangs up (0: none)"
     )
     parser.add_argument("--no-engine", action="store_true", help="skip the engine-alone comparison")
+    _add_threads_argument(parser)
     parser.add_argument("--out", metavar="DIR", help="output directory (default: results/bench-serve-STAMP)")
     parser.set_defaults(func=run_bench_serve)
 
@@ -1216,6 +1225,7 @@ def add_bench_suffix_cache_parser(subparsers: argparse._SubParsersAction) -> Non
     parser.add_argument("--lookups", type=int, default=400, help="proposals timed (default: 400)")
     parser.add_argument("--k", type=int, default=8, help="a chain proposal's tokens (default: 8)")
     parser.add_argument("--tree", default="2x4", help="a tree proposal's shape (default: 2x4)")
+    _add_threads_argument(parser)
     parser.add_argument(
         "--out", metavar="DIR", help="output directory (default: results/bench-suffix-cache-STAMP)"
     )
@@ -1265,7 +1275,7 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--drafter-path", metavar="FILE", help="a learned drafter (verispec train-drafter)")
     parser.add_argument("--repetitions", type=int, default=10, help="timings per k (default: 10)")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    _add_threads_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.set_defaults(func=run_calibrate)
 
@@ -1367,6 +1377,7 @@ def add_drafter_data_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="instead: write the union of these data sets (same target) into --out",
     )
+    _add_threads_argument(parser)
     parser.set_defaults(func=run_drafter_data)
 
 
@@ -1465,6 +1476,7 @@ def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
         help="start from this drafter (fine-tuning it on --data), keeping its draft vocabulary",
     )
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    _add_threads_argument(parser)
     parser.set_defaults(func=run_train_drafter)
 
 
@@ -1559,7 +1571,7 @@ def add_bench_gguf_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="SHAPE:TYPE",
         help="a random-weight file: llama3-1b, llama3-3b or explicit dims (see write-gguf), and a type",
     )
-    parser.add_argument("--threads", type=int, help="threads for both engines (default: torch's)")
+    _add_threads_argument(parser)
     parser.add_argument(
         "--context", type=int, default=256, help="positions before the timed tokens (default: %(default)s)"
     )
@@ -1641,18 +1653,6 @@ def _report(message: str, status: int) -> int:
     return status
 
 
-def _threads(args: argparse.Namespace) -> None:
-    """A command's --threads N (where it has one and N is given): checked, and torch's thread count."""
-    threads = getattr(args, "threads", None)
-    if threads is None:
-        return
-    if threads < 1:
-        raise UsageError(f"--threads must be an integer >= 1, got {threads}")
-    import torch
-
-    torch.set_num_threads(threads)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: sys.argv[1:]), run the subcommand, return the exit status (module doc)."""
     args = None
@@ -1661,7 +1661,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = build_parser().parse_args(argv)
         except SystemExit as exit_:  # --help or --version: printed, status 0
             return exit_.code if isinstance(exit_.code, int) else 0
-        _threads(args)
+        if hasattr(args, "threads"):  # a command that runs a model
+            use_threads(args.threads)
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
         return status
