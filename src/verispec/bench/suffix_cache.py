@@ -74,7 +74,7 @@ class _Workload:
         return np.concatenate([self.phrases[i] for i in picks]).tolist()
 
 
-def _fill(cache: SuffixCache, workload: _Workload, requests: int) -> list[dict[str, int]]:
+def _fill(cache: SuffixCache, workload: _Workload, requests: int) -> list[dict[str, float]]:
     """Add ``requests`` outputs (their first third as the prompt); the cache's size and the memory grown
     since the start, every tenth."""
     start, every, record = memory_mib()[0], max(1, requests // 10), []
@@ -94,7 +94,8 @@ def _lookups(
     its last token before it proposes (as after a round), which is not timed."""
     chain = SuffixDrafter(cache)
     tree = SuffixTreeDrafter(shape, chain)
-    generator, seconds = torch.Generator(), {"chain": [], "tree": []}  # kind -> [contexts]
+    generator = torch.Generator()
+    seconds: dict[str, list[float]] = {"chain": [], "tree": []}  # kind -> [contexts]
     for context in contexts:
         chain.begin(context[: len(context) // 2])
         chain.read(context[:-1])

@@ -193,7 +193,8 @@ class TokenIndex:
         next token among the occurrences still on the path, while the path's empirical probability (the
         product of count(child) / count(node)) stays >= ``min_prob``; and its score, the sum of those
         probabilities (the tokens it expects accepted)."""
-        ends, tokens, prob, score = match.ends, [], 1.0, 0.0
+        ends, prob, score = match.ends, 1.0, 0.0
+        tokens: list[int] = []
         for depth in range(1, limit + 1):
             if len(ends) == 1:  # one occurrence left: its continuation, each token with the same probability
                 rest = self.tokens[ends[0] + depth : min(ends[0] + limit + 1, self.size)].tolist()
