@@ -232,3 +232,12 @@ def test_threads_on_every_command_that_runs_a_model(capsys, shared_model, monkey
         assert outputs[0] == outputs[1]
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_demo_says_why_a_drafter_ran_slower():
+    """From the run's own stats: a round's verification and drafting in plain steps, and what it committed."""
+    plain = {"total_seconds": 1.1, "prefill_seconds": 0.1, "target_calls": 100}  # a plain step: 10 ms
+    stats = {"target_calls": 50, "target_seconds": 0.65, "draft_seconds": 0.5, "tokens_per_target_call": 1.6}
+    line = cli._why_slower(stats, plain)
+    assert "1.30 plain steps to verify and 1.00 to draft, and committed 1.60 tokens" in line
+    assert "\n" not in line

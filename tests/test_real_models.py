@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -242,6 +243,10 @@ def test_smollm2_shipped_learned_drafter_is_exact(smollm2, smol_greedy, capsys):
     for name in ("none", "ngram", "eagle"):
         assert any(line.strip().startswith(f"{name}: 24 tokens") for line in lines), name
     assert sum("identical to none: yes" in line for line in lines) == 2
+    for line, after in zip(lines, [*lines[1:], ""], strict=True):  # a slower method says why
+        found = re.match(r"\s*(\w+): 24 tokens, [\d.]+ tokens/s \(([\d.]+)x\)", line)
+        if found and found.group(1) != "none" and float(found.group(2)) < 1:
+            assert "slower here: a round cost" in after, line
 
 
 @pytest.mark.slow

@@ -708,7 +708,22 @@ def run_demo(args: argparse.Namespace) -> int:
             f"{name:>6}: {s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tokens/s ({speedup:.2f}x), "
             f"{s['tokens_per_target_call']:.2f} tokens per target call{same}"
         )
+        if name != "none" and speedup < 1:
+            print(_why_slower(s, base.stats))
     return 0 if all(r.token_ids == base.token_ids for r in results.values()) else 1
+
+
+def _why_slower(stats: Mapping[str, Any], plain: Mapping[str, Any]) -> str:
+    """Why a drafter ran slower than plain decoding, from what the run measured: a round's cost in plain
+    decoding steps (verifying, drafting) against the tokens it committed."""
+    step = (plain["total_seconds"] - plain["prefill_seconds"]) / max(1, plain["target_calls"])
+    rounds = max(1, stats["target_calls"])
+    verify, draft = stats["target_seconds"] / rounds / step, stats["draft_seconds"] / rounds / step
+    return (
+        f"        slower here: a round cost {verify:.2f} plain steps to verify and {draft:.2f} to draft, and "
+        f"committed {stats['tokens_per_target_call']:.2f} tokens; speculation pays when a round commits more "
+        "tokens than it costs steps (README: Adaptive K)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- batch
