@@ -135,7 +135,7 @@ def _naive_chain(
     return tokens, score
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(
     outputs=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=30), min_size=1, max_size=25),
     contexts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=4),
