@@ -35,11 +35,11 @@ def probes(counts: list[int], other: int) -> list[int]:
 
 
 def test_an_idle_machine_keeps_torchs_count_probing_ever_less_often(two_threads):
-    """Probes that change nothing: the first after 12 forwards, then 64, 128, 256, ... forwards apart, at
+    """Probes that change nothing: the first after 4 forwards, then 64, 128, 256, ... forwards apart, at
     most 1024."""
     choice = ThreadChoice()
-    counts = run(choice, 12 + 64 + 128 + 256 + 512 + 1024 + 1024 + 8, {2: 0.003, 1: 0.004})
-    starts = [12, 76, 204, 460, 972, 1996, 3020]
+    counts = run(choice, 4 + 64 + 128 + 256 + 512 + 1024 + 1024 + 8, {2: 0.003, 1: 0.004})
+    starts = [4, 68, 196, 452, 964, 1988, 3012]
     assert probes(counts, 1) == [s + i for s in starts for i in range(4)]
     assert not choice.single and choice.count() == 2
 
@@ -47,14 +47,14 @@ def test_an_idle_machine_keeps_torchs_count_probing_ever_less_often(two_threads)
 def test_a_busy_machine_moves_to_one_thread_after_the_first_probe_and_back_when_it_pays(two_threads):
     choice = ThreadChoice()
     counts = run(choice, 16, {2: 0.010, 1: 0.004})
-    assert counts[-4:] == [1, 1, 1, 1] and choice.single and choice.count() == 1  # calls 12-15: switched
+    assert counts[-4:] == [1, 1, 1, 1] and choice.single and choice.count() == 1  # calls 4-7: switched
     counts = run(choice, 192, {2: 0.010, 1: 0.004})  # calls 16-207
-    # probes at calls 76 (64 after the switching one) and 140: each ended by its first forward (2.5× slower)
-    assert probes(counts, 2) == [76 - 16, 140 - 16] and choice.single
+    # probes at calls 68 (64 after the switching one) and 132: each ended by its first forward (2.5× slower)
+    assert probes(counts, 2) == [68 - 16, 132 - 16] and choice.single
     counts = run(choice, 256, {2: 0.0035, 1: 0.004})  # calls 208-463: two threads faster, not by the margin
-    assert probes(counts, 2) == [268 - 208 + i for i in range(4)] and choice.single  # 128 after call 140
+    assert probes(counts, 2) == [260 - 208 + i for i in range(4)] and choice.single  # 128 after call 132
     counts = run(choice, 128, {2: 0.002, 1: 0.004})  # calls 464-591
-    assert counts[:60] == [1] * 60 and counts[60:64] == [2] * 4  # a probe 256 after call 268: switched back
+    assert counts[:52] == [1] * 52 and counts[52:56] == [2] * 4  # a probe 256 after call 260: switched back
     assert not choice.single and choice.count() == 2
 
 
@@ -62,11 +62,11 @@ def test_a_slow_probe_forward_ends_its_probe(two_threads):
     """A probe forward taking more than ABORT times the current count's mean ends the probe: one forward,
     not PROBE, on the contended count."""
     choice = ThreadChoice()
-    counts = run(choice, 13, {2: 0.003, 1: 0.0061})
-    assert counts[12] == 1 and choice.probe_left == 0 and not choice.single
+    counts = run(choice, 5, {2: 0.003, 1: 0.0061})
+    assert counts[4] == 1 and choice.probe_left == 0 and not choice.single
     choice = ThreadChoice()
-    counts = run(choice, 13, {2: 0.003, 1: 0.0059})  # below ABORT times: the probe goes on
-    assert counts[12] == 1 and choice.probe_left == 3
+    counts = run(choice, 5, {2: 0.003, 1: 0.0059})  # below ABORT times: the probe goes on
+    assert counts[4] == 1 and choice.probe_left == 3
 
 
 def test_every_token_count_compared_must_favour_the_switch(two_threads):

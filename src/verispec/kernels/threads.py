@@ -33,7 +33,7 @@ class ThreadChoice:
     probe forward that takes ABORT times the current count's mean for its token count ends the probe at
     once: on a busy machine a probe on the contended count costs one slow forward, not PROBE."""
 
-    FIRST = 16
+    FIRST = 8
     PERIOD = 64  # forwards from one probe's start to the next one's, after a switch
     MAX_PERIOD = 1024  # the longest, after probes that changed nothing
     PROBE = 4  # forwards a probe runs on the other count
