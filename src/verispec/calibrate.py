@@ -223,6 +223,11 @@ class Calibration:
         :meth:`cost_model_at` (see :meth:`TargetCosts.batch_cost_at`)."""
         return self.target.batch_cost_at(context)
 
+    def step_seconds(self, context: int) -> float:
+        """T_target(1) after ``context`` positions, in seconds: the unit of :meth:`cost_model_at` (what the
+        costs measured as it runs are set against, :mod:`verispec.online_costs`)."""
+        return self.target.seconds_at(context)[0]
+
     def to_dict(self) -> dict:
         return {
             "path": str(self.path),
