@@ -73,7 +73,7 @@ class OnlineConfig:
 
     window: int = 8
     min_seen: int = 2
-    tolerance: float = 0.02
+    tolerance: float = 0.05
     notice: float = 2.0
 
     def __post_init__(self) -> None:
