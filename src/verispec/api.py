@@ -34,6 +34,7 @@ from verispec.grammar.constraint import Constraint
 from verispec.grammar.rounds import GrammarState
 from verispec.inputs import check_text, is_int
 from verispec.models.base import Cache, SpelledTokenizer
+from verispec.online_costs import OnlineCosts
 from verispec.options import (
     DEFAULT_K,
     DEFAULT_PRECISION,
@@ -105,11 +106,12 @@ def k_policy(
     cost: CostModel | None = None,
     costs_at: Callable[[int], CostModel] | None = None,
     batch_costs_at: Callable[[int], BatchCost] | None = None,
+    online: OnlineCosts | None = None,
 ) -> KPolicy:
     """The K policy that ``k`` (see :func:`~verispec.options.parse_k`) names; "auto" needs ``cost``, the
     calibrated cost model of the target and drafter (:meth:`Speculator.calibration` measures or loads it),
-    follows the context with ``costs_at`` and plans batches with ``batch_costs_at`` (see
-    :class:`~verispec.policies.CostModelK`)."""
+    follows the context with ``costs_at``, plans batches with ``batch_costs_at`` and corrects them all by the
+    costs measured as it runs in ``online`` (see :class:`~verispec.policies.CostModelK`)."""
     k = parse_k(k)
     if isinstance(k, int):
         return ConstantK(k)
@@ -117,7 +119,7 @@ def k_policy(
         return AdditiveK()
     if cost is None:
         raise UsageError("k 'auto' needs the cost model of the target and drafter")
-    return CostModelK(cost, costs_at=costs_at, batch_costs_at=batch_costs_at)
+    return CostModelK(cost, costs_at=costs_at, batch_costs_at=batch_costs_at, online=online)
 
 
 class Speculator:
@@ -186,6 +188,7 @@ class Speculator:
         if parts.kind.shared_cache:
             self.suffix_cache = SuffixCache(vocabulary=tokenizer_identity(parts.tokenizer))
         self._calibration: Calibration | None = None
+        self._online: OnlineCosts | None = None  # the costs measured as it runs, against `_calibration`
         self._driver: Driver | None = None  # the streams' engine, kept between them (see stream)
         self._streams = threading.Lock()  # held by the stream running on it
 
@@ -239,11 +242,13 @@ class Speculator:
                 repetitions=repetitions,
                 force=force,
             )
+            self._online = OnlineCosts(self._calibration.step_seconds)
         return self._calibration
 
     def k_policy(self, k: int | str) -> KPolicy:
         """The K policy ``k`` names (see :func:`~verispec.options.parse_k`), "auto" over this speculator's
-        calibrated costs (drafter "none" drafts nothing whatever K, so it needs none; tree rounds do not use
+        calibrated costs, corrected by the timings of its rounds (one estimator for the calibration, shared by
+        every request; drafter "none" drafts nothing whatever K, so it needs none; tree rounds do not use
         K)."""
         if self.tree is not None:
             return ConstantK(0)
@@ -252,7 +257,9 @@ class Speculator:
         if not self.kind.drafts:
             return ConstantK(0)
         calibration = self.calibration()
-        return k_policy(k, calibration.cost_model, calibration.cost_model_at, calibration.batch_cost_at)
+        return k_policy(
+            k, calibration.cost_model, calibration.cost_model_at, calibration.batch_cost_at, self._online
+        )
 
     def k_label(self, k: int | str) -> str:
         """How stats name the draft size: K (see :func:`~verispec.options.parse_k`), or the tree's shape."""

@@ -27,6 +27,14 @@ needs, for one target and one drafter on this machine:
   :data:`FILLS` first proposals after ``begin`` (a whole context unread) less the steady proposal's time, per
   position, over T(1). Nothing for a drafter that keeps no state of the context.
 
+Every measurement checks that the machine held still while it ran: the T(1)s timed beside its timings, in up
+to four consecutive parts, must agree within a factor :data:`DRIFT` (the lower median of each part, so that a
+single slow forward does not count). A measurement whose T(1) drifted more (a busy spell that began or ended
+during it) is taken again, up to :data:`REDOS` times; if it still drifts, it is used for this run only and
+not cached, which one line on stderr says. ``--k auto`` takes any calibration as a prior and corrects it by
+the rounds' own timings as it runs (:mod:`verispec.online_costs`): a cached calibration is checked against
+those, not by timing it again at load.
+
 The cache holds one JSON file per target in ``$VERISPEC_CACHE/calibration`` (by default
 ``~/.cache/verispec/calibration``), named by a hash of its identity: the model's class and architecture config
 (weights do not change the cost, so checkpoints of one architecture share it), dtype, device, whether the CPU
@@ -47,9 +55,10 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -75,9 +84,11 @@ __all__ = [
     "BATCH_ROWS",
     "CONTEXT",
     "DRAFT_K",
+    "DRIFT",
     "FILLS",
     "K_MAX",
     "QUICK_REPETITIONS",
+    "REDOS",
     "ROW_TOKENS",
     "Calibration",
     "DraftCosts",
@@ -97,6 +108,8 @@ FILLS = 3  # first proposals after begin timed, for the drafter's catch-up
 BATCH_ROWS = (1, 2, 4, 8, 16)  # the batch grid: rows of one forward ...
 ROW_TOKENS = (1, 2, 4)  # ... times new tokens in each row
 QUICK_REPETITIONS = 5  # what a first use of ``--k auto`` measures with; ``verispec calibrate`` defaults to 10
+DRIFT = 2.0  # the most T(1) may move between the parts of one measurement (a factor) for it to be cached
+REDOS = 2  # measurements taken again while their T(1) drifts more; then used for this run only
 _VERSION = 5  # of the cache file format
 # part of the key: how it was measured
 _METHOD = {
@@ -109,6 +122,7 @@ _METHOD = {
     "row_tokens": ROW_TOKENS,
 }
 Grid = tuple[tuple[float, ...], ...]  # [len(BATCH_ROWS)][len(ROW_TOKENS)] seconds
+_Costs = TypeVar("_Costs")  # what a measurement gives: TargetCosts or DraftCosts
 _HF_VERSION = "transformers_version"
 
 
@@ -192,11 +206,13 @@ class DraftCosts:
 
 @dataclass(frozen=True)
 class Calibration:
-    """The costs of a target and (optionally) a drafter, and where they are cached."""
+    """The costs of a target and (optionally) a drafter, and where they are cached (``cached``: False when
+    they disagreed and were measured for this run only)."""
 
     target: TargetCosts
     draft: DraftCosts | None
     path: Path
+    cached: bool = True
 
     @property
     def cost_ratio(self) -> float:
@@ -223,9 +239,15 @@ class Calibration:
         :meth:`cost_model_at` (see :meth:`TargetCosts.batch_cost_at`)."""
         return self.target.batch_cost_at(context)
 
+    def step_seconds(self, context: int) -> float:
+        """T_target(1) after ``context`` positions, in seconds: the unit of :meth:`cost_model_at` (what the
+        costs measured as it runs are set against, :mod:`verispec.online_costs`)."""
+        return self.target.seconds_at(context)[0]
+
     def to_dict(self) -> dict:
         return {
             "path": str(self.path),
+            "cached": self.cached,
             "target": dataclasses.asdict(self.target),
             "draft": dataclasses.asdict(self.draft) if self.draft else None,
             "verify_cost": list(self.target.verify_cost),
@@ -335,12 +357,15 @@ def calibrate(
     identity = {"model": model_identity(target), "machine": _machine_identity(), "method": _METHOD}
     path = calibration_dir() / f"{_digest(identity)}.json"
     entry = _read(path, identity)
+    steady = True  # whether what it returns may be cached
     if entry is None or force:
         _notice(f"calibrating {target_label} on this machine ({repetitions} repetitions), cached in {path}")
         entry = {"version": _VERSION, "identity": identity, "drafts": {}}
         with THREADS.held():
-            entry["target"] = dataclasses.asdict(_measure_target(target, target_label, repetitions))
-        _write(path, entry)
+            costs, steady = _steady(lambda: _measure_target(target, target_label, repetitions), target_label)
+        entry["target"] = dataclasses.asdict(costs)
+        if steady:
+            _write(path, entry)
     draft = None
     if drafter is not None:
         draft_identity = drafter_identity(drafter)
@@ -350,12 +375,43 @@ def calibrate(
             draft_label = draft_label or drafter.name
             _notice(f"calibrating the {draft_label} drafter against {target_label}")
             with THREADS.held():
-                costs = _measure_drafter(drafter, target, draft_label, repetitions)
-            cached = {"identity": draft_identity, **dataclasses.asdict(costs)}
-            entry["drafts"][key] = cached
-            _write(path, entry)
+                measured, kept = _steady(
+                    lambda: _measure_drafter(drafter, target, draft_label, repetitions), draft_label
+                )
+            cached = {"identity": draft_identity, **dataclasses.asdict(measured)}
+            if steady and kept:
+                entry["drafts"][key] = cached
+                _write(path, entry)
+            steady = steady and kept
         draft = _draft_costs(cached)
-    return Calibration(_target_costs(entry), draft, path)
+    return Calibration(_target_costs(entry), draft, path, steady)
+
+
+def _steady(measure: Callable[[], tuple[_Costs, float]], label: str) -> tuple[_Costs, bool]:
+    """``measure()`` (a result and how far T(1) drifted while it ran, :func:`_drift`), taken again up to
+    REDOS times while the drift exceeds DRIFT; the last result, and whether it may be cached (else a notice
+    says why not)."""
+    for _ in range(REDOS + 1):
+        result, drift = measure()
+        if drift <= DRIFT:
+            return result, True
+    _notice(
+        f"{label}'s timings disagree: T(1) moved more than {DRIFT}x within each of {REDOS + 1} measurements "
+        f"(the last: {drift:.1f}x; a busy machine?); used for this run only, not cached"
+    )
+    return result, False
+
+
+def _drift(ones: Sequence[float]) -> float:
+    """How far T(1) moved during one measurement: ``ones``, its T(1) timings in the order taken, cut into up
+    to four consecutive parts of two or more; the largest of their lower medians over the smallest (1.0
+    with fewer than four timings). A lower median: a single slow forward in a part is never its value."""
+    parts = min(4, len(ones) // 2)
+    if parts < 2:
+        return 1.0
+    bounds = [round(i * len(ones) / parts) for i in range(parts + 1)]
+    medians = [statistics.median_low(ones[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return max(medians) / min(medians)
 
 
 # ---------------------------------------------------------------------------------------------- measuring
@@ -389,23 +445,27 @@ class _TargetTimer:
         return elapsed
 
 
-def _measure_target(model: LanguageModel, label: str, repetitions: int) -> TargetCosts:
+def _measure_target(model: LanguageModel, label: str, repetitions: int) -> tuple[TargetCosts, float]:
     """T_target(k) for k = 1..K_MAX and the batch grid at the short and the long context (the long one where
-    the model's context leaves room for it)."""
+    the model's context leaves room for it), and the largest :func:`_drift` of their measurements."""
     short = _context(model, K_MAX)
     long = _context(model, K_MAX, LONG_CONTEXT)
-    seconds = _time_forwards(model, short, repetitions)
+    contexts = [short] if len(long) <= len(short) else [short, long]
     timer = _RowsTimer.of(model)
-    if len(long) <= len(short):
-        grid = timer.grid(short, seconds[0], repetitions) if timer else _one_by_one(seconds)
-        return TargetCosts(label, seconds, repetitions, _now(), len(short), batch_seconds=grid)
-    long_seconds = _time_forwards(model, long, repetitions)
-    grids = (
-        (timer.grid(short, seconds[0], repetitions), timer.grid(long, long_seconds[0], repetitions))
-        if timer
-        else (_one_by_one(seconds), _one_by_one(long_seconds))
-    )
-    return TargetCosts(label, seconds, repetitions, _now(), len(short), long_seconds, len(long), *grids)
+    curves, grids, drifts = [], [], []
+    for context in contexts:
+        seconds, drift = _time_forwards(model, context, repetitions)
+        grid, grid_drift = (
+            timer.grid(context, seconds[0], repetitions) if timer else (_one_by_one(seconds), 1.0)
+        )
+        curves.append(seconds)
+        grids.append(grid)
+        drifts += [drift, grid_drift]
+    if len(contexts) == 1:
+        costs = TargetCosts(label, curves[0], repetitions, _now(), len(short), batch_seconds=grids[0])
+    else:
+        costs = TargetCosts(label, curves[0], repetitions, _now(), len(short), curves[1], len(long), *grids)
+    return costs, max(drifts)
 
 
 def _one_by_one(seconds: tuple[float, ...]) -> Grid:
@@ -448,29 +508,34 @@ class _RowsTimer:
             row.cache.truncate(row.cache.length - len(tokens))
         return elapsed
 
-    def grid(self, context: list[int], one: float, repetitions: int) -> Grid:
+    def grid(self, context: list[int], one: float, repetitions: int) -> tuple[Grid, float]:
         """T(b rows × m tokens) after ``context`` (computed in the first row, copied to the others): the
         median over ``repetitions`` of its ratio to a T(1 row × 1 token) timed right before, times ``one``,
-        after one untimed pass over the grid."""
+        after one untimed pass over the grid; and the :func:`_drift` of those T(1 row × 1 token)."""
         first = self.caches[0]
         extend = context[first.length :]
         self.model.forward_rows(self._rows(1, extend))
         for cache in self.caches[1:]:
             cache.copy_from(first)
         ratios: dict[tuple[int, int], list[float]] = {}
+        singles: list[float] = []
         for repetition in range(repetitions + 1):
             for b in BATCH_ROWS:
                 for m in ROW_TOKENS:
                     single, elapsed = self.seconds(1, context[:1]), self.seconds(b, context[:m])
                     if repetition:
+                        singles.append(single)
                         ratios.setdefault((b, m), []).append(elapsed / single)
-        return tuple(tuple(one * statistics.median(ratios[b, m]) for m in ROW_TOKENS) for b in BATCH_ROWS)
+        grid = tuple(tuple(one * statistics.median(ratios[b, m]) for m in ROW_TOKENS) for b in BATCH_ROWS)
+        return grid, _drift(singles)
 
 
-def _time_forwards(model: LanguageModel, context: list[int], repetitions: int) -> tuple[float, ...]:
+def _time_forwards(
+    model: LanguageModel, context: list[int], repetitions: int
+) -> tuple[tuple[float, ...], float]:
     """T_target(k) for k = 1..K_MAX after ``context``, after one untimed pass over every k: each T(k) is
     timed right after a T(1), v(k) is the median of those ratios (a slow spell of the machine cancels out of
-    each pair), and T_target(k) = v(k) · the median T(1)."""
+    each pair), and T_target(k) = v(k) · the median T(1); and the :func:`_drift` of those T(1)."""
     timer = _TargetTimer(model, context)
     ratios: list[list[float]] = [[] for _ in range(K_MAX)]
     ones: list[float] = []
@@ -481,15 +546,17 @@ def _time_forwards(model: LanguageModel, context: list[int], repetitions: int) -
                 ones.append(one)
                 ratios[k - 1].append(elapsed / one)
     t1 = statistics.median(ones)
-    return tuple(t1 * statistics.median(r) for r in ratios)
+    return tuple(t1 * statistics.median(r) for r in ratios), _drift(ones)
 
 
-def _measure_drafter(drafter: Drafter, target: LanguageModel, label: str, repetitions: int) -> DraftCosts:
+def _measure_drafter(
+    drafter: Drafter, target: LanguageModel, label: str, repetitions: int
+) -> tuple[DraftCosts, float]:
     """c: the median over ``repetitions`` proposals of DRAFT_K tokens, each rolled back as after a rejection,
     of the time per drafted token over the time of a target forward T(1) timed right before it; the
     catch-up: the median of FILLS first proposals after ``begin`` (the whole context unread) less DRAFT_K
-    steady tokens' time, per position read. A drafter that reads the target's hidden states is handed those
-    of every committed position, as the engine hands them."""
+    steady tokens' time, per position read; and the :func:`_drift` of the T(1)s. A drafter that reads the
+    target's hidden states is handed those of every committed position, as the engine hands them."""
     context = _context(target, repetitions + DRAFT_K + 2)
     timer = _TargetTimer(target, list(context))
     generator = torch.Generator().manual_seed(0)
@@ -510,7 +577,7 @@ def _measure_drafter(drafter: Drafter, target: LanguageModel, label: str, repeti
         drafter.propose(context, DRAFT_K, generator)
         fills.append(time.perf_counter() - start)
         drafter.observe(0)
-    ratios, seconds = [], []
+    ratios, seconds, ones = [], [], []
     for repetition in range(repetitions):  # after the last fill, as after a round that committed a token
         context.append(context[repetition])
         if hidden is not None and reader is not None:
@@ -522,9 +589,11 @@ def _measure_drafter(drafter: Drafter, target: LanguageModel, label: str, repeti
         drafter.observe(0)
         ratios.append(elapsed / one)
         seconds.append(elapsed)
+        ones.append(one)
     per_token = statistics.median(seconds)
     catch_up = max(0.0, statistics.median(fills) - DRAFT_K * per_token) / unread
-    return DraftCosts(label, statistics.median(ratios), per_token, repetitions, _now(), catch_up)
+    costs = DraftCosts(label, statistics.median(ratios), per_token, repetitions, _now(), catch_up)
+    return costs, _drift(ones)
 
 
 # ---------------------------------------------------------------------------------------------- the cache

@@ -1321,7 +1321,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     print(format_table(rows, (("k new tokens", "k", "d"), ("v(k)", "v", ".3f"))))
     best = (f"α={a:g}: K={optimal_k(a, cost.cost_ratio, cost.verify_cost)}" for a in (0.3, 0.5, 0.7, 0.9))
     print(f"best K: {', '.join(best)}")
-    print(f"cached in {calibration.path}", file=sys.stderr)
+    if calibration.cached:
+        print(f"cached in {calibration.path}", file=sys.stderr)
     return 0
 
 

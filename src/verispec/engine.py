@@ -67,6 +67,7 @@ from verispec.models.base import (
     TreeCache,
     TreeLanguageModel,
 )
+from verispec.online_costs import ForwardTiming, RoundTiming
 from verispec.options import SamplingParams, check_generation
 from verispec.policies import CostModelK, KPolicy, plan_batch
 from verispec.sampling import position_draws, probs_from_logits
@@ -494,6 +495,7 @@ class SpeculativeEngine:
         scored = self._score(rounds)
         seconds = time.perf_counter() - t0
         self.forwards.record(seconds, sum(len(r.tokens) for r in rounds if r.chunk))
+        forward = self._forward_timing(rounds, seconds)
         masked = [
             logits if logits is None or rnd.allowed is None else constrain(logits, rnd.allowed)  # [T, V]
             for rnd, (logits, _) in zip(rounds, scored, strict=True)
@@ -514,11 +516,20 @@ class SpeculativeEngine:
                     emitted, nodes = self._settle_tree(rnd, score, hidden)
                     rows = logits[nodes]  # [1 + accepted, V]
                 else:
-                    emitted, rows = self._settle(rnd, score, hidden, verdicts.get(index)), logits
+                    emitted, rows = self._settle(rnd, score, hidden, verdicts.get(index), forward), logits
                 out.append((running, self._commit(running, emitted, rows)))
             except Exception as err:
                 out.append((running, self._fail(running, err)))
         return out
+
+    @staticmethod
+    def _forward_timing(rounds: Sequence[_Round], seconds: float) -> ForwardTiming | None:
+        """The step's forward for the K policies' cost estimates: when it scored chain rounds only (a prompt
+        chunk's or a tree's tokens are not what a round of K draft tokens costs), else None."""
+        if not rounds or any(rnd.proposal is None for rnd in rounds):
+            return None
+        context = round(sum(rnd.start + 1 for rnd in rounds) / len(rounds))
+        return ForwardTiming(len(rounds), sum(len(rnd.tokens) for rnd in rounds), seconds, context)
 
     def _fail(self, running: Running, error: Exception) -> list[int]:
         """``running`` leaves the batch with ``error`` (stop reason "error"), its slot's cache not reused by
@@ -675,9 +686,11 @@ class SpeculativeEngine:
         logits: torch.Tensor,
         hidden: torch.Tensor | None,
         verified: tuple[Verdict, int] | None = None,
+        forward: ForwardTiming | None = None,
     ) -> list[int]:
         """Verify a chain round (logits [k'+1, V]; ``verified``: its verdict and row, when verified with
-        others), roll the row back, tell the drafter and K policy."""
+        others), roll the row back, tell the drafter and K policy (the verdict, and the round's costs with
+        the step's ``forward``, when it scored chain rounds only)."""
         running, proposal = rnd.running, rnd.proposal
         assert proposal is not None
         config, request = running.request.config, running.request
@@ -693,6 +706,9 @@ class SpeculativeEngine:
         own = max(0, accepted - rnd.forced)  # the drafter's own tokens accepted, after the forced ones
         cast(Drafter, running.drafter).observe(own)
         request.k_policy.observe(drafted - rnd.forced, own)
+        if forward is not None:
+            timing = RoundTiming(forward, drafted - rnd.forced, rnd.draft_seconds, rnd.start + 1)
+            request.k_policy.observe_costs(timing)
         request.stats.record_round(drafted, accepted)
         request.stats.forced += rnd.forced
         return emitted

@@ -1,11 +1,12 @@
 """K policies: how many tokens to draft in each round, learned from the verdicts of earlier rounds.
 
 The engine asks ``next_k(context)`` before each round (``context``: the positions already committed) and calls
-``observe(drafted, accepted)`` after it; it caps the answer by the tokens still allowed and the context left,
-so a policy never has to know about either.
+``observe(drafted, accepted)`` after it, and ``observe_costs(timing)`` with the round's timings; it caps the
+answer by the tokens still allowed and the context left, so a policy never has to know about either.
 
 :class:`CostModelK` (``--k auto``) chooses each round's K from a cost model of this machine (see
-:mod:`verispec.calibrate`) and an online estimate of the acceptance rate, K = 0 included.
+:mod:`verispec.calibrate`), corrected by the rounds' own timings (:mod:`verispec.online_costs`), and an
+online estimate of the acceptance rate, K = 0 included.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 from verispec.analysis.analytic import BatchCost, CostModel, speedup_by_k
 from verispec.errors import UsageError
 from verispec.inputs import is_int
+from verispec.online_costs import OnlineCosts, RoundTiming
 
 __all__ = ["CONTEXT_STEP", "AdditiveK", "AutoKConfig", "ConstantK", "CostModelK", "KPolicy", "plan_batch"]
 
@@ -37,6 +39,10 @@ class KPolicy:
 
     def observe(self, drafted: int, accepted: int) -> None:
         """The last round drafted ``drafted`` tokens, of which ``accepted`` were accepted."""
+
+    def observe_costs(self, timing: RoundTiming) -> None:
+        """What the last round cost: its forward's and its drafter's seconds (a step that scored no prompt
+        chunk and no tree)."""
 
 
 class ConstantK(KPolicy):
@@ -84,12 +90,16 @@ class AutoKConfig:
     probe_budget: while K = 0 pays best, the best K > 0 is still drafted now and then, so that the expected
     loss of these probes is at most this share of the plain rounds (0 < probe_budget ≤ 1).
     k_max: the largest K to choose (None: as far as the cost model's verification curve goes).
+    explore: with costs measured online, the most plain rounds between probes until the drafter's cost has
+    been seen (≥ 1): a calibration that prices drafting far too dear is found out within a few probes, not
+    after a budget that its own wrong price sets.
     """
 
     prior: tuple[float, float] = (0.5, 0.5)
     memory: float = 0.9
     probe_budget: float = 0.02
     k_max: int | None = None
+    explore: int = 16
 
     def __post_init__(self) -> None:
         if len(self.prior) != 2 or not all(
@@ -102,6 +112,8 @@ class AutoKConfig:
                 raise UsageError(f"{name} must be a number in (0, 1], got {value!r}")
         if self.k_max is not None and not (is_int(self.k_max) and self.k_max >= 0):
             raise UsageError(f"k_max must be an integer >= 0 or None, got {self.k_max!r}")
+        if not (is_int(self.explore) and self.explore >= 1):
+            raise UsageError(f"explore must be an integer >= 1, got {self.explore!r}")
 
 
 class CostModelK(KPolicy):
@@ -137,6 +149,12 @@ class CostModelK(KPolicy):
     that drafted (the whole prompt before the first), which a drafter keeping state of the context (a model
     draft's cache, a learned head's) reads before it drafts; every round's choice counts it for K > 0, so a
     drafter whose catch-up outgrows the budget (u ≥ probe_budget per plain round) stops probing.
+
+    ``online`` (optional, shared by the policies of one calibration): the costs measured as it runs
+    (:class:`~verispec.online_costs.OnlineCosts`). The calibrated costs are then a prior, corrected by the
+    timings the engine hands over (:meth:`observe_costs`); until the drafter's cost has been seen, probes
+    come after at most ``explore`` plain rounds, so that a calibration that prices drafting far too dear
+    is found out.
     """
 
     name = "auto"
@@ -147,6 +165,7 @@ class CostModelK(KPolicy):
         config: AutoKConfig | None = None,
         costs_at: Callable[[int], CostModel] | None = None,
         batch_costs_at: Callable[[int], BatchCost] | None = None,
+        online: OnlineCosts | None = None,
     ) -> None:
         if not isinstance(cost, CostModel):
             raise UsageError(f"cost must be a CostModel, got {type(cost).__name__}")
@@ -157,18 +176,22 @@ class CostModelK(KPolicy):
                 raise UsageError("give AutoKConfig.k_max for a verification cost without a finite curve")
             k_max = cost.max_k
         self.cost, self.k_max, self.costs_at, self.batch_costs_at = cost, k_max, costs_at, batch_costs_at
+        self.online = online
+        self._costed = cost  # the cost model `_round_costs` and `_catch_up` are for
         self._round_costs = cost.round_costs(k_max)  # [k_max + 1]: v(K+1) + K·c
-        self._step = -1  # the context step the round costs are for (-1: `cost`'s)
         self._accepted = np.zeros(k_max)  # [k_max] decayed successes at each position
         self._rejected = np.zeros(k_max)  # [k_max] decayed failures at each position
         self._catch_up = cost.catch_up  # u at the context step of `_round_costs`
         self._plain_rounds = 0  # consecutive rounds at K = 0
         self._read = 0  # the context when a round last drafted: the drafter has read it (0: nothing yet)
+        self._caught_up = 0  # the positions that round's drafter read before it drafted (its backlog)
         self._alphas: np.ndarray | None = None  # [k_max] α̂ for the evidence; None: changed
         self._tokens: np.ndarray | None = None  # [k_max + 1] E[L] of every K for the evidence; None: changed
         # (catch-up, (best K, probe K, probe gap)) for the evidence; None: changed
         self._plan: tuple[float, tuple[int, int, int]] | None = None
-        self._here: tuple[int, CostModel, BatchCost | None] | None = None  # (context step, its costs)
+        self._prior: tuple[int, CostModel, BatchCost | None] | None = None  # (context step, its prior)
+        # ((context step, online version), its costs as corrected)
+        self._here: tuple[tuple[int, int], CostModel, BatchCost | None] | None = None
 
     @property
     def alphas(self) -> np.ndarray:
@@ -198,7 +221,10 @@ class CostModelK(KPolicy):
             return best, best, 0
         probe = 1 + int(np.argmax(speedups[1:]))
         loss = costs[probe] * (1 - speedups[probe])  # round cost − E[L], in plain steps
-        return best, probe, max(1, math.ceil(loss / self.config.probe_budget))
+        gap = max(1, math.ceil(loss / self.config.probe_budget))
+        if self.online is not None and not self.online.drafter_seen:
+            gap = min(gap, self.config.explore)
+        return best, probe, gap
 
     def backlog(self, context: int) -> int:
         """g: the committed positions the drafter has not read at ``context`` (since the last round that
@@ -207,24 +233,36 @@ class CostModelK(KPolicy):
 
     def drafts_at(self, context: int) -> None:
         """A round drafts after ``context`` positions: the drafter reads them all (:meth:`backlog` is 0)."""
+        self._caught_up = self.backlog(context)
         self._read = context
 
-    def costs_here(self, context: int) -> tuple[CostModel, BatchCost | None]:
-        """The cost model and the batch grid (None without ``batch_costs_at``) at ``context``: at the middle
-        of its step of :data:`CONTEXT_STEP` positions, computed once per step."""
+    def _prior_at(self, context: int) -> tuple[CostModel, BatchCost | None]:
+        """The calibrated cost model and batch grid (None without ``batch_costs_at``) at ``context``: at the
+        middle of its step of :data:`CONTEXT_STEP` positions, computed once per step."""
         step = context // CONTEXT_STEP
-        if self._here is None or self._here[0] != step:
+        if self._prior is None or self._prior[0] != step:
             middle = step * CONTEXT_STEP + CONTEXT_STEP // 2
             cost = self.costs_at(middle) if self.costs_at is not None else self.cost
             batch = self.batch_costs_at(middle) if self.batch_costs_at is not None else None
-            self._here = (step, cost, batch)
+            self._prior = (step, cost, batch)
+        return self._prior[1], self._prior[2]
+
+    def costs_here(self, context: int) -> tuple[CostModel, BatchCost | None]:
+        """The cost model and the batch grid at ``context``: the calibrated ones (:meth:`_prior_at`), as the
+        costs measured online correct them; computed once per step and estimate."""
+        key = (context // CONTEXT_STEP, self.online.version if self.online is not None else 0)
+        if self._here is None or self._here[0] != key:
+            cost, batch = self._prior_at(context)
+            if self.online is not None:
+                cost = self.online.correct(cost)
+                batch = None if batch is None else self.online.correct_batch(batch)
+            self._here = (key, cost, batch)
         return self._here[1], self._here[2]
 
     def next_k(self, context: int = 0) -> int:
-        step = context // CONTEXT_STEP
-        if self.costs_at is not None and step != self._step:
-            self._step = step
-            cost = self.costs_here(context)[0]
+        cost = self.costs_here(context)[0]
+        if cost is not self._costed:
+            self._costed = cost
             self._round_costs, self._catch_up = cost.round_costs(self.k_max), cost.catch_up
             self._tokens = self._plan = None
         catch_up = self._catch_up * self.backlog(context)
@@ -252,6 +290,19 @@ class CostModelK(KPolicy):
         if accepted < tested:
             self._rejected[accepted] += 1
         self._alphas = self._tokens = self._plan = None
+
+    def observe_costs(self, timing: RoundTiming) -> None:
+        """Hands the round's timings to ``online`` (if any) with what the calibration predicts for them: its
+        forward's cost (:func:`_forward_cost`; the single-row curve for one row) and its drafter's,
+        K·c + g·u over the g positions it read first."""
+        if self.online is None:
+            return
+        forward = timing.forward
+        cost, batch = self._prior_at(forward.context)
+        steps = _forward_cost(cost, batch if forward.rows > 1 else None, forward.rows, forward.tokens)
+        draft, _ = self._prior_at(timing.context)
+        spent = timing.drafted * draft.cost_ratio + self._caught_up * draft.catch_up
+        self.online.observe(timing, steps, spent)
 
 
 def _forward_cost(cost: CostModel, batch: BatchCost | None, rows: int, n: int) -> float:

@@ -1,0 +1,229 @@
+"""Costs measured as it runs: the calibration (:mod:`verispec.calibrate`) is a prior, which the engine's own
+timings of each round correct, so that ``--k auto`` follows the machine it runs on (a calibration made on a
+busy machine or another CPU, a thermal change).
+
+Each timing is a *slowdown* ρ: the seconds measured over the seconds the prior predicts for the same work at
+the same context — a target forward of m new tokens in one row (ρ(m)), a forward over b ≥ 2 rows (ρ_b), a
+drafter's proposal of K tokens after g positions it had not read (ρ_d: K·c + g·u, the calibration's split of
+them kept). Each kind of work keeps its last :attr:`OnlineConfig.window` slowdowns and estimates its own by
+their lower median once it has :attr:`OnlineConfig.min_seen` of them: a slow round (a preempted forward) is
+the largest of its window and never the estimate. A forward size not seen yet takes the slowdown of the sizes
+seen nearest to it — the smaller of the two around it (optimism: a size that then looks best is drafted, and
+so measured), the end one's beyond them —, a row count likewise, a drafter not seen that of a one-token
+forward: the prior's ratios, scaled by what has been observed. The corrected costs are in units
+of the observed one-token forward, as the prior's are in the calibrated one:
+
+    v̂(m) = v(m) · ρ(m) / ρ(1),   ĉ = c · ρ_d / ρ(1),   û = u · ρ_d / ρ(1),   V̂(b, n) = V(b, n) · ρ_b / ρ(1)
+
+A calibration uniformly wrong in T(1) is corrected by the first drafting rounds' timings, a wrong shape of v
+as the sizes are drafted. The estimates are published (:attr:`OnlineCosts.version` moves) only when one moves
+by more than :attr:`OnlineConfig.tolerance`, so that the K policy re-derives its round costs rarely.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from verispec.analysis.analytic import BatchCost, CostModel
+from verispec.errors import UsageError
+from verispec.inputs import is_int
+
+__all__ = ["ForwardTiming", "OnlineConfig", "OnlineCosts", "RoundTiming"]
+
+
+@dataclass(frozen=True)
+class ForwardTiming:
+    """One target forward of a step that scored draft rounds only (no prompt chunk, no tree): ``rows``
+    sequences, ``tokens`` new tokens in all, ``seconds`` long, after ``context`` positions per row (their
+    mean). One object per forward, handed to every row's policy: an estimator counts it once."""
+
+    rows: int
+    tokens: int
+    seconds: float
+    context: int
+
+
+@dataclass(frozen=True)
+class RoundTiming:
+    """What one sequence's round cost: its share of the step's ``forward``, and its drafter's proposal of
+    ``drafted`` tokens (the grammar's forced ones not counted) in ``draft_seconds``, after ``context``
+    committed positions."""
+
+    forward: ForwardTiming
+    drafted: int
+    draft_seconds: float
+    context: int
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    """How :class:`OnlineCosts` weighs the timings; validated with UsageError.
+
+    window: the last slowdowns each kind of work keeps. min_seen: how many it needs before its own estimate
+    is used (2: a single slow round is never one). tolerance: how far (relative) an estimate moves before
+    it is published. notice: a one-token forward this many times slower or faster than calibrated is said
+    in one line on stderr (once).
+    """
+
+    window: int = 8
+    min_seen: int = 2
+    tolerance: float = 0.05
+    notice: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not (is_int(self.window) and is_int(self.min_seen) and 1 <= self.min_seen <= self.window):
+            raise UsageError(f"need 1 <= min_seen <= window, got {self.min_seen!r}, {self.window!r}")
+        for name, low in (("tolerance", 0.0), ("notice", 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and low <= value < 1e9):
+                raise UsageError(f"{name} must be a number >= {low:g}, got {value!r}")
+
+
+Estimates = dict[tuple[str, int], float]  # (kind, size) → slowdown: ("forward", m), ("rows", b), ("draft", 0)
+
+
+class OnlineCosts:
+    """The slowdowns of this machine against a calibration, from the rounds' timings (see the module);
+    shared by every ``--k auto`` policy made from one calibration, and safe to share between threads.
+
+    step_seconds: the calibrated T(1) at a context, in seconds (:meth:`Calibration.step_seconds`); None: a
+    prior in relative units only (every slowdown then in seconds per calibrated step, no notice).
+    """
+
+    def __init__(
+        self, step_seconds: Callable[[int], float] | None = None, config: OnlineConfig | None = None
+    ) -> None:
+        self.config = config or OnlineConfig()
+        self.step_seconds = step_seconds
+        self._windows: dict[tuple[str, int], deque[float]] = {}
+        self._published: Estimates = {}
+        self._last: ForwardTiming | None = None  # the forward counted last (rows report it each)
+        self._lock = threading.Lock()
+        self._noticed = False
+        self.version = 0  # moves whenever the published estimates do
+
+    def observe(self, timing: RoundTiming, forward_steps: float, draft_steps: float) -> None:
+        """A round's timing, and what the prior predicts for it in calibrated steps: its forward's
+        ``forward_steps``, its proposal's ``draft_steps`` (0: nothing to learn from it)."""
+        forward = timing.forward
+        unit = self.step_seconds or (lambda context: 1.0)
+        with self._lock:
+            if forward is not self._last:
+                self._last = forward
+                key = ("forward", forward.tokens) if forward.rows == 1 else ("rows", forward.rows)
+                self._add(key, forward.seconds / (forward_steps * unit(forward.context)))
+            if timing.drafted and draft_steps > 0:
+                self._add(("draft", 0), timing.draft_seconds / (draft_steps * unit(timing.context)))
+            self._publish()
+
+    def _add(self, key: tuple[str, int], slowdown: float) -> None:
+        self._windows.setdefault(key, deque(maxlen=self.config.window)).append(slowdown)
+
+    def _publish(self) -> None:
+        """Publish the estimates when one is new or moved by more than the tolerance: the lower median of a
+        kind of work's slowdowns when it has min_seen of them, else of them and what the others give it
+        (:func:`_fallback`; none before some kind has min_seen)."""
+        seen = self.config.min_seen
+        trusted = {key: statistics.median_low(w) for key, w in self._windows.items() if len(w) >= seen}
+        estimates = dict(trusted)
+        for key, window in self._windows.items():
+            fallback = None if key in trusted else _fallback(trusted, key)
+            if fallback is not None:
+                estimates[key] = statistics.median_low([*window, fallback])
+        old, tolerance = self._published, self.config.tolerance
+        if estimates.keys() == old.keys() and all(
+            abs(value - old[key]) <= tolerance * old[key] for key, value in estimates.items()
+        ):
+            return
+        self._published = estimates
+        self.version += 1
+        one = _step(estimates)
+        if one is not None and self.step_seconds is not None and not self._noticed:
+            if max(one, 1 / one) > self.config.notice:
+                self._noticed = True
+                print(
+                    f"verispec: forwards here take {one:.2g}× the calibrated time; --k auto corrects its "
+                    "costs as it runs (`verispec calibrate` measures them again)",
+                    file=sys.stderr,
+                )
+
+    @property
+    def drafter_seen(self) -> bool:
+        """Whether the drafter's slowdown is estimated (else its calibrated cost is taken as it is)."""
+        return ("draft", 0) in self._published
+
+    @property
+    def step(self) -> float | None:
+        """ρ(1), the published slowdown of a one-token forward (read off the sizes seen, else off the row
+        counts seen); None before anything was seen."""
+        return _step(self._published)
+
+    def correct(self, cost: CostModel) -> CostModel:
+        """``cost`` (the prior's, in calibrated steps) corrected by the published slowdowns, in observed
+        steps; the prior itself before anything was seen."""
+        estimates, one = self._published, self.step
+        if one is None:
+            return cost
+        draft = estimates.get(("draft", 0), one) / one
+        v = cost.verify_cost
+        curve = (
+            tuple(x * _factor(estimates, "forward", m, one) for m, x in enumerate(v, 1))
+            if isinstance(v, tuple)
+            else lambda k: cost.verify(k) * _factor(estimates, "forward", k, one)
+        )
+        return CostModel(cost.cost_ratio * draft, curve, cost.catch_up * draft)
+
+    def correct_batch(self, batch: BatchCost) -> BatchCost:
+        """A batch grid corrected likewise: b ≥ 2 rows by the slowdown of the row counts seen nearest, one row
+        (and b rows before any was seen) by the single-row slowdown of its tokens per row."""
+        estimates, one = self._published, self.step
+        if one is None:
+            return batch
+        rows = any(kind == "rows" for kind, _ in estimates)
+        grid = tuple(
+            tuple(
+                cost * _factor(estimates, *(("rows", b) if b > 1 and rows else ("forward", m)), one)
+                for m, cost in zip(batch.tokens, line, strict=True)
+            )
+            for b, line in zip(batch.rows, batch.cost, strict=True)
+        )
+        return BatchCost(batch.rows, batch.tokens, grid)
+
+
+def _step(estimates: Estimates) -> float | None:
+    """ρ(1) of ``estimates``: read off the forward sizes, else off the row counts; None: neither."""
+    one = _nearest(estimates, "forward", 1)
+    return _nearest(estimates, "rows", 1) if one is None else one
+
+
+def _fallback(estimates: Estimates, key: tuple[str, int]) -> float | None:
+    """What ``estimates`` say of a kind of work not estimated on its own: a forward size or row count the
+    nearest ones of its kind (:func:`_nearest`), else, like the drafter, ρ(1)."""
+    kind, size = key
+    nearest = None if kind == "draft" else _nearest(estimates, kind, size)
+    return _step(estimates) if nearest is None else nearest
+
+
+def _factor(estimates: Estimates, kind: str, size: int, one: float) -> float:
+    """The slowdown of ``kind`` at ``size`` over ρ(1); 1 where no size of ``kind`` was seen."""
+    slowdown = _nearest(estimates, kind, size)
+    return 1.0 if slowdown is None else slowdown / one
+
+
+def _nearest(estimates: Estimates, kind: str, size: int) -> float | None:
+    """The estimate of ``kind`` at ``size``: its own, else the smaller of the two sizes seen around it, else
+    the end one's beyond them; None where no size of ``kind`` was seen."""
+    seen = sorted((s, value) for (k, s), value in estimates.items() if k == kind)
+    if not seen:
+        return None
+    sizes = [s for s, _ in seen]
+    i = bisect.bisect_left(sizes, size)
+    if i < len(sizes) and sizes[i] == size:
+        return seen[i][1]
+    return min(seen[j][1] for j in (i - 1, i) if 0 <= j < len(seen))

@@ -1,0 +1,165 @@
+"""Costs measured as it runs: ``--k auto`` takes the calibration as a prior and corrects it by the rounds' own
+timings — made-up timings here (:func:`~verispec.analysis.recovery.simulate_recovery`), nothing timed — and
+the engine hands a real run's timings to the policy without changing its output."""
+
+import pytest
+
+from toy import single_threaded
+from verispec.analysis.analytic import BatchCost, CostModel
+from verispec.analysis.recovery import simulate_recovery
+from verispec.drafting.ngram import NGramDrafter
+from verispec.engine import EngineConfig, GenerationStats, Request, SpeculativeEngine
+from verispec.models.registry import load_model
+from verispec.online_costs import ForwardTiming, OnlineConfig, OnlineCosts, RoundTiming
+from verispec.options import SamplingParams
+from verispec.policies import AutoKConfig, ConstantK, CostModelK, KPolicy
+
+MEASURED = [1.0, 1.13, 1.2, 1.13, 1.11, 1.15, 1.23, 1.25, 1.26, 1.29, 1.31, 1.32, 1.39, 1.42, 1.45, 1.5]
+CASES = [(0.02, 0.8), (0.02, 0.5), (0.2, 0.8), (0.05, 0.3)]  # (c, α): lookups and model drafts, good and poor
+
+
+def poisoned(truth: CostModel, factor: float = 50.0) -> CostModel:
+    """A calibration whose every drafting cost is ``factor`` times the truth: v(k ≥ 2), c and u."""
+    curve = truth.verify_cost
+    assert isinstance(curve, tuple)
+    v = (1.0, *(factor * x for x in curve[1:]))
+    return CostModel(factor * truth.cost_ratio, v, factor * truth.catch_up)
+
+
+@pytest.mark.parametrize(("c", "alpha"), CASES)
+def test_a_poisoned_calibration_recovers_within_64_rounds(c, alpha):
+    """Every drafting cost ×50 (and T(1) ×50): the prior says K = 0 and would probe after thousands of plain
+    rounds; the costs seen in the first probes correct it, and from then on the K drafted is worth what the
+    K that the true costs choose is, within 5 %, and mostly is that K."""
+    truth = CostModel(c, MEASURED)
+    assert CostModelK(poisoned(truth)).next_k() == 0
+    for seed in range(3):
+        run = simulate_recovery(poisoned(truth), truth, alpha, 64, prior_step=50.0, seed=seed)
+        start = run.recovered()
+        assert start is not None and start <= 32, (seed, run.ks)
+        same = sum(k == best for k, best in zip(run.ks[32:], run.clean[32:], strict=True))
+        assert same >= 0.9 * 32, (seed, run.ks, run.clean)
+        assert run.corrected.cost_ratio == pytest.approx(c)
+
+
+@pytest.mark.parametrize(("c", "alpha"), CASES)
+def test_a_uniformly_wrong_step_changes_no_decision_once_corrected(c, alpha):
+    """A calibration made while every target forward took 3× as long (T(1) ×3, so c and u a third): once
+    the rounds have been timed, the corrected costs are the true ones and the K chosen is the true costs'."""
+    truth = CostModel(c, MEASURED, catch_up=0.003)
+    slow = CostModel(c / 3, MEASURED, catch_up=0.001)
+    run = simulate_recovery(slow, truth, alpha, 64, prior_step=3.0)
+    assert run.ks[8:] == run.clean[8:]
+    assert run.corrected.cost_ratio == pytest.approx(c) and run.corrected.catch_up == pytest.approx(0.003)
+    assert run.corrected.verify_cost == pytest.approx(tuple(MEASURED))
+
+
+@pytest.mark.parametrize(("c", "alpha"), CASES)
+def test_one_slow_round_flips_no_k(c, alpha):
+    """A preempted round (its forward and draft 30× as long) changes no later choice."""
+    truth = CostModel(c, MEASURED)
+    for seed in range(3):
+        steady = simulate_recovery(truth, truth, alpha, 48, seed=seed)
+        for at in (0, 1, 20, 40):
+            assert simulate_recovery(truth, truth, alpha, 48, slow={at: 30.0}, seed=seed).ks == steady.ks
+
+
+def timing(tokens: int, seconds: float, drafted: int = 0, draft: float = 0.0, rows: int = 1) -> RoundTiming:
+    return RoundTiming(ForwardTiming(rows, tokens, seconds, 100), drafted, draft, 100)
+
+
+def test_estimates_are_lower_medians_corrections_relative_to_one_step():
+    """A kind of work seen twice is estimated on its own (the lower median: the slow one of two is not it),
+    once with what the others give it; the corrected costs are the prior's times the slowdowns over ρ(1);
+    one forward reported by every row of a batch counts once."""
+    online = OnlineCosts()
+    prior = CostModel(0.1, [1.0, 1.2, 1.4, 1.6])
+    assert online.correct(prior) is prior and online.step is None
+    online.observe(timing(1, 2.0), 1.0, 0.0)
+    assert online.step is None  # one timing of one kind: nothing estimated yet
+    online.observe(timing(1, 9.0), 1.0, 0.0)  # a slow one
+    assert online.step == 2.0
+    online.observe(timing(3, 4.2), 1.4, 0.0)  # one size-3 forward: the smaller of its own and ρ(1)'s
+    assert online.correct(prior).verify_cost == pytest.approx((1.0, 1.2, 1.4, 1.6))
+    online.observe(timing(3, 1.4, drafted=2, draft=0.2), 1.4, 0.2)  # size 3 twice: ρ(3) = 1; the drafter
+    corrected = online.correct(prior)
+    assert corrected.verify_cost == pytest.approx((1.0, 0.6, 0.7, 0.8))  # sizes 2 and 4 take ρ(3)'s
+    assert corrected.cost_ratio == pytest.approx(0.05)  # ρ_d = min(1, ρ(1) = 2) = 1
+    batch = BatchCost((1, 2), (1, 2), ((1.0, 1.2), (1.5, 1.9)))
+    assert sum(online.correct_batch(batch).cost, ()) == pytest.approx((1.0, 0.6, 1.5, 0.95))  # as one row
+    online.observe(timing(4, 1.5, rows=2), 1.5, 0.0)  # two rows: ρ_2 = min(1, ρ(1) = 2)
+    assert sum(online.correct_batch(batch).cost, ()) == pytest.approx((1.0, 0.6, 0.75, 0.95))
+    fresh, forward = OnlineCosts(), ForwardTiming(2, 4, 3.0, 100)
+    for _ in range(2):  # the two rows of one forward report it: one timing, nothing estimated yet
+        fresh.observe(RoundTiming(forward, 0, 0.0, 100), 1.5, 0.0)
+    assert fresh.step is None
+    fresh.observe(timing(4, 6.0, rows=2), 1.5, 0.0)  # another forward
+    assert fresh.step == 2.0
+    with pytest.raises(ValueError, match="min_seen <= window"):
+        OnlineConfig(window=2, min_seen=3)
+    with pytest.raises(ValueError, match="explore must be an integer >= 1"):
+        AutoKConfig(explore=0)
+
+
+def test_a_step_off_by_more_than_twice_is_said_once(capsys):
+    online = OnlineCosts(lambda context: 0.5)  # a calibrated T(1) of half a second
+    for seconds in (0.01, 0.01, 0.011, 0.012):
+        online.observe(timing(1, seconds), 1.0, 0.0)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "forwards here take 0.02× the calibrated time" in err
+
+
+class Recording(CostModelK):
+    """``--k auto`` that keeps every timing the engine hands it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.timings: list[RoundTiming] = []
+
+    def observe_costs(self, timing: RoundTiming) -> None:
+        self.timings.append(timing)
+        super().observe_costs(timing)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with single_threaded():  # tiny forwards: competing threads only slow them
+        yield
+
+
+@pytest.fixture(scope="module")
+def stories(shared_model):
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    return load_model(root / "stories260K.bin", tokenizer=root / "tok512.bin")
+
+
+def decode(stories, policies: list[KPolicy]) -> list[list[int]]:
+    """Greedy tokens of one prompt per policy, decoded together with the n-gram drafter."""
+    model, tokenizer = stories
+    engine = SpeculativeEngine(model, slots=len(policies))
+    prompt = tokenizer.encode("Once upon a time, there was a little dog. The little dog")
+    config = EngineConfig(max_new_tokens=48, sampling=SamplingParams(temperature=0))
+    runs = [
+        engine.submit(Request(prompt, config, NGramDrafter(), policy, GenerationStats("ngram", "auto")))
+        for policy in policies
+    ]
+    while engine.running:
+        engine.step()
+    return [run.ids[len(prompt) :] for run in runs]
+
+
+def test_the_engine_hands_each_rounds_timings_and_the_output_is_unchanged(stories):
+    prior = CostModel(0.01, MEASURED)
+    online = OnlineCosts()
+    alone = Recording(prior, online=online)
+    (tokens,) = decode(stories, [alone])
+    assert tokens == decode(stories, [CostModelK(prior)])[0] == decode(stories, [ConstantK(0)])[0]
+    assert alone.timings and online.step is not None  # every round after the prompt's, timed
+    for each in alone.timings:
+        assert each.forward.rows == 1 and each.forward.seconds > 0 and each.forward.tokens == each.drafted + 1
+        assert each.draft_seconds >= 0 and each.context == each.forward.context
+    assert any(each.drafted for each in alone.timings)
+    pair = [Recording(prior, online=OnlineCosts()) for _ in range(2)]
+    assert decode(stories, pair) == [tokens, tokens]  # rows of one batch: their own output
+    first, second = ([t.forward for t in each.timings if t.forward.rows == 2] for each in pair)
+    assert first and all(a is b for a, b in zip(first, second, strict=True))  # one object per forward
