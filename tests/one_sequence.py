@@ -7,8 +7,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from verispec.drafting.base import Drafter, TreeDrafter
-from verispec.engine import EngineConfig, GenerationStats, Request, SpeculativeEngine
+from verispec.engine import SpeculativeEngine
 from verispec.policies import KPolicy
+from verispec.sequence import EngineConfig, GenerationStats, Request
 from verispec.trace import TraceRecorder
 
 

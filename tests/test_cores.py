@@ -1,5 +1,6 @@
 """verispec.cores: the threads a command's models use by default (the process's affinity mask capped by its
 cgroup's CPU quota, v1 and v2; OMP_NUM_THREADS when set), applied before torch loads; --threads checked."""
+
 from __future__ import annotations
 
 import math

@@ -47,12 +47,12 @@ from verispec.drafting.learned.train import (
 )
 from verispec.drafting.ngram import NGramTreeDrafter
 from verispec.drafting.tree import TreeShape
-from verispec.engine import EngineConfig, GenerationStats, Request
 from verispec.models.llama import Llama, LlamaConfig
 from verispec.models.registry import load_model
 from verispec.options import GenerationOptions, SamplingParams
 from verispec.policies import ConstantK
 from verispec.sampling import probs_from_logits
+from verispec.sequence import EngineConfig, GenerationStats, Request
 
 VOCAB = 64
 GREEDY = SamplingParams(temperature=0)

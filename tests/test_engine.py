@@ -17,10 +17,11 @@ from one_sequence import OneSequence
 from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.ngram import NGramDrafter
-from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
+from verispec.engine import SpeculativeEngine
 from verispec.options import SamplingParams
 from verispec.policies import AdditiveK, ConstantK
 from verispec.sampling import probs_from_logits
+from verispec.sequence import EngineConfig, GenerationStats
 from verispec.verify.chain import rejection_rule, sample_verdict
 
 V = 6

@@ -21,10 +21,10 @@ from verispec import engine
 from verispec.api import Speculator
 from verispec.drafting.registry import DRAFTERS
 from verispec.drafting.tree import TreeShape
-from verispec.engine import GenerationStats
 from verispec.grammar import Constraint
 from verispec.models.registry import load_model
 from verispec.options import GenerationOptions, SamplingParams
+from verispec.sequence import GenerationStats
 
 PROMPT = "Once upon a time"
 CONSTRAINTS = (Constraint("regex", REGEX), Constraint("json_schema", json.dumps(SCHEMA)))

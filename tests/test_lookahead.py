@@ -50,12 +50,12 @@ from verispec.drafting.learned.train import (
     draft_index,
     train_drafter,
 )
-from verispec.engine import GenerationStats
 from verispec.kernels.cpu import native_available
 from verispec.models.llama import Llama
 from verispec.models.registry import load_model
 from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
+from verispec.sequence import GenerationStats
 
 PROMPTS = ("abc", "hello", "qqqzzz", "the", "mnopqrs", "x")
 TRAINING = dataclasses.replace(

@@ -52,11 +52,11 @@ from verispec.drafting.learned.train import (
     train_drafter,
 )
 from verispec.drafting.tree import TreeShape
-from verispec.engine import GenerationStats
 from verispec.models.llama import Llama
 from verispec.models.registry import load_model
 from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
+from verispec.sequence import GenerationStats
 
 KINDS = ("medusa", "exit")
 PROMPTS = ("abc", "hello", "qqqzzz", "the", "mnopqrs", "x")

@@ -8,11 +8,12 @@ from toy import single_threaded
 from verispec.analysis.analytic import BatchCost, CostModel
 from verispec.analysis.recovery import simulate_recovery
 from verispec.drafting.ngram import NGramDrafter
-from verispec.engine import EngineConfig, GenerationStats, Request, SpeculativeEngine
+from verispec.engine import SpeculativeEngine
 from verispec.models.registry import load_model
 from verispec.online_costs import ForwardTiming, OnlineConfig, OnlineCosts, RoundTiming
 from verispec.options import SamplingParams
 from verispec.policies import AutoKConfig, ConstantK, CostModelK, KPolicy
+from verispec.sequence import EngineConfig, GenerationStats, Request
 
 MEASURED = [1.0, 1.13, 1.2, 1.13, 1.11, 1.15, 1.23, 1.25, 1.26, 1.29, 1.31, 1.32, 1.39, 1.42, 1.45, 1.5]
 CASES = [(0.02, 0.8), (0.02, 0.5), (0.2, 0.8), (0.05, 0.3)]  # (c, α): lookups and model drafts, good and poor

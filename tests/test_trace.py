@@ -13,10 +13,10 @@ from one_sequence import OneSequence
 from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.ngram import NGramDrafter
-from verispec.engine import EngineConfig, GenerationStats
 from verispec.options import SamplingParams
 from verispec.policies import ConstantK
 from verispec.sampling import probs_from_logits
+from verispec.sequence import EngineConfig, GenerationStats
 from verispec.trace import TokenFate, TokenProbs, Trace, TraceRecorder, token_texts
 
 V = 6

@@ -22,12 +22,13 @@ from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter, ModelTreeDrafter
 from verispec.drafting.ngram import NGramDrafter, NGramTreeDrafter
 from verispec.drafting.tree import TreeShape
-from verispec.engine import EngineConfig, GenerationStats, SpeculativeEngine
+from verispec.engine import SpeculativeEngine
 from verispec.models.hf import HFModel
 from verispec.models.registry import load_model
 from verispec.options import SamplingParams
 from verispec.policies import ConstantK
 from verispec.sampling import probs_from_logits
+from verispec.sequence import EngineConfig, GenerationStats
 from verispec.verify.tree import SiblingRule, sample_tree_verdict, sibling_rule
 
 V = 6

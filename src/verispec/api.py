@@ -28,7 +28,6 @@ from verispec.drafting.registry import DraftInputs
 from verispec.drafting.suffix_cache import SuffixCache, tokenizer_identity
 from verispec.drafting.tree import AUTO, TreeShape
 from verispec.driver import Collected, Driver
-from verispec.engine import EngineConfig, GenerationStats, Request, TokenLogprob
 from verispec.errors import UsageError
 from verispec.grammar.constraint import Constraint
 from verispec.grammar.rounds import GrammarState
@@ -47,6 +46,7 @@ from verispec.options import (
 )
 from verispec.policies import AdditiveK, ConstantK, CostModelK, KPolicy
 from verispec.resolve import Loadable, Parts, resolve
+from verispec.sequence import EngineConfig, GenerationStats, Request, TokenLogprob
 from verispec.text import Chunk, TextAssembler
 from verispec.trace import TraceRecorder
 

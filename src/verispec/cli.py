@@ -35,9 +35,9 @@ from verispec.files import check_writable
 from verispec.inputs import is_int
 
 if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
-    from verispec.engine import GenerationStats
     from verispec.grammar.constraint import Constraint
     from verispec.options import SamplingParams
+    from verispec.sequence import GenerationStats
     from verispec.trace import Trace
 
 __all__ = ["add_simulate_parser", "build_parser", "format_table", "main", "run_simulate"]
@@ -523,7 +523,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace, speculator, prompt: str, options, tracing: bool) -> int:
     """``verispec generate`` of one prompt by ``speculator``: the text streamed (or --json), the summary."""
-    from verispec.engine import GenerationStats
+    from verispec.sequence import GenerationStats
     from verispec.trace import TraceRecorder
 
     room = speculator.model.max_context - len(speculator.encode_prompt(prompt, args.chat))

@@ -18,9 +18,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from verispec.engine import Request, Running, SpeculativeEngine, TokenLogprob
+from verispec.engine import SpeculativeEngine
 from verispec.errors import UsageError
 from verispec.models.base import LanguageModel
+from verispec.sequence import Request, Running, TokenLogprob
 from verispec.text import Chunk, TextAssembler
 
 __all__ = ["Collected", "Driver", "Sink"]

@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, cast
 
 from verispec.driver import Driver
-from verispec.engine import GenerationStats, Request
 from verispec.errors import UsageError
 from verispec.inputs import is_int
+from verispec.sequence import GenerationStats, Request
 
 if TYPE_CHECKING:
     from verispec.api import Speculator

@@ -50,12 +50,12 @@ from verispec.api import Speculator, failure_message
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import DRAFTERS, drafter_names
 from verispec.drafting.suffix_cache import tokenizer_identity
-from verispec.engine import TokenLogprob
 from verispec.errors import UsageError
 from verispec.inputs import is_int, parse_json
 from verispec.models.base import LanguageModel, Tokenizer
 from verispec.options import GenerationOptions, ModelChoice, parse_k
 from verispec.scheduler import Handle, QueueFull, Scheduler, SchedulerFailed
+from verispec.sequence import TokenLogprob
 from verispec.server.metrics import ServerMetrics
 from verispec.server.schema import (
     ApiError,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from verispec.engine import GenerationStats
+from verispec.sequence import GenerationStats
 
 __all__ = ["ServerMetrics"]
 

@@ -11,7 +11,7 @@ whatever ``strict`` says (the schema is enforced either way). Every refusal is a
 an HTTP status and one line, written in OpenAI's error format by :func:`error_body`.
 
 Log-probabilities (chat: ``logprobs: true`` and ``top_logprobs: N``; completions: ``logprobs: N``; N ≤
-:data:`~verispec.options.MAX_LOGPROBS`) are the engine's (:class:`~verispec.engine.TokenLogprob`): the
+:data:`~verispec.options.MAX_LOGPROBS`) are the engine's (:class:`~verispec.sequence.TokenLogprob`): the
 log-softmax of the target's own logits at each token's prefix, before the sampling transform, read from the
 forward that verified the token.
 """
@@ -27,11 +27,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from verispec.engine import GenerationStats, TokenLogprob
 from verispec.errors import UsageError
 from verispec.grammar.constraint import Constraint
 from verispec.models.base import SpelledTokenizer, Tokenizer
 from verispec.options import MAX_LOGPROBS, SamplingParams
+from verispec.sequence import GenerationStats, TokenLogprob
 
 __all__ = [
     "ApiError",
