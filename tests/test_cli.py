@@ -9,6 +9,7 @@ from importlib.metadata import entry_points
 import pytest
 
 from verispec import cli
+from verispec.cli.generate import why_slower
 
 SMALL = ["--k", "1,3", "--agreement", "0.5,0.9", "--rounds", "2000", "--seed", "3"]
 HEADERS = ["mode", "agreement", "K", "acceptance", "tau MC", "tau analytic", "speedup MC", "speedup analytic"]
@@ -94,7 +95,7 @@ def test_interrupt_and_broken_pipe(capsys, monkeypatch, error, status, err):
         """Stand-in for simulate that is interrupted."""
         raise error
 
-    monkeypatch.setattr(cli, "simulate", fail)
+    monkeypatch.setattr("verispec.cli.viz.simulate", fail)
     assert run(capsys, "simulate") == (status, "", err)
 
 
@@ -238,6 +239,6 @@ def test_the_demo_says_why_a_drafter_ran_slower():
     """From the run's own stats: a round's verification and drafting in plain steps, and what it committed."""
     plain = {"total_seconds": 1.1, "prefill_seconds": 0.1, "target_calls": 100}  # a plain step: 10 ms
     stats = {"target_calls": 50, "target_seconds": 0.65, "draft_seconds": 0.5, "tokens_per_target_call": 1.6}
-    line = cli._why_slower(stats, plain)
+    line = why_slower(stats, plain)
     assert "1.30 plain steps to verify and 1.00 to draft, and committed 1.60 tokens" in line
     assert "\n" not in line

@@ -1,0 +1,109 @@
+"""The ``verispec`` command line (also ``python -m verispec``).
+
+Each subcommand is a pair of functions: ``add_<name>_parser(subparsers)`` declares its arguments and binds
+``run_<name>`` with ``set_defaults(func=...)``; ``run_<name>(args) -> int`` does the work and returns the exit
+status. To add one, write the pair and call ``add_<name>_parser`` from :func:`build_parser`.
+
+Error contract: bad usage (unknown flag or subcommand, unparsable value) and any
+:class:`~verispec.errors.UsageError` raised while running (the library's validation convention) print
+exactly one line ``verispec: error: <message>`` on stderr and exit with status 2. Any other exception is a
+bug (ours or a library's): one line ``verispec: internal error: ...`` asking for a report, exit status 1,
+and its traceback with ``--debug``. Ctrl-C exits with 130 after one line; a closed output pipe
+(``verispec ... | head``) exits quietly with 141 (128 + SIGPIPE, as a process killed by it would).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+
+from verispec import __version__
+from verispec.cli.batch import add_batch_parser
+from verispec.cli.bench import (
+    add_bench_gguf_parser,
+    add_bench_load_parser,
+    add_bench_parser,
+    add_bench_serve_parser,
+    add_bench_suffix_cache_parser,
+    add_write_gguf_parser,
+)
+from verispec.cli.common import PROG, Parser, format_table, warn
+from verispec.cli.drafters import add_calibrate_parser, add_drafter_data_parser, add_train_drafter_parser
+from verispec.cli.generate import add_demo_parser, add_generate_parser
+from verispec.cli.serve import add_serve_parser
+from verispec.cli.viz import add_simulate_parser, add_viz_parser
+from verispec.cores import use_threads
+from verispec.errors import UsageError
+
+__all__ = ["PROG", "build_parser", "format_table", "main", "warn"]
+
+_INTERNAL_ERROR = 1
+_USAGE_ERROR = 2
+_INTERRUPTED = 130  # 128 + SIGINT
+_BROKEN_PIPE = 141  # 128 + SIGPIPE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``verispec`` parser with all its subcommands."""
+    parser = Parser(prog=PROG, description="Exact speculative decoding for language models.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an internal error (a bug to report)"
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    add_generate_parser(subparsers)
+    add_batch_parser(subparsers)
+    add_demo_parser(subparsers)
+    add_simulate_parser(subparsers)
+    add_viz_parser(subparsers)
+    add_bench_parser(subparsers)
+    add_bench_load_parser(subparsers)
+    add_serve_parser(subparsers)
+    add_bench_serve_parser(subparsers)
+    add_bench_suffix_cache_parser(subparsers)
+    add_calibrate_parser(subparsers)
+    add_drafter_data_parser(subparsers)
+    add_train_drafter_parser(subparsers)
+    add_write_gguf_parser(subparsers)
+    add_bench_gguf_parser(subparsers)
+    return parser
+
+
+def _report(message: str, status: int) -> int:
+    """Print ``verispec: <message>`` as one line on stderr; return status."""
+    print(f"{PROG}: {' '.join(message.split())}", file=sys.stderr)
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default: sys.argv[1:]), run the subcommand, return the exit status (module doc)."""
+    args = None
+    try:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exit_:  # --help or --version: printed, status 0
+            return exit_.code if isinstance(exit_.code, int) else 0
+        if hasattr(args, "threads"):  # a command that runs a model
+            use_threads(args.threads)
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
+        return status
+    except UsageError as exc:
+        return _report(f"error: {exc}", _USAGE_ERROR)
+    except KeyboardInterrupt:
+        return _report("interrupted", _INTERRUPTED)
+    except BrokenPipeError:
+        try:  # nothing more can be written: send what Python flushes at exit to /dev/null
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is not a real file (e.g. captured); nothing to silence
+            pass
+        return _BROKEN_PIPE
+    except Exception as exc:  # a bug, ours or a library's: never presented as the user's mistake
+        if args is not None and args.debug:
+            traceback.print_exc()
+        hint = "" if args is not None and args.debug else "; run again with --debug for the traceback"
+        message = f"internal error: {type(exc).__name__}: {exc} (please report it{hint})"
+        return _report(message, _INTERNAL_ERROR)

@@ -1,0 +1,89 @@
+"""``verispec batch``: a JSONL file of requests, resumably, in-process or on Ray."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from verispec.cli.common import (
+    add_constraint_arguments,
+    add_invariant_argument,
+    add_model_arguments,
+    add_sampling_arguments,
+    add_suffix_arguments,
+    model_fields,
+    option_fields,
+    suffix_fields,
+)
+
+if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
+    pass
+
+__all__ = ["add_batch_parser", "run_batch"]
+
+
+def add_batch_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec batch``."""
+    parser = subparsers.add_parser(
+        "batch",
+        help="generate for a JSONL file of prompts, resumably, on this machine or on Ray",
+        description='Generate for every request of --input (one JSON object a line: {"id", "prompt"} or '
+        '{"id", "messages"}) and write one JSON line per request to --output, in input order: its id, '
+        "text, token ids and speculation stats (or an error). Work goes in shards, each written atomically "
+        "to OUTPUT.parts/ as it finishes: an interrupted run, started again with the same flags, continues "
+        "where it stopped. Each request samples with a seed derived from --seed and its id, so the output "
+        "is the same whatever --max-batch, --shard-size or --workers, sampled at --k auto too (invariant "
+        "draws, the default: --no-invariant opts out). --ray runs the shards on Ray Data.",
+    )
+    parser.add_argument("--input", required=True, metavar="FILE.jsonl", help="the requests")
+    parser.add_argument("--output", required=True, metavar="FILE.jsonl", help="the results")
+    add_model_arguments(parser)
+    add_suffix_arguments(parser)
+    add_sampling_arguments(parser, temperature=0.0)
+    parser.add_argument("--seed", type=int, help="the job's seed (default: random, kept for a resumed run)")
+    add_invariant_argument(parser)
+    parser.add_argument("--chat", action="store_true", help="wrap plain prompts in the model's chat template")
+    parser.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+    add_constraint_arguments(parser)
+    parser.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequences decoded at once (8)")
+    parser.add_argument(
+        "--shard-size", type=int, default=64, metavar="N", help="requests per shard, what resumes (64)"
+    )
+    parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        metavar="ADDRESS",
+        help="run the shards on Ray Data: the cluster at ADDRESS, or a local Ray started here",
+    )
+    parser.add_argument("--workers", type=int, default=1, metavar="N", help="Ray workers, one model each (1)")
+    parser.set_defaults(func=run_batch)
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    """Run ``verispec batch``."""
+    from verispec.batch import BatchJob, run_job
+
+    job = BatchJob(
+        input=args.input,
+        output=args.output,
+        **model_fields(args),
+        **suffix_fields(args),
+        **option_fields(args),
+        max_batch=args.max_batch,
+        shard_size=args.shard_size,
+        ray=args.ray,
+        workers=args.workers,
+    )
+    summary = run_job(job)
+    refused = f"; {summary['refused']} refused (error records)" if summary["refused"] else ""
+    before = summary["resumed"]
+    resumed = f", {before} of {summary['shards']} shards from before" if before else ""
+    print(
+        f"verispec batch: {summary['requests']} requests written to {job.output}{resumed}{refused}; "
+        f"{summary['tokens']} tokens in {summary['seconds']:.1f} s "
+        f"({summary['tokens'] / max(summary['seconds'], 1e-9):.1f} tok/s)",
+        file=sys.stderr,
+    )
+    return 0

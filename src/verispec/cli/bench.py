@@ -1,0 +1,417 @@
+"""The measuring commands: ``bench``, ``bench-load``, ``bench-serve``, ``bench-suffix-cache``, ``write-gguf``
+and ``bench-gguf``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from verispec.cli.common import (
+    add_model_specs,
+    add_threads_argument,
+    list_of,
+    no_draft_model,
+    show_results,
+)
+from verispec.drafting.registry import drafter_names
+from verispec.errors import UsageError
+
+if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
+    pass
+
+__all__ = [
+    "add_bench_gguf_parser",
+    "add_bench_load_parser",
+    "add_bench_parser",
+    "add_bench_serve_parser",
+    "add_bench_suffix_cache_parser",
+    "add_write_gguf_parser",
+    "run_bench",
+    "run_bench_gguf",
+    "run_bench_load",
+    "run_bench_serve",
+    "run_bench_suffix_cache",
+    "run_write_gguf",
+]
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec bench``."""
+    from verispec.bench.methods import METHODS, TASKS, TREE_METHODS
+
+    parser = subparsers.add_parser(
+        "bench",
+        help="run the task suite with every method, verispec and transformers side by side",
+        description="Run a task suite with verispec's drafters and transformers' own generation (plain, "
+        "assisted, prompt lookup) on the same weights; write results.json, results.md and PNG charts into "
+        "--out, and print the tables. Greedy outputs are checked against verispec none, token for token.",
+    )
+    add_model_specs(parser)
+    parser.add_argument(
+        "--tasks",
+        type=list_of(str, "task names"),
+        help=f"comma-separated, of {', '.join(TASKS)} (default: all)",
+    )
+    parser.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help='a JSONL file of more prompts: {"prompt": ...} or {"messages": [...]} per line, optional "id" '
+        'and "task" (default task: the file name)',
+    )
+    parser.add_argument(
+        "--methods",
+        type=list_of(str, "method names"),
+        help=f"comma-separated (default: all that apply): {', '.join(METHODS)}",
+    )
+    parser.add_argument(
+        "--drafter-path",
+        metavar="FILE",
+        help=f"a learned drafter for the method of its kind ({drafter_names(lambda kind: kind.learned)}); "
+        "the others use the ones shipped for the target, if any",
+    )
+    parser.add_argument(
+        "--k",
+        type=list_of(str, "values"),
+        default="4,auto",
+        help="draft lengths, comma-separated: N or auto (default: %(default)s); transformers use the numbers",
+    )
+    parser.add_argument(
+        "--trees",
+        type=list_of(str, "tree shapes"),
+        default=(),
+        help=f"token-tree shapes for the tree methods ({', '.join(TREE_METHODS)}), comma-separated: WxD "
+        "(width x depth) or a JSON shape file; each tree of N nodes runs beside its chain method at "
+        "K = N - 1 (default: none)",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="per prompt (default: %(default)s)")
+    parser.add_argument(
+        "--temperature",
+        type=list_of(float, "numbers"),
+        default="0",
+        help="comma-separated; 0 is greedy, T > 0 samples (default: %(default)s)",
+    )
+    parser.add_argument("--repetitions", type=int, default=3, help="timed runs per cell (default: 3)")
+    parser.add_argument("--prompts-per-task", type=int, metavar="N", help="the first N prompts of each task")
+    add_threads_argument(parser)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled runs (default: 0)")
+    parser.add_argument("--out", metavar="DIR", help="output directory (default: results/bench-TIMESTAMP)")
+    parser.add_argument(
+        "--recalibrate", action="store_true", help="measure the costs again first (default: the cached ones)"
+    )
+    parser.add_argument(
+        "--goals",
+        metavar="FILE",
+        help="a TOML file of speed goals to judge in the report (this project's: docs/bench/goals.toml)",
+    )
+    parser.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run ``verispec bench``: print the Markdown tables; the files go to --out."""
+    from verispec.bench.report import markdown
+    from verispec.bench.suite import Bench, BenchConfig, plan_methods, select_tasks
+    from verispec.viz.charts import chart_directory
+
+    config = BenchConfig(
+        target=args.target or BenchConfig.target,
+        tokenizer=args.tokenizer,
+        draft=args.draft,
+        draft_tokenizer=args.draft_tokenizer,
+        drafter_path=args.drafter_path,
+        tasks=args.tasks,
+        prompts_file=args.prompts,
+        methods=args.methods,
+        ks=args.k,
+        trees=args.trees,
+        max_new_tokens=args.max_new_tokens,
+        temperatures=args.temperature,
+        repetitions=args.repetitions,
+        prompts_per_task=args.prompts_per_task,
+        threads=args.threads,
+        seed=args.seed,
+        out=args.out or "",
+        recalibrate=args.recalibrate,
+        goals=args.goals,
+        precision=args.precision,
+    )
+    tasks = select_tasks(config)  # every check that needs no model, before loading one
+    methods, notes = plan_methods(config)
+    chart_directory(config.out)
+    results = Bench(config, tasks, methods, notes).run()
+    print(markdown(results))
+    print(f"results written to {config.out}", file=sys.stderr)
+    return 0
+
+
+def add_bench_load_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec bench-load``."""
+    from verispec.bench.methods import LOAD_METHODS
+
+    parser = subparsers.add_parser(
+        "bench-load",
+        help="many requests at once: aggregate tokens/s, time to first token, inter-token latency",
+        description="At each concurrency C, C clients keep C requests in flight through a continuous batch "
+        "of C slots; report aggregate tokens/s, time to first token and inter-token latency (p50, p99) per "
+        "method, beside transformers' batched generate; write results.json, results.md and a chart to --out.",
+    )
+    add_model_specs(parser)
+    parser.add_argument(
+        "--methods",
+        type=list_of(str, "method names"),
+        default="none,ngram,auto,transformers",
+        help=f"comma-separated, of {', '.join(LOAD_METHODS)} (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--k", type=list_of(str, "values"), default="auto", help="draft lengths: N or auto (default: auto)"
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=list_of(int, "integers"),
+        default="1,4,8,16",
+        help="concurrent requests, comma-separated (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        help="requests at every concurrency, the same ones (default: 4 x the highest C, at least 8)",
+    )
+    parser.add_argument(
+        "--repetitions",
+        type=int,
+        default=1,
+        help="runs of every verispec cell, the methods taking turns at each C; tok/s: the median run "
+        "(default: %(default)s)",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="per request (default: %(default)s)")
+    add_threads_argument(parser)
+    parser.add_argument("--out", metavar="DIR", help="output directory (default: results/bench-load-STAMP)")
+    parser.set_defaults(func=run_bench_load)
+
+
+def run_bench_load(args: argparse.Namespace) -> int:
+    """Run ``verispec bench-load``: print the table; the files go to --out."""
+    import datetime
+
+    from verispec.bench.load import LoadConfig, run_load, write_load_report
+
+    no_draft_model(args, "bench-load")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    config = LoadConfig(
+        target=args.target or LoadConfig.target,
+        tokenizer=args.tokenizer,
+        precision=args.precision,
+        methods=tuple(args.methods),
+        ks=tuple(args.k),
+        concurrency=tuple(args.concurrency),
+        requests=args.requests,
+        repetitions=args.repetitions,
+        max_new_tokens=args.max_new_tokens,
+        threads=args.threads,
+        out=args.out or f"results/bench-load-{stamp}",
+    )
+    out = write_load_report(run_load(config), config.out)
+    return show_results(out)
+
+
+def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec bench-serve``."""
+    parser = subparsers.add_parser(
+        "bench-serve",
+        help="load the server on loopback: failures, tokens/s, latency, memory, what HTTP costs",
+        description="Start `verispec serve` on a free loopback port; --clients streaming clients keep a "
+        "request each in flight for --seconds (every --disconnect-every-th request hangs up after its first "
+        "token); report completed requests, failures, whether every disconnect was freed, tokens/s, time to "
+        "first token and inter-token latency p50/p99 and the server's memory at start and end; then the "
+        "engine alone on the same work. Writes results.json and results.md to --out.",
+    )
+    add_model_specs(parser)
+    parser.add_argument(
+        "--drafter",
+        default="auto",
+        help="the server's drafter (default: auto); suffix-warm: suffix, every prompt once through it first",
+    )
+    parser.add_argument("--k", default="auto", help="the server's K (default: auto)")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent streaming clients (default: 8)")
+    parser.add_argument("--seconds", type=float, default=30.0, help="how long they keep at it (default: 30)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="per request (default: 64)")
+    parser.add_argument(
+        "--disconnect-every", type=int, default=10, metavar="N", help="every N-th request hangs up (0: none)"
+    )
+    parser.add_argument("--no-engine", action="store_true", help="skip the engine-alone comparison")
+    add_threads_argument(parser)
+    parser.add_argument("--out", metavar="DIR", help="output directory (default: results/bench-serve-STAMP)")
+    parser.set_defaults(func=run_bench_serve)
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    """Run ``verispec bench-serve``: print the table; the files go to --out."""
+    import datetime
+
+    from verispec.bench.serve import ServeLoadConfig, run_serve_load, write_serve_report
+
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    config = ServeLoadConfig(
+        target=args.target or ServeLoadConfig.target,
+        tokenizer=args.tokenizer,
+        precision=args.precision,
+        drafter=args.drafter,
+        k=args.k,
+        clients=args.clients,
+        seconds=args.seconds,
+        max_tokens=args.max_tokens,
+        disconnect_every=args.disconnect_every,
+        engine=not args.no_engine,
+        out=args.out or f"results/bench-serve-{stamp}",
+    )
+    no_draft_model(args, "bench-serve")
+    out = write_serve_report(run_serve_load(config), config.out)
+    return show_results(out)
+
+
+def add_bench_suffix_cache_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec bench-suffix-cache``."""
+    parser = subparsers.add_parser(
+        "bench-suffix-cache",
+        help="the suffix cache at its budget: memory after many requests, a lookup against a target step",
+        description="Fill a suffix cache of --budget tokens with --requests synthetic outputs (Zipf-drawn "
+        "phrases of the target's token ids), recording its size and the process's memory growth; then time "
+        "the suffix drafter's chain (--k tokens) and tree (--tree) proposals in the full cache against the "
+        "target's plain decoding step, in turns. Writes results.json and results.md to --out.",
+    )
+    parser.add_argument("--target", metavar="SPEC", help="target model (default: smollm2-135m)")
+    parser.add_argument("--tokenizer", metavar="FILE", help="tokenizer file, for llama2.c checkpoints")
+    parser.add_argument("--requests", type=int, default=10_000, help="outputs added (default: 10000)")
+    parser.add_argument(
+        "--budget", type=int, default=1_000_000, help="the cache's budget in tokens (default: 1000000)"
+    )
+    parser.add_argument("--lookups", type=int, default=400, help="proposals timed (default: 400)")
+    parser.add_argument("--k", type=int, default=8, help="a chain proposal's tokens (default: 8)")
+    parser.add_argument("--tree", default="2x4", help="a tree proposal's shape (default: 2x4)")
+    add_threads_argument(parser)
+    parser.add_argument(
+        "--out", metavar="DIR", help="output directory (default: results/bench-suffix-cache-STAMP)"
+    )
+    parser.set_defaults(func=run_bench_suffix_cache)
+
+
+def run_bench_suffix_cache(args: argparse.Namespace) -> int:
+    """Run ``verispec bench-suffix-cache``: print the tables; the files go to --out."""
+    import datetime
+
+    from verispec.bench.suffix_cache import (
+        SuffixCacheBenchConfig,
+        run_suffix_cache_bench,
+        write_suffix_cache_report,
+    )
+    from verispec.options import DEFAULT_MODEL
+
+    out = args.out or f"results/bench-suffix-cache-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    config = SuffixCacheBenchConfig(
+        target=args.target or DEFAULT_MODEL,
+        tokenizer=args.tokenizer,
+        requests=args.requests,
+        budget=args.budget,
+        lookups=args.lookups,
+        k=args.k,
+        tree=args.tree,
+    )
+    return show_results(write_suffix_cache_report(run_suffix_cache_bench(config), out).parent)
+
+
+def add_write_gguf_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec write-gguf``."""
+    parser = subparsers.add_parser(
+        "write-gguf",
+        help="write a random-weight Llama GGUF file of a given shape and tensor type (for speed runs)",
+        description="Write a GGUF file of a Llama-3-shaped model with random weights in one tensor type, "
+        "quickly (random blocks with sane scales, tensor by tensor), with a minimal tokenizer: speed does "
+        "not depend on the weights' values, so such a file measures the regime of large models without "
+        "downloading one. Its outputs are meaningless: never report their acceptance.",
+    )
+    parser.add_argument("--out", required=True, metavar="FILE.gguf", help="the file to write (atomically)")
+    parser.add_argument(
+        "--shape",
+        required=True,
+        help="llama3-1b, llama3-3b, or hidden=H,layers=L,heads=N,kv_heads=K,ffn=F,vocab=V "
+        "[,tied=0|1][,rope_base=B][,rope_factor=X|none][,context=C]",
+    )
+    parser.add_argument("--type", required=True, help="Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K or F16")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    parser.set_defaults(func=run_write_gguf)
+
+
+def run_write_gguf(args: argparse.Namespace) -> int:
+    """Run ``verispec write-gguf``: check every argument, write the file, print where it is."""
+    from verispec.models.gguf_write import parse_shape, write_random_gguf
+
+    path = write_random_gguf(args.out, parse_shape(args.shape), args.type, args.seed)
+    print(f"random-weight GGUF written to {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+def add_bench_gguf_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec bench-gguf``."""
+    parser = subparsers.add_parser(
+        "bench-gguf",
+        help="GGUF files in place on the native kernels: tok/s against llama.cpp and the read limit, v(k)",
+        description="Per GGUF file: memory added by loading, load time, decoding's time per token against "
+        "the bandwidth limit of the weights' bytes, the verification cost v(k) for k = 1..max-k, prefill, "
+        "llama.cpp on the same file (default settings; where `make peers` installed it), and the speedup "
+        "the measured v(k) gives a drafter of known acceptance. --random SHAPE:TYPE measures a random-weight "
+        "file (e.g. llama3-1b:Q4_K), written once into verispec's cache: speed does not depend on the "
+        "weights' values, which are meaningless (no acceptance is measured on them).",
+    )
+    parser.add_argument("files", nargs="*", metavar="FILE.gguf", help="GGUF files to measure")
+    parser.add_argument(
+        "--random",
+        action="append",
+        default=[],
+        metavar="SHAPE:TYPE",
+        help="a random-weight file: llama3-1b, llama3-3b or explicit dims (see write-gguf), and a type",
+    )
+    add_threads_argument(parser)
+    parser.add_argument(
+        "--context", type=int, default=256, help="positions before the timed tokens (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--prefill", type=int, default=128, help="prompt tokens timed for prefill (default: %(default)s)"
+    )
+    parser.add_argument("--max-k", type=int, default=8, help="v(k) for k = 1..max-k (default: %(default)s)")
+    parser.add_argument("--repetitions", type=int, default=7, help="timed turns (default: %(default)s)")
+    parser.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out")
+    parser.add_argument("--out", metavar="DIR", help="output directory (default: results/bench-gguf-STAMP)")
+    parser.set_defaults(func=run_bench_gguf)
+
+
+def run_bench_gguf(args: argparse.Namespace) -> int:
+    """Run ``verispec bench-gguf``: check every argument, measure each file, print the tables."""
+    import datetime
+
+    import torch
+
+    from verispec.bench.gguf import FileBenchConfig, bench_file, random_file, read_bandwidth, write_report
+
+    for name, least in (("context", 1), ("prefill", 2), ("max_k", 1), ("repetitions", 1)):
+        if getattr(args, name) < least:
+            raise UsageError(
+                f"--{name.replace('_', '-')} must be an integer >= {least}, got {getattr(args, name)}"
+            )
+    files = [Path(f) for f in args.files]
+    for path in files:
+        if path.suffix != ".gguf" or not path.is_file():
+            raise UsageError(f"no such GGUF file: {path}")
+    if not files and not args.random:
+        raise UsageError("give GGUF files, or --random SHAPE:TYPE")
+    files += [random_file(spec) for spec in args.random]
+    threads = args.threads or torch.get_num_threads()
+    config = FileBenchConfig(
+        tuple(files), threads, args.context, args.prefill, args.max_k, args.repetitions, not args.no_llamacpp
+    )
+    bandwidth = read_bandwidth(threads)
+    results = [bench_file(path, config, bandwidth) for path in files]
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = write_report(results, config, Path(args.out or f"results/bench-gguf-{stamp}"))
+    return show_results(out)

@@ -1,0 +1,343 @@
+"""``verispec generate`` (one prompt, ``--batch`` a file of them, traces) and ``verispec demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from verispec.cli.common import (
+    across_fields,
+    add_constraint_arguments,
+    add_invariant_argument,
+    add_model_arguments,
+    add_sampling_arguments,
+    add_suffix_arguments,
+    model_fields,
+    option_fields,
+    suffix_fields,
+    tree_shape_of,
+    warn,
+)
+from verispec.drafting.registry import AUTO as AUTO_DRAFTER
+from verispec.drafting.registry import drafter_names
+from verispec.errors import UsageError
+from verispec.files import check_writable
+from verispec.inputs import is_int
+
+if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
+    from verispec.sequence import GenerationStats
+    from verispec.trace import Trace
+
+__all__ = ["DEMO_PROMPT", "add_demo_parser", "add_generate_parser", "run_demo", "run_generate", "why_slower"]
+
+
+def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec generate``."""
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate text with speculative decoding",
+        description="Generate text from PROMPT (or standard input) with speculative decoding; the text "
+        "streams to stdout and a one-line summary goes to stderr (--json: one JSON object on stdout).",
+    )
+    parser.add_argument(
+        "prompt", nargs="?", metavar="PROMPT", help="the prompt (default: read standard input)"
+    )
+    add_model_arguments(parser)
+    add_suffix_arguments(parser)
+    add_sampling_arguments(parser, temperature=0.0)
+    parser.add_argument("--seed", type=int, help="seed of all sampling (default: random)")
+    add_invariant_argument(parser)
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    add_constraint_arguments(parser)
+    parser.add_argument(
+        "--batch",
+        metavar="FILE.jsonl",
+        help='generate for every request of a JSONL file ({"id", "prompt"} or {"id", "messages"} per line; '
+        "messages are a chat) in a continuous batch; --json: one JSON line per request",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        metavar="N",
+        help="sequences decoded at once with --batch (default: 8)",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="FILE.html",
+        help="write a token-fate trace: one self-contained HTML file, each token coloured by its fate",
+    )
+    parser.add_argument(
+        "--show-trace",
+        action="store_true",
+        help="print the text as a token-fate trace (ANSI colours on a terminal, else [recovered] {bonus} "
+        "~rejected~ markers) instead of streaming it",
+    )
+    tree = parser.add_argument_group(
+        "token trees",
+        f"the {drafter_names(lambda kind: kind.takes_trees)} drafter proposes a tree of alternatives each "
+        "round, scored by the target in one forward (give no --k with one)",
+    )
+    tree.add_argument("--tree-width", type=int, metavar="W", help="children of every tree node")
+    tree.add_argument("--tree-depth", type=int, metavar="D", help="draft tokens on each root-to-leaf path")
+    tree.add_argument(
+        "--tree-shape",
+        metavar="FILE",
+        help="a JSON tree shape: a list of paths of child ranks, e.g. [[0], [1], [0, 0]]",
+    )
+    tree.add_argument(
+        "--tree-nodes",
+        metavar="N|auto",
+        help="a dynamic tree (eagle drafter, EAGLE-2): each round expands the likeliest nodes of the shape "
+        "and verifies its N likeliest draft nodes, or with auto as many as this machine's calibrated costs "
+        "pay for",
+    )
+    parser.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Run ``verispec generate``."""
+    from verispec.drafting.tree import AUTO
+    from verispec.options import GenerationOptions
+
+    if args.batch is not None:
+        return _run_batch(args)
+    prompt = args.prompt if args.prompt is not None else _read_stdin()
+    options = GenerationOptions(**option_fields(args))  # every argument checked before a model loads
+    sampling = options.sampling
+    if args.show_trace and args.json:
+        raise UsageError("--show-trace and --json both write to standard output: choose one")
+    if args.trace is not None:
+        check_writable(args.trace)
+    tree = tree_shape_of(args)
+    if tree is not None and args.k is not None:
+        raise UsageError(
+            "--k is not used with a token tree (its shape sets what each round drafts): leave it out"
+        )
+    tracing = args.trace is not None or args.show_trace
+    if tree is not None and tracing:
+        raise UsageError("token-fate traces record chain rounds only, not token trees")
+    if tracing and sampling.invariant and not sampling.greedy:
+        raise UsageError(
+            "token-fate traces show rejection sampling's odds, not invariant draws (a seed's default): "
+            "add --no-invariant"
+        )
+    if tree is None and args.k is None and not tracing:
+        tree = AUTO  # the learned drafter's tree, where it drafts
+    from verispec.options import ModelChoice
+
+    choice = ModelChoice(**model_fields(args), **suffix_fields(args))
+    speculator = choice.speculator(tree=tree)
+    try:
+        return _generate(args, speculator, prompt, options, tracing)
+    finally:  # Ctrl-C too
+        choice.save_suffix_cache(speculator.suffix_cache)
+
+
+def _generate(args: argparse.Namespace, speculator, prompt: str, options, tracing: bool) -> int:
+    """``verispec generate`` of one prompt by ``speculator``: the text streamed (or --json), the summary."""
+    from verispec.sequence import GenerationStats
+    from verispec.trace import TraceRecorder
+
+    room = speculator.model.max_context - len(speculator.encode_prompt(prompt, args.chat))
+    if 0 < room < args.max_new_tokens:  # no room at all: generation refuses the prompt, in one line
+        warn(
+            f"--max-new-tokens {args.max_new_tokens} is more than the target's context of "
+            f"{speculator.model.max_context} tokens leaves after this prompt: at most {room} new tokens"
+        )
+    recorder = TraceRecorder() if tracing else None
+    if args.json:
+        result = speculator.generate(prompt, options, trace=recorder)
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats}))
+        stats = result.stats
+    else:
+        live = GenerationStats(speculator.drafter_name, speculator.k_label(options.k))
+        for chunk in speculator.stream(prompt, options, stats=live, trace=recorder):
+            if not args.show_trace:  # the trace shows the text instead
+                print(chunk.text, end="", flush=True)
+        if not args.show_trace:
+            print()
+        print(_summary(live), file=sys.stderr)
+        stats = live.as_dict()
+    if recorder is not None:
+        _output_trace(args, recorder.finish(speculator.tokenizer, stats, prompt, _trace_settings(args)))
+    return 0
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    """``verispec generate --batch FILE``: every request in a continuous batch of --max-batch sequences."""
+    from verispec.options import GenerationOptions
+
+    if args.prompt is not None:
+        raise UsageError("give PROMPT or --batch FILE, not both")
+    if args.trace is not None or args.show_trace or tree_shape_of(args) is not None:
+        raise UsageError("--batch decodes chains: no traces, no token trees")
+    if not is_int(args.max_batch) or args.max_batch < 1:
+        raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
+    options = GenerationOptions(**option_fields(args))
+    from verispec.batch import generate_requests, read_requests, record
+    from verispec.options import ModelChoice
+
+    requests = read_requests(args.batch)  # refused before a model loads when no line is a request
+    choice = ModelChoice(**model_fields(args), **suffix_fields(args))
+    speculator = choice.speculator()
+    start = time.perf_counter()
+    try:
+        results = generate_requests(speculator, requests, options, slots=args.max_batch)
+    finally:  # Ctrl-C too
+        choice.save_suffix_cache(speculator.suffix_cache)
+    seconds = time.perf_counter() - start
+    tokens = 0
+    for (ident, _, _), result in zip(requests, results, strict=True):
+        tokens += len(result.token_ids)
+        if args.json:
+            print(json.dumps(record(ident, result)))
+        elif result.error:
+            print(f"--- {ident}: error: {result.error}")
+        else:
+            print(f"--- {ident} ---\n{result.text.strip()}\n")
+    failed = sum(1 for r in results if r.error)
+    print(
+        f"[batch of {len(requests)}, {args.max_batch} at a time] {tokens} tokens in {seconds:.2f} s: "
+        f"{tokens / seconds:.1f} tokens/s" + (f"; {failed} refused" if failed else ""),
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _trace_settings(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """The header items of a trace that the stats do not hold: models and sampling settings."""
+    from verispec.options import DEFAULT_MODEL
+
+    items = [("target", args.target or DEFAULT_MODEL)]
+    if args.draft is not None:
+        items.append(("draft", args.draft))
+    items.append(("temperature", f"{args.temperature:g}"))
+    transforms = (("top-k", args.top_k, 0), ("top-p", args.top_p, 1.0), ("min-p", args.min_p, 0.0))
+    items += [(name, f"{value:g}") for name, value, default in transforms if value != default]
+    items.append(("seed", "random" if args.seed is None else str(args.seed)))
+    if args.invariant:
+        items.append(("draws", "invariant"))
+    return tuple(items)
+
+
+def _output_trace(args: argparse.Namespace, trace: Trace) -> None:
+    """Print the trace (--show-trace) and write its HTML file (--trace)."""
+    from verispec.viz.trace import trace_terminal, write_trace_html
+
+    if args.show_trace:
+        print(trace_terminal(trace, colour=sys.stdout.isatty()), end="")
+    if args.trace is not None:
+        print(f"trace written to {write_trace_html(trace, args.trace)}", file=sys.stderr)
+
+
+def _read_stdin() -> str:
+    if sys.stdin is None or sys.stdin.isatty():
+        raise UsageError("no prompt: give PROMPT or pipe it on standard input")
+    return sys.stdin.read()
+
+
+def _summary(stats: GenerationStats) -> str:
+    return (
+        f"[{stats.drafter}, k={stats.k}] {stats.new_tokens} tokens in {stats.total_seconds:.2f} s: "
+        f"{stats.tokens_per_second:.1f} tokens/s, {stats.tokens_per_target_call:.2f} tokens per target call, "
+        f"acceptance {stats.acceptance_rate:.2f}"
+    )
+
+
+DEMO_PROMPT = (
+    "Correct the spelling mistakes in this text and write it out again in full:\n\n"
+    "Speculative decoding lets a smal draft model propose several tokens, and the large target model "
+    "checks them all in one pass. When the draft is rigt, many tokens are acepted at once; when it is "
+    "wrong, the target still produces the correct next token, so the output is exactly the same."
+)
+
+
+def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec demo``."""
+    parser = subparsers.add_parser(
+        "demo",
+        help="compare plain and speculative decoding on an input-grounded prompt",
+        description="Generate greedily for a prompt that copies its input with --drafter none, then with the "
+        "chosen drafter (by default: ngram, and the learned drafter shipped for the target when there is "
+        "one), check that the outputs are identical, and print the speedups.",
+    )
+    add_model_arguments(parser)
+    parser.add_argument("--prompt", default=DEMO_PROMPT, help="the prompt (default: a spelling correction)")
+    parser.set_defaults(func=run_demo, max_new_tokens=96)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Run ``verispec demo``: exit status 1 if any speculative output differs from plain decoding's."""
+    from verispec.drafting.tree import AUTO
+    from verispec.options import GenerationOptions
+
+    k = AUTO if args.k is None else args.k
+    options = GenerationOptions(k=k, max_new_tokens=args.max_new_tokens, chat=True)  # greedy
+    from verispec.api import Speculator  # loads transformers: once every argument is checked
+    from verispec.drafting.learned.kinds import shipped_drafter
+    from verispec.options import DEFAULT_MODEL
+
+    plain = Speculator(args.target, drafter="none", tokenizer=args.tokenizer, precision=args.precision)
+    loaded = (plain.model, plain.tokenizer)  # shared: the target is loaded once
+    label = args.target or DEFAULT_MODEL  # names the loaded target: auto finds the drafter shipped for it
+    tree = AUTO if args.k is None else None  # the learned drafter's tree, unless a K is asked for
+    chosen = Speculator(
+        loaded,
+        args.draft,
+        args.drafter,
+        drafter_path=args.drafter_path,
+        target_label=label,
+        tree=tree,
+        precision=args.precision,
+        **across_fields(args),
+    )
+    speculators = {"none": plain}
+    if args.drafter == AUTO_DRAFTER and args.draft is None:  # auto's choice and the other one beside it
+        speculators["ngram"] = Speculator(loaded, drafter="ngram")
+        if args.drafter_path is not None or shipped_drafter(label) is not None:
+            speculators["eagle"] = Speculator(
+                loaded, drafter="eagle", drafter_path=args.drafter_path, target_label=label, tree=tree
+            )
+        print(f"drafter auto chooses {chosen.drafter_name} for this target on this machine\n")
+    speculators[chosen.drafter_name] = chosen
+    plain.generate(args.prompt, options, max_new_tokens=4)  # warm-up: first-call overheads
+    results = {}
+    for name, speculator in speculators.items():
+        results[name] = speculator.generate(args.prompt, options)
+        print(f"--- {name} ---\n{results[name].text.strip()}\n")
+    base = results["none"]
+    for name, result in results.items():
+        s = result.stats
+        speedup = s["tokens_per_second"] / base.stats["tokens_per_second"]
+        same = (
+            ""
+            if name == "none"
+            else f"; identical to none: {'yes' if result.token_ids == base.token_ids else 'NO'}"
+        )
+        print(
+            f"{name:>6}: {s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tokens/s ({speedup:.2f}x), "
+            f"{s['tokens_per_target_call']:.2f} tokens per target call{same}"
+        )
+        if name != "none" and speedup < 1:
+            print(why_slower(s, base.stats))
+    return 0 if all(r.token_ids == base.token_ids for r in results.values()) else 1
+
+
+def why_slower(stats: Mapping[str, Any], plain: Mapping[str, Any]) -> str:
+    """Why a drafter ran slower than plain decoding, from what the run measured: a round's cost in plain
+    decoding steps (verifying, drafting) against the tokens it committed."""
+    step = (plain["total_seconds"] - plain["prefill_seconds"]) / max(1, plain["target_calls"])
+    rounds = max(1, stats["target_calls"])
+    verify, draft = stats["target_seconds"] / rounds / step, stats["draft_seconds"] / rounds / step
+    return (
+        f"        slower here: a round cost {verify:.2f} plain steps to verify and {draft:.2f} to draft, and "
+        f"committed {stats['tokens_per_target_call']:.2f} tokens; speculation pays when a round commits more "
+        "tokens than it costs steps (README: Adaptive K)"
+    )

@@ -1,0 +1,106 @@
+"""``verispec serve``: the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from verispec.cli.common import (
+    add_drafter_arguments,
+    add_suffix_arguments,
+    model_fields,
+    suffix_fields,
+    warn,
+)
+from verispec.errors import UsageError
+
+if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
+    pass
+
+__all__ = ["SERVER_LIMITS", "add_serve_parser", "run_serve"]
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Declare ``verispec serve``."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server over the batched engine",
+        description="Serve the OpenAI API (POST /v1/completions and /v1/chat/completions, streamed or not; "
+        "GET /v1/models, /health, /metrics) with speculative decoding of up to --max-batch requests at once. "
+        "Every response carries usage and a verispec object: drafter, K, target calls, acceptance by "
+        "position. Requests may name their own drafter, k, top_k and min_p in the body.",
+    )
+    add_drafter_arguments(parser)
+    add_suffix_arguments(parser)
+    parser.add_argument(
+        "--share-suffix-cache",
+        action="store_true",
+        help="one suffix cache for every --api-key tenant (default: one each, saved as FILE.<tenant>.npz)",
+    )
+    parser.add_argument(
+        "--k", default="auto", help="K of requests naming none: N, additive or auto (default)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, only here)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: a free one)")
+    parser.add_argument("--max-batch", type=int, default=8, metavar="N", help="requests decoded at once (8)")
+    parser.add_argument(
+        "--max-queue", type=int, default=64, metavar="N", help="requests waiting; more: 429 (64)"
+    )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="require Authorization: Bearer KEY on /v1 routes (repeatable: each key a tenant)",
+    )
+    parser.add_argument(
+        "--model-name", metavar="NAME", help="the model id clients name (default: the target's)"
+    )
+    limits = parser.add_argument_group("limits (README: Serving; unset: ServerConfig's defaults)")
+    for flag, kind, meta, text in (
+        ("--max-connections", int, "N", "open connections; at the cap a new one closes an idle one (512)"),
+        ("--keep-alive", float, "S", "seconds an idle keep-alive connection stays open (5)"),
+        ("--header-timeout", float, "S", "seconds for a request's headers to arrive (10)"),
+        ("--body-timeout", float, "S", "seconds for a request's body to arrive; slower: 408 (30)"),
+        ("--max-body", int, "BYTES", "a request body's size; larger: 413 (4194304)"),
+    ):
+        limits.add_argument(flag, type=kind, metavar=meta, help=text)
+    parser.set_defaults(func=run_serve)
+
+
+SERVER_LIMITS = ("max_connections", "keep_alive", "header_timeout", "body_timeout", "max_body")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run ``verispec serve`` until interrupted."""
+    from verispec.server.app import Server, ServerConfig, exposed, listen, run
+
+    config = ServerConfig(
+        **model_fields(args),
+        **suffix_fields(args),
+        share_suffix_cache=args.share_suffix_cache,
+        k=args.k,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        api_key=tuple(args.api_key) if args.api_key else None,
+        model_name=args.model_name,
+        **{name: value for name in SERVER_LIMITS if (value := getattr(args, name)) is not None},
+    )
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    sock = listen(args.host, args.port)  # before the model loads: a taken port fails at once
+    host, port = sock.getsockname()[:2]
+    if exposed(host) and config.api_key is None:
+        warn(
+            f"{host} is reachable from other machines and no --api-key is set: anyone who can reach it can "
+            "generate (bind 127.0.0.1, or give --api-key)"
+        )
+    server = Server(config)
+    print(
+        f"verispec: serving {server.name} (drafter {server.default.drafter_name}) on http://{host}:{port}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
+    run(server, sock)
+    print("verispec: stopped", file=sys.stderr)
+    return 0
