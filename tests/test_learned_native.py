@@ -20,6 +20,7 @@ from verispec.drafting.learned.eagle_drafter import EagleTreeDrafter
 from verispec.drafting.learned.head import LearnedHead
 from verispec.drafting.tree import TreeShape
 from verispec.engine import GenerationStats
+from verispec.kernels.threads import THREADS
 from verispec.models.llama import Llama
 from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
@@ -64,7 +65,8 @@ def draft_features(head: LearnedHead, features: torch.Tensor, target: Llama) -> 
 @pytest.mark.parametrize("kind", KINDS)
 def test_native_heads_are_the_float32_heads_rounded(target, kind):
     """Features and draft logits of the native head within q8_0's rounding of the float32 head's; the eagle
-    head's cache in the kernels' tiled float16 layout."""
+    head's cache in the kernels' tiled float16 layout, its forwards not timed for the kernels' thread
+    choice."""
     plain = random_head(target, kind)
     native = native_copy(plain)
     features = torch.randn(7, target.config.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -75,6 +77,10 @@ def test_native_heads_are_the_float32_heads_rounded(target, kind):
     torch.testing.assert_close(lb, la, atol=0.05 * float(la.abs().max()), rtol=0.05)
     if isinstance(native, EagleHead):
         assert native.new_cache().tiled
+        calls = THREADS.calls
+        with torch.no_grad():
+            draft_features(native, features, target)
+        assert THREADS.calls == calls  # the kernels' thread count follows the target's forwards alone
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -821,9 +821,12 @@ def pack_fitting(weight: Tensor, bias: Tensor | None, format: str) -> PackedMatr
     return PackedMatrix.pack(weight, bias, format if PackedMatrix.fits(format, weight.shape[1]) else "fp16")
 
 
-def native_stack(config: LlamaConfig, layers: Sequence[_DecoderLayer], format: str) -> NativeStack:
+def native_stack(
+    config: LlamaConfig, layers: Sequence[_DecoderLayer], format: str, measured: bool = True
+) -> NativeStack:
     """The decoder ``layers`` (of ``config``'s shape) on the native kernels, their projections in ``format``
-    (:func:`pack_fitting`): q, k, v and gate, up fused, the float32 weights released. Irreversible."""
+    (:func:`pack_fitting`): q, k, v and gate, up fused, the float32 weights released. Irreversible.
+    measured: see :class:`~verispec.kernels.cpu.NativeStack`."""
     packed = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -844,6 +847,7 @@ def native_stack(config: LlamaConfig, layers: Sequence[_DecoderLayer], format: s
         head_dim=config.head_dim,
         eps=config.rms_norm_eps,
         layers=packed,
+        measured=measured,
     )
 
 

@@ -129,8 +129,8 @@ class EagleHead(LearnedHead):
     def pack_native(self) -> None:
         """fc on the native kernels, the layers as one native stack."""
         self.fc.pack_native(DRAFT_FORMAT)
-        # native_stack takes the _DecoderLayers of the ModuleList, whose items torch types as plain Modules
-        self._stack = native_stack(self.config, self.layers, DRAFT_FORMAT)  # type: ignore[arg-type]
+        layers = [layer for layer in self.layers if isinstance(layer, _DecoderLayer)]  # all of them
+        self._stack = native_stack(self.config, layers, DRAFT_FORMAT, measured=False)
 
     def forward(
         self, tokens: Tensor, features: Tensor, positions: Tensor, cache: KVCache, mask: Tensor | None = None
