@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from fakes import LetterTokenizer
-from test_eagle import GREEDY, VOCAB, drafter_with_context, fresh_head, plain_greedy, tiny_target
+from test_eagle import (
+    ALPHA,
+    GREEDY,
+    VOCAB,
+    drafter_with_context,
+    first_token_chi_square,
+    fresh_head,
+    plain_greedy,
+    tiny_target,
+)
 from test_lookahead import needs_native, random_lookahead
 from test_medusa_exit import random_exit, random_medusa
 from verispec.api import Speculator
@@ -178,3 +187,16 @@ def test_sampled_q_is_the_native_heads_own_distribution(target, sampling_kw):
     full = torch.full((VOCAB,), float("-inf"))  # [V]
     full[head.draft_vocab] = head.logits(feature[0])[0]
     assert torch.equal(proposal.q[0], probs_from_logits(full, sampling))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tree", [None, TreeShape.full(2, 2)], ids=["chain", "2x2"])
+def test_first_sampled_token_follows_the_native_target(target, tree, tmp_path):
+    """A chi-square of the first token sampled through the engine with a native eagle head (a chain, and a
+    tree of sampled children) against the native target's own next-token distribution."""
+    path = random_head(target, "eagle").save(tmp_path / "eagle.safetensors")
+    spec = Speculator((target, LetterTokenizer(VOCAB)), drafter="eagle", drafter_path=str(path), tree=tree)
+    assert spec.head is not None and spec.head.cpu_precision == "q8_0"
+    prompt = "hello"
+    sampling_kw = {"temperature": 0.8}
+    assert first_token_chi_square(spec, target, spec.encode_prompt(prompt), prompt, sampling_kw) > ALPHA
