@@ -201,7 +201,12 @@ def test_own_cache_drafts_as_the_engines(target, files):
         b = shared.propose(context[:n], 3, torch.Generator())
         assert a.tokens.tolist() == b.tokens.tolist()
         assert own.cache.length == n
-    assert drafter_identity(own) == {"drafter": "lookahead", "draft_vocab": VOCAB // 2, "lookahead_tokens": 3}
+    assert drafter_identity(own) == {
+        "drafter": "lookahead",
+        "draft_vocab": VOCAB // 2,
+        "lookahead_tokens": 3,
+        "precision": None,
+    }
 
 
 def test_training_reads_what_drafting_reads(target, files):

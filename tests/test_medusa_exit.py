@@ -343,6 +343,7 @@ def test_the_exit_reads_and_leaves_the_targets_cache(target, files):
         "drafter": "medusa",
         "draft_vocab": VOCAB,
         "heads": 3,
+        "precision": None,
     }
 
 

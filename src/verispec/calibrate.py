@@ -298,23 +298,26 @@ def model_identity(model: LanguageModel) -> dict:
 
 def drafter_identity(drafter: Drafter) -> dict:
     """What a drafter's cost depends on: its kind, and its model's identity, its lookup's parameters or its
-    learned head's size (draft vocabulary and layers; the rest is the target's)."""
+    learned head's size (draft vocabulary and layers; the rest is the target's) and fast path."""
     if isinstance(drafter, ModelDrafter):
         identity: dict = {"drafter": drafter.name, "model": model_identity(drafter.model)}
         if isinstance(drafter.model, ExitDraft):  # a trained exit: its draft vocabulary's head
             identity["exit_draft_vocab"] = drafter.model.adapter.draft_vocab_size
+            identity["exit_precision"] = drafter.model.adapter.cpu_precision
         return identity
     if isinstance(drafter, MedusaDrafter):
         return {
             "drafter": drafter.name,
             "draft_vocab": drafter.heads.draft_vocab_size,
             "heads": drafter.heads.num_heads,
+            "precision": drafter.heads.cpu_precision,
         }
     if isinstance(drafter, LookaheadDrafter):  # the target's own forward, and its draft vocabulary's head
         return {
             "drafter": drafter.name,
             "draft_vocab": drafter.tokens.draft_vocab_size,
             "lookahead_tokens": drafter.tokens.num_tokens,
+            "precision": drafter.tokens.cpu_precision,
         }
     if isinstance(drafter, NGramDrafter):
         return {"drafter": drafter.name, "max_ngram": drafter.max_ngram, "min_ngram": drafter.min_ngram}
@@ -327,6 +330,7 @@ def drafter_identity(drafter: Drafter) -> dict:
             "drafter": drafter.name,
             "draft_vocab": drafter.head.draft_vocab_size,
             "layers": drafter.head.num_layers,
+            "precision": drafter.head.cpu_precision,
         }
     return {"drafter": drafter.name}
 

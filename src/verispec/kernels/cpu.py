@@ -422,7 +422,9 @@ def _stack(projection: Projection) -> _Stack:
 class NativeStack:
     """A stack of decoder layers run by ``vs_forward``: RMSNorm, q/k/v (q/k norms), RoPE, grouped-query
     attention over a KV cache (sliding windows), a gated MLP (SwiGLU or GELU-tanh), residuals (post-norms);
-    one call for all layers. attn_scale: the scores' scale (default 1 / sqrt(head_dim))."""
+    one call for all layers. attn_scale: the scores' scale (default 1 / sqrt(head_dim)). measured: whether
+    its forwards' times go to :data:`~verispec.kernels.threads.THREADS`, which picks the thread count by the
+    target's forwards (a learned drafter's stack, far cheaper per token, is not measured)."""
 
     def __init__(
         self,
@@ -437,12 +439,14 @@ class NativeStack:
         variant: str = "native",
         attn_scale: float | None = None,
         activation: str = "silu",
+        measured: bool = True,
     ) -> None:
         if activation not in ACTIVATIONS:
             raise UsageError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
         self.layers = tuple(layers)
         self.head_dim = head_dim
         self.variant = variant
+        self.measured = measured
         self._lib = _library(variant)
         array = (_Layer * len(self.layers))()
         for i, layer in enumerate(self.layers):
@@ -465,7 +469,7 @@ class NativeStack:
         scale = head_dim**-0.5 if attn_scale is None else attn_scale
         self._settings: dict[str, Any] = dict(hidden=hidden, intermediate=intermediate, heads=heads)
         self._settings |= dict(kv_heads=kv_heads, head_dim=head_dim, eps=eps, variant=variant)
-        self._settings |= dict(attn_scale=scale, activation=activation)
+        self._settings |= dict(attn_scale=scale, activation=activation, measured=measured)
         self._model = _Model(
             hidden,
             intermediate,
@@ -538,7 +542,8 @@ class NativeStack:
             h.data_ptr(),
             THREADS.count(),
         )
-        THREADS.record(h.shape[0], time.perf_counter() - start)
+        if self.measured:
+            THREADS.record(h.shape[0], time.perf_counter() - start)
         if status == -2:
             raise MemoryError("the native forward ran out of memory")
         if status:

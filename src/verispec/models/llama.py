@@ -600,6 +600,7 @@ class _Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, **kw), requires_grad=False) if bias else None
         self.packed = False  # whether the weight is in oneDNN's layout (else plain F.linear)
+        self.native: PackedMatrix | None = None  # the weight on the native kernels (pack_native)
 
     def pack(self, batch_size: int) -> None:
         """Replace the weight by oneDNN's pre-packed float32 layout tuned for ``batch_size`` rows per call."""
@@ -612,8 +613,17 @@ class _Linear(nn.Module):
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
         self.bias = None if self.bias is None else nn.Parameter(self.bias.new_empty(0), requires_grad=False)
 
+    def pack_native(self, format: str) -> None:
+        """Hold the weight (and bias) only on the native kernels, in ``format`` where its width fits it
+        (:func:`pack_fitting`); x is then float32 on the CPU."""
+        self.native = pack_fitting(self.weight.detach().float(), self.bias, format)
+        self.release()
+
     def forward(self, x: Tensor) -> Tensor:
         """x: [..., in] → [..., out]."""
+        if self.native is not None:
+            flat = x.reshape(-1, self.native.cols).float()  # [N, in]
+            return self.native(flat).view(*x.shape[:-1], self.native.rows)  # [..., out]
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -805,6 +815,49 @@ def _checked_tree_mask(tree_mask: Tensor, t: int) -> Tensor:
     return tree_mask
 
 
+def pack_fitting(weight: Tensor, bias: Tensor | None, format: str) -> PackedMatrix:
+    """W [rows, cols] float32 (and its bias [rows] or None) packed for the native kernels in ``format``, or in
+    float16 where ``cols`` does not fit the format's blocks."""
+    return PackedMatrix.pack(weight, bias, format if PackedMatrix.fits(format, weight.shape[1]) else "fp16")
+
+
+def native_stack(
+    config: LlamaConfig, layers: Sequence[_DecoderLayer], format: str, measured: bool = True
+) -> NativeStack:
+    """The decoder ``layers`` (of ``config``'s shape) on the native kernels, their projections in ``format``
+    (:func:`pack_fitting`): q, k, v and gate, up fused, the float32 weights released. Irreversible.
+    measured: see :class:`~verispec.kernels.cpu.NativeStack`."""
+    packed = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.fuse()
+        mlp.fuse()
+        assert attn.qkv_proj is not None and mlp.gate_up_proj is not None
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        qkv, o, gate_up, down = (pack_fitting(p.weight, p.bias, format) for p in projections)
+        for p in projections:
+            p.release()
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        packed.append(NativeLayer(*norms, qkv, o, gate_up, down))
+    return NativeStack(
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        heads=config.num_heads,
+        kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        eps=config.rms_norm_eps,
+        layers=packed,
+        measured=measured,
+    )
+
+
+def rope_tables(positions: Tensor, inv_freq: Tensor) -> dict[str, Tensor]:
+    """The native forward's RoPE at ``positions`` [...] (flattened to N) for ``inv_freq`` [head_dim // 2]:
+    cos and sin [N, head_dim // 2] float32, as transformers computes them."""
+    freqs = positions.reshape(-1, 1).float() * inv_freq  # [N, head_dim // 2]
+    return {"cos": freqs.cos(), "sin": freqs.sin()}
+
+
 def pack_linears(module: nn.Module, batch_size_hint: int, min_weight_elements: int) -> None:
     """Pack every :class:`_Linear` of ``module`` with at least ``min_weight_elements`` weights for oneDNN,
     tuned for ``batch_size_hint`` rows per call (see :meth:`Llama.optimize_for_cpu`; the caller has checked
@@ -904,6 +957,11 @@ class Llama(nn.Module):
     def optimized_for_cpu(self) -> bool:
         """Whether :meth:`optimize_for_cpu` packed any linear layer."""
         return self.cpu_precision is not None
+
+    @property
+    def on_native_kernels(self) -> bool:
+        """Whether the decoder stack runs on verispec's native kernels (a precision other than fp32)."""
+        return self._native is not None
 
     @property
     def cpu_precision(self) -> str | None:
@@ -1060,29 +1118,8 @@ class Llama(nn.Module):
     def _pack_native(self, precision: str) -> None:
         """Every projection and the head packed for the native kernels in ``precision``; the float32
         projection weights released (see :meth:`optimize_for_cpu`)."""
-        layers = []
-        for layer in self.model.layers:
-            assert isinstance(layer, _DecoderLayer)
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.fuse()
-            mlp.fuse()
-            assert attn.qkv_proj is not None and mlp.gate_up_proj is not None
-            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            qkv, o, gate_up, down = (PackedMatrix.pack(p.weight, p.bias, precision) for p in projections)
-            for p in projections:
-                p.release()
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            layers.append(NativeLayer(*norms, qkv, o, gate_up, down))
-        c = self.config
-        self._native = NativeStack(
-            hidden=c.hidden_size,
-            intermediate=c.intermediate_size,
-            heads=c.num_heads,
-            kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
-            eps=c.rms_norm_eps,
-            layers=layers,
-        )
+        # run_layers takes the _DecoderLayers of the ModuleList, whose items torch types as plain Modules
+        self._native = native_stack(self.config, self.model.layers, precision)  # type: ignore[arg-type]
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         self._native_head = PackedMatrix.pack(head.weight, None, "q8_0" if precision == "q4_1" else precision)
         if self.lm_head is not None:
@@ -1215,16 +1252,14 @@ class Llama(nn.Module):
     def _rope(self, positions: Tensor) -> dict[str, Any]:
         """The native forward's RoPE inputs for tokens at ``positions`` [N]: cos, sin [N, head_dim // 2] as
         transformers computes them; the positions (int32) and the local tables for sliding-window layers."""
-        freqs = positions.reshape(-1, 1).float() * self.inv_freq  # [N, head_dim // 2]
         local = None
         if self.config.local_rope_theta is not None:
-            local = positions.reshape(-1, 1).float() * self.inv_freq_local  # [N, head_dim // 2]
+            local = rope_tables(positions, self.inv_freq_local)
         return {
-            "cos": freqs.cos(),
-            "sin": freqs.sin(),
+            **rope_tables(positions, self.inv_freq),
             "pos": positions.reshape(-1).to(torch.int32).contiguous() if self.config.layer_windows else None,
-            "cos_local": None if local is None else local.cos(),
-            "sin_local": None if local is None else local.sin(),
+            "cos_local": None if local is None else local["cos"],
+            "sin_local": None if local is None else local["sin"],
         }
 
     def _native_hidden(

@@ -11,6 +11,12 @@ Drafting feeds the target's true features of the committed tokens, then runs on 
 (Li et al. 2024, EAGLE). The embeddings and the head rows come from the target, frozen and never stored: a
 drafter file holds only fc, the layer and the norm (float16), the draft vocabulary and metadata, and loads
 only beside the target whose :func:`target_fingerprint` it records.
+
+Beside a target on verispec's native kernels (:meth:`LearnedHead.optimize_for_cpu` with ``native``), fc, the
+layers and the head rows run on those kernels in :data:`~verispec.drafting.learned.head.DRAFT_FORMAT`: the
+layers as one native stack over a cache in the kernels' float16 tiled layout, RoPE from the target's config.
+That head is another drafter than the float32 one it was packed from (its weights rounded), and every draft
+distribution is computed from its own logits, so verification stays exact.
 """
 
 from __future__ import annotations
@@ -23,11 +29,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from verispec.drafting.learned.head import LearnedHead, native_target, shape_count
+from verispec.drafting.learned.head import DRAFT_FORMAT, LearnedHead, native_target, shape_count
 from verispec.errors import UsageError
 from verispec.inputs import is_int
+from verispec.kernels.cpu import NativeStack, rmsnorm
 from verispec.models.base import LanguageModel
-from verispec.models.llama import KVCache, Llama, _DecoderLayer, _Linear, _RMSNorm, run_layers
+from verispec.models.llama import (
+    KVCache,
+    Llama,
+    _DecoderLayer,
+    _Linear,
+    _RMSNorm,
+    native_stack,
+    rope_tables,
+    run_layers,
+)
 
 __all__ = ["MAX_LAYERS", "EagleHead"]
 
@@ -61,6 +77,7 @@ class EagleHead(LearnedHead):
         # frozen, borrowed from the target: token embeddings (shared, not copied)
         self.embed_weight = nn.Buffer(target.model.embed_tokens.weight.detach(), persistent=False)  # [V, H]
         self.inv_freq = nn.Buffer(self.config.rope_inv_freq().to(device), persistent=False)  # [head_dim // 2]
+        self._stack: NativeStack | None = None  # the layers on the native kernels (pack_native)
 
     def fresh_start(self, target: Llama) -> None:
         """The output norm starts as the target's final norm (its output then has the target's scale)."""
@@ -95,7 +112,7 @@ class EagleHead(LearnedHead):
     ) -> KVCache:
         """An empty cache of the head's layers (default capacity: the target's context; ``separate_layers``
         for training, see :class:`~verispec.models.llama.KVCache`)."""
-        c = self.config
+        c, native = self.config, self._stack is not None
         capacity = c.max_context if capacity is None else capacity
         return KVCache(
             self.num_layers,
@@ -103,10 +120,17 @@ class EagleHead(LearnedHead):
             c.num_kv_heads,
             capacity,
             c.head_dim,
-            dtype=torch.float32,
+            dtype=torch.float16 if native else torch.float32,  # native: the kernels' layout
             device=self.inv_freq.device,
             separate_layers=separate_layers,
+            tiled=native,
         )
+
+    def pack_native(self) -> None:
+        """fc on the native kernels, the layers as one native stack."""
+        self.fc.pack_native(DRAFT_FORMAT)
+        layers = [layer for layer in self.layers if isinstance(layer, _DecoderLayer)]  # all of them
+        self._stack = native_stack(self.config, layers, DRAFT_FORMAT, measured=False)
 
     def forward(
         self, tokens: Tensor, features: Tensor, positions: Tensor, cache: KVCache, mask: Tensor | None = None
@@ -116,9 +140,38 @@ class EagleHead(LearnedHead):
         ``cache``. mask: [T, cache.length + T] bool (True = attend), None for causal attention."""
         embedded = F.embedding(tokens, self.embed_weight).float()  # [B, T, H]
         h = self.fc(torch.cat((embedded, features.float()), dim=-1))  # [B, T, H]
+        if self._stack is not None:
+            return self._native_layers(self._stack, h, positions, cache, mask)
         # run_layers takes the _DecoderLayers of the ModuleList, whose items torch types as plain Modules
         h = run_layers(self.layers, h, positions, cache, self.inv_freq, mask)  # type: ignore[arg-type]
         return self.norm(h)
+
+    def _native_layers(
+        self, stack: NativeStack, h: Tensor, positions: Tensor, cache: KVCache, mask: Tensor | None
+    ) -> Tensor:
+        """:meth:`forward` after fc on the native kernels: h [B, T, H] float32 through the layers (row b of
+        the batch on row b of ``cache``, a tiled one from :meth:`new_cache`) and the norm → [B, T, H]."""
+        b, t, _ = h.shape
+        assert isinstance(cache.keys, Tensor) and isinstance(cache.values, Tensor)  # tiled: one tensor
+        start, end = cache._reserve(t)
+        base = start  # the slots every token sees: the committed ones, or those the mask shows to all
+        if mask is not None:
+            base = min(start, int(mask.all(0).cumprod(0).sum()))
+            mask = mask[:, base:].repeat(b, 1).contiguous()  # [B·T, end - base]
+        flat = h.reshape(b * t, -1).contiguous()  # [B·T, H], which the kernels write into
+        stack.forward(
+            flat,
+            num_layers=self.num_layers,
+            **rope_tables(positions, self.inv_freq),
+            seq=torch.arange(b, dtype=torch.int32).repeat_interleave(t),  # [B·T]: each token's cache row
+            slot=(start + torch.arange(t, dtype=torch.int32)).repeat(b),  # [B·T]
+            base=torch.full((b * t,), base, dtype=torch.int32),  # [B·T]
+            mask=mask,
+            keys=cache.keys,
+            values=cache.values,
+        )
+        cache._length = end
+        return rmsnorm(flat, self.norm.weight, self.config.rms_norm_eps).view(b, t, -1)  # [B, T, H]
 
     def shape_metadata(self) -> dict[str, str]:
         return {"num_layers": str(self.num_layers)}

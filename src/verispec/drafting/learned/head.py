@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from verispec.errors import UsageError
 from verispec.files import atomic_path
+from verispec.kernels.cpu import PackedMatrix
 from verispec.models.base import LanguageModel
 from verispec.models.llama import (
     ARCHITECTURE_FIELDS,
@@ -37,16 +38,25 @@ from verispec.models.llama import (
     _Linear,
     _onednn_linear_works,
     _RMSNorm,
+    pack_fitting,
     pack_linears,
 )
 
-__all__ = ["FORMAT", "LearnedHead", "native_target", "read_drafter_file", "target_fingerprint"]
+__all__ = [
+    "DRAFT_FORMAT",
+    "FORMAT",
+    "LearnedHead",
+    "native_target",
+    "read_drafter_file",
+    "target_fingerprint",
+]
 
 FORMAT = "verispec-drafter"  # the ``format`` entry of a drafter file's metadata
 VERSION = "1"
 _FINGERPRINT_ROWS = 512  # embedding rows sampled by target_fingerprint
 INIT_STD = 0.02  # standard deviation of fresh weights, as Llama initialises them
 _OWN_METADATA = ("format", "version", "hidden_size", "draft_vocab_size")  # written by save, not by the kind
+DRAFT_FORMAT = "q8_0"  # the native kernels' format of a learned drafter's matrices (fp16 where none fits)
 
 
 def native_target(model: LanguageModel) -> Llama:
@@ -133,7 +143,8 @@ class LearnedHead(nn.Module):
         self.draft_vocab = nn.Buffer(ids.to(target.device), persistent=False)  # [Vd]
         self.head_weight = nn.Buffer(_head_rows(target, self.draft_vocab), persistent=False)  # [Vd, H]
         self.vocab_size = vocab
-        self._onednn_logits = False  # the draft logits run on oneDNN (see optimize_for_cpu)
+        self.cpu_precision: str | None = None  # its CPU fast path (optimize_for_cpu): "fp32" or DRAFT_FORMAT
+        self._native_rows: PackedMatrix | None = None  # head_weight on the native kernels (DRAFT_FORMAT)
 
     @property
     def device(self) -> torch.device:
@@ -189,7 +200,10 @@ class LearnedHead(nn.Module):
 
     def logits(self, features: Tensor) -> Tensor:
         """features: [..., H] → logits over the draft vocabulary [..., Vd] float32."""
-        if self._onednn_logits:
+        if self._native_rows is not None:
+            flat = features.reshape(-1, self.hidden_size).float()  # [N, H]
+            return self._native_rows(flat).view(*features.shape[:-1], self.draft_vocab_size)  # [..., Vd]
+        if self.cpu_precision == "fp32":
             return torch.ops.mkldnn._linear_pointwise(features, self.head_weight, None, "none", [], "")
         return F.linear(features, self.head_weight)
 
@@ -197,15 +211,32 @@ class LearnedHead(nn.Module):
         """q_draft: [Vd], a distribution on the draft vocabulary → the same on the target's vocabulary [V]."""
         return q_draft.new_zeros(self.vocab_size).index_copy_(0, self.draft_vocab, q_draft)
 
-    def optimize_for_cpu(self, min_weight_elements: int = 2**17) -> bool:
-        """The CPU fast path for drafting: the linears of at least ``min_weight_elements`` weights pre-packed
-        for oneDNN, the draft logits on oneDNN. Irreversible, and for inference only: a packed head can
-        neither be trained nor saved. Returns whether anything now runs on oneDNN."""
-        if self.device.type != "cpu" or not _onednn_linear_works():
+    def optimize_for_cpu(self, native: bool = False, min_weight_elements: int = 2**17) -> bool:
+        """The CPU fast path for drafting. ``native`` (a target on verispec's native kernels): every matrix
+        of the head on those kernels in :data:`DRAFT_FORMAT` (:meth:`pack_native`), the draft logits too; each
+        row of a call computed from that row alone, as the target's. Else the linears of at least
+        ``min_weight_elements`` weights pre-packed for oneDNN, the draft logits on oneDNN. Irreversible, and
+        for inference only: a packed head can neither be trained nor saved. Returns whether it is now on
+        a fast path."""
+        if self.device.type != "cpu" or self.cpu_precision is not None:
+            return self.cpu_precision is not None
+        if native:
+            self.pack_native()
+            self._native_rows = pack_fitting(self.head_weight, None, DRAFT_FORMAT)
+            self.cpu_precision = self._native_rows.format
+            return True
+        if not _onednn_linear_works():
             return False
         pack_linears(self, 1, min_weight_elements)
-        self._onednn_logits = True
+        self.cpu_precision = "fp32"
         return True
+
+    def pack_native(self) -> None:
+        """The kind's trained matrices on the native kernels in :data:`DRAFT_FORMAT` (by default each linear
+        on its own; a kind with decoder layers runs them as one native stack)."""
+        for m in self.modules():
+            if isinstance(m, _Linear):
+                m.pack_native(DRAFT_FORMAT)
 
     # ---------------------------------------------------------------- the kind's shape
 
@@ -229,7 +260,7 @@ class LearnedHead(nn.Module):
         from safetensors.torch import save_file
 
         path = Path(path)
-        if any(isinstance(m, _Linear) and m.packed for m in self.modules()):
+        if self.cpu_precision is not None:
             raise UsageError("a head optimized for CPU cannot be saved: save it before optimize_for_cpu")
         tensors = {
             name: t.detach().to("cpu", torch.float16).contiguous() for name, t in self.state_dict().items()
@@ -252,8 +283,9 @@ class LearnedHead(nn.Module):
     @classmethod
     def load(cls, path: str | Path, target: LanguageModel, target_label: str = "", fast: bool = False):
         """The head of this kind in ``path`` for ``target`` (``target_label`` names it in errors); ``fast``:
-        then :meth:`optimize_for_cpu`. UsageError, one line, for a missing, corrupt or foreign file, a file of
-        another kind, and a drafter trained for another target."""
+        then :meth:`optimize_for_cpu`, on the native kernels where the target runs on them. UsageError, one
+        line, for a missing, corrupt or foreign file, a file of another kind, and a drafter trained for
+        another target."""
         return cls.from_file(Path(path), *read_drafter_file(path), target, target_label, fast)
 
     @classmethod
@@ -302,7 +334,7 @@ class LearnedHead(nn.Module):
                     )
                 expected[name].copy_(tensor)
         if fast:
-            head.optimize_for_cpu()
+            head.optimize_for_cpu(native=target.on_native_kernels)
         return head
 
 

@@ -1,0 +1,202 @@
+"""Learned drafters beside a target on the native kernels: their matrices on those kernels (q8_0, float16
+where a width does not fit its blocks), close to the float32 heads they were packed from; each row of a call
+computed from that row alone; the target's greedy output token for token; q the distribution each draft was
+drawn from. The target: a tiny random Llama of :mod:`test_eagle`, in float16 on the native kernels."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from fakes import LetterTokenizer
+from test_eagle import (
+    ALPHA,
+    GREEDY,
+    VOCAB,
+    drafter_with_context,
+    first_token_chi_square,
+    fresh_head,
+    plain_greedy,
+    tiny_target,
+)
+from test_lookahead import needs_native, random_lookahead
+from test_medusa_exit import random_exit, random_medusa
+from verispec.api import Speculator
+from verispec.drafting.learned.eagle import EagleHead
+from verispec.drafting.learned.eagle_drafter import EagleTreeDrafter
+from verispec.drafting.learned.head import LearnedHead
+from verispec.drafting.tree import TreeShape
+from verispec.engine import GenerationStats
+from verispec.kernels.threads import THREADS
+from verispec.models.llama import Llama
+from verispec.options import SamplingParams
+from verispec.sampling import probs_from_logits
+
+pytestmark = needs_native
+PROMPTS = ("abc", "hello", "qqqzzz", "the", "mnopqrs", "x")
+KINDS = ("eagle", "medusa", "exit", "lookahead")
+
+
+@pytest.fixture(scope="module")
+def target() -> Llama:
+    model = tiny_target(seed=4)
+    assert model.optimize_for_cpu(precision="fp16", min_weight_elements=0) and model.on_native_kernels
+    return model
+
+
+def random_head(target: Llama, kind: str) -> LearnedHead:
+    """A random float32 head of ``kind`` for ``target`` whose drafts are sometimes accepted."""
+    vocab = torch.arange(VOCAB)
+    if kind == "eagle":
+        return fresh_head(target, vocab, seed=2)
+    if kind == "medusa":
+        return random_medusa(target, vocab)
+    return random_exit(target, vocab) if kind == "exit" else random_lookahead(target, vocab)
+
+
+def native_copy(head: LearnedHead) -> LearnedHead:
+    native = copy.deepcopy(head)
+    assert native.optimize_for_cpu(native=True) and native.cpu_precision == "q8_0"
+    return native
+
+
+def draft_features(head: LearnedHead, features: torch.Tensor, target: Llama) -> torch.Tensor:
+    """What the head's draft logits read for target features [N, H]: [N, ..., H]."""
+    if isinstance(head, EagleHead):  # N tokens of one sequence, causal, after nothing
+        n = features.shape[0]
+        tokens = torch.arange(n)[None] % VOCAB  # [1, N]
+        return head(tokens, features[None], torch.arange(n)[None], head.new_cache(1, n))[0]
+    return head(features) if head.kind != "lookahead" else features
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_heads_are_the_float32_heads_rounded(target, kind):
+    """Features and draft logits of the native head within q8_0's rounding of the float32 head's; the eagle
+    head's cache in the kernels' tiled float16 layout, its forwards not timed for the kernels' thread
+    choice."""
+    plain = random_head(target, kind)
+    native = native_copy(plain)
+    features = torch.randn(7, target.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = draft_features(plain, features, target), draft_features(native, features, target)
+        torch.testing.assert_close(b, a, atol=0.03 * float(a.abs().max()), rtol=0.03)
+        la, lb = plain.logits(a), native.logits(b)  # [N, ..., Vd]
+    torch.testing.assert_close(lb, la, atol=0.05 * float(la.abs().max()), rtol=0.05)
+    if isinstance(native, EagleHead):
+        assert native.new_cache().tiled
+        calls = THREADS.calls
+        with torch.no_grad():
+            draft_features(native, features, target)
+        assert THREADS.calls == calls  # the kernels' thread count follows the target's forwards alone
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rows_draft_logits_do_not_depend_on_the_others(target, kind):
+    """Rows drafted together (the nodes of a tree depth, the rows of a batch) give each row's features and
+    logits bit for bit as that row alone."""
+    native = native_copy(random_head(target, kind))
+    features = torch.randn(5, target.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        if isinstance(native, EagleHead):  # one token each after the same 4 slots, together and alone
+            together = eagle_after_context(native, features, range(5))
+            alone = torch.cat([eagle_after_context(native, features, [i]) for i in range(5)])
+        else:
+            together = draft_features(native, features, target)
+            alone = torch.cat([draft_features(native, features[i : i + 1], target) for i in range(5)])
+        assert torch.equal(together, alone)
+        assert torch.equal(native.logits(together), torch.cat([native.logits(row[None]) for row in alone]))
+
+
+def eagle_after_context(head: EagleHead, features: torch.Tensor, rows) -> torch.Tensor:
+    """The head's features [M, H] for rows ``rows`` of features [N, H], each fed as one token at position 4
+    after the same 4 context slots (a tree depth's nodes: each sees the context and itself)."""
+    cache, rows = head.new_cache(1, 16), list(rows)
+    head(torch.arange(4)[None], features[None, :4], torch.arange(4)[None], cache)
+    m = len(rows)
+    mask = torch.cat([torch.ones(m, 4, dtype=torch.bool), torch.eye(m, dtype=torch.bool)], 1)  # [M, 4 + M]
+    tokens, positions = torch.tensor([rows]), torch.full((1, m), 4)  # [1, M]
+    return head(tokens, features[None, rows], positions, cache, mask)[0]
+
+
+def test_eagle_tree_nodes_read_their_paths_features_bit_for_bit(target):
+    """A native head's token tree: each inner node's children come from the very feature (bit for bit) that
+    drafting its path as a chain predicts."""
+    head = native_copy(fresh_head(target, torch.arange(VOCAB), seed=2))
+    assert isinstance(head, EagleHead)
+    read: list[torch.Tensor] = []
+    logits = head.logits
+    head.logits = lambda f: (read.extend(f.reshape(-1, f.shape[-1])), logits(f))[1]
+    context = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    shape = TreeShape.full(2, 3)
+    tree = EagleTreeDrafter(drafter_with_context(target, head, context, GREEDY), shape).propose_tree(
+        context, shape, torch.Generator()
+    )
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    inner = sorted({parents[v] for v in range(1, len(tokens))})
+    assert len(read) == len(inner)
+    for node, feature in zip(inner, read, strict=True):
+        path = []
+        while node > 0:
+            path.insert(0, tokens[node])
+            node = parents[node]
+        chain = drafter_with_context(target, head, context, GREEDY)
+        expected = chain.catch_up(context)  # [1, 1, H]
+        assert expected is not None
+        for i, token in enumerate(path):
+            position = torch.tensor([[len(context) - 1 + i]])
+            expected = head(torch.tensor([[token]]), expected, position, chain.cache)
+        assert torch.equal(feature, expected[0, 0])
+
+
+@pytest.fixture(scope="module")
+def greedy(target) -> dict[str, list[int]]:
+    return plain_greedy(target, LetterTokenizer(VOCAB), PROMPTS, 40)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_equals_plain_greedy_on_the_native_target(target, greedy, kind, tmp_path):
+    """Each kind loaded beside the native target drafts on the native kernels (chains, and an eagle tree):
+    token for token the target's greedy output; both accepted and rejected drafts occur."""
+    path = random_head(target, kind).save(tmp_path / f"{kind}.safetensors")
+    drafted = accepted = 0
+    for tree in (None, TreeShape.full(2, 2)) if kind == "eagle" else (None,):
+        spec = Speculator((target, LetterTokenizer(VOCAB)), drafter=kind, drafter_path=str(path), tree=tree)
+        assert spec.head is not None and spec.head.cpu_precision == "q8_0"
+        for prompt, reference in greedy.items():
+            stats = GenerationStats(kind, "3")
+            out = spec.stream(prompt, k=3, max_new_tokens=40, sampling=GREEDY, stats=stats)
+            assert [t for chunk in out for t in chunk.token_ids] == reference, (prompt, tree)
+            drafted, accepted = drafted + stats.drafted + stats.tree_nodes, accepted + stats.accepted
+    assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("sampling_kw", [{"temperature": 0.8}, {"temperature": 0.7, "top_k": 5}])
+def test_sampled_q_is_the_native_heads_own_distribution(target, sampling_kw):
+    """At a temperature, the eagle drafter's q of its first token is what the sampling transform gives for
+    the native head's own logits (−inf outside the draft vocabulary), and holds the sampled tokens."""
+    head = native_copy(fresh_head(target, torch.arange(0, VOCAB, 2), seed=2))
+    assert isinstance(head, EagleHead)
+    context, sampling = [3, 14, 15, 9, 2, 6], SamplingParams(**sampling_kw)
+    drafter = drafter_with_context(target, head, context, sampling)
+    proposal = drafter.propose(context, 3, torch.Generator().manual_seed(0))
+    assert proposal.q is not None and (proposal.q[torch.arange(3), proposal.tokens] > 0).all()
+    feature = drafter_with_context(target, head, context, sampling).catch_up(context)  # [1, 1, H]
+    assert feature is not None
+    full = torch.full((VOCAB,), float("-inf"))  # [V]
+    full[head.draft_vocab] = head.logits(feature[0])[0]
+    assert torch.equal(proposal.q[0], probs_from_logits(full, sampling))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tree", [None, TreeShape.full(2, 2)], ids=["chain", "2x2"])
+def test_first_sampled_token_follows_the_native_target(target, tree, tmp_path):
+    """A chi-square of the first token sampled through the engine with a native eagle head (a chain, and a
+    tree of sampled children) against the native target's own next-token distribution."""
+    path = random_head(target, "eagle").save(tmp_path / "eagle.safetensors")
+    spec = Speculator((target, LetterTokenizer(VOCAB)), drafter="eagle", drafter_path=str(path), tree=tree)
+    assert spec.head is not None and spec.head.cpu_precision == "q8_0"
+    prompt = "hello"
+    sampling_kw = {"temperature": 0.8}
+    assert first_token_chi_square(spec, target, spec.encode_prompt(prompt), prompt, sampling_kw) > ALPHA
