@@ -28,11 +28,11 @@ from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.eagle_drafter import EagleTreeDrafter
 from verispec.drafting.learned.head import LearnedHead
 from verispec.drafting.tree import TreeShape
-from verispec.engine import GenerationStats
 from verispec.kernels.threads import THREADS
 from verispec.models.llama import Llama
 from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
+from verispec.sequence import GenerationStats
 
 pytestmark = needs_native
 PROMPTS = ("abc", "hello", "qqqzzz", "the", "mnopqrs", "x")
