@@ -104,6 +104,7 @@ BENCH_GGUF = one_block("Your model's GGUF file")  # shrunk: tiny shapes, llama.c
 STRUCTURED = one_block("Structured output")  # run on stories260K with the files it names
 SUFFIX = one_block("The suffix drafter")  # run on stories260K
 JSON_BENCH = one_block("The bench's json task")  # run on stories260K: one prompt, one repetition
+FAST_BASE = one_block("Speculation on the fast base")  # run on stories260K: one prompt a task, one repetition
 
 
 def logical_lines(code: str) -> list[tuple[int, str]]:
@@ -163,6 +164,7 @@ def test_the_readme_has_the_blocks_this_file_runs():
     with_commands = {b.line for b in SHELL_BLOCKS if verispec_commands(b)}
     runs = {SYNOPSIS.line, RECIPE.line, BENCHMARK.line, SERVING.line, LOAD.line, SERVE_LOAD.line, ACROSS.line}
     runs |= {OFFLINE.line, OWN_GGUF.line, BENCH_GGUF.line, STRUCTURED.line, SUFFIX.line, JSON_BENCH.line}
+    runs |= {FAST_BASE.line}
     assert with_commands == runs, "a new sh block: run it here too"
 
 
@@ -491,6 +493,29 @@ def test_json_bench_command_runs(shared_model, tmp_path, monkeypatch, own_cache,
     labels = {cell["label"].split(" ")[0] for cell in results["cells"]}
     assert results["complete"] and results["config"]["tasks"] == ["json"] and labels == set(methods)
     assert all(cell["schema_valid"]["checked"] == 1 for cell in results["cells"])
+
+
+def test_fast_base_bench_command_runs(
+    shared_model, tmp_path, monkeypatch, own_cache, restore_threads, capsys
+):
+    """The README's fast-base bench line on stories260K (one prompt a task, a few tokens; its tasks whose
+    prompts fit stories260K's 512 positions): every method that runs there at every K it names, each output
+    equal to ``none``'s."""
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    out = tmp_path / "bench"
+    (command,) = verispec_commands(FAST_BASE)
+    args = cli.build_parser().parse_args(command.words[1:])
+    tasks = [t for t in args.tasks if t in ("chat", "math", "code_editing")]
+    model = ("--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin"))
+    added = ["--threads", "1", "--prompts-per-task", "1", "--tasks", ",".join(tasks), "--out", str(out)]
+    run_commands([command], {"bench": [*model, *added]}, capsys)
+    results = json.loads((out / "results.json").read_text())
+    assert results["complete"] and results["config"]["tasks"] == tasks and len(tasks) == 3
+    methods = _on_stories(",".join(args.methods)).split(",")
+    expected = {"none", *(f"{m} k={k}" for m in methods if m != "none" for k in args.k)}
+    assert {cell["label"] for cell in results["cells"]} == expected
+    for cell in results["cells"]:
+        assert cell["greedy_identity"]["differ"] == [], cell["label"]
 
 
 def test_benchmark_command_runs(shared_model, tmp_path, monkeypatch, own_cache, restore_threads, capsys):

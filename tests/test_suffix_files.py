@@ -109,7 +109,7 @@ def test_ctrl_c_still_saves_the_cache(stories, tmp_path, capsys, monkeypatch):
         speculator.suffix_cache.add([], [5, 6, 7])
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_generate", interrupted)
+    monkeypatch.setattr("verispec.cli.generate._generate", interrupted)
     assert cli.main(["generate", PROMPT, *stories, "--drafter", "suffix", "--suffix-cache", str(path)]) == 130
     assert SuffixCache.load(path).sequences() == [[5, 6, 7]]
 
