@@ -1,6 +1,6 @@
 """Constrained sampling through the real engine on real models: a chi-square of the first token the grammar
 leaves free (after its forced run, drafted for free) against the target's masked distribution there, for a
-JSON schema on stories260K and a regex and a JSON schema on SmolLM2-135M. The drafts are sampled (an early
+JSON schema on stories260K and a regex on SmolLM2-135M. The drafts are sampled (an early
 exit of the target's first layers), so rejection sampling runs: its draws are both accepted and rejected
 (:func:`first_rounds.first_rounds` checks that, and that a request decoded alone gives the same round)."""
 
@@ -85,13 +85,11 @@ def test_stories_json_schema_first_free_token(stories) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "constraint",
-    [Constraint("regex", SMOL_REGEX), Constraint("json_schema", json.dumps(SCHEMA))],
-    ids=["regex", "json_schema"],
-)
-def test_smollm2_first_free_token(smollm2, constraint: Constraint) -> None:
-    """A regex and a JSON schema on SmolLM2-135M, its early exit after 8 layers drafting."""
+def test_smollm2_regex_first_free_token(smollm2) -> None:
+    """A regex on SmolLM2-135M, its early exit after 8 layers drafting (a JSON schema is checked on
+    stories260K, with more runs for the time)."""
     speculator = Speculator(smollm2, draft="layers:8", target_label="smollm2-135m")
     prompt = "Name a city in France and say what it is like."
-    assert_first_free_token_follows_the_masked_target(speculator, prompt, constraint, 150)
+    assert_first_free_token_follows_the_masked_target(
+        speculator, prompt, Constraint("regex", SMOL_REGEX), 150
+    )
