@@ -5,6 +5,7 @@ drawn from. The target: a tiny random Llama of :mod:`test_eagle`, in float16 on 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -86,10 +87,36 @@ def test_native_heads_are_the_float32_heads_rounded(target, kind):
     torch.testing.assert_close(lb, la, atol=0.05 * float(la.abs().max()), rtol=0.05)
     if isinstance(native, EagleHead):
         assert native.new_cache().tiled
-        calls = THREADS.calls
+        with two_threads():  # on one thread nothing is timed at all
+            calls = THREADS.calls
+            with torch.no_grad():
+                draft_features(native, features, target)
+            assert THREADS.calls == calls  # the kernels' thread count follows the target's forwards alone
+
+
+@contextlib.contextmanager
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
         with torch.no_grad():
-            draft_features(native, features, target)
-        assert THREADS.calls == calls  # the kernels' thread count follows the target's forwards alone
+            yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_only_the_targets_own_forwards_are_timed_for_the_thread_choice(target):
+    """The kernels' thread choice compares the target's forwards: an early exit's (its first layers) and a
+    self-draft's requantized stack (the same architecture, ``replaced`` layers) are drafts, not timed."""
+    tokens, positions = torch.tensor([[1, 2, 3]]), torch.arange(3)[None]  # [1, 3] each
+    with two_threads():
+        calls = THREADS.calls
+        draft = target.first_layers(1)
+        draft.forward(tokens, positions, draft.new_cache())
+        assert THREADS.calls == calls
+        target.forward(tokens, positions, target.new_cache())
+        assert THREADS.calls == calls + 1
+    assert target._native.measured and not target._native.replaced(target._native.layers).measured
 
 
 @pytest.mark.parametrize("kind", KINDS)

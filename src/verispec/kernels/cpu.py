@@ -424,7 +424,8 @@ class NativeStack:
     attention over a KV cache (sliding windows), a gated MLP (SwiGLU or GELU-tanh), residuals (post-norms);
     one call for all layers. attn_scale: the scores' scale (default 1 / sqrt(head_dim)). measured: whether
     its forwards' times go to :data:`~verispec.kernels.threads.THREADS`, which picks the thread count by the
-    target's forwards (a learned drafter's stack, far cheaper per token, is not measured)."""
+    target's forwards (a learned drafter's stack, far cheaper per token, is not measured, nor a self-draft's
+    requantized stack, nor a forward over only the first layers: an early exit's draft)."""
 
     def __init__(
         self,
@@ -484,8 +485,9 @@ class NativeStack:
         )
 
     def replaced(self, layers: Sequence[NativeLayer]) -> NativeStack:
-        """A stack of the same architecture with other layers (a self-draft's requantized ones)."""
-        return NativeStack(layers=layers, **self._settings)
+        """A stack of the same architecture with other layers (a self-draft's requantized ones), not measured
+        (its forwards cost another amount than the target's)."""
+        return NativeStack(layers=layers, **(self._settings | {"measured": False}))
 
     @property
     def precision(self) -> str:
@@ -542,7 +544,7 @@ class NativeStack:
             h.data_ptr(),
             THREADS.count(),
         )
-        if self.measured:
+        if self.measured and num_layers == len(self.layers):  # an early exit's forwards are drafts
             THREADS.record(h.shape[0], time.perf_counter() - start)
         if status == -2:
             raise MemoryError("the native forward ran out of memory")
