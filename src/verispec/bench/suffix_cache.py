@@ -15,6 +15,7 @@ it saves.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from verispec.api import Speculator
 from verispec.bench.suite import memory_mib
 from verispec.drafting.suffix import SuffixDrafter, SuffixTreeDrafter
 from verispec.drafting.suffix_cache import DEFAULT_BUDGET, SuffixCache
@@ -108,15 +110,13 @@ def _lookups(
     return seconds
 
 
-def _target_steps(speculator: Any, tokens: int) -> float:
+def _target_steps(speculator: Speculator, tokens: int) -> float:
     """Seconds per plain decoding round of the target (after the prompt's prefill)."""
     stats = speculator.generate("Once upon a time", max_new_tokens=tokens, k=0).stats
     return (stats["total_seconds"] - stats["prefill_seconds"]) / max(1, stats["target_calls"])
 
 
 def run_suffix_cache_bench(config: SuffixCacheBenchConfig) -> dict[str, Any]:
-    from verispec.api import Speculator
-
     cache = SuffixCache(config.budget)
     workload = _Workload(VOCABULARY, config.seed)
     record = _fill(cache, workload, config.requests)
@@ -144,8 +144,6 @@ def run_suffix_cache_bench(config: SuffixCacheBenchConfig) -> dict[str, Any]:
 
 def write_suffix_cache_report(results: dict[str, Any], out: str | Path) -> Path:
     """results.md in ``out`` (and results.json beside it); returns the markdown's path."""
-    import json
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = results["config"]

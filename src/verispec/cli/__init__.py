@@ -30,7 +30,7 @@ from verispec.cli.bench import (
     add_bench_suffix_cache_parser,
     add_write_gguf_parser,
 )
-from verispec.cli.common import PROG, Parser, format_table, warn
+from verispec.cli.common import PROG, Parser
 from verispec.cli.drafters import add_calibrate_parser, add_drafter_data_parser, add_train_drafter_parser
 from verispec.cli.generate import add_demo_parser, add_generate_parser
 from verispec.cli.serve import add_serve_parser
@@ -38,7 +38,7 @@ from verispec.cli.viz import add_simulate_parser, add_viz_parser
 from verispec.cores import use_threads
 from verispec.errors import UsageError
 
-__all__ = ["PROG", "build_parser", "format_table", "main", "warn"]
+__all__ = ["build_parser", "main"]
 
 _INTERNAL_ERROR = 1
 _USAGE_ERROR = 2
