@@ -858,6 +858,42 @@ def rope_tables(positions: Tensor, inv_freq: Tensor) -> dict[str, Tensor]:
     return {"cos": freqs.cos(), "sin": freqs.sin()}
 
 
+def run_native(
+    stack: NativeStack,
+    inputs: Tensor,
+    cache: KVCache,
+    num_layers: int,
+    rope: dict[str, Tensor],
+    norm: tuple[Tensor, float],
+    base: int | None = None,
+    mask: Tensor | None = None,
+) -> Tensor:
+    """``num_layers`` layers of ``stack`` over inputs [B, T, H] float32 (RoPE tables ``rope`` at each
+    token, :func:`rope_tables`), then the RMSNorm ``norm`` (its weight [H] and epsilon): [B, T, H]. Row b of
+    the batch is row b of ``cache`` (a tiled one; of the whole cache for a row view), its T tokens at the next
+    T slots; every token sees the slots before ``base`` (default: every committed one) and those from
+    ``base`` on where ``mask`` [B·T, slots from base] says so (None: causally)."""
+    b, t, _ = inputs.shape
+    assert isinstance(cache.keys, Tensor) and isinstance(cache.values, Tensor)  # tiled: one tensor
+    start, end = cache._reserve(t)
+    h = inputs.reshape(b * t, -1).clone()  # [B·T, H] float32, a copy: the kernels write into it
+    first = 0 if cache.row is None else cache.row  # a row view is row `row` of the whole cache
+    keys, values = (cache.keys, cache.values) if cache.whole is None else cache.whole
+    stack.forward(
+        h,
+        num_layers=num_layers,
+        **rope,
+        seq=(first + torch.arange(b, dtype=torch.int32)).repeat_interleave(t),  # [B·T]: each token's row
+        slot=(start + torch.arange(t, dtype=torch.int32)).repeat(b),  # [B·T]
+        base=torch.full((b * t,), start if base is None else base, dtype=torch.int32),  # [B·T]
+        mask=mask,
+        keys=keys,
+        values=values,
+    )
+    cache._length = end
+    return rmsnorm(h, *norm).view(b, t, -1)  # [B, T, H]
+
+
 def pack_linears(module: nn.Module, batch_size_hint: int, min_weight_elements: int) -> None:
     """Pack every :class:`_Linear` of ``module`` with at least ``min_weight_elements`` weights for oneDNN,
     tuned for ``batch_size_hint`` rows per call (see :meth:`Llama.optimize_for_cpu`; the caller has checked
@@ -1273,26 +1309,10 @@ class Llama(nn.Module):
             blocks = [slice(i, i + NATIVE_CHUNK) for i in range(0, t, NATIVE_CHUNK)]
             parts = [self._native_hidden(native, inputs[:, b], positions[:, b], cache, None) for b in blocks]
             return torch.cat(parts, 1)  # [B, T, hidden]
-        assert isinstance(cache.keys, Tensor) and isinstance(cache.values, Tensor)  # checked: one tensor
-        start, end = cache._reserve(t)
-        h = inputs.reshape(b * t, -1).clone()  # [B·T, hidden] float32, a copy: the kernels write into it
-        first = 0 if cache.row is None else cache.row  # a row view is row `row` of the whole cache
-        rows = (first + torch.arange(b, dtype=torch.int32)).repeat_interleave(t)  # [B·T] each token's row
-        slots = (start + torch.arange(t, dtype=torch.int32)).repeat(b)  # [B·T]
-        keys, values = (cache.keys, cache.values) if cache.whole is None else cache.whole
-        native.forward(
-            h,
-            num_layers=self.config.num_layers,
-            **self._rope(positions.reshape(-1)),
-            seq=rows,
-            slot=slots,
-            base=torch.full((b * t,), start, dtype=torch.int32),  # [B·T]: every committed slot is visible
-            mask=None if tree_mask is None else tree_mask.repeat(b, 1).contiguous(),  # [B·T, T] bool
-            keys=keys,
-            values=values,
-        )
-        cache._length = end
-        return rmsnorm(h, self.model.norm.weight, self.config.rms_norm_eps).view(b, t, -1)  # [B, T, hidden]
+        rope = self._rope(positions.reshape(-1))
+        mask = None if tree_mask is None else tree_mask.repeat(b, 1).contiguous()  # [B·T, T] bool
+        norm = (self.model.norm.weight, self.config.rms_norm_eps)
+        return run_native(native, inputs, cache, self.config.num_layers, rope, norm, mask=mask)
 
     # ---------------------------------------------------------------- rows of a batch (RowModel)
 

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from verispec.drafting.learned.head import DRAFT_FORMAT, LearnedHead, native_target, shape_count
 from verispec.errors import UsageError
 from verispec.inputs import is_int
-from verispec.kernels.cpu import NativeStack, rmsnorm
+from verispec.kernels.cpu import NativeStack
 from verispec.models.base import LanguageModel
 from verispec.models.llama import (
     KVCache,
@@ -43,6 +43,7 @@ from verispec.models.llama import (
     native_stack,
     rope_tables,
     run_layers,
+    run_native,
 )
 
 __all__ = ["MAX_LAYERS", "EagleHead"]
@@ -151,27 +152,14 @@ class EagleHead(LearnedHead):
     ) -> Tensor:
         """:meth:`forward` after fc on the native kernels: h [B, T, H] float32 through the layers (row b of
         the batch on row b of ``cache``, a tiled one from :meth:`new_cache`) and the norm → [B, T, H]."""
-        b, t, _ = h.shape
-        assert isinstance(cache.keys, Tensor) and isinstance(cache.values, Tensor)  # tiled: one tensor
-        start, end = cache._reserve(t)
-        base = start  # the slots every token sees: the committed ones, or those the mask shows to all
+        b = h.shape[0]
+        base = None  # the slots every token sees: the committed ones, or those the mask shows to all
         if mask is not None:
-            base = min(start, int(mask.all(0).cumprod(0).sum()))
-            mask = mask[:, base:].repeat(b, 1).contiguous()  # [B·T, end - base]
-        flat = h.reshape(b * t, -1).contiguous()  # [B·T, H], which the kernels write into
-        stack.forward(
-            flat,
-            num_layers=self.num_layers,
-            **rope_tables(positions, self.inv_freq),
-            seq=torch.arange(b, dtype=torch.int32).repeat_interleave(t),  # [B·T]: each token's cache row
-            slot=(start + torch.arange(t, dtype=torch.int32)).repeat(b),  # [B·T]
-            base=torch.full((b * t,), base, dtype=torch.int32),  # [B·T]
-            mask=mask,
-            keys=cache.keys,
-            values=cache.values,
-        )
-        cache._length = end
-        return rmsnorm(flat, self.norm.weight, self.config.rms_norm_eps).view(b, t, -1)  # [B, T, H]
+            base = min(cache.length, int(mask.all(0).cumprod(0).sum()))
+            mask = mask[:, base:].repeat(b, 1).contiguous()  # [B·T, slots from base]
+        rope = rope_tables(positions, self.inv_freq)
+        norm = (self.norm.weight, self.config.rms_norm_eps)
+        return run_native(stack, h, cache, self.num_layers, rope, norm, base=base, mask=mask)
 
     def shape_metadata(self) -> dict[str, str]:
         return {"num_layers": str(self.num_layers)}
