@@ -239,6 +239,10 @@ def test_medusa_q_rows_are_each_heads_own_distribution(target, files, sampling_k
     torch.testing.assert_close(first.q.sum(-1), torch.ones(3, dtype=first.q.dtype))
     # a context the drafter has not seen every state of drafts nothing
     assert drafter.propose([*context, 7], 3, torch.Generator()).tokens.numel() == 0
+    # nor does a one-token prompt's first round, which has no state yet: not the previous request's (a CI
+    # failure: a fresh drafter read its uninitialized state there and drew from NaN logits)
+    drafter.begin([context[0]])
+    assert drafter.propose([context[0]], 3, torch.Generator()).tokens.numel() == 0
 
 
 def test_medusa_tree_children_are_each_depths_head_top_tokens(target, files):

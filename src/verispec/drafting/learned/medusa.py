@@ -136,8 +136,8 @@ class MedusaDrafter:
         """heads: built for the target; sampling: the engine's parameters."""
         self.heads = heads
         self.sampling = sampling
-        self._last = torch.empty(1, heads.hidden_size, device=heads.device)  # [1, H]: the latest state
-        self._num_features = 0
+        self._last = torch.zeros(1, heads.hidden_size, device=heads.device)  # [1, H]: the latest state
+        self._num_features = 0  # the states this request has handed over; _last is stale while 0
 
     def begin(self, prompt: list[int]) -> None:
         self._num_features = 0
@@ -150,8 +150,9 @@ class MedusaDrafter:
 
     def head_logits(self, context: list[int], heads: int) -> Tensor | None:
         """The first ``heads`` heads' logits [heads, Vd] after ``context``, read from f_{n-1}; None when the
-        target's state of that position is not in (the drafter has not seen the whole context)."""
-        if heads < 1 or self._num_features != len(context) - 1:
+        target's state of that position is not in (the drafter has not seen the whole context, or none of it: a
+        one-token prompt, whose first round has no state to read, must not read the previous request's)."""
+        if heads < 1 or self._num_features == 0 or self._num_features != len(context) - 1:
             return None
         return self.heads.logits(self.heads(self._last, heads)[0])
 
