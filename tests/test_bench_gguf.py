@@ -1,13 +1,16 @@
 """``verispec write-gguf`` and ``verispec bench-gguf`` from the command line: a random-weight file of a given
-shape and type written atomically and readable in place; the bench's report of it (its numbers are
+shape and type written atomically and readable in place; a file requantized by llama.cpp's quantizer (where
+`make peers` installed it; else a one-line error); the bench's report of it (its numbers are
 measured, not asserted; their presence and consistency are); bad arguments refused in one line before
 anything runs."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
+import torch
 
 from verispec import cli
 from verispec.kernels.cpu import native_available
@@ -19,6 +22,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 SHAPE = "hidden=256,layers=2,heads=4,kv_heads=2,ffn=512,vocab=300,context=512"
+IDS = [1, 70, 80, 90, 100, 110]
 
 
 def test_write_gguf_writes_a_file_that_loads_in_place(tmp_path, capsys):
@@ -47,6 +51,81 @@ def test_write_gguf_refuses_bad_arguments_in_one_line(tmp_path, capsys, argv, me
     assert cli.main(["write-gguf", *argv, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err and not out.exists()
+
+
+def logits(model, ids: list[int]):
+    """Logits [len(ids), vocab] of one prefill of ``ids``."""
+    return model(torch.tensor([ids]), torch.arange(len(ids))[None], model.new_cache(1, 16))[0]
+
+
+def test_write_gguf_from_a_file_requantizes_it_with_llama_cpp(tmp_path, capsys):
+    """Each file type llama.cpp writes loads in place (every tensor on a native kernel) and scores as the
+    source does within its rounding; nothing but the written files is left in the directory."""
+    pytest.importorskip("llama_cpp", reason="llama.cpp's quantizer (`make peers`)")
+    source = tmp_path / "f16.gguf"
+    assert cli.main(["write-gguf", "--shape", SHAPE, "--type", "F16", "--out", str(source)]) == 0
+    reference = logits(load_gguf(source), IDS)  # [6, 300]
+    for file_type, error in [("Q8_0", 0.05), ("Q4_K_M", 0.35), ("Q6_K", 0.12)]:  # another model: 1.5
+        out = tmp_path / f"{file_type}.gguf"
+        argv = ["write-gguf", "--from", str(source), "--type", file_type, "--out", str(out), "--threads", "1"]
+        assert cli.main(argv) == 0
+        assert f"requantized to {file_type}: {out}" in capsys.readouterr().out
+        header = GGUFFile(out)
+        matrices = [t for t in header.tensors if len(t.shape) == 2 and t.name.startswith("blk.")]
+        types = {t.tensor_type.name for t in matrices}
+        assert types <= {"Q8_0", "Q4_K", "Q5_0", "Q6_K"} and (file_type[:2] in "".join(types))
+        model = load_gguf(out)  # in place: no conversion
+        scored = logits(model, IDS)
+        spread = reference.std().item()
+        # its rounding, not another model's logits
+        assert (scored - reference).abs().max().item() < error * 10 * spread
+        assert (scored - reference).pow(2).mean().sqrt().item() < error * spread
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["Q4_K_M.gguf", "Q6_K.gguf", "Q8_0.gguf", "f16.gguf"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--type", "Q2_K"], "--type with --from must be one of"),
+        (["--type", "Q4_K"], "Q4_K_M"),  # a tensor type, not a file type: the list says which
+        (["--type", "Q8_0", "--out", "{dir}/x.bin"], "must end in .gguf"),
+        (["--type", "Q8_0", "--out", "{dir}/source.gguf"], "must not be the source"),
+        (["--type", "Q8_0", "--out", "{dir}/no/such/dir/x.gguf"], "x.gguf"),
+    ],
+)
+def test_write_gguf_from_refuses_bad_arguments_in_one_line(tmp_path, capsys, argv, message):
+    source = tmp_path / "source.gguf"
+    assert cli.main(["write-gguf", "--shape", SHAPE, "--type", "Q8_0", "--out", str(source)]) == 0
+    capsys.readouterr()
+    argv = [a.format(dir=tmp_path) for a in argv]
+    argv = argv if "--out" in argv else [*argv, "--out", str(tmp_path / "x.gguf")]
+    assert cli.main(["write-gguf", "--from", str(source), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source.gguf"]
+
+
+def test_write_gguf_from_what_is_not_gguf_or_without_llama_cpp_is_one_line(tmp_path, capsys, monkeypatch):
+    """A source that is no GGUF file, --shape and --from together, and llama.cpp missing (as on a machine
+    without `make peers`): one line each, nothing written."""
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a model")
+    out = tmp_path / "x.gguf"
+    for argv, message in [
+        (["--from", str(text)], "cannot read"),
+        (["--from", str(tmp_path / "notes.txt")], "--from takes a .gguf file"),
+    ]:
+        assert cli.main(["write-gguf", *argv, "--type", "Q8_0", "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err
+    both = ["write-gguf", "--from", str(text), "--shape", SHAPE, "--type", "Q8_0", "--out", str(out)]
+    assert cli.main(both) == 2 and "not allowed with" in capsys.readouterr().err  # argparse: one of them
+    source = tmp_path / "source.gguf"
+    assert cli.main(["write-gguf", "--shape", SHAPE, "--type", "Q8_0", "--out", str(source)]) == 0
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
+    assert cli.main(["write-gguf", "--from", str(source), "--type", "Q8_0", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "make peers" in err and "\n" not in err and not out.exists()
 
 
 def test_bench_gguf_reports_a_random_file(tmp_path, capsys, monkeypatch):

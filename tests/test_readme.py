@@ -21,6 +21,7 @@ every flag they pass are the README's:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -756,9 +757,10 @@ def test_own_gguf_commands_run(tmp_path, monkeypatch, user_cache, own_cache, cap
 def test_bench_gguf_commands_run(tmp_path, monkeypatch, own_cache, restore_threads, capsys):
     """The README's bench-gguf and write-gguf lines, shrunk: model.gguf a tiny random file, the random
     shapes a tiny one, llama.cpp left out, one repetition of a few tokens; each completes with its report
-    (the bench's) or its file (write-gguf's)."""
+    (the bench's) or its file (write-gguf's; requantizing: where llama.cpp is installed, else its one-line
+    error)."""
     monkeypatch.chdir(tmp_path)
-    bench_file, bench_random, write = verispec_commands(BENCH_GGUF)
+    bench_file, bench_random, write, requantize = verispec_commands(BENCH_GGUF)
     _tiny_gguf_in(tmp_path, bench_file.words[2])
     quick = ["--no-llamacpp", "--repetitions", "1", "--context", "8", "--prefill", "4", "--max-k", "2"]
     quick += ["--threads", "1"]
@@ -773,3 +775,14 @@ def test_bench_gguf_commands_run(tmp_path, monkeypatch, own_cache, restore_threa
     run_commands([Command(write.line, words)], {}, capsys)
     out = tmp_path / write.words[write.words.index("--out") + 1]
     assert out.is_file() and out.stat().st_size > 0
+    # the requantizing line, from that file (not the short name's download): llama.cpp's file, or without
+    # `make peers` one line saying how to get it
+    words = [str(out) if w == "smollm2-135m" else w for w in requantize.words]
+    assert words != requantize.words and words[1] == "write-gguf"
+    status = cli.main(words[1:])
+    err = capsys.readouterr().err
+    target = tmp_path / words[words.index("--out") + 1]
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert status == 2 and "make peers" in err and not target.exists()
+    else:
+        assert status == 0 and target.is_file(), err

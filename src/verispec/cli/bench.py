@@ -325,26 +325,52 @@ def add_write_gguf_parser(subparsers: argparse._SubParsersAction) -> None:
     """Declare ``verispec write-gguf``."""
     parser = subparsers.add_parser(
         "write-gguf",
-        help="write a random-weight Llama GGUF file of a given shape and tensor type (for speed runs)",
-        description="Write a GGUF file of a Llama-3-shaped model with random weights in one tensor type, "
-        "quickly (random blocks with sane scales, tensor by tensor), with a minimal tokenizer: speed does "
-        "not depend on the weights' values, so such a file measures the regime of large models without "
-        "downloading one. Its outputs are meaningless: never report their acceptance.",
+        help="write a GGUF file: random weights of a given shape (for speed runs), or a model requantized",
+        description="Write a GGUF file. --shape: a Llama-3-shaped model with random weights in one tensor "
+        "type, quickly (random blocks with sane scales, tensor by tensor), with a minimal tokenizer: speed "
+        "does not depend on the weights' values, so such a file measures the regime of large models without "
+        "downloading one; its outputs are meaningless: never report their acceptance. --from: a GGUF file "
+        "(or a short name's) requantized by llama.cpp's own quantizer (after `make peers`) to a file type "
+        "whose tensors all run natively, e.g. the shipped SmolLM2 file as Q4_K_M; requantizing a quantized "
+        "file compounds two roundings: for speed and format checks, not for quality.",
     )
+    from verispec.models.gguf_requantize import FILE_TYPES  # light: no numpy, torch or gguf
+
     parser.add_argument("--out", required=True, metavar="FILE.gguf", help="the file to write (atomically)")
-    parser.add_argument(
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
         "--shape",
-        required=True,
-        help="llama3-1b, llama3-3b, or hidden=H,layers=L,heads=N,kv_heads=K,ffn=F,vocab=V "
+        help="random weights: llama3-1b, llama3-3b, or hidden=H,layers=L,heads=N,kv_heads=K,ffn=F,vocab=V "
         "[,tied=0|1][,rope_base=B][,rope_factor=X|none][,context=C]",
     )
-    parser.add_argument("--type", required=True, help="Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K or F16")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    source.add_argument(
+        "--from", dest="source", metavar="MODEL", help="a GGUF file or short name to requantize"
+    )
+    parser.add_argument(
+        "--type",
+        required=True,
+        help=f"with --shape: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K or F16; with --from: "
+        f"{', '.join(FILE_TYPES)}",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed of --shape (default: %(default)s)")
+    add_threads_argument(parser)
     parser.set_defaults(func=run_write_gguf)
 
 
 def run_write_gguf(args: argparse.Namespace) -> int:
     """Run ``verispec write-gguf``: check every argument, write the file, print where it is."""
+    if args.source is not None:
+        import torch
+
+        from verispec.models.gguf_requantize import requantize_gguf
+        from verispec.models.registry import gguf_file
+
+        source = gguf_file(args.source)
+        if source is None:
+            raise UsageError(f"--from takes a .gguf file or a short name with one, got {args.source!r}")
+        path = requantize_gguf(source, args.out, args.type, args.threads or torch.get_num_threads())
+        print(f"{source.name} requantized to {args.type}: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+        return 0
     from verispec.models.gguf_write import parse_shape, write_random_gguf
 
     path = write_random_gguf(args.out, parse_shape(args.shape), args.type, args.seed)

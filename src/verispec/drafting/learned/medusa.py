@@ -150,8 +150,9 @@ class MedusaDrafter:
 
     def head_logits(self, context: list[int], heads: int) -> Tensor | None:
         """The first ``heads`` heads' logits [heads, Vd] after ``context``, read from f_{n-1}; None when the
-        target's state of that position is not in (the drafter has not seen the whole context, or none of it: a
-        one-token prompt, whose first round has no state to read, must not read the previous request's)."""
+        target's state of that position is not in (the drafter has not seen the whole context, or none of
+        it: a one-token prompt, whose first round has no state to read, must not read the previous
+        request's)."""
         if heads < 1 or self._num_features == 0 or self._num_features != len(context) - 1:
             return None
         return self.heads.logits(self.heads(self._last, heads)[0])
