@@ -134,7 +134,9 @@ def test_bench_gguf_reports_a_random_file(tmp_path, capsys, monkeypatch):
     argv = ["bench-gguf", "--random", f"{SHAPE}:Q8_0", "--no-llamacpp", "--context", "16", "--prefill", "8"]
     argv += ["--max-k", "3", "--repetitions", "1", "--threads", "1", "--out", str(out)]
     assert cli.main(argv) == 0
-    record = json.loads((out / "results.json").read_text())["files"][0]
+    document = json.loads((out / "results.json").read_text())
+    record, host = document["files"][0], document["machine"]
+    assert host["cores"] >= 1 and host["cpu"] and len(host["load_average_at_end"]) == 3
     assert record["formats"] == "q8_0" and len(record["verify"]) == 3 and record["verify"][0] == 1.0
     assert record["llamacpp_decode_seconds"] is None and record["agreement"] is None  # random weights
     assert 0 < record["weight_bytes"] < record["file_bytes"] and record["decode_seconds"] > 0
@@ -142,6 +144,7 @@ def test_bench_gguf_reports_a_random_file(tmp_path, capsys, monkeypatch):
     assert [p["k"] is not None for p in record["predicted"]] == [True] * 3
     table = (out / "results.md").read_text()
     assert "Q8_0.gguf" in table and "v(3)" in table and "Against llama.cpp" not in table
+    assert f"Machine: {host['cpu']}, {host['cores']} cores" in table
 
 
 @pytest.mark.parametrize(

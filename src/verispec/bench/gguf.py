@@ -15,6 +15,7 @@ their outputs are meaningless and no acceptance is measured on them.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -35,7 +36,15 @@ from verispec.models.gguf_native import load_gguf, read_gguf
 from verispec.models.gguf_write import RANDOM_NAME, TYPES, parse_shape, write_random_gguf
 from verispec.models.llama import Llama
 
-__all__ = ["FileBenchConfig", "FileResult", "bench_file", "random_file", "read_bandwidth", "write_report"]
+__all__ = [
+    "FileBenchConfig",
+    "FileResult",
+    "bench_file",
+    "machine",
+    "random_file",
+    "read_bandwidth",
+    "write_report",
+]
 
 PREDICTED = ((0.6, 0.0), (0.8, 0.0), (0.8, 0.05))  # (α, c): prompt lookup-like, and a cheap learned head
 
@@ -100,6 +109,39 @@ def read_bandwidth(threads: int, gigabytes: float = 1.0) -> float:
     torch.set_num_threads(threads)
     best = min(_timed(lambda: buffer.sum()) for _ in range(5))
     return buffer.numel() * 4 / best / 1e9
+
+
+# the vector extensions the kernels' speed depends on, widest first (a Linux /proc/cpuinfo flag each)
+_VECTOR_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni", "avx512f", "avx2")
+
+
+def machine(load_at_start: tuple[float, float, float]) -> dict[str, Any]:
+    """What the run's figures depend on beyond the files: the CPU, its vector extensions and last-level
+    cache, the load average at the start and now, llama.cpp's version (None where not installed)."""
+    from verispec.calibrate import cpu_name
+
+    try:
+        flags = next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+        )
+        llc = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except (OSError, StopIteration):
+        flags, llc = "", None
+    try:
+        import llama_cpp
+
+        peer = llama_cpp.__version__
+    except ImportError:
+        peer = None
+    return {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "vector": [f for f in _VECTOR_FLAGS if f in flags.split()],
+        "last_level_cache": llc,
+        "load_average_at_start": list(load_at_start),
+        "load_average_at_end": list(os.getloadavg()),
+        "llamacpp": peer,
+    }
 
 
 def _timed(work: Callable[[], object]) -> float:
@@ -321,12 +363,13 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     return (p.exp() * (p - q)).sum(-1)
 
 
-def write_report(results: list[FileResult], config: FileBenchConfig, out: Path) -> Path:
-    """results.json and results.md in ``out``; returns ``out``."""
+def write_report(results: list[FileResult], config: FileBenchConfig, host: dict[str, Any], out: Path) -> Path:
+    """results.json and results.md in ``out`` (``host``: :func:`machine`'s record); returns ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     records = [asdict(r) | {"bound_seconds": r.bound_seconds} for r in results]
-    (out / "results.json").write_text(json.dumps({"config": _jsonable(config), "files": records}, indent=2))
-    (out / "results.md").write_text(report(results, config))
+    document = {"config": _jsonable(config), "machine": host, "files": records}
+    (out / "results.json").write_text(json.dumps(document, indent=2))
+    (out / "results.md").write_text(report(results, config, host))
     return out
 
 
@@ -334,11 +377,16 @@ def _jsonable(config: FileBenchConfig) -> dict:
     return {k: [str(f) for f in v] if k == "files" else v for k, v in asdict(config).items()}
 
 
-def report(results: list[FileResult], config: FileBenchConfig) -> str:
+def report(results: list[FileResult], config: FileBenchConfig, host: dict[str, Any]) -> str:
     """The tables of a run (markdown)."""
+    loads = " → ".join(f"{host[k][0]:.2f}" for k in ("load_average_at_start", "load_average_at_end"))
     lines = [
         f"GGUF files on the native kernels, {config.threads} threads, decoding after {config.context} "
         f"positions; medians of {config.repetitions} turns with llama.cpp.",
+        "",
+        f"Machine: {host['cpu']}, {host['cores']} cores ({', '.join(host['vector']) or 'no AVX2'}; "
+        f"last-level cache {host['last_level_cache'] or 'unknown'}); load average {loads} (start → end); "
+        f"llama.cpp {host['llamacpp'] or 'not installed'}.",
         "",
         "| file | formats | MB | tok/s | × llama.cpp | ms/token | bound ms | bound/time | RSS/file | load s "
         "| prefill tok/s | × llama.cpp |",

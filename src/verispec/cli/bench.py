@@ -5,6 +5,7 @@ and ``bench-gguf``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -418,7 +419,14 @@ def run_bench_gguf(args: argparse.Namespace) -> int:
 
     import torch
 
-    from verispec.bench.gguf import FileBenchConfig, bench_file, random_file, read_bandwidth, write_report
+    from verispec.bench.gguf import (
+        FileBenchConfig,
+        bench_file,
+        machine,
+        random_file,
+        read_bandwidth,
+        write_report,
+    )
 
     for name, least in (("context", 1), ("prefill", 2), ("max_k", 1), ("repetitions", 1)):
         if getattr(args, name) < least:
@@ -436,8 +444,11 @@ def run_bench_gguf(args: argparse.Namespace) -> int:
     config = FileBenchConfig(
         tuple(files), threads, args.context, args.prefill, args.max_k, args.repetitions, not args.no_llamacpp
     )
+    load_at_start = os.getloadavg()
     bandwidth = read_bandwidth(threads)
     results = [bench_file(path, config, bandwidth) for path in files]
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = write_report(results, config, Path(args.out or f"results/bench-gguf-{stamp}"))
+    out = write_report(
+        results, config, machine(load_at_start), Path(args.out or f"results/bench-gguf-{stamp}")
+    )
     return show_results(out)
