@@ -119,26 +119,36 @@ def position_draws(weights: Tensor, seed: int, positions: Sequence[int]) -> Tens
     q = p. A draft drawn from q this way (:func:`draft_draw`) is the target's own draw that often."""
     if weights.ndim != 2 or weights.shape[0] != len(positions):
         raise UsageError(f"need weights [P, V] for {len(positions)} positions, got {tuple(weights.shape)}")
-    w = weights.double()  # [P, V]
+    w = weights.detach().to("cpu", torch.float64).numpy()  # [P, V]
     groups = -(-w.shape[1] // RACE_GROUP)
-    w = torch.nn.functional.pad(w, (0, groups * RACE_GROUP - w.shape[1])).view(-1, groups, RACE_GROUP)
-    totals = w.sum(-1)  # [P, G]
-    _total(totals.sum(-1))
-    blocks = -(-groups // RACE_GROUP)  # the groups' noise, RACE_GROUP groups to a counter
-    drawn = []
-    for row, position in enumerate(positions):
-        e = torch.cat([_exponentials(seed, position, 2 * b) for b in range(blocks)])[:groups]  # [G]
-        g = int((e.to(w.device) / totals[row]).argmin())
-        e = _exponentials(seed, position, 2 * g + 1).to(w.device)  # [RACE_GROUP]: the group's ids' noise
-        drawn.append(g * RACE_GROUP + int((e / w[row, g]).argmin()))
+    if groups * RACE_GROUP != w.shape[1]:
+        w = np.pad(w, ((0, 0), (0, groups * RACE_GROUP - w.shape[1])))  # [P, G · RACE_GROUP]
+    drawn = _race(w.reshape(len(positions), groups, RACE_GROUP), seed, positions)
     return torch.tensor(drawn, dtype=torch.long, device=weights.device)
 
 
-def _exponentials(seed: int, position: int, index: int) -> Tensor:
+def _race(w: np.ndarray, seed: int, positions: Sequence[int]) -> list[int]:
+    """:func:`position_draws` on w [P, G, RACE_GROUP] float64, the rows' weights in groups (zeros past the
+    vocabulary). In NumPy, on the calling thread: a draw is ~25 small operations, which torch would split
+    over its threads (waiting on a busy core) and dispatch at a far higher cost each."""
+    totals = w.sum(-1)  # [P, G]
+    _total(torch.from_numpy(totals.sum(-1)))
+    blocks = -(-w.shape[1] // RACE_GROUP)  # the groups' noise, RACE_GROUP groups to a counter
+    drawn = []
+    with np.errstate(divide="ignore"):  # a group or an id of weight 0: e / 0 = inf, never the least
+        for row, position in enumerate(positions):
+            e = np.concatenate([_exponentials(seed, position, 2 * b) for b in range(blocks)])[: w.shape[1]]
+            g = int((e / totals[row]).argmin())
+            e = _exponentials(seed, position, 2 * g + 1)  # [RACE_GROUP]: the group's ids' noise
+            drawn.append(g * RACE_GROUP + int((e / w[row, g]).argmin()))
+    return drawn
+
+
+def _exponentials(seed: int, position: int, index: int) -> np.ndarray:
     """RACE_GROUP unit exponentials [RACE_GROUP] float64 of counter (position, index) under key ``seed``: the
     counters of two calls lie 2^64 apart, far beyond what one call advances its counter by."""
     bits = np.random.Philox(key=seed, counter=(position << 128) | (index << 64))
-    return torch.from_numpy(np.random.Generator(bits).standard_exponential(RACE_GROUP))
+    return np.random.Generator(bits).standard_exponential(RACE_GROUP)
 
 
 def draft_draw(
@@ -152,6 +162,9 @@ def draft_draw(
         return sample(q, generator)
     if ids is None:
         return position_draws(q.unsqueeze(0), generator.initial_seed(), [position])
-    spread = q.new_zeros(int(ids.max()) + 1).scatter_(0, ids.to(q.device), q)  # [max id + 1]
-    token = position_draws(spread.unsqueeze(0), generator.initial_seed(), [position])  # [1]: a target id
-    return (ids.to(q.device) == token).nonzero()[0]
+    at = ids.cpu().numpy()  # [W]
+    groups = -(-(int(at.max()) + 1) // RACE_GROUP)  # q spread over the ids up to the largest: its groups
+    spread = np.zeros(groups * RACE_GROUP)  # [G · RACE_GROUP] float64
+    spread[at] = q.detach().to("cpu", torch.float64).numpy()
+    token = _race(spread.reshape(1, groups, RACE_GROUP), generator.initial_seed(), [position])[0]
+    return torch.tensor(np.flatnonzero(at == token)[:1], device=q.device)  # [1]: its index in ids

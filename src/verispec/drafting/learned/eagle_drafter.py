@@ -102,7 +102,7 @@ class EagleDrafter:
         if feature is None:
             return Proposal.empty()
         drafts: list[Tensor] = []
-        qs = []
+        qs = []  # [Vd] each: q of each draft token on the draft vocabulary
         for i in range(k):
             raw = self.head.logits(feature[0])[0]  # [Vd]
             logits = allowed_logits(raw, allowed, [int(t) for t in drafts], self.head.draft_vocab)  # [Vd]
@@ -114,14 +114,15 @@ class EagleDrafter:
                 q_draft = probs_from_logits(logits, self.sampling)  # [Vd]
                 ids = self.head.draft_vocab  # [Vd]: the target's ids
                 token = ids[draft_draw(q_draft, generator, self.sampling, n + 1 + i, ids)]
-                qs.append(self.head.full_q(q_draft))
+                qs.append(q_draft)
             drafts.append(token)
             if i < k - 1:
                 position = torch.tensor([[n + i]], device=feature.device)  # [1, 1]
                 feature = self.head(token.view(1, 1), feature, position, self.cache)  # [1, 1, H]
         if not drafts:
             return Proposal.empty()
-        return Proposal(tokens=torch.cat(drafts).cpu(), q=torch.stack(qs).cpu() if qs else None)
+        q = self.head.full_q(torch.stack(qs)).cpu() if qs else None  # [K', V]
+        return Proposal(tokens=torch.cat(drafts).cpu(), q=q)
 
     def observe(self, num_accepted: int) -> None:
         self.cache.truncate(self._committed)

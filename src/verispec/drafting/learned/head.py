@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -208,8 +209,14 @@ class LearnedHead(nn.Module):
         return F.linear(features, self.head_weight)
 
     def full_q(self, q_draft: Tensor) -> Tensor:
-        """q_draft: [Vd], a distribution on the draft vocabulary → the same on the target's vocabulary [V]."""
-        return q_draft.new_zeros(self.vocab_size).index_copy_(0, self.draft_vocab, q_draft)
+        """q_draft: [..., Vd], distributions on the draft vocabulary → the same on the target's vocabulary
+        [..., V]. On the CPU in NumPy, on the calling thread (torch would split the fill over its threads)."""
+        shape = (*q_draft.shape[:-1], self.vocab_size)
+        if q_draft.device.type != "cpu":
+            return q_draft.new_zeros(shape).index_copy_(-1, self.draft_vocab, q_draft)
+        full = np.zeros(shape, dtype=q_draft.numpy(force=True).dtype)  # [..., V]
+        full[..., self.draft_vocab.numpy()] = q_draft.numpy(force=True)
+        return torch.from_numpy(full)
 
     def optimize_for_cpu(self, native: bool = False, min_weight_elements: int = 2**17) -> bool:
         """The CPU fast path for drafting. ``native`` (a target on verispec's native kernels): every matrix

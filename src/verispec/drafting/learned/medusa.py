@@ -166,7 +166,7 @@ class MedusaDrafter:
             return Proposal.empty()
         ids, n = self.heads.draft_vocab, len(context)  # the first draft token's position: n
         drafts: list[int] = []
-        qs = []  # [V] each: each head's own distribution, masked after the drafts before it
+        qs = []  # [Vd] each: each head's own distribution, masked after the drafts before it
         for j, raw in enumerate(logits):
             row = allowed_logits(raw, allowed, drafts, ids)  # [Vd]
             if row is None:  # the grammar allows nothing more
@@ -176,8 +176,8 @@ class MedusaDrafter:
                 continue
             q_draft = probs_from_logits(row, self.sampling)  # [Vd]
             drafts.append(int(ids[draft_draw(q_draft, generator, self.sampling, n + j, ids)]))
-            qs.append(self.heads.full_q(q_draft))
-        q = torch.stack(qs).cpu() if qs else None  # [K', V]
+            qs.append(q_draft)
+        q = self.heads.full_q(torch.stack(qs)).cpu() if qs else None  # [K', V]
         return Proposal(tokens=torch.tensor(drafts, dtype=torch.long), q=q)
 
     def observe(self, num_accepted: int) -> None:
