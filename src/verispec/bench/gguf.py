@@ -98,6 +98,7 @@ def random_file(spec: str) -> Path:
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in shape)
     path = cache_dir().parent / "bench" / f"{name}-{type_name}.gguf"
     if not path.is_file():
+        print(f"verispec: writing the random-weight file {path} (once; kept for later runs)", file=sys.stderr)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_random_gguf(path, parsed, type_name)
     return path
@@ -124,7 +125,8 @@ def machine(load_at_start: tuple[float, float, float]) -> dict[str, Any]:
         flags = next(
             line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
         )
-        llc = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()  # e.g. 266240K
+        llc = f"{int(size[:-1]) // 1024} MiB" if size.endswith("K") else size
     except (OSError, StopIteration):
         flags, llc = "", None
     try:
@@ -380,13 +382,16 @@ def _jsonable(config: FileBenchConfig) -> dict:
 def report(results: list[FileResult], config: FileBenchConfig, host: dict[str, Any]) -> str:
     """The tables of a run (markdown)."""
     loads = " → ".join(f"{host[k][0]:.2f}" for k in ("load_average_at_start", "load_average_at_end"))
+    peer = "left out (--no-llamacpp)" if not config.llamacpp else host["llamacpp"] or "not installed"
+    turns = f"{config.repetitions} repetition{'s' if config.repetitions > 1 else ''}"
     lines = [
         f"GGUF files on the native kernels, {config.threads} threads, decoding after {config.context} "
-        f"positions; medians of {config.repetitions} turns with llama.cpp.",
+        f"positions; medians of {turns}"
+        f"{', in turns with llama.cpp' if config.llamacpp and host['llamacpp'] else ''}.",
         "",
         f"Machine: {host['cpu']}, {host['cores']} cores ({', '.join(host['vector']) or 'no AVX2'}; "
         f"last-level cache {host['last_level_cache'] or 'unknown'}); load average {loads} (start → end); "
-        f"llama.cpp {host['llamacpp'] or 'not installed'}.",
+        f"llama.cpp {peer}.",
         "",
         "| file | formats | MB | tok/s | × llama.cpp | ms/token | bound ms | bound/time | RSS/file | load s "
         "| prefill tok/s | × llama.cpp |",
@@ -425,6 +430,12 @@ def report(results: list[FileResult], config: FileBenchConfig, host: dict[str, A
                 f"{a['kl_float_verispec']:.4f} |"
             )
     lines += ["", "Verification cost v(k) = T(k) / T(1):", ""]
+    if config.repetitions < 3:
+        lines += [
+            f"(from {turns}: timings this few move from run to run — a v(k) below 1 is such noise — and the "
+            "predicted speedups below with them; the default 7 or more settle them)",
+            "",
+        ]
     ks = range(1, config.max_k + 1)
     lines += ["| file | " + " | ".join(f"v({k})" for k in ks) + " |", "|---|" + "---|" * len(ks)]
     lines += [f"| {Path(r.file).name} | " + " | ".join(f"{v:.2f}" for v in r.verify) + " |" for r in results]

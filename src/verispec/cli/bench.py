@@ -370,7 +370,7 @@ def run_write_gguf(args: argparse.Namespace) -> int:
         if source is None:
             raise UsageError(f"--from takes a .gguf file or a short name with one, got {args.source!r}")
         path = requantize_gguf(source, args.out, args.type, args.threads or torch.get_num_threads())
-        print(f"{source.name} requantized to {args.type}: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+        print(f"{args.source} requantized to {args.type}: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
         return 0
     from verispec.models.gguf_write import parse_shape, write_random_gguf
 
@@ -397,7 +397,9 @@ def add_bench_gguf_parser(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="SHAPE:TYPE",
-        help="a random-weight file: llama3-1b, llama3-3b or explicit dims (see write-gguf), and a type",
+        help="a random-weight file: llama3-1b, llama3-3b or explicit dims (see write-gguf), and a type; "
+        "written once into verispec's cache (bench/; 0.7 GB for llama3-1b:Q4_K, 1.8 GB for llama3-3b:Q4_K); "
+        "repeat it for several",
     )
     add_threads_argument(parser)
     parser.add_argument(
@@ -406,8 +408,16 @@ def add_bench_gguf_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--prefill", type=int, default=128, help="prompt tokens timed for prefill (default: %(default)s)"
     )
-    parser.add_argument("--max-k", type=int, default=8, help="v(k) for k = 1..max-k (default: %(default)s)")
-    parser.add_argument("--repetitions", type=int, default=7, help="timed turns (default: %(default)s)")
+    parser.add_argument(
+        "--max-k",
+        type=int,
+        default=8,
+        help="v(k) for blocks of k = 1..max-k tokens; a round of K drafts verifies K + 1, so the predicted "
+        "best K is at most max-k - 1 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repetitions", type=int, default=7, help="timed repetitions of each figure (default: %(default)s)"
+    )
     parser.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out")
     parser.add_argument("--out", metavar="DIR", help="output directory (default: results/bench-gguf-STAMP)")
     parser.set_defaults(func=run_bench_gguf)

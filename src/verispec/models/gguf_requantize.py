@@ -12,6 +12,7 @@ it and renamed into place when llama.cpp is done.
 from __future__ import annotations
 
 import ctypes
+import re
 import sys
 from pathlib import Path
 
@@ -52,11 +53,43 @@ def requantize_gguf(source: Path, path: str | Path, file_type: str, threads: int
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{file_type}")
     params.allow_requantize = True  # the source may be quantized already (the shipped files are)
     params.nthread = threads
-    print(f"verispec: requantizing {source.name} to {file_type} with llama.cpp's quantizer", file=sys.stderr)
+    print(f"verispec: requantizing {source} to {file_type} with llama.cpp's quantizer", file=sys.stderr)
+    log: list[str] = []  # llama.cpp's log of the run (hundreds of lines), summed up below
+
+    @llama_cpp.llama_log_callback
+    def collect(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        log.append(text.decode("utf-8", "replace"))
+
     with atomic_path(path) as partial:
-        status = llama_cpp.llama_model_quantize(
-            str(source).encode(), str(partial).encode(), ctypes.byref(params)
-        )
+        llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
+        try:
+            status = llama_cpp.llama_model_quantize(
+                str(source).encode(), str(partial).encode(), ctypes.byref(params)
+            )
+        finally:  # llama-cpp-python's own logger again
+            from llama_cpp import _logger
+
+            llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
         if status:
-            raise UsageError(f"llama.cpp could not requantize {source} to {file_type} (its status {status})")
+            said = [line.strip() for line in "".join(log).splitlines() if "error" in line.lower()]
+            raise UsageError(
+                f"llama.cpp could not requantize {source} to {file_type}: {said[-1] if said else status}"
+            )
+    fallback = _fallback(log)
+    if fallback:
+        print(f"verispec: {fallback}", file=sys.stderr)
     return path
+
+
+def _fallback(log: list[str]) -> str | None:
+    """What llama.cpp's log says of tensors it wrote in another type than the file type's (a K-quant needs
+    widths that are multiples of 256), in one line; None when it says nothing of them."""
+    text = "".join(log)
+    summary = re.search(r"(\d+) of (\d+) tensor\(s\) required fallback", text)
+    if summary is None:
+        return None
+    types = sorted(set(re.findall(r"falling back to\s+(\S+)", text)))
+    return (
+        f"llama.cpp wrote {summary[1]} of {summary[2]} tensors in another type ({', '.join(types) or '?'}): "
+        "a K-quant needs widths that are multiples of 256"
+    )
