@@ -67,7 +67,7 @@ def test_write_gguf_from_a_file_requantizes_it_with_llama_cpp(tmp_path, capsys):
     reference = logits(load_gguf(source), IDS)  # [6, 300]
     for file_type, error in [("Q8_0", 0.05), ("Q4_K_M", 0.35), ("Q6_K", 0.12)]:  # another model: 1.5
         out = tmp_path / f"{file_type}.gguf"
-        argv = ["write-gguf", "--from", str(source), "--type", file_type, "--out", str(out), "--threads", "1"]
+        argv = ["write-gguf", "--from", str(source), "--type", file_type, "--out", str(out)]
         assert cli.main(argv) == 0
         assert f"requantized to {file_type}: {out}" in capsys.readouterr().out
         header = GGUFFile(out)
@@ -103,6 +103,13 @@ def test_write_gguf_from_refuses_bad_arguments_in_one_line(tmp_path, capsys, arg
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source.gguf"]
+
+
+def test_the_help_lists_the_file_types_requantizing_takes():
+    from verispec.cli.bench import FROM_TYPES
+    from verispec.models.gguf_requantize import FILE_TYPES
+
+    assert FROM_TYPES == ", ".join(FILE_TYPES)
 
 
 def test_write_gguf_from_what_is_not_gguf_or_without_llama_cpp_is_one_line(tmp_path, capsys, monkeypatch):

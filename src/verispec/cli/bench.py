@@ -322,6 +322,11 @@ def run_bench_suffix_cache(args: argparse.Namespace) -> int:
     return show_results(write_suffix_cache_report(run_suffix_cache_bench(config), out).parent)
 
 
+# write-gguf --from's types, as the help lists them (models.gguf_requantize.FILE_TYPES: tested equal; the
+# models package imports torch, which --help must not)
+FROM_TYPES = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K_S, Q4_K_M, Q5_K_S, Q5_K_M, Q6_K, F16, BF16"
+
+
 def add_write_gguf_parser(subparsers: argparse._SubParsersAction) -> None:
     """Declare ``verispec write-gguf``."""
     parser = subparsers.add_parser(
@@ -335,8 +340,6 @@ def add_write_gguf_parser(subparsers: argparse._SubParsersAction) -> None:
         "whose tensors all run natively, e.g. the shipped SmolLM2 file as Q4_K_M; requantizing a quantized "
         "file compounds two roundings: for speed and format checks, not for quality.",
     )
-    from verispec.models.gguf_requantize import FILE_TYPES  # light: no numpy, torch or gguf
-
     parser.add_argument("--out", required=True, metavar="FILE.gguf", help="the file to write (atomically)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
@@ -350,26 +353,24 @@ def add_write_gguf_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--type",
         required=True,
-        help=f"with --shape: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K or F16; with --from: "
-        f"{', '.join(FILE_TYPES)}",
+        help="with --shape: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K or F16; with --from: "
+        + FROM_TYPES,
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed of --shape (default: %(default)s)")
-    add_threads_argument(parser)
     parser.set_defaults(func=run_write_gguf)
 
 
 def run_write_gguf(args: argparse.Namespace) -> int:
     """Run ``verispec write-gguf``: check every argument, write the file, print where it is."""
     if args.source is not None:
-        import torch
-
+        from verispec.cores import available_cores
         from verispec.models.gguf_requantize import requantize_gguf
         from verispec.models.registry import gguf_file
 
         source = gguf_file(args.source)
         if source is None:
             raise UsageError(f"--from takes a .gguf file or a short name with one, got {args.source!r}")
-        path = requantize_gguf(source, args.out, args.type, args.threads or torch.get_num_threads())
+        path = requantize_gguf(source, args.out, args.type, available_cores())
         print(f"{args.source} requantized to {args.type}: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
         return 0
     from verispec.models.gguf_write import parse_shape, write_random_gguf
