@@ -2,10 +2,11 @@
 timings — made-up timings here (:func:`~verispec.analysis.recovery.simulate_recovery`), nothing timed — and
 the engine hands a real run's timings to the policy without changing its output."""
 
+import numpy as np
 import pytest
 
 from toy import single_threaded
-from verispec.analysis.analytic import BatchCost, CostModel
+from verispec.analysis.analytic import BatchCost, CostModel, speedup_by_k
 from verispec.analysis.recovery import simulate_recovery
 from verispec.drafting.ngram import NGramDrafter
 from verispec.engine import SpeculativeEngine
@@ -102,6 +103,36 @@ def test_estimates_are_lower_medians_corrections_relative_to_one_step():
         AutoKConfig(explore=0)
 
 
+def test_the_rest_of_a_round_counts_the_costs_in_whole_plain_rounds():
+    """What a round costs besides its forward and proposal (o, timed by the engine between forwards) is
+    estimated like the rest (its own lower median, nothing before it was seen twice, never a fallback) from
+    single-row steps only; the corrected costs are then in whole plain rounds: v(m) → (v(m) + o) / (1 + o),
+    c and u → c / (1 + o), u / (1 + o), the batch grid likewise; and with it the best K is never smaller."""
+    prior = CostModel(0.1, MEASURED, catch_up=0.01)
+    online = OnlineCosts()
+
+    def step(overhead: float | None, rows: int = 1) -> None:
+        forward = ForwardTiming(rows, rows, 1.0 * rows, 100, overhead)  # ρ = 1 (no step_seconds: seconds)
+        online.observe(RoundTiming(forward, 0, 0.0, 100), float(rows), 0.0)
+
+    step(None)
+    step(0.5)
+    assert online.overhead == 0.0 and online.correct(prior).verify_cost == pytest.approx(MEASURED)
+    step(0.6)
+    step(5.0, rows=2)  # a batch's step: not timed for o
+    step(5.0, rows=2)
+    assert online.overhead == pytest.approx(0.5)  # the lower median of 0.5 and 0.6
+    corrected = online.correct(prior)
+    assert corrected.verify_cost == pytest.approx(tuple((v + 0.5) / 1.5 for v in MEASURED))
+    assert corrected.cost_ratio == pytest.approx(0.1 / 1.5)
+    assert corrected.catch_up == pytest.approx(0.01 / 1.5)
+    grid = online.correct_batch(BatchCost((1, 2), (1, 2), ((1.0, 1.2), (1.5, 1.8))))
+    assert grid.cost[0] == pytest.approx(((1.0 + 0.5) / 1.5, (1.2 + 0.5) / 1.5))
+    alphas = np.array([0.7, 0.6, 0.5, 0.5])
+    best = [int(np.argmax(speedup_by_k(alphas, cost.round_costs(4)))) for cost in (prior, corrected)]
+    assert best[1] >= best[0]
+
+
 def test_a_step_off_by_more_than_twice_is_said_once(capsys):
     online = OnlineCosts(lambda context: 0.5)  # a calibrated T(1) of half a second
     for seconds in (0.01, 0.01, 0.011, 0.012):
@@ -159,6 +190,10 @@ def test_the_engine_hands_each_rounds_timings_and_the_output_is_unchanged(storie
     for each in alone.timings:
         assert each.forward.rows == 1 and each.forward.seconds > 0 and each.forward.tokens == each.drafted + 1
         assert each.draft_seconds >= 0 and each.context == each.forward.context
+    # the rest of each round, timed from the second round on (the first follows the prompt's chunk)
+    assert alone.timings[0].forward.overhead is None
+    assert all(each.forward.overhead is not None for each in alone.timings[1:])
+    assert online.overhead > 0
     assert any(each.drafted for each in alone.timings)
     pair = [Recording(prior, online=OnlineCosts()) for _ in range(2)]
     assert decode(stories, pair) == [tokens, tokens]  # rows of one batch: their own output

@@ -135,6 +135,7 @@ class SpeculativeEngine:
         self.running: list[Running] = []
         self._last: dict[int, Running] = {}  # slot → the last sequence admitted there
         self.forwards = ForwardTotals()
+        self._forward_end: float | None = None  # when the last step of draft rounds only had its forward
 
     @property
     def slots(self) -> int:
@@ -286,7 +287,8 @@ class SpeculativeEngine:
         scored = self._score(rounds)
         seconds = time.perf_counter() - t0
         self.forwards.record(seconds, sum(len(r.tokens) for r in rounds if r.chunk))
-        forward = self._forward_timing(rounds, seconds)
+        forward = self._forward_timing(rounds, seconds, self._overhead(rounds, t0))
+        self._forward_end = None if forward is None else t0 + seconds
         masked = [
             logits if logits is None or rnd.allowed is None else constrain(logits, rnd.allowed)  # [T, V]
             for rnd, (logits, _) in zip(rounds, scored, strict=True)
@@ -313,14 +315,24 @@ class SpeculativeEngine:
                 out.append((running, self._fail(running, err)))
         return out
 
+    def _overhead(self, rounds: Sequence[_Round], start: float) -> float | None:
+        """The seconds between the last step's forward and this one's (starting at ``start``) that were not
+        its proposals: the rest of a round (verify, commit, the caller's handling of the tokens, the plan);
+        None unless both steps scored draft rounds only."""
+        if self._forward_end is None:
+            return None
+        return start - self._forward_end - sum(rnd.draft_seconds for rnd in rounds)
+
     @staticmethod
-    def _forward_timing(rounds: Sequence[_Round], seconds: float) -> ForwardTiming | None:
+    def _forward_timing(
+        rounds: Sequence[_Round], seconds: float, overhead: float | None
+    ) -> ForwardTiming | None:
         """The step's forward for the K policies' cost estimates: when it scored chain rounds only (a prompt
         chunk's or a tree's tokens are not what a round of K draft tokens costs), else None."""
         if not rounds or any(rnd.proposal is None for rnd in rounds):
             return None
         context = round(sum(rnd.start + 1 for rnd in rounds) / len(rounds))
-        return ForwardTiming(len(rounds), sum(len(rnd.tokens) for rnd in rounds), seconds, context)
+        return ForwardTiming(len(rounds), sum(len(rnd.tokens) for rnd in rounds), seconds, context, overhead)
 
     def _fail(self, running: Running, error: Exception) -> list[int]:
         """``running`` leaves the batch with ``error`` (stop reason "error"), its slot's cache not reused by

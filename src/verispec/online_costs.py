@@ -15,6 +15,15 @@ of the observed one-token forward, as the prior's are in the calibrated one:
 
     v̂(m) = v(m) · ρ(m) / ρ(1),   ĉ = c · ρ_d / ρ(1),   û = u · ρ_d / ρ(1),   V̂(b, n) = V(b, n) · ρ_b / ρ(1)
 
+A round also costs what is not a forward or a proposal: verifying, committing, streaming, the Python of the
+step — about the same whatever K. The engine times it between one single-row forward and the next (the
+proposal taken out); its lower median o (in observed one-token forwards, o = ρ_o / ρ(1)) makes every round
+dearer by the same amount, which favours larger blocks: the costs are then counted in units of a whole plain
+round, 1 + o,
+
+    ṽ(m) = (v̂(m) + o) / (1 + o),   c̃ = ĉ / (1 + o),   ũ = û / (1 + o),   Ṽ(b, n) = (V̂(b, n) + o) / (1 + o)
+
+(a calibration times forwards alone, so its v(k) overstates what a bigger block costs a whole round).
 A calibration uniformly wrong in T(1) is corrected by the first drafting rounds' timings, a wrong shape of v
 as the sizes are drafted. The estimates are published (:attr:`OnlineCosts.version` moves) only when one moves
 by more than :attr:`OnlineConfig.tolerance`, so that the K policy re-derives its round costs rarely.
@@ -41,12 +50,15 @@ __all__ = ["ForwardTiming", "OnlineConfig", "OnlineCosts", "RoundTiming"]
 class ForwardTiming:
     """One target forward of a step that scored draft rounds only (no prompt chunk, no tree): ``rows``
     sequences, ``tokens`` new tokens in all, ``seconds`` long, after ``context`` positions per row (their
-    mean). One object per forward, handed to every row's policy: an estimator counts it once."""
+    mean); ``overhead``: the seconds since the step before's forward ended that were neither a forward nor
+    a proposal (None: that step was no such step). One object per forward, handed to every row's policy:
+    an estimator counts it once."""
 
     rows: int
     tokens: int
     seconds: float
     context: int
+    overhead: float | None = None
 
 
 @dataclass(frozen=True)
@@ -85,7 +97,8 @@ class OnlineConfig:
                 raise UsageError(f"{name} must be a number >= {low:g}, got {value!r}")
 
 
-Estimates = dict[tuple[str, int], float]  # (kind, size) → slowdown: ("forward", m), ("rows", b), ("draft", 0)
+# (kind, size) → slowdown: ("forward", m), ("rows", b), ("draft", 0), ("overhead", 0)
+Estimates = dict[tuple[str, int], float]
 
 
 class OnlineCosts:
@@ -118,6 +131,8 @@ class OnlineCosts:
                 self._last = forward
                 key = ("forward", forward.tokens) if forward.rows == 1 else ("rows", forward.rows)
                 self._add(key, forward.seconds / (forward_steps * unit(forward.context)))
+                if forward.overhead is not None and forward.rows == 1:
+                    self._add(("overhead", 0), max(forward.overhead, 0.0) / unit(forward.context))
             if timing.drafted and draft_steps > 0:
                 self._add(("draft", 0), timing.draft_seconds / (draft_steps * unit(timing.context)))
             self._publish()
@@ -171,13 +186,23 @@ class OnlineCosts:
         if one is None:
             return cost
         draft = estimates.get(("draft", 0), one) / one
-        v = cost.verify_cost
+        o = self.overhead  # in observed one-token forwards
+        whole = 1 + o  # a plain round: its forward and the rest
+        v, sizes = cost.verify_cost, _seen(estimates, "forward")
         curve = (
-            tuple(x * _factor(estimates, "forward", m, one) for m, x in enumerate(v, 1))
+            tuple((x * _factor(sizes, m, one) + o) / whole for m, x in enumerate(v, 1))
             if isinstance(v, tuple)
-            else lambda k: cost.verify(k) * _factor(estimates, "forward", k, one)
+            else lambda k: (cost.verify(k) * _factor(sizes, k, one) + o) / whole
         )
-        return CostModel(cost.cost_ratio * draft, curve, cost.catch_up * draft)
+        return CostModel(cost.cost_ratio * draft / whole, curve, cost.catch_up * draft / whole)
+
+    @property
+    def overhead(self) -> float:
+        """o: what a round costs besides its forward and proposal, in observed one-token forwards (0 before
+        it was measured, as the calibration assumes)."""
+        estimates, one = self._published, self.step
+        seen = estimates.get(("overhead", 0))
+        return 0.0 if seen is None or one is None else seen / one
 
     def correct_batch(self, batch: BatchCost) -> BatchCost:
         """A batch grid corrected likewise: b ≥ 2 rows by the slowdown of the row counts seen nearest, one row
@@ -185,10 +210,10 @@ class OnlineCosts:
         estimates, one = self._published, self.step
         if one is None:
             return batch
-        rows = any(kind == "rows" for kind, _ in estimates)
+        rows, sizes, o = _seen(estimates, "rows"), _seen(estimates, "forward"), self.overhead
         grid = tuple(
             tuple(
-                cost * _factor(estimates, *(("rows", b) if b > 1 and rows else ("forward", m)), one)
+                (cost * (_factor(rows, b, one) if b > 1 and rows else _factor(sizes, m, one)) + o) / (1 + o)
                 for m, cost in zip(batch.tokens, line, strict=True)
             )
             for b, line in zip(batch.rows, batch.cost, strict=True)
@@ -206,20 +231,32 @@ def _fallback(estimates: Estimates, key: tuple[str, int]) -> float | None:
     """What ``estimates`` say of a kind of work not estimated on its own: a forward size or row count the
     nearest ones of its kind (:func:`_nearest`), else, like the drafter, ρ(1)."""
     kind, size = key
+    if kind == "overhead":  # its own or nothing: no forward says what the rest of a round costs
+        return None
     nearest = None if kind == "draft" else _nearest(estimates, kind, size)
     return _step(estimates) if nearest is None else nearest
 
 
-def _factor(estimates: Estimates, kind: str, size: int, one: float) -> float:
-    """The slowdown of ``kind`` at ``size`` over ρ(1); 1 where no size of ``kind`` was seen."""
-    slowdown = _nearest(estimates, kind, size)
+def _factor(seen: list[tuple[int, float]], size: int, one: float) -> float:
+    """The slowdown at ``size`` of a kind of work whose sizes ``seen`` are (:func:`_seen`), over ρ(1); 1
+    where none was seen."""
+    slowdown = _nearest_in(seen, size)
     return 1.0 if slowdown is None else slowdown / one
+
+
+def _seen(estimates: Estimates, kind: str) -> list[tuple[int, float]]:
+    """The (size, estimate) pairs of ``kind``, by size."""
+    return sorted((s, value) for (k, s), value in estimates.items() if k == kind)
 
 
 def _nearest(estimates: Estimates, kind: str, size: int) -> float | None:
     """The estimate of ``kind`` at ``size``: its own, else the smaller of the two sizes seen around it, else
     the end one's beyond them; None where no size of ``kind`` was seen."""
-    seen = sorted((s, value) for (k, s), value in estimates.items() if k == kind)
+    return _nearest_in(_seen(estimates, kind), size)
+
+
+def _nearest_in(seen: list[tuple[int, float]], size: int) -> float | None:
+    """:func:`_nearest` among ``seen`` (:func:`_seen`)."""
     if not seen:
         return None
     sizes = [s for s, _ in seen]

@@ -190,7 +190,7 @@ class CostModelK(KPolicy):
         # (catch-up, (best K, probe K, probe gap)) for the evidence; None: changed
         self._plan: tuple[float, tuple[int, int, int]] | None = None
         self._prior: tuple[int, CostModel, BatchCost | None] | None = None  # (context step, its prior)
-        # ((context step, online version), its costs as corrected)
+        # ((context step, online version), its cost model as corrected, its batch grid (None: not yet asked))
         self._here: tuple[tuple[int, int], CostModel, BatchCost | None] | None = None
 
     @property
@@ -247,20 +247,29 @@ class CostModelK(KPolicy):
             self._prior = (step, cost, batch)
         return self._prior[1], self._prior[2]
 
-    def costs_here(self, context: int) -> tuple[CostModel, BatchCost | None]:
-        """The cost model and the batch grid at ``context``: the calibrated ones (:meth:`_prior_at`), as the
-        costs measured online correct them; computed once per step and estimate."""
+    def cost_here(self, context: int) -> CostModel:
+        """The cost model at ``context``: the calibrated one (:meth:`_prior_at`), as the costs measured online
+        correct it; computed once per step and estimate."""
         key = (context // CONTEXT_STEP, self.online.version if self.online is not None else 0)
         if self._here is None or self._here[0] != key:
-            cost, batch = self._prior_at(context)
-            if self.online is not None:
-                cost = self.online.correct(cost)
-                batch = None if batch is None else self.online.correct_batch(batch)
-            self._here = (key, cost, batch)
-        return self._here[1], self._here[2]
+            cost = self._prior_at(context)[0]
+            self._here = (key, cost if self.online is None else self.online.correct(cost), None)
+        return self._here[1]
+
+    def costs_here(self, context: int) -> tuple[CostModel, BatchCost | None]:
+        """:meth:`cost_here` and the batch grid at ``context`` (None without ``batch_costs_at``), corrected
+        likewise; the grid computed when first asked for (a batch's plan), once per step and estimate."""
+        cost = self.cost_here(context)
+        assert self._here is not None
+        if self._here[2] is None:
+            batch = self._prior_at(context)[1]
+            if batch is not None and self.online is not None:
+                batch = self.online.correct_batch(batch)
+            self._here = (self._here[0], cost, batch)
+        return cost, self._here[2]
 
     def next_k(self, context: int = 0) -> int:
-        cost = self.costs_here(context)[0]
+        cost = self.cost_here(context)
         if cost is not self._costed:
             self._costed = cost
             self._round_costs, self._catch_up = cost.round_costs(self.k_max), cost.catch_up

@@ -82,4 +82,4 @@ def simulate_recovery(
             each.observe(k, accepted)
         policy.observe_costs(RoundTiming(forward, k, drafting, context))
         context += accepted + 1
-    return Recovery(tuple(ks), tuple(clean), tuple(rates), policy.costs_here(context)[0])
+    return Recovery(tuple(ks), tuple(clean), tuple(rates), policy.cost_here(context))
