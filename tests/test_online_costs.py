@@ -2,6 +2,8 @@
 timings — made-up timings here (:func:`~verispec.analysis.recovery.simulate_recovery`), nothing timed — and
 the engine hands a real run's timings to the policy without changing its output."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -178,6 +180,28 @@ def decode(stories, policies: list[KPolicy]) -> list[list[int]]:
     while engine.running:
         engine.step()
     return [run.ids[len(prompt) :] for run in runs]
+
+
+def test_a_request_joining_after_a_wait_times_no_wait_as_a_rounds_rest(stories):
+    """The rest of a round is timed between two forwards of draft rounds: a request admitted after an idle
+    wait (here its whole prompt in the cache already, so that its first step is a draft round) times none."""
+    model, tokenizer = stories
+    engine = SpeculativeEngine(model)
+    config = EngineConfig(max_new_tokens=12, sampling=SamplingParams(temperature=0))
+    prompt = tokenizer.encode("Once upon a time, there was a little dog. The little dog")
+    first = engine.submit(
+        Request(prompt, config, NGramDrafter(), ConstantK(2), GenerationStats("ngram", "2"))
+    )
+    while engine.running:
+        engine.step()
+    time.sleep(0.3)  # idle: no round's
+    policy = Recording(CostModel(0.01, MEASURED), online=OnlineCosts())
+    again = first.ids[:-1]  # all but the last in the cache: the first step scores a draft round at once
+    engine.submit(Request(again, config, NGramDrafter(), policy, GenerationStats("ngram", "auto")))
+    while engine.running:
+        engine.step()
+    assert policy.timings and policy.timings[0].forward.overhead is None
+    assert all(t.forward.overhead is not None and t.forward.overhead < 0.3 for t in policy.timings[1:])
 
 
 def test_the_engine_hands_each_rounds_timings_and_the_output_is_unchanged(stories):

@@ -225,6 +225,7 @@ class SpeculativeEngine:
             running.observe_hidden(states[:kept])
         self.running.append(running)
         self._last[slot] = running
+        self._forward_end = None  # the time until the next forward is no round's (an idle wait, a join)
         return running
 
     def _keepable(self, slot: int, shared: int, prompt: list[int], drafter: Drafter | TreeDrafter) -> int:
