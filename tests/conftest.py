@@ -56,3 +56,19 @@ def smollm2():
         return load_model("smollm2-135m")
     except ValueError as err:  # no registry access on this machine: say so
         pytest.skip(f"SmolLM2-135M unavailable: {err}")
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch) -> Path:
+    """$VERISPEC_CACHE for the commands run: a directory of the test's own, so that what they calibrate is
+    measured here and stays here, whose kernels/ is the machine's (a link), so that the processes they start
+    load the native kernels already built rather than build them again."""
+    from verispec.kernels.build import kernels_dir
+
+    built = kernels_dir()
+    built.mkdir(parents=True, exist_ok=True)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "kernels").symlink_to(built, target_is_directory=True)
+    monkeypatch.setenv("VERISPEC_CACHE", str(cache))
+    return cache

@@ -135,8 +135,7 @@ def test_write_gguf_from_what_is_not_gguf_or_without_llama_cpp_is_one_line(tmp_p
     assert "make peers" in err and "\n" not in err and not out.exists()
 
 
-def test_bench_gguf_reports_a_random_file(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+def test_bench_gguf_reports_a_random_file(tmp_path, capsys, own_cache):
     out = tmp_path / "report"
     argv = ["bench-gguf", "--random", f"{SHAPE}:Q8_0", "--no-llamacpp", "--context", "16", "--prefill", "8"]
     argv += ["--max-k", "3", "--repetitions", "1", "--threads", "1", "--out", str(out)]

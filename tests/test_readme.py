@@ -378,22 +378,6 @@ def restore_threads():
 
 
 @pytest.fixture
-def own_cache(tmp_path, monkeypatch) -> Path:
-    """$VERISPEC_CACHE for the commands run: a directory of the test's own, so that what they calibrate is
-    measured here and stays here, whose kernels/ is the machine's (a link), so that the processes they start
-    load the native kernels already built rather than build them again."""
-    from verispec.kernels.build import kernels_dir
-
-    built = kernels_dir()
-    built.mkdir(parents=True, exist_ok=True)
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    (cache / "kernels").symlink_to(built, target_is_directory=True)
-    monkeypatch.setenv("VERISPEC_CACHE", str(cache))
-    return cache
-
-
-@pytest.fixture
 def chat_target(tmp_path_factory, monkeypatch) -> Path:
     """A tiny random transformers Llama with a byte-level tokenizer and a chat template: ``test_eagle_data``'s
     "chatty" target (<|end|> ×1.5: it writes usable user turns of its own). The prompt set's stdlib passages
