@@ -156,8 +156,8 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     """logits: [≥ len(tokens), V], the target's at each token's prefix (row i: the prefix of tokens[i]) → each
     token's :class:`TokenLogprob` with its ``top`` likeliest alternatives."""
     n = len(tokens)
-    # in float64, rounded to float32: a value as exact as the logits allow, whatever order a reduction over the
-    # vocabulary takes (float64's error is far below float32's step)
+    # in float64, rounded to float32: a value as exact as the logits allow, whatever order a reduction over
+    # the vocabulary takes (float64's error is far below float32's step)
     logprobs = torch.log_softmax(logits[:n].double(), dim=-1).float()  # [n, V]
     ids = torch.tensor(tokens, dtype=torch.long, device=logprobs.device)  # [n]
     chosen = logprobs.gather(1, ids.unsqueeze(1))[:, 0]  # [n]
