@@ -21,10 +21,13 @@ from verispec.errors import UsageError
 __all__ = ["atomic_path", "atomic_write", "check_writable"]
 
 
-def check_writable(path: str | os.PathLike) -> Path:
+def check_writable(path: str | os.PathLike, suffix: str | None = None) -> Path:
     """``path`` as a Path, if a file can be created there (its directory exists and is writable, and it is
-    not a directory); else UsageError. Checked before a long computation whose result goes there."""
+    not a directory) and it ends in ``suffix`` (None: any); else UsageError. Checked before a long
+    computation whose result goes there."""
     path = Path(path)
+    if suffix is not None and path.suffix != suffix:
+        raise UsageError(f"the output file must end in {suffix}, got {path.name}")
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise UsageError(f"cannot write {path}: it is a directory")

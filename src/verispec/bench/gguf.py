@@ -120,15 +120,13 @@ def machine(load_at_start: tuple[float, float, float]) -> dict[str, Any]:
     """What the run's figures depend on beyond the files: the CPU, its vector extensions and last-level
     cache, the load average at the start and now, llama.cpp's version (None where not installed)."""
     from verispec.calibrate import cpu_name
+    from verispec.kernels.build import cpu_features
 
     try:
-        flags = next(
-            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-        )
         size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()  # e.g. 266240K
-        llc = f"{int(size[:-1]) // 1024} MiB" if size.endswith("K") else size
-    except (OSError, StopIteration):
-        flags, llc = "", None
+        llc: str | None = f"{int(size[:-1]) // 1024} MiB" if size.endswith("K") else size
+    except OSError:
+        llc = None
     try:
         import llama_cpp
 
@@ -138,7 +136,7 @@ def machine(load_at_start: tuple[float, float, float]) -> dict[str, Any]:
     return {
         "cpu": cpu_name(),
         "cores": os.cpu_count(),
-        "vector": [f for f in _VECTOR_FLAGS if f in flags.split()],
+        "vector": [f for f in _VECTOR_FLAGS if f in cpu_features().split()],
         "last_level_cache": llc,
         "load_average_at_start": list(load_at_start),
         "load_average_at_end": list(os.getloadavg()),

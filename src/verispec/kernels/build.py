@@ -75,7 +75,7 @@ def build_flags(variant: str = "native") -> list[str]:
     return ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-pthread", *arch]
 
 
-def _cpu_features() -> str:
+def cpu_features() -> str:
     """What -march=native depends on: the CPU flags line (Linux), else the processor's name."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -95,7 +95,7 @@ def library_path(variant: str = "native") -> Path:
     except (OSError, subprocess.SubprocessError) as err:
         raise NativeUnavailable(f"the C++ compiler {compiler} does not run: {err}") from err
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), compiler, version, *build_flags(variant), _cpu_features()]).encode()
+        "\0".join([SOURCE.read_text(), compiler, version, *build_flags(variant), cpu_features()]).encode()
     ).hexdigest()[:16]
     return kernels_dir() / f"verispec-cpu-{variant}-{key}.so"
 
@@ -125,7 +125,7 @@ def _build(target: Path, variant: str) -> None:
 @cache
 def load(variant: str = "native") -> ctypes.CDLL:
     """The native kernels for this machine, built on first use (NativeUnavailable when they cannot be)."""
-    if variant == "avx2" and "avx2" not in _cpu_features().split():
+    if variant == "avx2" and "avx2" not in cpu_features().split():
         raise NativeUnavailable("this CPU has no AVX2")
     path = library_path(variant)
     if not path.is_file():

@@ -34,9 +34,7 @@ def requantize_gguf(source: Path, path: str | Path, file_type: str, threads: int
     unreadable source or llama.cpp missing, before anything is written; or when llama.cpp fails."""
     if file_type not in FILE_TYPES:
         raise UsageError(f"--type with --from must be one of {', '.join(FILE_TYPES)}, got {file_type!r}")
-    path = check_writable(path)
-    if path.suffix != ".gguf":
-        raise UsageError(f"the output file must end in .gguf, got {path.name}")
+    path = check_writable(path, ".gguf")
     if path.resolve() == source.resolve():
         raise UsageError(f"the output file must not be the source file ({source})")
     from verispec.models.gguf_native import read_gguf  # here: the CLI's help imports this module

@@ -20,7 +20,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 
 from verispec.errors import UsageError
-from verispec.files import atomic_path
+from verispec.files import atomic_path, check_writable
 from verispec.models.llama import LlamaConfig
 
 __all__ = ["RANDOM_NAME", "SHAPES", "TYPES", "GGUFShape", "parse_shape", "random_blocks", "write_random_gguf"]
@@ -144,8 +144,7 @@ def write_random_gguf(path: str | Path, shape: GGUFShape, type_name: str, seed: 
     widths = sorted({c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size})
     if any(w % block for w in widths):
         raise UsageError(f"{type_name} needs widths that are multiples of {block}, and these are {widths}")
-    if path.suffix != ".gguf":
-        raise UsageError(f"the output file must end in .gguf, got {path.name}")
+    check_writable(path, ".gguf")
     with atomic_path(path) as partial:
         _write(partial, shape, c, type_name, np.random.default_rng(seed))
     return path

@@ -214,8 +214,9 @@ class LearnedHead(nn.Module):
         shape = (*q_draft.shape[:-1], self.vocab_size)
         if q_draft.device.type != "cpu":
             return q_draft.new_zeros(shape).index_copy_(-1, self.draft_vocab, q_draft)
-        full = np.zeros(shape, dtype=q_draft.numpy(force=True).dtype)  # [..., V]
-        full[..., self.draft_vocab.numpy()] = q_draft.numpy(force=True)
+        values = q_draft.numpy(force=True)  # [..., Vd]
+        full = np.zeros(shape, dtype=values.dtype)  # [..., V]
+        full[..., self.draft_vocab.numpy()] = values
         return torch.from_numpy(full)
 
     def optimize_for_cpu(self, native: bool = False, min_weight_elements: int = 2**17) -> bool:
