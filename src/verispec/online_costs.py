@@ -7,11 +7,14 @@ the same context — a target forward of m new tokens in one row (ρ(m)), a forw
 drafter's proposal of K tokens after g positions it had not read (ρ_d: K·c + g·u, the calibration's split of
 them kept). Each kind of work keeps its last :attr:`OnlineConfig.window` slowdowns and estimates its own by
 their lower median once it has :attr:`OnlineConfig.min_seen` of them: a slow round (a preempted forward) is
-the largest of its window and never the estimate. A forward size not seen yet takes the slowdown of the sizes
-seen nearest to it — the smaller of the two around it (optimism: a size that then looks best is drafted, and
-so measured), the end one's beyond them —, a row count likewise, a drafter not seen that of a one-token
-forward: the prior's ratios, scaled by what has been observed. The corrected costs are in units
-of the observed one-token forward, as the prior's are in the calibrated one:
+the largest of its window and never the estimate. A slowdown expires after :attr:`OnlineConfig.horizon`
+forwards: the policy stops drafting a size that looks dear, so without it a size measured only while the
+machine warmed up (the first rounds here ran 2–4× slow) or was busy would keep its price for good. A forward
+size not seen yet takes the slowdown of the sizes seen nearest to it — the smaller of the two around it
+(optimism: a size that then looks best is drafted, and so measured), the end one's beyond them —, a row count
+likewise, a drafter not seen that of a one-token forward: the prior's ratios, scaled by what has been
+observed. The corrected costs are in units of the observed one-token forward, as the prior's are in the
+calibrated one:
 
     v̂(m) = v(m) · ρ(m) / ρ(1),   ĉ = c · ρ_d / ρ(1),   û = u · ρ_d / ρ(1),   V̂(b, n) = V(b, n) · ρ_b / ρ(1)
 
@@ -78,19 +81,23 @@ class OnlineConfig:
     """How :class:`OnlineCosts` weighs the timings; validated with UsageError.
 
     window: the last slowdowns each kind of work keeps. min_seen: how many it needs before its own estimate
-    is used (2: a single slow round is never one). tolerance: how far (relative) an estimate moves before
-    it is published. notice: a one-token forward this many times slower or faster than calibrated is said
-    in one line on stderr (once).
+    is used (2: a single slow round is never one). horizon: the forwards after which a slowdown no longer
+    counts (a kind of work with none left is estimated like one never seen). tolerance: how far (relative)
+    an estimate moves before it is published. notice: a one-token forward this many times slower or faster
+    than calibrated is said in one line on stderr (once, after a window of forwards).
     """
 
     window: int = 8
     min_seen: int = 2
+    horizon: int = 64
     tolerance: float = 0.05
     notice: float = 2.0
 
     def __post_init__(self) -> None:
         if not (is_int(self.window) and is_int(self.min_seen) and 1 <= self.min_seen <= self.window):
             raise UsageError(f"need 1 <= min_seen <= window, got {self.min_seen!r}, {self.window!r}")
+        if not (is_int(self.horizon) and self.horizon >= 1):
+            raise UsageError(f"horizon must be an integer >= 1, got {self.horizon!r}")
         for name, low in (("tolerance", 0.0), ("notice", 1.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and low <= value < 1e9):
@@ -114,7 +121,8 @@ class OnlineCosts:
     ) -> None:
         self.config = config or OnlineConfig()
         self.step_seconds = step_seconds
-        self._windows: dict[tuple[str, int], deque[float]] = {}
+        self._windows: dict[tuple[str, int], deque[tuple[int, float]]] = {}  # (forward number, slowdown)
+        self._forwards = 0  # the forwards counted so far
         self._published: Estimates = {}
         self._last: ForwardTiming | None = None  # the forward counted last (rows report it each)
         self._lock = threading.Lock()
@@ -129,6 +137,7 @@ class OnlineCosts:
         with self._lock:
             if forward is not self._last:
                 self._last = forward
+                self._forwards += 1
                 key = ("forward", forward.tokens) if forward.rows == 1 else ("rows", forward.rows)
                 self._add(key, forward.seconds / (forward_steps * unit(forward.context)))
                 if forward.overhead is not None and forward.rows == 1:
@@ -136,18 +145,22 @@ class OnlineCosts:
             if timing.drafted and draft_steps > 0:
                 self._add(("draft", 0), timing.draft_seconds / (draft_steps * unit(timing.context)))
             self._publish()
+            self._notice()
 
     def _add(self, key: tuple[str, int], slowdown: float) -> None:
-        self._windows.setdefault(key, deque(maxlen=self.config.window)).append(slowdown)
+        self._windows.setdefault(key, deque(maxlen=self.config.window)).append((self._forwards, slowdown))
 
     def _publish(self) -> None:
         """Publish the estimates when one is new or moved by more than the tolerance: the lower median of a
-        kind of work's slowdowns when it has min_seen of them, else of them and what the others give it
-        (:func:`_fallback`; none before some kind has min_seen)."""
-        seen = self.config.min_seen
-        trusted = {key: statistics.median_low(w) for key, w in self._windows.items() if len(w) >= seen}
+        kind of work's unexpired slowdowns when it has min_seen of them, else of them and what the others give
+        it (:func:`_fallback`; none before some kind has min_seen)."""
+        seen, oldest = self.config.min_seen, self._forwards - self.config.horizon
+        fresh = {key: [x for at, x in w if at > oldest] for key, w in self._windows.items()}
+        trusted = {key: statistics.median_low(w) for key, w in fresh.items() if len(w) >= seen}
         estimates = dict(trusted)
-        for key, window in self._windows.items():
+        for key, window in fresh.items():
+            if not window:
+                continue
             fallback = None if key in trusted else _fallback(trusted, key)
             if fallback is not None:
                 estimates[key] = statistics.median_low([*window, fallback])
@@ -158,15 +171,20 @@ class OnlineCosts:
             return
         self._published = estimates
         self.version += 1
-        one = _step(estimates)
-        if one is not None and self.step_seconds is not None and not self._noticed:
-            if max(one, 1 / one) > self.config.notice:
-                self._noticed = True
-                print(
-                    f"verispec: forwards here take {one:.2g}× the calibrated time; --k auto corrects its "
-                    "costs as it runs (`verispec calibrate` measures them again)",
-                    file=sys.stderr,
-                )
+
+    def _notice(self) -> None:
+        """Say once, on stderr, that ρ(1) is off by more than the notice factor — not before a window of
+        forwards was timed: a process's first rounds run slow while it warms up."""
+        one = self.step
+        if self._noticed or one is None or self.step_seconds is None or self._forwards < self.config.window:
+            return
+        if max(one, 1 / one) > self.config.notice:
+            self._noticed = True
+            print(
+                f"verispec: forwards here take {one:.2g}× the calibrated time; --k auto corrects its "
+                "costs as it runs (`verispec calibrate` measures them again)",
+                file=sys.stderr,
+            )
 
     @property
     def drafter_seen(self) -> bool:
