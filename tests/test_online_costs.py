@@ -13,7 +13,7 @@ from verispec.analysis.recovery import simulate_recovery
 from verispec.drafting.ngram import NGramDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.models.registry import load_model
-from verispec.online_costs import ForwardTiming, OnlineConfig, OnlineCosts, RoundTiming
+from verispec.online_costs import ForwardTiming, OnlineConfig, OnlineCosts, RoundTiming, _factor, _factors
 from verispec.options import SamplingParams
 from verispec.policies import AutoKConfig, ConstantK, CostModelK, KPolicy
 from verispec.sequence import EngineConfig, GenerationStats, Request
@@ -126,6 +126,36 @@ def test_a_size_timed_only_while_the_machine_warmed_up_expires():
         OnlineConfig(horizon=0)
 
 
+def test_the_curve_corrected_at_once_is_each_sizes_own_correction():
+    """`correct`'s slowdowns of every size at once (the per-round path) == each size's on its own."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        sizes = sorted(rng.choice(np.arange(1, 20), size=int(rng.integers(0, 7)), replace=False).tolist())
+        seen = [(int(s), float(rng.uniform(0.2, 3.0))) for s in sizes]
+        one = float(rng.uniform(0.5, 2.0))
+        assert _factors(seen, 17, one).tolist() == [_factor(seen, m, one) for m in range(1, 18)], seen
+
+
+def test_a_move_is_published_by_what_it_costs_a_round():
+    """A forward size's estimate is published when it moves by the tolerance relative to itself; the rest of
+    a round's and the drafter's when the move costs a round that share of a one-token forward: a lookup
+    costing a hundredth of a step that takes twice as long changes nothing, a drafter costing a step does."""
+    for steps, published in ((0.01, False), (1.0, True)):  # a drafter costing a hundredth of a step, one
+        online = OnlineCosts()
+        for _ in range(2):
+            online.observe(timing(1, 1.0, drafted=1, draft=steps), 1.0, steps)  # ρ(1) = ρ_d = 1
+        version = online.version
+        for _ in range(6):
+            online.observe(timing(1, 1.0, drafted=1, draft=2 * steps), 1.0, steps)  # ρ_d → 2
+        assert (online.version > version) == published, steps
+    version = online.version
+    for _ in range(4):
+        online.observe(timing(1, 1.06), 1.0, 0.0)
+    assert online.version == version  # ρ(1) = 1 until half its window is 1.06 ...
+    online.observe(timing(1, 1.06), 1.0, 0.0)
+    assert online.version == version + 1 and online.step == pytest.approx(1.06)  # ... then 6 % more: moved
+
+
 def test_a_warm_up_of_slow_rounds_is_forgotten_within_the_horizon():
     """The first 12 rounds 3× slow (a machine warming up, as measured here: the first rounds of a process
     ran 2–4× slow): within the horizon after them every round's K is worth the clean twin's within 5 %."""
@@ -168,8 +198,8 @@ def test_the_rest_of_a_round_counts_the_costs_in_whole_plain_rounds():
 
 
 def test_a_step_off_by_more_than_twice_is_said_once(capsys):
-    online = OnlineCosts(lambda context: 0.5)  # a calibrated T(1) of half a second
-    for seconds in (0.5, 1.5, 1.5, 1.5):  # a process warming up: not said before a window of forwards
+    online = OnlineCosts(lambda context: 0.5, OnlineConfig(horizon=8))  # a calibrated T(1) of half a second
+    for seconds in (1.5, 1.5, 1.5, 1.5):  # a process warming up: not said before a horizon of forwards
         online.observe(timing(1, seconds), 1.0, 0.0)
     assert capsys.readouterr().err == ""
     for seconds in (0.01, 0.01, 0.011, 0.012, 0.01, 0.01, 0.011, 0.012):

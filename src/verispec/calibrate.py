@@ -168,6 +168,11 @@ class TargetCosts:
         context's times."""
         return self._at(context, self.seconds, self.long_seconds)
 
+    def step_at(self, context: int) -> float:
+        """T_target(1) after ``context`` positions: :meth:`seconds_at`'s first alone (per round, for the
+        costs measured as it runs)."""
+        return self._at(context, self.seconds[:1], self.long_seconds[:1])[0]
+
     def batch_cost_at(self, context: int) -> BatchCost:
         """The cost of a forward over rows after ``context`` positions each, in units of one row's T(1)
         there: the grid interpolated in the context as :meth:`seconds_at` is."""
@@ -242,7 +247,7 @@ class Calibration:
     def step_seconds(self, context: int) -> float:
         """T_target(1) after ``context`` positions, in seconds: the unit of :meth:`cost_model_at` (what the
         costs measured as it runs are set against, :mod:`verispec.online_costs`)."""
-        return self.target.seconds_at(context)[0]
+        return self.target.step_at(context)
 
     def to_dict(self) -> dict:
         return {

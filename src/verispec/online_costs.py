@@ -29,7 +29,8 @@ round, 1 + o,
 (a calibration times forwards alone, so its v(k) overstates what a bigger block costs a whole round).
 A calibration uniformly wrong in T(1) is corrected by the first drafting rounds' timings, a wrong shape of v
 as the sizes are drafted. The estimates are published (:attr:`OnlineCosts.version` moves) only when one moves
-by more than :attr:`OnlineConfig.tolerance`, so that the K policy re-derives its round costs rarely.
+by more than :attr:`OnlineConfig.tolerance` of what it costs a round (:meth:`OnlineCosts._moved`), so that the
+K policy re-derives its round costs rarely: each re-derivation costs ~0.1 ms of Python right after a forward.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from verispec.analysis.analytic import BatchCost, CostModel
 from verispec.errors import UsageError
@@ -82,9 +85,11 @@ class OnlineConfig:
 
     window: the last slowdowns each kind of work keeps. min_seen: how many it needs before its own estimate
     is used (2: a single slow round is never one). horizon: the forwards after which a slowdown no longer
-    counts (a kind of work with none left is estimated like one never seen). tolerance: how far (relative)
-    an estimate moves before it is published. notice: a one-token forward this many times slower or faster
-    than calibrated is said in one line on stderr (once, after a window of forwards).
+    counts (a kind of work with none left is estimated like one never seen). tolerance: how far an estimate
+    moves before it is published (relative to a forward's, in one-token forwards for the rest of a round's and
+    the drafter's). notice: a one-token forward this many times slower or faster
+    than calibrated is said in one line on stderr (once, after
+    ``horizon`` forwards).
     """
 
     window: int = 8
@@ -123,6 +128,9 @@ class OnlineCosts:
         self.step_seconds = step_seconds
         self._windows: dict[tuple[str, int], deque[tuple[int, float]]] = {}  # (forward number, slowdown)
         self._forwards = 0  # the forwards counted so far
+        self._own: Estimates = {}  # each kind's lower median, where it has min_seen slowdowns
+        self._changed: set[tuple[str, int]] = set()  # the kinds whose slowdowns changed since
+        self._draft_steps = 1.0  # the prior's cost of the latest proposal timed, in calibrated steps
         self._published: Estimates = {}
         self._last: ForwardTiming | None = None  # the forward counted last (rows report it each)
         self._lock = threading.Lock()
@@ -138,45 +146,78 @@ class OnlineCosts:
             if forward is not self._last:
                 self._last = forward
                 self._forwards += 1
+                self._expire()
                 key = ("forward", forward.tokens) if forward.rows == 1 else ("rows", forward.rows)
-                self._add(key, forward.seconds / (forward_steps * unit(forward.context)))
+                step = unit(forward.context)
+                self._add(key, forward.seconds / (forward_steps * step))
                 if forward.overhead is not None and forward.rows == 1:
-                    self._add(("overhead", 0), max(forward.overhead, 0.0) / unit(forward.context))
+                    self._add(("overhead", 0), max(forward.overhead, 0.0) / step)
             if timing.drafted and draft_steps > 0:
                 self._add(("draft", 0), timing.draft_seconds / (draft_steps * unit(timing.context)))
+                self._draft_steps = draft_steps
             self._publish()
             self._notice()
 
     def _add(self, key: tuple[str, int], slowdown: float) -> None:
         self._windows.setdefault(key, deque(maxlen=self.config.window)).append((self._forwards, slowdown))
+        self._changed.add(key)
+
+    def _expire(self) -> None:
+        """Drops the slowdowns older than the horizon."""
+        oldest = self._forwards - self.config.horizon
+        for key, window in self._windows.items():
+            while window and window[0][0] <= oldest:
+                window.popleft()
+                self._changed.add(key)
 
     def _publish(self) -> None:
         """Publish the estimates when one is new or moved by more than the tolerance: the lower median of a
         kind of work's unexpired slowdowns when it has min_seen of them, else of them and what the others give
-        it (:func:`_fallback`; none before some kind has min_seen)."""
-        seen, oldest = self.config.min_seen, self._forwards - self.config.horizon
-        fresh = {key: [x for at, x in w if at > oldest] for key, w in self._windows.items()}
-        trusted = {key: statistics.median_low(w) for key, w in fresh.items() if len(w) >= seen}
-        estimates = dict(trusted)
-        for key, window in fresh.items():
-            if not window:
-                continue
-            fallback = None if key in trusted else _fallback(trusted, key)
-            if fallback is not None:
-                estimates[key] = statistics.median_low([*window, fallback])
-        old, tolerance = self._published, self.config.tolerance
-        if estimates.keys() == old.keys() and all(
-            abs(value - old[key]) <= tolerance * old[key] for key, value in estimates.items()
+        it (:func:`_fallback`; none before some kind has min_seen). Only the kinds whose slowdowns changed are
+        estimated again."""
+        if not self._changed:
+            return
+        seen = self.config.min_seen
+        for key in self._changed:
+            window = self._windows[key]
+            if len(window) >= seen:
+                self._own[key] = statistics.median_low([x for _, x in window])
+            else:
+                self._own.pop(key, None)
+        self._changed.clear()
+        estimates = dict(self._own)
+        for key, window in self._windows.items():
+            if window and key not in self._own:
+                fallback = _fallback(self._own, key)
+                if fallback is not None:
+                    estimates[key] = statistics.median_low([*(x for _, x in window), fallback])
+        old = self._published
+        if estimates.keys() == old.keys() and not any(
+            self._moved(key, old[key], x) for key, x in estimates.items()
         ):
             return
         self._published = estimates
         self.version += 1
 
+    def _moved(self, key: tuple[str, int], old: float, new: float) -> bool:
+        """Whether a kind's estimate moved by more than the tolerance of what it costs a round: a forward
+        size's relative to itself, the rest of a round's and the drafter's in one-token forwards (the
+        drafter's over its latest proposal, K·c + g·u): a lookup that costs a few microseconds moves by
+        half between rounds and changes no K."""
+        tolerance, change = self.config.tolerance, abs(new - old)
+        if key[0] in ("forward", "rows"):
+            return change > tolerance * old
+        one = _step(self._published) or old
+        weight = self._draft_steps if key[0] == "draft" else 1.0
+        return change * weight > tolerance * one
+
     def _notice(self) -> None:
-        """Say once, on stderr, that ρ(1) is off by more than the notice factor — not before a window of
+        """Say once, on stderr, that ρ(1) is off by more than the notice factor — not before a horizon of
         forwards was timed: a process's first rounds run slow while it warms up."""
         one = self.step
-        if self._noticed or one is None or self.step_seconds is None or self._forwards < self.config.window:
+        if self._noticed or one is None or self.step_seconds is None:
+            return
+        if self._forwards < self.config.horizon:
             return
         if max(one, 1 / one) > self.config.notice:
             self._noticed = True
@@ -208,7 +249,7 @@ class OnlineCosts:
         whole = 1 + o  # a plain round: its forward and the rest
         v, sizes = cost.verify_cost, _seen(estimates, "forward")
         curve = (
-            tuple((x * _factor(sizes, m, one) + o) / whole for m, x in enumerate(v, 1))
+            tuple(((np.asarray(v) * _factors(sizes, len(v), one) + o) / whole).tolist())
             if isinstance(v, tuple)
             else lambda k: (cost.verify(k) * _factor(sizes, k, one) + o) / whole
         )
@@ -260,6 +301,19 @@ def _factor(seen: list[tuple[int, float]], size: int, one: float) -> float:
     where none was seen."""
     slowdown = _nearest_in(seen, size)
     return 1.0 if slowdown is None else slowdown / one
+
+
+def _factors(seen: list[tuple[int, float]], count: int, one: float) -> np.ndarray:
+    """[count]: :func:`_factor` at every size 1..count at once (the per-round path of :meth:`correct`)."""
+    if not seen:
+        return np.ones(count)
+    sizes = np.array([s for s, _ in seen] + [0])  # [S + 1]: ascending, then a size never asked for
+    values = np.array([x for _, x in seen] + [np.inf])  # [S + 1]: beyond every size, none
+    wanted = np.arange(1, count + 1)  # [count]
+    at = np.searchsorted(sizes[:-1], wanted)  # [count]: the first size seen >= each (S: none)
+    below = np.where(at > 0, values[np.maximum(at - 1, 0)], np.inf)  # [count]: the size seen before it
+    slowdown = np.where(sizes[at] == wanted, values[at], np.minimum(below, values[at]))  # [count]
+    return slowdown / one
 
 
 def _seen(estimates: Estimates, kind: str) -> list[tuple[int, float]]:

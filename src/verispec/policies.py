@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verispec.analysis.analytic import BatchCost, CostModel, speedup_by_k
+from verispec.analysis.analytic import BatchCost, CostModel, tokens_by_k
 from verispec.errors import UsageError
 from verispec.inputs import is_int
 from verispec.online_costs import OnlineCosts, RoundTiming
@@ -200,10 +200,11 @@ class CostModelK(KPolicy):
         if self._alphas is None:
             a0, r0 = self.config.prior
             strength, floor = a0 + r0, a0 / (a0 + r0)
-            alphas, mean = np.empty_like(self._accepted), floor
-            for i, (accepted, rejected) in enumerate(zip(self._accepted, self._rejected, strict=True)):
-                alphas[i] = (accepted + strength * mean) / (accepted + rejected + strength)
-                mean = max(floor, alphas[i])  # the next position's prior: at least as good as this one
+            rates, mean = [], floor
+            for accepted, rejected in zip(self._accepted.tolist(), self._rejected.tolist(), strict=True):
+                rates.append((accepted + strength * mean) / (accepted + rejected + strength))
+                mean = max(floor, rates[-1])  # the next position's prior: at least as good as this one
+            alphas = np.array(rates)  # [k_max]
             alphas.flags.writeable = False
             self._alphas = alphas
         return self._alphas
@@ -212,7 +213,7 @@ class CostModelK(KPolicy):
         """(the best K, the best K > 0 to probe with, the plain rounds between probes) for the evidence, a
         round that drafts paying ``catch_up`` (g·u, in plain steps) besides its round cost."""
         if self._tokens is None:
-            self._tokens = speedup_by_k(self.alphas, self._round_costs) * self._round_costs  # [k_max + 1]
+            self._tokens = tokens_by_k(self.alphas)  # [k_max + 1]
         costs = self._round_costs + catch_up  # [k_max + 1]
         costs[0] = self._round_costs[0]
         speedups = self._tokens / costs  # [k_max + 1]

@@ -134,6 +134,8 @@ class CostModel:
             if curve.ndim != 1 or curve.size == 0:
                 raise UsageError(f"a verify_cost sequence must be one-dimensional and non-empty, got {v!r}")
             object.__setattr__(self, "verify_cost", tuple(float(x) for x in curve))
+            if np.all((curve > 0) & (curve < math.inf)) and abs(curve[0] - 1.0) <= _ONE_TOL:
+                return  # valid (the check below, at once: the policies build corrected models each round)
         for k in range(1, (self.max_k or 0) + 2):  # every entry of a sequence, v(1) of a callable
             self.verify(k)
 
@@ -172,7 +174,11 @@ class CostModel:
 
     def round_costs(self, k_max: int) -> np.ndarray:
         """[k_max + 1]: :meth:`round_cost` of every K = 0..k_max."""
-        return np.array([self.round_cost(k) for k in range(_check_k(k_max, "k_max") + 1)])
+        k_max = _check_k(k_max, "k_max")
+        if isinstance(self.verify_cost, tuple):  # checked on construction: at once
+            self.verify(k_max + 1)  # within the curve
+            return np.array(self.verify_cost[: k_max + 1]) + self.cost_ratio * np.arange(k_max + 1)
+        return np.array([self.round_cost(k) for k in range(k_max + 1)])
 
 
 @dataclass(frozen=True)
@@ -315,10 +321,16 @@ def speedup_by_k(
     per-position rates α_1..α_{K_max} (as for :func:`expected_tokens_per_call`); the per-round hot path of
     :class:`verispec.policies.CostModelK`."""
     costs = np.asarray(round_costs, dtype=np.float64)  # [K_max + 1]
-    alphas = _alphas(alpha, costs.size - 1)  # [K_max]
-    tokens = np.ones_like(costs)  # E[L](α, K) = 1 + α_1 + α_1·α_2 + …: expected_tokens_per_call's products
+    return tokens_by_k(_alphas(alpha, costs.size - 1)) / costs
+
+
+def tokens_by_k(alphas: np.ndarray) -> np.ndarray:
+    """[K_max + 1]: E[L] = 1 + α_1 + α_1·α_2 + … (:func:`expected_tokens_per_call`'s products) of every draft
+    length K = 0..K_max at once, for per-position rates ``alphas`` [K_max] already checked to lie in [0, 1]
+    (:func:`speedup_by_k` checks them; :class:`verispec.policies.CostModelK`'s own are so by construction)."""
+    tokens = np.ones(alphas.size + 1)  # [K_max + 1]
     tokens[1:] += np.cumsum(np.cumprod(alphas))
-    return tokens / costs
+    return tokens
 
 
 def tree_rates(scores: Sequence[float], cost: CostModel, draft_steps: int) -> np.ndarray:
