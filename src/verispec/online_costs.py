@@ -94,7 +94,7 @@ class OnlineConfig:
 
     window: int = 8
     min_seen: int = 2
-    horizon: int = 64
+    horizon: int = 128
     tolerance: float = 0.05
     notice: float = 2.0
 
