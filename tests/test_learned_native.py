@@ -19,23 +19,27 @@ from test_eagle import (
     drafter_with_context,
     first_token_chi_square,
     fresh_head,
+    hidden_states,
     plain_greedy,
     tiny_target,
 )
 from test_lookahead import needs_native, random_lookahead
 from test_medusa_exit import random_exit, random_medusa
 from verispec.api import Speculator
+from verispec.drafting.base import Allowed, DraftRow
+from verispec.drafting.learned import eagle as eagle_module
 from verispec.drafting.learned.eagle import EagleHead
-from verispec.drafting.learned.eagle_drafter import EagleTreeDrafter
+from verispec.drafting.learned.eagle_drafter import EagleDrafter, EagleTreeDrafter
 from verispec.drafting.learned.head import LearnedHead
 from verispec.drafting.tree import TreeShape
 from verispec.kernels.threads import THREADS
-from verispec.models.llama import Llama
+from verispec.models.llama import Llama, run_native_rows
 from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
 from verispec.sequence import GenerationStats
 
 pytestmark = needs_native
+rows_run = run_native_rows  # what the eagle head calls for rows together (counted in a test)
 PROMPTS = ("abc", "hello", "qqqzzz", "the", "mnopqrs", "x")
 KINDS = ("eagle", "medusa", "exit", "lookahead")
 
@@ -136,6 +140,62 @@ def test_a_rows_draft_logits_do_not_depend_on_the_others(target, kind):
         assert torch.equal(native.logits(together), torch.cat([native.logits(row[None]) for row in alone]))
 
 
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        GREEDY,
+        SamplingParams(temperature=0.8, seed=5),
+        SamplingParams(temperature=0.7, top_k=5, seed=6, invariant=False),
+    ],
+    ids=["greedy", "invariant", "generator"],
+)
+def test_rows_of_a_batch_draft_together_each_as_alone(target, sampling, monkeypatch):
+    """Eagle drafters whose caches are rows of the head's cache for one batch (cache_row of the target's
+    rows) propose together — the backlogs in one head forward, then one per draft position — and each row's
+    proposal (tokens and q) is bit for bit what a drafter of its own proposes for it alone, whatever the
+    rows' contexts, K (0 and a grammar's end among them) and order; a second round after a rollback too."""
+    head = native_copy(fresh_head(target, torch.arange(0, VOCAB, 2), seed=2))
+    assert isinstance(head, EagleHead)
+    slots = target.new_cache_rows(4)
+    calls = []
+    monkeypatch.setattr(
+        eagle_module, "run_native_rows", lambda *a, **k: (calls.append(len(a[2])), rows_run(*a, **k))[1]
+    )
+    rng = torch.Generator().manual_seed(7)
+    contexts = [torch.randint(0, VOCAB, (n,), generator=rng).tolist() for n in (9, 5, 14, 7)]
+    ks = [3, 4, 0, 2]
+
+    def stop_early(path: list[int]) -> torch.Tensor | None:  # a grammar that ends after one token
+        return None if len(path) >= 1 else torch.ones(VOCAB, dtype=torch.bool)
+
+    alloweds: list[Allowed | None] = [None, None, None, stop_early]
+    together = [EagleDrafter(head, sampling, head.cache_row(slots[i])) for i in (2, 0, 3, 1)]  # any rows
+    assert len({d.rows_key for d in together}) == 1 and together[0].rows_key is not None
+    for d, context in zip(together, contexts, strict=True):
+        d.begin(context)
+        d.observe_hidden(hidden_states(target, context)[:-1])
+    alone = [drafter_with_context(target, head, context, sampling) for context in contexts]
+    assert all(d.rows_key is None for d in alone)
+    for round_ in range(2):
+        rows = [DraftRow(d, c, k, sampling.generator(), a)
+                for d, c, k, a in zip(together, contexts, ks, alloweds, strict=True)]  # fmt: skip
+        calls.clear()
+        proposals = EagleDrafter.propose_rows(rows)
+        assert calls and max(calls) >= 3  # rows ran together
+        for d, c, k, a, got in zip(alone, contexts, ks, alloweds, proposals, strict=True):
+            own = d.propose(c, k, sampling.generator(), a)
+            assert torch.equal(got.tokens, own.tokens), (round_, c)
+            assert (got.q is None) == (own.q is None) and (got.q is None or torch.equal(got.q, own.q))
+        assert [len(p.tokens) for p in proposals] == [3, 4, 0, 1]
+        for d, other in zip(together, alone, strict=True):  # one accepted, then a committed token's state
+            d.observe(1)
+            other.observe(1)
+        extra = torch.randn(1, target.config.hidden_size, generator=rng)
+        for d in (*together, *alone):
+            d.observe_hidden(extra)
+        contexts = [[*c, 1] for c in contexts]
+
+
 def eagle_after_context(head: EagleHead, features: torch.Tensor, rows) -> torch.Tensor:
     """The head's features [M, H] for rows ``rows`` of features [N, H], each fed as one token at position 4
     after the same 4 context slots (a tree depth's nodes: each sees the context and itself)."""
@@ -197,6 +257,32 @@ def test_greedy_equals_plain_greedy_on_the_native_target(target, greedy, kind, t
             assert [t for chunk in out for t in chunk.token_ids] == reference, (prompt, tree)
             drafted, accepted = drafted + stats.drafted + stats.tree_nodes, accepted + stats.accepted
     assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.8)], ids=["greedy", "seeded"])
+def test_a_continuous_batch_drafts_its_rows_together(target, greedy, sampling, tmp_path, monkeypatch):
+    """Through the engine: a continuous batch of eagle requests proposes its rows together (one call for
+    several rows), and each output is the one the request gets alone (greedy: the target's own; sampled
+    with a seed: the same tokens)."""
+    path = random_head(target, "eagle").save(tmp_path / "eagle.safetensors")
+    spec = Speculator((target, LetterTokenizer(VOCAB)), drafter="eagle", drafter_path=str(path))
+    sizes: list[int] = []
+    together = EagleDrafter.propose_rows.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(
+        EagleDrafter,
+        "propose_rows",
+        classmethod(lambda cls, rows: (sizes.append(len(rows)), together(cls, rows))[1]),
+    )
+    seeds = list(range(len(PROMPTS)))
+    batch = spec.generate_batch(
+        list(PROMPTS), k=3, max_new_tokens=40, sampling=sampling, slots=4, seeds=seeds
+    )
+    assert max(sizes) >= 2
+    for prompt, seed, result in zip(PROMPTS, seeds, batch, strict=True):
+        alone = spec.generate(prompt, k=3, max_new_tokens=40, sampling=sampling.with_seed(seed))
+        assert result.token_ids == alone.token_ids, prompt
+        if sampling.greedy:
+            assert result.token_ids == greedy[prompt]
 
 
 @pytest.mark.parametrize("sampling_kw", [{"temperature": 0.8}, {"temperature": 0.7, "top_k": 5}])

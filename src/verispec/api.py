@@ -221,6 +221,7 @@ class Speculator:
             self.model,
             draft=self.draft,
             target_cache=shared,
+            slot=target_cache,
             head=self.head,
             pair=self.pair,
             cross_tokenizer=self.parts.cross_tokenizer,

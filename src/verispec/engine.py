@@ -40,8 +40,10 @@ import torch
 from verispec.drafting.base import (
     Allowed,
     Drafter,
+    DraftRow,
     HiddenStateReader,
     Proposal,
+    RowDrafter,
     SequenceEnd,
     TreeDrafter,
 )
@@ -90,6 +92,17 @@ def _after(grammar: GrammarState, forced: list[int]) -> Allowed:
     """The grammar's mask at each position of a chain drafted after the ``forced`` tokens, for the drafter
     (tentative: the committed state never moves)."""
     return lambda path: grammar.mask_after([*forced, *path])
+
+
+@dataclass(frozen=True)
+class _Chain:
+    """What a chain round asks of its drafter: ``k`` tokens after ``context`` (the committed ids and the
+    grammar's ``forced`` run), within the grammar's masks ``within`` (None: no grammar)."""
+
+    context: list[int]
+    k: int
+    forced: list[int]
+    within: Allowed | None
 
 
 @dataclass
@@ -277,12 +290,7 @@ class SpeculativeEngine:
         decoding = [r for r in self.running if r.decoding]
         ks = self._plan(decoding)
         out: list[tuple[Running, list[int]]] = []
-        rounds = []
-        for running, k in zip(decoding, ks, strict=True):
-            try:
-                rounds.append(self._propose(running, k))
-            except Exception as err:
-                out.append((running, self._fail(running, err)))
+        rounds = self._propose_all(decoding, ks, out)
         rounds += [self._prompt_chunk(r, others=bool(decoding)) for r in self.running if not r.decoding]
         t0 = time.perf_counter()
         scored = self._score(rounds)
@@ -378,6 +386,47 @@ class SpeculativeEngine:
         planned = plan_batch(cast(list[CostModelK], policies), [len(r.ids) for r in decoding], caps)
         return list(planned)
 
+    def _propose_all(
+        self, decoding: list[Running], ks: list[int | None], out: list[tuple[Running, list[int]]]
+    ) -> list[_Round]:
+        """Each decoding sequence's round (:meth:`_propose`), the chains of drafters that propose together
+        (a :class:`~verispec.drafting.base.RowDrafter`'s ``rows_key``) in one call per key, each row's
+        proposal exactly its own; a sequence whose proposal raises fails alone (into ``out``; a call for
+        several rows that raises is made again row by row, so that only the one at fault fails)."""
+        rounds: list[_Round] = []
+        together: dict[tuple[type, object], list[tuple[Running, _Chain]]] = {}
+        for running, k in zip(decoding, ks, strict=True):
+            try:
+                key = None if running.tree else getattr(running.drafter, "rows_key", None)
+                if key is None or not isinstance(running.drafter, RowDrafter):
+                    rounds.append(self._propose(running, k))
+                else:
+                    together.setdefault((type(running.drafter), key), []).append(
+                        (running, self._chain(running, k))
+                    )
+            except Exception as err:
+                out.append((running, self._fail(running, err)))
+        for (kind, _), members in together.items():
+            t0 = time.perf_counter()
+            try:
+                asked = [
+                    DraftRow(cast(Drafter, r.drafter), c.context, c.k, r.generator, c.within)
+                    for r, c in members
+                ]
+                proposals = cast(type[RowDrafter], kind).propose_rows(asked) if len(members) > 1 else None
+            except Exception:
+                proposals = None  # made again one by one below
+            seconds = (time.perf_counter() - t0) / len(members)
+            for index, (running, chain) in enumerate(members):
+                try:
+                    if proposals is None:
+                        rounds.append(self._chain_round(running, chain, self._draft(running, chain), t0))
+                    else:
+                        rounds.append(self._chain_round(running, chain, proposals[index], seconds=seconds))
+                except Exception as err:
+                    out.append((running, self._fail(running, err)))
+        return rounds
+
     def _propose(self, running: Running, planned: int | None = None) -> _Round:
         """A decoding sequence's round: its tree, or a chain of ``planned`` tokens (None: its K policy's
         choice), capped by its room."""
@@ -398,21 +447,41 @@ class SpeculativeEngine:
             )  # [N, V']
             return _Round(running, nodes, len(ids) - 1, tree=tree, allowed=allowed, forced=len(trunk),
                           draft_seconds=time.perf_counter() - t0)  # fmt: skip
+        chain = self._chain(running, planned)
+        return self._chain_round(running, chain, self._draft(running, chain), t0)
+
+    def _chain(self, running: Running, planned: int | None) -> _Chain:
+        """What a chain round asks its drafter for: ``planned`` tokens (None: its K policy's choice) after the
+        grammar's forced ones, capped by the room left."""
+        grammar, room = running.request.grammar, self._room(running)
         forced = [] if grammar is None else forced_run(grammar, room - 1)  # certain: drafted for free
-        k = running.request.k_policy.next_k(len(ids)) if planned is None else planned
-        k = min(k, room - 1 - len(forced))
-        context = ids + forced
+        k = running.request.k_policy.next_k(len(running.ids)) if planned is None else planned
         within = None if grammar is None else _after(grammar, forced)  # each draft position's mask
-        proposal = (
-            cast(Drafter, drafter).propose(context, k, running.generator, within)
-            if k > 0
-            else Proposal.empty()
-        )
-        proposal = with_forced(forced, proposal)
+        return _Chain(running.ids + forced, min(k, room - 1 - len(forced)), forced, within)
+
+    @staticmethod
+    def _draft(running: Running, chain: _Chain) -> Proposal:
+        """The sequence's own drafter's proposal for ``chain``."""
+        if chain.k <= 0:
+            return Proposal.empty()
+        return cast(Drafter, running.drafter).propose(chain.context, chain.k, running.generator, chain.within)
+
+    def _chain_round(
+        self,
+        running: Running,
+        chain: _Chain,
+        proposal: Proposal,
+        t0: float = 0.0,
+        seconds: float | None = None,
+    ) -> _Round:
+        """The round of ``chain`` drafted as ``proposal`` (since ``t0``, or in ``seconds``)."""
+        proposal = with_forced(chain.forced, proposal)
         tokens = proposal.tokens.tolist()
+        grammar = running.request.grammar
         allowed = None if grammar is None else chain_masks(grammar, tokens)  # [1 + len(tokens), V']
-        return _Round(running, [ids[-1], *tokens], len(ids) - 1, proposal=proposal, allowed=allowed,
-                      forced=len(forced), draft_seconds=time.perf_counter() - t0)  # fmt: skip
+        spent = time.perf_counter() - t0 if seconds is None else seconds
+        return _Round(running, [running.ids[-1], *tokens], len(running.ids) - 1, proposal=proposal,
+                      allowed=allowed, forced=len(chain.forced), draft_seconds=spent)  # fmt: skip
 
     def _score(self, rounds: Sequence[_Round]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
         """(logits [T, V] or None for a prompt chunk, hidden states [T, H] for a drafter that reads them, else

@@ -30,7 +30,10 @@ the distributions q it sampled them from, and is then told how many of them the 
 - a drafter that is a :class:`SequenceEnd` (the suffix drafters of :mod:`verispec.drafting.suffix`) is also
   told, with ``finish(ids)``, the committed tokens (prompt, then output) of a sequence the engine retires
   having finished it (an end of sequence, a stop string, the token limit or the context's), once; never for
-  a cancelled or failed one.
+  a cancelled or failed one;
+- a drafter that is a :class:`RowDrafter` (the eagle chain drafter beside a native target) may be asked,
+  with the other sequences of a batch whose drafters share its :attr:`RowDrafter.rows_key`, for all their
+  proposals at once (``propose_rows``): each row's is exactly what its own ``propose`` returns.
 
 The tree counterpart: a tree drafter sees the committed context and a tree shape
 (:mod:`verispec.drafting.tree`; the drafter's own :attr:`TreeDrafter.shape`, capped by the engine to the
@@ -73,10 +76,12 @@ from verispec.sampling import draft_draw, probs_from_logits, sample
 __all__ = [
     "Allowed",
     "BranchedTreeDrafter",
+    "DraftRow",
     "Drafter",
     "HiddenStateReader",
     "NoDrafter",
     "Proposal",
+    "RowDrafter",
     "SequenceEnd",
     "TreeDrafter",
     "allowed_guesses",
@@ -212,6 +217,35 @@ class NoDrafter:
 
     def observe(self, num_accepted: int) -> None:
         pass
+
+
+@dataclass(frozen=True)
+class DraftRow:
+    """One sequence's part of proposals made together (:class:`RowDrafter`): what its :meth:`Drafter.propose`
+    would take."""
+
+    drafter: Drafter
+    context: list[int]
+    k: int
+    generator: torch.Generator
+    allowed: Allowed | None = None
+
+
+@runtime_checkable
+class RowDrafter(Protocol):
+    """A chain drafter whose proposals for several sequences run together: drafters with the same
+    :attr:`rows_key` (not None) are handed to :meth:`propose_rows` at once (a learned head's forwards over the
+    rows of a batch), which gives each row exactly the proposal its own :meth:`Drafter.propose` would."""
+
+    @property
+    def rows_key(self) -> object | None:
+        """Drafters with the same key propose together; None: this one alone."""
+        ...
+
+    @classmethod
+    def propose_rows(cls, rows: Sequence[DraftRow]) -> list[Proposal]:
+        """Every row's proposal (its drafter's, all with one :attr:`rows_key`), in order."""
+        ...
 
 
 @runtime_checkable

@@ -54,6 +54,8 @@ class DraftInputs:
     target: LanguageModel
     draft: LanguageModel | None = None  # a draft model (``needs_draft_model``)
     target_cache: Cache | None = None  # the target's cache, read by an early-exit draft (its first layers)
+    slot: Cache | None = None  # the target's cache of the sequence's slot: a learned head's own cache is the
+    # same row of one it holds for the batch, so that the batch's rows draft together
     head: LearnedHead | None = None  # a learned drafter (``learned``), of the kind's own class
     pair: VocabularyPair | None = None  # a draft model with another tokenizer: the two vocabularies
     cross_tokenizer: str = "auto"  # and the algorithm that drafts across them (CROSS_TOKENIZER)
@@ -202,7 +204,8 @@ def _eagle_chain(inputs: DraftInputs) -> Drafter:
     from verispec.drafting.learned.eagle import EagleHead
     from verispec.drafting.learned.eagle_drafter import EagleDrafter
 
-    return EagleDrafter(inputs.need_head("eagle", EagleHead), inputs.sampling)
+    head = inputs.need_head("eagle", EagleHead)
+    return EagleDrafter(head, inputs.sampling, head.cache_row(inputs.slot))
 
 
 def _medusa_chain(inputs: DraftInputs) -> Drafter:

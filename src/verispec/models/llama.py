@@ -894,6 +894,49 @@ def run_native(
     return rmsnorm(h, *norm).view(b, t, -1)  # [B, T, H]
 
 
+def run_native_rows(
+    stack: NativeStack,
+    h: Tensor,
+    caches: Sequence[KVCache],
+    counts: Sequence[int],
+    num_layers: int,
+    rope: dict[str, Any],
+    norm: tuple[Tensor, float],
+    mask: Tensor | None = None,
+) -> Tensor:
+    """``num_layers`` layers of ``stack`` over the new tokens of several sequences at once, h [N, H] float32
+    contiguous (N = Σ counts; RoPE tables ``rope`` at each token; overwritten), then the RMSNorm ``norm``:
+    [N, H]. Sequence i's
+    ``counts[i]`` tokens go to the next slots of ``caches[i]``, a row of one whole tiled cache (each its
+    own), and attend to its committed slots and, causally or where ``mask`` [N, widest] says, to its own new
+    ones. A row's outputs are bit-identical to running it alone."""
+    seq: list[int] = []
+    slot: list[int] = []
+    base: list[int] = []
+    for cache, t in zip(caches, counts, strict=True):
+        assert cache.row is not None  # a row of one whole cache (the caller checked)
+        start, _ = cache._reserve(t)
+        seq += [cache.row] * t
+        slot += range(start, start + t)
+        base += [start] * t
+    whole = caches[0].whole
+    assert whole is not None
+    stack.forward(
+        h,
+        num_layers=num_layers,
+        **rope,
+        seq=torch.tensor(seq, dtype=torch.int32),  # [N]
+        slot=torch.tensor(slot, dtype=torch.int32),  # [N]
+        base=torch.tensor(base, dtype=torch.int32),  # [N]
+        mask=mask,
+        keys=whole[0],
+        values=whole[1],
+    )
+    for cache, t in zip(caches, counts, strict=True):
+        cache._length += t
+    return rmsnorm(h, *norm)  # [N, H]
+
+
 def pack_linears(module: nn.Module, batch_size_hint: int, min_weight_elements: int) -> None:
     """Pack every :class:`_Linear` of ``module`` with at least ``min_weight_elements`` weights for oneDNN,
     tuned for ``batch_size_hint`` rows per call (see :meth:`Llama.optimize_for_cpu`; the caller has checked
@@ -1344,18 +1387,10 @@ class Llama(nn.Module):
         caches = [row.cache for row in rows if isinstance(row.cache, KVCache)]  # all of them (checked)
         widest = max(len(row.tokens) for row in rows)
         trees = any(row.tree_mask is not None for row in rows)  # else no mask: each row's block is causal
-        seq: list[int] = []
-        slot: list[int] = []
-        base: list[int] = []
         masks = []
         for row, cache in zip(rows, caches, strict=True):
-            assert isinstance(cache, KVCache) and cache.row is not None
             t = len(row.tokens)
             self._check_inputs(row.tokens.unsqueeze(0), row.positions.unsqueeze(0), cache)
-            start, _ = cache._reserve(t)
-            seq += [cache.row] * t
-            slot += range(start, start + t)
-            base += [start] * t
             if trees:
                 mask = torch.ones(t, t, dtype=torch.bool).tril() if row.tree_mask is None else row.tree_mask
                 if row.tree_mask is not None:
@@ -1363,22 +1398,16 @@ class Llama(nn.Module):
                 masks.append(F.pad(mask.cpu(), (0, widest - t)))  # [T, widest]: its own new slots only
         h = self.embed(torch.cat([row.tokens for row in rows])).float().contiguous()  # [N, hidden]
         positions = torch.cat([row.positions for row in rows])  # [N]
-        whole = caches[0].whole
-        assert whole is not None
-        self._native.forward(
+        hidden = run_native_rows(
+            self._native,
             h,
-            num_layers=self.config.num_layers,
-            **self._rope(positions),
-            seq=torch.tensor(seq, dtype=torch.int32),  # [N]
-            slot=torch.tensor(slot, dtype=torch.int32),  # [N]
-            base=torch.tensor(base, dtype=torch.int32),  # [N]
-            mask=torch.cat(masks).contiguous() if trees else None,  # [N, widest] bool
-            keys=whole[0],
-            values=whole[1],
-        )
-        for row, cache in zip(rows, caches, strict=True):
-            cache._length += len(row.tokens)
-        hidden = rmsnorm(h, self.model.norm.weight, self.config.rms_norm_eps)  # [N, hidden]
+            caches,
+            [len(row.tokens) for row in rows],
+            self.config.num_layers,
+            self._rope(positions),
+            (self.model.norm.weight, self.config.rms_norm_eps),
+            torch.cat(masks).contiguous() if trees else None,  # [N, widest] bool
+        )  # [N, hidden]
         parts = list(hidden.split([len(row.tokens) for row in rows]))
         wanted = [p for p, row in zip(parts, rows, strict=True) if row.logits]
         logits = list(self.logits(torch.cat(wanted)).split([len(p) for p in wanted])) if wanted else []

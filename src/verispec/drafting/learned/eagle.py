@@ -22,6 +22,8 @@ distribution is computed from its own logits, so verification stays exact.
 from __future__ import annotations
 
 import dataclasses
+import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +35,7 @@ from verispec.drafting.learned.head import DRAFT_FORMAT, LearnedHead, native_tar
 from verispec.errors import UsageError
 from verispec.inputs import is_int
 from verispec.kernels.cpu import NativeStack
-from verispec.models.base import LanguageModel
+from verispec.models.base import Cache, LanguageModel
 from verispec.models.llama import (
     KVCache,
     Llama,
@@ -44,6 +46,7 @@ from verispec.models.llama import (
     rope_tables,
     run_layers,
     run_native,
+    run_native_rows,
 )
 
 __all__ = ["MAX_LAYERS", "EagleHead"]
@@ -79,6 +82,8 @@ class EagleHead(LearnedHead):
         self.embed_weight = nn.Buffer(target.model.embed_tokens.weight.detach(), persistent=False)  # [V, H]
         self.inv_freq = nn.Buffer(self.config.rope_inv_freq().to(device), persistent=False)  # [head_dim // 2]
         self._stack: NativeStack | None = None  # the layers on the native kernels (pack_native)
+        # (the target's whole cache, the rows of the head's own cache for its rows): see cache_row
+        self._rows: tuple[weakref.ref[Tensor], list[KVCache]] | None = None
 
     def fresh_start(self, target: Llama) -> None:
         """The output norm starts as the target's final norm (its output then has the target's scale)."""
@@ -126,6 +131,38 @@ class EagleHead(LearnedHead):
             separate_layers=separate_layers,
             tiled=native,
         )
+
+    def cache_row(self, slot: Cache | None) -> KVCache:
+        """The head's cache for a sequence whose target cache is ``slot``: where that is row r of a whole
+        cache of R rows (an engine's slots) and the head runs on the native kernels, row r of an R-row cache
+        of the head's own (made once per whole target cache: every sequence drafting in that engine then
+        has a row of it, and their drafts run in one forward, :meth:`forward_rows`); else a cache of its
+        own."""
+        if self._stack is None or not isinstance(slot, KVCache) or slot.row is None or slot.whole is None:
+            return self.new_cache()
+        whole = slot.whole[0]  # [layers, R, ...]: the target's keys
+        if self._rows is None or self._rows[0]() is not whole:
+            self._rows = (weakref.ref(whole), self.new_cache(batch_size=whole.shape[1]).rows())
+        return self._rows[1][slot.row]
+
+    def forward_rows(self, rows: Sequence[tuple[Tensor, Tensor, Tensor, KVCache]]) -> list[Tensor]:
+        """:meth:`forward` of several sequences at once, each (tokens [T_i] int64, features [T_i, H],
+        positions [T_i] int64, its cache) causally → f̂ [T_i, H] each: one native forward where the caches
+        are rows of one of :meth:`cache_row`'s (each its own), else one forward each. A row's output is
+        bit-identical to its forward alone (the kernels compute every row on its own)."""
+        caches = [cache for *_, cache in rows]
+        wholes = {id(c.whole[0]) for c in caches if c.whole is not None}
+        if len(rows) == 1 or self._stack is None or len(wholes) != 1 or None in (c.row for c in caches):
+            return [self(t[None], f[None], p[None], cache)[0] for t, f, p, cache in rows]
+        tokens = torch.cat([t for t, *_ in rows])  # [N]
+        features = torch.cat([f for _, f, *_ in rows])  # [N, H]
+        embedded = F.embedding(tokens, self.embed_weight).float()  # [N, H]
+        h = self.fc(torch.cat((embedded, features.float()), dim=-1)).contiguous()  # [N, H]
+        rope = rope_tables(torch.cat([p for _, _, p, _ in rows]), self.inv_freq)
+        norm = (self.norm.weight, self.config.rms_norm_eps)
+        counts = [len(t) for t, *_ in rows]
+        out = run_native_rows(self._stack, h, caches, counts, self.num_layers, rope, norm)  # [N, H]
+        return list(out.split(counts))
 
     def pack_native(self) -> None:
         """fc on the native kernels, the layers as one native stack."""

@@ -31,14 +31,18 @@ children by their values would bias them).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 from torch import Tensor
 
 from verispec.analysis.analytic import CostModel, best_tree_size, tree_rates
-from verispec.drafting.base import Allowed, BranchedTreeDrafter, Proposal, allowed_logits
+from verispec.drafting.base import Allowed, BranchedTreeDrafter, DraftRow, Proposal, allowed_logits
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.tree import AUTO, TreeProposal, TreeShape, likeliest_nodes
 from verispec.errors import UsageError
+from verispec.models.llama import KVCache
 from verispec.options import SamplingParams
 from verispec.sampling import draft_draw, probs_from_logits
 
@@ -50,20 +54,29 @@ DEFAULT_TREE = TreeShape.from_paths([[0], [1], [2], [0, 0]], name="c4")
 
 
 class EagleDrafter:
-    """Drafts with a learned head reading the target's hidden states (module docstring)."""
+    """Drafts with a learned head reading the target's hidden states (module docstring). Beside a native
+    target in a batch, its cache is a row of one the head holds for the batch (:meth:`EagleHead.cache_row`),
+    and the rows' drafts run together (:meth:`propose_rows`)."""
 
     name = "eagle"
 
-    def __init__(self, head: EagleHead, sampling: SamplingParams) -> None:
-        """head: built for the target (its vocabulary is the target's); sampling: the engine's parameters."""
+    def __init__(self, head: EagleHead, sampling: SamplingParams, cache: KVCache | None = None) -> None:
+        """head: built for the target (its vocabulary is the target's); sampling: the engine's parameters;
+        cache: the head's cache for this drafter (default: one of its own)."""
         self.head = head
         self.sampling = sampling
-        self.cache = head.new_cache()
+        self.cache = head.new_cache() if cache is None else cache
         capacity, hidden = self.cache.capacity, head.config.hidden_size
         self._features = torch.empty(capacity, hidden, device=head.inv_freq.device)  # [capacity, H]: f_0..
         self._num_features = 0
         self._committed = 0  # cache slots fed with true features
         self._next = torch.empty(1, 1, hidden, device=head.inv_freq.device)  # [1, 1, H]: f̂ after them
+
+    @property
+    def rows_key(self) -> object | None:
+        """Drafters whose caches are rows of one of the head's propose together (:meth:`propose_rows`)."""
+        whole = self.cache.whole
+        return None if whole is None else (id(self.head), id(whole[0]))
 
     def begin(self, prompt: list[int]) -> None:
         self.cache.truncate(0)
@@ -75,54 +88,108 @@ class EagleDrafter:
         self._features[self._num_features : end] = hidden
         self._num_features = end
 
+    def _ready(self, context: list[int]) -> bool:
+        """Whether the target's states of the context are all in (none to draft from for a one-token one)."""
+        n = len(context) - 1  # the last committed token's position
+        return n > 0 and self._num_features >= n
+
+    def _backlog(self, context: list[int]) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The true-feature slots the head's cache lacks, up to the last committed token's: (tokens [T],
+        features [T, H], positions [T]); None when it holds them (proposing again for the same context)."""
+        n, start = len(context) - 1, self.cache.length
+        if start >= n:
+            return None
+        device = self._features.device
+        tokens = torch.tensor(context[start + 1 : n + 1], device=device)  # [T]
+        return tokens, self._features[start:n], torch.arange(start, n, device=device)
+
+    def _fed(self, context: list[int], predicted: Tensor) -> None:
+        """The backlog of ``context`` went through the head, predicting ``predicted`` [T, H]."""
+        self._next = predicted[-1:].unsqueeze(0)  # [1, 1, H]
+        self._committed = len(context) - 1
+
     def catch_up(self, context: list[int]) -> Tensor | None:
         """Feeds the true-feature slots the head's cache lacks, up to the last committed token's, and returns
         f̂_n [1, 1, H], the feature the first draft token is read from; None when the context is one token or
         the target's states of the context are not all in."""
-        n = len(context) - 1  # the last committed token's position
-        if n == 0 or self._num_features < n:
+        if not self._ready(context):
             return None
-        start = self.cache.length
-        if start < n:  # true-feature slots to feed (none when proposing again for the same context)
-            device = self._features.device
-            tokens = torch.tensor([context[start + 1 : n + 1]], device=device)  # [1, n - start]
-            positions = torch.arange(start, n, device=device).unsqueeze(0)  # [1, n - start]
-            features = self._features[start:n].unsqueeze(0)  # [1, n - start, H]
-            self._next = self.head(tokens, features, positions, self.cache)[:, -1:]
-            self._committed = n
+        backlog = self._backlog(context)
+        if backlog is not None:
+            self._fed(context, self.head.forward_rows([(*backlog, self.cache)])[0])
         return self._next
 
-    @torch.inference_mode()
+    def _pick(self, logits: Tensor, generator: torch.Generator, position: int, qs: list[Tensor]) -> Tensor:
+        """The draft token [1] (a target id) at ``position`` from the draft logits [Vd]: the argmax, or a
+        draw from q (appended to ``qs``)."""
+        ids = self.head.draft_vocab  # [Vd]: the target's ids
+        if self.sampling.greedy:
+            return ids[logits.argmax()].view(1)
+        q_draft = probs_from_logits(logits, self.sampling)  # [Vd]
+        qs.append(q_draft)
+        return ids[draft_draw(q_draft, generator, self.sampling, position, ids)]
+
     def propose(
         self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
     ) -> Proposal:
-        n = len(context) - 1
-        k = min(k, self.cache.capacity - n + 1)  # draft slots n .. n + k - 2
-        feature = self.catch_up(context) if k > 0 else None  # [1, 1, H]
-        if feature is None:
-            return Proposal.empty()
-        drafts: list[Tensor] = []
-        qs = []  # [Vd] each: q of each draft token on the draft vocabulary
-        for i in range(k):
-            raw = self.head.logits(feature[0])[0]  # [Vd]
-            logits = allowed_logits(raw, allowed, [int(t) for t in drafts], self.head.draft_vocab)  # [Vd]
-            if logits is None:  # the grammar allows nothing more
+        return self.propose_rows([DraftRow(self, context, k, generator, allowed)])[0]
+
+    @classmethod
+    @torch.inference_mode()
+    def propose_rows(cls, rows: Sequence[DraftRow]) -> list[Proposal]:
+        """Every row's proposal, the rows' head forwards run together (:meth:`EagleHead.forward_rows`: one
+        for the backlogs, then one per draft position over the rows still drafting): each row's is exactly
+        its own ``propose``'s."""
+        drafters = [cast(EagleDrafter, row.drafter) for row in rows]
+        head = drafters[0].head
+        ks = [  # draft slots n .. n + k - 2
+            min(row.k, d.cache.capacity - len(row.context) + 2) if row.k > 0 and d._ready(row.context) else 0
+            for row, d in zip(rows, drafters, strict=True)
+        ]
+        live = [i for i, k in enumerate(ks) if k > 0]
+        backlogs = [(i, drafters[i]._backlog(rows[i].context)) for i in live]
+        fed = [(i, b) for i, b in backlogs if b is not None]
+        for (i, _), predicted in zip(
+            fed, head.forward_rows([(*b, drafters[i].cache) for i, b in fed]), strict=True
+        ):
+            drafters[i]._fed(rows[i].context, predicted)
+        features = {i: drafters[i]._next[0, 0] for i in live}  # [H] each: f̂ the next draft is read from
+        drafts: dict[int, list[Tensor]] = {i: [] for i in live}  # [1] each: the draft tokens
+        qs: dict[int, list[Tensor]] = {i: [] for i in live}  # [Vd] each: q of each draft token
+        for step in range(max(ks, default=0)):
+            active = [i for i in live if step < ks[i] and len(drafts[i]) == step]  # not stopped by a grammar
+            if not active:
                 break
-            if self.sampling.greedy:
-                token = self.head.draft_vocab[logits.argmax()].view(1)
-            else:
-                q_draft = probs_from_logits(logits, self.sampling)  # [Vd]
-                ids = self.head.draft_vocab  # [Vd]: the target's ids
-                token = ids[draft_draw(q_draft, generator, self.sampling, n + 1 + i, ids)]
-                qs.append(q_draft)
-            drafts.append(token)
-            if i < k - 1:
-                position = torch.tensor([[n + i]], device=feature.device)  # [1, 1]
-                feature = self.head(token.view(1, 1), feature, position, self.cache)  # [1, 1, H]
-        if not drafts:
-            return Proposal.empty()
-        q = self.head.full_q(torch.stack(qs)).cpu() if qs else None  # [K', V]
-        return Proposal(tokens=torch.cat(drafts).cpu(), q=q)
+            raw = head.logits(torch.stack([features[i] for i in active]))  # [A, Vd]
+            going = []
+            for logits_row, i in zip(raw, active, strict=True):
+                row, n = rows[i], len(rows[i].context) - 1
+                path = [int(t) for t in drafts[i]]
+                logits = allowed_logits(logits_row, row.allowed, path, head.draft_vocab)  # [Vd]
+                if logits is None:  # the grammar allows nothing more
+                    continue
+                drafts[i].append(drafters[i]._pick(logits, row.generator, n + 1 + step, qs[i]))
+                if step < ks[i] - 1:
+                    going.append(i)
+            inputs = [
+                (
+                    drafts[i][-1],
+                    features[i][None],
+                    torch.tensor([len(rows[i].context) - 1 + step]),
+                    drafters[i].cache,
+                )
+                for i in going
+            ]
+            for i, predicted in zip(going, head.forward_rows(inputs), strict=True):
+                features[i] = predicted[0]
+        proposals = []
+        for i in range(len(rows)):
+            if not drafts.get(i):
+                proposals.append(Proposal.empty())
+                continue
+            q = head.full_q(torch.stack(qs[i])).cpu() if qs[i] else None  # [K', V]
+            proposals.append(Proposal(tokens=torch.cat(drafts[i]).cpu(), q=q))
+        return proposals
 
     def observe(self, num_accepted: int) -> None:
         self.cache.truncate(self._committed)
