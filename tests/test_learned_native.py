@@ -31,6 +31,7 @@ from verispec.drafting.learned import eagle as eagle_module
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.eagle_drafter import EagleDrafter, EagleTreeDrafter
 from verispec.drafting.learned.head import LearnedHead
+from verispec.drafting.learned.medusa import MedusaDrafter
 from verispec.drafting.tree import TreeShape
 from verispec.kernels.threads import THREADS
 from verispec.models.llama import Llama, run_native_rows
@@ -194,6 +195,40 @@ def test_rows_of_a_batch_draft_together_each_as_alone(target, sampling, monkeypa
         for d in (*together, *alone):
             d.observe_hidden(extra)
         contexts = [[*c, 1] for c in contexts]
+
+
+@pytest.mark.parametrize(
+    "sampling", [GREEDY, SamplingParams(temperature=0.8, seed=5)], ids=["greedy", "seeded"]
+)
+def test_medusa_rows_draft_together_each_as_alone(target, sampling, monkeypatch):
+    """Medusa drafters of one set of native heads propose together (one call of the heads over the rows'
+    states, as many heads as the largest K needs) and each row's proposal is its own, bit for bit; float32
+    heads (oneDNN: a row's sums may follow the call's row count) never propose together."""
+    heads = native_copy(random_medusa(target, torch.arange(0, VOCAB, 2)))
+    calls: list[int] = []
+    forward = type(heads).forward
+    monkeypatch.setattr(
+        type(heads), "forward", lambda self, f, n=None: (calls.append(len(f)), forward(self, f, n))[1]
+    )
+    rng = torch.Generator().manual_seed(8)
+    contexts = [torch.randint(0, VOCAB, (n,), generator=rng).tolist() for n in (9, 5, 14, 1)]  # one: no state
+    ks = [3, 1, 0, 4]
+    drafters = [MedusaDrafter(heads, sampling) for _ in contexts]
+    alone = [MedusaDrafter(heads, sampling) for _ in contexts]
+    for d, other, context in zip(drafters, alone, contexts, strict=True):
+        for each in (d, other):
+            each.begin(context)
+            each.observe_hidden(hidden_states(target, context)[:-1])
+    assert len({d.rows_key for d in drafters}) == 1 and drafters[0].rows_key is not None
+    rows = [DraftRow(d, c, k, sampling.generator()) for d, c, k in zip(drafters, contexts, ks, strict=True)]
+    proposals = MedusaDrafter.propose_rows(rows)
+    assert calls == [2]  # the two rows with a state and a K, in one call
+    for d, c, k, got in zip(alone, contexts, ks, proposals, strict=True):
+        own = d.propose(c, k, sampling.generator())
+        assert torch.equal(got.tokens, own.tokens) and (got.q is None) == (own.q is None)
+        assert got.q is None or torch.equal(got.q, own.q)
+    assert [len(p.tokens) for p in proposals] == [3, 1, 0, 0]
+    assert MedusaDrafter(random_medusa(target, torch.arange(VOCAB)), sampling).rows_key is None
 
 
 def eagle_after_context(head: EagleHead, features: torch.Tensor, rows) -> torch.Tensor:

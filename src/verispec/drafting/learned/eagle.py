@@ -138,7 +138,7 @@ class EagleHead(LearnedHead):
         of the head's own (made once per whole target cache: every sequence drafting in that engine then
         has a row of it, and their drafts run in one forward, :meth:`forward_rows`); else a cache of its
         own."""
-        if self._stack is None or not isinstance(slot, KVCache) or slot.row is None or slot.whole is None:
+        if not self.rows_alone or not isinstance(slot, KVCache) or slot.row is None or slot.whole is None:
             return self.new_cache()
         whole = slot.whole[0]  # [layers, R, ...]: the target's keys
         if self._rows is None or self._rows[0]() is not whole:

@@ -208,6 +208,12 @@ class LearnedHead(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(features, self.head_weight, None, "none", [], "")
         return F.linear(features, self.head_weight)
 
+    @property
+    def rows_alone(self) -> bool:
+        """Whether each row of a call is computed from that row alone, bit for bit (on the native kernels):
+        rows of several sequences may then run in one call."""
+        return self._native_rows is not None
+
     def full_q(self, q_draft: Tensor) -> Tensor:
         """q_draft: [..., Vd], distributions on the draft vocabulary → the same on the target's vocabulary
         [..., V]. On the CPU in NumPy, on the calling thread (torch would split the fill over its threads)."""

@@ -33,14 +33,15 @@ heads' held-out top-r accuracies (:func:`medusa_tree`).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from verispec.drafting.base import Allowed, BranchedTreeDrafter, Proposal, allowed_logits
+from verispec.drafting.base import Allowed, BranchedTreeDrafter, DraftRow, Proposal, allowed_logits
 from verispec.drafting.learned.head import LearnedHead, shape_count
 from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
@@ -128,7 +129,8 @@ def medusa_tree(rank_accuracy: list[list[float]], nodes: int = DEFAULT_NODES) ->
 
 class MedusaDrafter:
     """Drafts with Medusa heads (module docstring): a :class:`~verispec.drafting.base.HiddenStateReader`
-    keeping the last committed position's hidden state."""
+    keeping the last committed position's hidden state; a :class:`~verispec.drafting.base.RowDrafter` on the
+    native kernels (the rows of a batch through the heads in one call)."""
 
     name = "medusa"
 
@@ -148,12 +150,22 @@ class MedusaDrafter:
             self._last = hidden[-1:].float()
             self._num_features += hidden.shape[0]
 
+    @property
+    def rows_key(self) -> object | None:
+        """Drafters of one set of heads on the native kernels (each row computed alone) propose together
+        (:meth:`propose_rows`)."""
+        return id(self.heads) if self.heads.rows_alone else None
+
+    def _ready(self, context: list[int]) -> bool:
+        """Whether the target's state of the last committed position but one is in (the drafter has seen the
+        whole context: a one-token prompt, whose first round has no state to read, must not read the
+        previous request's)."""
+        return self._num_features != 0 and self._num_features == len(context) - 1
+
     def head_logits(self, context: list[int], heads: int) -> Tensor | None:
         """The first ``heads`` heads' logits [heads, Vd] after ``context``, read from f_{n-1}; None when the
-        target's state of that position is not in (the drafter has not seen the whole context, or none of
-        it: a one-token prompt, whose first round has no state to read, must not read the previous
-        request's)."""
-        if heads < 1 or self._num_features == 0 or self._num_features != len(context) - 1:
+        target's state of that position is not in (:meth:`_ready`)."""
+        if heads < 1 or not self._ready(context):
             return None
         return self.heads.logits(self.heads(self._last, heads)[0])
 
@@ -161,21 +173,43 @@ class MedusaDrafter:
     def propose(
         self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
     ) -> Proposal:
-        logits = self.head_logits(context, min(k, self.heads.num_heads))  # [K', Vd]
+        return self.propose_rows([DraftRow(self, context, k, generator, allowed)])[0]
+
+    @classmethod
+    @torch.inference_mode()
+    def propose_rows(cls, rows: Sequence[DraftRow]) -> list[Proposal]:
+        """Every row's proposal, the rows' heads run in one call over their states: each row's exactly its
+        own ``propose``'s."""
+        drafters = [cast(MedusaDrafter, row.drafter) for row in rows]
+        heads = drafters[0].heads
+        counts = [
+            min(row.k, heads.num_heads) if d._ready(row.context) else 0
+            for row, d in zip(rows, drafters, strict=True)
+        ]
+        live = [i for i, count in enumerate(counts) if count > 0]
+        logits: dict[int, Tensor] = {}  # [count, Vd] each
+        if live:
+            states = torch.cat([drafters[i]._last for i in live])  # [L, H]
+            every = heads.logits(heads(states, max(counts[i] for i in live)))  # [L, most, Vd]
+            logits = {i: every[j, : counts[i]] for j, i in enumerate(live)}
+        return [d._draft(logits.get(i), row) for i, (d, row) in enumerate(zip(drafters, rows, strict=True))]
+
+    def _draft(self, logits: Tensor | None, row: DraftRow) -> Proposal:
+        """The proposal from its heads' logits [K', Vd] (None: nothing to draft from)."""
         if logits is None:
             return Proposal.empty()
-        ids, n = self.heads.draft_vocab, len(context)  # the first draft token's position: n
+        ids, n = self.heads.draft_vocab, len(row.context)  # the first draft token's position: n
         drafts: list[int] = []
         qs = []  # [Vd] each: each head's own distribution, masked after the drafts before it
         for j, raw in enumerate(logits):
-            row = allowed_logits(raw, allowed, drafts, ids)  # [Vd]
-            if row is None:  # the grammar allows nothing more
+            masked = allowed_logits(raw, row.allowed, drafts, ids)  # [Vd]
+            if masked is None:  # the grammar allows nothing more
                 break
             if self.sampling.greedy:
-                drafts.append(int(ids[row.argmax()]))
+                drafts.append(int(ids[masked.argmax()]))
                 continue
-            q_draft = probs_from_logits(row, self.sampling)  # [Vd]
-            drafts.append(int(ids[draft_draw(q_draft, generator, self.sampling, n + j, ids)]))
+            q_draft = probs_from_logits(masked, self.sampling)  # [Vd]
+            drafts.append(int(ids[draft_draw(q_draft, row.generator, self.sampling, n + j, ids)]))
             qs.append(q_draft)
         q = self.heads.full_q(torch.stack(qs)).cpu() if qs else None  # [K', V]
         return Proposal(tokens=torch.tensor(drafts, dtype=torch.long), q=q)
