@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from verispec.analysis.analytic import BatchCost, CostModel
+from verispec.analysis.analytic import BatchCost, CostModel, tokens_by_k
 from verispec.api import k_policy
 from verispec.options import parse_k
 from verispec.policies import CONTEXT_STEP, AdditiveK, AutoKConfig, ConstantK, CostModelK, plan_batch
@@ -87,10 +87,28 @@ def test_a_drafters_catch_up_is_paid_by_the_round_that_drafts():
     assert spent <= 0.05 * (100 - len(lagging))  # the probes' expected loss, catch-up included, in budget
     assert probes(0.05, rounds=1000) == []  # u at the budget: probing could never pay for itself
 
-    policy = CostModelK(CostModel(0.05, MEASURED, catch_up=0.01), AutoKConfig(prior=(0.8, 0.2)))
+    policy = CostModelK(CostModel(0.05, MEASURED, catch_up=0.1), AutoKConfig(prior=(0.8, 0.2)))
     assert policy.backlog(1000) == 1000 and policy.next_k(1000) == 0  # a long prompt to read first: not yet
     policy.drafts_at(1000)  # a round drafted there
     assert policy.backlog(1000) == 0 and policy.backlog(1003) == 3 and policy.next_k(1001) > 0
+
+
+def test_a_catch_up_that_the_next_rounds_repay_is_paid_at_once():
+    """Where drafting pays once caught up, a backlog that the gain of the next `amortize` rounds covers is
+    read at once: waiting would only lengthen it (the trap a round-by-round price falls into: the shipped
+    EAGLE head spent up to 16 plain rounds at the start of each math request here, its prompt's catch-up
+    priced against one round). One the gain does not cover still waits, as before."""
+    for amortize, drafts in ((16, True), (1, False)):
+        policy = CostModelK(
+            CostModel(0.05, MEASURED, catch_up=0.01), AutoKConfig(prior=(0.8, 0.2), amortize=amortize)
+        )
+        tokens, costs = tokens_by_k(policy.alphas), policy.cost.round_costs(policy.k_max)  # [k_max + 1]
+        steady = int(np.argmax(tokens / costs))
+        gain = float(tokens[steady] - costs[steady])  # what a round at the best K saves, caught up
+        assert steady > 0 and 1 * gain < 0.01 * 300 <= 16 * gain  # a 300-token prompt: 3 steps to read
+        assert (policy.next_k(300) > 0) == drafts, amortize
+    with pytest.raises(ValueError, match="amortize must be an integer >= 1"):
+        AutoKConfig(amortize=0)
 
 
 def test_follows_a_changing_acceptance_rate():

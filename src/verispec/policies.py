@@ -93,6 +93,9 @@ class AutoKConfig:
     explore: with costs measured online, the most plain rounds between probes until the drafter's cost has
     been seen (≥ 1): a calibration that prices drafting far too dear is found out within a few probes, not
     after a budget that its own wrong price sets.
+    amortize: the rounds over which a drafter's catch-up is weighed (≥ 1): where drafting pays once caught
+    up, the backlog is read as soon as what the next ``amortize`` rounds gain covers it (waiting only makes
+    it longer); a batch's plan spreads a row's catch-up over that many rounds.
     """
 
     prior: tuple[float, float] = (0.5, 0.5)
@@ -100,6 +103,7 @@ class AutoKConfig:
     probe_budget: float = 0.02
     k_max: int | None = None
     explore: int = 16
+    amortize: int = 16
 
     def __post_init__(self) -> None:
         if len(self.prior) != 2 or not all(
@@ -112,8 +116,9 @@ class AutoKConfig:
                 raise UsageError(f"{name} must be a number in (0, 1], got {value!r}")
         if self.k_max is not None and not (is_int(self.k_max) and self.k_max >= 0):
             raise UsageError(f"k_max must be an integer >= 0 or None, got {self.k_max!r}")
-        if not (is_int(self.explore) and self.explore >= 1):
-            raise UsageError(f"explore must be an integer >= 1, got {self.explore!r}")
+        for name in ("explore", "amortize"):
+            if not (is_int(getattr(self, name)) and getattr(self, name) >= 1):
+                raise UsageError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
 
 
 class CostModelK(KPolicy):
@@ -214,6 +219,10 @@ class CostModelK(KPolicy):
         round that drafts paying ``catch_up`` (g·u, in plain steps) besides its round cost."""
         if self._tokens is None:
             self._tokens = tokens_by_k(self.alphas)  # [k_max + 1]
+        steady = int(np.argmax(self._tokens / self._round_costs))  # the best K once caught up
+        gain = self._tokens[steady] - self._round_costs[steady]  # plain steps a round at it saves
+        if steady > 0 and self.config.amortize * gain >= catch_up:
+            return steady, steady, 0  # the backlog pays for itself within `amortize` rounds: read it now
         costs = self._round_costs + catch_up  # [k_max + 1]
         costs[0] = self._round_costs[0]
         speedups = self._tokens / costs  # [k_max + 1]
@@ -354,7 +363,8 @@ def plan_batch(policies: Sequence[CostModelK], contexts: Sequence[int], caps: Se
     alphas = [p.alphas.tolist() for p in policies]  # [b][k_max]
     limits = [min(cap, first.k_max, len(a)) for cap, a in zip(caps, alphas, strict=True)]  # [b] most K_i
     spends = [cost.cost_ratio for cost in costs]  # [b] c_i: a draft token's cost
-    firsts = [c + cost.catch_up * p.backlog(at)  # [b] c_i + g_i·u_i: a row's first draft token's
+    # [b] a row's first draft token's: c_i + g_i·u_i, its catch-up spread over `amortize` rounds
+    firsts = [c + cost.catch_up * p.backlog(at) / p.config.amortize
               for c, cost, p, at in zip(spends, costs, policies, contexts, strict=True)]  # fmt: skip
     ks = [0] * b
     reach = [1.0] * b  # Π α̂ of each row's drafted positions: its next token's worth
