@@ -294,15 +294,24 @@ def test_greedy_equals_plain_greedy_on_the_native_target(target, greedy, kind, t
     assert 0 < accepted < drafted
 
 
+@pytest.mark.parametrize("broken", [False, True], ids=["together", "call-raises"])
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.8)], ids=["greedy", "seeded"])
-def test_a_continuous_batch_drafts_its_rows_together(target, greedy, sampling, tmp_path, monkeypatch):
+def test_a_continuous_batch_drafts_its_rows_together(target, greedy, sampling, broken, tmp_path, monkeypatch):
     """Through the engine: a continuous batch of eagle requests proposes its rows together (one call for
     several rows), and each output is the one the request gets alone (greedy: the target's own; sampled
-    with a seed: the same tokens)."""
+    with a seed: the same tokens); when a call for several rows raises (here after drafting them all), each
+    row's drafter is rolled back and asked alone: the outputs are the same."""
     path = random_head(target, "eagle").save(tmp_path / "eagle.safetensors")
     spec = Speculator((target, LetterTokenizer(VOCAB)), drafter="eagle", drafter_path=str(path))
     sizes: list[int] = []
-    together = EagleDrafter.propose_rows.__func__  # type: ignore[attr-defined]
+    original = EagleDrafter.propose_rows.__func__  # type: ignore[attr-defined]
+
+    def together(cls, rows):
+        proposals = original(cls, rows)
+        if broken and len(rows) > 1:
+            raise RuntimeError("a fault after drafting")
+        return proposals
+
     monkeypatch.setattr(
         EagleDrafter,
         "propose_rows",

@@ -30,6 +30,7 @@ the target's context limit. A sequence leaves the batch when it stops, freeing i
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -415,7 +416,10 @@ class SpeculativeEngine:
                 ]
                 proposals = cast(type[RowDrafter], kind).propose_rows(asked) if len(members) > 1 else None
             except Exception:
-                proposals = None  # made again one by one below
+                proposals = None  # made again one by one below, each drafter first told none was kept
+                for running, _ in members:
+                    with contextlib.suppress(Exception):  # its own proposal below fails it if need be
+                        cast(Drafter, running.drafter).observe(0)
             seconds = (time.perf_counter() - t0) / len(members)
             for index, (running, chain) in enumerate(members):
                 try:
