@@ -13,7 +13,7 @@ from verispec.analysis.recovery import simulate_recovery
 from verispec.drafting.ngram import NGramDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.models.registry import load_model
-from verispec.online_costs import ForwardTiming, OnlineConfig, OnlineCosts, RoundTiming, _factor, _factors
+from verispec.online_costs import ForwardTiming, OnlineConfig, OnlineCosts, RoundTiming
 from verispec.options import SamplingParams
 from verispec.policies import AutoKConfig, ConstantK, CostModelK, KPolicy
 from verispec.sequence import EngineConfig, GenerationStats, Request
@@ -124,16 +124,6 @@ def test_a_size_timed_only_while_the_machine_warmed_up_expires():
     assert online.correct(prior).verify(3) == pytest.approx(1.4)
     with pytest.raises(ValueError, match="horizon must be an integer >= 1"):
         OnlineConfig(horizon=0)
-
-
-def test_the_curve_corrected_at_once_is_each_sizes_own_correction():
-    """`correct`'s slowdowns of every size at once (the per-round path) == each size's on its own."""
-    rng = np.random.default_rng(0)
-    for _ in range(300):
-        sizes = sorted(rng.choice(np.arange(1, 20), size=int(rng.integers(0, 7)), replace=False).tolist())
-        seen = [(int(s), float(rng.uniform(0.2, 3.0))) for s in sizes]
-        one = float(rng.uniform(0.5, 2.0))
-        assert _factors(seen, 17, one).tolist() == [_factor(seen, m, one) for m in range(1, 18)], seen
 
 
 def test_a_move_is_published_by_what_it_costs_a_round():

@@ -43,8 +43,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
 from verispec.analysis.analytic import BatchCost, CostModel
 from verispec.errors import UsageError
 from verispec.inputs import is_int
@@ -249,7 +247,7 @@ class OnlineCosts:
         whole = 1 + o  # a plain round: its forward and the rest
         v, sizes = cost.verify_cost, _seen(estimates, "forward")
         curve = (
-            tuple(((np.asarray(v) * _factors(sizes, len(v), one) + o) / whole).tolist())
+            tuple((x * _factor(sizes, m, one) + o) / whole for m, x in enumerate(v, 1))
             if isinstance(v, tuple)
             else lambda k: (cost.verify(k) * _factor(sizes, k, one) + o) / whole
         )
@@ -270,9 +268,10 @@ class OnlineCosts:
         if one is None:
             return batch
         rows, sizes, o = _seen(estimates, "rows"), _seen(estimates, "forward"), self.overhead
+        whole = 1 + o  # a plain round: its forward and the rest
         grid = tuple(
             tuple(
-                (cost * (_factor(rows, b, one) if b > 1 and rows else _factor(sizes, m, one)) + o) / (1 + o)
+                (cost * (_factor(rows, b, one) if b > 1 and rows[0] else _factor(sizes, m, one)) + o) / whole
                 for m, cost in zip(batch.tokens, line, strict=True)
             )
             for b, line in zip(batch.rows, batch.cost, strict=True)
@@ -296,29 +295,20 @@ def _fallback(estimates: Estimates, key: tuple[str, int]) -> float | None:
     return _step(estimates) if nearest is None else nearest
 
 
-def _factor(seen: list[tuple[int, float]], size: int, one: float) -> float:
+def _factor(seen: Seen, size: int, one: float) -> float:
     """The slowdown at ``size`` of a kind of work whose sizes ``seen`` are (:func:`_seen`), over ρ(1); 1
     where none was seen."""
     slowdown = _nearest_in(seen, size)
     return 1.0 if slowdown is None else slowdown / one
 
 
-def _factors(seen: list[tuple[int, float]], count: int, one: float) -> np.ndarray:
-    """[count]: :func:`_factor` at every size 1..count at once (the per-round path of :meth:`correct`)."""
-    if not seen:
-        return np.ones(count)
-    sizes = np.array([s for s, _ in seen] + [0])  # [S + 1]: ascending, then a size never asked for
-    values = np.array([x for _, x in seen] + [np.inf])  # [S + 1]: beyond every size, none
-    wanted = np.arange(1, count + 1)  # [count]
-    at = np.searchsorted(sizes[:-1], wanted)  # [count]: the first size seen >= each (S: none)
-    below = np.where(at > 0, values[np.maximum(at - 1, 0)], np.inf)  # [count]: the size seen before it
-    slowdown = np.where(sizes[at] == wanted, values[at], np.minimum(below, values[at]))  # [count]
-    return slowdown / one
+Seen = tuple[list[int], list[float]]  # a kind's sizes seen, ascending, and their estimates
 
 
-def _seen(estimates: Estimates, kind: str) -> list[tuple[int, float]]:
-    """The (size, estimate) pairs of ``kind``, by size."""
-    return sorted((s, value) for (k, s), value in estimates.items() if k == kind)
+def _seen(estimates: Estimates, kind: str) -> Seen:
+    """The sizes of ``kind`` estimated, ascending, and their estimates (one sort, read per size after)."""
+    pairs = sorted((s, value) for (k, s), value in estimates.items() if k == kind)
+    return [s for s, _ in pairs], [value for _, value in pairs]
 
 
 def _nearest(estimates: Estimates, kind: str, size: int) -> float | None:
@@ -327,12 +317,12 @@ def _nearest(estimates: Estimates, kind: str, size: int) -> float | None:
     return _nearest_in(_seen(estimates, kind), size)
 
 
-def _nearest_in(seen: list[tuple[int, float]], size: int) -> float | None:
+def _nearest_in(seen: Seen, size: int) -> float | None:
     """:func:`_nearest` among ``seen`` (:func:`_seen`)."""
-    if not seen:
+    sizes, values = seen
+    if not sizes:
         return None
-    sizes = [s for s, _ in seen]
     i = bisect.bisect_left(sizes, size)
     if i < len(sizes) and sizes[i] == size:
-        return seen[i][1]
-    return min(seen[j][1] for j in (i - 1, i) if 0 <= j < len(seen))
+        return values[i]
+    return min(values[j] for j in (i - 1, i) if 0 <= j < len(sizes))
