@@ -398,13 +398,12 @@ class SpeculativeEngine:
         together: dict[tuple[type, object], list[tuple[Running, _Chain]]] = {}
         for running, k in zip(decoding, ks, strict=True):
             try:
-                key = None if running.tree else getattr(running.drafter, "rows_key", None)
-                if key is None or not isinstance(running.drafter, RowDrafter):
+                drafter = running.drafter
+                key = drafter.rows_key if isinstance(drafter, RowDrafter) and not running.tree else None
+                if key is None:
                     rounds.append(self._propose(running, k))
                 else:
-                    together.setdefault((type(running.drafter), key), []).append(
-                        (running, self._chain(running, k))
-                    )
+                    together.setdefault((type(drafter), key), []).append((running, self._chain(running, k)))
             except Exception as err:
                 out.append((running, self._fail(running, err)))
         for (kind, _), members in together.items():

@@ -894,6 +894,15 @@ def run_native(
     return rmsnorm(h, *norm).view(b, t, -1)  # [B, T, H]
 
 
+def rows_of_one_cache(caches: Sequence[object]) -> bool:
+    """Whether ``caches`` are rows of one whole cache (:meth:`KVCache.rows`), each its own: what
+    :func:`run_native_rows` takes."""
+    if not all(isinstance(c, KVCache) and c.whole is not None for c in caches):
+        return False
+    wholes = {id(c.whole[0]) for c in caches if isinstance(c, KVCache) and c.whole is not None}
+    return len(wholes) == 1 and len({id(c) for c in caches}) == len(caches)
+
+
 def run_native_rows(
     stack: NativeStack,
     h: Tensor,
@@ -906,10 +915,10 @@ def run_native_rows(
 ) -> Tensor:
     """``num_layers`` layers of ``stack`` over the new tokens of several sequences at once, h [N, H] float32
     contiguous (N = Σ counts; RoPE tables ``rope`` at each token; overwritten), then the RMSNorm ``norm``:
-    [N, H]. Sequence i's
-    ``counts[i]`` tokens go to the next slots of ``caches[i]``, a row of one whole tiled cache (each its
-    own), and attend to its committed slots and, causally or where ``mask`` [N, widest] says, to its own new
-    ones. A row's outputs are bit-identical to running it alone."""
+    [N, H]. Sequence i's ``counts[i]`` tokens go to the next slots of ``caches[i]``, a row of one whole tiled
+    cache (each its own, :func:`rows_of_one_cache`), and attend to its committed slots and, causally or where
+    ``mask`` [N, widest] says, to its own new ones. A row's outputs are bit-identical to running it alone
+    (:func:`run_native` differs only in taking B rows of T tokens each after one shared start)."""
     seq: list[int] = []
     slot: list[int] = []
     base: list[int] = []
@@ -1371,11 +1380,7 @@ class Llama(nn.Module):
 
     def scores_together(self, rows: Sequence[RowInput]) -> bool:
         """On the native kernels, rows of one cache, each its own, are scored in one forward."""
-        caches = [row.cache for row in rows]
-        if self._native is None or not all(isinstance(c, KVCache) and c.whole is not None for c in caches):
-            return False
-        wholes = {id(c.whole[0]) for c in caches if isinstance(c, KVCache) and c.whole is not None}
-        return len(wholes) == 1 and len({id(c) for c in caches}) == len(caches)
+        return self._native is not None and rows_of_one_cache([row.cache for row in rows])
 
     def forward_rows(self, rows: Sequence[RowInput]) -> list[tuple[Tensor | None, Tensor | None]]:
         """Every row in ONE native forward (rows that :meth:`scores_together` accepts; else one by one):

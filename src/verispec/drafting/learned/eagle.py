@@ -44,6 +44,7 @@ from verispec.models.llama import (
     _RMSNorm,
     native_stack,
     rope_tables,
+    rows_of_one_cache,
     run_layers,
     run_native,
     run_native_rows,
@@ -151,8 +152,7 @@ class EagleHead(LearnedHead):
         are rows of one of :meth:`cache_row`'s (each its own), else one forward each. A row's output is
         bit-identical to its forward alone (the kernels compute every row on its own)."""
         caches = [cache for *_, cache in rows]
-        wholes = {id(c.whole[0]) for c in caches if c.whole is not None}
-        if len(rows) == 1 or self._stack is None or len(wholes) != 1 or None in (c.row for c in caches):
+        if len(rows) == 1 or self._stack is None or not rows_of_one_cache(caches):
             return [self(t[None], f[None], p[None], cache)[0] for t, f, p, cache in rows]
         tokens = torch.cat([t for t, *_ in rows])  # [N]
         features = torch.cat([f for _, f, *_ in rows])  # [N, H]

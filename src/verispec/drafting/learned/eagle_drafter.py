@@ -142,9 +142,10 @@ class EagleDrafter:
         its own ``propose``'s."""
         drafters = [cast(EagleDrafter, row.drafter) for row in rows]
         head = drafters[0].head
+        ns = [len(row.context) - 1 for row in rows]  # each row's last committed position
         ks = [  # draft slots n .. n + k - 2
-            min(row.k, d.cache.capacity - len(row.context) + 2) if row.k > 0 and d._ready(row.context) else 0
-            for row, d in zip(rows, drafters, strict=True)
+            min(row.k, d.cache.capacity - n + 1) if row.k > 0 and d._ready(row.context) else 0
+            for row, d, n in zip(rows, drafters, ns, strict=True)
         ]
         live = [i for i, k in enumerate(ks) if k > 0]
         backlogs = [(i, drafters[i]._backlog(rows[i].context)) for i in live]
@@ -163,21 +164,18 @@ class EagleDrafter:
             raw = head.logits(torch.stack([features[i] for i in active]))  # [A, Vd]
             going = []
             for logits_row, i in zip(raw, active, strict=True):
-                row, n = rows[i], len(rows[i].context) - 1
-                path = [int(t) for t in drafts[i]]
-                logits = allowed_logits(logits_row, row.allowed, path, head.draft_vocab)  # [Vd]
-                if logits is None:  # the grammar allows nothing more
-                    continue
-                drafts[i].append(drafters[i]._pick(logits, row.generator, n + 1 + step, qs[i]))
+                row = rows[i]
+                logits = logits_row  # [Vd]
+                if row.allowed is not None:  # masked after the drafts so far (None: it allows nothing more)
+                    path = [int(t) for t in drafts[i]]
+                    logits = allowed_logits(logits_row, row.allowed, path, head.draft_vocab)
+                    if logits is None:
+                        continue
+                drafts[i].append(drafters[i]._pick(logits, row.generator, ns[i] + 1 + step, qs[i]))
                 if step < ks[i] - 1:
                     going.append(i)
             inputs = [
-                (
-                    drafts[i][-1],
-                    features[i][None],
-                    torch.tensor([len(rows[i].context) - 1 + step]),
-                    drafters[i].cache,
-                )
+                (drafts[i][-1], features[i][None], torch.tensor([ns[i] + step]), drafters[i].cache)
                 for i in going
             ]
             for i, predicted in zip(going, head.forward_rows(inputs), strict=True):
