@@ -14,6 +14,7 @@ import json
 import re
 import threading
 
+import numpy as np
 import pytest
 import torch
 from scipy import stats as scipy_stats
@@ -389,6 +390,22 @@ def test_bad_requests_are_refused_one_by_one():
     engine.submit(request)
     with pytest.raises(ValueError, match="all 1 slots are taken"):
         engine.submit(request)
+
+
+def test_token_id_prompts_are_taken_as_they_are():
+    """A prompt of token ids is the same request as the text they encode; ids outside the vocabulary, an
+    empty list and ids with chat=True are refused one by one (the others run)."""
+    target = TableLM(8, seed=1, max_context=12)
+    spec = Speculator((target, LetterTokenizer(8)), drafter="ngram")
+    options = dict(k=2, max_new_tokens=4, sampling=GREEDY)
+    ids = spec.encode_prompt("abc")
+    assert spec.encode_prompt(ids) == ids and spec.encode_prompt(tuple(np.array(ids))) == ids
+    results = spec.generate_batch([ids, [], [0, 8], ["a", 1], "abc"], slots=2, **options)
+    assert [bool(r.error) for r in results] == [False, True, True, True, False]
+    assert results[0].token_ids == results[4].token_ids == spec.generate("abc", **options).token_ids
+    assert "[0, 8)" in results[2].error and "conversation" in results[1].error
+    with pytest.raises(ValueError, match="no chat template"):
+        spec.generate(ids, chat=True, **options)
 
 
 def test_a_request_that_fails_in_a_step_fails_alone(monkeypatch):

@@ -37,6 +37,7 @@ from verispec.drafting.learned.eagle_drafter import DEFAULT_TREE, EagleDrafter, 
 from verispec.drafting.learned.head import native_target, target_fingerprint
 from verispec.drafting.learned.train import (
     Batch,
+    EagleRecipe,
     TrainConfig,
     TrainingData,
     batch_loss,
@@ -397,6 +398,11 @@ def test_init_starts_from_a_trained_drafter(target, dataset, trained, tmp_path):
     a, b = load_file(str(trained)), load_file(str(tuned))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert EagleHead.load(tuned, target).metadata["training"]["init"] == str(trained)
+    start, end = [json.loads(x) for x in (tmp_path / "tuned" / "log.jsonl").read_text().splitlines()]
+    assert (start["step"], start["loss"], end["step"]) == (0, None, 1)  # the drafter's own accuracy first
+    tiny = dataclasses.replace(TINY_TRAINING, draft_vocab=head.draft_vocab_size)
+    heldout = TrainingData.from_split(load_split(dataset, "heldout"), draft_index(head.draft_vocab, VOCAB))
+    assert start["heldout_top1"] == EagleRecipe().evaluate(head, heldout, tiny)[0]
     fresh = train_drafter(
         target, dataset, tmp_path / "fresh", dataclasses.replace(config, init=""), progress=False
     )
@@ -428,6 +434,19 @@ def test_bad_training_input(target, dataset, tmp_path):
     for bad in ({"steps": 0}, {"lr": 0.0}, {"window": 64, "batch_tokens": 32}, {"noise": -1.0}):
         with pytest.raises(ValueError):
             TrainConfig(**bad)
+
+
+def test_a_native_target_trains_on_data_it_answered(tmp_path):
+    """The target as generate runs it on the native kernels (fp16 here) trains a drafter on a data set it
+    answered; lookahead tokens, trained through the float32 layers, refuse a native target in one line."""
+    native = tiny_target()
+    assert native.optimize_for_cpu(precision="fp16") and native.on_native_kernels
+    answered = make_dataset(native, tmp_path / "data", random_prompts(8, VOCAB, 1), answer=20)
+    config = dataclasses.replace(TINY_TRAINING, steps=4, eval_every=4, checkpoint_every=4)
+    path = train_drafter(native, answered, tmp_path / "run", config, progress=False)
+    assert EagleHead.load(path, native).training_record["steps_done"] == 4
+    lookahead = dataclasses.replace(config, kind="lookahead", lookahead=2, batch_tokens=32)
+    one_line_error(lambda: train_drafter(native, answered, tmp_path / "look", lookahead), "float32 layers")
 
 
 # ---------------------------------------------------------------------------------------------- drafting

@@ -27,15 +27,25 @@ from verispec.drafting.learned.data import (
     merge_datasets,
 )
 from verispec.drafting.learned.prompts import FOLLOW_UPS, chat_prompts
+from verispec.kernels.cpu import native_available
 from verispec.models.registry import load_model
 
 VOCAB = 4 + 256  # save_tokenizer's vocabulary: four special tokens, then the 256 byte symbols
 EOS = {1, 3}  # </s> and <|end|> (its generation_config.json)
-CONFIG = DataConfig(
-    num_prompts=6, max_new_tokens=8, batch_size=3, heldout_fraction=0.25, seed=0, progress=False
+CONFIG = DataConfig(  # answered in float32, as the `native` fixture computes
+    num_prompts=6,
+    max_new_tokens=8,
+    batch_size=3,
+    heldout_fraction=0.25,
+    seed=0,
+    progress=False,
+    precision="fp32",
 )
 HELDOUT = 2  # max(1, round(0.25 * 6))
 REAL_STDLIB_PASSAGES = prompts_module._stdlib_passages
+needs_native = pytest.mark.skipif(
+    native_available() is not None, reason=f"no native kernels: {native_available()}"
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -88,6 +98,7 @@ def test_a_longer_prompt_set_begins_with_a_shorter_one(seed):
         *[("seed", v) for v in (-1, True, 0.5, "0")],
         *[("turns", v) for v in (0, -1, True, 1.0)],
         *[("questions", v) for v in ("", "users", None, "Target")],
+        *[("precision", v) for v in ("", "fp64", None, "Q8_0")],
     ],
 )
 def test_data_config_rejects_bad_values(field, value):
@@ -120,7 +131,7 @@ def test_data_config_rejects_bad_combinations(fields, message):
 # --- data sets of a tiny random Llama -----------------------------------------------------------------------
 
 
-def save_target(directory: Path, end_boost: float) -> Path:
+def save_target(directory: Path, end_boost: float, context: int = 512) -> Path:
     """A transformers-format directory: a random Llama whose vocabulary covers the tokenizer's ids, its
     ``<|end|>`` (an EOS) logit scaled by ``end_boost``, and a byte-level tokenizer with a chat template (EOS
     ids 1 and 3)."""
@@ -132,7 +143,7 @@ def save_target(directory: Path, end_boost: float) -> Path:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=context,
         initializer_range=0.3,
         bos_token_id=0,
         eos_token_id=1,
@@ -242,7 +253,7 @@ def test_build_dataset_writes_the_splits_and_their_counts(built, target, name):
 @pytest.mark.parametrize(("name", "first"), [("a", 0), ("b", 6)])
 def test_build_dataset_stores_the_targets_answers_and_hidden_states(built, native, name, first):
     """Prompts first..first+5 answered once each; every hidden state (greedy and sampled prompts, answered in
-    left-padded batches of 3 prompts of different lengths) is the target's; even prompts are greedy."""
+    continuous batches of 3 rows, prompts of different lengths) is the target's; even prompts are greedy."""
     directory, _ = built[name]
     found = answered(native, directory, first, CONFIG.num_prompts)
     data = {split: sequences(directory, split) for split in found}
@@ -262,6 +273,50 @@ def test_build_dataset_stores_the_targets_answers_and_hidden_states(built, nativ
     assert min(answer_lengths) < CONFIG.max_new_tokens - 1 == max(answer_lengths)  # some stopped at an EOS
 
 
+@needs_native
+def test_a_data_set_answered_on_the_native_kernels_holds_their_hidden_states(target, built, tmp_path):
+    """precision q8_0: the target as generate runs it in that format answers (the weights its drafters will
+    read): every stored hidden state and greedy answer is that model's, not the float32 one's (whose hidden
+    states differ by more than float16 rounding); a data set answered in float32 does not merge with it."""
+    config = dataclasses.replace(CONFIG, precision="q8_0")
+    meta = build_dataset(str(target), tmp_path / "q", config)
+    assert meta["generation"]["precision"] == "q8_0"
+    quantized = load_model(str(target), precision="q8_0")
+    assert quantized[0].on_native_kernels
+    found = answered(quantized, tmp_path / "q", 0, CONFIG.num_prompts)
+    plain, _ = load_model(str(target), precision="fp32")
+    farthest = 0.0
+    for split, seqs in found.items():
+        for (i, tokens, n), (_, _, hidden) in zip(seqs, sequences(tmp_path / "q", split), strict=True):
+            assert check_against_target(quantized, tokens, n, hidden) or i % 2 == 1  # even prompts greedy
+            with torch.inference_mode():
+                ids, positions = torch.tensor([tokens]), torch.arange(len(tokens))[None]
+                theirs = plain.forward_hidden(ids, positions, plain.new_cache(1, len(tokens)))[0]
+            farthest = max(farthest, float((hidden.float() - theirs).abs().max()))
+    assert farthest > 1e-2
+    with pytest.raises(ValueError, match="different targets") as err:
+        merge_datasets([built["a"][0], tmp_path / "q"], tmp_path / "merged")
+    assert "fp32" in str(err.value) and "q8_0" in str(err.value) and not (tmp_path / "merged").exists()
+
+
+def test_a_prompt_that_fills_the_context_is_left_out_and_said(native, capsys, tmp_path):
+    """A prompt as long as the target's context cannot be answered: it is left out (None, a line on
+    stderr), the others answered as alone; a split left without a sequence is refused in one line, nothing
+    written."""
+    from verispec.api import Speculator
+
+    speculator = Speculator(native, drafter="none")
+    short, long = [0, 5, 6, 7], [0] + [9] * native[0].max_context
+    out = data_module._generate_all(speculator, [short, long, short], [False] * 3, 4, 0, CONFIG, "answers")
+    assert out[1] is None and out[0] is not None and out[0][0] == out[2][0]
+    assert out[0][0][:4] == short and len(out[0][0]) == 4 + 4 - 1
+    err = capsys.readouterr().err
+    assert "answers: 1 of 3 prompts left out" in err and err.count("\n") == 1
+    with pytest.raises(ValueError, match="no sequence for the heldout split") as refused:
+        data_module._finish(tmp_path / "out", {"train": [out[0]], "heldout": []}, {}, 0.0)
+    assert "\n" not in str(refused.value) and not (tmp_path / "out").exists()
+
+
 def test_merge_datasets_keeps_every_sequence(built, tmp_path):
     (a, meta_a), (b, meta_b) = built["a"], built["b"]
     meta = merge_datasets([a, str(b)], tmp_path / "merged")
@@ -278,7 +333,8 @@ def test_merge_datasets_keeps_every_sequence(built, tmp_path):
     assert [meta[k] for k in ("target", "hidden_size", "vocab_size")] == [
         meta_a[k] for k in ("target", "hidden_size", "vocab_size")
     ]
-    assert meta["generation"] == {"merged": [meta_a["generation"], meta_b["generation"]]}
+    merged = [meta_a["generation"], meta_b["generation"]]
+    assert meta["generation"] == {"merged": merged, "precision": "fp32"}
 
 
 def test_merge_datasets_bad_input(built, tmp_path, monkeypatch):
@@ -350,14 +406,15 @@ def test_add_follow_ups_continues_the_first_conversations_of_each_split(built, n
 
 # --- conversations the target writes itself -----------------------------------------------------------------
 
-SELF_CONFIG = dataclasses.replace(CONFIG, num_prompts=8, questions="target", turns=2)
+# seed 1: of the 14 user turns asked, 9 usable and 5 not (empty, or past the limit), in both splits
+SELF_CONFIG = dataclasses.replace(CONFIG, num_prompts=8, questions="target", turns=2, seed=1)
 
 
 @pytest.fixture(scope="module")
 def chatty(tmp_path_factory) -> tuple[Path, tuple]:
-    """A target that writes user turns of every kind (seed 0, 16 draws: some empty, some past the 95-token
-    limit, most between): <|end|> only ×1.5 (the test target ends a user turn at once). (directory, (native
-    Llama, tokenizer))."""
+    """A target that writes user turns of every kind (some empty, some past the 95-token limit, most between:
+    SELF_CONFIG): <|end|> only ×1.5 (the test target ends a user turn at once). (directory, (native Llama,
+    tokenizer))."""
     directory = save_target(tmp_path_factory.mktemp("chatty"), 1.5)
     return directory, load_model(str(directory))
 

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar, Unpack
+from typing import Any, ParamSpec, TypeVar, Unpack, cast
 
 from verispec.analysis.analytic import BatchCost, CostModel
 from verispec.calibrate import QUICK_REPETITIONS, Calibration, calibrate
@@ -52,6 +52,8 @@ from verispec.trace import TraceRecorder
 
 P = ParamSpec("P")
 R = TypeVar("R")
+# a prompt: text, a conversation ({"role", "content"} messages, with chat), or token ids taken as they are
+Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]
 
 __all__ = [
     "GenerationResult",
@@ -266,24 +268,38 @@ class Speculator:
         """How stats name the draft size: K (see :func:`~verispec.options.parse_k`), or the tree's shape."""
         return str(parse_k(k)) if self.tree is None else f"tree {self.tree.name}"
 
-    def encode_prompt(self, prompt: str | Sequence[Mapping[str, str]], chat: bool = False) -> list[int]:
-        """The prompt's token ids: ``prompt`` as it is, or (``chat``) in the model's chat template, where it
-        may also be a conversation: {"role", "content"} messages ending with a user turn."""
+    def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """The prompt's token ids: ``prompt`` as it is (text, or token ids of the target's vocabulary), or
+        (``chat``) in the model's chat template, where it may also be a conversation: {"role", "content"}
+        messages ending with a user turn."""
+        if not isinstance(prompt, str) and prompt and all(is_int(t, integral=True) for t in prompt):
+            if chat:
+                raise UsageError("token ids are a prompt as it is: they take no chat template (chat=False)")
+            ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+            if not all(0 <= t < self.model.vocab_size for t in ids):
+                raise UsageError(f"a prompt's token ids must lie in [0, {self.model.vocab_size})")
+            return ids
         if isinstance(prompt, str):
             if not check_text(prompt, "the prompt").strip():
                 raise UsageError("the prompt is empty")
             text = self.tokenizer.chat_prompt(prompt) if chat else prompt
         elif chat and prompt:
+            prompt = cast(Sequence[Mapping[str, str]], prompt)  # not token ids: checked above
             for i, message in enumerate(prompt):
+                if not isinstance(message, Mapping):
+                    raise UsageError(f"message {i} must be a {{'role', 'content'}} mapping")
                 check_text(message.get("content", ""), f"message {i}'s content")
             text = self.tokenizer.chat_prompt(prompt)
         else:
-            raise UsageError("a conversation (a list of messages) needs chat=True and at least one message")
+            raise UsageError(
+                "a conversation (a list of messages) needs chat=True and at least one message; "
+                "token ids at least one id"
+            )
         return self.tokenizer.encode(text, add_bos=True)
 
     def request(
         self,
-        prompt: str | Sequence[Mapping[str, str]],
+        prompt: Prompt,
         options: GenerationOptions,
         *,
         stats: GenerationStats | None = None,
@@ -324,7 +340,7 @@ class Speculator:
 
     def stream(
         self,
-        prompt: str | Sequence[Mapping[str, str]],
+        prompt: Prompt,
         options: GenerationOptions | None = None,
         *,
         stats: GenerationStats | None = None,
@@ -370,7 +386,7 @@ class Speculator:
 
     def generate(
         self,
-        prompt: str | Sequence[Mapping[str, str]],
+        prompt: Prompt,
         options: GenerationOptions | None = None,
         *,
         stats: GenerationStats | None = None,
@@ -390,7 +406,7 @@ class Speculator:
 
     def generate_batch(
         self,
-        prompts: Sequence[str | Sequence[Mapping[str, str]]],
+        prompts: Sequence[Prompt],
         options: GenerationOptions | Sequence[GenerationOptions] | None = None,
         *,
         slots: int = 8,

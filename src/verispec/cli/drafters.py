@@ -14,6 +14,7 @@ from verispec.cli.common import (
     add_threads_argument,
     format_table,
     model_fields,
+    parse_precision,
 )
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.errors import UsageError
@@ -142,6 +143,14 @@ def add_drafter_data_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--workers", type=int, default=2, metavar="N", help="Ray workers with --ray (2)")
     parser.add_argument(
+        "--precision",
+        type=parse_precision,
+        default="auto",
+        metavar="PRECISION",
+        help="the target's weights, as for generate: auto (default: the precision generate runs it in, "
+        "the weights its drafters will read), fp32, fp16, q8_0 or q4_1",
+    )
+    parser.add_argument(
         "--merge",
         nargs="+",
         metavar="DIR",
@@ -164,6 +173,7 @@ def run_drafter_data(args: argparse.Namespace) -> int:
         first_prompt=args.first_prompt,
         questions=args.questions,
         turns=args.turns,
+        precision=args.precision,
     )
     if (args.follow_ups is None) != (args.source is None):
         raise UsageError("--follow-ups N and --from DIR go together")
@@ -242,6 +252,13 @@ def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="start from this drafter (fine-tuning it on --data), keeping its draft vocabulary",
     )
+    parser.add_argument(
+        "--precision",
+        type=parse_precision,
+        metavar="PRECISION",
+        help="the target's weights, as for generate (default: auto, the precision generate runs it in and "
+        "drafter-data answers in; fp32 for lookahead tokens, trained through the target's float32 layers)",
+    )
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     add_threads_argument(parser)
     parser.set_defaults(func=run_train_drafter)
@@ -278,7 +295,8 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     if args.init and not os.path.isfile(args.init):
         raise UsageError(f"no such drafter file: {args.init}")
     label = args.target or DEFAULT_MODEL
-    model, _ = load_model(label, tokenizer=args.tokenizer)
+    precision = args.precision or ("fp32" if args.kind == "lookahead" else "auto")
+    model, _ = load_model(label, tokenizer=args.tokenizer, precision=precision)
     path = train_drafter(model, args.data, args.out, config, target_label=label, resume=args.resume)
     print(f"drafter written to {path}")
     return 0

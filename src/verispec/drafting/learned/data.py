@@ -7,9 +7,11 @@ A learned drafter should predict what the target will say, so the best data is t
   from templates and word lists (see :mod:`verispec.drafting.learned.prompts`). None of them is a bench
   prompt.
 - :func:`build_dataset` has the target answer each prompt in its chat template — half greedily, half sampled
-  at temperature 1, so that the drafter sees what it must predict at both settings — in batches with
-  transformers' ``generate`` on the same weights, and keeps the target's final hidden state at every position
-  (what ``Llama.forward_hidden`` returns, from which the next token's logits are computed).
+  at temperature 1, so that the drafter sees what it must predict at both settings — in verispec's own
+  continuous batches, the target loaded as generate loads it (``DataConfig.precision``: by default the
+  checkpoint's own format on the native kernels, SmolLM2's Q4_1 — the weights the drafter will draft for),
+  and keeps the target's final hidden state at every position (what ``Llama.forward_hidden`` returns, from
+  which the next token's logits are computed).
 
 The data set is a directory: ``meta.json`` and ``train.safetensors`` / ``heldout.safetensors``, each holding
 ``tokens`` int32 [T_total] (sequences concatenated: prompt, then the answer), ``hidden`` float16 [T_total, H],
@@ -21,17 +23,24 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from verispec.drafting.learned.head import native_target
 from verispec.drafting.learned.prompts import FOLLOW_UPS, chat_prompts
 from verispec.errors import UsageError
 from verispec.files import atomic_path
 from verispec.inputs import is_int
+from verispec.options import DEFAULT_PRECISION
+
+if TYPE_CHECKING:
+    from verispec.api import Speculator
 
 __all__ = [
     "DataConfig",
@@ -56,6 +65,9 @@ class DataConfig:
     first_prompt: int = 0  # answer prompts first_prompt .. first_prompt + num_prompts - 1 of the prompt set
     questions: str = "templates"  # who writes the user turns: "templates" (chat_prompts) or "target" (itself)
     turns: int = 1  # user turns per conversation ("target" questions only)
+    # the target's weights (verispec.models.llama.PRECISION_CHOICES): its drafters' own by default, the
+    # precision generate runs it in, so that the drafter learns the hidden states it will read
+    precision: str = DEFAULT_PRECISION
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_new_tokens", "batch_size", "first_prompt", "turns", "seed"):
@@ -65,6 +77,9 @@ class DataConfig:
                 raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
         if not 0 < self.heldout_fraction < 1:
             raise UsageError(f"heldout_fraction must lie in (0, 1), got {self.heldout_fraction!r}")
+        from verispec.models.llama import check_precision
+
+        check_precision(self.precision)
         if self.questions not in ("templates", "target"):
             raise UsageError(f'questions must be "templates" or "target", got {self.questions!r}')
         if self.questions == "templates" and self.turns != 1:
@@ -75,49 +90,6 @@ class DataConfig:
             raise UsageError(
                 "first_prompt numbers the template prompt set: for more target-written chats, change the seed"
             )
-
-
-def _answer_batch(
-    model,
-    prompts: list[list[int]],
-    pad_id: int,
-    eos: frozenset[int],
-    sample: bool,
-    max_new_tokens: int,
-    generator_seed: int,
-) -> list[tuple[list[int], Tensor]]:
-    """The target's answers to a batch of token prompts, each as (prompt + answer tokens minus the last,
-    hidden [L - 1, H]) — hidden state i is the one computed when token i was fed."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, width], left-padded
-    attention = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, width]
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p) :] = torch.tensor(p)
-        attention[b, width - len(p) :] = 1
-    torch.manual_seed(generator_seed)
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=attention,
-        max_new_tokens=max_new_tokens,
-        do_sample=sample,
-        temperature=1.0 if sample else None,
-        top_k=0 if sample else None,
-        top_p=1.0 if sample else None,
-        pad_token_id=pad_id,
-        eos_token_id=sorted(eos),
-        output_hidden_states=True,
-        return_dict_in_generate=True,
-    )
-    generated = out.sequences[:, width:]  # [B, G]
-    # hidden_states[step][-1]: the last layer's output (after the final norm) for the tokens fed at that step
-    steps = [h[-1] for h in out.hidden_states]  # [B, width, H], then [B, 1, H] per generated token
-    answers = []
-    for b, p in enumerate(prompts):
-        tokens = generated[b].tolist()
-        end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
-        hidden = [steps[0][b, width - len(p) :]] + [steps[j][b] for j in range(1, end)]  # fed tokens only
-        answers.append((p + tokens[: end - 1], torch.cat(hidden).to(torch.float16)))
-    return answers
 
 
 def _write_split(path: Path, sequences: list[tuple[list[int], int, Tensor]]) -> None:
@@ -135,56 +107,76 @@ def _write_split(path: Path, sequences: list[tuple[list[int], int, Tensor]]) -> 
         save_file(tensors, tmp)
 
 
-def _load_target(target: str):
-    """(transformers model, verispec tokenizer) of a model SPEC, for batched generation."""
-    from transformers import AutoModelForCausalLM
+def _load_target(target: str, precision: str) -> Speculator:
+    """The target as verispec runs it in ``precision`` (the weights its drafters will read the hidden states
+    of), drafting nothing: it answers the prompts in continuous batches."""
+    from verispec.api import Speculator
 
-    from verispec.models.registry import load_tokenizer, model_dir
-
-    directory = model_dir(target)
-    tokenizer = load_tokenizer(directory)
-    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval(), tokenizer
+    speculator = Speculator(target, drafter="none", precision=precision)
+    native_target(speculator.model)  # UsageError for a target learned drafters cannot read
+    return speculator
 
 
 def _generate_all(
-    model,
-    tokenizer,
+    speculator: Speculator,
     prompts: list[list[int]],
     sampled: list[bool],
     max_new_tokens: int,
     seed: int,
-    config,
+    config: DataConfig,
     desc: str,
-) -> list[tuple[list[int], Tensor]]:
-    """The target's continuation of every prompt (greedy, or sampled at temperature 1 where ``sampled``), as
-    :func:`_answer_batch` returns them, in prompt order: batched by length within the greedy and the sampled
-    prompts; a batch starting at position ``start`` of its group samples with seed ``seed + start``."""
+) -> list[tuple[list[int], Tensor] | None]:
+    """The target's continuation of every token prompt (greedy, or sampled at temperature 1 with seed
+    ``seed + i`` where ``sampled[i]``), in continuous batches of ``config.batch_size`` rows, in prompt order,
+    each as (prompt + continuation minus its last token, hidden [L - 1, H] float16): the last token (an end
+    token, or the last one the limit or the context allowed) is never fed, so it has no hidden state; hidden
+    state i is the target's final one at token i, recomputed over the whole sequence in one forward. None for
+    a prompt that fills the target's context (left out, said on stderr)."""
     from tqdm import tqdm
 
-    eos = frozenset(tokenizer.eos_token_ids)
-    pad_id = min(eos) if eos else 0
-    out: list = [None] * len(prompts)
-    bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not config.progress)
-    with torch.inference_mode():
-        for sample in (False, True):
-            mine = sorted(
-                (i for i in range(len(prompts)) if sampled[i] == sample), key=lambda i: len(prompts[i])
+    from verispec.options import GenerationOptions, SamplingParams
+
+    each = {
+        sample: GenerationOptions(
+            k=0, max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=1.0 if sample else 0.0)
+        )
+        for sample in (False, True)
+    }
+    model = native_target(speculator.model)
+    out: list[tuple[list[int], Tensor] | None] = [None] * len(prompts)
+    fits = [i for i, prompt in enumerate(prompts) if len(prompt) < model.max_context]
+    chunk = 8 * config.batch_size  # prompts per continuous batch: the progress bar moves between them
+    with tqdm(total=len(fits), desc=desc, unit="prompt", disable=not config.progress) as bar:
+        for first in range(0, len(fits), chunk):
+            rows = fits[first : first + chunk]
+            results = speculator.generate_batch(
+                [prompts[i] for i in rows],
+                [each[sampled[i]] for i in rows],
+                slots=config.batch_size,
+                seeds=[seed + i for i in rows],
             )
-            for start in range(0, len(mine), config.batch_size):
-                batch = mine[start : start + config.batch_size]
-                answers = _answer_batch(
-                    model, [prompts[i] for i in batch], pad_id, eos, sample, max_new_tokens, seed + start
-                )
-                for i, answer in zip(batch, answers, strict=True):
-                    out[i] = answer
-                bar.update(len(batch))
-    bar.close()
+            for i, result in zip(rows, results, strict=True):
+                if result.error:
+                    raise UsageError(f"the target could not answer prompt {i}: {result.error}")
+                tokens = [*prompts[i], *result.token_ids][:-1]
+                ids = torch.tensor([tokens])  # [1, L - 1]
+                with torch.inference_mode():
+                    hidden = model.forward_hidden(
+                        ids, torch.arange(len(tokens))[None], model.new_cache(1, len(tokens))
+                    )
+                out[i] = (tokens, hidden[0].to(torch.float16))  # [L - 1, H]
+            bar.update(len(rows))
+    if len(fits) < len(prompts):
+        print(
+            f"verispec: {desc}: {len(prompts) - len(fits)} of {len(prompts)} prompts left out, as long as "
+            f"the target's context ({model.max_context} tokens) or longer",
+            file=sys.stderr,
+        )
     return out
 
 
 def _answer_all(
-    model,
-    tokenizer,
+    speculator: Speculator,
     prompts: list[list[int]],
     heldout: set[int],
     config: DataConfig,
@@ -194,29 +186,29 @@ def _answer_all(
     "heldout": [...]} of (tokens, prompt length, hidden) in prompt order."""
     splits: dict[str, list] = {"train": [], "heldout": []}
     order = list(range(len(prompts)))
-    _answer_into(splits, model, tokenizer, order, prompts, heldout, config.seed * 100003, config, desc)
+    _answer_into(splits, speculator, order, prompts, heldout, config.seed * 100003, config, desc)
     return splits
 
 
 def _answer_into(
     splits: dict[str, list],
-    model,
-    tokenizer,
+    speculator: Speculator,
     order: list[int],
     prompts: list[list[int]],
     heldout: set[int],
     seed: int,
     config: DataConfig,
     desc: str,
-) -> list[list[int]]:
+) -> list[list[int] | None]:
     """Answers ``prompts[j]``, the prompt of conversation ``order[j]`` (even conversations greedy, odd
     sampled), appending (tokens, prompt length, hidden) to that conversation's split of ``splits``; returns
-    the answered sequences' tokens."""
+    the answered sequences' tokens (None: a prompt left out, see :func:`_generate_all`)."""
     sampled = [i % 2 == 1 for i in order]
-    answers = _generate_all(model, tokenizer, prompts, sampled, config.max_new_tokens, seed, config, desc)
-    for i, prompt, (tokens, hidden) in zip(order, prompts, answers, strict=True):
-        splits["heldout" if i in heldout else "train"].append((tokens, len(prompt), hidden))
-    return [tokens for tokens, _ in answers]
+    answers = _generate_all(speculator, prompts, sampled, config.max_new_tokens, seed, config, desc)
+    for i, prompt, answer in zip(order, prompts, answers, strict=True):
+        if answer is not None:
+            splits["heldout" if i in heldout else "train"].append((answer[0], len(prompt), answer[1]))
+    return [None if answer is None else answer[0] for answer in answers]
 
 
 _STREAM = 1_000_000  # seed offset between the sampling streams of target-written chats (> any batch start)
@@ -231,16 +223,16 @@ def _user_turn_prefix(tokenizer, conversation: list[dict[str, str]]) -> list[int
 
 
 def _write_user_turns(
-    model, tokenizer, conversations: list[list[dict[str, str]]], config: DataConfig, turn: int
+    speculator: Speculator, conversations: list[list[dict[str, str]]], config: DataConfig, turn: int
 ) -> list[str | None]:
     """The next user turn of each conversation, written by the target itself (Magpie-style: the chat template
     up to a user turn's text, sampled at temperature 1 until the turn ends), or None where it wrote nothing
     or ran past ``_USER_TURN_TOKENS``."""
+    tokenizer = speculator.tokenizer
     prefixes = [_user_turn_prefix(tokenizer, c) for c in conversations]
     seed = config.seed * 100003 + (2 * turn + 1) * _STREAM
     written = _generate_all(
-        model,
-        tokenizer,
+        speculator,
         prefixes,
         [True] * len(prefixes),
         _USER_TURN_TOKENS,
@@ -249,25 +241,30 @@ def _write_user_turns(
         f"user turns {turn + 1}",
     )
     turns: list[str | None] = []
-    for prefix, (tokens, _) in zip(prefixes, written, strict=True):
+    for prefix, answer in zip(prefixes, written, strict=True):
+        if answer is None:  # the conversation fills the context
+            turns.append(None)
+            continue
+        tokens = answer[0]
         text = tokenizer.decode(tokens[len(prefix) :]).strip()
-        # _answer_batch drops the last token: a turn that hit the limit keeps _USER_TURN_TOKENS - 1
+        # _generate_all drops the last token: a turn that hit the limit keeps _USER_TURN_TOKENS - 1
         finished = len(tokens) - len(prefix) < _USER_TURN_TOKENS - 1
         turns.append(text if text and finished else None)
     return turns
 
 
-def _self_written(model, tokenizer, heldout: set[int], config: DataConfig) -> dict[str, list]:
+def _self_written(speculator: Speculator, heldout: set[int], config: DataConfig) -> dict[str, list]:
     """Conversations the target writes on both sides: ``config.turns`` rounds of a user turn it writes
     (:func:`_write_user_turns`) and its answer (even conversations greedy, odd sampled). Every answered turn
     is one sequence (the conversation so far, then the answer); a conversation ends early where a user turn
     fails. Conversation i goes to the held-out split when i is in ``heldout``."""
+    tokenizer = speculator.tokenizer
     # conversation index -> messages so far
     alive: dict[int, list[dict[str, str]]] = {i: [] for i in range(config.num_prompts)}
     splits: dict[str, list] = {"train": [], "heldout": []}
     for turn in range(config.turns):
         order = sorted(alive)
-        questions = _write_user_turns(model, tokenizer, [alive[i] for i in order], config, turn)
+        questions = _write_user_turns(speculator, [alive[i] for i in order], config, turn)
         alive = {
             i: [*alive[i], {"role": "user", "content": q}]
             for i, q in zip(order, questions, strict=True)
@@ -277,9 +274,12 @@ def _self_written(model, tokenizer, heldout: set[int], config: DataConfig) -> di
         prompts = [tokenizer.encode(tokenizer.chat_prompt(alive[i]), add_bos=True) for i in order]
         seed = config.seed * 100003 + (2 * turn + 2) * _STREAM
         answered = _answer_into(
-            splits, model, tokenizer, order, prompts, heldout, seed, config, f"answers {turn + 1}"
+            splits, speculator, order, prompts, heldout, seed, config, f"answers {turn + 1}"
         )
         for i, prompt, tokens in zip(order, prompts, answered, strict=True):
+            if tokens is None:  # the conversation fills the context: it ends here
+                del alive[i]
+                continue
             reply = tokenizer.decode(tokens[len(prompt) :]).strip()
             alive[i] = [*alive[i], {"role": "assistant", "content": reply}]
     for name, sequences in splits.items():
@@ -291,7 +291,11 @@ def _self_written(model, tokenizer, heldout: set[int], config: DataConfig) -> di
 
 
 def _finish(out: Path, splits: dict[str, list], meta: dict, started: float) -> dict:
-    """Write the splits and meta.json (with the counts) into ``out``; returns the meta data."""
+    """Write the splits and meta.json (with the counts) into ``out``; returns the meta data. UsageError, and
+    nothing written, where a split holds no sequence (its every prompt left out)."""
+    for name, sequences in splits.items():
+        if not sequences:
+            raise UsageError(f"no sequence for the {name} split (its prompts fill the context): ask for more")
     out.mkdir(parents=True, exist_ok=True)
     for name, sequences in splits.items():
         _write_split(out / f"{name}.safetensors", sequences)
@@ -318,12 +322,13 @@ def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig(
     Prompt i is answered greedily when i is even, sampled at temperature 1 when odd; a random
     ``heldout_fraction`` of the prompts (by seed) forms the held-out split."""
     started = time.perf_counter()
-    model, tokenizer = _load_target(target)
+    speculator = _load_target(target, config.precision)
+    tokenizer = speculator.tokenizer
     order = list(range(config.num_prompts))
     random.Random(config.seed).shuffle(order)
     heldout = set(order[: max(1, round(config.heldout_fraction * len(order)))])
     if config.questions == "target":
-        splits = _self_written(model, tokenizer, heldout, config)
+        splits = _self_written(speculator, heldout, config)
         prompts = {
             "prompts": "written by the target (verispec.drafting.learned.data._write_user_turns)",
             "turns": config.turns,
@@ -332,14 +337,14 @@ def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig(
     else:
         texts = _prompt_texts(config.first_prompt, config.num_prompts, config.seed)
         prompt_ids = [tokenizer.encode(tokenizer.chat_prompt(t), add_bos=True) for t in texts]
-        splits = _answer_all(model, tokenizer, prompt_ids, heldout, config, "target answers")
+        splits = _answer_all(speculator, prompt_ids, heldout, config, "target answers")
         prompts = {
             "prompts": "verispec.drafting.learned.prompts.chat_prompts",
             "first_prompt": config.first_prompt,
         }
     meta = {
         "target": str(target),
-        "hidden_size": int(model.config.hidden_size),
+        "hidden_size": int(native_target(speculator.model).config.hidden_size),
         "vocab_size": int(tokenizer.vocab_size),
         "generation": {
             **prompts,
@@ -348,6 +353,7 @@ def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig(
             "batch_size": config.batch_size,
             "sampling": "even prompts greedy, odd prompts temperature 1",
             "seed": config.seed,
+            "precision": config.precision,
             "threads": torch.get_num_threads(),
         },
     }
@@ -400,7 +406,8 @@ def add_follow_ups(
         )
     if "turns" in generation:
         raise UsageError(f"{source} holds target-written chats: ask for more turns with --turns instead")
-    model, tokenizer = _load_target(meta["target"])
+    speculator = _load_target(meta["target"], _precision(meta))
+    tokenizer = speculator.tokenizer
     texts = _prompt_texts(generation.get("first_prompt", 0), generation["num_prompts"], generation["seed"])
     by_prompt = {tuple(tokenizer.encode(tokenizer.chat_prompt(t), add_bos=True)): t for t in texts}
     rng = random.Random(config.seed)
@@ -425,7 +432,7 @@ def add_follow_ups(
                 ]
             )
     prompts = [tokenizer.encode(tokenizer.chat_prompt(c), add_bos=True) for c in conversations]
-    second = _answer_all(model, tokenizer, prompts, heldout, config, "follow-up answers")
+    second = _answer_all(speculator, prompts, heldout, config, "follow-up answers")
     merged = {name: splits[name] + second[name] for name in splits}
     meta["generation"]["follow_ups"] = {
         "per_split": count,
@@ -434,6 +441,12 @@ def add_follow_ups(
         "seed": config.seed,
     }
     return _finish(Path(out), merged, meta, started)
+
+
+def _precision(meta: dict) -> str:
+    """The precision the target answered a data set's prompts in (fp32: one made before it was recorded)."""
+    generation = meta.get("generation")
+    return str(generation.get("precision", "fp32")) if isinstance(generation, dict) else "fp32"
 
 
 def merge_datasets(sources: list[str | Path], out: str | Path) -> dict:
@@ -445,7 +458,7 @@ def merge_datasets(sources: list[str | Path], out: str | Path) -> dict:
     if len(sources) < 2:
         raise UsageError(f"merging needs at least two data sets, got {len(sources)}")
     metas = [read_data_meta(source) for source in sources]
-    made_by = {(m.get("target"), m.get("hidden_size"), m.get("vocab_size")) for m in metas}
+    made_by = {(m.get("target"), m.get("hidden_size"), m.get("vocab_size"), _precision(m)) for m in metas}
     if len(made_by) > 1:
         raise UsageError(f"the data sets were made by different targets: {sorted(map(str, made_by))}")
     splits: dict[str, list] = {}
@@ -455,7 +468,7 @@ def merge_datasets(sources: list[str | Path], out: str | Path) -> dict:
         "target": metas[0].get("target"),
         "hidden_size": metas[0].get("hidden_size"),
         "vocab_size": metas[0].get("vocab_size"),
-        "generation": {"merged": [m.get("generation") for m in metas]},
+        "generation": {"merged": [m.get("generation") for m in metas], "precision": _precision(metas[0])},
         "seconds": sum(m.get("seconds", 0) for m in metas),
     }
     return _finish(Path(out), splits, meta, started)
