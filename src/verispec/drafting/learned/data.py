@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DataConfig",
     "add_follow_ups",
+    "answered_precision",
     "build_dataset",
     "load_split",
     "merge_datasets",
@@ -406,7 +407,7 @@ def add_follow_ups(
         )
     if "turns" in generation:
         raise UsageError(f"{source} holds target-written chats: ask for more turns with --turns instead")
-    speculator = _load_target(meta["target"], _precision(meta))
+    speculator = _load_target(meta["target"], answered_precision(meta))
     tokenizer = speculator.tokenizer
     texts = _prompt_texts(generation.get("first_prompt", 0), generation["num_prompts"], generation["seed"])
     by_prompt = {tuple(tokenizer.encode(tokenizer.chat_prompt(t), add_bos=True)): t for t in texts}
@@ -443,7 +444,7 @@ def add_follow_ups(
     return _finish(Path(out), merged, meta, started)
 
 
-def _precision(meta: dict) -> str:
+def answered_precision(meta: dict) -> str:
     """The precision the target answered a data set's prompts in (fp32: one made before it was recorded)."""
     generation = meta.get("generation")
     return str(generation.get("precision", "fp32")) if isinstance(generation, dict) else "fp32"
@@ -458,7 +459,9 @@ def merge_datasets(sources: list[str | Path], out: str | Path) -> dict:
     if len(sources) < 2:
         raise UsageError(f"merging needs at least two data sets, got {len(sources)}")
     metas = [read_data_meta(source) for source in sources]
-    made_by = {(m.get("target"), m.get("hidden_size"), m.get("vocab_size"), _precision(m)) for m in metas}
+    made_by = {
+        (m.get("target"), m.get("hidden_size"), m.get("vocab_size"), answered_precision(m)) for m in metas
+    }
     if len(made_by) > 1:
         raise UsageError(f"the data sets were made by different targets: {sorted(map(str, made_by))}")
     splits: dict[str, list] = {}
@@ -468,7 +471,10 @@ def merge_datasets(sources: list[str | Path], out: str | Path) -> dict:
         "target": metas[0].get("target"),
         "hidden_size": metas[0].get("hidden_size"),
         "vocab_size": metas[0].get("vocab_size"),
-        "generation": {"merged": [m.get("generation") for m in metas], "precision": _precision(metas[0])},
+        "generation": {
+            "merged": [m.get("generation") for m in metas],
+            "precision": answered_precision(metas[0]),
+        },
         "seconds": sum(m.get("seconds", 0) for m in metas),
     }
     return _finish(Path(out), splits, meta, started)

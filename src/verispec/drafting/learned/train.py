@@ -60,7 +60,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from verispec.drafting.learned.config import TrainConfig
-from verispec.drafting.learned.data import load_split, read_data_meta
+from verispec.drafting.learned.data import answered_precision, load_split, read_data_meta
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.exit import ExitAdapter, check_exit_layer, exit_features
 from verispec.drafting.learned.head import LearnedHead, native_target, target_fingerprint
@@ -652,7 +652,8 @@ def _check_data(
     if error > tolerance:
         raise UsageError(
             f"the data set in {directory} was made by target {meta.get('target')!r}: its hidden states "
-            f"differ from those of {label!r} (relative error {error:.3f})"
+            f"differ from those of {label!r} (relative error {error:.3f}); it was answered in precision "
+            f"{answered_precision(meta)}: train in that precision (--precision), or make the data set again"
         )
     return meta, held
 
