@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from test_eagle import assert_usage_error, run_cli
 from test_hf_adapter import save_tokenizer
+from test_lookahead import needs_native
 from verispec.drafting.learned import data as data_module
 from verispec.drafting.learned import prompts as prompts_module
 from verispec.drafting.learned.data import (
@@ -27,7 +28,6 @@ from verispec.drafting.learned.data import (
     merge_datasets,
 )
 from verispec.drafting.learned.prompts import FOLLOW_UPS, chat_prompts
-from verispec.kernels.cpu import native_available
 from verispec.models.registry import load_model
 
 VOCAB = 4 + 256  # save_tokenizer's vocabulary: four special tokens, then the 256 byte symbols
@@ -43,9 +43,6 @@ CONFIG = DataConfig(  # answered in float32, as the `native` fixture computes
 )
 HELDOUT = 2  # max(1, round(0.25 * 6))
 REAL_STDLIB_PASSAGES = prompts_module._stdlib_passages
-needs_native = pytest.mark.skipif(
-    native_available() is not None, reason=f"no native kernels: {native_available()}"
-)
 
 
 @pytest.fixture(scope="module", autouse=True)

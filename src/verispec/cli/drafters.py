@@ -266,6 +266,7 @@ def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_train_drafter(args: argparse.Namespace) -> int:
     """Run ``verispec train-drafter``: validate, load the target, train, print where the drafter is."""
+    from verispec.drafting.learned.config import THROUGH_TARGET
     from verispec.drafting.learned.data import read_data_meta
     from verispec.drafting.learned.train import TrainConfig, train_drafter
     from verispec.models.registry import load_model
@@ -295,7 +296,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     if args.init and not os.path.isfile(args.init):
         raise UsageError(f"no such drafter file: {args.init}")
     label = args.target or DEFAULT_MODEL
-    precision = args.precision or ("fp32" if args.kind == "lookahead" else "auto")
+    precision = args.precision or ("fp32" if args.kind in THROUGH_TARGET else "auto")
     model, _ = load_model(label, tokenizer=args.tokenizer, precision=precision)
     path = train_drafter(model, args.data, args.out, config, target_label=label, resume=args.resume)
     print(f"drafter written to {path}")

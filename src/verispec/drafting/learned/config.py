@@ -9,9 +9,12 @@ from dataclasses import dataclass
 from verispec.drafting.registry import DRAFTERS
 from verispec.errors import UsageError
 
-__all__ = ["CE_TARGETS", "KINDS", "TrainConfig"]
+__all__ = ["CE_TARGETS", "KINDS", "THROUGH_TARGET", "TrainConfig"]
 
 KINDS = tuple(name for name, kind in DRAFTERS.items() if kind.learned)  # what train-drafter --kind trains
+# kinds trained through the target's own layers (their gradient flows through it): on its float32 weights,
+# whatever precision it otherwise runs in, since the native kernels compute no gradients
+THROUGH_TARGET = frozenset({"lookahead"})
 CE_TARGETS = ("token", "distribution")  # the target's next token, or its distribution on the draft vocabulary
 
 

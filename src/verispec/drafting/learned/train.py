@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from verispec.drafting.learned.config import TrainConfig
+from verispec.drafting.learned.config import THROUGH_TARGET, TrainConfig
 from verispec.drafting.learned.data import answered_precision, load_split, read_data_meta
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.exit import ExitAdapter, check_exit_layer, exit_features
@@ -90,8 +90,8 @@ EVAL_POSITIONS = 4  # draft positions whose held-out accuracy is reported
 _IGNORE = -100  # cross-entropy target of a slot that does not count
 _FEATURE_CHECK_TOKENS = 32  # positions of the data set recomputed to check that it belongs to the target
 _FEATURE_CHECK_TOLERANCE = 0.02  # relative error allowed (the data set stores float16)
-# lookahead tokens train through the float32 target whatever precision answered the data: the same weights
-# computed another way differ more (SmolLM2's Q4_1 kernels, 8-bit activations, against float32: 0.035)
+# kinds trained through the float32 target (config.THROUGH_TARGET), whatever precision answered the data: the
+# same weights computed another way differ more (SmolLM2's Q4_1 kernels, 8-bit activations, vs float32: 0.035)
 _OTHER_PRECISION_TOLERANCE = 0.1
 
 
@@ -860,7 +860,7 @@ def train_drafter(
     target = native_target(target)
     label = target_label or "the target"
     data_dir, out_dir = Path(data_dir), Path(out_dir)
-    tolerance = _OTHER_PRECISION_TOLERANCE if config.kind == "lookahead" else _FEATURE_CHECK_TOLERANCE
+    tolerance = _OTHER_PRECISION_TOLERANCE if config.kind in THROUGH_TARGET else _FEATURE_CHECK_TOLERANCE
     meta, heldout_split = _check_data(data_dir, target, label, tolerance)
     checkpoint_path = _checkpoint_path(out_dir, resume)
     fingerprint = target_fingerprint(target)
