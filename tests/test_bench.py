@@ -135,6 +135,8 @@ def test_plan_methods(monkeypatch):
         "suffix k=auto",
         "eagle k=4",  # the drafter shipped for the default target
         "eagle k=auto",
+        "ngram+eagle k=4",  # prompt lookup first, the shipped eagle head elsewhere
+        "ngram+eagle k=auto",
         "medusa k=4",  # the Medusa heads, the trained exit and the lookahead tokens shipped for it
         "medusa k=auto",
         "exit k=4",

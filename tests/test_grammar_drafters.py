@@ -52,7 +52,7 @@ def speculators(shared_model, tmp_path_factory) -> dict[str, Speculator]:
     made = {}
     for name, kind in DRAFTERS.items():
         draft = "layers:1" if kind.needs_draft_model else None
-        path = str(files[name]) if kind.learned else None
+        path = str(files[kind.head_kind]) if kind.learned else None
         made[name] = Speculator(loaded, draft, name, drafter_path=path, target_label="tiny")
         if kind.takes_trees:
             tree = TreeShape.full(2, 3)

@@ -45,11 +45,16 @@ PROMPTS = ("abc", "hello", "qqqzzz", "the", "mnopqrs", "x")
 KINDS = ("eagle", "medusa", "exit", "lookahead")
 
 
-@pytest.fixture(scope="module")
-def target() -> Llama:
+def native_tiny_target() -> Llama:
+    """test_eagle's tiny random Llama in float16 on the native kernels."""
     model = tiny_target(seed=4)
     assert model.optimize_for_cpu(precision="fp16", min_weight_elements=0) and model.on_native_kernels
     return model
+
+
+@pytest.fixture(scope="module")
+def target() -> Llama:
+    return native_tiny_target()
 
 
 def random_head(target: Llama, kind: str) -> LearnedHead:
@@ -303,30 +308,40 @@ def test_a_continuous_batch_drafts_its_rows_together(target, greedy, sampling, b
     row's drafter is rolled back and asked alone: the outputs are the same."""
     path = random_head(target, "eagle").save(tmp_path / "eagle.safetensors")
     spec = Speculator((target, LetterTokenizer(VOCAB)), drafter="eagle", drafter_path=str(path))
-    sizes: list[int] = []
-    original = EagleDrafter.propose_rows.__func__  # type: ignore[attr-defined]
 
-    def together(cls, rows):
-        proposals = original(cls, rows)
+    def fault(rows, proposals):
         if broken and len(rows) > 1:
             raise RuntimeError("a fault after drafting")
+
+    batch = batch_and_alone(spec, EagleDrafter, sampling, monkeypatch, after=fault)
+    if sampling.greedy:
+        assert all(result.token_ids == greedy[prompt] for prompt, result in zip(PROMPTS, batch, strict=True))
+
+
+def batch_and_alone(spec: Speculator, drafter: type, sampling, monkeypatch, prompts=PROMPTS, after=None):
+    """``prompts`` generated in a continuous batch of 4 slots with seeds 0.., ``drafter.propose_rows`` watched
+    (then ``after(rows, proposals)`` called): some call proposed for several rows, and each result is the one
+    its request gets alone with its seed. Returns the batch's results."""
+    sizes: list[int] = []
+    original = drafter.propose_rows.__func__  # type: ignore[attr-defined]
+
+    def watched(cls, rows):
+        sizes.append(len(rows))
+        proposals = original(cls, rows)
+        if after is not None:
+            after(rows, proposals)
         return proposals
 
-    monkeypatch.setattr(
-        EagleDrafter,
-        "propose_rows",
-        classmethod(lambda cls, rows: (sizes.append(len(rows)), together(cls, rows))[1]),
-    )
-    seeds = list(range(len(PROMPTS)))
+    monkeypatch.setattr(drafter, "propose_rows", classmethod(watched))
+    seeds = list(range(len(prompts)))
     batch = spec.generate_batch(
-        list(PROMPTS), k=3, max_new_tokens=40, sampling=sampling, slots=4, seeds=seeds
+        list(prompts), k=3, max_new_tokens=40, sampling=sampling, slots=4, seeds=seeds
     )
     assert max(sizes) >= 2
-    for prompt, seed, result in zip(PROMPTS, seeds, batch, strict=True):
+    for prompt, seed, result in zip(prompts, seeds, batch, strict=True):
         alone = spec.generate(prompt, k=3, max_new_tokens=40, sampling=sampling.with_seed(seed))
         assert result.token_ids == alone.token_ids, prompt
-        if sampling.greedy:
-            assert result.token_ids == greedy[prompt]
+    return batch
 
 
 @pytest.mark.parametrize("sampling_kw", [{"temperature": 0.8}, {"temperature": 0.7, "top_k": 5}])

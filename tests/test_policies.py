@@ -9,7 +9,7 @@ import pytest
 from verispec.analysis.analytic import BatchCost, CostModel, tokens_by_k
 from verispec.api import k_policy
 from verispec.options import parse_k
-from verispec.policies import CONTEXT_STEP, AdditiveK, AutoKConfig, ConstantK, CostModelK, plan_batch
+from verispec.policies import CONTEXT_STEP, AdditiveK, AutoKConfig, ConstantK, CostModelK, PartsK, plan_batch
 
 K_MAX = 12
 FLAT = [1.0] * (K_MAX + 1)  # memory-bound: verifying K+1 tokens costs one step
@@ -49,6 +49,25 @@ def test_worked_examples():
     assert policy_at(0.9, 0.0, MEASURED).next_k() == 11
     # A draft costing 0.9 of a target step never pays at α = 0.3: plain decoding.
     assert policy_at(0.3, 0.9, MEASURED).next_k() == 0
+
+
+def test_parts_k_gives_each_part_its_own_k_and_its_own_rounds():
+    """A drafter of parts (a lookup first, a head elsewhere): the engine's question gets the cap; the part
+    that drafts gets its own policy's K (here a free lookup right at 0.9 drafts long, a head costing half a
+    step right at 0.3 does not draft), and each round's verdict reaches only the policy of the part that
+    drafted it; a round no part was asked for (no room) reaches none."""
+    lookup, head = policy_at(0.9, 0.0, MEASURED), policy_at(0.3, 0.5, MEASURED)
+    parts = PartsK({"lookup": lookup, "head": head}, cap=K_MAX)
+    assert parts.next_k(10) == K_MAX
+    assert parts.part_k("lookup", 10) == policy_at(0.9, 0.0, MEASURED).next_k(10) == 11
+    parts.observe(11, 2)
+    assert lookup.alphas[0] > 0.9 and lookup.alphas[2] < 0.9 and head.alphas[0] == pytest.approx(0.3)
+    assert parts.next_k(13) == K_MAX and parts.part_k("head", 13) == 0
+    parts.observe(0, 0)
+    before = (lookup.alphas.copy(), head.alphas.copy())
+    parts.next_k(14)
+    parts.observe(3, 0)  # no part asked this round: its verdict is nobody's
+    assert np.array_equal(lookup.alphas, before[0]) and np.array_equal(head.alphas, before[1])
 
 
 def test_plain_decoding_when_speculation_does_not_pay_then_probes_within_the_budget():

@@ -106,6 +106,7 @@ STRUCTURED = one_block("Structured output")  # run on stories260K with the files
 SUFFIX = one_block("The suffix drafter")  # run on stories260K
 JSON_BENCH = one_block("The bench's json task")  # run on stories260K: one prompt, one repetition
 FAST_BASE = one_block("Speculation on the fast base")  # run on stories260K: one prompt a task, one repetition
+LOOKUP_FIRST = one_block("Prompt lookup first")  # the same, a random eagle head for stories260K
 
 
 def logical_lines(code: str) -> list[tuple[int, str]]:
@@ -165,7 +166,7 @@ def test_the_readme_has_the_blocks_this_file_runs():
     with_commands = {b.line for b in SHELL_BLOCKS if verispec_commands(b)}
     runs = {SYNOPSIS.line, RECIPE.line, BENCHMARK.line, SERVING.line, LOAD.line, SERVE_LOAD.line, ACROSS.line}
     runs |= {OFFLINE.line, OWN_GGUF.line, BENCH_GGUF.line, STRUCTURED.line, SUFFIX.line, JSON_BENCH.line}
-    runs |= {FAST_BASE.line}
+    runs |= {FAST_BASE.line, LOOKUP_FIRST.line}
     assert with_commands == runs, "a new sh block: run it here too"
 
 
@@ -279,7 +280,7 @@ def test_cli_synopsis_flags_exist():
         assert flags, f"README.md:{line}: no flags"
         unknown = [f for f in flags if f not in parser._option_string_actions]
         assert not unknown, f"README.md:{line}: verispec {' '.join(names)} has no {', '.join(unknown)}"
-        for flag, spelled in re.findall(r"(?<![\w-])(--[a-z][\w-]*) ([\w-]+(?:\|[\w-]+)+)", text):
+        for flag, spelled in re.findall(r"(?<![\w-])(--[a-z][\w-]*) ([\w+-]+(?:\|[\w+-]+)+)", text):
             values = set(spelled.split("|"))
             action = parser._option_string_actions[flag]
             if action.choices is not None:
@@ -484,24 +485,31 @@ def test_json_bench_command_runs(shared_model, tmp_path, monkeypatch, own_cache,
     assert all(cell["schema_valid"]["checked"] == 1 for cell in results["cells"])
 
 
-def test_fast_base_bench_command_runs(
-    shared_model, tmp_path, monkeypatch, own_cache, restore_threads, capsys
+@pytest.mark.parametrize("block", [FAST_BASE, LOOKUP_FIRST], ids=["fast-base", "lookup-first"])
+def test_fast_base_bench_commands_run(
+    block, shared_model, tmp_path, monkeypatch, own_cache, restore_threads, capsys
 ):
-    """The README's fast-base bench line on stories260K (one prompt a task, a few tokens; its tasks whose
-    prompts fit stories260K's 512 positions): every method that runs there at every K it names, each output
-    equal to ``none``'s."""
+    """The README's fast-base bench lines on stories260K (one prompt a task, a few tokens; its tasks whose
+    prompts fit stories260K's 512 positions; a random eagle head for the learned methods): every method at
+    every K it names, each output equal to ``none``'s."""
+    from test_eagle import fresh_head
+    from verispec.models.registry import load_model
+
     root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    model = ("--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin"))
+    target = load_model(root / "stories260K.bin", tokenizer=root / "tok512.bin")[0]
+    head = fresh_head(target, torch.arange(target.vocab_size)).save(tmp_path / "eagle.safetensors")
     out = tmp_path / "bench"
-    (command,) = verispec_commands(FAST_BASE)
+    (command,) = verispec_commands(block)
     args = cli.build_parser().parse_args(command.words[1:])
     tasks = [t for t in args.tasks if t in ("chat", "math", "code_editing")]
-    model = ("--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin"))
     added = ["--threads", "1", "--prompts-per-task", "1", "--tasks", ",".join(tasks), "--out", str(out)]
+    added += ["--drafter-path", str(head)]
+    monkeypatch.setitem(SHRUNK, "--methods", lambda methods: methods)  # the learned ones run on the head
     run_commands([command], {"bench": [*model, *added]}, capsys)
     results = json.loads((out / "results.json").read_text())
     assert results["complete"] and results["config"]["tasks"] == tasks and len(tasks) == 3
-    methods = _on_stories(",".join(args.methods)).split(",")
-    expected = {"none", *(f"{m} k={k}" for m in methods if m != "none" for k in args.k)}
+    expected = {"none", *(f"{m} k={k}" for m in args.methods if m != "none" for k in args.k)}
     assert {cell["label"] for cell in results["cells"]} == expected
     for cell in results["cells"]:
         assert cell["greedy_identity"]["differ"] == [], cell["label"]

@@ -24,6 +24,7 @@ from typing import Any, ParamSpec, TypeVar, Unpack, cast
 from verispec.analysis.analytic import BatchCost, CostModel
 from verispec.calibrate import QUICK_REPETITIONS, Calibration, calibrate
 from verispec.drafting.base import Drafter, TreeDrafter
+from verispec.drafting.hybrid import LookupFirstDrafter
 from verispec.drafting.registry import DraftInputs
 from verispec.drafting.suffix_cache import SuffixCache, tokenizer_identity
 from verispec.drafting.tree import AUTO, TreeShape
@@ -44,7 +45,7 @@ from verispec.options import (
     check_keywords,
     parse_k,
 )
-from verispec.policies import AdditiveK, ConstantK, CostModelK, KPolicy
+from verispec.policies import AdditiveK, ConstantK, CostModelK, KPolicy, PartsK
 from verispec.resolve import Loadable, Parts, resolve
 from verispec.sequence import EngineConfig, GenerationStats, Request, TokenLogprob
 from verispec.text import Chunk, TextAssembler
@@ -191,6 +192,8 @@ class Speculator:
             self.suffix_cache = SuffixCache(vocabulary=tokenizer_identity(parts.tokenizer))
         self._calibration: Calibration | None = None
         self._online: OnlineCosts | None = None  # the costs measured as it runs, against `_calibration`
+        # a lookup first (LookupFirstDrafter): the lookup's own calibration and costs measured as it runs
+        self._lookup: tuple[Calibration, OnlineCosts] | None = None
         self._driver: Driver | None = None  # the streams' engine, kept between them (see stream)
         self._streams = threading.Lock()  # held by the stream running on it
 
@@ -199,10 +202,14 @@ class Speculator:
         sampling: SamplingParams,
         target_cache: Cache | None = None,
         suffix_cache: SuffixCache | None = None,
+        policy: KPolicy | None = None,
     ) -> Drafter | TreeDrafter:
         """The drafter for one generation (a tree drafter with ``tree``); an early-exit draft reads
-        ``target_cache`` (when given), a suffix drafter ``suffix_cache`` (default: this speculator's)."""
+        ``target_cache`` (when given), a suffix drafter ``suffix_cache`` (default: this speculator's); a
+        drafter of parts asks ``policy`` (its request's, a :class:`PartsK`) each part's K."""
         chain = self._chain_drafter(sampling, target_cache, suffix_cache or self.suffix_cache)
+        if isinstance(chain, LookupFirstDrafter) and isinstance(policy, PartsK):
+            chain.policy = policy
         if self.tree is None:
             return chain
         assert self.kind.tree is not None  # checked by resolve
@@ -237,15 +244,21 @@ class Speculator:
         cache, or measured (seconds) and cached on first use; ``force`` measures them again."""
         if self._calibration is None or force:
             drafter = self._chain_drafter(SamplingParams(temperature=0))
-            self._calibration = calibrate(
+            parts = drafter if isinstance(drafter, LookupFirstDrafter) else None
+            measure = functools.partial(
+                calibrate,
                 self.model,
-                drafter if self.kind.drafts else None,
                 target_label=self.parts.target_label,
                 draft_label=self.parts.draft_label,
                 repetitions=repetitions,
-                force=force,
+            )
+            # a lookup first: its head's costs (the lookup's are next to none), and the lookup's apart
+            self._calibration = measure(
+                (parts.head if parts else drafter) if self.kind.drafts else None, force=force
             )
             self._online = OnlineCosts(self._calibration.step_seconds)
+            lookup = None if parts is None else measure(parts.lookup, draft_label="")
+            self._lookup = None if lookup is None else (lookup, OnlineCosts(lookup.step_seconds))
         return self._calibration
 
     def k_policy(self, k: int | str) -> KPolicy:
@@ -260,9 +273,17 @@ class Speculator:
         if not self.kind.drafts:
             return ConstantK(0)
         calibration = self.calibration()
-        return k_policy(
+        policy = k_policy(
             k, calibration.cost_model, calibration.cost_model_at, calibration.batch_cost_at, self._online
         )
+        if self._lookup is None:
+            return policy
+        lookup, online = self._lookup  # a lookup first: a policy per part
+        parts = {
+            "lookup": k_policy(k, lookup.cost_model, lookup.cost_model_at, lookup.batch_cost_at, online),
+            "head": policy,
+        }
+        return PartsK(parts, max(cast(CostModelK, p).k_max for p in parts.values()))
 
     def k_label(self, k: int | str) -> str:
         """How stats name the draft size: K (see :func:`~verispec.options.parse_k`), or the tree's shape."""
@@ -316,11 +337,12 @@ class Speculator:
         stats = stats if stats is not None else GenerationStats(self.drafter_name, self.k_label(options.k))
         text = TextAssembler(self.tokenizer, options.stop)
         ids = self.encode_prompt(prompt, options.chat)
+        policy = self.k_policy(options.k)
         request = Request(
             ids,
             config,
-            lambda cache: self._drafter(options.sampling, cache, suffix_cache),
-            self.k_policy(options.k),
+            lambda cache: self._drafter(options.sampling, cache, suffix_cache, policy),
+            policy,
             stats,
             text.stop_check if options.stop else None,
             trace,

@@ -22,7 +22,16 @@ from verispec.errors import UsageError
 from verispec.inputs import is_int
 from verispec.online_costs import OnlineCosts, RoundTiming
 
-__all__ = ["CONTEXT_STEP", "AdditiveK", "AutoKConfig", "ConstantK", "CostModelK", "KPolicy", "plan_batch"]
+__all__ = [
+    "CONTEXT_STEP",
+    "AdditiveK",
+    "AutoKConfig",
+    "ConstantK",
+    "CostModelK",
+    "KPolicy",
+    "PartsK",
+    "plan_batch",
+]
 
 CONTEXT_STEP = 128  # CostModelK's round costs follow the context in steps of this many positions
 
@@ -322,6 +331,39 @@ class CostModelK(KPolicy):
         draft, _ = self._prior_at(timing.context)
         spent = timing.drafted * draft.cost_ratio + self._caught_up * draft.catch_up
         self.online.observe(timing, steps, spent)
+
+
+class PartsK(KPolicy):
+    """``--k auto`` for a drafter whose every round is drafted by one of its parts (prompt lookup or a learned
+    head: :class:`~verispec.drafting.hybrid.LookupFirstDrafter`), which differ in what they cost and how
+    often they are right: a K policy per part. Which part drafts depends on the context's tokens, which the
+    drafter sees and the engine's K question does not: :meth:`next_k` answers ``cap`` (the most any part
+    drafts) and the drafter asks the drafting part's policy for its K (:meth:`part_k`, once per round); the
+    round's verdict and timings go to that policy (none asked: a round that drafted nothing, to none)."""
+
+    name = "auto"
+
+    def __init__(self, parts: dict[str, KPolicy], cap: int) -> None:
+        self.parts = parts
+        self.cap = cap
+        self._active: KPolicy | None = None  # the policy of the part drafting this round
+
+    def next_k(self, context: int = 0) -> int:
+        self._active = None
+        return self.cap
+
+    def part_k(self, part: str, context: int) -> int:
+        """The K of the round ``part`` drafts after ``context`` committed positions (its policy's)."""
+        self._active = self.parts[part]
+        return self._active.next_k(context)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if self._active is not None:
+            self._active.observe(drafted, accepted)
+
+    def observe_costs(self, timing: RoundTiming) -> None:
+        if self._active is not None:
+            self._active.observe_costs(timing)
 
 
 def _forward_cost(cost: CostModel, batch: BatchCost | None, rows: int, n: int) -> float:

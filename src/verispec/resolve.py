@@ -115,7 +115,7 @@ def resolve(
     head = None
     learned = kind.learned if kind is not None else draft is None  # auto: the shipped one, if any
     if learned or drafter_path is not None:
-        wanted = kind.name if kind is not None else None if drafter_path is not None else "eagle"
+        wanted = kind.head_kind if kind is not None else None if drafter_path is not None else "eagle"
         head = _learned_head(model, drafter_path, target_label, kind is not None, wanted)
     shipped = kind is None and draft is None and drafter_path is None and head is not None
     if shipped and head is not None and not _learned_pays(model, head, target_label):

@@ -459,7 +459,7 @@ def plan_methods(config: BenchConfig) -> tuple[list[Method], list[str]]:
             notes.append(f"{name}: {uag}")
             continue
         kind = DRAFTERS.get(name.removesuffix("-tree").removesuffix(CONSTRAINED))
-        if kind is not None and kind.learned and learned_drafter(config, kind.name) is None:
+        if kind is not None and kind.learned and learned_drafter(config, kind.head_kind) is None:
             if config.methods is not None:
                 raise UsageError(f"method {name!r} needs a learned drafter (--drafter-path FILE)")
             notes.append(f"{name}: no learned drafter for this target (--drafter-path FILE)")
@@ -692,7 +692,7 @@ class Bench:
         chains = (m.base for m in methods if not m.is_peer and m.base not in (BASELINE, *TREE_METHODS))
         for name in dict.fromkeys(chains):
             kind = DRAFTERS["model" if name in CROSS_METHODS else name.removesuffix(WARM)]
-            path = learned_drafter(config, kind.name) if kind.learned else None
+            path = learned_drafter(config, kind.head_kind) if kind.learned else None
             self.speculators[name] = Speculator(
                 loaded,
                 draft=config.draft if kind.needs_draft_model else None,
@@ -761,7 +761,7 @@ class Bench:
             draft=draft,
             drafter=chain.drafter_name,
             tree=tree,
-            drafter_path=learned_drafter(self.config, chain.kind.name) if chain.kind.learned else None,
+            drafter_path=learned_drafter(self.config, chain.kind.head_kind) if chain.kind.learned else None,
             target_label=str(self.config.target),
         )
 

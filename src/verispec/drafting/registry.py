@@ -95,10 +95,16 @@ class DrafterKind:
     drafts: bool = True  # False only for plain decoding: K is then irrelevant and nothing is calibrated
     needs_draft_model: bool = False  # a second model (--draft SPEC), or the target's first layers
     learned: bool = False  # a trained drafter file: --drafter-path, or the one shipped for the target
+    head: str = ""  # the kind of that file, where not the drafter's own name
     dynamic_trees: bool = False  # takes tree shapes with a node budget (ranks its nodes, EAGLE-2)
     reads_target_hidden: bool = False  # drafts from the target's hidden states: needs a native target
     reads_target_cache: bool = False  # runs the target's first layers on the target's own cache
     shared_cache: bool = False  # drafts from a cache shared across requests (DraftInputs.suffix_cache)
+
+    @property
+    def head_kind(self) -> str:
+        """The kind of learned drafter file a learned kind drafts with."""
+        return self.head or self.name
 
     @property
     def takes_trees(self) -> bool:
@@ -215,6 +221,14 @@ def _medusa_chain(inputs: DraftInputs) -> Drafter:
     return MedusaDrafter(inputs.need_head("medusa", MedusaHeads), inputs.sampling)
 
 
+def _ngram_eagle_chain(inputs: DraftInputs) -> Drafter:
+    """Prompt lookup where the context's suffix occurred before, the learned head elsewhere."""
+    from verispec.drafting.hybrid import LookupFirstDrafter
+    from verispec.drafting.ngram import NGramDrafter
+
+    return LookupFirstDrafter(NGramDrafter(), _eagle_chain(inputs), "ngram+eagle")
+
+
 def _ngram_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> TreeDrafter:
     """Several prompt-lookup matches merged into a tree."""
     from verispec.drafting.ngram import NGramDrafter, NGramTreeDrafter
@@ -269,6 +283,14 @@ DRAFTERS: dict[str, DrafterKind] = {
             _eagle_tree,
             learned=True,
             dynamic_trees=True,
+            reads_target_hidden=True,
+        ),
+        DrafterKind(
+            "ngram+eagle",
+            "prompt lookup where the context's suffix occurred before, the eagle head elsewhere",
+            _ngram_eagle_chain,
+            learned=True,
+            head="eagle",
             reads_target_hidden=True,
         ),
         DrafterKind(

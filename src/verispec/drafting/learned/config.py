@@ -11,7 +11,9 @@ from verispec.errors import UsageError
 
 __all__ = ["CE_TARGETS", "KINDS", "THROUGH_TARGET", "TrainConfig"]
 
-KINDS = tuple(name for name, kind in DRAFTERS.items() if kind.learned)  # what train-drafter --kind trains
+KINDS = tuple(
+    name for name, kind in DRAFTERS.items() if kind.learned and kind.head_kind == name
+)  # trained kinds
 # kinds trained through the target's own layers (their gradient flows through it): on its float32 weights,
 # whatever precision it otherwise runs in, since the native kernels compute no gradients
 THROUGH_TARGET = frozenset({"lookahead"})
