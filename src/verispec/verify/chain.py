@@ -122,20 +122,30 @@ class _Layout:
     tokens: Tensor  # [B, K] int64: the draft tokens, 0 where not drafted (padding may hold anything)
 
 
-def _layout(draft_tokens: Tensor, draft_lengths: Tensor | None) -> _Layout:
+def _rows(draft_tokens: Tensor, draft_lengths: Tensor | None) -> tuple[list[list[int]], list[int]]:
+    """The draft tokens [B, K] and each row's draft length as Python ints, checked: the lengths in [0, K],
+    no negative token within a row's draft."""
     b, k = _check_draft(draft_tokens)
     if draft_lengths is None:
-        lengths = torch.full((b,), k, dtype=torch.int64, device=draft_tokens.device)
+        lengths = [k] * b
     elif draft_lengths.shape != (b,) or draft_lengths.dtype not in (torch.int32, torch.int64):
         raise UsageError(f"draft_lengths must be an integer tensor of shape [{b}]")
-    elif b and (int(draft_lengths.min()) < 0 or int(draft_lengths.max()) > k):
-        raise UsageError(f"draft_lengths must lie in [0, {k}]")
     else:
-        lengths = draft_lengths.to(device=draft_tokens.device, dtype=torch.int64)
+        lengths = draft_lengths.tolist()
+        if not all(0 <= n <= k for n in lengths):
+            raise UsageError(f"draft_lengths must lie in [0, {k}]")
+    drafts = draft_tokens.tolist()
+    if any(token < 0 for row, n in zip(drafts, lengths, strict=True) for token in row[:n]):
+        raise UsageError("draft_tokens must be >= 0")
+    return drafts, lengths
+
+
+def _layout(draft_tokens: Tensor, draft_lengths: Tensor | None) -> _Layout:
+    _, lengths_list = _rows(draft_tokens, draft_lengths)
+    k = draft_tokens.shape[1]
+    lengths = torch.tensor(lengths_list, dtype=torch.int64, device=draft_tokens.device)
     cols = torch.arange(k + 1, device=draft_tokens.device)
     drafted, used = cols[:k] < lengths.unsqueeze(1), cols <= lengths.unsqueeze(1)
-    if bool(((draft_tokens < 0) & drafted).any()):
-        raise UsageError("draft_tokens must be >= 0")
     return _Layout(lengths, drafted, used, torch.where(drafted, draft_tokens.long(), 0))
 
 
@@ -164,18 +174,20 @@ def _check_probs(name: str, probs: Tensor, valid: Tensor, dtype: torch.dtype) ->
     return probs.to(dtype) if all_valid else torch.where(valid.unsqueeze(-1), probs.to(dtype), 0.0)
 
 
-def _greedy_targets(scores: Tensor, valid: Tensor) -> Tensor:
-    """scores: [B, P, V] probabilities or logits; valid: [B, P] bool → their first argmax [B, P] int64
-    (torch.argmax's convention). A NaN anywhere in a row makes its maximum NaN (torch.max propagates it), so
-    the maxima alone find any NaN at a valid position."""
-    b, positions = valid.shape
-    if scores.ndim != 3 or scores.shape[:2] != (b, positions) or scores.shape[2] == 0:
-        raise UsageError(f"p must have shape [{b}, {positions}, V], got {tuple(scores.shape)}")
+def _greedy_targets(scores: Tensor, lengths: Sequence[int] | None = None) -> Tensor:
+    """scores: [B, P, V] probabilities or logits → their first argmax [B, P] int64 (torch.argmax's
+    convention); UsageError at a NaN at a position a row uses (t <= its draft length ``lengths[b]``; None:
+    every position). A NaN anywhere in a row makes its maximum NaN (torch.max propagates it), so the maxima
+    alone find it."""
+    if scores.ndim != 3 or scores.shape[2] == 0 or (lengths is not None and scores.shape[0] != len(lengths)):
+        rows = "B" if lengths is None else len(lengths)
+        raise UsageError(f"p must have shape [{rows}, P, V], got {tuple(scores.shape)}")
     maxima, targets = scores.max(dim=-1)  # [B, P] each
-    bad = torch.isnan(maxima) & valid
-    if bad.any():
-        row, pos = bad.nonzero()[0].tolist()
-        raise UsageError(f"p has NaN at row {row}, position {pos}")
+    nan = torch.isnan(maxima)
+    if bool(nan.any()):
+        for row, pos in nan.nonzero().tolist():
+            if lengths is None or pos <= lengths[row]:
+                raise UsageError(f"p has NaN at row {row}, position {pos}")
     return targets
 
 
@@ -255,7 +267,8 @@ def greedy_rule(draft_tokens: Tensor, *, p: Tensor, draft_lengths: Tensor | None
     mass on the argmax. p: [B, K+1, V] target distributions or logits (only the argmax is used)."""
     lay = _layout(draft_tokens, draft_lengths)
     k = lay.drafted.shape[1]
-    target = _greedy_targets(p, lay.used)  # [B, K+1]
+    _check_scores(p, draft_tokens.shape[0], k)
+    target = _greedy_targets(p, lay.lengths.tolist())  # [B, K+1]
     accept_prob = ((lay.tokens == target[:, :k]) & lay.drafted).to(torch.float64)
     fallback = torch.zeros(p.shape, dtype=torch.float64, device=p.device)
     fallback.scatter_(-1, target.unsqueeze(-1), 1.0)
@@ -360,11 +373,16 @@ def greedy_verify(
 
     draft_tokens: [B, K] int; p: [B, K+1, V] target distributions or logits; draft_lengths: [B] or None.
     """
-    lay = _layout(draft_tokens, draft_lengths)
-    targets = _greedy_targets(p, lay.used)  # [B, K+1]
-    return greedy_verify_targets(
-        draft_tokens, targets=targets, draft_lengths=draft_lengths, eos_token_id=eos_token_id
-    )
+    drafts, lengths = _rows(draft_tokens, draft_lengths)
+    _check_scores(p, len(drafts), draft_tokens.shape[1])
+    targets = _greedy_targets(p, lengths).tolist()  # [B][K+1]
+    return _greedy_verdict(drafts, lengths, targets, draft_tokens.shape[1], eos_token_id, draft_tokens.device)
+
+
+def _check_scores(p: Tensor, b: int, k: int) -> None:
+    """UsageError unless p has the shape [B, K+1, V] of a round's target scores."""
+    if p.ndim != 3 or p.shape[:2] != (b, k + 1) or p.shape[2] == 0:
+        raise UsageError(f"p must have shape [{b}, {k + 1}, V], got {tuple(p.shape)}")
 
 
 def greedy_targets(p: Tensor) -> Tensor:
@@ -372,7 +390,7 @@ def greedy_targets(p: Tensor) -> Tensor:
     every position (what :func:`greedy_verify_targets` takes); UsageError at a NaN."""
     if p.ndim != 2:
         raise UsageError(f"p must have shape [P, V], got {tuple(p.shape)}")
-    return _greedy_targets(p.unsqueeze(0), torch.ones(1, p.shape[0], dtype=torch.bool, device=p.device))[0]
+    return _greedy_targets(p.unsqueeze(0))[0]
 
 
 def greedy_verify_targets(
@@ -384,12 +402,39 @@ def greedy_verify_targets(
 
     draft_tokens: [B, K] int; draft_lengths: [B] or None.
     """
-    lay = _layout(draft_tokens, draft_lengths)
-    k = lay.drafted.shape[1]
-    if targets.shape != lay.used.shape or torch.is_floating_point(targets) or targets.is_complex():
-        raise UsageError(f"targets must be an integer tensor of shape {list(lay.used.shape)}, got "
+    drafts, lengths = _rows(draft_tokens, draft_lengths)
+    k = draft_tokens.shape[1]
+    if targets.shape != (len(drafts), k + 1) or torch.is_floating_point(targets) or targets.is_complex():
+        raise UsageError(f"targets must be an integer tensor of shape {[len(drafts), k + 1]}, got "
                          f"{targets.dtype} {list(targets.shape)}")  # fmt: skip
-    targets = targets.long()
-    num_accepted = _accepted_prefix((lay.tokens == targets[:, :k]) & lay.drafted)
-    final = targets.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
-    return _assemble(draft_tokens, num_accepted, final, lay.lengths, eos_token_id)
+    return _greedy_verdict(drafts, lengths, targets.tolist(), k, eos_token_id, draft_tokens.device)
+
+
+def _greedy_verdict(
+    drafts: list[list[int]],
+    lengths: list[int],
+    targets: list[list[int]],
+    k: int,
+    eos: EosIds,
+    device: torch.device,
+) -> Verdict:
+    """Each row's verdict from its draft, draft length and greedy tokens, in Python ints (a round's rows are
+    few and short: cheaper than tensor operations): the longest prefix agreeing with the greedy tokens, then
+    the greedy token after it; cut after an accepted end-of-sequence token."""
+    ends = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    rows, accepted, emitted = [], [], []
+    for draft, n, greedy in zip(drafts, lengths, targets, strict=True):
+        a = 0
+        while a < n and draft[a] == greedy[a]:
+            a += 1
+        end = next((i for i in range(a) if draft[i] in ends), None)  # the first accepted end
+        out = draft[: end + 1] if end is not None else [*draft[:a], greedy[a]]
+        accepted.append(a if end is None else end + 1)
+        emitted.append(len(out))
+        rows.append(out + [_PAD] * (k + 1 - len(out)))
+    return Verdict(
+        tokens=torch.tensor(rows, dtype=torch.long, device=device).view(len(rows), k + 1),
+        num_accepted=torch.tensor(accepted, dtype=torch.long, device=device),
+        num_tokens=torch.tensor(emitted, dtype=torch.long, device=device),
+        num_drafted=torch.tensor(lengths, dtype=torch.long, device=device),
+    )
