@@ -178,10 +178,7 @@ def _greedy_targets(scores: Tensor, lengths: Sequence[int] | None = None) -> Ten
     """scores: [B, P, V] probabilities or logits → their first argmax [B, P] int64 (torch.argmax's
     convention); UsageError at a NaN at a position a row uses (t <= its draft length ``lengths[b]``; None:
     every position). A NaN anywhere in a row makes its maximum NaN (torch.max propagates it), so the maxima
-    alone find it."""
-    if scores.ndim != 3 or scores.shape[2] == 0 or (lengths is not None and scores.shape[0] != len(lengths)):
-        rows = "B" if lengths is None else len(lengths)
-        raise UsageError(f"p must have shape [{rows}, P, V], got {tuple(scores.shape)}")
+    alone find it. The caller has checked the shape."""
     maxima, targets = scores.max(dim=-1)  # [B, P] each
     nan = torch.isnan(maxima)
     if bool(nan.any()):
@@ -388,7 +385,7 @@ def _check_scores(p: Tensor, b: int, k: int) -> None:
 def greedy_targets(p: Tensor) -> Tensor:
     """p: [P, V] one row's target distributions or logits → its greedy tokens [P] int64, the first argmax at
     every position (what :func:`greedy_verify_targets` takes); UsageError at a NaN."""
-    if p.ndim != 2:
+    if p.ndim != 2 or p.shape[1] == 0:
         raise UsageError(f"p must have shape [P, V], got {tuple(p.shape)}")
     return _greedy_targets(p.unsqueeze(0))[0]
 
