@@ -57,7 +57,7 @@ def test_parts_k_gives_each_part_its_own_k_and_its_own_rounds():
     step right at 0.3 does not draft), and each round's verdict reaches only the policy of the part that
     drafted it; a round no part was asked for (no room) reaches none."""
     lookup, head = policy_at(0.9, 0.0, MEASURED), policy_at(0.3, 0.5, MEASURED)
-    parts = PartsK({"lookup": lookup, "head": head}, cap=K_MAX)
+    parts = PartsK({"lookup": lookup, "head": head})  # the cap: the parts' largest k_max
     assert parts.next_k(10) == K_MAX
     assert parts.part_k("lookup", 10) == policy_at(0.9, 0.0, MEASURED).next_k(10) == 11
     parts.observe(11, 2)

@@ -125,6 +125,12 @@ def k_policy(
     return CostModelK(cost, costs_at=costs_at, batch_costs_at=batch_costs_at, online=online)
 
 
+def _auto_k(calibration: Calibration, online: OnlineCosts | None) -> CostModelK:
+    """``--k auto`` over ``calibration``'s costs, corrected by those ``online`` measures as it runs."""
+    costs = calibration.cost_model, calibration.cost_model_at, calibration.batch_cost_at
+    return cast(CostModelK, k_policy("auto", *costs, online))
+
+
 class Speculator:
     """A loaded target (and draft) that generates with a chosen drafter.
 
@@ -273,17 +279,11 @@ class Speculator:
         if not self.kind.drafts:
             return ConstantK(0)
         calibration = self.calibration()
-        policy = k_policy(
-            k, calibration.cost_model, calibration.cost_model_at, calibration.batch_cost_at, self._online
-        )
+        policy = _auto_k(calibration, self._online)
         if self._lookup is None:
             return policy
         lookup, online = self._lookup  # a lookup first: a policy per part
-        parts = {
-            "lookup": k_policy(k, lookup.cost_model, lookup.cost_model_at, lookup.batch_cost_at, online),
-            "head": policy,
-        }
-        return PartsK(parts, max(cast(CostModelK, p).k_max for p in parts.values()))
+        return PartsK({"lookup": _auto_k(lookup, online), "head": policy})
 
     def k_label(self, k: int | str) -> str:
         """How stats name the draft size: K (see :func:`~verispec.options.parse_k`), or the tree's shape."""

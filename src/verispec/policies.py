@@ -337,16 +337,17 @@ class PartsK(KPolicy):
     """``--k auto`` for a drafter whose every round is drafted by one of its parts (prompt lookup or a learned
     head: :class:`~verispec.drafting.hybrid.LookupFirstDrafter`), which differ in what they cost and how
     often they are right: a K policy per part. Which part drafts depends on the context's tokens, which the
-    drafter sees and the engine's K question does not: :meth:`next_k` answers ``cap`` (the most any part
-    drafts) and the drafter asks the drafting part's policy for its K (:meth:`part_k`, once per round); the
-    round's verdict and timings go to that policy (none asked: a round that drafted nothing, to none)."""
+    drafter sees and the engine's K question does not: :meth:`next_k` answers the most any part drafts (the
+    largest ``k_max``) and the drafter asks the drafting part's policy for its K (:meth:`part_k`, once per
+    round); the round's verdict and timings go to that policy (none asked: a round that drafted nothing, to
+    none)."""
 
     name = "auto"
 
-    def __init__(self, parts: dict[str, KPolicy], cap: int) -> None:
+    def __init__(self, parts: dict[str, CostModelK]) -> None:
         self.parts = parts
-        self.cap = cap
-        self._active: KPolicy | None = None  # the policy of the part drafting this round
+        self.cap = max(part.k_max for part in parts.values())
+        self._active: CostModelK | None = None  # the policy of the part drafting this round
 
     def next_k(self, context: int = 0) -> int:
         self._active = None

@@ -76,10 +76,10 @@ class LookupFirstDrafter:
         drafters = [cast(LookupFirstDrafter, row.drafter) for row in rows]  # rows share one rows_key
         proposals, heads, left = [], [], []
         for i, (d, row) in enumerate(zip(drafters, rows, strict=True)):
-            found = d.lookup.propose(row.context, row.k, row.generator, row.allowed)
             if row.k <= 0:  # no room: no part drafts, none is asked
-                proposals.append(found)
+                proposals.append(Proposal.empty())
                 continue
+            found = d.lookup.propose(row.context, row.k, row.generator, row.allowed)
             if found.tokens.numel() > 0:
                 proposals.append(Proposal(found.tokens[: d._k("lookup", row)], None))
                 continue
