@@ -34,13 +34,13 @@ from verispec.drafting.learned.head import LearnedHead
 from verispec.drafting.learned.medusa import MedusaDrafter
 from verispec.drafting.tree import TreeShape
 from verispec.kernels.threads import THREADS
-from verispec.models.llama import Llama, run_native_rows
+from verispec.models.llama import Llama, native_rows
 from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
 from verispec.sequence import GenerationStats
 
 pytestmark = needs_native
-rows_run = run_native_rows  # what the eagle head calls for rows together (counted in a test)
+rows_of = native_rows  # what the eagle head places its rows' tokens with (counted in a test)
 PROMPTS = ("abc", "hello", "qqqzzz", "the", "mnopqrs", "x")
 KINDS = ("eagle", "medusa", "exit", "lookahead")
 
@@ -165,7 +165,9 @@ def test_rows_of_a_batch_draft_together_each_as_alone(target, sampling, monkeypa
     slots = target.new_cache_rows(4)
     calls = []
     monkeypatch.setattr(
-        eagle_module, "run_native_rows", lambda *a, **k: (calls.append(len(a[2])), rows_run(*a, **k))[1]
+        eagle_module,
+        "native_rows",
+        lambda caches, counts: (calls.append(len(caches)), rows_of(caches, counts))[1],
     )
     rng = torch.Generator().manual_seed(7)
     contexts = [torch.randint(0, VOCAB, (n,), generator=rng).tolist() for n in (9, 5, 14, 7)]
@@ -234,6 +236,76 @@ def test_medusa_rows_draft_together_each_as_alone(target, sampling, monkeypatch)
         assert got.q is None or torch.equal(got.q, own.q)
     assert [len(p.tokens) for p in proposals] == [3, 1, 0, 0]
     assert MedusaDrafter(random_medusa(target, torch.arange(VOCAB)), sampling).rows_key is None
+
+
+def test_eagle_draft_call_is_its_products_layers_and_norm_one_by_one(target):
+    """The native head's one-call forward (``vs_draft``: embedding, fc, layers, norm, draft logits) gives bit
+    for bit what fc, the layers' forward, the norm and the head rows give called one by one, and writes the
+    same keys and values: a backlog of several tokens, then draft steps of one, rows of one cache together
+    and a cache of its own alike."""
+    head = native_copy(fresh_head(target, torch.arange(0, VOCAB, 2), seed=2))
+    assert isinstance(head, EagleHead)
+    gen = torch.Generator().manual_seed(4)
+    h = target.config.hidden_size
+    whole = head.new_cache(batch_size=3, capacity=32).rows()
+    fused, calls = [head.new_cache(1, 32), whole[2]], [head.new_cache(1, 32), head.new_cache(1, 32)]
+    tokens = torch.randint(0, VOCAB, (2, 6), generator=gen)  # [rows, T]
+    features = torch.randn(2, 6, h, generator=gen)  # [rows, T, H]
+    positions = torch.arange(6)
+    for i in range(2):
+        got = head.forward_rows([(tokens[i], features[i], positions, fused[i])])[0]  # [T, H]
+        fc_in = torch.cat((head.embed_weight[tokens[i]], features[i]), -1)  # [T, 2H]
+        expected = head._native_layers(head._stack, head.fc(fc_in)[None], positions[None], calls[i], None)[0]
+        assert torch.equal(got, expected)
+    for step in range(3):
+        step_tokens = torch.randint(0, VOCAB, (2,), generator=gen).tolist()
+        step_features = torch.randn(2, h, generator=gen)  # [rows, H]
+        got, logits = head.step_rows(step_tokens, step_features, [6 + step] * 2, fused)
+        for i in range(2):
+            fc_in = torch.cat((head.embed_weight[step_tokens[i]], step_features[i]))[None]  # [1, 2H]
+            position = torch.tensor([[6 + step]])
+            expected = head._native_layers(head._stack, head.fc(fc_in)[None], position, calls[i], None)[0]
+            assert torch.equal(got[i : i + 1], expected)
+            assert torch.equal(logits[i : i + 1], head.logits(expected))
+    for a, b in zip(fused, calls, strict=True):  # the 9 slots written (tiled keys: the first tile's)
+        assert a.length == b.length == 9
+        (ka, va), (kb, vb) = (a.whole or (a.keys, a.values)), (b.keys, b.values)
+        assert isinstance(ka, torch.Tensor) and isinstance(va, torch.Tensor)
+        assert isinstance(kb, torch.Tensor) and isinstance(vb, torch.Tensor)
+        row = a.row or 0  # [layers, kv_heads, tiles, head_dim, 16] and [layers, kv_heads, slots, head_dim]
+        assert torch.equal(ka[:, row, :, 0, :, :9], kb[:, 0, :, 0, :, :9])
+        assert torch.equal(va[:, row, :, :9], vb[:, 0, :, :9])
+
+
+def test_eagle_greedy_call_drafts_as_step_by_step(target):
+    """The native head's greedy drafting in one call (``vs_draft_greedy``) drafts what its forwards one by
+    one and the draft vocabulary's argmax draft, rows of one cache together, each its own number of steps;
+    each row's cache then holds one slot per step."""
+    head = native_copy(fresh_head(target, torch.arange(0, VOCAB, 2), seed=2))
+    assert isinstance(head, EagleHead)
+    gen = torch.Generator().manual_seed(5)
+    h = target.config.hidden_size
+    together, alone = (
+        head.new_cache(batch_size=4, capacity=32).rows()[1:],
+        [head.new_cache(1, 32) for _ in range(3)],
+    )
+    context = torch.randint(0, VOCAB, (3, 6), generator=gen)  # [rows, T]
+    features = torch.randn(3, 6, h, generator=gen)  # [rows, T, H]
+    for i in range(3):
+        for cache in (together[i], alone[i]):
+            head.forward_rows([(context[i], features[i], torch.arange(6), cache)])
+    first, start = torch.randint(0, VOCAB, (3,), generator=gen).tolist(), torch.randn(3, h, generator=gen)
+    steps = [4, 1, 2]
+    drafts = head.greedy_rows(first, start, [6] * 3, together, steps)
+    for i in range(3):
+        token, feature, expected = first[i], start[i : i + 1], []
+        for step in range(steps[i]):
+            position = torch.tensor([[6 + step]])
+            feature = head(torch.tensor([[token]]), feature[None], position, alone[i])[0]  # [1, H]
+            token = int(head.draft_vocab[head.logits(feature)[0].argmax()])
+            expected.append(token)
+        assert drafts is not None and drafts[i] == expected
+        assert together[i].length == alone[i].length == 6 + steps[i]
 
 
 def eagle_after_context(head: EagleHead, features: torch.Tensor, rows) -> torch.Tensor:

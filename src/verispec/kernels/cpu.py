@@ -41,6 +41,7 @@ __all__ = [
     "ACTIVATIONS",
     "BLOCK",
     "FORMATS",
+    "DraftHead",
     "GGUF_TYPES",
     "KERNEL_FORMATS",
     "NativeLayer",
@@ -157,6 +158,12 @@ def _library(variant: str = "native") -> ctypes.CDLL:
         i32,
     ]
     lib.vs_forward.restype = i32
+    matrix, batch, kv = ctypes.POINTER(_Matrix), ctypes.POINTER(_Batch), ctypes.POINTER(_Cache)
+    head: list[Any] = [ctypes.POINTER(_Model), matrix, _p, matrix, _p, ctypes.c_int64]  # both drafts' first
+    lib.vs_draft.argtypes = [*head, _p, _p, batch, kv, _p, i32, _p, _p, i32]
+    lib.vs_draft.restype = i32
+    lib.vs_draft_greedy.argtypes = [*head, _p, i32, _p, _p, _p, _p, _p, _p, _p, kv, _p, i32]
+    lib.vs_draft_greedy.restype = i32
     lib.vs_repack.argtypes = [ctypes.POINTER(_Matrix), _p, ctypes.c_size_t, i32]
     lib.vs_repack.restype = i32
     lib.vs_group_size.argtypes = []
@@ -533,20 +540,145 @@ class NativeStack:
             _ptr(cos_local),
             _ptr(sin_local),
         )
-        cache = _Cache(keys.data_ptr(), values.data_ptr(), values.shape[1], values.shape[3])
         start = time.perf_counter()
         status = self._lib.vs_forward(
             ctypes.byref(self._model),
             0,
             num_layers,
             ctypes.byref(batch),
-            ctypes.byref(cache),
+            ctypes.byref(_cache(keys, values)),
             h.data_ptr(),
             THREADS.count(),
         )
         if self.measured and num_layers == len(self.layers):  # an early exit's forwards are drafts
             THREADS.record(h.shape[0], time.perf_counter() - start)
-        if status == -2:
-            raise MemoryError("the native forward ran out of memory")
-        if status:
-            raise RuntimeError("the native forward rejected its arguments (a bug: please report it)")
+        _check_status(status, "forward")
+
+    def draft(
+        self,
+        head: DraftHead,
+        *,
+        tokens: Tensor,
+        features: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        seq: Tensor,
+        slot: Tensor,
+        base: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        picks: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """A learned draft head's forward over N tokens in one call (``vs_draft``): [embed[tokens],
+        features] through the head's fc (2·hidden → hidden), every layer (causally, as :meth:`forward`
+        without a mask) and its norm → (f̂ [N, hidden], the draft logits [P, head rows] of the rows ``picks``
+        [P] int32, or None without picks): bit for bit the products, layers and norm called one by one.
+        tokens [N] int64 (checked against the embedding by the kernels), features [N, hidden] float32; the
+        rest as :meth:`forward`'s (the caller has checked every index)."""
+        n, features = tokens.shape[0], features.contiguous()
+        batch = _Batch(n, cos.data_ptr(), sin.data_ptr(), seq.data_ptr(), slot.data_ptr(), base.data_ptr())
+        out = features.new_empty(n, self._model.hidden)  # [N, hidden]
+        count = 0 if picks is None else picks.shape[0]
+        logits = None if picks is None else features.new_empty(count, head.rows.rows)  # [P, head rows]
+        status = self._lib.vs_draft(
+            *self._draft_head(head),
+            tokens.data_ptr(),
+            features.data_ptr(),
+            ctypes.byref(batch),
+            ctypes.byref(_cache(keys, values)),
+            out.data_ptr(),
+            count,
+            _ptr(picks),
+            _ptr(logits),
+            THREADS.count(),
+        )
+        _check_status(status, "draft forward")
+        return out, logits
+
+    def draft_greedy(
+        self,
+        head: DraftHead,
+        *,
+        tokens: Tensor,
+        features: Tensor,
+        seq: Tensor,
+        slot: Tensor,
+        steps: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        keys: Tensor,
+        values: Tensor,
+    ) -> Tensor:
+        """Greedy drafting of N rows in one call (``vs_draft_greedy``): row i reads tokens[i] [N] int64 and
+        features[i] [N, hidden] at slot[i] of cache row seq[i] (int32 [N] each), then steps[i] − 1 more tokens
+        (steps int32 [N], each ≥ 1), each the argmax of the step before mapped through ``head.ids``, with
+        that step's predicted feature at the next slot: the drafts [N, S] int64 (S = max steps; row i's first
+        steps[i]). cos, sin: [N, S, head_dim / 2] float32, each row's steps' RoPE. Each step as
+        :meth:`draft`."""
+        n, most = tokens.shape[0], int(steps.max())
+        drafts = torch.zeros(n, most, dtype=torch.int64)  # [N, S]
+        status = self._lib.vs_draft_greedy(
+            *self._draft_head(head),
+            head.ids.data_ptr(),
+            n,
+            tokens.data_ptr(),
+            features.contiguous().data_ptr(),
+            seq.data_ptr(),
+            slot.data_ptr(),
+            steps.data_ptr(),
+            cos.contiguous().data_ptr(),
+            sin.contiguous().data_ptr(),
+            ctypes.byref(_cache(keys, values)),
+            drafts.data_ptr(),
+            THREADS.count(),
+        )
+        _check_status(status, "greedy draft")
+        return drafts
+
+    def _draft_head(self, head: DraftHead) -> tuple[object, ...]:
+        """The arguments both drafts start with: the stack, the head's fc, norm, rows and embedding."""
+        rows = ctypes.byref(head.rows.struct)
+        return (
+            ctypes.byref(self._model),
+            ctypes.byref(head.fc.struct),
+            head.norm.data_ptr(),
+            rows,
+            *head.embed,
+        )
+
+
+@dataclass(frozen=True)
+class DraftHead:
+    """What a learned draft head adds to its stack for :meth:`NativeStack.draft`: fc (2·hidden → hidden,
+    its bias), the output norm's weight [hidden] float32, the draft vocabulary's head rows [Vd, hidden],
+    each draft logit's token id ``ids`` [Vd] int64, the token embedding [vocab, hidden] float32; all
+    contiguous."""
+
+    fc: PackedMatrix
+    norm: Tensor
+    rows: PackedMatrix
+    ids: Tensor
+    embedding: Tensor
+
+    def __post_init__(self) -> None:
+        for name, dtype in (("norm", torch.float32), ("ids", torch.int64), ("embedding", torch.float32)):
+            t = getattr(self, name)
+            if t.dtype != dtype or not t.is_contiguous():
+                raise UsageError(f"a draft head's {name} must be contiguous {dtype}, got {t.dtype}")
+
+    @property
+    def embed(self) -> tuple[int, int]:
+        """The embedding's pointer and row count, as the kernels take them."""
+        return self.embedding.data_ptr(), self.embedding.shape[0]
+
+
+def _cache(keys: Tensor, values: Tensor) -> _Cache:
+    """A tiled cache's keys and values as the kernels read them (see :meth:`NativeStack.forward`)."""
+    return _Cache(keys.data_ptr(), values.data_ptr(), values.shape[1], values.shape[3])
+
+
+def _check_status(status: int, what: str) -> None:
+    if status == -2:
+        raise MemoryError(f"the native {what} ran out of memory")
+    if status:
+        raise RuntimeError(f"the native {what} rejected its arguments (a bug: please report it)")

@@ -919,31 +919,40 @@ def run_native_rows(
     cache (each its own, :func:`rows_of_one_cache`), and attend to its committed slots and, causally or where
     ``mask`` [N, widest] says, to its own new ones. A row's outputs are bit-identical to running it alone
     (:func:`run_native` differs only in taking B rows of T tokens each after one shared start)."""
+    stack.forward(h, num_layers=num_layers, **rope, **native_rows(caches, counts), mask=mask)
+    advance_rows(caches, counts)
+    return rmsnorm(h, *norm)  # [N, H]
+
+
+def native_rows(caches: Sequence[KVCache], counts: Sequence[int]) -> dict[str, Tensor]:
+    """Where a native forward puts the next ``counts[i]`` tokens of each of ``caches`` (rows of one whole
+    tiled cache, each its own, :func:`rows_of_one_cache`; or one tiled cache of its own): each token's row,
+    slot and base (seq, slot, base [N] int32, N = Σ counts; causal) and the keys and values it writes to.
+    The caches' lengths move after the forward (:func:`advance_rows`)."""
     seq: list[int] = []
     slot: list[int] = []
     base: list[int] = []
     for cache, t in zip(caches, counts, strict=True):
-        assert cache.row is not None  # a row of one whole cache (the caller checked)
         start, _ = cache._reserve(t)
-        seq += [cache.row] * t
+        seq += [0 if cache.row is None else cache.row] * t
         slot += range(start, start + t)
         base += [start] * t
     whole = caches[0].whole
-    assert whole is not None
-    stack.forward(
-        h,
-        num_layers=num_layers,
-        **rope,
-        seq=torch.tensor(seq, dtype=torch.int32),  # [N]
-        slot=torch.tensor(slot, dtype=torch.int32),  # [N]
-        base=torch.tensor(base, dtype=torch.int32),  # [N]
-        mask=mask,
-        keys=whole[0],
-        values=whole[1],
-    )
+    keys, values = (caches[0].keys, caches[0].values) if whole is None else whole
+    assert isinstance(keys, Tensor) and isinstance(values, Tensor)  # tiled: one tensor each
+    return {
+        "seq": torch.tensor(seq, dtype=torch.int32),  # [N]
+        "slot": torch.tensor(slot, dtype=torch.int32),  # [N]
+        "base": torch.tensor(base, dtype=torch.int32),  # [N]
+        "keys": keys,
+        "values": values,
+    }
+
+
+def advance_rows(caches: Sequence[KVCache], counts: Sequence[int]) -> None:
+    """The caches of a native forward of :func:`native_rows` hold their new tokens."""
     for cache, t in zip(caches, counts, strict=True):
         cache._length += t
-    return rmsnorm(h, *norm)  # [N, H]
 
 
 def pack_linears(module: nn.Module, batch_size_hint: int, min_weight_elements: int) -> None:

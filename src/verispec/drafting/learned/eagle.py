@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from verispec.drafting.learned.head import DRAFT_FORMAT, LearnedHead, native_target, shape_count
 from verispec.errors import UsageError
 from verispec.inputs import is_int
-from verispec.kernels.cpu import NativeStack
+from verispec.kernels.cpu import DraftHead, NativeStack
 from verispec.models.base import Cache, LanguageModel
 from verispec.models.llama import (
     KVCache,
@@ -42,12 +42,13 @@ from verispec.models.llama import (
     _DecoderLayer,
     _Linear,
     _RMSNorm,
+    advance_rows,
+    native_rows,
     native_stack,
     rope_tables,
     rows_of_one_cache,
     run_layers,
     run_native,
-    run_native_rows,
 )
 
 __all__ = ["MAX_LAYERS", "EagleHead"]
@@ -83,6 +84,7 @@ class EagleHead(LearnedHead):
         self.embed_weight = nn.Buffer(target.model.embed_tokens.weight.detach(), persistent=False)  # [V, H]
         self.inv_freq = nn.Buffer(self.config.rope_inv_freq().to(device), persistent=False)  # [head_dim // 2]
         self._stack: NativeStack | None = None  # the layers on the native kernels (pack_native)
+        self._draft_head: DraftHead | None = None  # what the native drafting calls read (_native_head)
         # (the target's whole cache, the rows of the head's own cache for its rows): see cache_row
         self._rows: tuple[weakref.ref[Tensor], list[KVCache]] | None = None
 
@@ -148,21 +150,122 @@ class EagleHead(LearnedHead):
 
     def forward_rows(self, rows: Sequence[tuple[Tensor, Tensor, Tensor, KVCache]]) -> list[Tensor]:
         """:meth:`forward` of several sequences at once, each (tokens [T_i] int64, features [T_i, H],
-        positions [T_i] int64, its cache) causally → f̂ [T_i, H] each: one native forward where the caches
-        are rows of one of :meth:`cache_row`'s (each its own), else one forward each. A row's output is
-        bit-identical to its forward alone (the kernels compute every row on its own)."""
+        positions [T_i] int64, its cache) causally → f̂ [T_i, H] each: on the native kernels one call
+        (:meth:`_draft`) where the caches are rows of one of :meth:`cache_row`'s (each its own) or there is
+        one sequence, else one forward each. A row's output is bit-identical to its forward alone (the kernels
+        compute every row on its own)."""
         caches = [cache for *_, cache in rows]
-        if len(rows) == 1 or self._stack is None or not rows_of_one_cache(caches):
+        if self._native_head(caches) is None:
             return [self(t[None], f[None], p[None], cache)[0] for t, f, p, cache in rows]
-        tokens = torch.cat([t for t, *_ in rows])  # [N]
-        features = torch.cat([f for _, f, *_ in rows])  # [N, H]
-        embedded = F.embedding(tokens, self.embed_weight).float()  # [N, H]
-        h = self.fc(torch.cat((embedded, features.float()), dim=-1)).contiguous()  # [N, H]
-        rope = rope_tables(torch.cat([p for _, _, p, _ in rows]), self.inv_freq)
-        norm = (self.norm.weight, self.config.rms_norm_eps)
         counts = [len(t) for t, *_ in rows]
-        out = run_native_rows(self._stack, h, caches, counts, self.num_layers, rope, norm)  # [N, H]
+        out, _ = self._draft(*_joined(rows), caches, counts, picks=None)
         return list(out.split(counts))
+
+    def feed_rows(self, rows: Sequence[tuple[Tensor, Tensor, Tensor, KVCache]]) -> tuple[Tensor, Tensor]:
+        """:meth:`forward_rows` → each row's last f̂ [R, H] and its draft logits [R, Vd] (on the native
+        kernels in the same call)."""
+        caches = [cache for *_, cache in rows]
+        if self._native_head(caches) is None:
+            last = torch.stack([f[-1] for f in self.forward_rows(rows)])  # [R, H]
+            return last, self.logits(last)
+        counts = [len(t) for t, *_ in rows]
+        ends = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32) - 1  # [R]: last tokens
+        out, logits = self._draft(*_joined(rows), caches, counts, picks=ends)
+        assert logits is not None  # picked
+        return out[ends.long()], logits
+
+    def step_rows(
+        self, tokens: Sequence[int], features: Tensor, positions: Sequence[int], caches: Sequence[KVCache]
+    ) -> tuple[Tensor, Tensor]:
+        """One draft step of N sequences: token i and feature i (features [N, H]) at position i, each on its
+        cache → (f̂ [N, H], its draft logits [N, Vd]); on the native kernels in one call."""
+        ids, at = torch.tensor(tokens), torch.tensor(positions)  # [N] each
+        if self._native_head(caches) is None:
+            rows = [(ids[i : i + 1], features[i : i + 1], at[i : i + 1], c) for i, c in enumerate(caches)]
+            out = torch.cat(self.forward_rows(rows))  # [N, H]
+            return out, self.logits(out)
+        n = len(caches)
+        out, logits = self._draft(ids, features, at, caches, [1] * n, torch.arange(n, dtype=torch.int32))
+        assert logits is not None  # picked
+        return out, logits
+
+    def greedy_rows(
+        self,
+        tokens: Sequence[int],
+        features: Tensor,
+        positions: Sequence[int],
+        caches: Sequence[KVCache],
+        steps: Sequence[int],
+    ) -> list[list[int]] | None:
+        """Greedy drafting of N sequences in one native call: sequence i reads tokens[i] and features[i]
+        ([N, H]) at positions[i], then steps[i] − 1 more (steps ≥ 1), each the argmax of the draft logits
+        before it with the predicted feature: each sequence's steps[i] draft tokens, as :meth:`step_rows` and
+        the argmax would draft them one by one. None where the head is not on the native kernels."""
+        head = self._native_head(caches)
+        if head is None:
+            return None
+        assert self._stack is not None  # _native_head
+        for cache, count in zip(caches, steps, strict=True):
+            cache._reserve(count)
+        most = max(steps)
+        at = torch.tensor(positions)[:, None] + torch.arange(most)  # [N, S]: each row's steps' positions
+        rope = {k: v.view(len(steps), most, -1) for k, v in rope_tables(at, self.inv_freq).items()}
+        whole = caches[0].whole
+        keys, values = (caches[0].keys, caches[0].values) if whole is None else whole
+        assert isinstance(keys, Tensor) and isinstance(values, Tensor)  # tiled
+        drafts = self._stack.draft_greedy(
+            head,
+            tokens=torch.tensor(tokens),
+            features=features.float(),
+            seq=torch.tensor([c.row or 0 for c in caches], dtype=torch.int32),
+            slot=torch.tensor([c.length for c in caches], dtype=torch.int32),
+            steps=torch.tensor(steps, dtype=torch.int32),
+            keys=keys,
+            values=values,
+            **rope,
+        )
+        advance_rows(caches, steps)
+        return [row[:count] for row, count in zip(drafts.tolist(), steps, strict=True)]
+
+    def _native_head(self, caches: Sequence[KVCache]) -> DraftHead | None:
+        """The head as the native drafting calls take it, where a forward over ``caches`` runs in one
+        call (one cache, or rows of one of :meth:`cache_row`'s); else None."""
+        if self._stack is None or self.fc.native is None or self._native_rows is None:
+            return None
+        if len(caches) > 1 and not rows_of_one_cache(caches):
+            return None
+        if self._draft_head is None:
+            embedding = self.embed_weight
+            if embedding.dtype != torch.float32 or not embedding.is_contiguous():
+                return None
+            norm = self.norm.weight.detach()  # [H] float32
+            self._draft_head = DraftHead(self.fc.native, norm, self._native_rows, self.draft_vocab, embedding)
+        return self._draft_head
+
+    def _draft(
+        self,
+        tokens: Tensor,
+        features: Tensor,
+        positions: Tensor,
+        caches: Sequence[KVCache],
+        counts: Sequence[int],
+        picks: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The head over N tokens (tokens [N] int64, features [N, H], positions [N]), the next ``counts[i]``
+        on ``caches[i]``, in one native call: (f̂ [N, H], the draft logits [P, Vd] of the tokens ``picks``
+        [P] int32, or None)."""
+        head = self._native_head(caches)
+        assert self._stack is not None and head is not None  # the callers' check
+        out, logits = self._stack.draft(
+            head,
+            tokens=tokens,
+            features=features.float(),
+            picks=picks,
+            **rope_tables(positions, self.inv_freq),
+            **native_rows(caches, counts),
+        )
+        advance_rows(caches, counts)
+        return out, logits
 
     def pack_native(self) -> None:
         """fc on the native kernels, the layers as one native stack."""
@@ -207,3 +310,12 @@ class EagleHead(LearnedHead):
     ) -> EagleHead:
         # files written before heads had a layer count: one
         return cls(target, draft_vocab, info, shape_count(shape, "num_layers", 1, MAX_LAYERS, "1", path))
+
+
+def _joined(rows: Sequence[tuple[Tensor, Tensor, Tensor, KVCache]]) -> tuple[Tensor, Tensor, Tensor]:
+    """The rows' tokens [N], features [N, H] and positions [N], one after another."""
+    return (
+        torch.cat([t for t, *_ in rows]),
+        torch.cat([f for _, f, *_ in rows]),
+        torch.cat([p for _, _, p, _ in rows]),
+    )

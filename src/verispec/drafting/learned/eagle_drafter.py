@@ -71,6 +71,7 @@ class EagleDrafter:
         self._num_features = 0
         self._committed = 0  # cache slots fed with true features
         self._next = torch.empty(1, 1, hidden, device=head.inv_freq.device)  # [1, 1, H]: f̂ after them
+        self._next_logits: Tensor | None = None  # [Vd]: its draft logits, where computed
 
     @property
     def rows_key(self) -> object | None:
@@ -103,9 +104,11 @@ class EagleDrafter:
         tokens = torch.tensor(context[start + 1 : n + 1], device=device)  # [T]
         return tokens, self._features[start:n], torch.arange(start, n, device=device)
 
-    def _fed(self, context: list[int], predicted: Tensor) -> None:
-        """The backlog of ``context`` went through the head, predicting ``predicted`` [T, H]."""
+    def _fed(self, context: list[int], predicted: Tensor, logits: Tensor | None = None) -> None:
+        """The backlog of ``context`` went through the head, predicting ``predicted`` [T, H] (the last one's
+        draft logits [Vd], where computed)."""
         self._next = predicted[-1:].unsqueeze(0)  # [1, 1, H]
+        self._next_logits = logits
         self._committed = len(context) - 1
 
     def catch_up(self, context: list[int]) -> Tensor | None:
@@ -119,15 +122,15 @@ class EagleDrafter:
             self._fed(context, self.head.forward_rows([(*backlog, self.cache)])[0])
         return self._next
 
-    def _pick(self, logits: Tensor, generator: torch.Generator, position: int, qs: list[Tensor]) -> Tensor:
-        """The draft token [1] (a target id) at ``position`` from the draft logits [Vd]: the argmax, or a
-        draw from q (appended to ``qs``)."""
+    def _pick(self, logits: Tensor, generator: torch.Generator, position: int, qs: list[Tensor]) -> int:
+        """The draft token (a target id) at ``position`` from the draft logits [Vd]: the argmax, or a draw
+        from q (appended to ``qs``)."""
         ids = self.head.draft_vocab  # [Vd]: the target's ids
         if self.sampling.greedy:
-            return ids[logits.argmax()].view(1)
+            return int(ids[int(logits.numpy().argmax())])  # NumPy's first maximum, as torch's argmax
         q_draft = probs_from_logits(logits, self.sampling)  # [Vd]
         qs.append(q_draft)
-        return ids[draft_draw(q_draft, generator, self.sampling, position, ids)]
+        return int(ids[draft_draw(q_draft, generator, self.sampling, position, ids)])
 
     def propose(
         self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
@@ -137,9 +140,10 @@ class EagleDrafter:
     @classmethod
     @torch.inference_mode()
     def propose_rows(cls, rows: Sequence[DraftRow]) -> list[Proposal]:
-        """Every row's proposal, the rows' head forwards run together (:meth:`EagleHead.forward_rows`: one
-        for the backlogs, then one per draft position over the rows still drafting): each row's is exactly
-        its own ``propose``'s."""
+        """Every row's proposal, the rows' head forwards run together: the backlogs in one forward
+        (:meth:`EagleHead.feed_rows`), then greedy rows without a grammar to the end in one call
+        (:meth:`EagleHead.greedy_rows`, on the native kernels) and the others one forward per draft position
+        (:meth:`EagleHead.step_rows`): each row's proposal is exactly its own ``propose``'s."""
         drafters = [cast(EagleDrafter, row.drafter) for row in rows]
         head = drafters[0].head
         ns = [len(row.context) - 1 for row in rows]  # each row's last committed position
@@ -148,46 +152,79 @@ class EagleDrafter:
             for row, d, n in zip(rows, drafters, ns, strict=True)
         ]
         live = [i for i, k in enumerate(ks) if k > 0]
-        backlogs = [(i, drafters[i]._backlog(rows[i].context)) for i in live]
-        fed = [(i, b) for i, b in backlogs if b is not None]
-        for (i, _), predicted in zip(
-            fed, head.forward_rows([(*b, drafters[i].cache) for i, b in fed]), strict=True
-        ):
-            drafters[i]._fed(rows[i].context, predicted)
+        fed = [(i, b) for i in live if (b := drafters[i]._backlog(rows[i].context)) is not None]
+        if fed:
+            last, last_logits = head.feed_rows([(*b, drafters[i].cache) for i, b in fed])  # [F, H], [F, Vd]
+            for (i, _), feature, logits_row in zip(fed, last, last_logits, strict=True):
+                drafters[i]._fed(rows[i].context, feature[None], logits_row)
         features = {i: drafters[i]._next[0, 0] for i in live}  # [H] each: f̂ the next draft is read from
-        drafts: dict[int, list[Tensor]] = {i: [] for i in live}  # [1] each: the draft tokens
+        logits = {i: drafters[i]._next_logits for i in live}  # [Vd] each: the next draft's logits
+        unread = [i for i in live if logits[i] is None]  # proposing again for the same context
+        if unread:
+            logits.update(zip(unread, head.logits(torch.stack([features[i] for i in unread])), strict=True))
+        drafts: dict[int, list[int]] = {i: [] for i in live}  # each row's draft tokens
         qs: dict[int, list[Tensor]] = {i: [] for i in live}  # [Vd] each: q of each draft token
         for step in range(max(ks, default=0)):
-            active = [i for i in live if step < ks[i] and len(drafts[i]) == step]  # not stopped by a grammar
-            if not active:
-                break
-            raw = head.logits(torch.stack([features[i] for i in active]))  # [A, Vd]
-            going = []
-            for logits_row, i in zip(raw, active, strict=True):
-                row = rows[i]
-                logits = logits_row  # [Vd]
+            going = []  # the rows drafting a further token after this one
+            for i in live:
+                row, row_logits = rows[i], logits[i]  # [Vd]
+                if step >= ks[i] or len(drafts[i]) != step:  # done (greedily too), or stopped by a grammar
+                    continue
+                assert row_logits is not None  # read above
                 if row.allowed is not None:  # masked after the drafts so far (None: it allows nothing more)
-                    path = [int(t) for t in drafts[i]]
-                    logits = allowed_logits(logits_row, row.allowed, path, head.draft_vocab)
-                    if logits is None:
+                    row_logits = allowed_logits(row_logits, row.allowed, drafts[i], head.draft_vocab)
+                    if row_logits is None:
                         continue
-                drafts[i].append(drafters[i]._pick(logits, row.generator, ns[i] + 1 + step, qs[i]))
+                drafts[i].append(drafters[i]._pick(row_logits, row.generator, ns[i] + 1 + step, qs[i]))
                 if step < ks[i] - 1:
                     going.append(i)
-            inputs = [
-                (drafts[i][-1], features[i][None], torch.tensor([ns[i] + step]), drafters[i].cache)
-                for i in going
-            ]
-            for i, predicted in zip(going, head.forward_rows(inputs), strict=True):
-                features[i] = predicted[0]
+            if step == 0:  # greedy rows without a grammar draft the rest in one call
+                plain = [i for i in going if rows[i].allowed is None and drafters[i].sampling.greedy]
+                if plain and cls._greedy(head, plain, drafts, features, ns, ks, drafters):
+                    going = [i for i in going if i not in plain]
+            if not going:
+                break
+            predicted, next_logits = head.step_rows(
+                [drafts[i][-1] for i in going],
+                torch.stack([features[i] for i in going]),  # [G, H]
+                [ns[i] + step for i in going],
+                [drafters[i].cache for i in going],
+            )
+            features.update(zip(going, predicted, strict=True))
+            logits.update(zip(going, next_logits, strict=True))
         proposals = []
         for i in range(len(rows)):
             if not drafts.get(i):
                 proposals.append(Proposal.empty())
                 continue
             q = head.full_q(torch.stack(qs[i])).cpu() if qs[i] else None  # [K', V]
-            proposals.append(Proposal(tokens=torch.cat(drafts[i]).cpu(), q=q))
+            proposals.append(Proposal(tokens=torch.tensor(drafts[i]), q=q))
         return proposals
+
+    @staticmethod
+    def _greedy(
+        head: EagleHead,
+        plain: list[int],
+        drafts: dict[int, list[int]],
+        features: dict[int, Tensor],
+        ns: list[int],
+        ks: list[int],
+        drafters: list[EagleDrafter],
+    ) -> bool:
+        """The ``plain`` rows' further greedy drafts after their first, in one native call, appended to
+        ``drafts``; False (nothing drafted) where the head is not on the native kernels."""
+        more = head.greedy_rows(
+            [drafts[i][-1] for i in plain],
+            torch.stack([features[i] for i in plain]),  # [P, H]
+            [ns[i] for i in plain],
+            [drafters[i].cache for i in plain],
+            [ks[i] - 1 for i in plain],
+        )
+        if more is None:
+            return False
+        for i, tokens in zip(plain, more, strict=True):
+            drafts[i] += tokens
+        return True
 
     def observe(self, num_accepted: int) -> None:
         self.cache.truncate(self._committed)
