@@ -18,7 +18,9 @@ from verispec.analysis.analytic import (
     expected_tokens_per_call,
     optimal_k,
     speedup_from_tokens,
+    tree_tokens_bound,
 )
+from verispec.errors import UsageError
 
 alphas = st.floats(0.0, 1.0)
 ks = st.integers(0, 40)
@@ -336,3 +338,48 @@ def test_batch_cost_refuses_a_bad_grid(args, message):
 def test_batch_cost_refuses_a_bad_forward(rows, tokens):
     with pytest.raises(ValueError, match="a batch forward needs 1 <= rows <= tokens"):
         GRID.forward(rows, tokens)
+
+
+C4 = ((), (0,), (1,), (2,), (0, 0))  # eagle's default tree: three first tokens, the best after the best
+
+
+@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=6))
+def test_a_chains_tree_bound_is_its_expected_tokens(alphas):
+    paths = [tuple([0] * d) for d in range(len(alphas) + 1)]  # a chain of K = len(alphas) drafts
+    expected = 1 + sum(math.prod(alphas[: i + 1]) for i in range(len(alphas)))  # 1 + α1 + α1·α2 + …
+    assert tree_tokens_bound(paths, alphas) == pytest.approx(expected)
+
+
+@given(st.floats(0.0, 1.0), st.floats(0.0, 1.0))
+def test_c4_bound_credits_its_siblings_what_the_first_guess_misses(a1, a2):
+    assert tree_tokens_bound(C4, [a1, a2]) == pytest.approx(2 + a1 * a2)
+
+
+@given(st.lists(st.floats(0.0, 1.0), min_size=3, max_size=3), st.randoms(use_true_random=False))
+def test_the_tree_bound_holds_whatever_the_siblings_guess(alphas, rng):
+    """A tree whose first-ranked children are accepted at the top-1 rates and whose other children at any
+    rates that leave a depth's probabilities summing to at most 1: its exact expected tokens never exceed
+    the bound."""
+    paths = [(), (0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (1, 0, 0)]
+    split: dict[
+        tuple[int, ...], float
+    ] = {}  # a node's rank > 0 children's acceptance probabilities, given their parent
+    for parent in {p[:-1] for p in paths if p}:
+        depth = len(parent)
+        others = [p for p in paths if p and p[:-1] == parent and p[-1] != 0]
+        weights = [rng.random() for _ in others]
+        scale = (1 - alphas[depth]) * rng.random() / max(sum(weights), 1e-12)
+        split |= {p: w * scale for p, w in zip(others, weights, strict=True)}
+
+    def exact(node):
+        kids = [p for p in paths if p and p[:-1] == node]
+        return 1 + sum((alphas[len(node)] if c[-1] == 0 else split[c]) * exact(c) for c in kids)
+
+    assert exact(()) <= tree_tokens_bound(paths, alphas) + 1e-12
+
+
+def test_tree_bound_refuses_no_rates():
+    with pytest.raises(UsageError, match="at least one depth"):
+        tree_tokens_bound(C4, [])
+    with pytest.raises(UsageError):
+        tree_tokens_bound(C4, [1.5])

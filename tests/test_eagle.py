@@ -958,10 +958,30 @@ def test_dynamic_tree_first_sampled_token_follows_the_target(target, trained):
     assert tree_first_token_chi_square(target, trained, TreeShape.full(3, 2).with_budget(3)) > ALPHA
 
 
-def test_tree_auto_is_the_learned_drafters_default_tree(target, trained):
+FLAT = CostModel(0.3, (1.0,) * 16)  # every forward costs one step: a tree's further nodes are free
+STEEP = CostModel(0.05, tuple(1 + 0.5 * k for k in range(16)))  # each token half a step more
+
+
+@pytest.mark.parametrize("cost, tree", [(FLAT, DEFAULT_TREE), (STEEP, None)], ids=["flat", "steep"])
+def test_tree_auto_is_the_learned_drafters_default_tree_where_it_may_pay(
+    target, trained, monkeypatch, cost, tree
+):
+    """tree="auto" drafts eagle's default tree where this machine's costs say it may beat a chain (held-out
+    agreement 0.5 at each position: the tree's 2.25 tokens for 1.6 steps, against the chain's best 1.15), and
+    chain rounds where even perfect sibling guesses could not pay for its larger forward (2.25 tokens for
+    3.1 steps against the chain's 1.5 for 1.55)."""
+    monkeypatch.setattr(
+        type(EagleHead.load(trained, target)), "heldout_accuracy", property(lambda h: [0.5] * 4)
+    )
+    monkeypatch.setattr(resolve_module, "calibrate", lambda *a, **k: SimpleNamespace(cost_model=cost))
     tokenizer = LetterTokenizer(VOCAB)
     eagle = Speculator((target, tokenizer), drafter="eagle", drafter_path=str(trained), tree="auto")
-    assert eagle.tree is DEFAULT_TREE and eagle.k_label("auto") == "tree c4"
+    assert eagle.tree is tree
+    assert eagle.k_label("auto") == ("tree c4" if tree else "auto")
+
+
+def test_tree_auto_is_no_tree_beside_other_drafters(target):
+    tokenizer = LetterTokenizer(VOCAB)
     assert Speculator((target, tokenizer), drafter="ngram", tree="auto").tree is None
     one_line_error(
         lambda: Speculator((target, tokenizer), drafter="ngram", tree="3x3"), "must be a TreeShape"

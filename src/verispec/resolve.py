@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.analysis.analytic import speedup_by_k
+from verispec.analysis.analytic import CostModel, speedup_by_k, tree_tokens_bound
 from verispec.calibrate import calibrate
 from verispec.drafting.cross_tokenizer import VocabularyPair, check_algorithm, same_vocabulary
 from verispec.drafting.draft_model import early_exit_layers, self_draft
@@ -128,7 +128,7 @@ def resolve(
             f"drafter {kind.name!r} reads the target's hidden states: it needs a native target, "
             f"not a {type(model).__name__}"
         )
-    shape = _default_tree(kind, head) if tree == AUTO else tree
+    shape = _default_tree(kind, head, model, target_label) if tree == AUTO else tree
     if shape is not None:
         assert isinstance(shape, TreeShape)  # checked in _check_choice
         kind.check_tree(shape)
@@ -183,29 +183,62 @@ def _check_choice(
     return kind
 
 
-def _default_tree(kind: DrafterKind, head: LearnedHead | None) -> TreeShape | None:
-    """The tree of ``tree="auto"``: the eagle drafter's :data:`DEFAULT_TREE`, Medusa's sparse tree shaped
-    by its heads' held-out accuracies; None (chain rounds) for the other drafters."""
+def _default_tree(
+    kind: DrafterKind, head: LearnedHead | None, model: LanguageModel, target_label: str
+) -> TreeShape | None:
+    """The tree of ``tree="auto"``: the eagle drafter's :data:`DEFAULT_TREE` where it may pay
+    (:func:`_tree_may_pay`), Medusa's sparse tree shaped by its heads' held-out accuracies; None (chain
+    rounds) for the other drafters."""
     if kind.name == "eagle":
-        return DEFAULT_TREE
+        return DEFAULT_TREE if head is None or _tree_may_pay(model, head, target_label) else None
     if isinstance(head, MedusaHeads) and head.rank_accuracy:
         return medusa_tree(head.rank_accuracy)
     return None
+
+
+def _tree_may_pay(model: LanguageModel, head: LearnedHead, target_label: str) -> bool:
+    """Whether :data:`DEFAULT_TREE` may draft faster than a chain at its best K: by this machine's
+    calibrated costs, the tree's expected tokens bounded from above (its siblings' guesses as good as they
+    could be, :func:`~verispec.analysis.analytic.tree_tokens_bound`) per round of its verification and draft
+    steps against the chain's best expected speed, at the per-position agreement the drafter's file records
+    on held-out data. True without that record."""
+    costs = _chain_costs(model, head, target_label)
+    if costs is None:
+        return True
+    alphas, cost = costs
+    chain = float(speedup_by_k(alphas, cost.round_costs(len(alphas))).max())
+    shape = DEFAULT_TREE
+    if cost.max_k is not None and shape.num_nodes - 1 > cost.max_k:
+        return False
+    round_cost = cost.verify(shape.num_nodes) + shape.max_depth * cost.cost_ratio
+    return tree_tokens_bound(shape.paths, alphas) / round_cost >= chain
 
 
 def _learned_pays(model: LanguageModel, head: LearnedHead, target_label: str) -> bool:
     """Whether auto should draft with the learned drafter: the cost model (this machine's calibrated costs,
     measured once and cached) predicts it at least LEARNED_MARGIN times faster than plain decoding at its
     best K, at the per-position agreement its file records on held-out data."""
+    costs = _chain_costs(model, head, target_label)
+    if costs is None:
+        return False
+    alphas, cost = costs
+    return float(speedup_by_k(alphas, cost.round_costs(len(alphas))).max()) >= LEARNED_MARGIN
+
+
+def _chain_costs(
+    model: LanguageModel, head: LearnedHead, target_label: str
+) -> tuple[list[float], CostModel] | None:
+    """The learned drafter's chain by this machine's calibrated costs (measured once and cached): the
+    per-position agreement its file records on held-out data, up to the longest K the costs cover (the
+    last one repeated beyond), and the cost model; None where the file records none."""
     heldout = head.heldout_accuracy
     if not heldout:
-        return False
+        return None
     greedy = SamplingParams(temperature=0)
     drafter = DRAFTERS["eagle"].chain(DraftInputs(greedy, model, head=head))
     cost = calibrate(model, drafter, target_label=target_label).cost_model
     k_max = cost.max_k if cost.max_k is not None else len(heldout)
-    alphas = [*heldout, *[heldout[-1]] * max(0, k_max - len(heldout))][:k_max]  # the last one after it
-    return float(speedup_by_k(alphas, cost.round_costs(k_max)).max()) >= LEARNED_MARGIN
+    return [*heldout, *[heldout[-1]] * max(0, k_max - len(heldout))][:k_max], cost
 
 
 def _early_exit(model: LanguageModel, layers: int) -> LanguageModel:

@@ -46,6 +46,7 @@ __all__ = [
     "speedup_by_k",
     "speedup_from_tokens",
     "tree_rates",
+    "tree_tokens_bound",
 ]
 
 VerifyCost = Callable[[int], float] | Sequence[float] | np.ndarray | None
@@ -331,6 +332,30 @@ def tokens_by_k(alphas: np.ndarray) -> np.ndarray:
     tokens = np.ones(alphas.size + 1)  # [K_max + 1]
     tokens[1:] += np.cumsum(np.cumprod(alphas))
     return tokens
+
+
+def tree_tokens_bound(paths: Sequence[Sequence[int]], alphas: Sequence[float]) -> float:
+    """An upper bound on the expected tokens a round of a static token tree commits (its accepted draft nodes
+    and the target's next token), from the drafter's top-1 acceptance rate at each depth, ``alphas[d − 1]``
+    at depth d (the last one deeper). ``paths``: every node's path of child ranks, () for the root (a
+    :class:`~verispec.drafting.tree.TreeShape`'s). After an accepted node, its first-ranked child is accepted
+    with probability α; its other children, of which one at most is accepted, with 1 − α at most together,
+    all of it credited to the one whose subtree is worth most. A chain's bound is its expected tokens."""
+    if not alphas:
+        raise UsageError("tree_tokens_bound needs the acceptance rate of at least one depth")
+    children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+    for path in paths:
+        if path:
+            children.setdefault(tuple(path[:-1]), []).append(tuple(path))
+
+    def worth(node: tuple[int, ...]) -> float:  # the node and its subtree's expected tokens, once it is in
+        kids = children.get(node, [])
+        alpha = _check_real("alpha", alphas[min(len(node), len(alphas) - 1)], 0.0, 1.0)
+        first = sum(worth(c) for c in kids if c[-1] == 0)
+        others = max((worth(c) for c in kids if c[-1] != 0), default=0.0)
+        return 1.0 + alpha * first + (1.0 - alpha) * others
+
+    return worth(())
 
 
 def tree_rates(scores: Sequence[float], cost: CostModel, draft_steps: int) -> np.ndarray:

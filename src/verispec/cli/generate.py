@@ -307,7 +307,8 @@ def run_demo(args: argparse.Namespace) -> int:
             )
         print(f"drafter auto chooses {chosen.drafter_name} for this target on this machine\n")
     speculators[chosen.drafter_name] = chosen
-    plain.generate(args.prompt, options, max_new_tokens=4)  # warm-up: first-call overheads
+    for speculator in speculators.values():  # warm-up: each one's first-call overheads
+        speculator.generate(args.prompt, options, max_new_tokens=4)
     results = {}
     for name, speculator in speculators.items():
         results[name] = speculator.generate(args.prompt, options)
