@@ -206,22 +206,18 @@ class EagleHead(LearnedHead):
             return None
         assert self._stack is not None  # _native_head
         for cache, count in zip(caches, steps, strict=True):
-            cache._reserve(count)
+            cache._reserve(count)  # room for every step
+        first = native_rows(caches, [1] * len(caches))  # each row's first slot, its cache row, the cache
+        del first["base"]  # each step sees its row's slots before it
         most = max(steps)
         at = torch.tensor(positions)[:, None] + torch.arange(most)  # [N, S]: each row's steps' positions
         rope = {k: v.view(len(steps), most, -1) for k, v in rope_tables(at, self.inv_freq).items()}
-        whole = caches[0].whole
-        keys, values = (caches[0].keys, caches[0].values) if whole is None else whole
-        assert isinstance(keys, Tensor) and isinstance(values, Tensor)  # tiled
         drafts = self._stack.draft_greedy(
             head,
             tokens=torch.tensor(tokens),
             features=features.float(),
-            seq=torch.tensor([c.row or 0 for c in caches], dtype=torch.int32),
-            slot=torch.tensor([c.length for c in caches], dtype=torch.int32),
             steps=torch.tensor(steps, dtype=torch.int32),
-            keys=keys,
-            values=values,
+            **first,
             **rope,
         )
         advance_rows(caches, steps)

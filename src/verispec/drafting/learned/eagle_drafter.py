@@ -82,6 +82,7 @@ class EagleDrafter:
     def begin(self, prompt: list[int]) -> None:
         self.cache.truncate(0)
         self._num_features = self._committed = 0
+        self._next_logits = None
 
     def observe_hidden(self, hidden: Tensor) -> None:
         """hidden: [T, H], the target's final hidden states at the next T committed positions."""
@@ -159,7 +160,7 @@ class EagleDrafter:
                 drafters[i]._fed(rows[i].context, feature[None], logits_row)
         features = {i: drafters[i]._next[0, 0] for i in live}  # [H] each: f̂ the next draft is read from
         logits = {i: drafters[i]._next_logits for i in live}  # [Vd] each: the next draft's logits
-        unread = [i for i in live if logits[i] is None]  # proposing again for the same context
+        unread = [i for i in live if logits[i] is None]  # caught up without logits (a tree round's catch_up)
         if unread:
             logits.update(zip(unread, head.logits(torch.stack([features[i] for i in unread])), strict=True))
         drafts: dict[int, list[int]] = {i: [] for i in live}  # each row's draft tokens
