@@ -146,6 +146,9 @@ class SpeculativeEngine:
             self.caches = [target.new_cache() for _ in range(slots)]
         self.cache = self.caches[0]  # batch 1's
         self._rows = target if isinstance(target, RowModel) else None  # scores rows together
+        # the target as the protocols its forwards need, checked once (a protocol's isinstance is slow)
+        self._trees = target if isinstance(target, TreeLanguageModel) else None
+        self._states = target if isinstance(target, HiddenStateModel) else None
         self.running: list[Running] = []
         self._last: dict[int, Running] = {}  # slot → the last sequence admitted there
         self.forwards = ForwardTotals()
@@ -163,11 +166,11 @@ class SpeculativeEngine:
 
     def _check_drafter(self, drafter: Drafter | TreeDrafter, trace: object, cache: Cache) -> None:
         """UsageError for a drafter this target or cache cannot serve."""
-        if isinstance(drafter, HiddenStateReader) and not isinstance(self.target, HiddenStateModel):
+        if isinstance(drafter, HiddenStateReader) and self._states is None:
             raise UsageError(f"the {drafter.name} drafter needs a target with hidden states (a native model)")
         if isinstance(drafter, TreeDrafter):
             drafter.shape.check_fits(self.target.max_context)
-            if not isinstance(cache, TreeCache) or not isinstance(self.target, TreeLanguageModel):
+            if not isinstance(cache, TreeCache) or self._trees is None:
                 raise UsageError(f"token trees need a cache that compacts; {type(cache).__name__} does not")
             if trace is not None:
                 raise UsageError("token-fate traces record chain rounds only, not token trees")
@@ -234,6 +237,7 @@ class SpeculativeEngine:
             prefilled=kept,
             hidden_reader=drafter if isinstance(drafter, HiddenStateReader) else None,
             tree=isinstance(drafter, TreeDrafter),
+            row_drafter=isinstance(drafter, RowDrafter),
         )
         if kept and states is not None:
             running.observe_hidden(states[:kept])
@@ -399,7 +403,7 @@ class SpeculativeEngine:
         for running, k in zip(decoding, ks, strict=True):
             try:
                 drafter = running.drafter
-                key = drafter.rows_key if isinstance(drafter, RowDrafter) and not running.tree else None
+                key = cast(RowDrafter, drafter).rows_key if running.row_drafter and not running.tree else None
                 if key is None:
                     rounds.append(self._propose(running, k))
                 else:
@@ -508,16 +512,16 @@ class SpeculativeEngine:
         """One row through the target's batch-1 forward."""
         tokens, positions = row.tokens.unsqueeze(0), row.positions.unsqueeze(0)  # [1, T] each
         if row.hidden:
-            model = self.target
-            assert isinstance(model, HiddenStateModel)
+            model = self._states
+            assert model is not None  # a reader of hidden states is admitted beside such a target alone
             hidden = model.forward_hidden(tokens, positions, row.cache, tree_mask=row.tree_mask)[0]  # [T, H]
             return (model.logits(hidden) if row.logits else None), hidden
         if not row.logits:
             self.target.prefill(tokens, positions, row.cache)
             return None, None
         if row.tree_mask is not None:
-            target = self.target
-            assert isinstance(target, TreeLanguageModel)
+            target = self._trees
+            assert target is not None  # a tree drafter is admitted beside such a target alone
             return target.forward(tokens, positions, row.cache, tree_mask=row.tree_mask)[0], None
         return self.target.forward(tokens, positions, row.cache)[0], None
 

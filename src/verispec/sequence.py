@@ -212,6 +212,7 @@ class Running:
     done: bool = False
     hidden_reader: HiddenStateReader | None = None
     tree: bool = False  # its drafter proposes token trees
+    row_drafter: bool = False  # its drafter proposes with others of its rows_key (a RowDrafter)
     hidden: list[torch.Tensor] = field(default_factory=list)  # what observe_hidden handed over, in order
     error: Exception | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
