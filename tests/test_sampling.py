@@ -18,7 +18,7 @@ from scipy import stats as scipy_stats
 from torch import Tensor
 
 from verispec.options import SamplingParams
-from verispec.sampling import draft_draw, position_draws, probs_from_logits, sample
+from verispec.sampling import draft_draw, first_argmax, position_draws, probs_from_logits, sample
 
 NEG_INF = float("-inf")
 
@@ -637,3 +637,21 @@ def test_draft_draw_is_the_generator_s_draw_or_the_position_s_own():
 def test_position_draws_refuse_what_they_cannot_draw(weights, positions, message):
     with pytest.raises(ValueError, match=message):
         position_draws(weights, 1, positions)
+
+
+@given(
+    st.lists(st.integers(-3, 3), min_size=1, max_size=40),  # few values: many ties
+    st.integers(1, 4),
+    st.sampled_from([torch.float16, torch.float32, torch.float64, torch.bfloat16]),
+)
+def test_first_argmax_is_torchs_first_maximum(values, rows, dtype):
+    """first_argmax (NumPy where it can) picks torch.argmax's index in every row: the first of tied maxima,
+    whatever the float type (bfloat16 through torch) and the leading shape; a NaN counts as the maximum."""
+    scores = torch.tensor(values, dtype=dtype).repeat(rows, 1)  # [rows, V]
+    scores[-1] = scores[-1].roll(1)  # rows differ
+    got = first_argmax(scores)
+    assert got.dtype == torch.int64 and torch.equal(got, scores.argmax(-1))
+    assert torch.equal(first_argmax(scores[0]), scores[0].argmax())  # a single row: a 0-d index
+    with_nan = scores.clone()
+    with_nan[0, -1] = float("nan")
+    assert int(first_argmax(with_nan)[0]) == len(values) - 1 == int(with_nan[0].argmax())

@@ -26,7 +26,18 @@ from torch import Tensor
 from verispec.errors import UsageError
 from verispec.options import SamplingParams
 
-__all__ = ["RACE_GROUP", "draft_draw", "position_draws", "probs_from_logits", "sample"]
+__all__ = ["RACE_GROUP", "draft_draw", "first_argmax", "position_draws", "probs_from_logits", "sample"]
+
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)  # what a CPU tensor hands NumPy as it is
+
+
+def first_argmax(scores: Tensor) -> Tensor:
+    """scores [..., V] (V ≥ 1) → each row's index of its first maximum [...] int64, a NaN counting as the
+    maximum: torch.argmax's convention (and NumPy's). In NumPy for a CPU tensor of a float type NumPy has:
+    torch's reduction costs 10–20× as much at a vocabulary's width (~45 µs for one row of 49,152 here)."""
+    if scores.device.type == "cpu" and scores.dtype in _NUMPY_FLOATS:
+        return torch.from_numpy(np.asarray(scores.detach().numpy().argmax(-1), dtype=np.int64))
+    return scores.argmax(-1)
 
 
 def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
@@ -49,7 +60,7 @@ def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
         raise UsageError("a row of logits is entirely -inf: no token can be sampled")
 
     if params.greedy:
-        first = logits.argmax(dim=-1, keepdim=True)
+        first = first_argmax(logits).unsqueeze(-1)  # [..., 1]
         return torch.zeros_like(logits).scatter_(-1, first, 1.0)
 
     scores = logits / params.temperature

@@ -35,7 +35,7 @@ from verispec.drafting.registry import CROSS_TOKENIZER
 from verispec.errors import UsageError
 from verispec.models.base import LanguageModel, SpelledTokenizer, Tokenizer
 from verispec.options import SamplingParams
-from verispec.sampling import probs_from_logits, sample
+from verispec.sampling import first_argmax, probs_from_logits, sample
 
 __all__ = [
     "ALGORITHMS",
@@ -356,7 +356,7 @@ class TokenIntersectionDrafter(_CrossDraft):
                 break
             if self.sampling.greedy:
                 masked = torch.where(self.pair.shared, within, torch.tensor(-math.inf))  # [V_d]
-                draft_token = int(masked.argmax())
+                draft_token = int(first_argmax(masked))
             else:
                 restricted = intersect(probs_from_logits(within, self.sampling), self.pair)
                 if restricted is None:
@@ -408,7 +408,7 @@ class StringMatchDrafter(_CrossDraft):
         guesses: list[int] = []
         budget = 4 * k + 4  # draft tokens: several short pieces may make one target token
         while logits is not None and len(draft_tokens) < budget:
-            token = int(logits.argmax())
+            token = int(first_argmax(logits))
             if token in self.pair.draft.eos_token_ids:
                 ended = self.pair.target_eos is not None
                 break

@@ -14,7 +14,7 @@ from verispec.errors import UsageError
 from verispec.models.base import Cache, LanguageModel, TreeLanguageModel
 from verispec.models.llama import KVCache, Llama
 from verispec.options import SamplingParams
-from verispec.sampling import draft_draw, probs_from_logits
+from verispec.sampling import draft_draw, first_argmax, probs_from_logits
 
 __all__ = ["EARLY_EXIT", "SELF", "ModelDrafter", "ModelTreeDrafter", "early_exit_layers", "self_draft"]
 
@@ -124,7 +124,7 @@ class ModelDrafter:
             if logits is None:  # the grammar allows nothing more
                 break
             if self.sampling.greedy:
-                token = logits.argmax().view(1)
+                token = first_argmax(logits).view(1)
             else:
                 q = probs_from_logits(logits, self.sampling)  # [V]
                 token = draft_draw(q, generator, self.sampling, len(context) + i)

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from verispec.errors import UsageError
-from verispec.sampling import sample
+from verispec.sampling import first_argmax, sample
 
 __all__ = [
     "Rule",
@@ -179,8 +179,8 @@ def _greedy_targets(scores: Tensor, lengths: Sequence[int] | None = None) -> Ten
     convention); UsageError at a NaN at a position a row uses (t <= its draft length ``lengths[b]``; None:
     every position). A NaN anywhere in a row makes its maximum NaN (torch.max propagates it), so the maxima
     alone find it. The caller has checked the shape."""
-    maxima, targets = scores.max(dim=-1)  # [B, P] each
-    nan = torch.isnan(maxima)
+    targets = first_argmax(scores)  # [B, P]
+    nan = torch.isnan(scores.gather(-1, targets.unsqueeze(-1)).squeeze(-1))  # [B, P]: a NaN is the maximum
     if bool(nan.any()):
         for row, pos in nan.nonzero().tolist():
             if lengths is None or pos <= lengths[row]:

@@ -75,7 +75,7 @@ import torch
 from torch import Tensor
 
 from verispec.errors import UsageError
-from verispec.sampling import sample
+from verispec.sampling import first_argmax, sample
 from verispec.verify.chain import EosIds, _pad_vocab
 
 __all__ = [
@@ -275,7 +275,7 @@ def greedy_sibling_rule(scores_u: Tensor, child_tokens: Tensor) -> SiblingRule:
         )
     if bool(torch.isnan(scores_u).any()):
         raise UsageError("scores_u has NaN")
-    target = scores_u.argmax(-1, keepdim=True)  # [..., 1]
+    target = first_argmax(scores_u).unsqueeze(-1)  # [..., 1]
     accept_prob = (child_tokens.long() == target).to(torch.float64)  # [..., m]
     point = torch.nn.functional.one_hot(target, scores_u.shape[-1]).to(torch.float64)  # [..., 1, V]
     residuals = point.expand(*child_tokens.shape, -1)  # [..., m, V]

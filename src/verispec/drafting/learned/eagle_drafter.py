@@ -44,7 +44,7 @@ from verispec.drafting.tree import AUTO, TreeProposal, TreeShape, likeliest_node
 from verispec.errors import UsageError
 from verispec.models.llama import KVCache
 from verispec.options import SamplingParams
-from verispec.sampling import draft_draw, probs_from_logits
+from verispec.sampling import draft_draw, first_argmax, probs_from_logits
 
 __all__ = ["DEFAULT_TREE", "EagleDrafter", "EagleTreeDrafter"]
 
@@ -128,7 +128,7 @@ class EagleDrafter:
         from q (appended to ``qs``)."""
         ids = self.head.draft_vocab  # [Vd]: the target's ids
         if self.sampling.greedy:
-            return int(ids[int(logits.numpy().argmax())])  # NumPy's first maximum, as torch's argmax
+            return int(ids[first_argmax(logits)])
         q_draft = probs_from_logits(logits, self.sampling)  # [Vd]
         qs.append(q_draft)
         return int(ids[draft_draw(q_draft, generator, self.sampling, position, ids)])

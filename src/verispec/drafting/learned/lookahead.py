@@ -42,7 +42,7 @@ from verispec.inputs import is_int
 from verispec.models.base import Cache, LanguageModel
 from verispec.models.llama import KVCache, Llama
 from verispec.options import SamplingParams
-from verispec.sampling import draft_draw, probs_from_logits
+from verispec.sampling import draft_draw, first_argmax, probs_from_logits
 
 __all__ = ["MAX_LOOKAHEAD", "LookaheadDrafter", "LookaheadTokens", "lookahead_mask"]
 
@@ -165,7 +165,7 @@ class LookaheadDrafter:
             if row is None:  # the grammar allows nothing more
                 break
             if self.sampling.greedy:
-                index = int(row.argmax())
+                index = int(first_argmax(row))
             else:
                 q_row = probs_from_logits(row, self.sampling)  # [V] or [Vd]
                 index = int(draft_draw(q_row, generator, self.sampling, n + j, ids))

@@ -49,7 +49,7 @@ from verispec.inputs import is_int
 from verispec.models.base import LanguageModel
 from verispec.models.llama import Llama, _Linear
 from verispec.options import SamplingParams
-from verispec.sampling import draft_draw, probs_from_logits
+from verispec.sampling import draft_draw, first_argmax, probs_from_logits
 
 __all__ = ["DEFAULT_NODES", "MAX_HEADS", "MedusaDrafter", "MedusaHeads", "MedusaTreeDrafter", "medusa_tree"]
 
@@ -206,7 +206,7 @@ class MedusaDrafter:
             if masked is None:  # the grammar allows nothing more
                 break
             if self.sampling.greedy:
-                drafts.append(int(ids[masked.argmax()]))
+                drafts.append(int(ids[first_argmax(masked)]))
                 continue
             q_draft = probs_from_logits(masked, self.sampling)  # [Vd]
             drafts.append(int(ids[draft_draw(q_draft, row.generator, self.sampling, n + j, ids)]))
