@@ -24,6 +24,7 @@ from test_engine import noisy_copy
 from test_kernels import CONFIG, random_llama
 from verispec import cli
 from verispec.api import Speculator
+from verispec.batch import read_requests
 from verispec.bench.load import LoadConfig, auto_against_best, rotated
 from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter
@@ -577,6 +578,8 @@ def test_a_malformed_line_gets_an_error_record_and_the_others_run_untouched(tmp_
         ('{"id": "a"}\n', r'requests.jsonl:1: a request is an object with "prompt" or "messages"'),
         ('{"prompt": 3}\n', r'requests.jsonl:1: "prompt" must be a string'),
         ('{"messages": []}\n', r'requests.jsonl:1: "messages" must be a non-empty list'),
+        ('{"prompt": "x", "k": 3}\n', r"requests.jsonl:1: 'k' is the whole job's setting \(its flag\)"),
+        ('{"prompt": "x", "max_tokens": 8}\n', r"requests.jsonl:1: 'max_tokens' is the whole job's setting"),
         ("\n\n", r"holds no requests"),
     ],
 )
@@ -586,6 +589,19 @@ def test_malformed_batch_files_are_one_line_errors(tmp_path, capsys, content, me
     assert cli.main(["generate", "--batch", str(requests)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and re.search(message, err)
+
+
+def test_a_lines_own_keys_are_kept_out_and_a_setting_fails_that_line_alone(tmp_path):
+    """A line may carry keys of its own (a dataset's columns: ignored); a generation setting on a line (it
+    would be silently the job's) fails that line alone, in one line naming it, and the others are requests."""
+    requests = tmp_path / "requests.jsonl"
+    lines = ['{"id": "a", "prompt": "x", "source": "wiki"}', '{"id": "b", "prompt": "y", "temperature": 0.7}']
+    requests.write_text("\n".join(lines) + "\n")
+    (first, body, _), (second, refused, _) = read_requests(requests)
+    assert (first, body) == ("a", "x") and second == "line-2"
+    assert isinstance(refused, dict) and refused["error"].startswith(
+        f"{requests}:2: 'temperature' is the whole"
+    )
 
 
 def test_batch_bad_combinations(tmp_path, capsys):

@@ -180,6 +180,16 @@ def test_tree_mistakes_are_refused_before_a_model_loads(capsys, monkeypatch, arg
     assert err.startswith("verispec: error: ") and fragment in err
 
 
+@pytest.mark.parametrize("argv", [["generate", "  "], ["demo", "--prompt", ""], ["demo", "--prompt", "\n"]])
+def test_an_empty_prompt_is_refused_before_a_model_loads(capsys, monkeypatch, argv):
+    def load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr("verispec.resolve._load", load)
+    status, out, err = run(capsys, *argv)
+    assert status == 2 and out == "" and err == "verispec: error: the prompt is empty\n"
+
+
 def test_max_new_tokens_beyond_the_context_is_a_warning(capsys, shared_model):
     """More new tokens than the target's context leaves: one warning naming the limit, and the output stops
     at the context."""

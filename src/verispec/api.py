@@ -32,7 +32,7 @@ from verispec.driver import Collected, Driver
 from verispec.errors import UsageError
 from verispec.grammar.constraint import Constraint
 from verispec.grammar.rounds import GrammarState
-from verispec.inputs import check_text, is_int
+from verispec.inputs import check_prompt, check_text, is_int
 from verispec.models.base import Cache, SpelledTokenizer
 from verispec.online_costs import OnlineCosts
 from verispec.options import (
@@ -301,8 +301,7 @@ class Speculator:
                 raise UsageError(f"a prompt's token ids must lie in [0, {self.model.vocab_size})")
             return ids
         if isinstance(prompt, str):
-            if not check_text(prompt, "the prompt").strip():
-                raise UsageError("the prompt is empty")
+            check_prompt(prompt)
             text = self.tokenizer.chat_prompt(prompt) if chat else prompt
         elif chat and prompt:
             prompt = cast(Sequence[Mapping[str, str]], prompt)  # not token ids: checked above

@@ -56,6 +56,12 @@ __all__ = [
 ]
 
 Body = str | list[dict[str, str]] | dict[str, str]  # a prompt, a conversation, or {"error"} (malformed)
+# what a line may not set: the job's generation settings, its flags (a line's other keys are its own metadata)
+JOB_SETTINGS = frozenset(
+    {f.name for f in dataclasses.fields(GenerationOptions) if f.name not in ("sampling", "constraint")}
+    | {f.name for f in dataclasses.fields(SamplingParams)}
+    | {"max_tokens", "drafter", "draft", "tree"}
+)
 Request = tuple[str, Body, Constraint | None]  # (id, body, the line's own constraint)
 LOCAL = "local"  # --ray without an address: a Ray started here
 
@@ -63,7 +69,8 @@ LOCAL = "local"  # --ray without an address: a Ray started here
 def read_requests(path: str | Path) -> list[Request]:
     """(id, prompt or messages, constraint) of every line of a JSONL request file (a line without an id gets
     its line number; a line's constraint from its "json_schema" (an object or its JSON text), "regex" or
-    "grammar" key, at most one, else None). A malformed line (not UTF-8, not JSON, nested too deeply, an
+    "grammar" key, at most one, else None; other keys are the line's own, ignored, but not a generation
+    setting of the job's: :data:`JOB_SETTINGS`). A malformed line (not UTF-8, not JSON, nested too deeply, an
     integer too long, a prompt that is not valid Unicode, a bad schema, regex or grammar, ...) becomes a
     request whose body is ``{"error": message}``, naming the line: it gets an error record and the others
     run. A file without one well-formed request is a UsageError."""
@@ -109,6 +116,12 @@ def _request(line: bytes, where: str, number: int, seen: set[str]) -> Request:
     ):
         raise UsageError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
     assert isinstance(body, (str, list))  # checked above
+    settings = sorted(JOB_SETTINGS & entry.keys())
+    if settings:
+        raise UsageError(
+            f"{where}: {settings[0]!r} is the whole job's setting (its flag), not a line's: "
+            'a line holds "id", "prompt" or "messages", and "json_schema", "regex" or "grammar"'
+        )
     for text in [body] if isinstance(body, str) else [m["content"] for m in body]:
         check_text(text, f"{where}: the prompt")
     ident = str(entry.get("id", number))

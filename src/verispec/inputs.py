@@ -13,7 +13,7 @@ from typing import Any, TypeGuard
 
 from verispec.errors import UsageError
 
-__all__ = ["check_text", "is_int", "parse_json"]
+__all__ = ["check_prompt", "check_text", "is_int", "parse_json"]
 
 
 def is_int(value: object, *, integral: bool = False) -> TypeGuard[int]:
@@ -37,6 +37,13 @@ def parse_json(text: str | bytes) -> Any:
         if "integer string conversion" not in str(err):
             raise
         raise UsageError("not JSON (an integer of more than 4300 digits)") from None
+
+
+def check_prompt(text: str) -> str:
+    """A text prompt as it is when it is valid Unicode and not blank; UsageError (one line) else."""
+    if not check_text(text, "the prompt").strip():
+        raise UsageError("the prompt is empty")
+    return text
 
 
 def check_text(text: str, what: str) -> str:

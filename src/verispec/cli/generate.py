@@ -26,7 +26,7 @@ from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import drafter_names
 from verispec.errors import UsageError
 from verispec.files import check_writable
-from verispec.inputs import is_int
+from verispec.inputs import check_prompt, is_int
 
 if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
     from verispec.sequence import GenerationStats
@@ -108,7 +108,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.batch is not None:
         return _run_batch(args)
-    prompt = args.prompt if args.prompt is not None else _read_stdin()
+    prompt = check_prompt(args.prompt if args.prompt is not None else _read_stdin())
     options = GenerationOptions(**option_fields(args))  # every argument checked before a model loads
     sampling = options.sampling
     if args.show_trace and args.json:
@@ -279,6 +279,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from verispec.options import GenerationOptions
 
     k = AUTO if args.k is None else args.k
+    check_prompt(args.prompt)
     options = GenerationOptions(k=k, max_new_tokens=args.max_new_tokens, chat=True)  # greedy
     from verispec.api import Speculator  # loads transformers: once every argument is checked
     from verispec.drafting.learned.kinds import shipped_drafter
