@@ -401,10 +401,11 @@ def test_token_id_prompts_are_taken_as_they_are():
     options = dict(k=2, max_new_tokens=4, sampling=GREEDY)
     ids = spec.encode_prompt("abc")
     assert spec.encode_prompt(ids) == ids and spec.encode_prompt(tuple(np.array(ids))) == ids
-    results = spec.generate_batch([ids, [], [0, 8], ["a", 1], "abc"], slots=2, **options)
-    assert [bool(r.error) for r in results] == [False, True, True, True, False]
+    results = spec.generate_batch([ids, [], [0, 8], ["a", 1], "abc", [1.5, 2]], slots=2, **options)
+    assert [bool(r.error) for r in results] == [False, True, True, True, False, True]
     assert results[0].token_ids == results[4].token_ids == spec.generate("abc", **options).token_ids
     assert "[0, 8)" in results[2].error and "conversation" in results[1].error
+    assert results[5].error.endswith("token ids must be integers, got 1.5")
     with pytest.raises(ValueError, match="no chat template"):
         spec.generate(ids, chat=True, **options)
 

@@ -310,6 +310,9 @@ class Speculator:
                     raise UsageError(f"message {i} must be a {{'role', 'content'}} mapping")
                 check_text(message.get("content", ""), f"message {i}'s content")
             text = self.tokenizer.chat_prompt(prompt)
+        elif prompt and all(isinstance(t, (int, float)) for t in prompt):  # numbers, not all integers
+            bad = next(t for t in prompt if not is_int(t, integral=True))
+            raise UsageError(f"a prompt's token ids must be integers, got {bad!r}")
         else:
             raise UsageError(
                 "a conversation (a list of messages) needs chat=True and at least one message; "
