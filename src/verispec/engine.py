@@ -237,7 +237,7 @@ class SpeculativeEngine:
             prefilled=kept,
             hidden_reader=drafter if isinstance(drafter, HiddenStateReader) else None,
             tree=isinstance(drafter, TreeDrafter),
-            row_drafter=isinstance(drafter, RowDrafter),
+            row_drafter=drafter if isinstance(drafter, RowDrafter) else None,
         )
         if kept and states is not None:
             running.observe_hidden(states[:kept])
@@ -402,8 +402,8 @@ class SpeculativeEngine:
         together: dict[tuple[type, object], list[tuple[Running, _Chain]]] = {}
         for running, k in zip(decoding, ks, strict=True):
             try:
-                drafter = running.drafter
-                key = cast(RowDrafter, drafter).rows_key if running.row_drafter and not running.tree else None
+                drafter, rows = running.drafter, running.row_drafter
+                key = rows.rows_key if rows is not None and not running.tree else None
                 if key is None:
                     rounds.append(self._propose(running, k))
                 else:

@@ -205,8 +205,7 @@ def _tree_may_pay(model: LanguageModel, head: LearnedHead, target_label: str) ->
     costs = _chain_costs(model, head, target_label)
     if costs is None:
         return True
-    alphas, cost = costs
-    chain = float(speedup_by_k(alphas, cost.round_costs(len(alphas))).max())
+    alphas, cost, chain = costs
     shape = DEFAULT_TREE
     if cost.max_k is not None and shape.num_nodes - 1 > cost.max_k:
         return False
@@ -219,18 +218,16 @@ def _learned_pays(model: LanguageModel, head: LearnedHead, target_label: str) ->
     measured once and cached) predicts it at least LEARNED_MARGIN times faster than plain decoding at its
     best K, at the per-position agreement its file records on held-out data."""
     costs = _chain_costs(model, head, target_label)
-    if costs is None:
-        return False
-    alphas, cost = costs
-    return float(speedup_by_k(alphas, cost.round_costs(len(alphas))).max()) >= LEARNED_MARGIN
+    return costs is not None and costs[2] >= LEARNED_MARGIN
 
 
 def _chain_costs(
     model: LanguageModel, head: LearnedHead, target_label: str
-) -> tuple[list[float], CostModel] | None:
+) -> tuple[list[float], CostModel, float] | None:
     """The learned drafter's chain by this machine's calibrated costs (measured once and cached): the
     per-position agreement its file records on held-out data, up to the longest K the costs cover (the
-    last one repeated beyond), and the cost model; None where the file records none."""
+    last one repeated beyond), the cost model and the chain's expected speedup at its best K; None where
+    the file records no agreement."""
     heldout = head.heldout_accuracy
     if not heldout:
         return None
@@ -238,7 +235,8 @@ def _chain_costs(
     drafter = DRAFTERS["eagle"].chain(DraftInputs(greedy, model, head=head))
     cost = calibrate(model, drafter, target_label=target_label).cost_model
     k_max = cost.max_k if cost.max_k is not None else len(heldout)
-    return [*heldout, *[heldout[-1]] * max(0, k_max - len(heldout))][:k_max], cost
+    alphas = [*heldout, *[heldout[-1]] * max(0, k_max - len(heldout))][:k_max]
+    return alphas, cost, float(speedup_by_k(alphas, cost.round_costs(k_max)).max())
 
 
 def _early_exit(model: LanguageModel, layers: int) -> LanguageModel:

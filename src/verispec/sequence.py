@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from verispec.drafting.base import Drafter, HiddenStateReader, TreeDrafter
+from verispec.drafting.base import Drafter, HiddenStateReader, RowDrafter, TreeDrafter
 from verispec.grammar.rounds import GrammarState
 from verispec.models.base import Cache
 from verispec.options import SamplingParams, check_generation
@@ -212,7 +212,7 @@ class Running:
     done: bool = False
     hidden_reader: HiddenStateReader | None = None
     tree: bool = False  # its drafter proposes token trees
-    row_drafter: bool = False  # its drafter proposes with others of its rows_key (a RowDrafter)
+    row_drafter: RowDrafter | None = None  # its drafter, where it proposes with others of its rows_key
     hidden: list[torch.Tensor] = field(default_factory=list)  # what observe_hidden handed over, in order
     error: Exception | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)

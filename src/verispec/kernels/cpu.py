@@ -616,18 +616,20 @@ class NativeStack:
         steps[i]). cos, sin: [N, S, head_dim / 2] float32, each row's steps' RoPE. Each step as
         :meth:`draft`."""
         n, most = tokens.shape[0], int(steps.max())
+        # held here: a temporary's memory would be freed before the kernels read it
+        features, cos, sin = features.contiguous(), cos.contiguous(), sin.contiguous()
         drafts = torch.zeros(n, most, dtype=torch.int64)  # [N, S]
         status = self._lib.vs_draft_greedy(
             *self._draft_head(head),
             head.ids.data_ptr(),
             n,
             tokens.data_ptr(),
-            features.contiguous().data_ptr(),
+            features.data_ptr(),
             seq.data_ptr(),
             slot.data_ptr(),
             steps.data_ptr(),
-            cos.contiguous().data_ptr(),
-            sin.contiguous().data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
             ctypes.byref(_cache(keys, values)),
             drafts.data_ptr(),
             THREADS.count(),
