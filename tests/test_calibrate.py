@@ -1,11 +1,14 @@
 """Calibration: what is measured, how it is keyed and cached, reuse, recovery from a corrupt cache, and
 ``--k auto`` built on it (stories260K: a calibration takes milliseconds)."""
 
+import dataclasses
 import json
 import math
 import time
 from pathlib import Path
+from typing import cast
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,10 +30,12 @@ from verispec.calibrate import (
 from verispec.cli import main
 from verispec.drafting.base import Allowed, Proposal
 from verispec.drafting.ngram import NGramDrafter
+from verispec.grammar.constraint import Constraint
 from verispec.models.llama import Llama, LlamaConfig
 from verispec.models.registry import load_model
-from verispec.options import SamplingParams
+from verispec.options import GenerationOptions, SamplingParams
 from verispec.policies import ConstantK, CostModelK
+from verispec.sequence import GenerationStats
 
 
 @pytest.fixture(autouse=True)
@@ -238,6 +243,30 @@ def test_auto_is_the_default_and_builds_the_cost_model_policy(stories):
     )
     assert result.stats["k"] == "auto" and result.token_ids == plain.token_ids
     assert calibration_dir().is_dir()
+
+
+def test_auto_k_requests_share_acceptance_evidence_by_sampling_settings(stories):
+    """A speculator's `--k auto` requests start from the verdicts of its earlier requests with the same
+    sampling settings (the seed aside) and constraint or none; other settings, a standalone policy and fixed
+    K keep their own."""
+    model, tokenizer = stories
+    ngram = Speculator((model, tokenizer), drafter="ngram")
+    greedy = GenerationOptions(k="auto", sampling=SamplingParams(temperature=0))
+    first = ngram.k_policy("auto", greedy)
+    assert isinstance(first, CostModelK) and first.shared is not None
+    assert ngram.k_policy("auto").shared is None  # no request: its own evidence
+    sampled = [GenerationOptions(k="auto", sampling=SamplingParams(temperature=0.8, seed=s)) for s in (1, 2)]
+    one, two = (cast(CostModelK, ngram.k_policy("auto", o)) for o in sampled)
+    assert one.shared is two.shared and one.shared is not first.shared  # the seed aside
+    constrained = dataclasses.replace(greedy, constraint=Constraint("regex", "ab"))
+    assert cast(CostModelK, ngram.k_policy("auto", constrained)).shared is not first.shared
+    prior = first.alphas.copy()
+    stats = GenerationStats("ngram", "auto")
+    ngram.generate("Once upon a time", greedy, max_new_tokens=60, stats=stats)
+    assert stats.drafted > 0
+    later = cast(CostModelK, ngram.k_policy("auto", greedy))
+    assert not np.allclose(later.alphas, prior)  # starts from the first request's verdicts
+    assert np.allclose(cast(CostModelK, ngram.k_policy("auto", sampled[0])).alphas, prior)
 
 
 def test_cli_calibrate(shared_model, capsys):

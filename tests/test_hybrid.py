@@ -23,7 +23,7 @@ from verispec.drafting.ngram import NGramDrafter
 from verispec.drafting.registry import DRAFTERS, drafter_names
 from verispec.errors import UsageError
 from verispec.models.llama import Llama
-from verispec.options import SamplingParams
+from verispec.options import GenerationOptions, SamplingParams
 from verispec.policies import CostModelK, PartsK
 from verispec.sequence import GenerationStats
 
@@ -133,9 +133,10 @@ def test_k_auto_gives_each_part_its_own_k(target, eagle_file, tmp_path, monkeypa
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     spec = Speculator((target, LetterTokenizer(VOCAB)), drafter="ngram+eagle", drafter_path=eagle_file)
     plain = Speculator((target, LetterTokenizer(VOCAB)), drafter="none")
-    policy = spec.k_policy("auto")
+    policy = spec.k_policy("auto", GenerationOptions(k="auto", sampling=GREEDY))
     assert isinstance(policy, PartsK) and set(policy.parts) == {"lookup", "head"}
     assert all(isinstance(p, CostModelK) for p in policy.parts.values())
+    assert policy.parts["lookup"].shared is not policy.parts["head"].shared  # each part's own evidence
     asked: list[str] = []
     original = PartsK.part_k
     monkeypatch.setattr(

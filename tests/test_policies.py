@@ -9,7 +9,16 @@ import pytest
 from verispec.analysis.analytic import BatchCost, CostModel, tokens_by_k
 from verispec.api import k_policy
 from verispec.options import parse_k
-from verispec.policies import CONTEXT_STEP, AdditiveK, AutoKConfig, ConstantK, CostModelK, PartsK, plan_batch
+from verispec.policies import (
+    CONTEXT_STEP,
+    AdditiveK,
+    AutoKConfig,
+    ConstantK,
+    CostModelK,
+    Evidence,
+    PartsK,
+    plan_batch,
+)
 
 K_MAX = 12
 FLAT = [1.0] * (K_MAX + 1)  # memory-bound: verifying K+1 tokens costs one step
@@ -178,6 +187,43 @@ def test_the_estimates_are_beta_posteriors_of_the_tested_positions():
     decaying.observe(4, 4)
     assert decaying.alphas[0] == pytest.approx((1 + 1) / (0.5 + 1 + 2))
     assert decaying.alphas[1] == pytest.approx((1 + 2 * 4 / 7) / (1 + 2))  # tested once, prior at α̂_1
+
+
+def test_a_request_starts_from_the_evidence_shared_by_earlier_ones():
+    """Shared evidence: a new policy's estimates start where the shared verdicts left them (the prior only
+    where none was shared); each verdict goes to the policy's own and to the shared evidence, and a policy's
+    own evidence is not changed by another's verdicts."""
+    config = AutoKConfig(memory=0.9)
+    shared = Evidence(K_MAX)
+    first = CostModelK(CostModel(0.0, MEASURED), config, shared=shared)
+    alone = CostModelK(CostModel(0.0, MEASURED), config)
+    np.testing.assert_allclose(first.alphas, alone.alphas)  # nothing shared yet: the prior
+    for drafted, accepted in [(4, 4), (4, 1), (3, 0), (0, 0), (6, 6), (2, 0)]:
+        first.observe(drafted, accepted)
+        alone.observe(drafted, accepted)
+    np.testing.assert_allclose(first.alphas, alone.alphas)  # sharing changes nothing of its own estimates
+    second = CostModelK(CostModel(0.0, MEASURED), config, shared=shared)
+    np.testing.assert_allclose(second.alphas, first.alphas)  # starts where the first one's verdicts left it
+    before = first.alphas.copy()
+    for _ in range(5):
+        second.observe(4, 0)
+    np.testing.assert_allclose(first.alphas, before)  # its own evidence: not the other request's verdicts
+    third = CostModelK(CostModel(0.0, MEASURED), config, shared=shared)
+    np.testing.assert_allclose(third.alphas, second.alphas)  # both requests' verdicts, in their order
+    assert third.alphas[0] < before[0]
+
+
+def test_evidence_copies_fit_the_size_asked():
+    evidence = Evidence(3)
+    evidence.add(3, 2, 0.5)
+    evidence.add(3, 3, 0.5)
+    np.testing.assert_allclose(evidence.accepted, [1.5, 1.5, 1.0])
+    np.testing.assert_allclose(evidence.rejected, [0.0, 0.0, 0.5])
+    longer, shorter = evidence.copy(5), evidence.copy(2)
+    np.testing.assert_allclose(longer.accepted, [1.5, 1.5, 1.0, 0.0, 0.0])
+    np.testing.assert_allclose(shorter.rejected, [0.0, 0.0])
+    longer.add(5, 5, 1.0)
+    np.testing.assert_allclose(evidence.accepted, [1.5, 1.5, 1.0])  # a copy: the original is untouched
 
 
 @pytest.mark.parametrize(

@@ -45,7 +45,7 @@ from verispec.options import (
     check_keywords,
     parse_k,
 )
-from verispec.policies import AdditiveK, ConstantK, CostModelK, KPolicy, PartsK
+from verispec.policies import AdditiveK, ConstantK, CostModelK, Evidence, KPolicy, PartsK
 from verispec.resolve import Loadable, Parts, resolve
 from verispec.sequence import EngineConfig, GenerationStats, Request, TokenLogprob
 from verispec.text import Chunk, TextAssembler
@@ -110,11 +110,13 @@ def k_policy(
     costs_at: Callable[[int], CostModel] | None = None,
     batch_costs_at: Callable[[int], BatchCost] | None = None,
     online: OnlineCosts | None = None,
+    shared: Evidence | None = None,
 ) -> KPolicy:
     """The K policy that ``k`` (see :func:`~verispec.options.parse_k`) names; "auto" needs ``cost``, the
     calibrated cost model of the target and drafter (:meth:`Speculator.calibration` measures or loads it),
-    follows the context with ``costs_at``, plans batches with ``batch_costs_at`` and corrects them all by the
-    costs measured as it runs in ``online`` (see :class:`~verispec.policies.CostModelK`)."""
+    follows the context with ``costs_at``, plans batches with ``batch_costs_at``, corrects them all by the
+    costs measured as it runs in ``online`` and starts from the acceptance evidence ``shared`` by other
+    requests (see :class:`~verispec.policies.CostModelK`)."""
     k = parse_k(k)
     if isinstance(k, int):
         return ConstantK(k)
@@ -122,13 +124,14 @@ def k_policy(
         return AdditiveK()
     if cost is None:
         raise UsageError("k 'auto' needs the cost model of the target and drafter")
-    return CostModelK(cost, costs_at=costs_at, batch_costs_at=batch_costs_at, online=online)
+    return CostModelK(cost, costs_at=costs_at, batch_costs_at=batch_costs_at, online=online, shared=shared)
 
 
-def _auto_k(calibration: Calibration, online: OnlineCosts | None) -> CostModelK:
-    """``--k auto`` over ``calibration``'s costs, corrected by those ``online`` measures as it runs."""
+def _auto_k(calibration: Calibration, online: OnlineCosts | None, shared: Evidence | None) -> CostModelK:
+    """``--k auto`` over ``calibration``'s costs, corrected by those ``online`` measures as it runs, its
+    acceptance estimates starting from the ``shared`` evidence of other requests (None: from the prior)."""
     costs = calibration.cost_model, calibration.cost_model_at, calibration.batch_cost_at
-    return cast(CostModelK, k_policy("auto", *costs, online))
+    return cast(CostModelK, k_policy("auto", *costs, online, shared))
 
 
 class Speculator:
@@ -200,6 +203,8 @@ class Speculator:
         self._online: OnlineCosts | None = None  # the costs measured as it runs, against `_calibration`
         # a lookup first (LookupFirstDrafter): the lookup's own calibration and costs measured as it runs
         self._lookup: tuple[Calibration, OnlineCosts] | None = None
+        # (part, sampling settings but the seed, constrained) → the acceptance evidence of `--k auto` requests
+        self._evidence: dict[tuple[object, ...], Evidence] = {}
         self._driver: Driver | None = None  # the streams' engine, kept between them (see stream)
         self._streams = threading.Lock()  # held by the stream running on it
 
@@ -267,11 +272,13 @@ class Speculator:
             self._lookup = None if lookup is None else (lookup, OnlineCosts(lookup.step_seconds))
         return self._calibration
 
-    def k_policy(self, k: int | str) -> KPolicy:
+    def k_policy(self, k: int | str, options: GenerationOptions | None = None) -> KPolicy:
         """The K policy ``k`` names (see :func:`~verispec.options.parse_k`), "auto" over this speculator's
         calibrated costs, corrected by the timings of its rounds (one estimator for the calibration, shared by
         every request; drafter "none" drafts nothing whatever K, so it needs none; tree rounds do not use
-        K)."""
+        K). A request's ``options`` (optional) name the acceptance evidence its estimates start from and add
+        to: that of this speculator's requests with the same sampling settings and, or without, a constraint
+        (the seed aside)."""
         if self.tree is not None:
             return ConstantK(0)
         if parse_k(k) != "auto":
@@ -279,11 +286,26 @@ class Speculator:
         if not self.kind.drafts:
             return ConstantK(0)
         calibration = self.calibration()
-        policy = _auto_k(calibration, self._online)
+        policy = _auto_k(calibration, self._online, self._shared("head", calibration, options))
         if self._lookup is None:
             return policy
         lookup, online = self._lookup  # a lookup first: a policy per part
-        return PartsK({"lookup": _auto_k(lookup, online), "head": policy})
+        shared = self._shared("lookup", lookup, options)
+        return PartsK({"lookup": _auto_k(lookup, online, shared), "head": policy})
+
+    def _shared(
+        self, part: str, calibration: Calibration, options: GenerationOptions | None
+    ) -> Evidence | None:
+        """The acceptance evidence that ``part``'s auto K policies (over ``calibration``) share for requests
+        with ``options``' sampling settings (the seed aside) and constraint or none; made on first use, None
+        without options."""
+        if options is None:
+            return None
+        s = options.sampling
+        key = (part, s.temperature, s.top_k, s.top_p, s.min_p, s.invariant, options.constraint is not None)
+        if key not in self._evidence:
+            self._evidence[key] = Evidence(calibration.cost_model.max_k or 0)
+        return self._evidence[key]
 
     def k_label(self, k: int | str) -> str:
         """How stats name the draft size: K (see :func:`~verispec.options.parse_k`), or the tree's shape."""
@@ -339,7 +361,7 @@ class Speculator:
         stats = stats if stats is not None else GenerationStats(self.drafter_name, self.k_label(options.k))
         text = TextAssembler(self.tokenizer, options.stop)
         ids = self.encode_prompt(prompt, options.chat)
-        policy = self.k_policy(options.k)
+        policy = self.k_policy(options.k, options)
         request = Request(
             ids,
             config,

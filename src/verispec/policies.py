@@ -28,6 +28,7 @@ __all__ = [
     "AutoKConfig",
     "ConstantK",
     "CostModelK",
+    "Evidence",
     "KPolicy",
     "PartsK",
     "plan_batch",
@@ -85,6 +86,35 @@ class AdditiveK(KPolicy):
             return
         step = 2 if accepted == drafted else -1
         self.k = max(self.k_min, min(self.k_max, self.k + step))
+
+
+class Evidence:
+    """Acceptance verdicts by draft position, each position's older ones decayed: the successes and failures
+    :class:`CostModelK` reads its rates from. One is a request's own; another, shared by the requests of a
+    speculator, drafter and sampling setting, is where a new request's estimates start (a server learns its
+    workload's acceptance instead of starting every request from the prior)."""
+
+    def __init__(self, size: int) -> None:
+        self.accepted = np.zeros(size)  # [size] decayed successes at each position
+        self.rejected = np.zeros(size)  # [size] decayed failures at each position
+
+    def add(self, drafted: int, accepted: int, memory: float) -> None:
+        """A round drafted ``drafted`` tokens and ``accepted`` of them were accepted: a success at positions
+        1..a and a failure at a + 1 when a < d (the positions it tested), each after multiplying that
+        position's earlier evidence by ``memory``."""
+        tested = min(accepted + (accepted < drafted), self.accepted.size)
+        self.accepted[:tested] *= memory
+        self.rejected[:tested] *= memory
+        self.accepted[: min(accepted, tested)] += 1
+        if accepted < tested:
+            self.rejected[accepted] += 1
+
+    def copy(self, size: int) -> Evidence:
+        """A copy of its first ``size`` positions (none where it has fewer)."""
+        own = Evidence(size)
+        n = min(size, self.accepted.size)
+        own.accepted[:n], own.rejected[:n] = self.accepted[:n], self.rejected[:n]
+        return own
 
 
 @dataclass(frozen=True)
@@ -164,6 +194,9 @@ class CostModelK(KPolicy):
     draft's cache, a learned head's) reads before it drafts; every round's choice counts it for K > 0, so a
     drafter whose catch-up outgrows the budget (u ≥ probe_budget per plain round) stops probing.
 
+    ``shared`` (optional): the evidence of earlier and concurrent requests (:class:`Evidence`), where this
+    one's starts; every verdict is added to both, so a request's own then weighs most.
+
     ``online`` (optional, shared by the policies of one calibration): the costs measured as it runs
     (:class:`~verispec.online_costs.OnlineCosts`). The calibrated costs are then a prior, corrected by the
     timings the engine hands over (:meth:`observe_costs`); until the drafter's cost has been seen, probes
@@ -180,6 +213,7 @@ class CostModelK(KPolicy):
         costs_at: Callable[[int], CostModel] | None = None,
         batch_costs_at: Callable[[int], BatchCost] | None = None,
         online: OnlineCosts | None = None,
+        shared: Evidence | None = None,
     ) -> None:
         if not isinstance(cost, CostModel):
             raise UsageError(f"cost must be a CostModel, got {type(cost).__name__}")
@@ -193,8 +227,8 @@ class CostModelK(KPolicy):
         self.online = online
         self._costed = cost  # the cost model `_round_costs` and `_catch_up` are for
         self._round_costs = cost.round_costs(k_max)  # [k_max + 1]: v(K+1) + K·c
-        self._accepted = np.zeros(k_max)  # [k_max] decayed successes at each position
-        self._rejected = np.zeros(k_max)  # [k_max] decayed failures at each position
+        self.shared = shared
+        self.evidence = Evidence(k_max) if shared is None else shared.copy(k_max)  # this request's verdicts
         self._catch_up = cost.catch_up  # u at the context step of `_round_costs`
         self._plain_rounds = 0  # consecutive rounds at K = 0
         self._read = 0  # the context when a round last drafted: the drafter has read it (0: nothing yet)
@@ -215,7 +249,8 @@ class CostModelK(KPolicy):
             a0, r0 = self.config.prior
             strength, floor = a0 + r0, a0 / (a0 + r0)
             rates, mean = [], floor
-            for accepted, rejected in zip(self._accepted.tolist(), self._rejected.tolist(), strict=True):
+            own = self.evidence
+            for accepted, rejected in zip(own.accepted.tolist(), own.rejected.tolist(), strict=True):
                 rates.append((accepted + strength * mean) / (accepted + rejected + strength))
                 mean = max(floor, rates[-1])  # the next position's prior: at least as good as this one
             alphas = np.array(rates)  # [k_max]
@@ -311,12 +346,9 @@ class CostModelK(KPolicy):
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
-        tested = min(accepted + (accepted < drafted), self._accepted.size)  # positions 1..a, and a + 1
-        self._accepted[:tested] *= self.config.memory
-        self._rejected[:tested] *= self.config.memory
-        self._accepted[: min(accepted, tested)] += 1
-        if accepted < tested:
-            self._rejected[accepted] += 1
+        self.evidence.add(drafted, accepted, self.config.memory)
+        if self.shared is not None:
+            self.shared.add(drafted, accepted, self.config.memory)
         self._alphas = self._tokens = self._plan = None
 
     def observe_costs(self, timing: RoundTiming) -> None:
