@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
-import verispec.engine as engine_module
+import verispec.rounds as rounds_module
 from fakes import TableLM
 from one_sequence import OneSequence
 from verispec.drafting.base import NoDrafter
@@ -265,5 +265,5 @@ def test_engine_chi_square_catches_a_broken_verifier(monkeypatch):
             dataclasses.replace(rule, fallback=p.clone()), draft_tokens, generator, eos_token_id
         )
 
-    monkeypatch.setattr(engine_module, "rejection_sample", resample_from_p)
+    monkeypatch.setattr(rounds_module, "rejection_sample", resample_from_p)
     assert first_two_tokens_p_value("model", {}) < ALPHA

@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
-import verispec.engine as engine_module
+import verispec.rounds as rounds_module
 from fakes import TableLM, TokenCache
 from one_sequence import OneSequence
 from test_hf_adapter import tiny_model
@@ -259,7 +259,7 @@ def test_engine_chi_square_catches_siblings_without_residuals(monkeypatch):
 
         return sample_tree_verdict(tokens, parents, rule, generator, eos_token_id)
 
-    monkeypatch.setattr(engine_module, "tree_rejection_sample", stale_siblings)
+    monkeypatch.setattr(rounds_module, "tree_rejection_sample", stale_siblings)
     assert first_two_tokens_p_value("top-k") < ALPHA
 
 

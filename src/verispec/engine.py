@@ -33,33 +33,20 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import torch
 
 from verispec.drafting.base import (
-    Allowed,
     Drafter,
     DraftRow,
     HiddenStateReader,
-    Proposal,
     RowDrafter,
     SequenceEnd,
     TreeDrafter,
 )
-from verispec.drafting.tree import TreeProposal
 from verispec.errors import UsageError
-from verispec.grammar.rounds import (
-    GrammarState,
-    chain_masks,
-    constrain,
-    finish,
-    forced_run,
-    tree_masks,
-    tree_with_forced,
-    with_forced,
-)
+from verispec.grammar.rounds import constrain, finish
 from verispec.inputs import is_int
 from verispec.models.base import (
     Cache,
@@ -72,57 +59,23 @@ from verispec.models.base import (
 )
 from verispec.online_costs import ForwardTiming, RoundTiming
 from verispec.policies import CostModelK, plan_batch
-from verispec.sampling import position_draws, probs_from_logits
-from verispec.sequence import EngineConfig, ForwardTotals, Request, Running, token_logprobs
-from verispec.verify.chain import (
-    Verdict,
-    greedy_targets,
-    greedy_verify,
-    greedy_verify_targets,
-    rejection_sample,
-    single_guess_sample,
+from verispec.rounds import (
+    Chain,
+    Round,
+    chain_of,
+    chain_round,
+    draft,
+    tree_round,
+    verify_chain,
+    verify_greedy_chains,
+    verify_tree,
 )
-from verispec.verify.tree import TreeVerdict, tree_greedy_verify, tree_rejection_sample
+from verispec.sequence import ForwardTotals, Request, Running, token_logprobs
+from verispec.verify.chain import Verdict
 
 __all__ = ["PREFILL_CHUNK", "SpeculativeEngine"]
 
 PREFILL_CHUNK = 128  # prompt tokens a joining sequence adds to a step while other sequences decode
-
-
-def _after(grammar: GrammarState, forced: list[int]) -> Allowed:
-    """The grammar's mask at each position of a chain drafted after the ``forced`` tokens, for the drafter
-    (tentative: the committed state never moves)."""
-    return lambda path: grammar.mask_after([*forced, *path])
-
-
-@dataclass(frozen=True)
-class _Chain:
-    """What a chain round asks of its drafter: ``k`` tokens after ``context`` (the committed ids and the
-    grammar's ``forced`` run), within the grammar's masks ``within`` (None: no grammar)."""
-
-    context: list[int]
-    k: int
-    forced: list[int]
-    within: Allowed | None
-
-
-@dataclass
-class _Round:
-    """What a sequence scores in this step: a prompt chunk, a chain proposal or a tree."""
-
-    running: Running
-    tokens: list[int]
-    start: int  # the position of the first token (its cache slot)
-    proposal: Proposal | None = None  # a chain round's
-    tree: TreeProposal | None = None  # a tree round's
-    draft_seconds: float = 0.0
-    allowed: torch.Tensor | None = None  # [T, V'] bool: each scored position's grammar mask (constrained)
-    forced: int = 0  # the grammar's forced tokens that begin the chain's draft or make the tree's trunk
-
-    @property
-    def chunk(self) -> bool:
-        """Whether it is a chunk of a joining sequence's prompt."""
-        return self.proposal is None and self.tree is None
 
 
 class SpeculativeEngine:
@@ -307,7 +260,7 @@ class SpeculativeEngine:
             logits if logits is None or rnd.allowed is None else constrain(logits, rnd.allowed)  # [T, V]
             for rnd, (logits, _) in zip(rounds, scored, strict=True)
         ]
-        verdicts = self._verify_greedy_chains(rounds, masked)
+        verdicts = verify_greedy_chains(rounds, masked)
         for index, (rnd, (logits, hidden)) in enumerate(zip(rounds, scored, strict=True)):
             running = rnd.running
             if rnd.chunk:
@@ -329,7 +282,7 @@ class SpeculativeEngine:
                 out.append((running, self._fail(running, err)))
         return out
 
-    def _overhead(self, rounds: Sequence[_Round], start: float) -> float | None:
+    def _overhead(self, rounds: Sequence[Round], start: float) -> float | None:
         """The seconds between the last step's forward and this one's (starting at ``start``) that were not
         its proposals: the rest of a round (verify, commit, the caller's handling of the tokens, the plan);
         None unless both steps scored draft rounds only."""
@@ -339,7 +292,7 @@ class SpeculativeEngine:
 
     @staticmethod
     def _forward_timing(
-        rounds: Sequence[_Round], seconds: float, overhead: float | None
+        rounds: Sequence[Round], seconds: float, overhead: float | None
     ) -> ForwardTiming | None:
         """The step's forward for the K policies' cost estimates: when it scored chain rounds only (a prompt
         chunk's or a tree's tokens are not what a round of K draft tokens costs), else None."""
@@ -357,14 +310,14 @@ class SpeculativeEngine:
             del self._last[running.slot]
         return []
 
-    def _prompt_chunk(self, running: Running, others: bool) -> _Round:
+    def _prompt_chunk(self, running: Running, others: bool) -> Round:
         """The next chunk of a joining sequence's prompt (all but its last token): at most prefill_chunk
         tokens while other sequences decode, else the rest."""
         prompt = running.request.prompt
         end = len(prompt) - 1
         if others:
             end = min(end, running.prefilled + self.prefill_chunk)
-        return _Round(running, prompt[running.prefilled : end], running.prefilled)
+        return Round(running, prompt[running.prefilled : end], running.prefilled)
 
     def _prefilled(self, running: Running, count: int, hidden: torch.Tensor | None) -> None:
         running.prefilled += count
@@ -393,13 +346,13 @@ class SpeculativeEngine:
 
     def _propose_all(
         self, decoding: list[Running], ks: list[int | None], out: list[tuple[Running, list[int]]]
-    ) -> list[_Round]:
+    ) -> list[Round]:
         """Each decoding sequence's round (:meth:`_propose`), the chains of drafters that propose together
         (a :class:`~verispec.drafting.base.RowDrafter`'s ``rows_key``) in one call per key, each row's
         proposal exactly its own; a sequence whose proposal raises fails alone (into ``out``; a call for
         several rows that raises is made again row by row, so that only the one at fault fails)."""
-        rounds: list[_Round] = []
-        together: dict[tuple[type, object], list[tuple[Running, _Chain]]] = {}
+        rounds: list[Round] = []
+        together: dict[tuple[type, object], list[tuple[Running, Chain]]] = {}
         for running, k in zip(decoding, ks, strict=True):
             try:
                 drafter, rows = running.drafter, running.row_drafter
@@ -407,7 +360,9 @@ class SpeculativeEngine:
                 if key is None:
                     rounds.append(self._propose(running, k))
                 else:
-                    together.setdefault((type(drafter), key), []).append((running, self._chain(running, k)))
+                    together.setdefault((type(drafter), key), []).append(
+                        (running, chain_of(running, k, self._room(running)))
+                    )
             except Exception as err:
                 out.append((running, self._fail(running, err)))
         for (kind, _), members in together.items():
@@ -427,70 +382,24 @@ class SpeculativeEngine:
             for index, (running, chain) in enumerate(members):
                 try:
                     if proposals is None:
-                        rounds.append(self._chain_round(running, chain, self._draft(running, chain), t0))
+                        rounds.append(chain_round(running, chain, draft(running, chain), t0))
                     else:
-                        rounds.append(self._chain_round(running, chain, proposals[index], seconds=seconds))
+                        rounds.append(chain_round(running, chain, proposals[index], seconds=seconds))
                 except Exception as err:
                     out.append((running, self._fail(running, err)))
         return rounds
 
-    def _propose(self, running: Running, planned: int | None = None) -> _Round:
-        """A decoding sequence's round: its tree, or a chain of ``planned`` tokens (None: its K policy's
-        choice), capped by its room."""
-        ids, drafter, room = running.ids, running.drafter, self._room(running)
-        grammar = running.request.grammar
-        t0 = time.perf_counter()
+    def _propose(self, running: Running, planned: int | None = None) -> Round:
+        """A decoding sequence's round (:mod:`verispec.rounds`): its tree, or a chain of ``planned`` tokens
+        (None: its K policy's choice), capped by its room."""
+        room = self._room(running)
         if running.tree:  # checked on submission: a tree drafter, a cache that compacts
-            drafter, cache = cast(TreeDrafter, drafter), cast(TreeCache, running.cache)
-            space = cache.capacity - (len(ids) - 1)  # the nodes a forward may add
-            trunk = [] if grammar is None else forced_run(grammar, min(room, space) - 1)  # certain: free
-            shape = drafter.shape.capped(room - 1 - len(trunk), space - len(trunk))
-            masks = None if grammar is None else _after(grammar, trunk)
-            tree = drafter.propose_tree(ids + trunk, shape, running.generator, masks)
-            tree = tree_with_forced(ids[-1], trunk, tree)  # the drafter's tree hung from the trunk's end
-            nodes = tree.tokens.tolist()
-            allowed = (
-                None if grammar is None else tree_masks(grammar, nodes, tree.parents.tolist())
-            )  # [N, V']
-            return _Round(running, nodes, len(ids) - 1, tree=tree, allowed=allowed, forced=len(trunk),
-                          draft_seconds=time.perf_counter() - t0)  # fmt: skip
-        chain = self._chain(running, planned)
-        return self._chain_round(running, chain, self._draft(running, chain), t0)
+            return tree_round(running, room)
+        t0 = time.perf_counter()
+        chain = chain_of(running, planned, room)
+        return chain_round(running, chain, draft(running, chain), t0)
 
-    def _chain(self, running: Running, planned: int | None) -> _Chain:
-        """What a chain round asks its drafter for: ``planned`` tokens (None: its K policy's choice) after the
-        grammar's forced ones, capped by the room left."""
-        grammar, room = running.request.grammar, self._room(running)
-        forced = [] if grammar is None else forced_run(grammar, room - 1)  # certain: drafted for free
-        k = running.request.k_policy.next_k(len(running.ids)) if planned is None else planned
-        within = None if grammar is None else _after(grammar, forced)  # each draft position's mask
-        return _Chain(running.ids + forced, min(k, room - 1 - len(forced)), forced, within)
-
-    @staticmethod
-    def _draft(running: Running, chain: _Chain) -> Proposal:
-        """The sequence's own drafter's proposal for ``chain``."""
-        if chain.k <= 0:
-            return Proposal.empty()
-        return cast(Drafter, running.drafter).propose(chain.context, chain.k, running.generator, chain.within)
-
-    def _chain_round(
-        self,
-        running: Running,
-        chain: _Chain,
-        proposal: Proposal,
-        t0: float = 0.0,
-        seconds: float | None = None,
-    ) -> _Round:
-        """The round of ``chain`` drafted as ``proposal`` (since ``t0``, or in ``seconds``)."""
-        proposal = with_forced(chain.forced, proposal)
-        tokens = proposal.tokens.tolist()
-        grammar = running.request.grammar
-        allowed = None if grammar is None else chain_masks(grammar, tokens)  # [1 + len(tokens), V']
-        spent = time.perf_counter() - t0 if seconds is None else seconds
-        return _Round(running, [running.ids[-1], *tokens], len(running.ids) - 1, proposal=proposal,
-                      allowed=allowed, forced=len(chain.forced), draft_seconds=spent)  # fmt: skip
-
-    def _score(self, rounds: Sequence[_Round]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    def _score(self, rounds: Sequence[Round]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
         """(logits [T, V] or None for a prompt chunk, hidden states [T, H] for a drafter that reads them, else
         None) of every round, from one forward of the target when it scores rows together."""
         device = self.target.device
@@ -527,42 +436,9 @@ class SpeculativeEngine:
 
     # ------------------------------------------------------------------ verify, commit
 
-    def _verify_greedy_chains(
-        self, rounds: Sequence[_Round], logits: Sequence[torch.Tensor | None]
-    ) -> dict[int, tuple[Verdict, int]]:
-        """The greedy chain rounds of this step (untraced), verified together: one ``greedy_verify`` over
-        their padded drafts and each row's greedy tokens per set of end-of-sequence tokens (rows of their own
-        lengths; greedy verification draws nothing, so rows share it freely). Round index → (verdict, its
-        row)."""
-        groups: dict[frozenset[int], list[int]] = {}
-        for index, rnd in enumerate(rounds):
-            config = rnd.running.request.config
-            if rnd.proposal is not None and config.sampling.greedy and rnd.running.request.trace is None:
-                groups.setdefault(config.eos_token_ids, []).append(index)
-        out: dict[int, tuple[Verdict, int]] = {}
-        for eos, members in groups.items():
-            if len(members) < 2:
-                continue
-            proposals = [rounds[i].proposal for i in members]
-            width = max(len(p.tokens) for p in proposals if p is not None)
-            draft = torch.zeros(len(members), width, dtype=torch.long)  # [B, K]
-            targets = torch.zeros(len(members), width + 1, dtype=torch.long)  # [B, K+1]: rows padded
-            for row, index in enumerate(members):
-                proposal, score = rounds[index].proposal, logits[index]
-                assert proposal is not None and score is not None
-                n = len(proposal.tokens)
-                draft[row, :n] = proposal.tokens
-                targets[row, : n + 1] = greedy_targets(score)  # [n + 1]
-            lengths = torch.tensor([len(q.tokens) for q in proposals if q is not None])  # [B]
-            verdict = greedy_verify_targets(
-                draft, targets=targets, draft_lengths=lengths, eos_token_id=sorted(eos) or None
-            )
-            out.update((index, (verdict, row)) for row, index in enumerate(members))
-        return out
-
     def _settle(
         self,
-        rnd: _Round,
+        rnd: Round,
         logits: torch.Tensor,
         hidden: torch.Tensor | None,
         verified: tuple[Verdict, int] | None = None,
@@ -576,7 +452,7 @@ class SpeculativeEngine:
         config, request = running.request.config, running.request
         if verified is None:
             first = len(running.ids)  # the position of the round's first emitted token
-            verified = self._verify(proposal, logits.unsqueeze(0), config, running.generator, first), 0
+            verified = verify_chain(proposal, logits.unsqueeze(0), config, running.generator, first), 0
         verdict, row = verified
         if request.trace is not None:
             request.trace.record(proposal, logits.unsqueeze(0), verdict, config.sampling)
@@ -593,35 +469,15 @@ class SpeculativeEngine:
         request.stats.forced += rnd.forced
         return emitted
 
-    @staticmethod
-    def _verify(
-        proposal: Proposal, logits: torch.Tensor, config: EngineConfig, generator: torch.Generator, first: int
-    ) -> Verdict:
-        """logits: [1, k'+1, V] target logits for the round, whose first emitted token is at position
-        ``first``."""
-        draft = proposal.tokens.to(logits.device).unsqueeze(0)  # [1, k']
-        eos = sorted(config.eos_token_ids) or None
-        if config.sampling.greedy:
-            return greedy_verify(draft, p=logits, eos_token_id=eos)
-        p = probs_from_logits(logits, config.sampling)  # [1, k'+1, V]
-        if config.sampling.invariant:  # each position's own draw: accept the draft while it matches them
-            positions = range(first, first + p.shape[1])
-            targets = position_draws(p[0], generator.initial_seed(), positions).unsqueeze(0)  # [1, k'+1]
-            return greedy_verify_targets(draft, targets=targets, eos_token_id=eos)
-        if proposal.q is None:
-            return single_guess_sample(draft, p=p, generator=generator, eos_token_id=eos)
-        q = proposal.q.to(logits.device).unsqueeze(0)  # [1, k', V]
-        return rejection_sample(draft, q=q, p=p, generator=generator, eos_token_id=eos)
-
     def _settle_tree(
-        self, rnd: _Round, logits: torch.Tensor, hidden: torch.Tensor | None
+        self, rnd: Round, logits: torch.Tensor, hidden: torch.Tensor | None
     ) -> tuple[list[int], list[int]]:
         """Verify a tree round (logits [N, V]) and compact its accepted path into place; returns the tokens
         it emits and the nodes whose logits are at each one's prefix (the root, then each accepted node)."""
         running, tree = rnd.running, rnd.tree
         assert tree is not None
         cache = cast(TreeCache, running.cache)
-        verdict = self._verify_tree(tree, logits, running.request.config, running.generator, len(running.ids))
+        verdict = verify_tree(tree, logits, running.request.config, running.generator, len(running.ids))
         kept = verdict.accepted_nodes[: len(verdict.tokens) - 1]  # all but an accepted end-of-sequence token
         root = len(running.ids) - 1
         cache.compact(len(running.ids), [root + node for node in kept])
@@ -631,24 +487,6 @@ class SpeculativeEngine:
         stats.tree_nodes += tree.num_nodes - 1
         stats.forced += rnd.forced
         return verdict.tokens, [0, *verdict.accepted_nodes]
-
-    @staticmethod
-    def _verify_tree(
-        tree: TreeProposal, logits: torch.Tensor, config: EngineConfig, generator: torch.Generator, first: int
-    ) -> TreeVerdict:
-        """logits: [N, V] target logits at the tree's nodes; the root's child is at position ``first``."""
-        tokens, parents = tree.tokens.to(logits.device), tree.parents.to(logits.device)  # [N], [N]
-        eos = sorted(config.eos_token_ids) or None
-        if config.sampling.greedy:
-            return tree_greedy_verify(tokens, parents, p=logits, eos_token_id=eos)
-        p = probs_from_logits(logits, config.sampling)  # [N, V]
-        if config.sampling.invariant:  # each node's draw at its child's position, as scores that argmax to it
-            positions = [first + d for d in tree.depth.tolist()]
-            drawn = position_draws(p, generator.initial_seed(), positions)  # [N]
-            scores = torch.zeros_like(p).scatter_(1, drawn.unsqueeze(1), 1.0)  # [N, V]
-            return tree_greedy_verify(tokens, parents, p=scores, eos_token_id=eos)
-        q = None if tree.q is None else tree.q.to(logits.device)  # [N, V]
-        return tree_rejection_sample(tokens, parents, p=p, q=q, generator=generator, eos_token_id=eos)
 
     def _commit(self, running: Running, emitted: list[int], logits: torch.Tensor) -> list[int]:
         """Keep what the sequence's stopping rules allow of ``emitted``, with their logprobs when asked for
