@@ -17,7 +17,7 @@ from test_grammar import GREEDY, REGEX, SCHEMA
 from test_lookahead import random_lookahead
 from test_medusa_exit import random_exit, random_medusa
 from toy import single_threaded
-from verispec import engine
+from verispec import rounds
 from verispec.api import Speculator
 from verispec.drafting.registry import DRAFTERS
 from verispec.drafting.tree import TreeShape
@@ -99,7 +99,7 @@ def test_masked_q_raises_acceptance(speculators, monkeypatch) -> None:
         return stats.accepted / stats.drafted
 
     masked = acceptance()
-    monkeypatch.setattr(engine, "_after", lambda grammar, forced: None)
+    monkeypatch.setattr(rounds, "_after", lambda grammar, forced: None)
     assert masked > acceptance() + 0.05, masked
 
 

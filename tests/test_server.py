@@ -21,7 +21,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from verispec import cli
-from verispec import engine as engine_module
+from verispec import rounds as rounds_module
 from verispec.api import Speculator
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import DRAFTERS
@@ -570,14 +570,14 @@ def test_a_request_that_fails_fails_alone_and_the_batch_goes_on(served, stories,
     are served."""
     url, server = served
     _, loaded = stories
-    real = engine_module.probs_from_logits
+    real = rounds_module.probs_from_logits
 
     def failing(logits, params):
         if params.temperature == 0.625:
             raise RuntimeError("injected")
         return real(logits, params)
 
-    monkeypatch.setattr(engine_module, "probs_from_logits", failing)
+    monkeypatch.setattr(rounds_module, "probs_from_logits", failing)
     options = dict(model="stories260K", prompt="Tom had a red ball.", max_tokens=48, seed=3)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         good = pool.submit(lambda: client(url).completions.create(**options, temperature=0.8))
