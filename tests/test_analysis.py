@@ -262,6 +262,18 @@ def test_cost_model_normalizes_and_is_frozen():
         cost.cost_ratio = 0.2  # type: ignore[misc]
 
 
+@pytest.mark.parametrize("curve", [MEASURED, lambda k: 1.0 + 0.05 * (k - 1)], ids=["sequence", "callable"])
+def test_a_proposals_fixed_cost_is_paid_once_by_a_round_that_drafts(curve):
+    """c₀ (``fixed_cost``): K·c + c₀ for K > 0, nothing at K = 0; round_costs agrees with round_cost."""
+    cost = CostModel(0.1, curve, fixed_cost=0.25)
+    v = cost.verify
+    assert cost.draft_cost(0) == 0.0 and cost.round_cost(0) == 1.0
+    assert cost.draft_cost(3) == pytest.approx(0.55) and cost.round_cost(3) == pytest.approx(v(4) + 0.55)
+    np.testing.assert_allclose(cost.round_costs(5), [cost.round_cost(k) for k in range(6)])
+    plain = CostModel(0.1, curve)
+    np.testing.assert_allclose(cost.round_costs(5)[1:] - plain.round_costs(5)[1:], 0.25)
+
+
 @pytest.mark.parametrize(
     "call",
     [
@@ -294,6 +306,8 @@ def test_cost_model_normalizes_and_is_frozen():
         lambda: break_even_alpha(-1, 0.1),
         lambda: break_even_alpha(2, -0.1),
         lambda: CostModel(0.1, lambda k: 0.5),  # v(1) checked on construction
+        lambda: CostModel(0.1, MEASURED, fixed_cost=-0.01),
+        lambda: CostModel(0.1, MEASURED, fixed_cost=math.nan),
     ],
 )
 def test_bad_arguments_raise_one_line_value_error(call):

@@ -104,6 +104,8 @@ def test_costs_at_a_context_interpolate_the_two_measured_contexts():
     at = calibration.cost_model_at(1024)  # the draft's seconds as measured, over a dearer target step
     assert at.cost_ratio == pytest.approx(0.002 / 0.014) and at.verify(3) == pytest.approx(0.025 / 0.014)
     assert at.catch_up == pytest.approx(0.0005 / 0.014) and calibration.cost_model.catch_up == 0.05
+    fixed = Calibration(costs, DraftCosts("d", 0.2, 0.002, 3, "now", 0.0005, 0.003), Path("x"))
+    assert fixed.cost_model_at(1024).fixed_cost == pytest.approx(0.003 / 0.014)
     assert calibration.cost_model.cost_ratio == 0.2  # the short context's, as measured in pairs
     with pytest.raises(ValueError, match="a drafter's catch-up must be a number >= 0"):
         DraftCosts("d", 0.2, 0.002, 3, "now", -1e-6)
@@ -142,6 +144,36 @@ class _Lagging:
 
     def observe(self, num_accepted: int) -> None:
         pass
+
+
+class _Stepping(_Lagging):
+    """A drafter whose proposal of k tokens costs ``fixed`` + k · ``per`` seconds (slept), reading nothing."""
+
+    name = "stepping"
+
+    def __init__(self, fixed: float, per: float) -> None:
+        super().__init__(0.0)
+        self.fixed, self.per_token = fixed, per
+
+    def propose(
+        self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> Proposal:
+        time.sleep(self.fixed + k * self.per_token)
+        return Proposal.empty()
+
+
+def test_a_proposals_cost_is_split_into_a_fixed_part_and_one_per_token(stories):
+    """c₀ + K·c: proposals of 1 and DRAFT_K tokens timed apart give both (sleeps overshoot, never undershoot,
+    by about the same in both); a drafter whose cost does not grow with K is nearly all fixed cost."""
+    model, _ = stories
+    costs, _ = calibration_module._measure_drafter(_Stepping(0.02, 0.005), model, "stepping", 3)
+    assert 0.012 <= costs.fixed_seconds <= 0.035 and 0.003 <= costs.seconds_per_token <= 0.009
+    flat, _ = calibration_module._measure_drafter(_Stepping(0.01, 0.0), model, "flat", 3)
+    assert 0.007 <= flat.fixed_seconds <= 0.03 and flat.seconds_per_token <= 0.002
+    target = TargetCosts("t", (0.01, 0.012), 3, "now", batch_seconds=grid(0.01))
+    cost = Calibration(target, costs, Path("x")).cost_model
+    assert cost.fixed_cost == pytest.approx(costs.fixed_seconds / 0.01)
+    assert cost.round_cost(1) == pytest.approx(1.2 + costs.cost_ratio + cost.fixed_cost)
 
 
 def test_a_drafters_catch_up_is_what_reading_an_unread_position_costs(stories):

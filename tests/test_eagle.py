@@ -613,7 +613,8 @@ def test_rollback_leaves_the_state_of_a_fresh_drafter(target, trained):
 
 def test_k_auto_calibrates_real_proposals(target, trained, tmp_path, monkeypatch):
     """--k auto: the calibration hands the drafter the target's hidden states, so every proposal it times
-    drafts DRAFT_K tokens; generation at K auto stays the target's greedy output."""
+    drafts what it was asked (DRAFT_K tokens after begin, then 1 and DRAFT_K in turn); generation at K auto
+    stays the target's greedy output."""
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     lengths = []
     propose = EagleDrafter.propose
@@ -626,7 +627,7 @@ def test_k_auto_calibrates_real_proposals(target, trained, tmp_path, monkeypatch
     monkeypatch.setattr(EagleDrafter, "propose", counted)
     plain, eagle = plain_and_eagle(target, trained)
     calibration = eagle.calibration(repetitions=3)
-    assert lengths == [DRAFT_K] * (FILLS + 3) and calibration.cost_ratio > 0
+    assert lengths == [DRAFT_K] * FILLS + [1, DRAFT_K] * 3 and calibration.cost_ratio > 0
     for prompt in ("abc", "mnopqrs"):
         reference = plain.generate(prompt, k=0, max_new_tokens=40, sampling=GREEDY).token_ids
         assert eagle.generate(prompt, k="auto", max_new_tokens=40, sampling=GREEDY).token_ids == reference
@@ -1183,7 +1184,7 @@ def test_cli_train_drafter_bad_input(dataset, tmp_path, capsys):
     )
 
 
-def test_cli_train_then_generate(stories, trained, tmp_path, capsys):
+def test_cli_train_then_generate(stories, trained, tmp_path, capsys, monkeypatch):
     """train-drafter on stories260K's data set, then generate with it; a drafter for another target, a
     corrupt file and a file without the eagle drafter are one-line errors."""
     model, tokenizer, path, root = stories
@@ -1202,7 +1203,9 @@ def test_cli_train_then_generate(stories, trained, tmp_path, capsys):
     assert status == 0, err
     chain = json.loads(out)
     assert chain["stats"]["drafter"] == "eagle" and chain["stats"]["k"] == "3"
-    # without --k the learned drafter drafts its default tree; the same greedy tokens
+    # without --k the learned drafter drafts its default tree where the costs say it may pay (flat ones here:
+    # the tree rule's own test is above); the same greedy tokens
+    monkeypatch.setattr(resolve_module, "calibrate", lambda *a, **k: SimpleNamespace(cost_model=FLAT))
     default = [a for a in eagle if a not in ("--k", "3")]
     status, out, err = run_cli(capsys, "generate", "Once upon a time", *model_args, *default, "--json")
     assert status == 0, err

@@ -48,13 +48,15 @@ def test_a_poisoned_calibration_recovers_within_64_rounds(c, alpha):
 
 @pytest.mark.parametrize(("c", "alpha"), CASES)
 def test_a_uniformly_wrong_step_changes_no_decision_once_corrected(c, alpha):
-    """A calibration made while every target forward took 3× as long (T(1) ×3, so c and u a third): once
-    the rounds have been timed, the corrected costs are the true ones and the K chosen is the true costs'."""
-    truth = CostModel(c, MEASURED, catch_up=0.003)
-    slow = CostModel(c / 3, MEASURED, catch_up=0.001)
+    """A calibration made while every target forward took 3× as long (T(1) ×3, so c, c₀ and u a third):
+    once the rounds have been timed, the corrected costs are the true ones and the K chosen is the true
+    costs'."""
+    truth = CostModel(c, MEASURED, catch_up=0.003, fixed_cost=0.06)
+    slow = CostModel(c / 3, MEASURED, catch_up=0.001, fixed_cost=0.02)
     run = simulate_recovery(slow, truth, alpha, 64, prior_step=3.0)
     assert run.ks[8:] == run.clean[8:]
     assert run.corrected.cost_ratio == pytest.approx(c) and run.corrected.catch_up == pytest.approx(0.003)
+    assert run.corrected.fixed_cost == pytest.approx(0.06)
     assert run.corrected.verify_cost == pytest.approx(tuple(MEASURED))
 
 
@@ -161,9 +163,10 @@ def test_a_warm_up_of_slow_rounds_is_forgotten_within_the_horizon():
 def test_the_rest_of_a_round_counts_the_costs_in_whole_plain_rounds():
     """What a round costs besides its forward and proposal (o, timed by the engine between forwards) is
     estimated like the rest (its own lower median, nothing before it was seen twice, never a fallback) from
-    single-row steps only; the corrected costs are then in whole plain rounds: v(m) → (v(m) + o) / (1 + o),
-    c and u → c / (1 + o), u / (1 + o), the batch grid likewise; and with it the best K is never smaller."""
-    prior = CostModel(0.1, MEASURED, catch_up=0.01)
+    single-row steps only; the corrected costs are then in whole plain rounds: v(m) → (v(m) + o) / (1 + o), c,
+    c₀ and u → c / (1 + o), c₀ / (1 + o), u / (1 + o), the batch grid likewise; and with it the best K is
+    never smaller."""
+    prior = CostModel(0.1, MEASURED, catch_up=0.01, fixed_cost=0.03)
     online = OnlineCosts()
 
     def step(overhead: float | None, rows: int = 1) -> None:
@@ -181,6 +184,7 @@ def test_the_rest_of_a_round_counts_the_costs_in_whole_plain_rounds():
     assert corrected.verify_cost == pytest.approx(tuple((v + 0.5) / 1.5 for v in MEASURED))
     assert corrected.cost_ratio == pytest.approx(0.1 / 1.5)
     assert corrected.catch_up == pytest.approx(0.01 / 1.5)
+    assert corrected.fixed_cost == pytest.approx(0.03 / 1.5)
     grid = online.correct_batch(BatchCost((1, 2), (1, 2), ((1.0, 1.2), (1.5, 1.8))))
     assert grid.cost[0] == pytest.approx(((1.0 + 0.5) / 1.5, (1.2 + 0.5) / 1.5))
     alphas = np.array([0.7, 0.6, 0.5, 0.5])

@@ -27,26 +27,34 @@ MEASURED = [1.0, 1.13, 1.2, 1.13, 1.11, 1.15, 1.23, 1.25, 1.26, 1.29, 1.31, 1.32
 STEEP = [1.0 + 0.5 * k for k in range(K_MAX + 1)]  # compute-bound: every extra token costs half a step
 
 
-def brute_force_k(alpha: float, c: float, v: list[float]) -> int:
-    """argmax_K (1 − α^{K+1}) / (1 − α) / (v(K+1) + K·c): the textbook formula, computed independently of
-    verispec.analysis.analytic."""
-    speed = [(1 - alpha ** (k + 1)) / (1 - alpha) / (v[k] + k * c) for k in range(len(v))]
+def speeds(alpha: float, c: float, v: list[float], fixed: float = 0.0) -> list[float]:
+    """(1 − α^{K+1}) / (1 − α) / (v(K+1) + K·c + c₀ [K > 0]) for every K: the textbook formula, computed
+    independently of verispec.analysis.analytic."""
+    return [
+        (1 - alpha ** (k + 1)) / (1 - alpha) / (v[k] + k * c + (fixed if k else 0.0)) for k in range(len(v))
+    ]
+
+
+def brute_force_k(alpha: float, c: float, v: list[float], fixed: float = 0.0) -> int:
+    """argmax_K of :func:`speeds`."""
+    speed = speeds(alpha, c, v, fixed)
     return speed.index(max(speed))
 
 
-def policy_at(alpha: float, c: float, v: list[float], **config) -> CostModelK:
+def policy_at(alpha: float, c: float, v: list[float], fixed: float = 0.0, **config) -> CostModelK:
     """A policy whose estimate is exactly α: a Beta(α, 1 − α) prior and no evidence yet."""
-    return CostModelK(CostModel(c, v), AutoKConfig(prior=(alpha, 1 - alpha), **config))
+    return CostModelK(CostModel(c, v, fixed_cost=fixed), AutoKConfig(prior=(alpha, 1 - alpha), **config))
 
 
 @pytest.mark.parametrize("v", [FLAT, LINEAR, MEASURED, STEEP], ids=["flat", "linear", "measured", "steep"])
 @pytest.mark.parametrize("c", [0.0, 0.01, 0.1, 0.3, 0.9])
 @pytest.mark.parametrize("alpha", [0.05, 0.3, 0.6, 0.8, 0.9, 0.97])
-def test_picks_the_analytically_optimal_k(v, c, alpha):
-    policy = policy_at(alpha, c, v)
+@pytest.mark.parametrize("fixed", [0.0, 0.15])
+def test_picks_the_analytically_optimal_k(v, c, alpha, fixed):
+    policy = policy_at(alpha, c, v, fixed)
     np.testing.assert_allclose(policy.alphas, alpha)
-    chosen, best = policy.next_k(), brute_force_k(alpha, c, v)
-    speed = [(1 - alpha ** (k + 1)) / (1 - alpha) / (v[k] + k * c) for k in range(len(v))]
+    chosen, best = policy.next_k(), brute_force_k(alpha, c, v, fixed)
+    speed = speeds(alpha, c, v, fixed)
     assert chosen == best or speed[chosen] == pytest.approx(speed[best], rel=1e-12)  # or a tie to rounding
 
 
@@ -58,6 +66,13 @@ def test_worked_examples():
     assert policy_at(0.9, 0.0, MEASURED).next_k() == 11
     # A draft costing 0.9 of a target step never pays at α = 0.3: plain decoding.
     assert policy_at(0.3, 0.9, MEASURED).next_k() == 0
+    # A proposal's fixed part c₀ is paid once whatever K, so it lengthens the best draft: α = 0.7, c = 0.15
+    # and v(k) = 1 + 0.08 (k − 1): K = 2 without it (2.19 / 1.46 = 1.500 against K = 3's 2.533 / 1.69 =
+    # 1.499), K = 3 with c₀ = 0.3 (2.533 / 1.99 = 1.273 against K = 2's 2.19 / 1.76 = 1.244).
+    assert policy_at(0.7, 0.15, LINEAR).next_k() == 2
+    assert policy_at(0.7, 0.15, LINEAR, fixed=0.3).next_k() == 3
+    # ... and makes plain decoding pay sooner: α = 0.6, c = 0.2, c₀ = 0.6 (K = 2: 1.96 / 2.16 = 0.907).
+    assert policy_at(0.6, 0.2, LINEAR).next_k() == 2 and policy_at(0.6, 0.2, LINEAR, fixed=0.6).next_k() == 0
 
 
 def test_parts_k_gives_each_part_its_own_k_and_its_own_rounds():

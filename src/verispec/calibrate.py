@@ -110,7 +110,8 @@ ROW_TOKENS = (1, 2, 4)  # ... times new tokens in each row
 QUICK_REPETITIONS = 5  # what a first use of ``--k auto`` measures with; ``verispec calibrate`` defaults to 10
 DRIFT = 2.0  # the most T(1) may move between the parts of one measurement (a factor) for it to be cached
 REDOS = 2  # measurements taken again while their T(1) drifts more; then used for this run only
-_VERSION = 5  # of the cache file format
+_VERSION = 6  # of the cache file format
+_TINY = 1e-9  # seconds: the least a draft token costs (a lookup's proposal hardly grows with its length)
 # part of the key: how it was measured
 _METHOD = {
     "context": CONTEXT,
@@ -193,20 +194,21 @@ class DraftCosts:
     """A drafter's measured cost per drafted token on this machine."""
 
     label: str
-    cost_ratio: float  # c = T_draft / T_target(1), from pairs of timings
-    seconds_per_token: float  # T_draft (informational)
+    cost_ratio: float  # c = T_draft / T_target(1): a draft token's cost beyond the first
+    seconds_per_token: float  # T_draft
     repetitions: int
     measured_at: str
     catch_up_seconds: float = 0.0  # per committed position the drafter had not read (>= 0)
+    fixed_seconds: float = 0.0  # per proposal, besides its tokens' T_draft each (>= 0)
 
     def __post_init__(self) -> None:
         if not (_positive(self.cost_ratio) and _positive(self.seconds_per_token)):
             raise UsageError(
                 f"draft costs must be numbers > 0, got {self.cost_ratio!r}, {self.seconds_per_token!r}"
             )
-        u = self.catch_up_seconds
-        if isinstance(u, bool) or not (isinstance(u, (int, float)) and math.isfinite(u) and u >= 0):
-            raise UsageError(f"a drafter's catch-up must be a number >= 0, got {u!r}")
+        for what, x in (("catch-up", self.catch_up_seconds), ("fixed cost", self.fixed_seconds)):
+            if isinstance(x, bool) or not (isinstance(x, (int, float)) and math.isfinite(x) and x >= 0):
+                raise UsageError(f"a drafter's {what} must be a number >= 0, got {x!r}")
 
 
 @dataclass(frozen=True)
@@ -226,18 +228,24 @@ class Calibration:
 
     @property
     def cost_model(self) -> CostModel:
-        """v(k), c and the drafter's catch-up as the analytic model takes them, at the short context."""
-        catch_up = self.draft.catch_up_seconds / self.target.seconds[0] if self.draft else 0.0
-        return CostModel(self.cost_ratio, self.target.verify_cost, catch_up)
+        """v(k), c, the drafter's catch-up and fixed cost as the analytic model takes them, at the short
+        context."""
+        one, draft = self.target.seconds[0], self.draft
+        catch_up, fixed = (draft.catch_up_seconds / one, draft.fixed_seconds / one) if draft else (0.0, 0.0)
+        return CostModel(self.cost_ratio, self.target.verify_cost, catch_up, fixed)
 
     def cost_model_at(self, context: int) -> CostModel:
-        """v(k), c and the catch-up for rounds after ``context`` positions (see
+        """v(k), c, the catch-up and fixed cost for rounds after ``context`` positions (see
         :meth:`TargetCosts.seconds_at`): the draft's seconds as measured, the target's forwards dearer as the
         context grows."""
-        seconds = self.target.seconds_at(context)
-        ratio = self.draft.seconds_per_token / seconds[0] if self.draft else 0.0
-        catch_up = self.draft.catch_up_seconds / seconds[0] if self.draft else 0.0
-        return CostModel(ratio, tuple(s / seconds[0] for s in seconds), catch_up)
+        seconds, draft = self.target.seconds_at(context), self.draft
+        one = seconds[0]
+        ratio, catch_up, fixed = (
+            (draft.seconds_per_token / one, draft.catch_up_seconds / one, draft.fixed_seconds / one)
+            if draft
+            else (0.0, 0.0, 0.0)
+        )
+        return CostModel(ratio, tuple(s / one for s in seconds), catch_up, fixed)
 
     def batch_cost_at(self, context: int) -> BatchCost:
         """The target's cost of a forward over several rows after ``context`` positions, in the same unit as
@@ -561,19 +569,22 @@ def _time_forwards(
 def _measure_drafter(
     drafter: Drafter, target: LanguageModel, label: str, repetitions: int
 ) -> tuple[DraftCosts, float]:
-    """c: the median over ``repetitions`` proposals of DRAFT_K tokens, each rolled back as after a rejection,
-    of the time per drafted token over the time of a target forward T(1) timed right before it; the
-    catch-up: the median of FILLS first proposals after ``begin`` (the whole context unread) less DRAFT_K
-    steady tokens' time, per position read; and the :func:`_drift` of the T(1)s. A drafter that reads the
-    target's hidden states is handed those of every committed position, as the engine hands them."""
-    context = _context(target, repetitions + DRAFT_K + 2)
+    """A proposal of K tokens costs c₀ + K·c: over ``repetitions`` pairs of proposals of 1 and DRAFT_K
+    tokens, each right after a target forward T(1) and a round that committed a token, and rolled back as
+    after a rejection, c is the difference of their medians per token beyond the first over the median T(1),
+    and c₀ the 1-token proposal's median less c (the line through both medians, neither part below zero: c
+    at least a nanosecond); the catch-up: the median of FILLS first proposals after ``begin`` (the whole
+    context unread) less a steady DRAFT_K proposal's, per position read; and the :func:`_drift` of the
+    T(1)s. A drafter that reads the target's hidden states is handed those of every committed position, as
+    the engine hands them."""
+    context = _context(target, 2 * repetitions + DRAFT_K + 2)
     timer = _TargetTimer(target, list(context))
     generator = torch.Generator().manual_seed(0)
     hidden, reader = None, drafter if isinstance(drafter, HiddenStateReader) else None
     if reader is not None:
         if not isinstance(target, HiddenStateModel):
             raise UsageError(f"the {drafter.name} drafter needs a target with hidden states (a native model)")
-        final = context + context[:repetitions]  # the context after the last repetition
+        final = context + context[: 2 * repetitions]  # the context after the last repetition
         tokens = torch.tensor([final], device=target.device)  # [1, L']
         positions = torch.arange(len(final), device=target.device)[None]  # [1, L']
         hidden = target.forward_hidden(tokens, positions, target.new_cache())[0]  # [L', H]
@@ -586,22 +597,25 @@ def _measure_drafter(
         drafter.propose(context, DRAFT_K, generator)
         fills.append(time.perf_counter() - start)
         drafter.observe(0)
-    ratios, seconds, ones = [], [], []
-    for repetition in range(repetitions):  # after the last fill, as after a round that committed a token
-        context.append(context[repetition])
-        if hidden is not None and reader is not None:
-            reader.observe_hidden(hidden[len(context) - 2 : len(context) - 1])  # [1, H]
-        one = timer.seconds(1)
-        start = time.perf_counter()
-        drafter.propose(context, DRAFT_K, generator)
-        elapsed = max(time.perf_counter() - start, 1e-9) / DRAFT_K
-        drafter.observe(0)
-        ratios.append(elapsed / one)
-        seconds.append(elapsed)
-        ones.append(one)
-    per_token = statistics.median(seconds)
-    catch_up = max(0.0, statistics.median(fills) - DRAFT_K * per_token) / unread
-    costs = DraftCosts(label, statistics.median(ratios), per_token, repetitions, _now(), catch_up)
+    times: dict[int, list[float]] = {1: [], DRAFT_K: []}  # proposal length → seconds
+    ones, appended = [], 0
+    for _ in range(repetitions):  # after the last fill, as after a round that committed a token
+        for k, seconds in times.items():  # each right after a target forward, as in a round
+            ones.append(timer.seconds(1))
+            context.append(context[appended])
+            appended += 1
+            if hidden is not None and reader is not None:
+                reader.observe_hidden(hidden[len(context) - 2 : len(context) - 1])  # [1, H]
+            start = time.perf_counter()
+            drafter.propose(context, k, generator)
+            seconds.append(max(time.perf_counter() - start, 1e-9))
+            drafter.observe(0)
+    single, full = statistics.median(times[1]), statistics.median(times[DRAFT_K])
+    per_token = max((full - single) / (DRAFT_K - 1), _TINY)  # a lookup's barely grows with K
+    fixed = max(single - per_token, 0.0)
+    catch_up = max(0.0, statistics.median(fills) - full) / unread
+    one = statistics.median(ones)
+    costs = DraftCosts(label, per_token / one, per_token, repetitions, _now(), catch_up, fixed)
     return costs, _drift(ones)
 
 

@@ -251,7 +251,12 @@ class OnlineCosts:
             if isinstance(v, tuple)
             else lambda k: (cost.verify(k) * _factor(sizes, k, one) + o) / whole
         )
-        return CostModel(cost.cost_ratio * draft / whole, curve, cost.catch_up * draft / whole)
+        return CostModel(
+            cost.cost_ratio * draft / whole,
+            curve,
+            cost.catch_up * draft / whole,
+            cost.fixed_cost * draft / whole,
+        )
 
     @property
     def overhead(self) -> float:

@@ -163,11 +163,11 @@ class AutoKConfig:
 class CostModelK(KPolicy):
     """``--k auto``: each round drafts the K that maximizes the expected tokens per unit of time,
 
-        K* = argmax_{K = 0..k_max} E[L](α̂_1..α̂_K) / (v(K+1) + K·c),   E[L] = 1 + α̂_1 + α̂_1·α̂_2 + …
+        K* = argmax_{K = 0..k_max} E[L](α̂_1..α̂_K) / (v(K+1) + K·c + c₀),   E[L] = 1 + α̂_1 + α̂_1·α̂_2 + …
 
-    (:func:`verispec.analysis.analytic.speedup_by_k`; the smallest K on ties), where v and c are the
-    calibrated costs
-    of this target and drafter on this machine and α̂_i estimates the probability that draft position i is
+    (:func:`verispec.analysis.analytic.speedup_by_k`; the smallest K on ties; K = 0 pays no c₀), where v, c
+    and c₀ (a proposal's cost besides its tokens) are the calibrated costs of this target and drafter on this
+    machine and α̂_i estimates the probability that draft position i is
     accepted when every position before it was. Acceptance is estimated per position because it is far from
     independent: an n-gram guess whose first token is right is usually copying, and its next tokens are
     right too (on the bench's math prompts, 0.29 for the first position, then 0.86, 0.76, 0.68).
@@ -186,13 +186,13 @@ class CostModelK(KPolicy):
     context length (:meth:`Calibration.batch_cost_at`), for :func:`plan_batch`.
 
     K = 0 (plain decoding) is a valid choice. As it yields no evidence, the best K > 0 is still drafted after
-    ⌈loss / probe_budget⌉ plain rounds, where loss = v(K+1) + K·c + g·u − E[L] is that probe's expected cost
-    in plain steps: cheap probes (an n-gram lookup) come every few rounds, dear ones (a model draft) rarely,
-    and probing costs at most ``probe_budget`` of the plain rounds' time in expectation. g·u is the drafter's
-    catch-up (:attr:`CostModel.catch_up` u per position): the g positions committed since the last round
-    that drafted (the whole prompt before the first), which a drafter keeping state of the context (a model
-    draft's cache, a learned head's) reads before it drafts; every round's choice counts it for K > 0, so a
-    drafter whose catch-up outgrows the budget (u ≥ probe_budget per plain round) stops probing.
+    ⌈loss / probe_budget⌉ plain rounds, where loss = v(K+1) + K·c + c₀ + g·u − E[L] is that probe's expected
+    cost in plain steps: cheap probes (an n-gram lookup) come every few rounds, dear ones (a model draft)
+    rarely, and probing costs at most ``probe_budget`` of the plain rounds' time in expectation. g·u is the
+    drafter's catch-up (:attr:`CostModel.catch_up` u per position): the g positions committed since the last
+    round that drafted (the whole prompt before the first), which a drafter keeping state of the context (a
+    model draft's cache, a learned head's) reads before it drafts; every round's choice counts it for K > 0,
+    so a drafter whose catch-up outgrows the budget (u ≥ probe_budget per plain round) stops probing.
 
     ``shared`` (optional): the evidence of earlier and concurrent requests (:class:`Evidence`), where this
     one's starts; every verdict is added to both, so a request's own then weighs most.
@@ -226,7 +226,7 @@ class CostModelK(KPolicy):
         self.cost, self.k_max, self.costs_at, self.batch_costs_at = cost, k_max, costs_at, batch_costs_at
         self.online = online
         self._costed = cost  # the cost model `_round_costs` and `_catch_up` are for
-        self._round_costs = cost.round_costs(k_max)  # [k_max + 1]: v(K+1) + K·c
+        self._round_costs = cost.round_costs(k_max)  # [k_max + 1]: v(K+1) + K·c + c₀ (K > 0)
         self.shared = shared
         self.evidence = Evidence(k_max) if shared is None else shared.copy(k_max)  # this request's verdicts
         self._catch_up = cost.catch_up  # u at the context step of `_round_costs`
@@ -354,14 +354,14 @@ class CostModelK(KPolicy):
     def observe_costs(self, timing: RoundTiming) -> None:
         """Hands the round's timings to ``online`` (if any) with what the calibration predicts for them: its
         forward's cost (:func:`_forward_cost`; the single-row curve for one row) and its drafter's,
-        K·c + g·u over the g positions it read first."""
+        K·c + c₀ + g·u over the g positions it read first."""
         if self.online is None:
             return
         forward = timing.forward
         cost, batch = self._prior_at(forward.context)
         steps = _forward_cost(cost, batch if forward.rows > 1 else None, forward.rows, forward.tokens)
         draft, _ = self._prior_at(timing.context)
-        spent = timing.drafted * draft.cost_ratio + self._caught_up * draft.catch_up
+        spent = draft.draft_cost(timing.drafted) + self._caught_up * draft.catch_up
         self.online.observe(timing, steps, spent)
 
 
@@ -415,18 +415,17 @@ def plan_batch(policies: Sequence[CostModelK], contexts: Sequence[int], caps: Se
     """Each row's K for one step of a batch whose rows all draft with ``--k auto``: the K_i that maximise the
     batch's expected committed tokens per unit of time,
 
-        Σ_i E[L_i](K_i) / (V(b, Σ_i (K_i + 1)) + Σ_i K_i·c_i),
+        Σ_i E[L_i](K_i) / (V(b, Σ_i (K_i + 1)) + Σ_i (K_i·c_i + c₀_i [K_i > 0])),
 
-    V(b, n) the target's cost of one forward of n new tokens over the b rows (:func:`_forward_cost`, the
-    first row's calibrated batch grid at the batch's mean context, by steps of :data:`CONTEXT_STEP` as
-    :meth:`CostModelK.costs_here` gives it: rows share the weights' reads, each reads
-    its own cache), c_i and α̂_i each row's own (``caps``: the most each may draft), and a row's first draft
-    token also paying its drafter's catch-up g_i·u_i (:meth:`CostModelK.backlog`). Draft tokens are added
-    one at a time where they raise the rate most, while any does: when the forward is cheap per extra token
-    (a small batch, memory-bound), rows draft; when a batch is large enough that every extra token costs
-    nearly what a committed token is worth, speculation turns itself off, and back on when the batch
-    shrinks — no threshold. A batch of one is its policy's own choice (``next_k``, probing included), today's
-    single-sequence rule."""
+    V(b, n) the target's cost of one forward of n new tokens over the b rows (:func:`_forward_cost`, the first
+    row's calibrated batch grid at the batch's mean context, by steps of :data:`CONTEXT_STEP` as
+    :meth:`CostModelK.costs_here` gives it: rows share the weights' reads, each reads its own cache), c_i,
+    c₀_i and α̂_i each row's own (``caps``: the most each may draft), and a row's first draft token also
+    paying its drafter's c₀_i and catch-up g_i·u_i (:meth:`CostModelK.backlog`). Draft tokens are added one at
+    a time where they raise the rate most, while any does: when the forward is cheap per extra token (a small
+    batch, memory-bound), rows draft; when a batch is large enough that every extra token costs nearly what a
+    committed token is worth, speculation turns itself off, and back on when the batch shrinks — no threshold.
+    A batch of one is its policy's own choice (``next_k``, probing included), today's single-sequence rule."""
     if len(policies) == 1:
         return [min(policies[0].next_k(contexts[0]), caps[0])]
     context = round(sum(contexts) / len(contexts))
@@ -438,9 +437,9 @@ def plan_batch(policies: Sequence[CostModelK], contexts: Sequence[int], caps: Se
     alphas = [p.alphas.tolist() for p in policies]  # [b][k_max]
     limits = [min(cap, first.k_max, len(a)) for cap, a in zip(caps, alphas, strict=True)]  # [b] most K_i
     spends = [cost.cost_ratio for cost in costs]  # [b] c_i: a draft token's cost
-    # [b] a row's first draft token's: c_i + g_i·u_i, its catch-up spread over `amortize` rounds
-    firsts = [c + cost.catch_up * p.backlog(at) / p.config.amortize
-              for c, cost, p, at in zip(spends, costs, policies, contexts, strict=True)]  # fmt: skip
+    # [b] a row's first draft token's: c_i + c₀_i + g_i·u_i, its catch-up spread over `amortize` rounds
+    firsts = [cost.draft_cost(1) + cost.catch_up * p.backlog(at) / p.config.amortize
+              for cost, p, at in zip(costs, policies, contexts, strict=True)]  # fmt: skip
     ks = [0] * b
     reach = [1.0] * b  # Π α̂ of each row's drafted positions: its next token's worth
     tokens, n, drafting = float(b), b, 0.0

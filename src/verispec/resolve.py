@@ -209,7 +209,7 @@ def _tree_may_pay(model: LanguageModel, head: LearnedHead, target_label: str) ->
     shape = DEFAULT_TREE
     if cost.max_k is not None and shape.num_nodes - 1 > cost.max_k:
         return False
-    round_cost = cost.verify(shape.num_nodes) + shape.max_depth * cost.cost_ratio
+    round_cost = cost.verify(shape.num_nodes) + cost.draft_cost(shape.max_depth)
     return tree_tokens_bound(shape.paths, alphas) / round_cost >= chain
 
 

@@ -106,7 +106,7 @@ def _alphas(alpha: float | Sequence[float] | np.ndarray, k: int | None) -> np.nd
 
 @dataclass(frozen=True)
 class CostModel:
-    """The cost of one round, in units of one plain decoding step T_target(1): v(K+1) + K·c.
+    """The cost of one round, in units of one plain decoding step T_target(1): v(K+1) + K·c (+ c₀ when K > 0).
 
     cost_ratio: c = T_draft / T_target(1) ≥ 0, the cost of one draft step.
     verify_cost: v(k) = T_target(k) / T_target(1) for k ≥ 1 new tokens: a callable of k, a sequence with
@@ -116,16 +116,21 @@ class CostModel:
     catch_up: u ≥ 0, the drafter's cost of reading one committed position it has not seen yet (one committed
     in a plain round, K = 0: a model draft's cache or a learned head's features lag behind), paid by the next
     round that drafts; a round's c covers the positions one drafting round commits before the next.
+    fixed_cost: c₀ ≥ 0, what a proposal costs besides its K draft steps (a drafter's first call after the
+    target's forward: reading the round's new positions, its call into the kernels); a round that drafts
+    nothing pays none of it.
     """
 
     cost_ratio: float = 0.0
     verify_cost: VerifyCost = None
     catch_up: float = 0.0
+    fixed_cost: float = 0.0
 
     def __post_init__(self) -> None:
         """Validate; store a sequence curve as a tuple of floats."""
         object.__setattr__(self, "cost_ratio", _check_real("cost_ratio", self.cost_ratio, 0.0))
         object.__setattr__(self, "catch_up", _check_real("catch_up", self.catch_up, 0.0))
+        object.__setattr__(self, "fixed_cost", _check_real("fixed_cost", self.fixed_cost, 0.0))
         v = self.verify_cost
         if v is not None and not callable(v):
             try:
@@ -168,17 +173,23 @@ class CostModel:
             raise UsageError(f"verify_cost(1) must be 1 (v(k) = T_target(k) / T_target(1)), got {value!r}")
         return number
 
-    def round_cost(self, k: int) -> float:
-        """v(K+1) + K·c: the cost of a round that drafts K tokens and verifies K+1 positions."""
+    def draft_cost(self, k: int) -> float:
+        """K·c + c₀: what drafting K tokens costs (nothing for K = 0)."""
         k = _check_k(k)
-        return self.verify(k + 1) + k * self.cost_ratio
+        return k * self.cost_ratio + self.fixed_cost if k else 0.0
+
+    def round_cost(self, k: int) -> float:
+        """v(K+1) + K·c + c₀: the cost of a round that drafts K tokens (K > 0) and verifies K+1 positions."""
+        return self.verify(_check_k(k) + 1) + self.draft_cost(k)
 
     def round_costs(self, k_max: int) -> np.ndarray:
         """[k_max + 1]: :meth:`round_cost` of every K = 0..k_max."""
         k_max = _check_k(k_max, "k_max")
         if isinstance(self.verify_cost, tuple):  # checked on construction: at once
             self.verify(k_max + 1)  # within the curve
-            return np.array(self.verify_cost[: k_max + 1]) + self.cost_ratio * np.arange(k_max + 1)
+            drafting = self.cost_ratio * np.arange(k_max + 1) + self.fixed_cost  # [k_max + 1]
+            drafting[0] = 0.0
+            return np.array(self.verify_cost[: k_max + 1]) + drafting
         return np.array([self.round_cost(k) for k in range(k_max + 1)])
 
 
@@ -360,13 +371,14 @@ def tree_tokens_bound(paths: Sequence[Sequence[int]], alphas: Sequence[float]) -
 
 def tree_rates(scores: Sequence[float], cost: CostModel, draft_steps: int) -> np.ndarray:
     """The expected tokens per unit time of a dynamic tree that verifies its n best draft nodes, for every
-    n ∈ 0..min(len(scores), v's range − 1): (1 + scores[0] + … + scores[n−1]) / (v(n + 1) + draft_steps·c).
+    n ∈ 0..min(len(scores), v's range − 1):
+    (1 + scores[0] + … + scores[n−1]) / (v(n + 1) + draft_steps·c + c₀).
 
     scores: the candidate draft nodes' path probabilities, highest first: a node's chance of being accepted
     when the draft is calibrated (its probability of agreeing with the target is what it believes), so
     their sum is the expected number of accepted tokens. draft_steps: the draft forwards the tree took,
     spent whatever n is chosen."""
-    spent = _check_k(draft_steps, "draft_steps") * cost.cost_ratio
+    spent = cost.draft_cost(_check_k(draft_steps, "draft_steps"))
     n_max = len(scores) if cost.max_k is None else min(len(scores), cost.max_k)
     tokens = 1.0 + np.concatenate(([0.0], np.cumsum(np.asarray(scores[:n_max], dtype=np.float64))))
     return tokens / np.array([cost.verify(n + 1) + spent for n in range(n_max + 1)])

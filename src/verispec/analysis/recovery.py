@@ -77,7 +77,7 @@ def simulate_recovery(
         accepted = int(np.argmin(np.append(rng.random(k) < alpha, False)))  # the leading accepted positions
         factor = (slow or {}).get(r, 1.0)
         forward = ForwardTiming(1, k + 1, factor * truth.verify(k + 1), context)
-        drafting = factor * (k * truth.cost_ratio + backlog * truth.catch_up) if k else 0.0
+        drafting = factor * (truth.draft_cost(k) + backlog * truth.catch_up) if k else 0.0
         for each in (policy, twin):
             each.observe(k, accepted)
         policy.observe_costs(RoundTiming(forward, k, drafting, context))

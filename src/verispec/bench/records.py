@@ -166,6 +166,7 @@ class DraftCosts(TypedDict):
     repetitions: int
     measured_at: str
     catch_up_seconds: float
+    fixed_seconds: float
 
 
 class Calibration(TypedDict):

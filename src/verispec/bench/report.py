@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 
 from verispec.bench.goals import judge
 from verispec.bench.records import (
+    Calibration,
     Cell,
     Identity,
     Metrics,
@@ -262,10 +263,15 @@ def markdown(results: Results) -> str:
     if calibrations:
         first = next(iter(calibrations.values()))
         v = ", ".join(f"{x:.2f}" for x in first["verify_cost"])
-        ratios = ", ".join(f"{name} {c['cost_ratio']:.4f}" for name, c in calibrations.items() if c["draft"])
+        ratios = ", ".join(
+            f"{name} {c['cost_ratio']:.4f} + {_fixed(c):.4f}"
+            for name, c in calibrations.items()
+            if c["draft"]
+        )
         lines.append(
             f"- Calibration: T_target(1) = {1e3 * first['target']['seconds'][0]:.2f} ms; "
-            f"v(k) for k = 1..{len(first['verify_cost'])}: {v}; cost ratio c: {ratios or _MISSING}"
+            f"v(k) for k = 1..{len(first['verify_cost'])}: {v}; a proposal's cost c per token + c₀: "
+            f"{ratios or _MISSING}"
         )
     lines += [f"- Not run: {note}" for note in results["notes"]]
     lines += goals(results)
@@ -294,6 +300,14 @@ def markdown(results: Results) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- charts
+
+
+def _fixed(calibration: Calibration) -> float:
+    """c₀ of a calibration's drafter: its fixed seconds a proposal over T_target(1) (0 for a record made
+    before it was measured)."""
+    draft = calibration["draft"]
+    assert draft is not None
+    return draft.get("fixed_seconds", 0.0) / calibration["target"]["seconds"][0]
 
 
 def _colours(labels: list[str]) -> dict[str, tuple]:

@@ -55,9 +55,10 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     """Run ``verispec calibrate``: measure, cache, and print v(k), c and the best K for a few α."""
+    import numpy as np
     import torch
 
-    from verispec.analysis.analytic import optimal_k
+    from verispec.analysis.analytic import speedup_by_k
     from verispec.options import ModelChoice
 
     if args.repetitions < 1:
@@ -69,15 +70,19 @@ def run_calibrate(args: argparse.Namespace) -> int:
         return 0
     cost = calibration.cost_model
     print(
-        f"{speculator.drafter_name} drafter: c = {calibration.cost_ratio:.4f}, catch-up u = "
-        f"{cost.catch_up:.4f} a position; T_target(1) = {1e3 * calibration.target.seconds[0]:.2f} ms; "
+        f"{speculator.drafter_name} drafter: c = {calibration.cost_ratio:.4f} a token + c0 = "
+        f"{cost.fixed_cost:.4f} a proposal, catch-up u = {cost.catch_up:.4f} a position; "
+        f"T_target(1) = {1e3 * calibration.target.seconds[0]:.2f} ms; "
         f"{torch.get_num_threads()} threads"
     )
     curve = cost.verify_cost
     assert isinstance(curve, tuple)  # a calibration measures v(k) as a sequence
     rows = [{"k": k, "v": v} for k, v in enumerate(curve, 1)]
     print(format_table(rows, (("k new tokens", "k", "d"), ("v(k)", "v", ".3f"))))
-    best = (f"α={a:g}: K={optimal_k(a, cost.cost_ratio, cost.verify_cost)}" for a in (0.3, 0.5, 0.7, 0.9))
+    k_max = len(curve) - 1
+    best = (
+        f"α={a:g}: K={int(np.argmax(speedup_by_k(a, cost.round_costs(k_max))))}" for a in (0.3, 0.5, 0.7, 0.9)
+    )
     print(f"best K: {', '.join(best)}")
     if calibration.cached:
         print(f"cached in {calibration.path}", file=sys.stderr)
