@@ -395,14 +395,16 @@ def test_bad_requests_are_refused_one_by_one():
 
 def test_token_id_prompts_are_taken_as_they_are():
     """A prompt of token ids is the same request as the text they encode; ids outside the vocabulary, an
-    empty list and ids with chat=True are refused one by one (the others run)."""
+    empty list, ids with chat=True and a prompt that is none of text, ids or messages are refused one by one
+    (the others run)."""
     target = TableLM(8, seed=1, max_context=12)
     spec = Speculator((target, LetterTokenizer(8)), drafter="ngram")
     options = dict(k=2, max_new_tokens=4, sampling=GREEDY)
     ids = spec.encode_prompt("abc")
     assert spec.encode_prompt(ids) == ids and spec.encode_prompt(tuple(np.array(ids))) == ids
-    results = spec.generate_batch([ids, [], [0, 8], ["a", 1], "abc", [1.5, 2]], slots=2, **options)
-    assert [bool(r.error) for r in results] == [False, True, True, True, False, True]
+    results = spec.generate_batch([ids, [], [0, 8], ["a", 1], "abc", [1.5, 2], 5, None], slots=2, **options)
+    assert [bool(r.error) for r in results] == [False, True, True, True, False, True, True, True]
+    assert results[6].error.endswith("a list of messages, not int") and results[7].error.endswith("NoneType")
     assert results[0].token_ids == results[4].token_ids == spec.generate("abc", **options).token_ids
     assert "[0, 8)" in results[2].error and "conversation" in results[1].error
     assert results[5].error.endswith("token ids must be integers, got 1.5")
@@ -560,7 +562,7 @@ def test_a_malformed_line_gets_an_error_record_and_the_others_run_untouched(tmp_
     records = [json.loads(line) for line in out.splitlines()]
     assert [r["id"] for r in records] == ["a", "line-2", "line-3", "d"] and "2 refused" in err
     assert records[1]["error"].startswith(f"{mixed}:2: not JSON")
-    assert records[2]["error"] == f"{mixed}:3: id 'a' repeats an earlier line's"
+    assert records[2]["error"] == f"{mixed}:3: id 'a' repeats line 1's"
     assert cli.main(["generate", "--batch", str(clean), *options]) == 0
     alone = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
@@ -612,6 +614,8 @@ def test_batch_bad_combinations(tmp_path, capsys):
                            (["--max-batch", "0"], "--max-batch must be >= 1")]:  # fmt: skip
         assert cli.main(["generate", "--batch", str(requests), *extra]) == 2
         assert message in capsys.readouterr().err
+    assert cli.main(["generate", "hello", "--max-batch", "4"]) == 2  # a setting of --batch alone
+    assert "give --batch too" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------- scheduler

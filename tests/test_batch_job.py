@@ -202,15 +202,34 @@ def test_a_random_seed_is_kept_for_the_resumed_run(stories, requests_file, tmp_p
 def test_a_malformed_line_gets_an_error_record_and_the_rest_run(stories, tmp_path):
     bad = tmp_path / "bad.jsonl"
     lines = ['{"id": "a", "prompt": "Once"}', "{not json", '{"prompt": 3}', '{"id": "a", "prompt": "x"}']
-    bad.write_text("\n".join([*lines, '{"id": "d", "prompt": "The dog"}']) + "\n")
+    named = ['{"prompt": "Once"}', '{"id": "6", "prompt": "x"}', '{"id": null, "prompt": "x"}']
+    bad.write_text("\n".join([*lines, '{"id": "d", "prompt": "The dog"}', *named]) + "\n")
     output = tmp_path / "out.jsonl"
     summary = run_job(job(stories, bad, str(output)))
     records = [json.loads(line) for line in output.read_text().splitlines()]
-    assert [r["id"] for r in records] == ["a", "line-2", "line-3", "line-4", "d"] and summary["refused"] == 3
+    ids = ["a", "line-2", "line-3", "line-4", "d", "6", "line-7", "line-8"]
+    assert [r["id"] for r in records] == ids and summary["refused"] == 5
     assert records[1]["error"].startswith(f"{bad}:2: not JSON")
     assert records[2]["error"] == f'{bad}:3: "prompt" must be a string'
-    assert records[3]["error"] == f"{bad}:4: id 'a' repeats an earlier line's"
-    assert records[0]["token_ids"] and records[4]["token_ids"]
+    assert records[3]["error"] == f"{bad}:4: id 'a' repeats line 1's"
+    assert records[6]["error"] == (  # line 6 has no id: its line number names it
+        f"{bad}:7: id '6' repeats line 6's (its line number: a line without an id is named so)"
+    )
+    assert records[7]["error"] == f'{bad}:8: "id" must be a string or an integer, got null'
+    assert records[0]["token_ids"] and records[4]["token_ids"] and records[5]["token_ids"]
+
+
+@pytest.mark.parametrize(
+    "where", ["afile/out.jsonl", "missing/out.jsonl"], ids=["under-a-file", "no-directory"]
+)
+def test_an_output_that_cannot_be_written_is_refused_before_anything_runs(stories, tmp_path, where):
+    (tmp_path / "afile").write_text("x")
+    requests = tmp_path / "in.jsonl"
+    requests.write_text('{"id": "a", "prompt": "Once"}\n')
+    output = tmp_path / where
+    with pytest.raises(UsageError, match=r"^cannot write .*out\.jsonl: no directory"):
+        run_job(job(stories, requests, str(output)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "in.jsonl"]
 
 
 def test_hostile_lines_get_error_records_and_the_job_finishes(stories, tmp_path, capsys):

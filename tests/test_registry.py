@@ -10,6 +10,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import huggingface_hub.constants
 import pytest
@@ -117,18 +118,22 @@ def test_gguf_file_is_converted_once_into_the_cache(tmp_path, cache, monkeypatch
 
 def test_llama2c_checkpoint_dispatches_to_the_llama2c_loader(tmp_path, monkeypatch):
     calls = []
+    model, tokenizer = SimpleNamespace(vocab_size=512), SimpleNamespace(vocab_size=512)
     monkeypatch.setattr(
         registry,
         "load_llama2c",
         lambda path, device, dtype, fast, precision: (
-            calls.append(("model", path, device, dtype, fast, precision)) or "M"
+            calls.append(("model", path, device, dtype, fast, precision)) or model
         ),
     )
-    monkeypatch.setattr(registry, "Llama2cTokenizer", lambda path: calls.append(("tokenizer", path)) or "T")
+    monkeypatch.setattr(
+        registry, "Llama2cTokenizer", lambda path: calls.append(("tokenizer", path)) or tokenizer
+    )
     checkpoint, tok = tmp_path / "stories260K.bin", tmp_path / "tok512.bin"
     checkpoint.write_bytes(b"\0")
     tok.write_bytes(b"\0")
-    assert load_model(checkpoint, tokenizer=tok, dtype=torch.float64, precision="fp16") == ("M", "T")
+    loaded = load_model(checkpoint, tokenizer=tok, dtype=torch.float64, precision="fp16")
+    assert loaded == (model, tokenizer)
     assert calls == [("tokenizer", tok), ("model", checkpoint, "cpu", torch.float64, True, "fp16")]
     with pytest.raises(ValueError, match="precision must be one of fp32, fp16, q8_0, q4_1, auto, got 'fp8'"):
         load_model(checkpoint, tokenizer=tok, precision="fp8")
@@ -250,3 +255,27 @@ def test_default_model_answers_a_chat_question():
         reply.append(int(logits[0, -1].argmax()))
         logits = model.forward(torch.tensor([reply[-1:]]), torch.tensor([[cache.length]]), cache)
     assert "Paris" in tokenizer.decode(reply)
+
+
+@pytest.mark.parametrize(
+    ("ids", "rows", "fits"),
+    [
+        (512, 512, True),
+        (151665, 151936, True),
+        (32000, 32064, True),
+        (512, 49152, False),
+        (49153, 49152, False),
+    ],
+)
+def test_a_tokenizer_given_for_a_model_must_fit_its_vocabulary(ids, rows, fits):
+    """A tokenizer given for a model: its ids within the model's vocabulary and covering most of it (padded
+    vocabularies, as Qwen2.5's and Phi-3's, load); another model's tokenizer is one line, not a token id
+    outside the vocabulary after a model loads and generates."""
+    model, tokenizer = SimpleNamespace(vocab_size=rows), SimpleNamespace(vocab_size=ids)
+    if fits:
+        assert registry._matched(model, tokenizer) == (model, tokenizer)
+    else:
+        with pytest.raises(
+            ValueError, match=rf"^the tokenizer has {ids} ids and the model's vocabulary {rows}"
+        ):
+            registry._matched(model, tokenizer)

@@ -237,6 +237,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {**GOOD, "max_tokens": "4"}, 400, "max_tokens"),
     ("/v1/completions", {**GOOD, "max_tokens": 2.5}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "max_tokens": 10**11}, 400, "do not fit: the context holds 512 tokens"),
+    ("/v1/completions", {**GOOD, "max_tokens": 511}, 400, "leaving 510"),  # "Once": 2 tokens of 512
     ("/v1/completions", {**GOOD, "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {**GOOD, "temperature": 3}, 400, "temperature"),
     ("/v1/completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),

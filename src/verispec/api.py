@@ -315,6 +315,12 @@ class Speculator:
         """The prompt's token ids: ``prompt`` as it is (text, or token ids of the target's vocabulary), or
         (``chat``) in the model's chat template, where it may also be a conversation: {"role", "content"}
         messages ending with a user turn."""
+        listed = hasattr(prompt, "__len__") and hasattr(prompt, "__iter__")
+        if isinstance(prompt, (bytes, Mapping)) or not (isinstance(prompt, str) or listed):
+            raise UsageError(
+                "a prompt is text, a list of token ids or (chat=True) a list of messages, "
+                f"not {type(prompt).__name__}"
+            )
         if not isinstance(prompt, str) and prompt and all(is_int(t, integral=True) for t in prompt):
             if chat:
                 raise UsageError("token ids are a prompt as it is: they take no chat template (chat=False)")

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from verispec.errors import UsageError
-from verispec.files import atomic_path, atomic_write
+from verispec.files import atomic_path, atomic_write, check_writable
 from verispec.grammar.constraint import Constraint
 from verispec.inputs import check_text, is_int, parse_json
 from verispec.options import GenerationOptions, ModelChoice, SamplingParams
@@ -79,7 +79,7 @@ def read_requests(path: str | Path) -> list[Request]:
     except OSError as err:
         raise UsageError(f"cannot read {path}: {err.strerror or err}") from None
     requests: list[Request] = []
-    seen: set[str] = set()
+    seen: dict[str, str] = {}  # id → the line that has it, as an error names it
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -87,7 +87,8 @@ def read_requests(path: str | Path) -> list[Request]:
             request = _request(line, f"{path}:{number}", number, seen)
         except UsageError as err:
             request = f"line-{number}", {"error": str(err)}, None
-        seen.add(request[0])
+        named = " (its line number: a line without an id is named so)" if request[0] == str(number) else ""
+        seen.setdefault(request[0], f"line {number}'s{named}")
         requests.append(request)
     refused = [body["error"] for _, body, _ in requests if isinstance(body, dict)]
     if refused and len(refused) == len(requests):
@@ -98,8 +99,9 @@ def read_requests(path: str | Path) -> list[Request]:
     return requests
 
 
-def _request(line: bytes, where: str, number: int, seen: set[str]) -> Request:
-    """One line's request; UsageError naming ``where`` when it is malformed."""
+def _request(line: bytes, where: str, number: int, seen: dict[str, str]) -> Request:
+    """One line's request; UsageError naming ``where`` when it is malformed (``seen``: the ids of the lines
+    before it, and which line has each)."""
     try:
         entry = parse_json(line)
     except UsageError as err:
@@ -124,9 +126,12 @@ def _request(line: bytes, where: str, number: int, seen: set[str]) -> Request:
         )
     for text in [body] if isinstance(body, str) else [m["content"] for m in body]:
         check_text(text, f"{where}: the prompt")
-    ident = str(entry.get("id", number))
+    given = entry.get("id", number)
+    if not (isinstance(given, str) or is_int(given)):
+        raise UsageError(f'{where}: "id" must be a string or an integer, got {json.dumps(given)[:40]}')
+    ident = str(given)
     if ident in seen:
-        raise UsageError(f"{where}: id {ident!r} repeats an earlier line's")
+        raise UsageError(f"{where}: id {ident!r} repeats {seen[ident]}")
     try:
         constraint = Constraint.of(entry.get("json_schema"), entry.get("regex"), entry.get("grammar"))
     except UsageError as err:
@@ -302,7 +307,9 @@ def _shards(requests: Sequence[Request], size: int) -> list[list[Request]]:
 
 
 def _prepare(job: BatchJob, requests: Sequence[Request]) -> tuple[int, set[int]]:
-    """(the job's seed, the shards already done) after checking ``OUTPUT.parts`` (made when absent)."""
+    """(the job's seed, the shards already done) after checking ``OUTPUT.parts`` (made when absent) and that
+    the output can be written (its directory exists and is writable)."""
+    check_writable(job.output)
     parts = job.parts
     settings_path = parts / "job.json"
     if parts.exists():
@@ -323,7 +330,10 @@ def _prepare(job: BatchJob, requests: Sequence[Request]) -> tuple[int, set[int]]
     seed = job.sampling.seed
     if seed is None:  # drawn once, kept in job.json for a resumed run
         seed = int.from_bytes(os.urandom(8), "little") >> 1
-    parts.mkdir(parents=True)
+    try:
+        parts.mkdir()
+    except OSError as err:
+        raise UsageError(f"cannot write {parts}: {err.strerror or err}") from None
     _write_text(settings_path, json.dumps(job.settings(requests, seed)))
     return seed, set()
 

@@ -141,20 +141,28 @@ class Scheduler:
         speculator: Speculator | None = None,
         listener: Callable[[Chunk | None], object] | None = None,
         suffix_cache: SuffixCache | None = None,
+        within_context: bool = False,
     ) -> Handle:
         """Queue a generation of ``prompt`` with ``options`` and return its handle at once: by
         ``speculator`` (another drafter over this scheduler's target; default the scheduler's own), its
         chunks to ``listener`` if given (see :class:`Handle`), a suffix drafter drafting from
-        ``suffix_cache`` (a server tenant's; default the speculator's own). UsageError for a bad request,
+        ``suffix_cache`` (a server tenant's; default the speculator's own). UsageError for a bad request (with
+        ``within_context``, also for ``max_new_tokens`` beyond what the context leaves after the prompt,
+        as OpenAI's API refuses such a ``max_tokens``; else generation stops at the context),
         :class:`QueueFull` when every slot is busy and ``max_queue`` requests already wait,
         :class:`SchedulerFailed` once the worker has died."""
         speculator = speculator or self.speculator
         if speculator.model is not self.speculator.model:
             raise UsageError("a request's speculator must share the scheduler's target model")
         request, text = speculator.request(prompt, options, suffix_cache=suffix_cache)  # a bad one fails here
-        if len(request.prompt) >= speculator.model.max_context:
-            context = speculator.model.max_context
-            raise UsageError(f"the prompt has {len(request.prompt)} tokens; the context holds {context}")
+        context, length = speculator.model.max_context, len(request.prompt)
+        if length >= context:
+            raise UsageError(f"the prompt has {length} tokens; the context holds {context}")
+        if within_context and options.max_new_tokens > context - length:
+            raise UsageError(
+                f"{options.max_new_tokens} new tokens do not fit: the context holds {context} tokens and the "
+                f"prompt has {length}, leaving {context - length}"
+            )
         handle = Handle(request.stats, listener, len(request.prompt))
         with self._wake:
             if self.failure is not None:

@@ -7,6 +7,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from verispec.cli.common import (
+    DEFAULT_MAX_BATCH,
     add_constraint_arguments,
     add_invariant_argument,
     add_model_arguments,
@@ -46,7 +47,13 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap plain prompts in the model's chat template")
     parser.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     add_constraint_arguments(parser)
-    parser.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequences decoded at once (8)")
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        metavar="N",
+        help=f"sequences decoded at once ({DEFAULT_MAX_BATCH})",
+    )
     parser.add_argument(
         "--shard-size", type=int, default=64, metavar="N", help="requests per shard, what resumes (64)"
     )

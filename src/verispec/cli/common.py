@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported
     from verispec.options import SamplingParams
 
 __all__ = [
+    "DEFAULT_MAX_BATCH",
     "PROG",
     "Parser",
     "across_fields",
@@ -341,3 +342,4 @@ def warn(message: str) -> None:
 
 
 PROG = "verispec"
+DEFAULT_MAX_BATCH = 8  # sequences decoded at once: generate --batch, batch and serve

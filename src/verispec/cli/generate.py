@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from verispec.cli.common import (
+    DEFAULT_MAX_BATCH,
     across_fields,
     add_constraint_arguments,
     add_invariant_argument,
@@ -64,9 +65,9 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-batch",
         type=int,
-        default=8,
+        default=None,
         metavar="N",
-        help="sequences decoded at once with --batch (default: 8)",
+        help=f"sequences decoded at once with --batch (default: {DEFAULT_MAX_BATCH})",
     )
     parser.add_argument(
         "--trace",
@@ -108,6 +109,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.batch is not None:
         return _run_batch(args)
+    if args.max_batch is not None:
+        raise UsageError("--max-batch sets how many requests of --batch FILE run at once: give --batch too")
     prompt = check_prompt(args.prompt if args.prompt is not None else _read_stdin())
     options = GenerationOptions(**option_fields(args))  # every argument checked before a model loads
     sampling = options.sampling
@@ -178,8 +181,9 @@ def _run_batch(args: argparse.Namespace) -> int:
         raise UsageError("give PROMPT or --batch FILE, not both")
     if args.trace is not None or args.show_trace or tree_shape_of(args) is not None:
         raise UsageError("--batch decodes chains: no traces, no token trees")
-    if not is_int(args.max_batch) or args.max_batch < 1:
-        raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
+    slots = DEFAULT_MAX_BATCH if args.max_batch is None else args.max_batch
+    if not is_int(slots) or slots < 1:
+        raise UsageError(f"--max-batch must be >= 1, got {slots}")
     options = GenerationOptions(**option_fields(args))
     from verispec.batch import generate_requests, read_requests, record
     from verispec.options import ModelChoice
@@ -189,7 +193,7 @@ def _run_batch(args: argparse.Namespace) -> int:
     speculator = choice.speculator()
     start = time.perf_counter()
     try:
-        results = generate_requests(speculator, requests, options, slots=args.max_batch)
+        results = generate_requests(speculator, requests, options, slots=slots)
     finally:  # Ctrl-C too
         choice.save_suffix_cache(speculator.suffix_cache)
     seconds = time.perf_counter() - start
@@ -204,7 +208,7 @@ def _run_batch(args: argparse.Namespace) -> int:
             print(f"--- {ident} ---\n{result.text.strip()}\n")
     failed = sum(1 for r in results if r.error)
     print(
-        f"[batch of {len(requests)}, {args.max_batch} at a time] {tokens} tokens in {seconds:.2f} s: "
+        f"[batch of {len(requests)}, {slots} at a time] {tokens} tokens in {seconds:.2f} s: "
         f"{tokens / seconds:.1f} tokens/s" + (f"; {failed} refused" if failed else ""),
         file=sys.stderr,
     )

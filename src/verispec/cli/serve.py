@@ -7,6 +7,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from verispec.cli.common import (
+    DEFAULT_MAX_BATCH,
     add_drafter_arguments,
     add_suffix_arguments,
     model_fields,
@@ -43,7 +44,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, only here)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: a free one)")
-    parser.add_argument("--max-batch", type=int, default=8, metavar="N", help="requests decoded at once (8)")
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        metavar="N",
+        help=f"requests decoded at once ({DEFAULT_MAX_BATCH})",
+    )
     parser.add_argument(
         "--max-queue", type=int, default=64, metavar="N", help="requests waiting; more: 429 (64)"
     )

@@ -161,14 +161,28 @@ def load_model(
                 f"{path} is a llama2.c checkpoint: pass tokenizer= its tokenizer file (tok*.bin)"
             )
         tok = load_tokenizer(tokenizer)  # the quick checks first
-        return load_llama2c(path, device=device, dtype=dtype, fast=True, precision=precision), tok
+        return _matched(load_llama2c(path, device=device, dtype=dtype, fast=True, precision=precision), tok)
     gguf = gguf_file(spec)
     if gguf is not None and _runs_in_place(gguf, device, dtype, backend, precision):
         model = load_gguf(gguf, precision)  # first: a bad file leaves nothing in the cache
-        return model, load_tokenizer(gguf if tokenizer is None else tokenizer)
+        if tokenizer is None:
+            return model, load_tokenizer(gguf)
+        return _matched(model, load_tokenizer(tokenizer))
     directory = model_dir(spec)
     tok = load_tokenizer(directory if tokenizer is None else tokenizer)
-    return _load_directory(directory, device, dtype, backend, precision), tok
+    loaded = _load_directory(directory, device, dtype, backend, precision)
+    return (loaded, tok) if tokenizer is None else _matched(loaded, tok)
+
+
+def _matched(model: LanguageModel, tokenizer: Tokenizer) -> tuple[LanguageModel, Tokenizer]:
+    """``model`` and a tokenizer given for it, when its ids fit the model's vocabulary and cover most of it
+    (a model's vocabulary may be padded past its tokenizer's, by a few percent at most); else UsageError."""
+    ids, rows = tokenizer.vocab_size, model.vocab_size
+    if ids > rows or ids < 0.9 * rows:
+        raise UsageError(
+            f"the tokenizer has {ids} ids and the model's vocabulary {rows}: a tokenizer of another model?"
+        )
+    return model, tokenizer
 
 
 def gguf_file(spec: str | Path) -> Path | None:

@@ -402,7 +402,12 @@ class _Api:
             cache = self.server.tenants.cache(key) if speculator.kind.shared_cache else None  # the tenant's
             try:
                 return self.server.scheduler.submit(
-                    prompt, options, speculator=speculator, listener=listener, suffix_cache=cache
+                    prompt,
+                    options,
+                    speculator=speculator,
+                    listener=listener,
+                    suffix_cache=cache,
+                    within_context=limit is not None,  # a client's max_tokens must fit; none: to the end
                 )
             except QueueFull as err:
                 raise ApiError(429, str(err), "rate_limit_error") from None
