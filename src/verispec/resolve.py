@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.analysis.analytic import CostModel, speedup_by_k, tree_tokens_bound
+from verispec.analysis.analytic import CostModel, expected_tokens_per_call, speedup_by_k, tree_tokens_bound
 from verispec.calibrate import calibrate
 from verispec.drafting.cross_tokenizer import VocabularyPair, check_algorithm, same_vocabulary
 from verispec.drafting.draft_model import early_exit_layers, self_draft
@@ -197,11 +197,13 @@ def _default_tree(
 
 
 def _tree_may_pay(model: LanguageModel, head: LearnedHead, target_label: str) -> bool:
-    """Whether :data:`DEFAULT_TREE` may draft faster than a chain at its best K: by this machine's
-    calibrated costs, the tree's expected tokens bounded from above (its siblings' guesses as good as they
-    could be, :func:`~verispec.analysis.analytic.tree_tokens_bound`) per round of its verification and draft
-    steps against the chain's best expected speed, at the per-position agreement the drafter's file records
-    on held-out data. True without that record."""
+    """Whether :data:`DEFAULT_TREE` may draft faster than a chain at its best K and cannot lose to plain
+    decoding: by this machine's calibrated costs, the tree's expected tokens bounded from above (its siblings'
+    guesses as good as they could be, :func:`~verispec.analysis.analytic.tree_tokens_bound`) per round of
+    its verification and draft steps at least the chain's best expected speed, and bounded from below (its
+    first-ranked path alone, no sibling ever accepted) at least plain decoding's (a tree round always
+    drafts, where a chain's K may fall to 0), at the per-position agreement the drafter's file records on
+    held-out data. True without that record."""
     costs = _chain_costs(model, head, target_label)
     if costs is None:
         return True
@@ -210,7 +212,9 @@ def _tree_may_pay(model: LanguageModel, head: LearnedHead, target_label: str) ->
     if cost.max_k is not None and shape.num_nodes - 1 > cost.max_k:
         return False
     round_cost = cost.verify(shape.num_nodes) + cost.draft_cost(shape.max_depth)
-    return tree_tokens_bound(shape.paths, alphas) / round_cost >= chain
+    first = max(len(path) for path in shape.paths if not any(path))  # the first-ranked path's depth
+    least = expected_tokens_per_call(alphas[:first]) if first else 1.0
+    return least >= round_cost and tree_tokens_bound(shape.paths, alphas) / round_cost >= chain
 
 
 def _learned_pays(model: LanguageModel, head: LearnedHead, target_label: str) -> bool:
