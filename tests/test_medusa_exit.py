@@ -175,6 +175,12 @@ def test_a_file_of_another_kind_or_shape_is_refused(target, files, tmp_path):
     one_line_error(lambda: MedusaHeads(target, torch.arange(4), {}, num_heads=9), "1 to 8 heads")
     # auto with a drafter file drafts with the file's kind
     assert Speculator((target, tokenizer), drafter_path=str(files["medusa"])).drafter_name == "medusa"
+    # a tree deeper than the file's heads (one per depth): one line, not a tree silently cut to its heads
+    medusa = dict(drafter="medusa", drafter_path=str(files["medusa"]))
+    deep = Speculator((target, tokenizer), tree=TreeShape.parse("2x4"), **medusa)
+    one_line_error(lambda: deep.generate("abc", max_new_tokens=4, sampling=GREEDY), "has 3 heads, one per")
+    fits = Speculator((target, tokenizer), tree=TreeShape.parse("2x3"), **medusa)
+    assert fits.generate("abc", max_new_tokens=4, sampling=GREEDY).token_ids
 
 
 # ---------------------------------------------------------------------------------------------- trees

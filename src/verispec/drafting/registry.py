@@ -162,6 +162,11 @@ def _medusa_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> Tr
     from verispec.drafting.learned.medusa import MedusaDrafter, MedusaTreeDrafter
 
     assert isinstance(chain, MedusaDrafter)  # the medusa kind's chain factory builds one
+    heads = chain.heads.num_heads
+    if shape.max_depth > heads:  # head d drafts depth d: nothing could draft deeper
+        raise UsageError(
+            f"the Medusa file has {heads} heads, one per depth: a tree {shape.max_depth} deep needs as many"
+        )
     return MedusaTreeDrafter(chain, shape, sampled=True)
 
 

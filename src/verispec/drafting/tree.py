@@ -175,7 +175,8 @@ class TreeShape:
                 raise UsageError(f"tree {label} must be an integer >= 1, got {value!r}")
         nodes = sum(width**d for d in range(depth + 1))
         if nodes > max_nodes:
-            raise UsageError(f"a {width}x{depth} tree has {nodes} nodes, more than the limit of {max_nodes}")
+            count = f"{nodes}" if nodes < 10**9 else f"about {nodes:.1e}"
+            raise UsageError(f"a {width}x{depth} tree has {count} nodes, more than the limit of {max_nodes}")
         paths = [p for d in range(1, depth + 1) for p in itertools.product(range(width), repeat=d)]
         return cls.from_paths(paths, name=f"{width}x{depth}", max_nodes=max_nodes)
 
