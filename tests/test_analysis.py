@@ -215,6 +215,9 @@ def test_optimal_k_linear_curve_example():
     # K = 5: E[L] = (1 − 0.8⁶) / 0.2 = 3.689 over v(6) + 5c = 1.5 + 0.25.
     assert optimal_k(0.8, 0.05, linear, k_max=20) == 5
     assert expected_speedup(0.8, 5, 0.05, linear) == pytest.approx(3.68928 / 1.75)
+    # a proposal's fixed cost c₀ = 0.5 is paid once: K = 6 (3.951 / 2.4 = 1.646) beats K = 5 (3.689 / 2.25 =
+    # 1.640)
+    assert optimal_k(0.8, 0.05, linear, k_max=20, fixed_cost=0.5) == 6
 
 
 def test_optimal_k_edges_and_defaults():

@@ -313,12 +313,17 @@ def expected_speedup(
 
 
 def optimal_k(
-    alpha: float, cost_ratio: float = 0.0, verify_cost: VerifyCost = None, k_max: int | None = None
+    alpha: float,
+    cost_ratio: float = 0.0,
+    verify_cost: VerifyCost = None,
+    k_max: int | None = None,
+    fixed_cost: float = 0.0,
 ) -> int:
     """argmax over K ∈ 0..k_max of :func:`expected_speedup` (the smallest such K on ties; K = 0 is plain
-    decoding, speedup 1). k_max defaults to len(verify_cost) − 1 for a sequence, else :data:`DEFAULT_K_MAX`.
+    decoding, speedup 1), a proposal also paying ``fixed_cost`` (c₀, see :class:`CostModel`). k_max defaults
+    to len(verify_cost) − 1 for a sequence, else :data:`DEFAULT_K_MAX`.
     """
-    cost = CostModel(cost_ratio, verify_cost)
+    cost = CostModel(cost_ratio, verify_cost, fixed_cost=fixed_cost)
     if k_max is None:
         k_max = DEFAULT_K_MAX if cost.max_k is None else cost.max_k
     k_max = _check_k(k_max, "k_max")

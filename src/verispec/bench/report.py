@@ -299,15 +299,15 @@ def markdown(results: Results) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------- charts
-
-
 def _fixed(calibration: Calibration) -> float:
     """c₀ of a calibration's drafter: its fixed seconds a proposal over T_target(1) (0 for a record made
     before it was measured)."""
     draft = calibration["draft"]
     assert draft is not None
     return draft.get("fixed_seconds", 0.0) / calibration["target"]["seconds"][0]
+
+
+# ---------------------------------------------------------------------------------------------- charts
 
 
 def _colours(labels: list[str]) -> dict[str, tuple]:

@@ -55,10 +55,9 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     """Run ``verispec calibrate``: measure, cache, and print v(k), c and the best K for a few α."""
-    import numpy as np
     import torch
 
-    from verispec.analysis.analytic import speedup_by_k
+    from verispec.analysis.analytic import optimal_k
     from verispec.options import ModelChoice
 
     if args.repetitions < 1:
@@ -79,9 +78,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     assert isinstance(curve, tuple)  # a calibration measures v(k) as a sequence
     rows = [{"k": k, "v": v} for k, v in enumerate(curve, 1)]
     print(format_table(rows, (("k new tokens", "k", "d"), ("v(k)", "v", ".3f"))))
-    k_max = len(curve) - 1
     best = (
-        f"α={a:g}: K={int(np.argmax(speedup_by_k(a, cost.round_costs(k_max))))}" for a in (0.3, 0.5, 0.7, 0.9)
+        f"α={a:g}: K={optimal_k(a, cost.cost_ratio, curve, fixed_cost=cost.fixed_cost)}"
+        for a in (0.3, 0.5, 0.7, 0.9)
     )
     print(f"best K: {', '.join(best)}")
     if calibration.cached:
