@@ -272,9 +272,10 @@ def test_auto_is_the_default_and_builds_the_cost_model_policy(stories):
     assert isinstance(Speculator((model, tokenizer), drafter="none").k_policy("auto"), ConstantK)
     result = ngram.generate("Once upon a time", max_new_tokens=40, sampling=greedy)
     plain = Speculator((model, tokenizer), drafter="none").generate(
-        "Once upon a time", k=0, max_new_tokens=40, sampling=greedy
+        "Once upon a time", max_new_tokens=40, sampling=greedy
     )
     assert result.stats["k"] == "auto" and result.token_ids == plain.token_ids
+    assert plain.stats["k"] == "0"  # drafter "none" drafts nothing, whatever K asks
     assert calibration_dir().is_dir()
 
 

@@ -96,6 +96,19 @@ def test_completions_streamed_or_not_equal_the_library_and_the_cli(served, stori
     assert spec["tokens_per_target_call"] == pytest.approx(24 / spec["target_calls"])
 
 
+def test_a_prompt_of_token_ids_is_the_text_s_own(served, stories):
+    """OpenAI's completions take a prompt as token ids too (a list of them, or a list holding one)."""
+    url, _ = served
+    _, loaded = stories
+    ids = library_prompt(loaded, "Once upon a time")
+    options = dict(model="stories260K", max_tokens=12, temperature=0)
+    text = client(url).completions.create(prompt="Once upon a time", **options)
+    for prompt in (ids, [ids]):
+        answer = client(url).completions.create(prompt=prompt, **options)
+        assert answer.choices[0].text == text.choices[0].text
+        assert answer.usage.prompt_tokens == len(ids)
+
+
 def library_prompt(loaded, prompt: str) -> list[int]:
     return Speculator(loaded, drafter="none").encode_prompt(prompt)
 
@@ -232,6 +245,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {**GOOD, "model": "gpt-4"}, 404, "does not exist"),
     ("/v1/completions", {**GOOD, "prompt": 3}, 400, "prompt"),
     ("/v1/completions", {**GOOD, "prompt": ["a", "b"]}, 400, "one prompt per request"),
+    ("/v1/completions", {**GOOD, "prompt": [[1, 2], [3]]}, 400, "one prompt per request"),
+    ("/v1/completions", {**GOOD, "prompt": [1, 100000]}, 400, "token ids must lie in [0, 512)"),
+    ("/v1/completions", {**GOOD, "prompt": [1, -2]}, 400, "token ids must lie in [0, 512)"),
+    ("/v1/completions", {**GOOD, "prompt": [1, "a"]}, 400, "prompt: should be str, list[str], list[int] or"),
     ("/v1/completions", {**GOOD, "prompt": ""}, 400, "the prompt is empty"),
     ("/v1/completions", {**GOOD, "prompt": "Once " * 3000}, 400, "the context holds"),
     ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
@@ -251,7 +268,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {**GOOD, "n": 2}, 400, "only n = 1"),
     ("/v1/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4 stop strings"),
     ("/v1/completions", {**GOOD, "stop": [""]}, 400, "none empty"),
-    ("/v1/completions", {**GOOD, "stop": 7}, 400, "stop"),
+    ("/v1/completions", {**GOOD, "stop": 7}, 400, "stop: should be str or list[str]"),
     ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {**GOOD, "stream_options": {"include_usage": 1}}, 400, "include_usage"),
     ("/v1/completions", {**GOOD, "drafter": "telepathy"}, 400, "is not served here"),

@@ -4,6 +4,7 @@ the one-forward tree attention of the native model and the transformers adapter,
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -65,6 +66,13 @@ def test_shape_file_and_spec(tmp_path):
     assert shape.paths == TreeShape.from_paths(PATHS).paths and shape.name == "shape"
     assert TreeShape.parse(str(path)).paths == shape.paths
     assert TreeShape.parse("3x2").num_nodes == 13
+    read, write = os.pipe()  # a shape given by process substitution, <(...): /dev/fd/N names no tree
+    os.write(write, json.dumps([list(p) for p in PATHS]).encode())
+    os.close(write)
+    try:
+        assert TreeShape.load(f"/dev/fd/{read}").name == f"{len(PATHS)}-node"
+    finally:
+        os.close(read)
 
 
 @pytest.mark.parametrize(

@@ -308,8 +308,11 @@ class Speculator:
         return self._evidence[key]
 
     def k_label(self, k: int | str) -> str:
-        """How stats name the draft size: K (see :func:`~verispec.options.parse_k`), or the tree's shape."""
-        return str(parse_k(k)) if self.tree is None else f"tree {self.tree.name}"
+        """How stats name the draft size: K (see :func:`~verispec.options.parse_k`), the tree's shape, or "0"
+        for drafter "none" (it drafts nothing whatever K asks)."""
+        if self.tree is not None:
+            return f"tree {self.tree.name}"
+        return str(parse_k(k)) if self.kind.drafts else "0"
 
     def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
         """The prompt's token ids: ``prompt`` as it is (text, or token ids of the target's vocabulary), or

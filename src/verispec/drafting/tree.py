@@ -214,7 +214,8 @@ class TreeShape:
 
     @classmethod
     def load(cls, path: str | Path) -> TreeShape:
-        """A JSON shape file: a list of paths, each a list of child ranks, e.g. [[0], [1], [0, 0]]."""
+        """A JSON shape file: a list of paths, each a list of child ranks, e.g. [[0], [1], [0, 0]]; named by
+        the file's stem, or by its node count for a pipe's descriptor (/dev/fd/63: no name of its own)."""
         path = Path(path)
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -225,7 +226,7 @@ class TreeShape:
         if not isinstance(data, list) or not all(isinstance(p, list) for p in data):
             raise UsageError(f"the tree shape file {path} must hold a list of paths (lists of child ranks)")
         try:
-            return cls.from_paths(data, name=path.stem)
+            return cls.from_paths(data, name=None if path.parent.name == "fd" else path.stem)
         except ValueError as err:
             raise UsageError(f"tree shape file {path}: {err}") from None
 

@@ -188,9 +188,10 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    """``POST /v1/completions``: one prompt (a string, or a list holding one string)."""
+    """``POST /v1/completions``: one prompt: a string or token ids of the served model's vocabulary, or a list
+    holding one of them (as OpenAI's API takes them)."""
 
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # N: each token's and N likeliest
 
     @property
@@ -199,14 +200,18 @@ class CompletionRequest(_Request):
 
     @field_validator("prompt")
     @classmethod
-    def _single(cls, prompt: str | list[str]) -> str | list[str]:
-        if isinstance(prompt, list) and len(prompt) != 1:
+    def _single(cls, prompt: str | list[str] | list[int] | list[list[int]]) -> object:
+        if isinstance(prompt, list) and (not prompt or not isinstance(prompt[0], int)) and len(prompt) != 1:
             raise ValueError("one prompt per request (n = 1, no batches of prompts)")
         return prompt
 
     @property
-    def text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def text(self) -> str | list[int]:
+        """The prompt: its text, or its token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and not isinstance(prompt[0], int):
+            return prompt[0]
+        return prompt  # type: ignore[return-value]  # text, or token ids
 
 
 class ContentPart(BaseModel):
@@ -267,10 +272,34 @@ def parse_request(kind: type[_Request], body: Any) -> _Request:
     try:
         return kind.model_validate(body)
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "body"
+        errors = err.errors()
+        first = errors[0]
+        loc = first["loc"]
+        union = _union_branches(errors)
+        if union is not None:  # a value that fits no type of a union: name the types, not one type's error
+            where, kinds = union
+            raise ApiError(
+                400, f"{where}: should be {', '.join(kinds[:-1])} or {kinds[-1]}", param=where
+            ) from None
+        where = ".".join(str(part) for part in loc) or "body"
         message = str(first["msg"]).removeprefix("Value error, ")
         raise ApiError(400, f"{where}: {message}", param=where) from None
+
+
+def _union_branches(errors: list[Any]) -> tuple[str, list[str]] | None:
+    """Where the first error's value fits none of a union's types (pydantic's error per type, each located by
+    the type's name after the field's): (the field's location, the types' names); None for another error."""
+    loc = errors[0]["loc"]
+    for i in range(1, len(loc)):
+        kinds = list(
+            dict.fromkeys(e["loc"][i] for e in errors if e["loc"][:i] == loc[:i] and len(e["loc"]) > i)
+        )
+        if len(kinds) > 1 and all(isinstance(k, str) and ("[" in k or k in _TYPE_NAMES) for k in kinds):
+            return ".".join(str(part) for part in loc[:i]), kinds
+    return None
+
+
+_TYPE_NAMES = frozenset(("str", "int", "float", "bool", "none"))  # how pydantic names a union's simple types
 
 
 def spelling(tokenizer: Tokenizer) -> Callable[[int], bytes]:
