@@ -107,6 +107,14 @@ def test_costs_at_a_context_interpolate_the_two_measured_contexts():
     fixed = Calibration(costs, DraftCosts("d", 0.2, 0.002, 3, "now", 0.0005, 0.003), Path("x"))
     assert fixed.cost_model_at(1024).fixed_cost == pytest.approx(0.003 / 0.014)
     assert calibration.cost_model.cost_ratio == 0.2  # the short context's, as measured in pairs
+    # the drafter timed while the machine ran at half the speed of the target's timings (T(1) beside its
+    # proposals 0.02 s, not 0.01): c, c₀ and u all keep the ratios measured beside that T(1)
+    slow = Calibration(costs, DraftCosts("d", 0.2, 0.004, 3, "now", 0.001, 0.006), Path("x"))
+    assert slow.cost_model.cost_ratio == pytest.approx(0.2)
+    assert slow.cost_model.fixed_cost == pytest.approx(0.3) and slow.cost_model.catch_up == pytest.approx(
+        0.05
+    )
+    assert slow.cost_model_at(256) == slow.cost_model
     with pytest.raises(ValueError, match="a drafter's catch-up must be a number >= 0"):
         DraftCosts("d", 0.2, 0.002, 3, "now", -1e-6)
     # the batch grid in units of one row's T(1) at that context, interpolated like the rest
@@ -172,7 +180,8 @@ def test_a_proposals_cost_is_split_into_a_fixed_part_and_one_per_token(stories):
     assert 0.007 <= flat.fixed_seconds <= 0.03 and flat.seconds_per_token <= 0.002
     target = TargetCosts("t", (0.01, 0.012), 3, "now", batch_seconds=grid(0.01))
     cost = Calibration(target, costs, Path("x")).cost_model
-    assert cost.fixed_cost == pytest.approx(costs.fixed_seconds / 0.01)
+    # over the T(1) timed beside the proposals, as c is: the target's own T(1) here is made up
+    assert cost.fixed_cost == pytest.approx(costs.fixed_seconds * costs.cost_ratio / costs.seconds_per_token)
     assert cost.round_cost(1) == pytest.approx(1.2 + costs.cost_ratio + cost.fixed_cost)
 
 

@@ -230,22 +230,30 @@ class Calibration:
     def cost_model(self) -> CostModel:
         """v(k), c, the drafter's catch-up and fixed cost as the analytic model takes them, at the short
         context."""
-        one, draft = self.target.seconds[0], self.draft
-        catch_up, fixed = (draft.catch_up_seconds / one, draft.fixed_seconds / one) if draft else (0.0, 0.0)
-        return CostModel(self.cost_ratio, self.target.verify_cost, catch_up, fixed)
+        return self._costs(self.target.seconds)
 
     def cost_model_at(self, context: int) -> CostModel:
         """v(k), c, the catch-up and fixed cost for rounds after ``context`` positions (see
         :meth:`TargetCosts.seconds_at`): the draft's seconds as measured, the target's forwards dearer as the
         context grows."""
-        seconds, draft = self.target.seconds_at(context), self.draft
+        return self._costs(self.target.seconds_at(context))
+
+    def _costs(self, seconds: tuple[float, ...]) -> CostModel:
+        """The cost model of target forwards taking ``seconds`` (T(k), k = 1..): every cost over T(1)."""
         one = seconds[0]
-        ratio, catch_up, fixed = (
-            (draft.seconds_per_token / one, draft.catch_up_seconds / one, draft.fixed_seconds / one)
-            if draft
-            else (0.0, 0.0, 0.0)
-        )
-        return CostModel(ratio, tuple(s / one for s in seconds), catch_up, fixed)
+        slower = self.target.seconds[0] / one  # 1 at the short context; below 1 where forwards cost more
+        per_token, catch_up, fixed = (x * slower for x in self._draft_ratios())
+        return CostModel(per_token, tuple(s / one for s in seconds), catch_up, fixed)
+
+    def _draft_ratios(self) -> tuple[float, float, float]:
+        """The drafter's cost a token (c), a position caught up (u) and a proposal (c₀) over the T(1) timed
+        beside its proposals (0 without one): each of its seconds over the same T(1), so that a machine
+        running faster or slower between the target's timings and the drafter's changes none of them."""
+        draft = self.draft
+        if draft is None:
+            return 0.0, 0.0, 0.0
+        per_second = draft.cost_ratio / draft.seconds_per_token  # 1 / that T(1)
+        return draft.cost_ratio, draft.catch_up_seconds * per_second, draft.fixed_seconds * per_second
 
     def batch_cost_at(self, context: int) -> BatchCost:
         """The target's cost of a forward over several rows after ``context`` positions, in the same unit as

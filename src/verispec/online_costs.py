@@ -190,24 +190,23 @@ class OnlineCosts:
                 if fallback is not None:
                     estimates[key] = statistics.median_low([*(x for _, x in window), fallback])
         old = self._published
-        if estimates.keys() == old.keys() and not any(
-            self._moved(key, old[key], x) for key, x in estimates.items()
-        ):
-            return
+        if estimates.keys() == old.keys():
+            one = _step(old)  # ρ(1) as published: what the rest of a round and the drafter move against
+            if not any(self._moved(key, old[key], x, one) for key, x in estimates.items()):
+                return
         self._published = estimates
         self.version += 1
 
-    def _moved(self, key: tuple[str, int], old: float, new: float) -> bool:
+    def _moved(self, key: tuple[str, int], old: float, new: float, one: float | None) -> bool:
         """Whether a kind's estimate moved by more than the tolerance of what it costs a round: a forward
-        size's relative to itself, the rest of a round's and the drafter's in one-token forwards (the
-        drafter's over its latest proposal, K·c + g·u): a lookup that costs a few microseconds moves by
-        half between rounds and changes no K."""
+        size's relative to itself, the rest of a round's and the drafter's in one-token forwards (ρ(1) as
+        published: ``one``; the drafter's over its latest proposal, K·c + g·u): a lookup that costs a few
+        microseconds moves by half between rounds and changes no K."""
         tolerance, change = self.config.tolerance, abs(new - old)
         if key[0] in ("forward", "rows"):
             return change > tolerance * old
-        one = _step(self._published) or old
         weight = self._draft_steps if key[0] == "draft" else 1.0
-        return change * weight > tolerance * one
+        return change * weight > tolerance * (one or old)
 
     def _notice(self) -> None:
         """Say once, on stderr, that ρ(1) is off by more than the notice factor — not before a horizon of

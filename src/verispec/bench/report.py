@@ -300,11 +300,11 @@ def markdown(results: Results) -> str:
 
 
 def _fixed(calibration: Calibration) -> float:
-    """c₀ of a calibration's drafter: its fixed seconds a proposal over T_target(1) (0 for a record made
-    before it was measured)."""
+    """c₀ of a calibration's drafter: its fixed seconds a proposal over the T_target(1) timed beside them, as
+    c is (:meth:`verispec.calibrate.Calibration.cost_model`; 0 for a record made before it was measured)."""
     draft = calibration["draft"]
     assert draft is not None
-    return draft.get("fixed_seconds", 0.0) / calibration["target"]["seconds"][0]
+    return draft.get("fixed_seconds", 0.0) * draft["cost_ratio"] / draft["seconds_per_token"]
 
 
 # ---------------------------------------------------------------------------------------------- charts

@@ -375,7 +375,7 @@ class _Api:
                 "model",
             )
         limit = parsed.max_completion_tokens or parsed.max_tokens
-        prompt = parsed.conversation if isinstance(parsed, ChatRequest) else parsed.text  # type: ignore[attr-defined]
+        prompt = parsed.conversation if isinstance(parsed, ChatRequest) else parsed.one_prompt  # type: ignore[attr-defined]
         try:
             k = parse_k(parsed.k if parsed.k is not None else self.server.config.k)
         except UsageError as err:

@@ -206,12 +206,12 @@ class CompletionRequest(_Request):
         return prompt
 
     @property
-    def text(self) -> str | list[int]:
+    def one_prompt(self) -> str | list[int]:
         """The prompt: its text, or its token ids."""
         prompt = self.prompt
         if isinstance(prompt, list) and not isinstance(prompt[0], int):
             return prompt[0]
-        return prompt  # type: ignore[return-value]  # text, or token ids
+        return prompt  # text, or token ids
 
 
 class ContentPart(BaseModel):
