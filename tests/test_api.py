@@ -38,8 +38,27 @@ def test_speculator_methods_refuse_transformers_keywords(shared_model):
     )
     for method in (spec.generate, lambda p, **o: list(spec.stream(p, **o)), spec.generate_batch):
         with pytest.raises(UsageError, match="^max_length is not a verispec argument; use max_new_tokens"):
-            method(["Once"] if method is spec.generate_batch else "Once", max_length=8)
+            method(["Once"] if method == spec.generate_batch else "Once", max_length=8)
     assert spec.generate("Once", max_new_tokens=8).stats["new_tokens"] == 8  # greedy by default
+
+
+def test_a_batch_of_prompts_is_a_list_never_one_prompt_read_letter_by_letter(shared_model):
+    """A string is a sequence of letters to Python: generate_batch refuses one (and any single prompt)
+    instead of answering each letter; any iterable of prompts is a batch, a generator's too."""
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    spec = verispec.Speculator(
+        str(root / "stories260K.bin"), drafter="ngram", tokenizer=str(root / "tok512.bin")
+    )
+    for single in ("Once upon a time", b"Once", {"role": "user"}, 5):
+        with pytest.raises(
+            UsageError, match="^prompts is a list of prompts, not .* \\(one prompt: generate\\)"
+        ):
+            spec.generate_batch(single, max_new_tokens=3)
+    lazily = spec.generate_batch((p for p in ["Once", "Tom"]), max_new_tokens=3)
+    assert [r.text for r in lazily] == [spec.generate(p, max_new_tokens=3).text for p in ["Once", "Tom"]]
+    torch = pytest.importorskip("torch")
+    with pytest.raises(UsageError, match="^a prompt is text, a list of token ids .* not Tensor"):
+        spec.generate(torch.tensor([1, 403, 261]), max_new_tokens=3)
 
 
 @pytest.mark.parametrize("device", ["cuda:99", "mps:3", "nonsense"])

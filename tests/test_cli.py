@@ -190,6 +190,54 @@ def test_an_empty_prompt_is_refused_before_a_model_loads(capsys, monkeypatch, ar
     assert status == 2 and out == "" and err == "verispec: error: the prompt is empty\n"
 
 
+def test_demo_on_a_model_without_a_chat_template_takes_its_prompt_as_it_is(capsys, shared_model):
+    """A llama2.c target has no chat template: the demo's prompt is then plain text, not a user's message."""
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    model = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
+    status, out, err = run(capsys, "demo", "--prompt", "Once upon a time", "--max-new-tokens", "8", *model)
+    assert status == 0 and "error" not in err
+    assert "--- none ---" in out and "identical to none: yes" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--max-batch", "99999999999999999999"],
+            "argument --max-batch: 99999999999999999999 is out of range (at most 2**63 - 1 in size)",
+        ),
+        (["--threads", "4096"], "--threads must be an integer in [1, 1024], got 4096"),
+        (["--seed", "-1"], "seed must be an integer in [0, 2**63), got -1"),
+    ],
+)
+def test_integers_beyond_what_they_count_are_one_line(capsys, argv, message):
+    """An integer beyond 64 bits, a thread count beyond any machine, a negative seed: one line, exit 2."""
+    command = ["serve"] if argv[0] == "--max-batch" else ["generate", "x", "--temperature", "1"]
+    status, out, err = run(capsys, *command, *argv)
+    assert status == 2 and out == "" and err == f"verispec: error: {message}\n"
+
+
+def test_running_out_of_memory_is_one_line_asking_for_less(capsys, monkeypatch):
+    """A count or size this machine cannot hold (torch's allocator refuses it, or Python's): one line, exit
+    2, not an internal error to report; another RuntimeError stays one."""
+    for error, status in (
+        (RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory"), 2),
+        (MemoryError(), 2),
+        (RuntimeError("something else"), 1),
+    ):
+
+        def fail(args, error=error):
+            raise error
+
+        monkeypatch.setattr("verispec.cli.generate.run_generate", fail)
+        got, out, err = run(capsys, "generate", "x")
+        assert got == status and out == "" and err.count("\n") == 1
+        if status == 2:
+            assert err.startswith("verispec: error: out of memory (") and err.endswith("): ask for less\n")
+        else:
+            assert err.startswith("verispec: internal error: RuntimeError: something else")
+
+
 def test_max_new_tokens_beyond_the_context_is_a_warning(capsys, shared_model):
     """More new tokens than the target's context leaves: one warning naming the limit, and the output stops
     at the context."""
@@ -218,7 +266,9 @@ def test_threads_on_every_command_that_runs_a_model(capsys, shared_model, monkey
     monkeypatch.setattr("verispec.resolve._load", no_load)
     for command in (["generate", "x"], ["demo"], ["batch", "--input", "a", "--output", "b"], ["serve"]):
         status, out, err = run(capsys, *command, "--threads", "0")
-        assert status == 2 and err == "verispec: error: --threads must be an integer >= 1, got 0\n", command
+        assert status == 2 and err == "verispec: error: --threads must be an integer in [1, 1024], got 0\n", (
+            command
+        )
     commands = COMMANDS  # name -> its parser
     overlap = commands["viz"]._subparsers._group_actions[0].choices["overlap"]
     with_threads = {

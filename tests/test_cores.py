@@ -41,9 +41,9 @@ def test_the_cores_available_are_the_affinity_capped_by_the_quota(tmp_path):
     assert available_cores(quota) == min(mask, math.ceil(mask + 1e-5))  # never more than the mask
 
 
-@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
-def test_a_thread_count_below_one_is_refused(bad):
-    with pytest.raises(UsageError, match="--threads must be an integer >= 1"):
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, 1025, 10**20])
+def test_a_thread_count_below_one_or_beyond_any_machine_is_refused(bad):
+    with pytest.raises(UsageError, match="--threads must be an integer in \\[1, 1024\\]"):
         use_threads(bad)
 
 

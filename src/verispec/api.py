@@ -14,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, Unpack, cast
@@ -319,7 +320,8 @@ class Speculator:
         (``chat``) in the model's chat template, where it may also be a conversation: {"role", "content"}
         messages ending with a user turn."""
         listed = hasattr(prompt, "__len__") and hasattr(prompt, "__iter__")
-        if isinstance(prompt, (bytes, Mapping)) or not (isinstance(prompt, str) or listed):
+        tensor = "torch" in sys.modules and isinstance(prompt, sys.modules["torch"].Tensor)  # ids: .tolist()
+        if tensor or isinstance(prompt, (bytes, Mapping)) or not (isinstance(prompt, str) or listed):
             raise UsageError(
                 "a prompt is text, a list of token ids or (chat=True) a list of messages, "
                 f"not {type(prompt).__name__}"
@@ -461,7 +463,7 @@ class Speculator:
 
     def generate_batch(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Iterable[Prompt],
         options: GenerationOptions | Sequence[GenerationOptions] | None = None,
         *,
         slots: int = 8,
@@ -479,6 +481,11 @@ class Speculator:
         parameters' one for all)."""
         if not is_int(slots) or slots < 1:
             raise UsageError(f"slots must be an integer >= 1, got {slots!r}")
+        if isinstance(prompts, (str, bytes, Mapping)) or not isinstance(prompts, Iterable):
+            raise UsageError(
+                f"prompts is a list of prompts, not {type(prompts).__name__} (one prompt: generate)"
+            )
+        prompts = list(prompts)  # a generator's too
         if seeds is not None and len(seeds) != len(prompts):
             raise UsageError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         if isinstance(options, Sequence) and len(options) != len(prompts):

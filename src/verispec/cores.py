@@ -21,9 +21,10 @@ from pathlib import Path
 from verispec.errors import UsageError
 from verispec.inputs import is_int
 
-__all__ = ["available_cores", "cgroup_quota", "use_threads"]
+__all__ = ["MAX_THREADS", "available_cores", "cgroup_quota", "use_threads"]
 
 _CGROUP = Path("/sys/fs/cgroup")
+MAX_THREADS = 1024  # the most threads a command takes: beyond any machine's cores here, within a C int
 
 
 def cgroup_quota(root: Path = _CGROUP) -> float | None:
@@ -55,8 +56,8 @@ def available_cores(root: Path = _CGROUP) -> int:
 def use_threads(threads: int | None) -> None:
     """A command's models use ``threads`` threads (None: :func:`available_cores`, unless OMP_NUM_THREADS is
     set); UsageError for a count below 1 (module docstring)."""
-    if threads is not None and (not is_int(threads) or threads < 1):
-        raise UsageError(f"--threads must be an integer >= 1, got {threads!r}")
+    if threads is not None and (not is_int(threads) or not 1 <= threads <= MAX_THREADS):
+        raise UsageError(f"--threads must be an integer in [1, {MAX_THREADS}], got {threads!r}")
     if "torch" in sys.modules:
         if threads is not None:
             sys.modules["torch"].set_num_threads(threads)

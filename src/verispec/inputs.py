@@ -3,7 +3,7 @@ hostile value is a caller's mistake in one line (:class:`~verispec.errors.UsageE
 from deep inside: JSON text (:func:`parse_json`: nesting too deep for the parser, an integer too long to
 convert) and text that is not valid Unicode (:func:`check_text`: a lone surrogate, which JSON's ``\\ud800``
 escapes can carry and no tokenizer encodes); and :func:`is_int`, the one test of an integer argument (a bool
-is not one)."""
+is not one), and :func:`check_seed`, of a seed."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, TypeGuard
 
 from verispec.errors import UsageError
 
-__all__ = ["check_prompt", "check_text", "is_int", "parse_json"]
+__all__ = ["check_prompt", "check_seed", "check_text", "is_int", "parse_json"]
 
 
 def is_int(value: object, *, integral: bool = False) -> TypeGuard[int]:
@@ -21,6 +21,13 @@ def is_int(value: object, *, integral: bool = False) -> TypeGuard[int]:
     count to verispec); ``integral``: any ``numbers.Integral`` (NumPy's integers too), bools still not."""
     kind = numbers.Integral if integral else int
     return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def check_seed(value: object, name: str = "seed", below: int = 2**63) -> None:
+    """UsageError unless ``value`` is a seed: an integer in [0, ``below``), a power of two (2**63: what torch
+    and NumPy take; less where a seed is offset by others derived from it)."""
+    if not is_int(value) or not 0 <= value < below:
+        raise UsageError(f"{name} must be an integer in [0, 2**{below.bit_length() - 1}), got {value!r}")
 
 
 def parse_json(text: str | bytes) -> Any:

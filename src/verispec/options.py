@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 from verispec.errors import UsageError
 from verispec.grammar.constraint import Constraint  # light: llguidance loads when one is checked
-from verispec.inputs import check_text, is_int
+from verispec.inputs import check_seed, check_text, is_int
 
 if TYPE_CHECKING:
     import torch
@@ -100,9 +100,8 @@ class SamplingParams:
         m = self.min_p
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not (0 <= m < 1):
             raise UsageError(f"min_p must be in [0, 1), got {m!r}")
-        s = self.seed
-        if s is not None and (not is_int(s) or not 0 <= s < 2**63):
-            raise UsageError(f"seed must be an integer in [0, 2**63) or None, got {s!r}")
+        if self.seed is not None:
+            check_seed(self.seed)
         if not isinstance(self.invariant, bool):
             raise UsageError(f"invariant must be true or false, got {self.invariant!r}")
 

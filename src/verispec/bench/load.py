@@ -33,12 +33,13 @@ import torch
 
 from verispec.api import Speculator
 from verispec.bench.methods import LOAD_METHODS
-from verispec.bench.suite import _has_chat_template, builtin_tasks
+from verispec.bench.suite import builtin_tasks
 from verispec.bench.workloads import WARM
 from verispec.drafting.suffix_cache import SuffixCache
 from verispec.errors import UsageError
 from verispec.files import atomic_write
 from verispec.inputs import is_int
+from verispec.models.base import has_chat_template
 from verispec.options import DEFAULT_MODEL, DEFAULT_PRECISION, GenerationOptions
 from verispec.scheduler import Scheduler
 
@@ -94,8 +95,9 @@ class LoadConfig:
 
 
 def run_clients(client: Callable[[], None], count: int) -> float:
-    """Run ``count`` threads of ``client`` at once; the seconds until the last one ends."""
-    threads = [threading.Thread(target=client) for _ in range(count)]
+    """Run ``count`` threads of ``client`` at once; the seconds until the last one ends. Daemon threads: an
+    interrupt (Ctrl-C) ends the process at once, not when the clients' loops run out."""
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(count)]
     start = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -280,7 +282,7 @@ def run_load(config: LoadConfig, progress: bool = True) -> dict:
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     base = Speculator(config.target, drafter="none", tokenizer=config.tokenizer, precision=config.precision)
-    chat = _has_chat_template(base.tokenizer)
+    chat = has_chat_template(base.tokenizer)
     prompts = _load_prompts(config.prompts, base, chat, config.max_new_tokens)
     loaded = (base.model, base.tokenizer)
     turns = []  # (method, k, speculator): the verispec cells, which take turns at each concurrency

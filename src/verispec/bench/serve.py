@@ -18,8 +18,10 @@ server before timing (and once through the engine before its run).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import math
 import re
 import signal
 import subprocess
@@ -77,8 +79,8 @@ class ServeLoadConfig:
             if not is_int(value) or value < low:
                 raise UsageError(f"{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
         seconds = self.seconds
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-            raise UsageError(f"seconds must be a number > 0, got {self.seconds!r}")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+            raise UsageError(f"seconds must be a finite number > 0, got {self.seconds!r}")
 
 
 class _Child:
@@ -131,6 +133,11 @@ class _Child:
             return connection.getresponse().read().decode()
         finally:
             connection.close()
+
+    @property
+    def running(self) -> bool:
+        """Whether the server process is still running."""
+        return self.process.poll() is None
 
     def rss_mib(self) -> float:
         """Resident memory of the server, MiB."""
@@ -208,7 +215,7 @@ def _load(child: _Child, config: ServeLoadConfig, prompts: Sequence[Prompt], cha
     deadline = time.perf_counter() + config.seconds
 
     def client() -> None:
-        while time.perf_counter() < deadline:
+        while time.perf_counter() < deadline and child.running:
             with lock:
                 index = next(counter)
             body = _body(child, prompts[index % len(prompts)], chat, config)
@@ -230,8 +237,9 @@ def _load(child: _Child, config: ServeLoadConfig, prompts: Sequence[Prompt], cha
 
     def sample_memory() -> None:
         start = time.perf_counter()
-        while not stop.wait(1.0):
-            rss.append((time.perf_counter() - start, child.rss_mib()))
+        while not stop.wait(1.0) and child.running:
+            with contextlib.suppress(OSError):  # the server ended between the check and the read
+                rss.append((time.perf_counter() - start, child.rss_mib()))
 
     stop = threading.Event()
     sampler = threading.Thread(target=sample_memory, daemon=True)
@@ -239,6 +247,8 @@ def _load(child: _Child, config: ServeLoadConfig, prompts: Sequence[Prompt], cha
     seconds = run_clients(client, config.clients)
     stop.set()
     sampler.join()
+    if not child.running:
+        raise UsageError(f"the server stopped during the run: {' | '.join(child.log[-3:]) or 'no message'}")
     warm = [mib for at, mib in rss if at >= _WARM_UP * seconds] or [child.rss_mib()]
     return {
         "rss_warm_mib": warm[0],
@@ -272,11 +282,11 @@ def _metric(exposition: str, name: str, **labels: str) -> float:
 def run_serve_load(config: ServeLoadConfig, progress: bool = True) -> dict:
     """Start the server, load it, read its metrics and memory, stop it; then the engine alone."""
     from verispec.api import Speculator
-    from verispec.bench.suite import _has_chat_template
+    from verispec.models.base import has_chat_template
 
     spec = Speculator(config.target, drafter=config.drafter.removesuffix(WARM), tokenizer=config.tokenizer,
                       precision=config.precision)  # fmt: skip
-    chat = _has_chat_template(spec.tokenizer)
+    chat = has_chat_template(spec.tokenizer)
     prompts = _load_prompts(config.prompts, spec, chat, config.max_tokens)
     child = _Child(config)
     try:

@@ -101,8 +101,8 @@ from verispec.drafting.tree import AUTO, TreeShape
 from verispec.errors import UsageError
 from verispec.files import atomic_write
 from verispec.grammar.constraint import Constraint
-from verispec.inputs import is_int
-from verispec.models.base import LanguageModel, Tokenizer
+from verispec.inputs import check_seed, is_int
+from verispec.models.base import LanguageModel, Tokenizer, has_chat_template
 from verispec.models.gguf import source_gguf
 from verispec.models.registry import gguf_file, model_dir
 from verispec.options import DEFAULT_MODEL, DEFAULT_PRECISION, GenerationOptions, SamplingParams, parse_k
@@ -306,6 +306,9 @@ class BenchConfig:
         positive("repetitions", self.repetitions)
         positive("prompts per task", self.prompts_per_task, optional=True)
         positive("threads", self.threads, optional=True)
+        check_seed(
+            self.seed, below=2**62
+        )  # each (repetition, prompt) draws with seed + 1000 · repetition + index
         if not self.ks:
             raise UsageError("give at least one K")
         object.__setattr__(self, "ks", tuple(dict.fromkeys(str(parse_k(k)) for k in self.ks)))
@@ -705,7 +708,7 @@ class Bench:
             )
         self.trees = {m.label: self._tree_speculator(m) for m in methods if m.name in TREE_METHODS}
         self.snapshots = CacheSnapshots()  # the warm caches of the shared-cache methods
-        self.chat = _has_chat_template(self.tokenizer)
+        self.chat = has_chat_template(self.tokenizer)
         self.prompt_ids = {
             (p.task, p.id): base.encode_prompt(p.for_model(self.chat), self.chat)
             for prompts in tasks.values()
@@ -1094,14 +1097,6 @@ def _validity(cell: _Cell) -> Validity | None:
         return None
     invalid = sum(cell.invalid.values())
     return {"checked": cell.checked, "valid": cell.checked - invalid, "invalid": sorted(cell.invalid)}
-
-
-def _has_chat_template(tokenizer) -> bool:
-    try:
-        tokenizer.chat_prompt("hi")
-    except ValueError:
-        return False
-    return True
 
 
 def _load_assistant(config: BenchConfig):

@@ -5,11 +5,12 @@ Each subcommand is a pair of functions: ``add_<name>_parser(subparsers)`` declar
 status. To add one, write the pair and call ``add_<name>_parser`` from :func:`build_parser`.
 
 Error contract: bad usage (unknown flag or subcommand, unparsable value) and any
-:class:`~verispec.errors.UsageError` raised while running (the library's validation convention) print
-exactly one line ``verispec: error: <message>`` on stderr and exit with status 2. Any other exception is a
-bug (ours or a library's): one line ``verispec: internal error: ...`` asking for a report, exit status 1,
-and its traceback with ``--debug``. Ctrl-C exits with 130 after one line; a closed output pipe
-(``verispec ... | head``) exits quietly with 141 (128 + SIGPIPE, as a process killed by it would).
+:class:`~verispec.errors.UsageError` raised while running (the library's validation convention) print exactly
+one line ``verispec: error: <message>`` on stderr and exit with status 2, as does running out of memory (a
+count or size beyond this machine: ``error: out of memory (...): ask for less``). Any other exception is a bug
+(ours or a library's): one line ``verispec: internal error: ...`` asking for a report, exit status 1, and its
+traceback with ``--debug``. Ctrl-C exits with 130 after one line; a closed output pipe (``verispec ... |
+head``) exits quietly with 141 (128 + SIGPIPE, as a process killed by it would).
 """
 
 from __future__ import annotations
@@ -95,6 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _report(f"error: {exc}", _USAGE_ERROR)
     except KeyboardInterrupt:
         return _report("interrupted", _INTERRUPTED)
+    except (MemoryError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and not _out_of_memory(exc):
+            return _internal(exc, args)
+        return _report(f"error: out of memory ({_first_line(exc)}): ask for less", _USAGE_ERROR)
     except BrokenPipeError:
         try:  # nothing more can be written: send what Python flushes at exit to /dev/null
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -102,8 +107,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         return _BROKEN_PIPE
     except Exception as exc:  # a bug, ours or a library's: never presented as the user's mistake
-        if args is not None and args.debug:
-            traceback.print_exc()
-        hint = "" if args is not None and args.debug else "; run again with --debug for the traceback"
-        message = f"internal error: {type(exc).__name__}: {exc} (please report it{hint})"
-        return _report(message, _INTERNAL_ERROR)
+        return _internal(exc, args)
+
+
+def _internal(exc: Exception, args: argparse.Namespace | None) -> int:
+    """An internal error (a bug to report) in one line; its traceback with --debug."""
+    if args is not None and args.debug:
+        traceback.print_exc()
+    hint = "" if args is not None and args.debug else "; run again with --debug for the traceback"
+    return _report(f"internal error: {type(exc).__name__}: {exc} (please report it{hint})", _INTERNAL_ERROR)
+
+
+def _out_of_memory(exc: RuntimeError) -> bool:
+    """Whether torch's allocator could not give the memory asked for (its RuntimeError on the CPU)."""
+    return "can't allocate memory" in str(exc) or "Storage size calculation overflowed" in str(exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

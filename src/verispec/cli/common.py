@@ -48,9 +48,26 @@ __all__ = [
 ]
 
 
+MAX_INTEGER = 2**63 - 1  # the largest integer an option takes (a seed's range: 64-bit, as torch's)
+
+
+def _integer(text: str) -> int:
+    """An integer option's value (``type=int``, see :class:`Parser`): ValueError for what is no integer
+    (argparse reports it "invalid int value"), ArgumentTypeError beyond what 64 bits hold."""
+    value = int(text)
+    if abs(value) > MAX_INTEGER:
+        raise argparse.ArgumentTypeError(f"{text} is out of range (at most 2**63 - 1 in size)")
+    return value
+
+
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser that raises UsageError instead of printing usage and exiting, so that :func:`main`
-    reports every error the same way (subparsers are created with this class too)."""
+    reports every error the same way (subparsers are created with this class too); its ``type=int`` options
+    take integers that 64 bits hold (beyond them, one line, never an overflow deep in a library)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("type", int, _integer)
 
     def error(self, message: str) -> NoReturn:
         """Raise the usage error for :func:`main` to report."""

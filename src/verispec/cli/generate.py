@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -287,9 +288,12 @@ def run_demo(args: argparse.Namespace) -> int:
     options = GenerationOptions(k=k, max_new_tokens=args.max_new_tokens, chat=True)  # greedy
     from verispec.api import Speculator  # loads transformers: once every argument is checked
     from verispec.drafting.learned.kinds import shipped_drafter
+    from verispec.models.base import has_chat_template
     from verispec.options import DEFAULT_MODEL
 
     plain = Speculator(args.target, drafter="none", tokenizer=args.tokenizer, precision=args.precision)
+    if not has_chat_template(plain.tokenizer):  # a llama2.c model: the prompt as it is
+        options = dataclasses.replace(options, chat=False)
     loaded = (plain.model, plain.tokenizer)  # shared: the target is loaded once
     label = args.target or DEFAULT_MODEL  # names the loaded target: auto finds the drafter shipped for it
     tree = AUTO if args.k is None else None  # the learned drafter's tree, unless a K is asked for

@@ -174,6 +174,15 @@ class Tokenizer(Protocol):
         ...
 
 
+def has_chat_template(tokenizer: Tokenizer) -> bool:
+    """Whether ``tokenizer`` wraps a message in a chat template (a llama2.c one never does)."""
+    try:
+        tokenizer.chat_prompt("hi")
+    except ValueError:  # UsageError: no template
+        return False
+    return True
+
+
 @runtime_checkable
 class SpelledTokenizer(Tokenizer, Protocol):
     """A tokenizer that spells each of its tokens in bytes: what drafting across tokenizers reads

@@ -21,6 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 
 from verispec.errors import UsageError
 from verispec.files import atomic_path, check_writable
+from verispec.inputs import check_seed
 from verispec.models.llama import LlamaConfig
 
 __all__ = ["RANDOM_NAME", "SHAPES", "TYPES", "GGUFShape", "parse_shape", "random_blocks", "write_random_gguf"]
@@ -137,6 +138,7 @@ def write_random_gguf(path: str | Path, shape: GGUFShape, type_name: str, seed: 
     """Write a random-weight Llama GGUF file of ``shape`` with every matrix in ``type_name`` (:data:`TYPES`;
     norms float32) to ``path``, atomically. UsageError (one line) for a bad argument, before writing."""
     path = Path(path)
+    check_seed(seed)
     if type_name not in TYPES:
         raise UsageError(f"tensor type must be one of {', '.join(TYPES)}, got {type_name!r}")
     c = shape.config()

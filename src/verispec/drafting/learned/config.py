@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from verispec.drafting.registry import DRAFTERS
 from verispec.errors import UsageError
+from verispec.inputs import check_seed
 
 __all__ = ["CE_TARGETS", "KINDS", "THROUGH_TARGET", "TrainConfig"]
 
@@ -69,8 +70,9 @@ class TrainConfig:
             "checkpoint_every",
         ):
             _check(name, getattr(self, name), int, 1)
-        for name in ("warmup", "unroll", "seed"):
+        for name in ("warmup", "unroll"):
             _check(name, getattr(self, name), int, 0)
+        check_seed(self.seed)
         for name, high in (("layers", MAX_LAYERS), ("heads", MAX_HEADS), ("lookahead", MAX_LOOKAHEAD)):
             _check(name, getattr(self, name), int, 1)
             if getattr(self, name) > high:

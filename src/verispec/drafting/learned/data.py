@@ -36,7 +36,7 @@ from verispec.drafting.learned.head import native_target
 from verispec.drafting.learned.prompts import FOLLOW_UPS, chat_prompts
 from verispec.errors import UsageError
 from verispec.files import atomic_path
-from verispec.inputs import is_int
+from verispec.inputs import check_seed, is_int
 from verispec.options import DEFAULT_PRECISION
 
 if TYPE_CHECKING:
@@ -71,9 +71,10 @@ class DataConfig:
     precision: str = DEFAULT_PRECISION
 
     def __post_init__(self) -> None:
-        for name in ("num_prompts", "max_new_tokens", "batch_size", "first_prompt", "turns", "seed"):
+        check_seed(self.seed, below=2**32)  # the answers' seeds are derived from it (seed · 100003 + ...)
+        for name in ("num_prompts", "max_new_tokens", "batch_size", "first_prompt", "turns"):
             value = getattr(self, name)
-            low = {"first_prompt": 0, "seed": 0}.get(name, 1)
+            low = {"first_prompt": 0}.get(name, 1)
             if not is_int(value) or value < low:
                 raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
         if not 0 < self.heldout_fraction < 1:
