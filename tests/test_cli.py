@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 
@@ -215,6 +216,23 @@ def test_integers_beyond_what_they_count_are_one_line(capsys, argv, message):
     command = ["serve"] if argv[0] == "--max-batch" else ["generate", "x", "--temperature", "1"]
     status, out, err = run(capsys, *command, *argv)
     assert status == 2 and out == "" and err == f"verispec: error: {message}\n"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_trace_that_cannot_be_written_is_refused_before_anything_runs(capsys, monkeypatch):
+    """/proc takes no new files, even for root (whom access() lets write anywhere): found out before a
+    model loads, not after the text was generated."""
+
+    def load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the trace's path was checked")
+
+    monkeypatch.setattr("verispec.resolve._load", load)
+    status, out, err = run(capsys, "generate", "x", "--trace", "/proc/verispec-trace.html")
+    assert (
+        status == 2
+        and out == ""
+        and err.startswith("verispec: error: cannot write /proc/verispec-trace.html")
+    )
 
 
 def test_running_out_of_memory_is_one_line_asking_for_less(capsys, monkeypatch):

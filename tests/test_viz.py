@@ -224,6 +224,10 @@ def test_viz_overlap_toy_command(tmp_path, capsys):
     assert out.splitlines()[0] == "alpha = sum min(p, q) = 0.700000"
     assert_picture(tmp_path / "o.png", 600, 500)
     assert (tmp_path / "o.svg").is_file()
+    inside = tmp_path / "pictures"  # a directory: the picture's files go in it
+    inside.mkdir()
+    assert run(capsys, "viz", "overlap", "--p", "0.5,0.5", "--q", "0.5,0.5", "--out", inside)[0] == 0
+    assert sorted(p.name for p in inside.iterdir()) == ["overlap.png", "overlap.svg"]
 
 
 @pytest.mark.parametrize(
@@ -240,6 +244,9 @@ def test_viz_overlap_toy_command(tmp_path, capsys):
         (["--p", "1", "--q", "1", "--out", "/nonexistent-verispec-dir/o.png"], "cannot write"),
         (["--p", "1", "--q", "1", "--out", "o.pdf"], "must end in .png or .svg"),
         (["--p", "1", "--q", "1", "--top", "0"], "top must be an integer >= 1"),
+        (["--p", "1", "--q", "1", "--temperature", "nan"], "temperature must be a number in"),
+        (["--p", "1", "--q", "1", "--top-p", "-1"], "top_p must be in (0, 1]"),
+        (["--p", "1", "--q", "1", "--temperature", "0.5"], "toy mode draws --p and --q as they are"),
     ],
 )
 def test_viz_overlap_bad_input(args, message, capsys, tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import contextlib
 import os
 import secrets
 import stat
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +36,11 @@ def check_writable(path: str | os.PathLike, suffix: str | None = None) -> Path:
         raise UsageError(f"cannot write {path}: no directory {parent}")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"cannot write {path}: directory {parent} is not writable")
+    try:  # what access() cannot tell: a file system that takes no files (/proc, even for root), a full one
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
     return path
 
 

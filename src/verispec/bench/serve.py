@@ -248,6 +248,8 @@ def _load(child: _Child, config: ServeLoadConfig, prompts: Sequence[Prompt], cha
     stop.set()
     sampler.join()
     if not child.running:
+        if child.process.returncode in (0, 130):  # it stopped as asked: Ctrl-C reached its process group too
+            raise KeyboardInterrupt
         raise UsageError(f"the server stopped during the run: {' | '.join(child.log[-3:]) or 'no message'}")
     warm = [mib for at, mib in rss if at >= _WARM_UP * seconds] or [child.rss_mib()]
     return {

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from verispec.analysis.simulate import SimulationConfig, simulate  # numpy: no torch
@@ -136,7 +137,8 @@ def add_viz_parser(subparsers: argparse._SubParsersAction) -> None:
         "--out",
         default="overlap.png",
         metavar="FILE",
-        help="FILE.png, FILE.svg or FILE: writes FILE.png and FILE.svg (default: overlap.png)",
+        help="FILE.png, FILE.svg or FILE: writes FILE.png and FILE.svg; a directory: overlap.png and "
+        "overlap.svg in it (default: overlap.png)",
     )
     add_threads_argument(overlap)
     overlap.set_defaults(func=run_viz_overlap)
@@ -151,7 +153,19 @@ def run_viz_overlap(args: argparse.Namespace) -> int:
     toy = args.p is not None or args.q is not None or args.labels is not None
     if toy == (args.prompt is not None):
         raise UsageError("give either --p and --q (toy distributions) or --prompt (a model's next token)")
+    if Path(args.out).is_dir():  # a directory: the picture's files inside it
+        args.out = str(Path(args.out) / "overlap")
     figure_paths(args.out)  # validate the output before any work
+    from verispec.options import SamplingParams
+
+    sampling = SamplingParams(
+        args.temperature, args.top_k, args.top_p, args.min_p
+    )  # validated in either mode
+    if toy and sampling != SamplingParams(temperature=1.0):
+        raise UsageError(
+            "toy mode draws --p and --q as they are: --temperature, --top-k, --top-p and --min-p transform a "
+            "model's logits (give --prompt)"
+        )
     if toy:
         if args.p is None or args.q is None:
             raise UsageError("toy mode needs both --p and --q")
