@@ -82,7 +82,7 @@ def output_text(stories, ids: list[int]) -> str:
 @pytest.mark.parametrize(
     ("kind", "text", "message"),
     [
-        ("regex", "[0-9", "invalid regex"),
+        ("regex", "[0-9", "regex parse error: unclosed character class"),
         ("json_schema", "{", "invalid JSON schema: not JSON"),
         ("json_schema", "[1]", "invalid JSON schema: not a JSON object"),
         ("json_schema", '{"type": "objectx"}', "invalid JSON schema"),

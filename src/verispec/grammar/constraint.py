@@ -108,4 +108,10 @@ class Constraint:
 
 
 def _first_line(message: str) -> str:
-    return next((line.strip() for line in message.splitlines() if line.strip()), "rejected")
+    """llguidance's message in one line: its first, and the reason a regex parser gives lines below it
+    ("error: unclosed character class") under a picture of where."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return "rejected"
+    why = next((line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")), "")
+    return f"{lines[0]} {why}" if why and why not in lines[0] else lines[0]

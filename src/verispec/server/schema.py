@@ -134,8 +134,8 @@ class _Request(BaseModel):
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # chat's newer name of max_tokens
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
     stop: str | list[str] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     n: int = 1
@@ -143,7 +143,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     # verispec's own
     top_k: Annotated[int, Field(ge=0)] = 0
-    min_p: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    min_p: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = 0.0
     drafter: str | None = None
     k: Annotated[int, Field(ge=0)] | str | None = None
     invariant: bool | None = None  # None: invariant draws exactly when a seed is given
@@ -201,7 +201,9 @@ class CompletionRequest(_Request):
     @field_validator("prompt")
     @classmethod
     def _single(cls, prompt: str | list[str] | list[int] | list[list[int]]) -> object:
-        if isinstance(prompt, list) and (not prompt or not isinstance(prompt[0], int)) and len(prompt) != 1:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("the prompt is empty")
+        if isinstance(prompt, list) and not isinstance(prompt[0], int) and len(prompt) != 1:
             raise ValueError("one prompt per request (n = 1, no batches of prompts)")
         return prompt
 
@@ -281,22 +283,35 @@ def parse_request(kind: type[_Request], body: Any) -> _Request:
             raise ApiError(
                 400, f"{where}: should be {', '.join(kinds[:-1])} or {kinds[-1]}", param=where
             ) from None
-        where = ".".join(str(part) for part in loc) or "body"
+        same = [
+            e for e in errors if e["loc"][:1] == loc[:1]
+        ]  # the first field's, a union's branches among them
+        first = next((e for e in same if not e["type"].endswith("_type")), first)  # the type the value fits
+        where = ".".join(str(part) for part in first["loc"] if not _is_type_name(part)) or "body"
         message = str(first["msg"]).removeprefix("Value error, ")
         raise ApiError(400, f"{where}: {message}", param=where) from None
 
 
 def _union_branches(errors: list[Any]) -> tuple[str, list[str]] | None:
     """Where the first error's value fits none of a union's types (pydantic's error per type, each located by
-    the type's name after the field's): (the field's location, the types' names); None for another error."""
+    the type's name after the field's, each a type mismatch: "..._type"): (the field's location, the types'
+    names); None for another error."""
     loc = errors[0]["loc"]
     for i in range(1, len(loc)):
         kinds = list(
             dict.fromkeys(e["loc"][i] for e in errors if e["loc"][:i] == loc[:i] and len(e["loc"]) > i)
         )
-        if len(kinds) > 1 and all(isinstance(k, str) and ("[" in k or k in _TYPE_NAMES) for k in kinds):
-            return ".".join(str(part) for part in loc[:i]), kinds
+        if len(kinds) > 1 and all(_is_type_name(k) for k in kinds):
+            if any(not e["type"].endswith("_type") for e in errors):  # it fits a type, not its constraint
+                return None
+            return ".".join(str(part) for part in loc[:i]), [k.removeprefix("constrained-") for k in kinds]
     return None
+
+
+def _is_type_name(part: object) -> bool:
+    """Whether a part of pydantic's error location names one type of a union ("str", "list[int]",
+    "constrained-int"), not a field (whose names have no brackets and no hyphens)."""
+    return isinstance(part, str) and ("[" in part or "-" in part or part in _TYPE_NAMES)
 
 
 _TYPE_NAMES = frozenset(("str", "int", "float", "bool", "none"))  # how pydantic names a union's simple types
