@@ -239,16 +239,20 @@ def test_cached_per_identity_and_reused(stories, measured):
     assert drafter_identity(NGramDrafter(2)) != drafter_identity(NGramDrafter(3))
 
 
-def test_force_measures_again_and_drops_other_drafters(stories, measured):
+def test_force_measures_again_and_keeps_other_drafters(stories, measured):
+    """--recalibrate with one drafter measures the target and that drafter again; another drafter's entry
+    stays (its costs are ratios to the T(1) timed beside it), and its cost model is what it was."""
     model, _ = stories
     calibrate(model, NGramDrafter(), repetitions=2)
-    calibrate(model, _model_drafter(model, 2), repetitions=2)
+    early = calibrate(model, _model_drafter(model, 2), repetitions=2)
     calibrate(model, NGramDrafter(), repetitions=2, force=True)
     assert measured == {"target": 2, "draft": 3}
     path = next(calibration_dir().glob("*.json"))
-    assert len(json.loads(path.read_text())["drafts"]) == 1  # the early exit is measured again when needed
-    calibrate(model, _model_drafter(model, 2), repetitions=2)
-    assert measured == {"target": 2, "draft": 4}
+    assert len(json.loads(path.read_text())["drafts"]) == 2
+    again = calibrate(model, _model_drafter(model, 2), repetitions=2)
+    assert measured == {"target": 2, "draft": 3}  # read from the cache
+    assert again.cost_model.cost_ratio == early.cost_model.cost_ratio
+    assert again.cost_model.fixed_cost == pytest.approx(early.cost_model.fixed_cost)
 
 
 @pytest.mark.parametrize(

@@ -169,6 +169,8 @@ def test_help_and_usage_errors_import_no_torch():
         (["--drafter", "none", "--tree-width", "2", "--tree-depth", "2"], "token trees need the"),
         (["--drafter", "ngram", "--tree-width", "2", "--tree-depth", "2", "--tree-nodes", "3"], "dynamic"),
         (["--k", "3", "--tree-width", "2", "--tree-depth", "2"], "--k is not used with a token tree"),
+        (["--target", ""], "--target is empty"),  # not the default model
+        (["--draft", " "], "--draft is empty"),
     ],
 )
 def test_tree_mistakes_are_refused_before_a_model_loads(capsys, monkeypatch, argv, fragment):

@@ -374,8 +374,9 @@ def calibrate(
     force: bool = False,
 ) -> Calibration:
     """The costs of ``target`` (and ``drafter``, if given) on this machine: from the cache, or measured with
-    ``repetitions`` timed repetitions and cached. ``force``: measure them again, and drop the entries of other
-    drafters (measured again when next needed). The labels name the models in the cache file and notices."""
+    ``repetitions`` timed repetitions and cached. ``force``: measure them again; other drafters' entries stay
+    (their costs are ratios to the T(1) timed beside them, whatever the target's timings say). The labels
+    name the models in the cache file and notices."""
     if not is_int(repetitions) or repetitions < 1:
         raise UsageError(f"repetitions must be an integer >= 1, got {repetitions!r}")
     target_label = target_label or type(target).__name__
@@ -385,7 +386,11 @@ def calibrate(
     steady = True  # whether what it returns may be cached
     if entry is None or force:
         _notice(f"calibrating {target_label} on this machine ({repetitions} repetitions), cached in {path}")
-        entry = {"version": _VERSION, "identity": identity, "drafts": {}}
+        entry = {
+            "version": _VERSION,
+            "identity": identity,
+            "drafts": {} if entry is None else entry["drafts"],
+        }
         with THREADS.held():
             costs, steady = _steady(lambda: _measure_target(target, target_label, repetitions), target_label)
         entry["target"] = dataclasses.asdict(costs)

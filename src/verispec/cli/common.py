@@ -40,6 +40,7 @@ __all__ = [
     "no_draft_model",
     "option_fields",
     "parse_precision",
+    "refuse_empty_specs",
     "sampling_of",
     "show_results",
     "suffix_fields",
@@ -136,6 +137,18 @@ def add_model_specs(parser: argparse.ArgumentParser) -> None:
         "own; "
         "auto (default): the checkpoint's own format where the kernels run it, else fp16, else fp32",
     )
+
+
+_SPECS = ("target", "draft", "tokenizer", "draft_tokenizer")  # flags naming a model or a file
+
+
+def refuse_empty_specs(args: argparse.Namespace) -> None:
+    """UsageError for a model or file flag given as empty text (``--target ""`` would silently mean the
+    default model)."""
+    for name in _SPECS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and not value.strip():
+            raise UsageError(f"--{name.replace('_', '-')} is empty: name a model or a file (or leave it out)")
 
 
 def parse_precision(value: str) -> str:
