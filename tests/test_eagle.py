@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -368,7 +369,8 @@ def test_resume_continues_exactly(target, dataset, tmp_path, monkeypatch):
     one_line_error(lambda: train_drafter(target, dataset, tmp_path / "cut", config), "already holds")
     changed = TrainConfig(**{**config.__dict__, "lr": 5e-3})
     one_line_error(
-        lambda: train_drafter(target, dataset, tmp_path / "cut", changed, resume=True), "settings lr differ"
+        lambda: train_drafter(target, dataset, tmp_path / "cut", changed, resume=True),
+        re.escape(f"its settings differ (lr {config.lr!r} there, 0.005 now)"),
     )
     resumed = train_drafter(target, dataset, tmp_path / "cut", config, resume=True, progress=False)
     a, b = load_file(str(whole)), load_file(str(resumed))

@@ -740,7 +740,8 @@ def _resume(run: _Run, checkpoint_path: Path) -> None:
     saved = {**dataclasses.asdict(TrainConfig()), **state["settings"]}  # newer settings: their defaults
     changed = [k for k in settings if saved[k] != settings[k]]
     if changed:
-        raise UsageError(f"cannot resume the run in {run.out_dir}: settings {', '.join(changed)} differ")
+        differences = ", ".join(f"{k} {saved[k]!r} there, {settings[k]!r} now" for k in changed)
+        raise UsageError(f"cannot resume the run in {run.out_dir}: its settings differ ({differences})")
     if state["target_fingerprint"] != run.fingerprint:
         raise UsageError(f"cannot resume the run in {run.out_dir}: it was made for another target")
     if not torch.equal(state["draft_vocab"], run.draft_vocab):
