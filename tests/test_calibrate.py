@@ -369,11 +369,13 @@ def test_a_calibration_whose_t1_drifts_is_measured_again_or_not_cached(
     calibration = calibrate(model, repetitions=2)
     err = capsys.readouterr().err
     assert calibration.target.verify_cost == pytest.approx([1 + 0.1 * k for k in range(K_MAX)])
+    again = [line for line in err.splitlines() if "measuring again" in line]  # each redo says why it waits
+    assert again and all("moved 3.0x while measuring" in line for line in again)
     if steadies:
         assert measured["target"] == 2 and calibration.path.is_file() and "disagree" not in err
-        assert calibration.cached
+        assert calibration.cached and len(again) == 1
     else:
         assert measured["target"] == 1 + calibration_module.REDOS and not calibration.path.exists()
-        assert not calibration.cached
+        assert not calibration.cached and len(again) == calibration_module.REDOS
         (line,) = [line for line in err.splitlines() if "disagree" in line]
         assert "moved more than 2.0x" in line and "not cached" in line

@@ -421,10 +421,12 @@ def _steady(measure: Callable[[], tuple[_Costs, float]], label: str) -> tuple[_C
     """``measure()`` (a result and how far T(1) drifted while it ran, :func:`_drift`), taken again up to
     REDOS times while the drift exceeds DRIFT; the last result, and whether it may be cached (else a notice
     says why not)."""
-    for _ in range(REDOS + 1):
+    for attempt in range(REDOS + 1):
         result, drift = measure()
         if drift <= DRIFT:
             return result, True
+        if attempt < REDOS:  # what a wait of minutes on a busy machine is for
+            _notice(f"{label}: T(1) moved {drift:.1f}x while measuring (a busy machine?): measuring again")
     _notice(
         f"{label}'s timings disagree: T(1) moved more than {DRIFT}x within each of {REDOS + 1} measurements "
         f"(the last: {drift:.1f}x; a busy machine?); used for this run only, not cached"
