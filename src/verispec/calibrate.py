@@ -241,8 +241,9 @@ class Calibration:
     def _costs(self, seconds: tuple[float, ...]) -> CostModel:
         """The cost model of target forwards taking ``seconds`` (T(k), k = 1..): every cost over T(1)."""
         one = seconds[0]
-        slower = self.target.seconds[0] / one  # 1 at the short context; below 1 where forwards cost more
-        per_token, catch_up, fixed = (x * slower for x in self._draft_ratios())
+        # the short context's T(1) over this one's: the drafter's seconds weigh less where forwards cost more
+        relative = self.target.seconds[0] / one
+        per_token, catch_up, fixed = (x * relative for x in self._draft_ratios())
         return CostModel(per_token, tuple(s / one for s in seconds), catch_up, fixed)
 
     def _draft_ratios(self) -> tuple[float, float, float]:

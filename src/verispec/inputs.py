@@ -24,8 +24,8 @@ def is_int(value: object, *, integral: bool = False) -> TypeGuard[int]:
 
 
 def check_seed(value: object, name: str = "seed", below: int = 2**63) -> None:
-    """UsageError unless ``value`` is a seed: an integer in [0, ``below``), a power of two (2**63: what torch
-    and NumPy take; less where a seed is offset by others derived from it)."""
+    """UsageError unless ``value`` is a seed: an integer in [0, ``below``); ``below`` a power of two, 2**63
+    (what torch and NumPy take) or less where seeds derived from it are offset above it."""
     if not is_int(value) or not 0 <= value < below:
         raise UsageError(f"{name} must be an integer in [0, 2**{below.bit_length() - 1}), got {value!r}")
 

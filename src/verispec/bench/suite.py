@@ -306,9 +306,8 @@ class BenchConfig:
         positive("repetitions", self.repetitions)
         positive("prompts per task", self.prompts_per_task, optional=True)
         positive("threads", self.threads, optional=True)
-        check_seed(
-            self.seed, below=2**62
-        )  # each (repetition, prompt) draws with seed + 1000 · repetition + index
+        # each (repetition, prompt) draws with seed + 1000 · repetition + index: room above the seed
+        check_seed(self.seed, below=2**62)
         if not self.ks:
             raise UsageError("give at least one K")
         object.__setattr__(self, "ks", tuple(dict.fromkeys(str(parse_k(k)) for k in self.ks)))

@@ -158,9 +158,8 @@ def run_viz_overlap(args: argparse.Namespace) -> int:
     figure_paths(args.out)  # validate the output before any work
     from verispec.options import SamplingParams
 
-    sampling = SamplingParams(
-        args.temperature, args.top_k, args.top_p, args.min_p
-    )  # validated in either mode
+    # validated in either mode
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
     if toy and sampling != SamplingParams(temperature=1.0):
         raise UsageError(
             "toy mode draws --p and --q as they are: --temperature, --top-k, --top-p and --min-p transform a "
