@@ -50,7 +50,8 @@ def test_spec_errors(tmp_path, cache):
     one_line_error("./missing-dir", "no such file or directory: ./missing-dir")
     one_line_error(tmp_path / "missing.bin", "no such file: .*missing.bin")
     one_line_error(
-        tmp_path / "stories.bin", r"llama2.c checkpoint: pass tokenizer= its tokenizer file \(tok\*.bin\)"
+        tmp_path / "stories.bin",
+        r"llama2.c checkpoint: give its tokenizer file \(tok\*.bin: --tokenizer, or tokenizer=\)",
     )
     one_line_error(tmp_path / "stories.bin", ".*tok512.bin", tokenizer=tmp_path / "tok512.bin")
     one_line_error(tmp_path / "notes.txt", "unsupported model file .*notes.txt")
