@@ -508,6 +508,8 @@ def test_cli_drafter_data_merge(built, tmp_path, capsys):
         (["--turns", "2"], "several turns need target-written questions"),
         (["--questions", "target", "--turns", "0"], "turns must be"),
         (["--questions", "target", "--first-prompt", "3"], "change the seed"),
+        (["--target", "stories260K.bin"], "a llama2.c checkpoint has no chat template"),
+        (["--seed", "-1"], "seed must be an integer in [0, 2**32)"),
     ],
 )
 def test_cli_drafter_data_bad_input(built, tmp_path, capsys, extra, message):

@@ -179,6 +179,8 @@ def run_drafter_data(args: argparse.Namespace) -> int:
         turns=args.turns,
         precision=args.precision,
     )
+    if args.target.endswith(".bin"):  # the registry's llama2.c rule
+        raise UsageError("drafter-data answers chat prompts: a llama2.c checkpoint has no chat template")
     if (args.follow_ups is None) != (args.source is None):
         raise UsageError("--follow-ups N and --from DIR go together")
     if args.merge is not None and args.source is not None:
