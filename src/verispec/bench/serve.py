@@ -93,7 +93,9 @@ class _Child:
                 "--max-queue", str(config.clients)]  # fmt: skip
         if config.tokenizer:
             argv += ["--tokenizer", config.tokenizer]
-        self.process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+        # a session of its own: a Ctrl-C at the terminal interrupts this process, which stops the server
+        # (stop), instead of stopping the server under the clients' feet
+        self.process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.log: list[str] = []
         self.host, self.port = self._wait_listening()
         self.name = json.loads(self.get("/health"))["model"]
@@ -248,8 +250,6 @@ def _load(child: _Child, config: ServeLoadConfig, prompts: Sequence[Prompt], cha
     stop.set()
     sampler.join()
     if not child.running:
-        if child.process.returncode in (0, 130):  # it stopped as asked: Ctrl-C reached its process group too
-            raise KeyboardInterrupt
         raise UsageError(f"the server stopped during the run: {' | '.join(child.log[-3:]) or 'no message'}")
     warm = [mib for at, mib in rss if at >= _WARM_UP * seconds] or [child.rss_mib()]
     return {
