@@ -1,7 +1,11 @@
 """The GGUF header reader (:mod:`verispec.models.gguf_file`) against ``gguf``'s own GGUFReader: the same
-metadata of every value type, the same tensors and bytes; files cut short or foreign refused."""
+metadata of every value type, the same tensors and bytes; files cut short or foreign refused, and hostile
+headers (dimensions, sizes, counts beyond the file) in one line before anything is made of them."""
 
 from __future__ import annotations
+
+import struct
+import tracemalloc
 
 import gguf
 import numpy as np
@@ -77,3 +81,95 @@ def test_cut_short_or_foreign_files_are_one_line_errors(tmp_path):
         with pytest.raises(ValueError, match=message) as err:
             GGUFFile(broken)
         assert "\n" not in str(err.value), name
+
+
+def hostile(tmp_path, name: str, patch) -> str:
+    """A GGUF file of a 4 MB tensor ``big`` (random bytes: a reader that takes them for dimensions makes a
+    Python integer of each 8) and a small one, its header patched by ``patch(data, at)``: ``at`` is where
+    ``big``'s number of dimensions lies in the tensor table (its dimensions, type and offset follow)."""
+    writer = gguf.GGUFWriter(str(tmp_path / "source.gguf"), "llama")
+    writer.add_array("t.ints", [1, 2, 3])
+    writer.add_tensor(
+        "big", np.random.default_rng(0).integers(1, 2**31, 2**20, dtype=np.int32).view(np.float32)
+    )
+    writer.add_tensor("small", np.ones(8, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = bytearray((tmp_path / "source.gguf").read_bytes())
+    entry = struct.pack("<Q", 3) + b"big"
+    patch(data, data.index(entry) + len(entry))
+    path = tmp_path / f"{name}.gguf"
+    path.write_bytes(data)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "name, patch, message",
+    [
+        (
+            "2^31 dims",
+            lambda d, at: struct.pack_into("<I", d, at, 2**31),
+            "tensor big has 2147483648 dimensions",
+        ),
+        (
+            "0 dims",
+            lambda d, at: struct.pack_into("<I", d, at, 0),
+            r"tensor big has 0 dimensions \(GGUF: 1 to 4\)",
+        ),
+        (
+            "5 dims",
+            lambda d, at: struct.pack_into("<I", d, at, 5),
+            r"tensor big has 5 dimensions \(GGUF: 1 to 4\)",
+        ),
+        (
+            "a 0 dim",
+            lambda d, at: struct.pack_into("<Q", d, at + 4, 0),
+            r"tensor big has a dimension of 0: \[0\]",
+        ),
+        (
+            "2^62 values",
+            lambda d, at: struct.pack_into("<Q", d, at + 4, 2**62),
+            rf"tensor big of \[{2**62}\] F32 takes {2**64} bytes, more than the \d+-byte file",
+        ),
+        (
+            "2^40 tensors",
+            lambda d, at: struct.pack_into("<Q", d, 8, 2**40),
+            rf"cut short or corrupt: {2**40} tensors, more than its \d+ bytes left hold",
+        ),
+        (
+            "2^40 items",
+            lambda d, at: struct.pack_into("<Q", d, d.index(b"t.ints") + 6 + 4 + 4, 2**40),
+            rf"cut short or corrupt: {2**40} items in metadata t.ints, more than its \d+ bytes left hold",
+        ),
+    ],
+)
+def test_a_hostile_header_is_refused_naming_what_is_wrong_before_any_allocation(
+    tmp_path, name, patch, message
+):
+    """Issue 52's D7: a tensor claiming 2^31 dimensions had its "dimensions" read to the end of the file (1.1
+    GB of memory for a 98 MB file) before a misleading "cut short"; 0 or 5 dimensions read as another type.
+    Each claim is checked against the file before anything is made of it: one line naming the tensor (or the
+    count) and what is wrong, in no more memory than the header itself takes."""
+    path = hostile(tmp_path, name, patch)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=message) as err:
+            GGUFFile(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "\n" not in str(err.value)
+    assert peak < 2**20  # the old reader: 20 MB of "dimensions" from this 4 MB file
+
+
+@pytest.mark.parametrize("alignment", [0, 48])
+def test_an_alignment_that_is_no_power_of_two_is_refused(tmp_path, alignment):
+    path = write(tmp_path / "all.gguf", 64)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"general.alignment") + len("general.alignment") + 4  # after the key and its type
+    struct.pack_into("<I", data, at, alignment)
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=f"general.alignment is {alignment}, not a power of two"):
+        GGUFFile(path)  # 0: a division by zero before
