@@ -253,7 +253,7 @@ class Speculator:
 
     def calibration(self, *, force: bool = False, repetitions: int = QUICK_REPETITIONS) -> Calibration:
         """The costs of this target and drafter on this machine (:mod:`verispec.calibrate`): read from the
-        cache, or measured (seconds) and cached on first use; ``force`` measures them again."""
+        cache, or probed (seconds, once) and cached on first use; ``force`` measures them again in full."""
         if self._calibration is None or force:
             drafter = self._chain_drafter(SamplingParams(temperature=0))
             parts = drafter if isinstance(drafter, LookupFirstDrafter) else None

@@ -27,13 +27,23 @@ needs, for one target and one drafter on this machine:
   :data:`FILLS` first proposals after ``begin`` (a whole context unread) less the steady proposal's time, per
   position, over T(1). Nothing for a drafter that keeps no state of the context.
 
-Every measurement checks that the machine held still while it ran: the T(1)s timed beside its timings, in up
-to four consecutive parts, must agree within a factor :data:`DRIFT` (the lower median of each part, so that a
-single slow forward does not count). A measurement whose T(1) drifted more (a busy spell that began or ended
-during it) is taken again, up to :data:`REDOS` times; if it still drifts, it is used for this run only and
-not cached, which one line on stderr says. ``--k auto`` takes any calibration as a prior and corrects it by
-the rounds' own timings as it runs (:mod:`verispec.online_costs`): a cached calibration is checked against
-those, not by timing it again at load.
+A first use (``--k auto``, ``tree="auto"``'s check, auto's choice of the learned drafter) does not wait for
+all of that: it *probes*, once, in seconds even on a busy machine. A probe times the target after
+:data:`PROBE_CONTEXT` positions at the block sizes :data:`PROBE_KS` only (v(k) linear between them), one
+untimed pass and then timed passes begun within :data:`PROBE_SECONDS` (one at least, ``repetitions`` at most);
+its batch grid is predicted, not timed (b rows of m tokens as one row of b·m tokens: rows share the weights'
+reads, and each reads its own short cache), and nothing is timed at the long context (the costs do not grow
+with the context). A drafter is probed likewise within :data:`PROBE_DRAFT_SECONDS`. The probe is cached
+(``probe: true``) like a full calibration and used from then on: ``--k auto`` takes any calibration as a prior
+and corrects it by the rounds' own timings from the first rounds on (:mod:`verispec.online_costs`), which is
+what makes a rough prior good enough. ``verispec calibrate`` (``force``) measures in full and replaces it.
+
+Every measurement says how far the machine moved while it ran: the T(1)s timed beside its timings, in up to
+four consecutive parts, each part's lower median (so that a single slow forward does not count), the largest
+over the smallest (``drift``). A measurement that drifted more than :data:`DRIFT` (a busy spell began or ended
+during it) is cached all the same, its drift recorded, with one line on stderr: it is never measured again on
+every run (the online correction is what follows a busy machine); ``verispec calibrate`` on a quiet machine
+measures it again. A cached calibration is not timed again at load.
 
 The cache holds one JSON file per target in ``$VERISPEC_CACHE/calibration`` (by default
 ``~/.cache/verispec/calibration``), named by a hash of its identity: the model's class and architecture config
@@ -55,11 +65,12 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
+import numpy as np
 import torch
 
 from verispec.analysis.analytic import BatchCost, CostModel
@@ -87,8 +98,11 @@ __all__ = [
     "DRIFT",
     "FILLS",
     "K_MAX",
+    "PROBE_CONTEXT",
+    "PROBE_DRAFT_SECONDS",
+    "PROBE_KS",
+    "PROBE_SECONDS",
     "QUICK_REPETITIONS",
-    "REDOS",
     "ROW_TOKENS",
     "Calibration",
     "DraftCosts",
@@ -107,9 +121,12 @@ DRAFT_K = 4  # tokens per timed proposal
 FILLS = 3  # first proposals after begin timed, for the drafter's catch-up
 BATCH_ROWS = (1, 2, 4, 8, 16)  # the batch grid: rows of one forward ...
 ROW_TOKENS = (1, 2, 4)  # ... times new tokens in each row
-QUICK_REPETITIONS = 5  # what a first use of ``--k auto`` measures with; ``verispec calibrate`` defaults to 10
-DRIFT = 2.0  # the most T(1) may move between the parts of one measurement (a factor) for it to be cached
-REDOS = 2  # measurements taken again while their T(1) drifts more; then used for this run only
+QUICK_REPETITIONS = 5  # a probe's timed passes at most; ``verispec calibrate`` measures 10 in full
+PROBE_SECONDS = 2.0  # a probe of a target begins its timed passes within this many seconds (the first always)
+PROBE_DRAFT_SECONDS = 1.0  # and a probe of a drafter
+PROBE_CONTEXT = 64  # positions in the cache while probing (a prefill of 256 takes seconds on a busy machine)
+PROBE_KS = (1, 2, 4, 8, K_MAX)  # the block sizes a probe times; v(k) linear between them
+DRIFT = 2.0  # T(1) moving more than this factor within a measurement is said on stderr (a busy machine)
 _VERSION = 6  # of the cache file format
 _TINY = 1e-9  # seconds: the least a draft token costs (a lookup's proposal hardly grows with its length)
 # part of the key: how it was measured
@@ -123,7 +140,6 @@ _METHOD = {
     "row_tokens": ROW_TOKENS,
 }
 Grid = tuple[tuple[float, ...], ...]  # [len(BATCH_ROWS)][len(ROW_TOKENS)] seconds
-_Costs = TypeVar("_Costs")  # what a measurement gives: TargetCosts or DraftCosts
 _HF_VERSION = "transformers_version"
 
 
@@ -140,8 +156,11 @@ class TargetCosts:
     long_context: int = 0
     batch_seconds: Grid = ()  # T_target(b rows × m tokens) over BATCH_ROWS × ROW_TOKENS at `context`
     long_batch_seconds: Grid = ()  # the same at `long_context` (empty: not measured)
+    probe: bool = False  # a first use's probe (PROBE_KS timed, the grid predicted), not a full measurement
+    drift: float = 1.0  # how far T(1) moved while measuring (_drift)
 
     def __post_init__(self) -> None:
+        _check_how(self.probe, self.drift)
         for timings in (self.seconds, self.long_seconds or self.seconds):
             if len(timings) < 2 or not all(_positive(s) for s in timings):
                 raise UsageError(f"target timings must be at least two numbers > 0, got {timings!r}")
@@ -200,8 +219,11 @@ class DraftCosts:
     measured_at: str
     catch_up_seconds: float = 0.0  # per committed position the drafter had not read (>= 0)
     fixed_seconds: float = 0.0  # per proposal, besides its tokens' T_draft each (>= 0)
+    probe: bool = False  # a first use's probe, not a full measurement
+    drift: float = 1.0  # how far T(1) moved while measuring (_drift)
 
     def __post_init__(self) -> None:
+        _check_how(self.probe, self.drift)
         if not (_positive(self.cost_ratio) and _positive(self.seconds_per_token)):
             raise UsageError(
                 f"draft costs must be numbers > 0, got {self.cost_ratio!r}, {self.seconds_per_token!r}"
@@ -211,15 +233,21 @@ class DraftCosts:
                 raise UsageError(f"a drafter's {what} must be a number >= 0, got {x!r}")
 
 
+def _check_how(probe: object, drift: object) -> None:
+    """UsageError unless ``probe`` is a bool and ``drift`` a number >= 1 (how a measurement went)."""
+    if not isinstance(probe, bool):
+        raise UsageError(f"probe must be true or false, got {probe!r}")
+    if not (_positive(drift) and drift >= 1):  # type: ignore[operator]
+        raise UsageError(f"a measurement's drift must be a number >= 1, got {drift!r}")
+
+
 @dataclass(frozen=True)
 class Calibration:
-    """The costs of a target and (optionally) a drafter, and where they are cached (``cached``: False when
-    they disagreed and were measured for this run only)."""
+    """The costs of a target and (optionally) a drafter, and where they are cached."""
 
     target: TargetCosts
     draft: DraftCosts | None
     path: Path
-    cached: bool = True
 
     @property
     def cost_ratio(self) -> float:
@@ -269,7 +297,6 @@ class Calibration:
     def to_dict(self) -> dict:
         return {
             "path": str(self.path),
-            "cached": self.cached,
             "target": dataclasses.asdict(self.target),
             "draft": dataclasses.asdict(self.draft) if self.draft else None,
             "verify_cost": list(self.target.verify_cost),
@@ -374,9 +401,10 @@ def calibrate(
     repetitions: int = QUICK_REPETITIONS,
     force: bool = False,
 ) -> Calibration:
-    """The costs of ``target`` (and ``drafter``, if given) on this machine: from the cache, or measured with
-    ``repetitions`` timed repetitions and cached. ``force``: measure them again; other drafters' entries stay
-    (their costs are ratios to the T(1) timed beside them, whatever the target's timings say). The labels
+    """The costs of ``target`` (and ``drafter``, if given) on this machine: from the cache, or else probed
+    (seconds: at most ``repetitions`` timed passes, see the module) and cached. ``force``: measured in full,
+    with ``repetitions`` timed repetitions, and cached in place of what was there; other drafters' entries
+    stay (their costs are ratios to the T(1) timed beside them, whatever the target's timings say). The labels
     name the models in the cache file and notices."""
     if not is_int(repetitions) or repetitions < 1:
         raise UsageError(f"repetitions must be an integer >= 1, got {repetitions!r}")
@@ -384,19 +412,19 @@ def calibrate(
     identity = {"model": model_identity(target), "machine": _machine_identity(), "method": _METHOD}
     path = calibration_dir() / f"{_digest(identity)}.json"
     entry = _read(path, identity)
-    steady = True  # whether what it returns may be cached
+    probe = not force
     if entry is None or force:
-        _notice(f"calibrating {target_label} on this machine ({repetitions} repetitions), cached in {path}")
+        what = f"{target_label} on this machine ({repetitions} repetitions), cached in {path}"
+        _begin(probe, what, target_label, path)
         entry = {
             "version": _VERSION,
             "identity": identity,
             "drafts": {} if entry is None else entry["drafts"],
         }
         with THREADS.held():
-            costs, steady = _steady(lambda: _measure_target(target, target_label, repetitions), target_label)
+            costs = _measure_target(target, target_label, repetitions, probe)
         entry["target"] = dataclasses.asdict(costs)
-        if steady:
-            _write(path, entry)
+        _write(path, entry)
     draft = None
     if drafter is not None:
         draft_identity = drafter_identity(drafter)
@@ -404,35 +432,44 @@ def calibrate(
         cached = entry["drafts"].get(key)
         if cached is None or force:
             draft_label = draft_label or drafter.name
-            _notice(f"calibrating the {draft_label} drafter against {target_label}")
+            _begin(probe, f"the {draft_label} drafter against {target_label}", target_label, path)
             with THREADS.held():
-                measured, kept = _steady(
-                    lambda: _measure_drafter(drafter, target, draft_label, repetitions), draft_label
-                )
+                measured = _measure_drafter(drafter, target, draft_label, repetitions, probe)
             cached = {"identity": draft_identity, **dataclasses.asdict(measured)}
-            if steady and kept:
-                entry["drafts"][key] = cached
-                _write(path, entry)
-            steady = steady and kept
+            entry["drafts"][key] = cached
+            _write(path, entry)
         draft = _draft_costs(cached)
-    return Calibration(_target_costs(entry), draft, path, steady)
+    return Calibration(_target_costs(entry), draft, path)
 
 
-def _steady(measure: Callable[[], tuple[_Costs, float]], label: str) -> tuple[_Costs, bool]:
-    """``measure()`` (a result and how far T(1) drifted while it ran, :func:`_drift`), taken again up to
-    REDOS times while the drift exceeds DRIFT; the last result, and whether it may be cached (else a notice
-    says why not)."""
-    for attempt in range(REDOS + 1):
-        result, drift = measure()
-        if drift <= DRIFT:
-            return result, True
-        if attempt < REDOS:  # what a wait of minutes on a busy machine is for
-            _notice(f"{label}: T(1) moved {drift:.1f}x while measuring (a busy machine?): measuring again")
-    _notice(
-        f"{label}'s timings disagree: T(1) moved more than {DRIFT}x within each of {REDOS + 1} measurements "
-        f"(the last: {drift:.1f}x; a busy machine?); used for this run only, not cached"
-    )
-    return result, False
+class _Announced:
+    """Whether this process said that it probes (one line, the first time)."""
+
+    said = False
+
+
+def _begin(probe: bool, what: str, target_label: str, path: Path) -> None:
+    """Say what is measured: a full calibration each time ("calibrating WHAT"), a probe once a process (how
+    long, where it is kept, how to skip it)."""
+    if not probe:
+        _notice(f"calibrating {what}")
+    elif not _Announced.said:
+        _Announced.said = True
+        _notice(
+            f"timing {target_label} on this machine for --k auto, once: a few seconds (cached in "
+            f"{path.parent}; --k N skips it, `verispec calibrate` measures in full)"
+        )
+
+
+def _drifted(label: str, drift: float) -> None:
+    """Say on stderr that a measurement's T(1) moved more than DRIFT while it ran (it is kept all the
+    same)."""
+    if drift > DRIFT:
+        _notice(
+            f"{label}: T(1) moved {drift:.1f}x while timing (a busy machine?): kept all the same and "
+            "corrected by the rounds' own timings as it runs; `verispec calibrate` on a quiet machine "
+            "measures it again"
+        )
 
 
 def _drift(ones: Sequence[float]) -> float:
@@ -445,6 +482,19 @@ def _drift(ones: Sequence[float]) -> float:
     bounds = [round(i * len(ones) / parts) for i in range(parts + 1)]
     medians = [statistics.median_low(ones[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
     return max(medians) / min(medians)
+
+
+class _Budget:
+    """How long a measurement goes on: each loop of passes begins its first pass always, another while
+    fewer than its most are done and ``seconds`` have not passed since the budget was made (a probe's; a
+    full measurement has no limit but its count)."""
+
+    def __init__(self, seconds: float = math.inf) -> None:
+        self.seconds, self.start = seconds, time.perf_counter()
+
+    def more(self, done: int, most: int) -> bool:
+        """Whether to begin another pass, ``done`` of at most ``most`` done."""
+        return done < most and (done == 0 or time.perf_counter() - self.start < self.seconds)
 
 
 # ---------------------------------------------------------------------------------------------- measuring
@@ -478,16 +528,26 @@ class _TargetTimer:
         return elapsed
 
 
-def _measure_target(model: LanguageModel, label: str, repetitions: int) -> tuple[TargetCosts, float]:
-    """T_target(k) for k = 1..K_MAX and the batch grid at the short and the long context (the long one where
-    the model's context leaves room for it), and the largest :func:`_drift` of their measurements."""
+def _measure_target(model: LanguageModel, label: str, repetitions: int, probe: bool) -> TargetCosts:
+    """The target's costs: a probe (the module), or in full T_target(k) for k = 1..K_MAX and the batch grid
+    at the short and the long context (the long one where the model's context leaves room for it); the
+    largest :func:`_drift` of their measurements recorded (and said, beyond DRIFT)."""
+    if probe:
+        budget = _Budget(PROBE_SECONDS)
+        short = _context(model, K_MAX, PROBE_CONTEXT)
+        seconds, drift, passes = _time_forwards(model, short, PROBE_KS, repetitions, budget)
+        grid = _one_row_grid(seconds) if _RowsTimer.of(model, 2) else _one_by_one(seconds)
+        costs = TargetCosts(label, seconds, passes, _now(), len(short), batch_seconds=grid, probe=True)
+        _drifted(label, drift)
+        return dataclasses.replace(costs, drift=drift)
     short = _context(model, K_MAX)
     long = _context(model, K_MAX, LONG_CONTEXT)
     contexts = [short] if len(long) <= len(short) else [short, long]
     timer = _RowsTimer.of(model)
+    every = tuple(range(1, K_MAX + 1))
     curves, grids, drifts = [], [], []
     for context in contexts:
-        seconds, drift = _time_forwards(model, context, repetitions)
+        seconds, drift, _ = _time_forwards(model, context, every, repetitions, _Budget())
         grid, grid_drift = (
             timer.grid(context, seconds[0], repetitions) if timer else (_one_by_one(seconds), 1.0)
         )
@@ -498,12 +558,26 @@ def _measure_target(model: LanguageModel, label: str, repetitions: int) -> tuple
         costs = TargetCosts(label, curves[0], repetitions, _now(), len(short), batch_seconds=grids[0])
     else:
         costs = TargetCosts(label, curves[0], repetitions, _now(), len(short), curves[1], len(long), *grids)
-    return costs, max(drifts)
+    _drifted(label, max(drifts))
+    return dataclasses.replace(costs, drift=max(drifts))
 
 
 def _one_by_one(seconds: tuple[float, ...]) -> Grid:
     """The grid of a target whose rows the engine scores one after another: b · T(m)."""
     return tuple(tuple(b * seconds[m - 1] for m in ROW_TOKENS) for b in BATCH_ROWS)
+
+
+def _one_row_grid(seconds: tuple[float, ...]) -> Grid:
+    """A probe's grid of a target that scores a batch's rows in one forward, predicted, not timed: b rows
+    of m tokens as one row of b·m tokens (the rows share the weights' reads; each reads its own cache, little
+    at a probe's short context), T(n) beyond K_MAX extended by the slope of the curve's upper half."""
+    half = K_MAX // 2
+    slope = max(0.0, (seconds[-1] - seconds[half - 1]) / (K_MAX - half))
+
+    def row(n: int) -> float:
+        return seconds[n - 1] if n <= K_MAX else seconds[-1] + (n - K_MAX) * slope
+
+    return tuple(tuple(row(b * m) for m in ROW_TOKENS) for b in BATCH_ROWS)
 
 
 class _RowsTimer:
@@ -513,15 +587,15 @@ class _RowsTimer:
         self.model, self.caches = model, caches
 
     @classmethod
-    def of(cls, model: LanguageModel) -> _RowsTimer | None:
-        """A timer for ``model`` if it scores the rows of a batch (of :class:`KVCache` rows, whose context is
-        computed once and copied) in one forward, else None."""
+    def of(cls, model: LanguageModel, rows: int = BATCH_ROWS[-1]) -> _RowsTimer | None:
+        """A timer of ``rows`` rows for ``model`` if it scores the rows of a batch (of :class:`KVCache` rows,
+        whose context is computed once and copied) in one forward, else None."""
         if not isinstance(model, RowModel):
             return None
-        caches = model.new_cache_rows(BATCH_ROWS[-1])
-        rows = [c for c in caches if isinstance(c, KVCache)]
-        timer = cls(model, rows)
-        together = len(rows) == len(caches) and model.scores_together(timer._rows(BATCH_ROWS[-1], [0]))
+        caches = model.new_cache_rows(rows)
+        kept = [c for c in caches if isinstance(c, KVCache)]
+        timer = cls(model, kept)
+        together = len(kept) == len(caches) and model.scores_together(timer._rows(rows, [0]))
         return timer if together else None
 
     def _rows(self, rows: int, tokens: list[int]) -> list[RowInput]:
@@ -564,36 +638,46 @@ class _RowsTimer:
 
 
 def _time_forwards(
-    model: LanguageModel, context: list[int], repetitions: int
-) -> tuple[tuple[float, ...], float]:
-    """T_target(k) for k = 1..K_MAX after ``context``, after one untimed pass over every k: each T(k) is
-    timed right after a T(1), v(k) is the median of those ratios (a slow spell of the machine cancels out of
-    each pair), and T_target(k) = v(k) · the median T(1); and the :func:`_drift` of those T(1)."""
+    model: LanguageModel, context: list[int], ks: Sequence[int], repetitions: int, budget: _Budget
+) -> tuple[tuple[float, ...], float, int]:
+    """T_target(k) for k = 1..K_MAX after ``context``, timed at the sizes ``ks`` (1 and K_MAX among them;
+    linear between them) after one untimed pass over them, then in up to ``repetitions`` timed passes as
+    ``budget`` allows: each T(k) is timed right after a T(1), v(k) is the median of those ratios (a slow
+    spell of the machine cancels out of each pair), and T_target(k) = v(k) · the median T(1); the
+    :func:`_drift` of those T(1), and the timed passes made."""
     timer = _TargetTimer(model, context)
-    ratios: list[list[float]] = [[] for _ in range(K_MAX)]
+    ratios: dict[int, list[float]] = {k: [] for k in ks}
     ones: list[float] = []
-    for repetition in range(repetitions + 1):
-        for k in range(1, K_MAX + 1):
+    for k in ks:  # untimed: first calls build kernels and grow buffers
+        timer.seconds(1), timer.seconds(k)
+    passes = 0
+    while budget.more(passes, repetitions):
+        for k in ks:
             one, elapsed = timer.seconds(1), timer.seconds(k)
-            if repetition:
-                ones.append(one)
-                ratios[k - 1].append(elapsed / one)
+            ones.append(one)
+            ratios[k].append(elapsed / one)
+        passes += 1
     t1 = statistics.median(ones)
-    return tuple(t1 * statistics.median(r) for r in ratios), _drift(ones)
+    timed = [t1 * statistics.median(ratios[k]) for k in ks]
+    curve = np.interp(np.arange(1, K_MAX + 1), ks, timed)
+    return tuple(float(s) for s in curve), _drift(ones), passes
 
 
 def _measure_drafter(
-    drafter: Drafter, target: LanguageModel, label: str, repetitions: int
-) -> tuple[DraftCosts, float]:
+    drafter: Drafter, target: LanguageModel, label: str, repetitions: int, probe: bool
+) -> DraftCosts:
     """A proposal of K tokens costs c₀ + K·c: over ``repetitions`` pairs of proposals of 1 and DRAFT_K
-    tokens, each right after a target forward T(1) and a round that committed a token, and rolled back as
-    after a rejection, c is the difference of their medians per token beyond the first over the median T(1),
-    and c₀ the 1-token proposal's median less c (the line through both medians, neither part below zero: c
-    at least a nanosecond); the catch-up: the median of FILLS first proposals after ``begin`` (the whole
-    context unread) less a steady DRAFT_K proposal's, per position read; and the :func:`_drift` of the
-    T(1)s. A drafter that reads the target's hidden states is handed those of every committed position, as
-    the engine hands them."""
-    context = _context(target, 2 * repetitions + DRAFT_K + 2)
+    tokens (a probe: as many as begin within PROBE_DRAFT_SECONDS, one at least, after PROBE_CONTEXT
+    positions), each right after a target forward T(1) and a round that committed a token, and rolled back
+    as after a rejection, c is the difference of their medians per token beyond the first over the median
+    T(1), and c₀ the 1-token proposal's median less c (the line through both medians, neither part below
+    zero: c at least a nanosecond); the catch-up: the median of FILLS first proposals after ``begin`` (the
+    whole context unread; a probe's as many as its time allows) less a steady DRAFT_K proposal's, per
+    position read; and the :func:`_drift` of the T(1)s, recorded (and said, beyond DRIFT). A drafter that
+    reads the target's hidden states is handed those of every committed position, as the engine hands
+    them."""
+    budget = _Budget(PROBE_DRAFT_SECONDS if probe else math.inf)
+    context = _context(target, 2 * repetitions + DRAFT_K + 2, PROBE_CONTEXT if probe else CONTEXT)
     timer = _TargetTimer(target, list(context))
     generator = torch.Generator().manual_seed(0)
     hidden, reader = None, drafter if isinstance(drafter, HiddenStateReader) else None
@@ -604,8 +688,9 @@ def _measure_drafter(
         tokens = torch.tensor([final], device=target.device)  # [1, L']
         positions = torch.arange(len(final), device=target.device)[None]  # [1, L']
         hidden = target.forward_hidden(tokens, positions, target.new_cache())[0]  # [L', H]
-    fills, unread = [], len(context) - 1  # a fill reads every position but the last
-    for _ in range(FILLS):
+    fills: list[float] = []
+    unread = len(context) - 1  # a fill reads every position but the last
+    while budget.more(len(fills), FILLS):
         drafter.begin(list(context))
         if hidden is not None and reader is not None:
             reader.observe_hidden(hidden[: len(context) - 1])
@@ -614,8 +699,8 @@ def _measure_drafter(
         fills.append(time.perf_counter() - start)
         drafter.observe(0)
     times: dict[int, list[float]] = {1: [], DRAFT_K: []}  # proposal length → seconds
-    ones, appended = [], 0
-    for _ in range(repetitions):  # after the last fill, as after a round that committed a token
+    ones, appended, passes = [], 0, 0
+    while budget.more(passes, repetitions):  # after the last fill, as after a round that committed a token
         for k, seconds in times.items():  # each right after a target forward, as in a round
             ones.append(timer.seconds(1))
             context.append(context[appended])
@@ -626,13 +711,14 @@ def _measure_drafter(
             drafter.propose(context, k, generator)
             seconds.append(max(time.perf_counter() - start, 1e-9))
             drafter.observe(0)
+        passes += 1
     single, full = statistics.median(times[1]), statistics.median(times[DRAFT_K])
     per_token = max((full - single) / (DRAFT_K - 1), _TINY)  # a lookup's barely grows with K
     fixed = max(single - per_token, 0.0)
     catch_up = max(0.0, statistics.median(fills) - full) / unread
-    one = statistics.median(ones)
-    costs = DraftCosts(label, per_token / one, per_token, repetitions, _now(), catch_up, fixed)
-    return costs, _drift(ones)
+    one, drift = statistics.median(ones), _drift(ones)
+    _drifted(label, drift)
+    return DraftCosts(label, per_token / one, per_token, passes, _now(), catch_up, fixed, probe, drift)
 
 
 # ---------------------------------------------------------------------------------------------- the cache

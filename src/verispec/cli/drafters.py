@@ -83,8 +83,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         for a in (0.3, 0.5, 0.7, 0.9)
     )
     print(f"best K: {', '.join(best)}")
-    if calibration.cached:
-        print(f"cached in {calibration.path}", file=sys.stderr)
+    print(f"cached in {calibration.path}", file=sys.stderr)
     return 0
 
 
