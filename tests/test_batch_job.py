@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -134,8 +135,8 @@ def test_an_interrupted_run_resumes_where_it_stopped(stories, requests_file, tmp
     assert sorted(p.name for p in parts.glob("shard-*.jsonl")) == ["shard-000000.jsonl", "shard-000001.jsonl"]
     assert not Path(output).exists()
     monkeypatch.setattr(batch_module, "_shard_lines", real)
-    with pytest.raises(UsageError, match="other settings or requests"):  # resuming asks for the same job
-        run_job(job(stories, requests_file, output, shard_size=3, max_new_tokens=8))
+    with pytest.raises(UsageError, match="with other settings: --max-new-tokens was 16, now 8: run it"):
+        run_job(job(stories, requests_file, output, shard_size=3, max_new_tokens=8))  # resuming: the same job
     summary = run_job(job(stories, requests_file, output, shard_size=3, max_batch=1))  # batch size is free
     assert summary["resumed"] == 2 and read(output) == read(reference)
     with pytest.raises(UsageError, match="exists"):
@@ -197,6 +198,160 @@ def test_a_random_seed_is_kept_for_the_resumed_run(stories, requests_file, tmp_p
     seeded = str(tmp_path / "seeded.jsonl")
     run_job(job(stories, requests_file, seeded, sampling=SamplingParams(temperature=1.0, seed=seed)))
     assert read(output) == read(seeded)
+
+
+def interrupted(stories, requests_file, output: str, monkeypatch, shards: int, **changes) -> Path:
+    """``OUTPUT.parts`` of a run of ``requests_file`` in shards of 3 stopped by Ctrl-C after ``shards``."""
+    real, calls = batch_module._shard_lines, []
+
+    def stops(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > shards:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(batch_module, "_shard_lines", stops)
+        with pytest.raises(KeyboardInterrupt):
+            run_job(job(stories, requests_file, output, shard_size=3, **changes))
+    return Path(f"{output}.parts")
+
+
+def test_a_resume_with_another_seed_or_sampling_is_refused_naming_it(
+    stories, requests_file, tmp_path, monkeypatch
+):
+    """Issue 52's D4: a resume with another --seed ran with the first one's, silently. Every setting the
+    output depends on is compared, the seed too: one line naming it, its old and new value; the random seed
+    a run without --seed kept is the one compared, and a run without --seed resumes with it."""
+    output = str(tmp_path / "out.jsonl")
+    interrupted(stories, requests_file, output, monkeypatch, 1)
+    for changes, message in [
+        (dict(sampling=SamplingParams(1.0, seed=8)), "--seed was 7, now 8 (a run without --seed resumes"),
+        (dict(sampling=SamplingParams(0.5, seed=7)), "--temperature was 1.0, now 0.5"),
+        (dict(sampling=SamplingParams(1.0, seed=7, invariant=False)), "--invariant was true, now false"),
+        (dict(drafter="none", k="0"), "--drafter was ngram, now none"),
+    ]:
+        with pytest.raises(
+            UsageError, match=re.escape(f"holds an interrupted run with other settings: {message}")
+        ):
+            run_job(job(stories, requests_file, output, shard_size=3, **changes))
+    changed = tmp_path / "changed.jsonl"
+    changed.write_text(requests_file.read_text().replace("little dog", "big dog"))
+    with pytest.raises(UsageError, match=r"of other requests \(the lines of --input changed\)"):
+        run_job(job(stories, changed, output, shard_size=3))
+    unseeded = str(tmp_path / "unseeded.jsonl")
+    parts = interrupted(stories, requests_file, unseeded, monkeypatch, 1, sampling=SamplingParams(1.0))
+    kept = json.loads((parts / "job.json").read_text())["sampling"]["seed"]
+    with pytest.raises(UsageError, match=f"--seed was {kept}, now 7"):
+        run_job(job(stories, requests_file, unseeded, shard_size=3))
+    run_job(job(stories, requests_file, unseeded, shard_size=3, sampling=SamplingParams(1.0, seed=kept)))
+    reference = str(tmp_path / "reference.jsonl")
+    run_job(job(stories, requests_file, reference, sampling=SamplingParams(1.0, seed=kept)))
+    assert read(unseeded) == read(reference)
+
+
+def corrupt(parts: Path) -> dict[str, str]:
+    """Shards 0, 1, 2 of ``parts`` damaged as a disk, a crash or a hand might: cut in the middle of a line,
+    two lines glued together, garbage bytes in place of a line; what each is then reported as."""
+    cut, glued, garbage = (parts / f"shard-00000{i}.jsonl" for i in range(3))
+    cut.write_bytes(cut.read_bytes()[: len(cut.read_bytes()) // 2])
+    glued.write_bytes(glued.read_bytes().replace(b"\n", b"", 1))
+    lines = garbage.read_bytes().split(b"\n")
+    garbage.write_bytes(b"\n".join([lines[0], b"\xff\x00\x13garbage", *lines[2:]]))
+    return {
+        cut.name: r"is partial \([01] of 3 lines whole, then one cut short\): computing it again",
+        glued.name: r"is corrupt \(line 1 is not JSON\): computing it again",
+        garbage.name: r"is corrupt \(line 2 is not JSON\): computing it again",
+    }
+
+
+def test_corrupt_or_partial_shards_are_computed_again_and_no_line_is_lost(
+    stories, requests_file, tmp_path, monkeypatch, capsys
+):
+    """Issue 52's D5: a shard with two lines glued together made a resume write 67 of 71 lines, exit 1 and
+    remove OUTPUT.parts. Each shard is checked when a resumed run reads it (every line JSON, the shard's
+    ids in order, their count, the last line whole): one that is not is said so on stderr (a line each) and
+    computed again; the output is the uninterrupted run's."""
+    reference = str(tmp_path / "reference.jsonl")
+    run_job(job(stories, requests_file, reference, shard_size=3))
+    output = str(tmp_path / "out.jsonl")
+    parts = interrupted(stories, requests_file, output, monkeypatch, 3)
+    said = corrupt(parts)
+    capsys.readouterr()
+    summary = run_job(job(stories, requests_file, output, shard_size=3))
+    assert summary["resumed"] == 0 and read(output) == read(reference) and not parts.exists()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3
+    for line, (name, message) in zip(err, said.items(), strict=True):
+        assert line.startswith(f"verispec: {parts / name} ") and re.search(message, line), line
+
+
+def test_a_shard_spoiled_after_it_was_written_fails_the_run_leaving_its_parts(
+    stories, requests_file, tmp_path, monkeypatch
+):
+    """A shard that is not whole when the output is assembled (spoiled on disk since it was written): the
+    run stops in one line, writes no output and keeps OUTPUT.parts; run again, it computes that shard and
+    writes every line. Never fewer lines than the input has."""
+    reference = str(tmp_path / "reference.jsonl")
+    run_job(job(stories, requests_file, reference, shard_size=3))
+    output = str(tmp_path / "out.jsonl")
+    real = batch_module._shard_lines
+
+    def spoils_the_second(job, speculator, index, *args):
+        done = real(job, speculator, index, *args)
+        return (index, done[1][: len(done[1]) // 2], *done[2:]) if index == 1 else done
+
+    monkeypatch.setattr(batch_module, "_shard_lines", spoils_the_second)
+    with pytest.raises(UsageError, match=r"shard-000001.jsonl is partial .* run the same command again"):
+        run_job(job(stories, requests_file, output, shard_size=3))
+    parts = Path(f"{output}.parts")
+    assert not Path(output).exists() and len(list(parts.glob("shard-*.jsonl"))) == 3
+    monkeypatch.setattr(batch_module, "_shard_lines", real)
+    assert run_job(job(stories, requests_file, output, shard_size=3))["resumed"] == 3
+    assert read(output) == read(reference)
+
+
+def test_ids_come_back_as_given(stories, tmp_path, capsys):
+    """An integer id stays an integer in the output (issue 52: 3 came back "3"), a string stays a string, a
+    line without one is named by its line number; 3 and "3" are one id (the same seed): a repeat. The same
+    in ``generate --batch --json``."""
+    requests = tmp_path / "in.jsonl"
+    lines = ['{"id": 3, "prompt": "Once"}', '{"id": "3", "prompt": "x"}', '{"id": "x", "prompt": "The"}']
+    lines += ['{"prompt": "Lily"}', '{"id": 12345678901234567890, "prompt": "A"}']
+    requests.write_text("\n".join(lines) + "\n")
+    output = tmp_path / "out.jsonl"
+    run_job(job(stories, requests, str(output)))
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["id"] for r in records] == [3, "line-2", "x", "4", 12345678901234567890]
+    assert records[1]["error"].endswith("id '3' repeats line 1's")
+    model = ["--target", stories[0], "--tokenizer", stories[1], "--drafter", "ngram"]
+    assert cli.main(["generate", "--batch", str(requests), "--json", "--max-new-tokens", "2", *model]) == 0
+    printed = [json.loads(line)["id"] for line in capsys.readouterr().out.splitlines()]
+    assert printed == [r["id"] for r in records]
+
+
+def test_ctrl_c_says_that_the_same_command_resumes(stories, requests_file, tmp_path, monkeypatch, capsys):
+    output = tmp_path / "out.jsonl"
+    argv = ["batch", "--input", str(requests_file), "--output", str(output), "--shard-size", "3"]
+    argv += ["--target", stories[0], "--tokenizer", stories[1], "--drafter", "ngram", "--max-new-tokens", "4"]
+    real, calls = batch_module._shard_lines, []
+
+    def stops_at_the_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(batch_module, "_shard_lines", stops_at_the_third)
+    assert cli.main(argv) == 130
+    err = capsys.readouterr().err.splitlines()[-1]  # after the progress bar's
+    assert err == (
+        f"verispec: interrupted: 2 finished shards are kept in {output}.parts: run the same command again "
+        "to resume"
+    )
+    monkeypatch.setattr(batch_module, "_shard_lines", real)
+    assert cli.main(argv) == 0 and len(read(output)) == 12
+    assert "2 of 4 shards from before" in capsys.readouterr().err
 
 
 def test_a_malformed_line_gets_an_error_record_and_the_rest_run(stories, tmp_path):

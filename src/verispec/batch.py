@@ -5,12 +5,15 @@ continuous batch of :meth:`~verispec.api.Speculator.generate_batch` (:func:`gene
 records (:func:`record`). A :class:`BatchJob` cuts the requests into shards of ``shard_size`` in input order;
 a malformed line gets an error record naming it, as a prompt too long for the context does, and the others
 run; each finished shard is written atomically to ``OUTPUT.parts/``, so an interrupted run continues with the
-shards it lacks, and the output is assembled from the shards, in input order, at the end (atomically too):
-no line is lost or written twice. Each prompt samples with its own seed, derived from the job's seed and its
-id (:func:`prompt_seed`), and what a request gets never depends on the rest of its batch: the output is the
-same whatever the shard size, the batch size or the number of workers, sampled with ``k="auto"`` too (whose K
-follows the batch): every request has a seed, so its draws are invariant (``SamplingParams.invariant``) unless
-the job's sampling opts out with ``invariant=False``.
+shards it lacks (a resumed run must ask for what the first one did: the same requests and every setting the
+output depends on, its seed included; a shard found corrupt or partial is said so and computed again), and
+the output is assembled from the shards, in input order, at the end (atomically too, and checked whole before
+``OUTPUT.parts/`` goes): no line is lost or written twice. Ids come back as given, a string or an integer.
+Each prompt samples with its own seed, derived from the job's seed and its id (:func:`prompt_seed`), and what
+a request gets never depends on the rest of its batch: the output is the same whatever the shard size, the
+batch size or the number of workers, sampled with ``k="auto"`` too (whose K follows the batch): every
+request has a seed, so its draws are invariant (``SamplingParams.invariant``) unless the job's sampling opts
+out with ``invariant=False``.
 
 With ``ray``, the shards are the rows of a Ray Data dataset mapped by ``map_batches`` with a stateful actor
 class (:class:`ShardWorker`, which loads the models once) in ``workers`` actors, on a local Ray started here
@@ -29,6 +32,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from verispec.errors import UsageError
 from verispec.files import atomic_path, atomic_write, check_writable
 from verispec.grammar.constraint import Constraint
-from verispec.inputs import check_text, is_int, parse_json
+from verispec.inputs import check_seed, check_text, is_int, parse_json
 from verispec.options import GenerationOptions, ModelChoice, SamplingParams
 
 if TYPE_CHECKING:  # the models load where a job runs: its settings are checked without them
@@ -62,24 +66,26 @@ JOB_SETTINGS = frozenset(
     | {f.name for f in dataclasses.fields(SamplingParams)}
     | {"max_tokens", "drafter", "draft", "tree"}
 )
-Request = tuple[str, Body, Constraint | None]  # (id, body, the line's own constraint)
+Ident = str | int  # a request's id, as its line gives it
+Request = tuple[Ident, Body, Constraint | None]  # (id, body, the line's own constraint)
 LOCAL = "local"  # --ray without an address: a Ray started here
 
 
 def read_requests(path: str | Path) -> list[Request]:
-    """(id, prompt or messages, constraint) of every line of a JSONL request file (a line without an id gets
-    its line number; a line's constraint from its "json_schema" (an object or its JSON text), "regex" or
-    "grammar" key, at most one, else None; other keys are the line's own, ignored, but not a generation
-    setting of the job's: :data:`JOB_SETTINGS`). A malformed line (not UTF-8, not JSON, nested too deeply, an
-    integer too long, a prompt that is not valid Unicode, a bad schema, regex or grammar, ...) becomes a
-    request whose body is ``{"error": message}``, naming the line: it gets an error record and the others
-    run. A file without one well-formed request is a UsageError."""
+    """(id, prompt or messages, constraint) of every line of a JSONL request file (an id as the line gives it,
+    a string or an integer; a line without one gets its line number, a string; a line's constraint from its
+    "json_schema" (an object or its JSON text), "regex" or "grammar" key, at most one, else None; other keys
+    are the line's own, ignored, but not a generation setting of the job's: :data:`JOB_SETTINGS`). A
+    malformed line (not UTF-8, not JSON, nested too deeply, an integer too long, a prompt that is not valid
+    Unicode, a bad schema, regex or grammar, ...) becomes a request whose body is ``{"error": message}``,
+    naming the line: it gets an error record and the others run. A file without one well-formed request is a
+    UsageError."""
     try:
         lines = Path(path).read_bytes().splitlines()  # lines end at \n, \r\n or \r, never inside a string
     except OSError as err:
         raise UsageError(f"cannot read {path}: {err.strerror or err}") from None
     requests: list[Request] = []
-    seen: dict[str, str] = {}  # id → the line that has it, as an error names it
+    seen: dict[str, str] = {}  # id (as text: 3 and "3" are one id, as their seeds are) → the line that has it
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -88,7 +94,7 @@ def read_requests(path: str | Path) -> list[Request]:
         except UsageError as err:
             request = f"line-{number}", {"error": str(err)}, None
         named = " (its line number: a line without an id is named so)" if request[0] == str(number) else ""
-        seen.setdefault(request[0], f"line {number}'s{named}")
+        seen.setdefault(str(request[0]), f"line {number}'s{named}")
         requests.append(request)
     refused = [body["error"] for _, body, _ in requests if isinstance(body, dict)]
     if refused and len(refused) == len(requests):
@@ -126,12 +132,11 @@ def _request(line: bytes, where: str, number: int, seen: dict[str, str]) -> Requ
         )
     for text in [body] if isinstance(body, str) else [m["content"] for m in body]:
         check_text(text, f"{where}: the prompt")
-    given = entry.get("id", number)
-    if not (isinstance(given, str) or is_int(given)):
-        raise UsageError(f'{where}: "id" must be a string or an integer, got {json.dumps(given)[:40]}')
-    ident = str(given)
-    if ident in seen:
-        raise UsageError(f"{where}: id {ident!r} repeats {seen[ident]}")
+    ident = entry.get("id", str(number))
+    if not (isinstance(ident, str) or is_int(ident)):
+        raise UsageError(f'{where}: "id" must be a string or an integer, got {json.dumps(ident)[:40]}')
+    if str(ident) in seen:
+        raise UsageError(f"{where}: id {ident!r} repeats {seen[str(ident)]}")
     try:
         constraint = Constraint.of(entry.get("json_schema"), entry.get("regex"), entry.get("grammar"))
     except UsageError as err:
@@ -139,7 +144,7 @@ def _request(line: bytes, where: str, number: int, seen: dict[str, str]) -> Requ
     return ident, body, constraint
 
 
-def prompt_seed(seed: int, ident: str) -> int:
+def prompt_seed(seed: int, ident: Ident) -> int:
     """The seed of the request ``ident`` in a job of seed ``seed``: the same wherever and with whatever the
     request is generated."""
     digest = hashlib.sha256(f"{seed}\x00{ident}".encode()).digest()
@@ -180,7 +185,7 @@ def generate_requests(
     return [results[i] for i in range(len(requests))]
 
 
-def record(ident: str, result) -> dict:
+def record(ident: Ident, result) -> dict:
     """A request's JSON record: id, text, token ids and stats, or id and error."""
     if result.error:
         return {"id": ident, "error": result.error}
@@ -241,7 +246,8 @@ class BatchJob(ModelChoice):
         return Path(f"{self.output}.parts")
 
     def settings(self, requests: Sequence[Request], seed: int) -> dict:
-        """What the shards depend on: a resumed run must have the same."""
+        """What the shards depend on (``seed``: the job's, drawn where ``sampling`` has none): a resumed run
+        must have the same."""
         fields = dataclasses.asdict(self)
         for name in (
             "output",
@@ -297,7 +303,7 @@ class ShardWorker:
         )
 
 
-def _plain(requests: Sequence[Request]) -> list[tuple[str, Body, tuple[str, str] | None]]:
+def _plain(requests: Sequence[Request]) -> list[tuple[Ident, Body, tuple[str, str] | None]]:
     """``requests`` as JSON holds them (a constraint as its kind and text)."""
     return [(i, body, None if c is None else (c.kind, c.text)) for i, body, c in requests]
 
@@ -306,25 +312,32 @@ def _shards(requests: Sequence[Request], size: int) -> list[list[Request]]:
     return [list(requests[i : i + size]) for i in range(0, len(requests), size)]
 
 
-def _prepare(job: BatchJob, requests: Sequence[Request]) -> tuple[int, set[int]]:
+def _prepare(
+    job: BatchJob, requests: Sequence[Request], shards: Sequence[Sequence[Request]]
+) -> tuple[int, set[int]]:
     """(the job's seed, the shards already done) after checking ``OUTPUT.parts`` (made when absent) and that
-    the output can be written (its directory exists and is writable)."""
+    the output can be written (its directory exists and is writable). Resuming, the interrupted run's
+    settings must be this one's (its seed too, where this run asks for one: a run without ``seed`` takes the
+    kept one), else UsageError naming the first that differs; each shard on disk is checked
+    (:func:`_lines_problem`), and one that is not whole is said so on stderr and left to compute again."""
     check_writable(job.output)
     parts = job.parts
     settings_path = parts / "job.json"
     if parts.exists():
         try:
             saved = json.loads(settings_path.read_text())
-        except (OSError, json.JSONDecodeError):
+            seed = saved["sampling"]["seed"]
+            check_seed(seed)
+        except (OSError, ValueError, TypeError, KeyError):  # UsageError (check_seed's) is a ValueError
             raise UsageError(f"{parts} is not a run's directory: remove it to start afresh") from None
-        seed = saved["sampling"]["seed"]
-        if saved != json.loads(json.dumps(job.settings(requests, seed))):  # as written: lists, not tuples
+        asked = seed if job.sampling.seed is None else job.sampling.seed
+        changed = _changed(saved, json.loads(json.dumps(job.settings(requests, asked))))  # lists, not tuples
+        if changed is not None:
             raise UsageError(
-                f"{parts} holds an interrupted run with other settings or requests: run it with the same "
-                "ones to resume it, or remove it to start afresh"
+                f"{parts} holds an interrupted run {changed}: run it with the same ones to resume it, "
+                f"or remove {parts} to start afresh"
             )
-        done = {int(p.stem.split("-")[1]) for p in parts.glob("shard-*.jsonl")}
-        return seed, done
+        return seed, {i for i, shard in enumerate(shards) if _shard_done(parts, i, shard)}
     if Path(job.output).exists():
         raise UsageError(f"{job.output} exists: remove it or choose another output")
     seed = job.sampling.seed
@@ -338,18 +351,112 @@ def _prepare(job: BatchJob, requests: Sequence[Request]) -> tuple[int, set[int]]
     return seed, set()
 
 
+def _changed(saved: dict, now: dict) -> str | None:
+    """How the settings ``now`` differ from the ``saved`` ones (job.json's), the first that does, in the
+    words of :func:`_prepare`'s error (``"with other settings: --seed was 7, now 8"``); None: they do not."""
+    if saved.get("requests") != now.get("requests"):
+        return "of other requests (the lines of --input changed)"
+    old, new = _flat(saved), _flat(now)
+    name = next((n for n in [*new, *old] if n not in old or n not in new or _differ(old[n], new[n])), None)
+    if name is None:
+        return None
+    flag = {
+        "constraint": "the constraint (--json-schema, --regex or --grammar)",
+        "input": "--input (the file)",
+    }.get(name, f"--{name.replace('_', '-')}")
+    hint = " (a run without --seed resumes with the kept one)" if name == "seed" else ""
+    return f"with other settings: {flag} was {_shown(old.get(name))}, now {_shown(new.get(name))}{hint}"
+
+
+def _flat(settings: dict) -> dict:
+    """A job's settings with its sampling's among them (the flags name them so)."""
+    sampling = settings.get("sampling")
+    rest = {name: value for name, value in settings.items() if name != "sampling"}
+    return {**rest, **sampling} if isinstance(sampling, dict) else settings
+
+
+def _differ(a: Any, b: Any) -> bool:
+    """Whether two JSON values differ (1, 1.0 and true are three values)."""
+    return json.dumps(a, sort_keys=True) != json.dumps(b, sort_keys=True)
+
+
+def _shown(value: Any) -> str:
+    text = "none" if value is None else value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _shard_path(parts: Path, index: int) -> Path:
+    return parts / f"shard-{index:06d}.jsonl"
+
+
+def _shard_done(parts: Path, index: int, shard: Sequence[Request]) -> bool:
+    """Whether shard ``index`` lies whole in ``parts`` (a resumed run's); one that does not is said so on
+    stderr and removed, to be computed again."""
+    path = _shard_path(parts, index)
+    if not path.exists():
+        return False
+    problem = _shard_problem(path, shard)
+    if problem is not None:
+        print(f"verispec: {path} is {problem}: computing it again", file=sys.stderr)
+        path.unlink()
+    return problem is None
+
+
+def _shard_problem(path: Path, shard: Sequence[Request]) -> str | None:
+    """Why the file ``path`` is not the output of ``shard`` (:func:`_lines_problem`), None when it is."""
+    try:
+        return _lines_problem(path.read_bytes(), shard)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as err:
+        raise UsageError(f"cannot read {path}: {err.strerror or err}") from None
+
+
+def _lines_problem(data: bytes, requests: Sequence[Request]) -> str | None:
+    """Why ``data`` is not the output of ``requests`` (a shard's, the job's) — a whole JSON object per line,
+    naming its request's id and holding its tokens or its error, one per request, in order — as "partial
+    (...)" or "corrupt (...)"; None when it is."""
+    lines = data.split(b"\n")
+    cut = lines.pop() != b""  # what follows the last newline: a line cut short
+    for number, (line, (ident, _, _)) in enumerate(zip(lines, requests, strict=False), 1):  # counted below
+        try:
+            entry = parse_json(line)
+        except UsageError:
+            return f"corrupt (line {number} is not JSON)"
+        if not (isinstance(entry, dict) and not _differ(entry.get("id"), ident)) or not (
+            "token_ids" in entry or "error" in entry
+        ):
+            return f"corrupt (line {number} is not the record of request {ident!r})"
+    if len(lines) > len(requests):
+        return f"corrupt ({len(lines)} lines for {len(requests)} requests)"
+    if cut or len(lines) < len(requests):
+        return f"partial ({len(lines)} of {len(requests)} lines whole{', then one cut short' if cut else ''})"
+    return None
+
+
 def _write_text(path: Path, text: str) -> None:
     """``text`` in ``path``, atomically."""
     atomic_write(path, text)
 
 
-def _finish(job: BatchJob, count: int) -> None:
-    """The output assembled from the shards, in order; the shards removed."""
-    paths = [job.parts / f"shard-{i:06d}.jsonl" for i in range(count)]
-
-    with atomic_path(job.output) as tmp, open(tmp, "w") as out:
-        for path in paths:
-            out.write(path.read_text())
+def _finish(job: BatchJob, requests: Sequence[Request], shards: Sequence[Sequence[Request]]) -> None:
+    """The output assembled from the shards, in order, atomically, and checked whole (:func:`_lines_problem`)
+    before the shards are removed. A shard that is not whole (changed on disk meanwhile: it is removed) or an
+    output that is not is a UsageError, the output not written and ``OUTPUT.parts`` kept for the same run
+    started again to compute what it lacks."""
+    again = f"run the same command again to compute it ({job.parts} is kept)"
+    with atomic_path(job.output) as tmp:
+        with open(tmp, "wb") as out:
+            for index, shard in enumerate(shards):
+                path = _shard_path(job.parts, index)
+                problem = _shard_problem(path, shard)
+                if problem is not None:
+                    path.unlink(missing_ok=True)
+                    raise UsageError(f"{path} is {problem} since it was written: {again}")
+                out.write(path.read_bytes())
+        problem = _lines_problem(tmp.read_bytes(), requests)
+        if problem is not None:  # what was written is not what was read: the disk's doing
+            raise UsageError(f"the output assembled in {tmp} is {problem}: {again}")
     shutil.rmtree(job.parts)
 
 
@@ -359,14 +466,14 @@ def run_job(job: BatchJob) -> dict:
     requests = read_requests(job.input)  # a malformed line: an error record
     shards = _shards(requests, job.shard_size)
     ray = _connect(job.ray) if job.ray is not None else None  # an unreachable address fails before any file
-    seed, done = _prepare(job, requests)
+    seed, done = _prepare(job, requests, shards)
     pending = [i for i in range(len(shards)) if i not in done]
     started, tokens = time.perf_counter(), 0
     merged = _merged_cache(job) if pending else None
     with _progress(job, requests, shards, done) as bar:
         run = _here(job, shards, pending, seed) if ray is None else _on_ray(ray, job, shards, pending, seed)
         for index, lines, count, added in run:
-            _write_text(job.parts / f"shard-{index:06d}.jsonl", lines)
+            _write_text(_shard_path(job.parts, index), lines)
             if merged is not None:  # each worker's additions, saved as they come: a resumed job starts warm
                 vocabulary, sequences = json.loads(added)
                 merged.merge(sequences, vocabulary)
@@ -374,7 +481,7 @@ def run_job(job: BatchJob) -> dict:
             tokens += count
             bar.update(len(shards[index]))
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - started):.1f} tok/s")
-    _finish(job, len(shards))
+    _finish(job, requests, shards)
     refused = sum(1 for line in Path(job.output).read_text().splitlines() if "error" in json.loads(line))
     return {"requests": len(requests), "refused": refused, "shards": len(shards), "resumed": len(done),
             "tokens": tokens, "seconds": time.perf_counter() - started}  # fmt: skip

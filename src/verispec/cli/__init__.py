@@ -9,8 +9,9 @@ Error contract: bad usage (unknown flag or subcommand, unparsable value) and any
 one line ``verispec: error: <message>`` on stderr and exit with status 2, as does running out of memory (a
 count or size beyond this machine: ``error: out of memory (...): ask for less``). Any other exception is a bug
 (ours or a library's): one line ``verispec: internal error: ...`` asking for a report, exit status 1, and its
-traceback with ``--debug``. Ctrl-C exits with 130 after one line; a closed output pipe (``verispec ... |
-head``) exits quietly with 141 (128 + SIGPIPE, as a process killed by it would).
+traceback with ``--debug``. Ctrl-C exits with 130 after one line (with what to do next where the command
+says it: ``batch``'s resume); a closed output pipe (``verispec ... | head``) exits quietly with 141 (128 +
+SIGPIPE, as a process killed by it would).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from verispec.cli.bench import (
     add_bench_suffix_cache_parser,
     add_write_gguf_parser,
 )
-from verispec.cli.common import PROG, Parser, refuse_empty_specs
+from verispec.cli.common import PROG, Parser, check_specs
 from verispec.cli.drafters import add_calibrate_parser, add_drafter_data_parser, add_train_drafter_parser
 from verispec.cli.generate import add_demo_parser, add_generate_parser
 from verispec.cli.serve import add_serve_parser
@@ -87,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = build_parser().parse_args(argv)
         except SystemExit as exit_:  # --help or --version: printed, status 0
             return exit_.code if isinstance(exit_.code, int) else 0
-        refuse_empty_specs(args)
+        check_specs(args)  # every model and file flag, before a command imports torch
         if hasattr(args, "threads"):  # a command that runs a model
             use_threads(args.threads)
         status = args.func(args)
@@ -95,8 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status
     except UsageError as exc:
         return _report(f"error: {exc}", _USAGE_ERROR)
-    except KeyboardInterrupt:
-        return _report("interrupted", _INTERRUPTED)
+    except KeyboardInterrupt as exc:  # a command's own words, where it has some: what to do next
+        return _report(f"interrupted: {exc}" if str(exc) else "interrupted", _INTERRUPTED)
     except (MemoryError, RuntimeError) as exc:
         if isinstance(exc, RuntimeError) and not _out_of_memory(exc):
             return _internal(exc, args)

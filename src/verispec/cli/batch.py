@@ -83,7 +83,16 @@ def run_batch(args: argparse.Namespace) -> int:
         ray=args.ray,
         workers=args.workers,
     )
-    summary = run_job(job)
+    try:
+        summary = run_job(job)
+    except KeyboardInterrupt:
+        if not job.parts.is_dir():  # interrupted before anything was kept
+            raise
+        done = len(list(job.parts.glob("shard-*.jsonl")))
+        raise KeyboardInterrupt(
+            f"{done} finished shard{'s are' if done != 1 else ' is'} kept in {job.parts}: "
+            "run the same command again to resume"
+        ) from None
     refused = f"; {summary['refused']} refused (error records)" if summary["refused"] else ""
     before = summary["resumed"]
     resumed = f", {before} of {summary['shards']} shards from before" if before else ""

@@ -331,14 +331,19 @@ def add_write_gguf_parser(subparsers: argparse._SubParsersAction) -> None:
     """Declare ``verispec write-gguf``."""
     parser = subparsers.add_parser(
         "write-gguf",
-        help="write a GGUF file: random weights of a given shape (for speed runs), or a model requantized",
+        help="write a GGUF file: random weights of a given shape (for speed runs), a model requantized, or a "
+        "model inflated to a bigger model's cost",
         description="Write a GGUF file. --shape: a Llama-3-shaped model with random weights in one tensor "
         "type, quickly (random blocks with sane scales, tensor by tensor), with a minimal tokenizer: speed "
         "does not depend on the weights' values, so such a file measures the regime of large models without "
         "downloading one; its outputs are meaningless: never report their acceptance. --from: a GGUF file "
         "(or a short name's) requantized by llama.cpp's own quantizer (after `make peers`) to a file type "
         "whose tensors all run natively, e.g. the shipped SmolLM2 file as Q4_K_M; requantizing a quantized "
-        "file compounds two roundings: for speed and format checks, not for quality.",
+        "file compounds two roundings: for speed and format checks, not for quality. --from with --inflate: "
+        "the model zero-padded to a bigger model's widths (llama3-1b, llama3-3b, llama3-8b or "
+        "hidden=H,ffn=F[,kv_heads=K]), which computes the same function (the presets' logits bit for bit) at "
+        "the bigger model's cost: a real model's predictions where users' models live. It is not a better "
+        "model.",
     )
     parser.add_argument("--out", required=True, metavar="FILE.gguf", help="the file to write (atomically)")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -351,10 +356,15 @@ def add_write_gguf_parser(subparsers: argparse._SubParsersAction) -> None:
         "--from", dest="source", metavar="MODEL", help="a GGUF file or short name to requantize"
     )
     parser.add_argument(
+        "--inflate",
+        metavar="SHAPE",
+        help="with --from: pad the model's widths to SHAPE's cost, keeping its function (llama3-1b, "
+        "llama3-3b, llama3-8b, or hidden=H,ffn=F[,kv_heads=K]); its blocks stay in their types (no --type)",
+    )
+    parser.add_argument(
         "--type",
-        required=True,
-        help="with --shape: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K or F16; with --from: "
-        + FROM_TYPES,
+        help="with --shape: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K or F16; with --from (without "
+        "--inflate): " + FROM_TYPES,
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed of --shape (default: %(default)s)")
     parser.set_defaults(func=run_write_gguf)
@@ -362,6 +372,24 @@ def add_write_gguf_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_write_gguf(args: argparse.Namespace) -> int:
     """Run ``verispec write-gguf``: check every argument, write the file, print where it is."""
+    if args.inflate is not None and args.source is None:
+        raise UsageError("--inflate pads a model: give it with --from MODEL")
+    if args.inflate is not None and args.type is not None:
+        raise UsageError("--inflate keeps each tensor's type: drop --type (requantize first, then inflate)")
+    if args.inflate is None and args.type is None:
+        raise UsageError(f"--type is required with {'--from' if args.source is not None else '--shape'}")
+    if args.inflate is not None:
+        from verispec.models.gguf_inflate import inflate_gguf
+        from verispec.models.registry import gguf_file
+
+        source = gguf_file(args.source)
+        if source is None:
+            raise UsageError(f"--from takes a .gguf file or a short name with one, got {args.source!r}")
+        path, plan = inflate_gguf(source, args.out, args.inflate)
+        exact = "the source's logits bit for bit" if plan.exact else "the source's function up to rounding"
+        size = path.stat().st_size / 2**20
+        print(f"{args.source} inflated ({plan.describe()}; {exact}): {path} ({size:.1f} MiB)")
+        return 0
     if args.source is not None:
         from verispec.cores import available_cores
         from verispec.models.gguf_requantize import requantize_gguf

@@ -24,7 +24,16 @@ from verispec.files import atomic_path, check_writable
 from verispec.inputs import check_seed
 from verispec.models.llama import LlamaConfig
 
-__all__ = ["RANDOM_NAME", "SHAPES", "TYPES", "GGUFShape", "parse_shape", "random_blocks", "write_random_gguf"]
+__all__ = [
+    "RANDOM_NAME",
+    "SHAPES",
+    "TYPES",
+    "GGUFShape",
+    "parse_shape",
+    "random_blocks",
+    "scale_offsets",
+    "write_random_gguf",
+]
 RANDOM_NAME = "random-weight"  # how general.name of a file written here starts
 
 
@@ -61,6 +70,9 @@ class GGUFShape:
 SHAPES = {
     "llama3-1b": GGUFShape(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=128256),
     "llama3-3b": GGUFShape(hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192, vocab=128256),
+    "llama3-8b": GGUFShape(
+        hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256, tied=False, rope_base=500000.0
+    ),
 }
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16")
 # type → (byte offset of d, the typical |integer| d multiplies, byte offset of the minimum or None, the
@@ -81,6 +93,13 @@ _CHAT_TEMPLATE = (
     "{{ m['content'] }}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
+
+
+def scale_offsets(type_name: str) -> tuple[int, int | None]:
+    """Where a block of ``type_name`` keeps its float16 scale d and its minimum (None: none), in bytes: the
+    fields that scale every weight of the block."""
+    d_at, _, min_at, _ = _SCALES[type_name]
+    return d_at, min_at
 
 
 def parse_shape(text: str) -> GGUFShape:
