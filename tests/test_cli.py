@@ -163,6 +163,52 @@ def test_help_and_usage_errors_import_no_torch():
     assert done.stdout.strip() == ""  # none of them imported
 
 
+def test_mistakes_that_need_no_model_are_answered_before_torch_loads(tmp_path):
+    """Issue 52: drafter and model names, files, ports and contradictory flags are refused in one line each
+    (status 2), the closest name suggested, with neither torch nor transformers imported (what made them take
+    6-8 s): one process, main() run for each, a port taken by that process itself."""
+    checkpoint = tmp_path / "model.bin"
+    checkpoint.write_bytes(b"\0")
+    cases = {
+        "generate x --drafter eagel": "unknown drafter 'eagel' (did you mean eagle?)",
+        "generate x --target smollm2": "unknown model 'smollm2' (did you mean smollm2-135m?)",
+        "generate x --target missing.gguf": "no such file or directory: missing.gguf",
+        f"generate x --target {checkpoint}": "is a llama2.c checkpoint: give its tokenizer file",
+        "generate x --tokenizer missing.bin": "no such file: missing.bin",
+        "generate x --drafter-path missing.safetensors": "no such drafter file: missing.safetensors",
+        "generate x --drafter model": "drafter 'model' needs a draft model (--draft SPEC)",
+        "generate x --max-tokens 3": "arguments: --max-tokens 3 (did you mean --max-new-tokens?)",
+        "generate x --max_new_tokens=3": "(did you mean --max-new-tokens?)",
+        "generate x --drafter none --k 4": "--drafter none drafts nothing: --k 4 would change nothing",
+        "demo --drafter model": "drafter 'model' needs a draft model",
+        "calibrate --drafter eagel": "(did you mean eagle?)",
+        "batch --input i --output o --drafter eagel": "(did you mean eagle?)",
+        "serve --port 99999": "--port must be in [0, 65535], got 99999",
+        "serve --port TAKEN": "cannot listen on 127.0.0.1:TAKEN: Address already in use",
+        "serve --drafter model": "drafter 'model' needs a draft model",
+        "bench-gguf nothing.gguf": "no such GGUF file: nothing.gguf",
+    }
+    script = (
+        "import contextlib, io, json, socket, sys\n"
+        "from verispec import cli\n"
+        "taken = socket.create_server(('127.0.0.1', 0))\n"
+        "port = str(taken.getsockname()[1])\n"
+        "answers = []\n"
+        "for argv in sys.argv[1:]:\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):\n"
+        "        status = cli.main(argv.replace('TAKEN', port).split())\n"
+        f"    heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
+        "    answers.append([status, err.getvalue().replace(port, 'TAKEN'), heavy])\n"
+        "print(json.dumps(answers))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, *cases], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for (argv, fragment), (status, err, heavy) in zip(cases.items(), json.loads(done.stdout), strict=True):
+        assert (status, heavy) == (2, []), (argv, err, heavy)
+        assert err.startswith("verispec: error: ") and err.count("\n") == 1 and fragment in err, (argv, err)
+
+
 @pytest.mark.parametrize(
     "argv, fragment",
     [

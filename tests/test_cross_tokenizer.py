@@ -528,9 +528,9 @@ def test_cli_generate_across_tokenizers(real_pair, shared_model, capsys):
     from verispec import cli
 
     root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
-    common = ["generate", PROMPTS[0], "--temperature", "0", "--max-new-tokens", "24", "--json", "--k", "3"]
+    common = ["generate", PROMPTS[0], "--temperature", "0", "--max-new-tokens", "24", "--json"]
     draft = ["--draft", str(root / "stories260K.bin"), "--draft-tokenizer", str(root / "tok512.bin")]
-    assert cli.main([*common, *draft, "--cross-tokenizer", "string"]) == 0
+    assert cli.main([*common, *draft, "--k", "3", "--cross-tokenizer", "string"]) == 0
     across = json.loads(capsys.readouterr().out)
     assert cli.main([*common, "--drafter", "none"]) == 0
     plain = json.loads(capsys.readouterr().out)

@@ -3,17 +3,19 @@ hostile value is a caller's mistake in one line (:class:`~verispec.errors.UsageE
 from deep inside: JSON text (:func:`parse_json`: nesting too deep for the parser, an integer too long to
 convert) and text that is not valid Unicode (:func:`check_text`: a lone surrogate, which JSON's ``\\ud800``
 escapes can carry and no tokenizer encodes); and :func:`is_int`, the one test of an integer argument (a bool
-is not one), and :func:`check_seed`, of a seed."""
+is not one), and :func:`check_seed`, of a seed; :func:`did_you_mean`, the hint after a name not known."""
 
 from __future__ import annotations
 
+import difflib
 import json
 import numbers
+from collections.abc import Iterable
 from typing import Any, TypeGuard
 
 from verispec.errors import UsageError
 
-__all__ = ["check_prompt", "check_seed", "check_text", "is_int", "parse_json"]
+__all__ = ["check_prompt", "check_seed", "check_text", "did_you_mean", "is_int", "parse_json"]
 
 
 def is_int(value: object, *, integral: bool = False) -> TypeGuard[int]:
@@ -28,6 +30,19 @@ def check_seed(value: object, name: str = "seed", below: int = 2**63) -> None:
     (what torch and NumPy take) or less where seeds derived from it are offset above it."""
     if not is_int(value) or not 0 <= value < below:
         raise UsageError(f"{name} must be an integer in [0, 2**{below.bit_length() - 1}), got {value!r}")
+
+
+def did_you_mean(given: str, known: Iterable[str]) -> str:
+    """The hint after a name not known, ``" (did you mean X?)"``: X the name of ``known`` closest to ``given``
+    (an unknown flag, drafter or model; underscores read as dashes, a name that ``given`` begins or that
+    begins with it first); "" when none is close."""
+    names = list(known)
+    plain = given.replace("_", "-")
+    starts = [
+        n for n in names if plain != n and len(plain) > 2 and (n.startswith(plain) or plain.startswith(n))
+    ]
+    close = starts[:1] or difflib.get_close_matches(plain, names, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def parse_json(text: str | bytes) -> Any:

@@ -248,8 +248,9 @@ def check_keywords(given: Iterable[str], allowed: tuple[str, ...]) -> None:
 @dataclass(frozen=True, kw_only=True)
 class ModelChoice:
     """The models to load and the drafter to draft with, as a config (``verispec serve``, ``verispec batch``
-    extend it): the :class:`~verispec.api.Speculator` arguments that name files and choices, checked when it
-    loads."""
+    extend it): the :class:`~verispec.api.Speculator` arguments that name files and choices; the drafter's
+    choice checked on construction (:func:`~verispec.drafting.registry.check_choice`: its name, its draft,
+    file and tokenizer together), the files when it loads."""
 
     target: str = DEFAULT_MODEL
     tokenizer: str | None = None
@@ -263,8 +264,10 @@ class ModelChoice:
     suffix_budget: int | None = None  # its budget in tokens (None: the saved one, else the default)
 
     def __post_init__(self) -> None:
+        from verispec.drafting.registry import check_choice
         from verispec.drafting.suffix_files import check_suffix_choice  # numpy, no torch
 
+        check_choice(self.draft, self.drafter, self.drafter_path, self.draft_tokenizer, self.cross_tokenizer)
         check_suffix_choice(self.drafter, self.suffix_cache_file, self.suffix_budget)
 
     def speculator(

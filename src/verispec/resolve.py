@@ -1,9 +1,11 @@
-"""From a choice of models and drafter to the loaded parts a :class:`~verispec.api.Speculator` generates
-with: every check of the choice that needs no model (made first, so that a mistake costs no load), the
-loading, and every "auto" rule in one place — which drafter auto drafts with (a draft model when given, else
-the learned drafter verispec ships for the target where the cost model says it pays, else prompt lookup),
-which tree ``tree="auto"`` is, which learned drafter file a target gets. The drafters' names mean something
-only here and in the registry (:mod:`verispec.drafting.registry`).
+"""From a choice of models and drafter to the loaded parts a :class:`~verispec.api.Speculator` generates with:
+every check of the choice that needs no model (made first, so that a mistake costs no load:
+:func:`~verispec.drafting.registry.check_choice`, a draft's SPEC by
+:func:`~verispec.models.names.check_spec`), the loading, and every "auto" rule in one place — which drafter
+auto drafts with (a draft model when given, else the learned drafter verispec ships for the target where the
+cost model says it pays, else prompt lookup), which tree ``tree="auto"`` is, which learned drafter file a
+target gets. The drafters' names mean something only here and in the registry
+(:mod:`verispec.drafting.registry`).
 """
 
 from __future__ import annotations
@@ -15,17 +17,25 @@ import torch
 
 from verispec.analysis.analytic import CostModel, expected_tokens_per_call, speedup_by_k, tree_tokens_bound
 from verispec.calibrate import calibrate
-from verispec.drafting.cross_tokenizer import VocabularyPair, check_algorithm, same_vocabulary
-from verispec.drafting.draft_model import early_exit_layers, self_draft
+from verispec.drafting.cross_tokenizer import VocabularyPair, same_vocabulary
 from verispec.drafting.learned.eagle_drafter import DEFAULT_TREE
 from verispec.drafting.learned.head import LearnedHead, native_target
 from verispec.drafting.learned.kinds import load_head, shipped_drafter
 from verispec.drafting.learned.medusa import MedusaHeads, medusa_tree
-from verispec.drafting.registry import DRAFTERS, DrafterKind, DraftInputs, choose_auto, drafter_kind
+from verispec.drafting.registry import (
+    DRAFTERS,
+    DrafterKind,
+    DraftInputs,
+    check_choice,
+    choose_auto,
+    early_exit_layers,
+    self_draft,
+)
 from verispec.drafting.tree import AUTO, TreeShape
 from verispec.errors import UsageError
 from verispec.models.base import HiddenStateModel, LanguageModel, Tokenizer
 from verispec.models.llama import Llama
+from verispec.models.names import check_spec
 from verispec.models.registry import load_model
 from verispec.options import DEFAULT_MODEL, DEFAULT_PRECISION, SamplingParams
 
@@ -92,10 +102,12 @@ def resolve(
 ) -> Parts:
     """The parts of a choice (the arguments of :class:`~verispec.api.Speculator`, which documents them),
     loaded; UsageError for a choice that cannot work, before any model loads where that can be known."""
-    kind = _check_choice(draft, drafter, drafter_path, draft_tokenizer, cross_tokenizer, tree)
+    kind = check_choice(draft, drafter, drafter_path, draft_tokenizer, cross_tokenizer, tree)
     torch_device = check_device(device)
     layers = early_exit_layers(draft) if isinstance(draft, str) else None
     itself = self_draft(draft) if isinstance(draft, str) else None
+    if isinstance(draft, str) and layers is None and itself is None:  # before the target loads
+        check_spec(draft, draft_tokenizer or tokenizer)
     model, spoken_by_target = _load(
         DEFAULT_MODEL if target is None else target, tokenizer, torch_device, precision
     )
@@ -130,7 +142,7 @@ def resolve(
         )
     shape = _default_tree(kind, head, model, target_label) if tree == AUTO else tree
     if shape is not None:
-        assert isinstance(shape, TreeShape)  # checked in _check_choice
+        assert isinstance(shape, TreeShape)  # checked by check_choice
         kind.check_tree(shape)
         shape.check_fits(model.max_context)
         if pair is not None:
@@ -148,39 +160,6 @@ def resolve(
         target_label=target_label,
         draft_label=draft if isinstance(draft, str) else "",
     )
-
-
-def _check_choice(
-    draft: Loadable | None,
-    drafter: str,
-    drafter_path: str | Path | None,
-    draft_tokenizer: str | None,
-    cross_tokenizer: str,
-    tree: TreeShape | str | None,
-) -> DrafterKind | None:
-    """The drafter's kind (None for auto), after every check that needs no model."""
-    check_algorithm(cross_tokenizer)
-    own_weights = isinstance(draft, str) and (
-        early_exit_layers(draft) is not None or self_draft(draft) is not None
-    )
-    if draft_tokenizer is not None and (draft is None or own_weights):
-        raise UsageError("--draft-tokenizer is the tokenizer of a draft model (--draft SPEC)")
-    if cross_tokenizer != "auto" and (draft is None or own_weights):
-        raise UsageError("--cross-tokenizer applies to a draft whose tokenizer differs from the target's")
-    kind = None if drafter == AUTO else drafter_kind(drafter)
-    if kind is not None and kind.needs_draft_model and draft is None:
-        raise UsageError(f"drafter {drafter!r} needs a draft model (--draft SPEC)")
-    if draft is not None and kind is not None and not kind.needs_draft_model:
-        raise UsageError(f"a draft model was given but drafter is {drafter!r}")
-    if draft is not None and drafter_path is not None:
-        raise UsageError("give a draft model (--draft) or a drafter file (--drafter-path), not both")
-    if drafter_path is not None and kind is not None and not kind.learned:
-        raise UsageError(f"a drafter file was given but drafter is {drafter!r}")
-    if tree is not None and tree != AUTO and not isinstance(tree, TreeShape):
-        raise UsageError(f"tree must be a TreeShape, {AUTO!r} or None, got {tree!r}")
-    if kind is not None and isinstance(tree, TreeShape):
-        kind.check_tree(tree)
-    return kind
 
 
 def _default_tree(

@@ -453,19 +453,9 @@ def add_bench_gguf_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_bench_gguf(args: argparse.Namespace) -> int:
-    """Run ``verispec bench-gguf``: check every argument, measure each file, print the tables."""
+    """Run ``verispec bench-gguf``: check every argument (before torch loads), measure each file, print the
+    tables."""
     import datetime
-
-    import torch
-
-    from verispec.bench.gguf import (
-        FileBenchConfig,
-        bench_file,
-        machine,
-        random_file,
-        read_bandwidth,
-        write_report,
-    )
 
     for name, least in (("context", 1), ("prefill", 2), ("max_k", 1), ("repetitions", 1)):
         if getattr(args, name) < least:
@@ -478,6 +468,17 @@ def run_bench_gguf(args: argparse.Namespace) -> int:
             raise UsageError(f"no such GGUF file: {path}")
     if not files and not args.random:
         raise UsageError("give GGUF files, or --random SHAPE:TYPE")
+    import torch
+
+    from verispec.bench.gguf import (
+        FileBenchConfig,
+        bench_file,
+        machine,
+        random_file,
+        read_bandwidth,
+        write_report,
+    )
+
     files += [random_file(spec) for spec in args.random]
     threads = args.threads or torch.get_num_threads()
     config = FileBenchConfig(

@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
-from verispec.drafting.registry import CROSS_TOKENIZER, DRAFTERS, drafter_names
+from verispec.drafting.registry import CROSS_TOKENIZER, DRAFTERS, drafter_names, early_exit_layers, self_draft
 from verispec.errors import UsageError
+from verispec.inputs import did_you_mean
+from verispec.models.names import check_spec
 
 if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
     from verispec.grammar.constraint import Constraint
@@ -32,6 +34,7 @@ __all__ = [
     "add_sampling_arguments",
     "add_suffix_arguments",
     "add_threads_argument",
+    "check_specs",
     "constraint_of",
     "format_table",
     "joined_values",
@@ -39,8 +42,8 @@ __all__ = [
     "model_fields",
     "no_draft_model",
     "option_fields",
+    "k_flag",
     "parse_precision",
-    "refuse_empty_specs",
     "sampling_of",
     "show_results",
     "suffix_fields",
@@ -64,7 +67,9 @@ def _integer(text: str) -> int:
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser that raises UsageError instead of printing usage and exiting, so that :func:`main`
     reports every error the same way (subparsers are created with this class too); its ``type=int`` options
-    take integers that 64 bits hold (beyond them, one line, never an overflow deep in a library)."""
+    take integers that 64 bits hold (beyond them, one line, never an overflow deep in a library); a flag it
+    does not know is refused by the (sub)command that knows its flags, naming the closest one
+    (``--max-tokens``: ``--max-new-tokens``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -73,6 +78,28 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         """Raise the usage error for :func:`main` to report."""
         raise UsageError(message)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """argparse's, refusing at once an argument that looks like a flag and is not one of this parser's,
+        with the closest of its flags."""
+        parsed, extras = super().parse_known_args(args, namespace)
+        flags = [x for x in extras if x.startswith("-") and not _number(x)]
+        if flags:
+            known = [flag for action in self._actions for flag in action.option_strings]
+            close = did_you_mean(flags[0].split("=", 1)[0], known)
+            raise UsageError(f"unrecognized arguments: {' '.join(extras)}{close}")
+        return parsed, extras
+
+
+def _number(text: str) -> bool:
+    """Whether ``text`` is a number (a negative value, not a flag)."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def list_of(convert: Callable[[str], Any], what: str) -> Callable[[str], tuple]:
@@ -139,16 +166,28 @@ def add_model_specs(parser: argparse.ArgumentParser) -> None:
     )
 
 
-_SPECS = ("target", "draft", "tokenizer", "draft_tokenizer")  # flags naming a model or a file
+_SPECS = ("target", "draft", "tokenizer", "draft_tokenizer", "drafter_path")  # flags naming a model or a file
 
 
-def refuse_empty_specs(args: argparse.Namespace) -> None:
-    """UsageError for a model or file flag given as empty text (``--target ""`` would silently mean the
-    default model)."""
+def check_specs(args: argparse.Namespace) -> None:
+    """UsageError, before any command loads anything, for a model or file flag that cannot work: given as
+    empty text (``--target ""`` would silently mean the default model), a target that names no model
+    (:func:`~verispec.models.names.check_spec`: a short name not known, a file that is not there, a llama2.c
+    checkpoint without its tokenizer where the command takes one), a tokenizer or drafter file that is not
+    there. A draft's flags are checked with the choice they belong to (:func:`model_fields`): a command may
+    refuse them altogether."""
     for name in _SPECS:
         value = getattr(args, name, None)
         if isinstance(value, str) and not value.strip():
             raise UsageError(f"--{name.replace('_', '-')} is empty: name a model or a file (or leave it out)")
+    tokenizer = getattr(args, "tokenizer", None)
+    if getattr(args, "target", None) is not None:  # else the command says what it does with a checkpoint
+        check_spec(args.target, tokenizer, model=hasattr(args, "tokenizer"))
+    if tokenizer is not None:
+        check_spec(tokenizer, model=False)
+    path = getattr(args, "drafter_path", None)
+    if path is not None and not Path(path).expanduser().is_file():
+        raise UsageError(f"no such drafter file: {path}")
 
 
 def parse_precision(value: str) -> str:
@@ -171,7 +210,14 @@ def across_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def model_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The fields of a :class:`~verispec.api.ModelChoice` (the models and the drafter), from the flags."""
+    """The fields of a :class:`~verispec.api.ModelChoice` (the models and the drafter), from the flags; a
+    draft model's SPEC and tokenizer checked (:func:`~verispec.models.names.check_spec`) before anything
+    loads."""
+    draft, own = args.draft, args.draft_tokenizer
+    if draft is not None and early_exit_layers(draft) is None and self_draft(draft) is None:
+        check_spec(draft, own or args.tokenizer)
+        if own is not None:
+            check_spec(own, model=False)
     return {
         **({"target": args.target} if args.target else {}),
         "tokenizer": args.tokenizer,
@@ -347,10 +393,18 @@ def sampling_of(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed, args.invariant)
 
 
+def k_flag(args: argparse.Namespace) -> str:
+    """--k as given (default: auto); UsageError for a K with --drafter none, which drafts nothing whatever
+    K says (generate, batch, demo)."""
+    if args.k not in (None, "0") and args.drafter == "none":
+        raise UsageError(f"--drafter none drafts nothing: --k {args.k} would change nothing (leave it out)")
+    return args.k if args.k is not None else "auto"
+
+
 def option_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The fields of a :class:`~verispec.options.GenerationOptions` (generate, batch), from the flags."""
     return dict(
-        k=args.k if args.k is not None else "auto",
+        k=k_flag(args),
         max_new_tokens=args.max_new_tokens,
         sampling=sampling_of(args),
         chat=args.chat,

@@ -55,14 +55,15 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     """Run ``verispec calibrate``: measure, cache, and print v(k), c and the best K for a few α."""
-    import torch
-
     from verispec.analysis.analytic import optimal_k
     from verispec.options import ModelChoice
 
     if args.repetitions < 1:
         raise UsageError(f"--repetitions must be an integer >= 1, got {args.repetitions}")
-    speculator = ModelChoice(**model_fields(args)).speculator()
+    choice = ModelChoice(**model_fields(args))  # checked before torch loads
+    import torch
+
+    speculator = choice.speculator()
     calibration = speculator.calibration(force=True, repetitions=args.repetitions)
     if args.json:
         print(json.dumps(calibration.to_dict(), indent=2))

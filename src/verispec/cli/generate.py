@@ -18,6 +18,7 @@ from verispec.cli.common import (
     add_model_arguments,
     add_sampling_arguments,
     add_suffix_arguments,
+    k_flag,
     model_fields,
     option_fields,
     suffix_fields,
@@ -243,9 +244,14 @@ def _output_trace(args: argparse.Namespace, trace: Trace) -> None:
 
 
 def _read_stdin() -> str:
+    """The prompt piped on standard input; UsageError saying how to give one when none is."""
+    how = 'give PROMPT (verispec generate "Why is the sky blue?") or pipe it on standard input'
     if sys.stdin is None or sys.stdin.isatty():
-        raise UsageError("no prompt: give PROMPT or pipe it on standard input")
-    return sys.stdin.read()
+        raise UsageError(f"no prompt: {how}")
+    text = sys.stdin.read()
+    if not text.strip():
+        raise UsageError(f"no prompt: standard input was empty; {how}")
+    return text
 
 
 def _summary(stats: GenerationStats) -> str:
@@ -281,11 +287,11 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     """Run ``verispec demo``: exit status 1 if any speculative output differs from plain decoding's."""
     from verispec.drafting.tree import AUTO
-    from verispec.options import GenerationOptions
+    from verispec.options import GenerationOptions, ModelChoice
 
-    k = AUTO if args.k is None else args.k
     check_prompt(args.prompt)
-    options = GenerationOptions(k=k, max_new_tokens=args.max_new_tokens, chat=True)  # greedy
+    options = GenerationOptions(k=k_flag(args), max_new_tokens=args.max_new_tokens, chat=True)  # greedy
+    ModelChoice(**model_fields(args))  # the drafter's choice
     from verispec.api import Speculator  # loads transformers: once every argument is checked
     from verispec.drafting.learned.kinds import shipped_drafter
     from verispec.models.base import has_chat_template

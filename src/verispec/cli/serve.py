@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
 from typing import TYPE_CHECKING
 
@@ -79,8 +81,13 @@ SERVER_LIMITS = ("max_connections", "keep_alive", "header_timeout", "body_timeou
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Run ``verispec serve`` until interrupted."""
-    from verispec.server.app import Server, ServerConfig, exposed, listen, run
+    """Run ``verispec serve`` until interrupted: the drafter's choice checked and the port bound before
+    anything loads (a mistake, a port out of range or taken: one line at once)."""
+    from verispec.options import ModelChoice
+
+    ModelChoice(**model_fields(args), **suffix_fields(args))
+    sock = _listen(args.host, args.port)
+    from verispec.server.app import Server, ServerConfig, exposed, run  # loads torch and transformers
 
     config = ServerConfig(
         **model_fields(args),
@@ -93,9 +100,6 @@ def run_serve(args: argparse.Namespace) -> int:
         model_name=args.model_name,
         **{name: value for name in SERVER_LIMITS if (value := getattr(args, name)) is not None},
     )
-    if not 0 <= args.port < 65536:
-        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
-    sock = listen(args.host, args.port)  # before the model loads: a taken port fails at once
     host, port = sock.getsockname()[:2]
     if exposed(host) and config.api_key is None:
         warn(
@@ -111,3 +115,18 @@ def run_serve(args: argparse.Namespace) -> int:
     run(server, sock)
     print("verispec: stopped", file=sys.stderr)
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: a free one), the stdlib's (no torch); UsageError when it
+    cannot be had."""
+    if not 0 <= port < 65536:
+        raise UsageError(f"--port must be in [0, 65535], got {port}")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as err:
+        raise UsageError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+    try:
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as err:  # its message names the address again: the errno's words alone
+        raise UsageError(f"cannot listen on {host}:{port}: {os.strerror(err.errno or 0)}") from None

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from verispec.drafting.base import Allowed, Proposal, allowed_guesses, allowed_logits
-from verispec.drafting.registry import CROSS_TOKENIZER
+from verispec.drafting.registry import CROSS_TOKENIZER, check_algorithm
 from verispec.errors import UsageError
 from verispec.models.base import LanguageModel, SpelledTokenizer, Tokenizer
 from verispec.options import SamplingParams
@@ -45,7 +45,6 @@ __all__ = [
     "StringMatchDrafter",
     "TokenIntersectionDrafter",
     "VocabularyPair",
-    "check_algorithm",
     "intersect",
     "same_vocabulary",
 ]
@@ -53,12 +52,6 @@ __all__ = [
 ALGORITHMS = CROSS_TOKENIZER  # what --cross-tokenizer accepts
 MIN_SHARED = 0.1  # the least share of the draft's tokens that must exist in the target's vocabulary
 _MAX_PIECE = 64  # bytes: longer pieces are never used to spell text
-
-
-def check_algorithm(name: str) -> None:
-    """UsageError, one line, unless ``name`` is one of :data:`ALGORITHMS`."""
-    if name not in ALGORITHMS:
-        raise UsageError(f"cross-tokenizer must be one of {', '.join(ALGORITHMS)}, got {name!r}")
 
 
 def _spelling(tokenizer: Tokenizer, role: str) -> list[bytes]:

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from verispec.drafting.base import Allowed, BranchedTreeDrafter, Proposal, allowed_logits
 from verispec.drafting.learned.exit import ExitDraft
+from verispec.drafting.registry import EARLY_EXIT, SELF, early_exit_layers, self_draft
 from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
 from verispec.models.base import Cache, LanguageModel, TreeLanguageModel
@@ -17,37 +18,6 @@ from verispec.options import SamplingParams
 from verispec.sampling import draft_draw, first_argmax, probs_from_logits
 
 __all__ = ["EARLY_EXIT", "SELF", "ModelDrafter", "ModelTreeDrafter", "early_exit_layers", "self_draft"]
-
-EARLY_EXIT = "layers:"  # the draft SPEC of an early exit: ``layers:N``, the target's own first N layers
-
-
-SELF = "self:"  # the draft SPEC of the target's own weights in a lower precision: ``self:PRECISION``
-
-
-def early_exit_layers(spec: str) -> int | None:
-    """N for the draft SPEC ``layers:N`` (an early exit: the target's first N layers, sharing its cache),
-    None for any other SPEC (``layers:N:PRECISION`` included: see :func:`self_draft`); UsageError when the
-    count is not an integer."""
-    if not spec.startswith(EARLY_EXIT) or spec.count(":") > 1:
-        return None
-    count = spec[len(EARLY_EXIT) :]
-    if not count.isdigit():
-        raise UsageError(f"an early-exit draft is written {EARLY_EXIT}N with N an integer, got {spec!r}")
-    return int(count)
-
-
-def self_draft(spec: str) -> tuple[int | None, str] | None:
-    """(N or None, PRECISION) for a draft SPEC of the target's own weights packed again in a lower
-    precision: ``self:PRECISION`` (every layer) or ``layers:N:PRECISION`` (the first N, an early exit with a
-    cache of its own); None for any other SPEC; UsageError for a malformed one."""
-    if spec.startswith(SELF):
-        return None, spec[len(SELF) :]
-    if not spec.startswith(EARLY_EXIT) or spec.count(":") != 2:
-        return None
-    _, count, precision = spec.split(":")
-    if not count.isdigit():
-        raise UsageError(f"a self-draft is written {EARLY_EXIT}N:PRECISION with N an integer, got {spec!r}")
-    return int(count), precision
 
 
 class ModelDrafter:

@@ -6,7 +6,9 @@ its chain form (the :class:`~verispec.drafting.base.Drafter` protocol) and, if i
 (:class:`~verispec.drafting.base.TreeDrafter`), then add one entry to :data:`DRAFTERS`.
 
 ``auto`` is not a drafter but a choice among them (:func:`choose_auto`): the draft model when one is given,
-else the learned drafter when one exists for the target, else prompt lookup.
+else the learned drafter when one exists for the target, else prompt lookup. :func:`check_choice` is every
+check of a choice of drafter (and its draft, file and tree) that needs no model: light to import (no torch),
+the command line asks it before anything loads.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from verispec.errors import UsageError
+from verispec.inputs import did_you_mean
 
 if TYPE_CHECKING:  # the drafters themselves are imported where they are built: this table loads no torch
     from verispec.analysis.analytic import CostModel
@@ -34,15 +37,55 @@ __all__ = [
     "CHOICES",
     "CROSS_TOKENIZER",
     "DRAFTERS",
+    "EARLY_EXIT",
+    "SELF",
     "DraftInputs",
     "DrafterKind",
+    "check_algorithm",
+    "check_choice",
     "choose_auto",
     "drafter_kind",
     "drafter_names",
+    "early_exit_layers",
+    "self_draft",
 ]
 
 AUTO = "auto"
 CROSS_TOKENIZER = ("auto", "tli", "string")  # how a draft of another tokenizer drafts (--cross-tokenizer)
+EARLY_EXIT = "layers:"  # the draft SPEC of an early exit: ``layers:N``, the target's own first N layers
+SELF = "self:"  # the draft SPEC of the target's own weights in a lower precision: ``self:PRECISION``
+
+
+def early_exit_layers(spec: str) -> int | None:
+    """N for the draft SPEC ``layers:N`` (an early exit: the target's first N layers, sharing its cache),
+    None for any other SPEC (``layers:N:PRECISION`` included: see :func:`self_draft`); UsageError when the
+    count is not an integer."""
+    if not spec.startswith(EARLY_EXIT) or spec.count(":") > 1:
+        return None
+    count = spec[len(EARLY_EXIT) :]
+    if not count.isdigit():
+        raise UsageError(f"an early-exit draft is written {EARLY_EXIT}N with N an integer, got {spec!r}")
+    return int(count)
+
+
+def self_draft(spec: str) -> tuple[int | None, str] | None:
+    """(N or None, PRECISION) for a draft SPEC of the target's own weights packed again in a lower
+    precision: ``self:PRECISION`` (every layer) or ``layers:N:PRECISION`` (the first N, an early exit with a
+    cache of its own); None for any other SPEC; UsageError for a malformed one."""
+    if spec.startswith(SELF):
+        return None, spec[len(SELF) :]
+    if not spec.startswith(EARLY_EXIT) or spec.count(":") != 2:
+        return None
+    _, count, precision = spec.split(":")
+    if not count.isdigit():
+        raise UsageError(f"a self-draft is written {EARLY_EXIT}N:PRECISION with N an integer, got {spec!r}")
+    return int(count), precision
+
+
+def check_algorithm(name: str) -> None:
+    """UsageError, one line, unless ``name`` is one of :data:`CROSS_TOKENIZER`."""
+    if name not in CROSS_TOKENIZER:
+        raise UsageError(f"cross-tokenizer must be one of {', '.join(CROSS_TOKENIZER)}, got {name!r}")
 
 
 @dataclass(frozen=True)
@@ -327,11 +370,49 @@ CHOICES = (AUTO, *DRAFTERS)  # what --drafter accepts
 
 
 def drafter_kind(name: str) -> DrafterKind:
-    """The drafter named ``name``; UsageError listing the choices for an unknown one."""
+    """The drafter named ``name``; UsageError listing the choices for an unknown one (and the closest)."""
     try:
         return DRAFTERS[name]
     except (KeyError, TypeError):
-        raise UsageError(f"unknown drafter {name!r}; choose one of {', '.join(CHOICES)}") from None
+        close = did_you_mean(name, CHOICES) if isinstance(name, str) else ""
+        raise UsageError(f"unknown drafter {name!r}{close}; choose one of {', '.join(CHOICES)}") from None
+
+
+def check_choice(
+    draft: object,
+    drafter: str,
+    drafter_path: object = None,
+    draft_tokenizer: object = None,
+    cross_tokenizer: str = "auto",
+    tree: object = None,
+) -> DrafterKind | None:
+    """The drafter's kind (None for auto), after every check of a choice that needs no model: ``draft`` a
+    draft SPEC (or a model already loaded), ``drafter`` a name of :data:`CHOICES`, a drafter file, the draft's
+    own tokenizer, the cross-tokenizer algorithm and ``tree`` (a TreeShape, "auto" or None) together."""
+    from verispec.drafting.tree import TreeShape  # numpy, no torch
+
+    check_algorithm(cross_tokenizer)
+    own_weights = isinstance(draft, str) and (
+        early_exit_layers(draft) is not None or self_draft(draft) is not None
+    )
+    if draft_tokenizer is not None and (draft is None or own_weights):
+        raise UsageError("--draft-tokenizer is the tokenizer of a draft model (--draft SPEC)")
+    if cross_tokenizer != "auto" and (draft is None or own_weights):
+        raise UsageError("--cross-tokenizer applies to a draft whose tokenizer differs from the target's")
+    kind = None if drafter == AUTO else drafter_kind(drafter)
+    if kind is not None and kind.needs_draft_model and draft is None:
+        raise UsageError(f"drafter {drafter!r} needs a draft model (--draft SPEC)")
+    if draft is not None and kind is not None and not kind.needs_draft_model:
+        raise UsageError(f"a draft model was given but drafter is {drafter!r}")
+    if draft is not None and drafter_path is not None:
+        raise UsageError("give a draft model (--draft) or a drafter file (--drafter-path), not both")
+    if drafter_path is not None and kind is not None and not kind.learned:
+        raise UsageError(f"a drafter file was given but drafter is {drafter!r}")
+    if tree is not None and tree != AUTO and not isinstance(tree, TreeShape):
+        raise UsageError(f"tree must be a TreeShape, {AUTO!r} or None, got {tree!r}")
+    if kind is not None and isinstance(tree, TreeShape):
+        kind.check_tree(tree)
+    return kind
 
 
 def drafter_names(which: Callable[[DrafterKind], bool] = lambda kind: True, last: str = "or") -> str:

