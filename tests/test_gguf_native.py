@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,7 @@ from test_gguf import MERGES, SPECIALS, tiny_llama, write_tiny_gguf
 from verispec.api import Speculator
 from verispec.calibrate import model_identity
 from verispec.drafting.learned.head import target_fingerprint
+from verispec.errors import UsageError
 from verispec.kernels.cpu import GGUF_TYPES, PackedMatrix, native_available
 from verispec.models.base import RowInput
 from verispec.models.gguf import convert_gguf, gguf_cache_path, gguf_tokenizer_dir
@@ -416,6 +418,49 @@ def test_bad_files_are_one_line_errors_leaving_nothing(tmp_path, cache):
         r"tensor blk.0.ffn_gate.weight is \[128, 64\], expected \[96, 64\]",
         cache,
     )
+
+
+def patched(source: Path, out: Path, key: str, value: int) -> Path:
+    """``source`` with the uint32 metadata value ``key`` set to ``value``, written to ``out``."""
+    data = bytearray(source.read_bytes())
+    entry = struct.pack("<Q", len(key)) + key.encode()
+    struct.pack_into("<I", data, data.index(entry) + len(entry) + 4, value)  # after the key and its type
+    out.write_bytes(data)
+    return out
+
+
+def test_a_refused_file_leaves_no_tokenizer_in_the_cache(tmp_path, cache, monkeypatch):
+    """Issue 52's D14: each refused GGUF file left its tokenizer in the cache. A file claiming a context no
+    machine allocates a cache for loaded, had its tokenizer extracted, then failed at the first generation:
+    it is refused as it loads now. A file read for its tokenizer alone is checked first: a hostile header
+    (an internal error from transformers' reader before), a special token beyond the token list (an
+    IndexError before). One line each, nothing in the cache."""
+    with monkeypatch.context() as patch:  # a context of 2**50 positions: uint64, as GGUF allows
+        patch.setattr(
+            gguf.GGUFWriter, "add_context_length", lambda w, n: w.add_uint64(f"{w.arch}.context_length", n)
+        )
+        endless = tiny_llama()
+        endless.config.max_position_embeddings = 2**50
+        source = write_tiny_gguf(tmp_path / "endless.gguf", endless, "Q8_0")
+    refused(source, f"a cache of its context, {2**50} positions, cannot be allocated here", cache)
+    good = write_tiny_gguf(tmp_path / "good.gguf", tiny_llama(), "Q8_0")
+    data = bytearray(good.read_bytes())
+    entry = struct.pack("<Q", len("token_embd.weight")) + b"token_embd.weight"
+    struct.pack_into("<I", data, data.index(entry) + len(entry), 2**31)  # its number of dimensions
+    (tmp_path / "dims.gguf").write_bytes(data)
+    eos = patched(good, tmp_path / "eos.gguf", "tokenizer.ggml.eos_token_id", 10**6)
+    for path, message in [
+        (
+            tmp_path / "dims.gguf",
+            "cannot read .* as a GGUF file: tensor token_embd.weight has 2147483648 dim",
+        ),
+        (eos, r"tokenizer.ggml.eos_token_id is 1000000, not one of its \d+ tokens"),
+    ]:
+        for load in (load_tokenizer, lambda p: load_model(p, precision="auto")):
+            with pytest.raises(UsageError, match=message) as info:
+                load(path)
+            assert "\n" not in str(info.value) and str(path) in str(info.value)
+            assert not cache.exists() or list(cache.iterdir()) == []
 
 
 def test_an_architecture_or_type_the_kernels_lack_is_refused_in_one_line(tmp_path):

@@ -11,7 +11,8 @@ writes the result.
 A conversion (or a tokenizer, :func:`gguf_tokenizer_dir`) is built in a hidden ``.NAME.partial-PID-*``
 directory next to its target and renamed into place at the end, so the target directory either holds a
 complete conversion or does not exist. Partial directories left by a process that died are removed by the
-next conversion in the same cache.
+next conversion in the same cache. A tokenizer is extracted only from a file whose header reads whole
+(:func:`read_gguf`) and whose tokenizer metadata holds together: a file refused leaves nothing in the cache.
 
 The cache lives in ``$VERISPEC_CACHE/models`` (default ``~/.cache/verispec/models``).
 """
@@ -36,6 +37,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from verispec.errors import UsageError
+from verispec.inputs import is_int
 from verispec.models.gguf_file import GGUFFile
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "gguf_cache_path",
     "gguf_tokenizer_dir",
     "is_converted",
+    "read_gguf",
     "source_gguf",
     "stored_format",
 ]
@@ -126,22 +129,38 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def read_gguf(path: Path) -> GGUFFile:
+    """The memory-mapped file; UsageError (one line, naming it) when it is no readable GGUF file."""
+    try:
+        return GGUFFile(path)
+    except (ValueError, OSError) as err:  # truncated, corrupt, hostile, not GGUF
+        raise UsageError(f"cannot read {path} as a GGUF file: {first_line(err)}") from err
+
+
 def gguf_tokenizer_dir(gguf: Path) -> Path:
     """The tokenizer (and chat template) transformers converts from the GGUF file's metadata, saved once in
     the cache beside where its conversion would go (keyed the same way): later loads read these files.
-    UsageError (one line) when the file has no tokenizer transformers reads; nothing is left behind then."""
+    UsageError (one line) when the file is no readable GGUF file or has no tokenizer transformers reads,
+    checked before anything is written: nothing is left behind then."""
     out_dir = gguf_cache_path(gguf)
     out_dir = out_dir.with_name(out_dir.name + _TOKENIZER)
 
     def done(directory: Path) -> bool:
         return (directory / "tokenizer_config.json").is_file()
 
+    if done(out_dir):
+        return out_dir
+    header = read_gguf(gguf)  # a file refused leaves nothing in the cache
+    problem = _tokenizer_problem(header.fields)
+    if problem is not None:
+        raise UsageError(f"no tokenizer in {gguf} that transformers reads: {problem}")
+
     def write(partial: Path) -> None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        except (ValueError, KeyError, OSError, NotImplementedError, TypeError) as err:
+        except (ValueError, KeyError, IndexError, OSError, NotImplementedError, TypeError) as err:
             raise UsageError(f"no tokenizer in {gguf} that transformers reads: {first_line(err)}") from err
-        arch = GGUFFile(gguf).fields.get("general.architecture")
+        arch = header.fields.get("general.architecture")
         if not tokenizer.chat_template and arch in _CHAT_FORMATS:  # a file without its template
             template, end_of_turn = _CHAT_FORMATS[arch]
             tokenizer.chat_template = template
@@ -151,9 +170,22 @@ def gguf_tokenizer_dir(gguf: Path) -> Path:
                 (partial / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}) + "\n")
         tokenizer.save_pretrained(partial)
 
-    if not done(out_dir):
-        _build(out_dir, done, write, gguf)
+    _build(out_dir, done, write, gguf)
     return out_dir
+
+
+def _tokenizer_problem(fields: dict) -> str | None:
+    """What keeps the tokenizer metadata ``fields`` of a GGUF header from making a tokenizer (no token list, a
+    special token's id beyond it: transformers' reading fails on them, some with an IndexError), None when
+    nothing does."""
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        return "its metadata has no tokenizer.ggml.tokens"
+    for key, value in fields.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
+            if not is_int(value) or value >= len(tokens):
+                return f"{key} is {value!r}, not one of its {len(tokens)} tokens"
+    return None
 
 
 def _build(out_dir: Path, done: Callable[[Path], bool], write: Callable[[Path], None], gguf: Path) -> None:

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from verispec.errors import UsageError
 from verispec.kernels.cpu import GGUF_TYPES, NativeLayer, NativeStack, PackedMatrix, Projection
-from verispec.models.gguf import first_line
+from verispec.models.gguf import first_line, read_gguf
 from verispec.models.gguf_file import GGUFFile, GGUFTensor
 from verispec.models.llama import FORMATS, Llama, LlamaConfig, RopeScaling, _DecoderLayer
 
@@ -98,14 +98,6 @@ class GGUFEmbedding(nn.Module):
         return self(torch.arange(self.rows.shape[0]))
 
 
-def read_gguf(path: Path) -> GGUFFile:
-    """The memory-mapped file; UsageError (one line, naming it) when it is no readable GGUF file."""
-    try:
-        return GGUFFile(path)
-    except (ValueError, OSError) as err:  # truncated, corrupt, not GGUF
-        raise UsageError(f"cannot read {path} as a GGUF file: {first_line(err)}") from err
-
-
 def in_place_problem(reader: GGUFFile) -> str | None:
     """Why the native kernels cannot run this file as it is (an architecture or a tensor type they lack),
     None when they can."""
@@ -129,7 +121,8 @@ def load_gguf(path: str | Path, precision: str = "auto") -> Llama:
     """The model in the GGUF file ``path`` on the native kernels, each matrix in its own format ("auto") or
     requantized into ``precision`` (fp16, q8_0, q4_1; the head in q8_0 for q4_1, as
     :meth:`Llama.optimize_for_cpu` packs it). UsageError (one line, naming the file) for an unreadable file,
-    an architecture or a tensor type the kernels lack, a missing tensor or one of the wrong shape."""
+    an architecture or a tensor type the kernels lack, a missing tensor or one of the wrong shape, a context
+    too long for this machine to allocate a sequence's cache of (:func:`_check_context`)."""
     path = Path(path)
     if precision not in ("auto", *FORMATS):
         raise UsageError(
@@ -141,11 +134,25 @@ def load_gguf(path: str | Path, precision: str = "auto") -> Llama:
         raise UsageError(f"{path} cannot run in place: {problem}")
     try:
         model = _assemble(path, reader, precision)
+        _check_context(model)
     except UsageError as err:
         raise UsageError(f"{path}: {err}") from err
     del reader  # the mapping of the whole file goes with it
     _trim_heap()
     return model
+
+
+def _check_context(model: Llama) -> None:
+    """UsageError when a cache of one sequence at the model's context, what the engine allocates for each of
+    its slots (untouched until used), cannot be allocated here: a file claiming a context no machine holds is
+    refused as it loads, before its tokenizer is extracted, not at the first generation."""
+    try:
+        model.new_cache(1)
+    except (MemoryError, RuntimeError) as err:  # torch's allocator: all the call does is allocate
+        raise UsageError(
+            f"a cache of its context, {model.max_context} positions, cannot be allocated here "
+            f"({first_line(err)})"
+        ) from None
 
 
 def _trim_heap() -> None:
