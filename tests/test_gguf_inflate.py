@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from importlib import resources
+from pathlib import Path
 
 import gguf
 import pytest
@@ -17,6 +18,9 @@ from test_gguf import tiny_llama, write_tiny_gguf
 from test_gguf_native import IDS, cache, run, tiny_gemma3, tiny_phi3, tiny_qwen2, tiny_qwen3  # noqa: F401
 from verispec.api import Speculator
 from verispec.cli import main
+from verispec.drafting.learned.head import target_fingerprint
+from verispec.drafting.learned.inflate import inflate_drafter
+from verispec.drafting.learned.kinds import HEADS, load_head
 from verispec.errors import UsageError
 from verispec.kernels.cpu import native_available
 from verispec.models.gguf_inflate import Source, inflate_gguf, plan_inflation
@@ -209,3 +213,68 @@ def test_smollm2_inflated_4x_gives_its_logits_bit_for_bit_over_2048_positions(tm
     small = logits(source)
     assert torch.equal(logits(out), small)
     assert math.isfinite(small.abs().max().item())
+
+
+# --- learned drafters padded the same way ------------------------------------------------------------------
+
+
+def learned_file(target, folder: Path, kind: str) -> Path:
+    """A random learned drafter of ``kind`` for ``target`` over its whole vocabulary, its weights 20 times
+    the usual start's so that its drafts differ from a uniform guess."""
+    metadata = {"kind": kind, "target": "tiny", "target_fingerprint": target_fingerprint(target)}
+    shape = {"eagle": (), "medusa": (3,), "exit": (1,), "lookahead": (3,)}[kind]
+    generator = torch.Generator().manual_seed(1)
+    head = HEADS[kind].create(target, torch.arange(target.vocab_size), generator, metadata, *shape)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.mul_(20)
+    return head.save(folder / f"{kind}.safetensors")
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "exit", "lookahead"])
+def test_a_padded_drafter_drafts_beside_the_inflated_target_what_it_drafts_beside_the_source(
+    tmp_path,
+    cache,  # noqa: F811
+    kind,
+):
+    source = tiny_source(tmp_path, "llama-q8_0")
+    wide_file, _ = inflate_gguf(source, tmp_path / "wide.gguf", "hidden=256,ffn=256")
+    small, wide = load_model(source, precision="auto"), load_model(wide_file, precision="auto")
+    drafter = learned_file(small[0], tmp_path, kind)
+    padded = inflate_drafter(drafter, small[0], wide[0], tmp_path / f"wide.{kind}.safetensors")
+    with pytest.raises(UsageError, match="trained for target"):  # each file loads beside its own target
+        load_head(padded, small[0])
+    runs = []
+    for model, path in ((small, drafter), (wide, padded)):
+        spec = Speculator(model, drafter=kind, drafter_path=path)
+        for sampling in (GREEDY, SamplingParams(temperature=1.0, seed=3)):
+            result = spec.generate("hello world", k=3, max_new_tokens=24, sampling=sampling)
+            stats = result.stats
+            runs.append((result.token_ids, stats["drafted"], stats["acceptance_per_position"]))
+    assert runs[:2] == runs[2:]  # the same tokens, drafted and accepted at the same positions
+    assert sum(sum(rates) for _, _, rates in runs) > 0  # the drafts were not all refused
+
+
+def test_drafters_are_refused_beside_a_target_they_do_not_fit(tmp_path, cache):  # noqa: F811
+    source = tiny_source(tmp_path, "llama-q8_0")
+    wide_file, _ = inflate_gguf(source, tmp_path / "wide.gguf", "hidden=256,ffn=256")
+    small, wide = load_model(source, precision="auto")[0], load_model(wide_file, precision="auto")[0]
+    drafter = learned_file(small, tmp_path, "eagle")
+    with pytest.raises(UsageError, match="trained for target"):  # a file for the source, given as the wide's
+        inflate_drafter(drafter, wide, small, tmp_path / "x.safetensors")
+    qwen3 = tiny_source(tmp_path, "qwen3")
+    qwen3_wide, _ = inflate_gguf(qwen3, tmp_path / "q.gguf", "hidden=256,ffn=256")
+    small3, wide3 = load_model(qwen3, precision="auto")[0], load_model(qwen3_wide, precision="auto")[0]
+    with pytest.raises(UsageError, match="Llama, Mistral or Qwen2 targets only"):
+        inflate_drafter(learned_file(small3, tmp_path, "medusa"), small3, wide3, tmp_path / "x.safetensors")
+    assert not (tmp_path / "x.safetensors").exists()
+    out = tmp_path / "cli.gguf"
+    argv = ["write-gguf", "--from", str(source), "--inflate", "hidden=256,ffn=256", "--out", str(out)]
+    assert main([*argv, "--drafters", str(tmp_path / "missing.safetensors")]) == 2
+    assert main([*argv, "--drafters", "shipped"]) == 2  # verispec ships none for a tiny file
+    (tmp_path / "w").mkdir()
+    assert main([*argv, "--drafters", str(learned_file(wide, tmp_path / "w", "eagle"))]) == 2  # the wide's
+    assert not out.exists()
+    assert main([*argv, "--drafters", str(drafter)]) == 0
+    assert out.exists() and (tmp_path / "cli.eagle.safetensors").exists()

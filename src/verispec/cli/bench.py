@@ -362,6 +362,12 @@ def add_write_gguf_parser(subparsers: argparse._SubParsersAction) -> None:
         "llama3-3b, llama3-8b, or hidden=H,ffn=F[,kv_heads=K]); its blocks stay in their types (no --type)",
     )
     parser.add_argument(
+        "--drafters",
+        metavar="shipped|FILE[,FILE]",
+        help="with --inflate: learned drafters of MODEL padded the same way, each written beside --out as "
+        "OUT.KIND.safetensors (shipped: those verispec ships for MODEL)",
+    )
+    parser.add_argument(
         "--type",
         help="with --shape: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K or F16; with --from (without "
         "--inflate): " + FROM_TYPES,
@@ -378,18 +384,10 @@ def run_write_gguf(args: argparse.Namespace) -> int:
         raise UsageError("--inflate keeps each tensor's type: drop --type (requantize first, then inflate)")
     if args.inflate is None and args.type is None:
         raise UsageError(f"--type is required with {'--from' if args.source is not None else '--shape'}")
+    if args.drafters is not None and args.inflate is None:
+        raise UsageError("--drafters are padded for an inflated file: give --inflate too")
     if args.inflate is not None:
-        from verispec.models.gguf_inflate import inflate_gguf
-        from verispec.models.registry import gguf_file
-
-        source = gguf_file(args.source)
-        if source is None:
-            raise UsageError(f"--from takes a .gguf file or a short name with one, got {args.source!r}")
-        path, plan = inflate_gguf(source, args.out, args.inflate)
-        exact = "the source's logits bit for bit" if plan.exact else "the source's function up to rounding"
-        size = path.stat().st_size / 2**20
-        print(f"{args.source} inflated ({plan.describe()}; {exact}): {path} ({size:.1f} MiB)")
-        return 0
+        return _inflate(args)
     if args.source is not None:
         from verispec.cores import available_cores
         from verispec.models.gguf_requantize import requantize_gguf
@@ -406,6 +404,56 @@ def run_write_gguf(args: argparse.Namespace) -> int:
     path = write_random_gguf(args.out, parse_shape(args.shape), args.type, args.seed)
     print(f"random-weight GGUF written to {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0
+
+
+def _inflate(args: argparse.Namespace) -> int:
+    """``write-gguf --from MODEL --inflate SHAPE [--drafters ...]``: the file, then each drafter beside it."""
+    from verispec.models.gguf_inflate import inflate_gguf
+    from verispec.models.registry import gguf_file
+
+    source = gguf_file(args.source)
+    if source is None:
+        raise UsageError(f"--from takes a .gguf file or a short name with one, got {args.source!r}")
+    drafters = _drafters_to_inflate(args.drafters, args.source)
+    if drafters:  # each checked against the source before anything is written
+        from verispec.drafting.learned.inflate import inflate_drafter
+        from verispec.drafting.learned.kinds import load_head
+        from verispec.models.registry import load_model
+
+        small = load_model(source, precision="auto")[0]
+        kinds = [load_head(drafter, small, args.source).kind for drafter in drafters]
+    path, plan = inflate_gguf(source, args.out, args.inflate)
+    exact = "the source's logits bit for bit" if plan.exact else "the source's function up to rounding"
+    print(
+        f"{args.source} inflated ({plan.describe()}; {exact}): {path} ({path.stat().st_size / 2**20:.1f} MiB)"
+    )
+    if drafters:
+        wide = load_model(path, precision="auto")[0]
+        for drafter, kind in zip(drafters, kinds, strict=True):
+            out = inflate_drafter(drafter, small, wide, path.with_name(f"{path.stem}.{kind}.safetensors"))
+            print(f"{kind} drafter {drafter} padded for it: {out}")
+    return 0
+
+
+def _drafters_to_inflate(spec: str | None, model: str) -> list[Path]:
+    """The drafter files ``--drafters`` names (``shipped``: verispec's own for ``model``); UsageError for a
+    missing file or a model verispec ships none for."""
+    if spec is None:
+        return []
+    if spec == "shipped":
+        from verispec.drafting.learned.kinds import HEADS, shipped_drafter
+
+        found = [path for kind in HEADS if (path := shipped_drafter(model, kind)) is not None]
+        if not found:
+            raise UsageError(f"verispec ships no drafters for {model!r}: give their files to --drafters")
+        return found
+    paths = [Path(item.strip()) for item in spec.split(",") if item.strip()]
+    for path in paths:
+        if not path.is_file():
+            raise UsageError(f"no such drafter file: {path}")
+    if not paths:
+        raise UsageError("--drafters takes shipped or drafter files, FILE[,FILE]")
+    return paths
 
 
 def add_bench_gguf_parser(subparsers: argparse._SubParsersAction) -> None:
