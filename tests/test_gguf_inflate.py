@@ -20,7 +20,7 @@ from verispec.api import Speculator
 from verispec.cli import main
 from verispec.drafting.learned.head import target_fingerprint
 from verispec.drafting.learned.inflate import inflate_drafter
-from verispec.drafting.learned.kinds import HEADS, load_head
+from verispec.drafting.learned.kinds import HEADS, load_head, shipped_drafter
 from verispec.errors import UsageError
 from verispec.kernels.cpu import native_available
 from verispec.models.gguf_inflate import Source, inflate_gguf, plan_inflation
@@ -277,4 +277,12 @@ def test_drafters_are_refused_beside_a_target_they_do_not_fit(tmp_path, cache): 
     assert main([*argv, "--drafters", str(learned_file(wide, tmp_path / "w", "eagle"))]) == 2  # the wide's
     assert not out.exists()
     assert main([*argv, "--drafters", str(drafter)]) == 0
-    assert out.exists() and (tmp_path / "cli.eagle.safetensors").exists()
+    beside = tmp_path / "cli.eagle.safetensors"
+    assert out.exists() and beside.exists()
+    assert shipped_drafter(str(out), "eagle") == beside and shipped_drafter(str(out), "medusa") is None
+    # the file beside it is the one a run of the inflated file takes: the same drafts as beside the source
+    runs = [
+        Speculator(target, drafter="eagle", drafter_path=path).generate("hello", k=3, max_new_tokens=12).stats
+        for target, path in ((str(out), None), (str(source), drafter))
+    ]
+    assert [r["drafted"] for r in runs] == [runs[1]["drafted"]] * 2 and runs[0]["drafter"] == "eagle"

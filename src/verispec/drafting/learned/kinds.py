@@ -47,10 +47,15 @@ def load_head(
 
 
 def shipped_drafter(target_label: str, kind: str = "eagle") -> Path | None:
-    """The drafter file of ``kind`` that verispec ships for the target named ``target_label`` (a short model
-    name), when there is one (``verispec/data/drafters``)."""
+    """The drafter file of ``kind`` that comes with the target named ``target_label``, when there is one:
+    verispec's own for a short model name (``verispec/data/drafters``), or for a GGUF file ``MODEL.gguf`` the
+    file ``MODEL.KIND.safetensors`` beside it (as ``write-gguf --inflate --drafters`` writes them)."""
     name = SHIPPED.get((target_label, kind))
-    if name is None:
+    if name is not None:
+        path = Path(str(resources.files("verispec") / "data" / "drafters" / name))
+    elif target_label.endswith(".gguf"):
+        gguf = Path(target_label)
+        path = gguf.with_name(f"{gguf.stem}.{kind}.safetensors")
+    else:
         return None
-    path = Path(str(resources.files("verispec") / "data" / "drafters" / name))
     return path if path.is_file() else None
