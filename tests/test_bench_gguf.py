@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -159,7 +161,7 @@ def test_bench_gguf_reports_a_random_file(tmp_path, capsys, own_cache):
         ([], "give GGUF files, or --random"),
         (["missing.gguf"], "no such GGUF file"),
         (["--random", "llama3-1b:Q3_K"], "TYPE one of"),
-        (["--random", "llama3-1b:Q4_K", "--max-k", "0"], "--max-k must be an integer >= 1"),
+        (["--random", "llama3-1b:Q4_K", "--max-k", "1"], "--max-k must be an integer >= 2, got 1"),
     ],
 )
 def test_bench_gguf_refuses_bad_arguments_in_one_line(tmp_path, capsys, monkeypatch, argv, message):
@@ -168,3 +170,39 @@ def test_bench_gguf_refuses_bad_arguments_in_one_line(tmp_path, capsys, monkeypa
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
     assert not (tmp_path / "cache").exists()  # refused before any file is written
+
+
+def test_bench_gguf_checks_its_files_before_measuring_anything(tmp_path, capsys, monkeypatch):
+    """Issue 52's D8: ``--max-k 1`` measured everything, then failed with an internal StatisticsError; a
+    file that is not GGUF, or that the kernels cannot run, was refused only after a 1 GB buffer had been
+    measured (its read rate) and the file loaded in a child process. Every argument and file is checked
+    first, in one line each: the bench's first measurement here fails the test."""
+    import verispec.bench.gguf as bench
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(
+        bench, "read_bandwidth", lambda *a: pytest.fail("measured before the input was checked")
+    )
+    source = tmp_path / "tiny.gguf"  # SHAPE's context: 512 positions
+    assert cli.main(["write-gguf", "--shape", SHAPE, "--type", "Q8_0", "--out", str(source)]) == 0
+    notes = tmp_path / "notes.gguf"
+    notes.write_text("not a model, but notes long enough for a header")
+    writer = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    capsys.readouterr()
+    for argv, message in [
+        ([str(source), "--max-k", "1"], "error: --max-k must be an integer >= 2, got 1"),
+        ([str(notes)], f"error: cannot read {notes} as a GGUF file: no GGUF magic at its start"),
+        ([str(tmp_path / "gpt2.gguf")], "gpt2.gguf cannot run in place: architecture 'gpt2'"),
+        (
+            [str(source), "--context", "500"],
+            f"{source} holds 512 positions, and --context 500 with --max-k 8 and --prefill 128 fill 644",
+        ),
+    ]:
+        assert cli.main(["bench-gguf", *argv, "--no-llamacpp"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err

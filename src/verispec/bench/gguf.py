@@ -30,9 +30,11 @@ import torch
 from verispec.analysis.analytic import expected_speedup, optimal_k
 from verispec.bench.peers import llamacpp_missing
 from verispec.errors import UsageError
+from verispec.inputs import is_int
 from verispec.kernels.threads import THREADS
 from verispec.models.gguf import cache_dir
-from verispec.models.gguf_native import load_gguf, read_gguf
+from verispec.models.gguf_file import read_gguf
+from verispec.models.gguf_native import in_place_problem, load_gguf
 from verispec.models.gguf_write import RANDOM_NAME, TYPES, parse_shape, write_random_gguf
 from verispec.models.llama import Llama
 
@@ -40,6 +42,7 @@ __all__ = [
     "FileBenchConfig",
     "FileResult",
     "bench_file",
+    "check_file",
     "machine",
     "random_file",
     "read_bandwidth",
@@ -60,6 +63,11 @@ class FileBenchConfig:
     max_k: int = 8
     repetitions: int = 7
     llamacpp: bool = True
+
+    @property
+    def positions(self) -> int:
+        """The cache a file's timings fill: the context, then the longer of a block and a prompt, and room."""
+        return self.context + max(self.max_k, self.prefill) + 16
 
 
 @dataclass
@@ -183,6 +191,22 @@ def _load_in_child(path: Path, threads: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def check_file(path: Path, config: FileBenchConfig) -> None:
+    """UsageError (one line, naming the file) unless ``path`` is a GGUF file the native kernels run in place
+    whose context holds the positions the bench fills (:attr:`FileBenchConfig.positions`): checked from its
+    header alone, before anything is measured or loaded."""
+    reader = read_gguf(path)
+    problem = in_place_problem(reader)
+    if problem is not None:
+        raise UsageError(f"{path} cannot run in place: {problem}")
+    context = reader.fields.get(f"{reader.fields.get('general.architecture')}.context_length")
+    if is_int(context) and config.positions > context:
+        raise UsageError(
+            f"{path} holds {context} positions, and --context {config.context} with --max-k {config.max_k} "
+            f"and --prefill {config.prefill} fill {config.positions}: ask for fewer"
+        )
+
+
 def bench_file(path: Path, config: FileBenchConfig, bandwidth: float) -> FileResult:
     """Measure ``path`` (see the module docstring)."""
     reader = read_gguf(path)
@@ -220,7 +244,7 @@ def bench_file(path: Path, config: FileBenchConfig, bandwidth: float) -> FileRes
 
 def _timings(model: Llama, path: Path, config: FileBenchConfig, real: bool) -> dict[str, Any]:
     """The timed fields of :class:`FileResult` (and on a ``real`` file, its agreement with llama.cpp)."""
-    vocab, capacity = model.vocab_size, config.context + max(config.max_k, config.prefill) + 16
+    vocab, capacity = model.vocab_size, config.positions
     ids = torch.randint(0, vocab, (1, capacity), generator=torch.Generator().manual_seed(0))  # [1, capacity]
     cache = model.new_cache(1, capacity)
     model.prefill(ids[:, : config.context], torch.arange(config.context)[None], cache)

@@ -505,7 +505,7 @@ def run_bench_gguf(args: argparse.Namespace) -> int:
     tables."""
     import datetime
 
-    for name, least in (("context", 1), ("prefill", 2), ("max_k", 1), ("repetitions", 1)):
+    for name, least in (("context", 1), ("prefill", 2), ("max_k", 2), ("repetitions", 1)):  # v(k): k >= 2
         if getattr(args, name) < least:
             raise UsageError(
                 f"--{name.replace('_', '-')} must be an integer >= {least}, got {getattr(args, name)}"
@@ -516,11 +516,16 @@ def run_bench_gguf(args: argparse.Namespace) -> int:
             raise UsageError(f"no such GGUF file: {path}")
     if not files and not args.random:
         raise UsageError("give GGUF files, or --random SHAPE:TYPE")
+    from verispec.models.gguf_file import read_gguf
+
+    for path in files:
+        read_gguf(path)  # a file that is not GGUF: at once
     import torch
 
     from verispec.bench.gguf import (
         FileBenchConfig,
         bench_file,
+        check_file,
         machine,
         random_file,
         read_bandwidth,
@@ -532,6 +537,8 @@ def run_bench_gguf(args: argparse.Namespace) -> int:
     config = FileBenchConfig(
         tuple(files), threads, args.context, args.prefill, args.max_k, args.repetitions, not args.no_llamacpp
     )
+    for path in files:
+        check_file(path, config)  # before a byte is measured (a 1 GB buffer) or loaded
     load_at_start = os.getloadavg()
     bandwidth = read_bandwidth(threads)
     results = [bench_file(path, config, bandwidth) for path in files]

@@ -12,7 +12,7 @@ A conversion (or a tokenizer, :func:`gguf_tokenizer_dir`) is built in a hidden `
 directory next to its target and renamed into place at the end, so the target directory either holds a
 complete conversion or does not exist. Partial directories left by a process that died are removed by the
 next conversion in the same cache. A tokenizer is extracted only from a file whose header reads whole
-(:func:`read_gguf`) and whose tokenizer metadata holds together: a file refused leaves nothing in the cache.
+(:func:`~verispec.models.gguf_file.read_gguf`) and whose tokenizer metadata holds together: a file refused leaves nothing in the cache.
 
 The cache lives in ``$VERISPEC_CACHE/models`` (default ``~/.cache/verispec/models``).
 """
@@ -38,7 +38,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from verispec.errors import UsageError
 from verispec.inputs import is_int
-from verispec.models.gguf_file import GGUFFile
+from verispec.models.gguf_file import read_gguf
 
 __all__ = [
     "cache_dir",
@@ -46,7 +46,6 @@ __all__ = [
     "gguf_cache_path",
     "gguf_tokenizer_dir",
     "is_converted",
-    "read_gguf",
     "source_gguf",
     "stored_format",
 ]
@@ -127,14 +126,6 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     if not is_converted(out_dir):
         _build(out_dir, is_converted, lambda partial: _write_transformers_dir(gguf, partial), gguf)
     return out_dir
-
-
-def read_gguf(path: Path) -> GGUFFile:
-    """The memory-mapped file; UsageError (one line, naming it) when it is no readable GGUF file."""
-    try:
-        return GGUFFile(path)
-    except (ValueError, OSError) as err:  # truncated, corrupt, hostile, not GGUF
-        raise UsageError(f"cannot read {path} as a GGUF file: {first_line(err)}") from err
 
 
 def gguf_tokenizer_dir(gguf: Path) -> Path:

@@ -25,9 +25,10 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from verispec.errors import UsageError
 from verispec.inputs import is_int
 
-__all__ = ["GGUFFile", "GGUFTensor"]
+__all__ = ["GGUFFile", "GGUFTensor", "read_gguf"]
 
 _MAGIC = b"GGUF"
 _ALIGNMENT = 32  # general.alignment's default
@@ -176,6 +177,15 @@ class GGUFFile:
                 f"more than the {self._size}-byte file"
             )
         return name, shape, tensor_type, self._unpack("<Q"), n_bytes
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """The memory-mapped file; UsageError (one line, naming it) when it is no readable GGUF file. Light to
+    import (no torch): the command line checks a file with it before anything loads."""
+    try:
+        return GGUFFile(path)
+    except (ValueError, OSError) as err:  # truncated, corrupt, hostile, not GGUF
+        raise UsageError(f"cannot read {path} as a GGUF file: {' '.join(str(err).split())}") from err
 
 
 def _n_bytes(name: str, shape: tuple[int, ...], kind: GGMLQuantizationType) -> int:

@@ -36,8 +36,8 @@ from torch import Tensor, nn
 
 from verispec.errors import UsageError
 from verispec.kernels.cpu import GGUF_TYPES, NativeLayer, NativeStack, PackedMatrix, Projection
-from verispec.models.gguf import first_line, read_gguf
-from verispec.models.gguf_file import GGUFFile, GGUFTensor
+from verispec.models.gguf import first_line
+from verispec.models.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from verispec.models.llama import FORMATS, Llama, LlamaConfig, RopeScaling, _DecoderLayer
 
 __all__ = ["ARCHITECTURES", "GGUFEmbedding", "in_place_problem", "load_gguf", "read_gguf"]
