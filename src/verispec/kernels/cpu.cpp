@@ -33,8 +33,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(VS_PORTABLE)
 #define VS_AVX2 1
 #include <immintrin.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define VS_AVX512 1  // 512-bit kernels, 16 outputs per group
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    !defined(VS_256)
+#define VS_AVX512 1  // 512-bit kernels, 16 outputs per group (VS_256: the 256-bit ones, with what else it has)
 #endif
 #endif
 
@@ -527,6 +528,7 @@ struct Vec {  // VS_GROUP = 16 lanes
     }
     static inline I dp(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }  // u unsigned, s signed
     static inline I isub(I a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+    static inline I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
     static inline F cvt(I v) { return _mm512_cvtepi32_ps(v); }
     static inline F halfs(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
     static inline F u8s(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
@@ -568,6 +570,7 @@ struct Vec {  // VS_GROUP = 8 lanes
 #endif
     }
     static inline I isub(I a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+    static inline I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
     static inline F cvt(I v) { return _mm256_cvtepi32_ps(v); }
     static inline F halfs(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
     static inline F u8s(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
@@ -602,26 +605,38 @@ struct Rows {
 
 // One group of outputs of a block format FMT against R activation rows: out[r * VS_GROUP + l] = y[r, group
 // output l].
+// A block's integer sums go to P partial accumulators per row, added at the end of the block: integer
+// sums are exact, so P changes no result, only how many dot products wait on one another (a row alone
+// would otherwise chain all 8 of a block's, each waiting the instruction's latency).
+template <int R>
+struct Partials {
+    enum { P = R == 1 ? 4 : R <= 3 ? 2 : 1 };
+};
+
 template <int R, class FMT>
 static inline void group_blocks(const GroupView& w, const Rows<R>& x, int nb, float* out) {
     enum { SPLIT = FMT::SCALES == S_HALVES };  // the block's two halves summed apart
+    enum { P = Partials<R>::P };
     typename Vec::F acc[R], mins[R], dsup = Vec::zero(), msup = Vec::zero();
     for (int r = 0; r < R; r++) acc[r] = mins[r] = Vec::zero();
     for (int b = 0; b < nb; b++) {
-        typename Vec::I isum[R], ihigh[R];
-        for (int r = 0; r < R; r++) isum[r] = ihigh[r] = Vec::izero();
+        typename Vec::I isum[R], ihigh[R], part[R][P], hpart[R][P];
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < P; p++) part[r][p] = hpart[r][p] = Vec::izero();
         const uint8_t* wb = w.q + (size_t)b * FMT::CHUNKS * CHUNK;
         for (int c = 0; c < FMT::CHUNKS * CHUNK / 64; c++) _mm_prefetch((const char*)wb + PREFETCH + c * 64, _MM_HINT_T0);
         if (FMT::BITS == 8) {
             for (int c = 0; c < 8; c++) {
                 const typename Vec::I u = Vec::load(wb + c * CHUNK);  // q + 128
 #ifdef VS_VNNI
-                for (int r = 0; r < R; r++) isum[r] = Vec::dp(isum[r], u, Vec::bcast(x.q[r] + b * QK + 4 * c));
+                for (int r = 0; r < R; r++)
+                    part[r][c % P] = Vec::dp(part[r][c % P], u, Vec::bcast(x.q[r] + b * QK + 4 * c));
 #else  // no VNNI: signed weights, |w| times x with w's signs (products of at most 127 * 127)
                 const __m256i sw = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
                 const __m256i aw = _mm256_sign_epi8(sw, sw);
                 for (int r = 0; r < R; r++)
-                    isum[r] = Vec::dp(isum[r], aw, _mm256_sign_epi8(Vec::bcast(x.q[r] + b * QK + 4 * c), sw));
+                    part[r][c % P] =
+                        Vec::dp(part[r][c % P], aw, _mm256_sign_epi8(Vec::bcast(x.q[r] + b * QK + 4 * c), sw));
 #endif
             }
         } else {
@@ -634,13 +649,22 @@ static inline void group_blocks(const GroupView& w, const Rows<R>& x, int nb, fl
         if (FMT::BITS >= 5) lo = Vec::bor(lo, Vec::bit<c, 4>(p4)), hi = Vec::bor(hi, Vec::bit<c + 4, 4>(p4)); \
         if (FMT::BITS >= 6) lo = Vec::bor(lo, Vec::bit<c, 5>(p5)), hi = Vec::bor(hi, Vec::bit<c + 4, 5>(p5)); \
         for (int r = 0; r < R; r++) {                                                                       \
-            isum[r] = Vec::dp(isum[r], lo, Vec::bcast(x.q[r] + b * QK + 4 * c));                            \
-            typename Vec::I& high = SPLIT ? ihigh[r] : isum[r];                                             \
+            typename Vec::I& low = part[r][(2 * c) % P];                                                    \
+            low = Vec::dp(low, lo, Vec::bcast(x.q[r] + b * QK + 4 * c));                                    \
+            typename Vec::I& high = SPLIT ? hpart[r][c % P] : part[r][(2 * c + 1) % P];                     \
             high = Vec::dp(high, hi, Vec::bcast(x.q[r] + b * QK + 16 + 4 * c));                             \
         }                                                                                                   \
     }
             VS_CHUNK(0) VS_CHUNK(1) VS_CHUNK(2) VS_CHUNK(3)
 #undef VS_CHUNK
+        }
+        for (int r = 0; r < R; r++) {  // the partial sums added (exact), in a fixed order
+            isum[r] = part[r][0];
+            ihigh[r] = hpart[r][0];
+            for (int p = 1; p < P; p++) {
+                isum[r] = Vec::iadd(isum[r], part[r][p]);
+                if (SPLIT) ihigh[r] = Vec::iadd(ihigh[r], hpart[r][p]);
+            }
         }
         if (FMT::SCALES == S_BLOCK) {
             const typename Vec::F dw = Vec::halfs(w.d + (size_t)b * VS_GROUP);
