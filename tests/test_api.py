@@ -94,3 +94,31 @@ def test_a_next_turn_keeps_the_last_streams_keys_and_values(shared_model):
         assert beside.token_ids == fresh.token_ids
         left.close()  # the reader leaves early: its slot freed, the engine free again
         assert spec.generate(follow, options).token_ids == fresh.token_ids
+
+
+def test_sampling_keywords_are_taken_alike_by_generate_and_the_speculators_methods(shared_model):
+    """Issue 52: ``verispec.generate(..., temperature=0)`` took the sampling's fields as keywords while
+    ``Speculator.stream(..., temperature=0.5)`` refused them; every method takes them now, over the options'
+    sampling, never beside ``sampling=``; a misspelt one names the closest."""
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    spec = verispec.Speculator(
+        str(root / "stories260K.bin"), drafter="ngram", tokenizer=str(root / "tok512.bin")
+    )
+    sampled = options.SamplingParams(temperature=0.5, top_k=20, seed=7)  # invariant: a seed is given
+    reference = spec.generate("Once upon a time", sampling=sampled, max_new_tokens=12, k=2)
+    streamed = spec.stream("Once upon a time", temperature=0.5, top_k=20, seed=7, max_new_tokens=12, k=2)
+    assert [t for chunk in streamed for t in chunk.token_ids] == reference.token_ids
+    (batched,) = spec.generate_batch(
+        ["Once upon a time"], temperature=0.5, top_k=20, seed=7, max_new_tokens=12
+    )
+    assert batched.token_ids == reference.token_ids  # invariant draws: the same whatever K
+    greedy = options.GenerationOptions(sampling=sampled)
+    assert spec.generate("Tom", greedy, temperature=0, max_new_tokens=6).token_ids == (
+        spec.generate("Tom", max_new_tokens=6).token_ids
+    )
+    with pytest.raises(UsageError, match="^give sampling= or its fields \\(temperature=\\), not both$"):
+        spec.generate("Tom", sampling=sampled, temperature=0.5)
+    with pytest.raises(
+        UsageError, match="^temprature is not a verispec argument \\(did you mean temperature\\?\\)"
+    ):
+        list(spec.stream("Tom", temprature=0.5))

@@ -4,13 +4,14 @@ import json
 import re
 import subprocess
 import sys
+import time
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 
 from verispec import cli
-from verispec.cli.generate import why_slower
+from verispec.cli.generate import busy_machine, why_slower
 
 SMALL = ["--k", "1,3", "--agreement", "0.5,0.9", "--rounds", "2000", "--seed", "3"]
 HEADERS = ["mode", "agreement", "K", "acceptance", "tau MC", "tau analytic", "speedup MC", "speedup analytic"]
@@ -246,6 +247,9 @@ def test_demo_on_a_model_without_a_chat_template_takes_its_prompt_as_it_is(capsy
     status, out, err = run(capsys, "demo", "--prompt", "Once upon a time", "--max-new-tokens", "8", *model)
     assert status == 0 and "error" not in err
     assert "--- none ---" in out and "identical to none: yes" in out
+    assert (
+        "the median of 3 runs each, in turns:" in out
+    )  # issue 52: one run each said little on a busy machine
 
 
 @pytest.mark.parametrize(
@@ -368,3 +372,85 @@ def test_the_demo_says_why_a_drafter_ran_slower():
     line = why_slower(stats, plain)
     assert "1.30 plain steps to verify and 1.00 to draft, and committed 1.60 tokens" in line
     assert "\n" not in line
+
+
+def test_generate_without_a_prompt_says_how_to_give_one(capsys, monkeypatch):
+    """Issue 52: an empty standard input (a script's /dev/null) was "the prompt is empty"."""
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    status, out, err = run(capsys, "generate")
+    assert status == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("verispec: error: no prompt: standard input was empty; give PROMPT")
+
+
+def test_the_summary_says_what_was_drafted_why_it_stopped_and_what_its_time_holds(
+    capsys, shared_model, monkeypatch
+):
+    """Issue 52: the line on stderr after a generation names the tokens drafted and accepted and the stop
+    reason, and says that its time (and tokens/s, as --json's) includes the prefill; a constraint's setup
+    (slowed here by half a second) is timed apart, before the generation's clock starts."""
+    from verispec.grammar.constraint import Constraint
+
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    model = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
+    status, out, err = run(capsys, "generate", "Once upon a time", "--draft", "layers:2", "--k", "3", *model,
+                           "--max-new-tokens", "24")  # fmt: skip
+    (summary,) = err.splitlines()
+    found = re.fullmatch(
+        r"\[model, k=3\] 24 tokens in [\d.]+ s, prefill [\d.]+ s included: [\d.]+ tokens/s, [\d.]+ "
+        r"tokens per target call; (\d+) drafted, (\d+) accepted \([\d.]+\); stopped by --max-new-tokens",
+        summary,
+    )
+    assert found, summary
+    assert int(found.group(2)) <= int(found.group(1)) and int(found.group(1)) > 0
+    state = Constraint.state
+
+    def slow_setup(self, tokenizer):
+        time.sleep(0.5)
+        return state(self, tokenizer)
+
+    monkeypatch.setattr(Constraint, "state", slow_setup)
+    status, out, err = run(
+        capsys, "generate", "Once upon a time", "--regex", "[a-z ]{4,12}", "--json", *model
+    )
+    stats = json.loads(out)["stats"]
+    assert status == 0 and stats["grammar_seconds"] >= 0.5  # before the generation's clock starts
+    status, out, err = run(capsys, "generate", "Once upon a time", "--regex", "[a-z ]{4,12}", *model)
+    assert status == 0 and re.search(r"; grammar setup [\d.]+ s before it$", err.strip()), err
+
+
+def test_an_instruct_model_that_ends_at_once_without_chat_gets_a_hint(capsys, monkeypatch):
+    """Issue 52: an instruct model (one with a chat template) given a plain prompt may end at once; the
+    command says why and what to add, and only then."""
+    from types import SimpleNamespace
+
+    from verispec.cli import generate
+
+    monkeypatch.setattr("verispec.models.base.has_chat_template", lambda tokenizer: True)
+    speculator = SimpleNamespace(tokenizer=None)
+    ended = {"stop_reason": "eos", "new_tokens": 1}
+    generate._chat_hint(SimpleNamespace(chat=False), speculator, ended)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("verispec: warning: the model ended after 1 tokens: it is an instruct model")
+    assert line.endswith("add --chat to wrap the prompt in a user's turn")
+    for chat, stats in ((True, ended), (False, {"stop_reason": "eos", "new_tokens": 30}),
+                        (False, {"stop_reason": "max_new_tokens", "new_tokens": 2})):  # fmt: skip
+        generate._chat_hint(SimpleNamespace(chat=chat), speculator, stats)
+        assert capsys.readouterr().err == ""
+    monkeypatch.setattr("verispec.models.base.has_chat_template", lambda tokenizer: False)  # llama2.c
+    generate._chat_hint(SimpleNamespace(chat=False), speculator, ended)
+    assert capsys.readouterr().err == ""
+
+
+def test_the_demo_says_when_the_machine_was_busy():
+    """Issue 52: a demo on a busy machine (ngram 9.09x in one run, 0.11x in the next) said nothing of it:
+    plain decoding's step varying across its runs says so; a steady one says nothing."""
+    steady = [{"total_seconds": 1.1 + d, "prefill_seconds": 0.1, "target_calls": 100} for d in (0, 0.05, 0.1)]
+    assert busy_machine(steady) == ""
+    busy = [*steady[:2], {"total_seconds": 4.1, "prefill_seconds": 0.1, "target_calls": 100}]
+    line = busy_machine(busy)
+    assert line.startswith(
+        "this machine was busy: a plain decoding step took 10.0 to 40.0 ms across the 3 runs"
+    )
+    assert "speedups above are rough" in line and "\n" not in line

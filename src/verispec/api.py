@@ -16,6 +16,7 @@ import functools
 import inspect
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -363,8 +364,10 @@ class Speculator:
         suffix_cache: SuffixCache | None = None,
     ) -> tuple[Request, TextAssembler]:
         """An engine request for ``prompt`` with ``options`` (its own drafter, made for the cache row it is
-        given, its own K policy and stop check), and the text assembler of its output. ``stats`` (optional)
-        is filled in as it goes; ``trace`` (optional, chain rounds only) records every round (see
+        given, its own K policy, stop check and grammar state, whose setup — a constraint compiled, once per
+        tokenizer llguidance's vocabulary — is timed here, apart: ``stats.grammar_seconds``, in none of the
+        generation's times), and the text assembler of its output. ``stats`` (optional) is filled in as it
+        goes; ``trace`` (optional, chain rounds only) records every round (see
         :mod:`verispec.trace`); ``suffix_cache``: the suffix drafter's shared cache for this request (a
         server tenant's; default :attr:`suffix_cache`)."""
         eos = self.tokenizer.eos_token_ids  # the ends the grammar allows too (its tokenizer's own)
@@ -373,6 +376,9 @@ class Speculator:
         text = TextAssembler(self.tokenizer, options.stop)
         ids = self.encode_prompt(prompt, options.chat)
         policy = self.k_policy(options.k, options)
+        start = time.perf_counter()
+        grammar = self._grammar(options.constraint)  # compiled here, before the request's clock starts
+        stats.grammar_seconds = time.perf_counter() - start if grammar is not None else 0.0
         request = Request(
             ids,
             config,
@@ -381,7 +387,7 @@ class Speculator:
             stats,
             text.stop_check if options.stop else None,
             trace,
-            grammar=self._grammar(options.constraint),
+            grammar=grammar,
         )
         return request, text
 
@@ -406,7 +412,8 @@ class Speculator:
     ) -> Iterator[Chunk]:
         """Yields what each round commits, decoding ``prompt`` alone (a batch of one): ``options``, or the
         defaults, with ``fields`` replaced (``k=4``, ``max_new_tokens=64``, ``sampling=``, ``chat=``,
-        ``stop=``, ``logprobs=``: :class:`~verispec.options.GenerationOptions`); ``stats`` and ``trace`` as
+        ``stop=``, ``logprobs=``: :class:`~verispec.options.GenerationOptions`; or the sampling's own,
+        ``temperature=0.5``, ``seed=1``, ..., as :func:`generate` takes them); ``stats`` and ``trace`` as
         for :meth:`request`.
 
         One stream at a time runs on this speculator's own engine, kept from stream to stream: a prompt that

@@ -537,9 +537,10 @@ def _measure_target(model: LanguageModel, label: str, repetitions: int, probe: b
         short = _context(model, K_MAX, PROBE_CONTEXT)
         seconds, drift, passes = _time_forwards(model, short, PROBE_KS, repetitions, budget)
         grid = _one_row_grid(seconds) if _RowsTimer.of(model, 2) else _one_by_one(seconds)
-        costs = TargetCosts(label, seconds, passes, _now(), len(short), batch_seconds=grid, probe=True)
         _drifted(label, drift)
-        return dataclasses.replace(costs, drift=drift)
+        return TargetCosts(
+            label, seconds, passes, _now(), len(short), batch_seconds=grid, probe=True, drift=drift
+        )
     short = _context(model, K_MAX)
     long = _context(model, K_MAX, LONG_CONTEXT)
     contexts = [short] if len(long) <= len(short) else [short, long]
@@ -554,12 +555,15 @@ def _measure_target(model: LanguageModel, label: str, repetitions: int, probe: b
         curves.append(seconds)
         grids.append(grid)
         drifts += [drift, grid_drift]
-    if len(contexts) == 1:
-        costs = TargetCosts(label, curves[0], repetitions, _now(), len(short), batch_seconds=grids[0])
-    else:
-        costs = TargetCosts(label, curves[0], repetitions, _now(), len(short), curves[1], len(long), *grids)
     _drifted(label, max(drifts))
-    return dataclasses.replace(costs, drift=max(drifts))
+    if len(contexts) == 1:
+        return TargetCosts(
+            label, curves[0], repetitions, _now(), len(short), batch_seconds=grids[0], drift=max(drifts)
+        )
+    return TargetCosts(
+        label, curves[0], repetitions, _now(), len(short), curves[1], len(long), grids[0], grids[1],
+        drift=max(drifts),
+    )  # fmt: skip
 
 
 def _one_by_one(seconds: tuple[float, ...]) -> Grid:

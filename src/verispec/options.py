@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 from verispec.errors import UsageError
 from verispec.grammar.constraint import Constraint  # light: llguidance loads when one is checked
-from verispec.inputs import check_seed, check_text, is_int
+from verispec.inputs import check_seed, check_text, did_you_mean, is_int
 
 if TYPE_CHECKING:
     import torch
@@ -204,15 +204,26 @@ class GenerationOptions:
     @classmethod
     def of(cls, options: GenerationOptions | None = None, **fields: object) -> GenerationOptions:
         """``options`` (default: the defaults) with ``fields`` replaced: the one door from keywords to the
-        object; a keyword that is not a field is a UsageError naming verispec's own (see
-        :func:`check_keywords`)."""
-        check_keywords(fields, OPTION_NAMES)
+        object. A field of :class:`SamplingParams` (``temperature=0.5``, ``seed=1``, ...) replaces that of
+        the options' sampling, as ``verispec.generate`` takes them (not beside ``sampling=``); a keyword that
+        is neither is a UsageError naming verispec's own (see :func:`check_keywords`)."""
+        check_keywords(fields, OPTION_NAMES + SAMPLING_NAMES)
         base = options if options is not None else cls()
+        own = {name: fields.pop(name) for name in SAMPLING_NAMES if name in fields}
+        if own and "sampling" in fields:
+            raise UsageError(f"give sampling= or its fields ({', '.join(own)}=), not both")
+        if own:
+            s = base.sampling
+            kept = {f: getattr(s, f) for f in SAMPLING_NAMES} | {
+                "invariant": None if s.follows_seed else s.invariant
+            }
+            fields["sampling"] = SamplingParams(**(kept | own))
         return dataclasses.replace(base, **fields) if fields else base  # type: ignore[arg-type]
 
 
 class OptionFields(TypedDict, total=False):
-    """:class:`GenerationOptions`' fields as keywords (``Speculator.generate(prompt, k=4)``)."""
+    """:class:`GenerationOptions`' fields as keywords (``Speculator.generate(prompt, k=4)``), and its
+    sampling's (``temperature=0.5``)."""
 
     k: int | str
     max_new_tokens: int
@@ -221,9 +232,16 @@ class OptionFields(TypedDict, total=False):
     stop: tuple[str, ...]
     logprobs: int | None
     constraint: Constraint | None
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int | None
+    invariant: bool | None
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(GenerationOptions))
+SAMPLING_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 FOREIGN_KEYWORDS = {  # transformers' (and OpenAI's) generation keywords → what verispec takes instead
     "max_length": "max_new_tokens (tokens after the prompt)",
@@ -240,9 +258,12 @@ def check_keywords(given: Iterable[str], allowed: tuple[str, ...]) -> None:
     verispec's own keyword for a transformers one (``max_length`` → ``max_new_tokens``), else the keywords
     taken."""
     for name in given:
-        if name not in allowed:
-            use = FOREIGN_KEYWORDS.get(name, f"one of {', '.join(allowed)}")
-            raise UsageError(f"{name} is not a verispec argument; use {use}")
+        if name in allowed:
+            continue
+        if name in FOREIGN_KEYWORDS:
+            raise UsageError(f"{name} is not a verispec argument; use {FOREIGN_KEYWORDS[name]}")
+        close = did_you_mean(name, allowed)
+        raise UsageError(f"{name} is not a verispec argument{close}; use one of {', '.join(allowed)}")
 
 
 @dataclass(frozen=True, kw_only=True)

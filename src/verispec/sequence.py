@@ -64,8 +64,9 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0  # the target forwards of its rounds (a batch's forward: all of it)
-    total_seconds: float = 0.0
+    total_seconds: float = 0.0  # from its admission to its last token: the prefill in it
     stop_reason: str = ""
+    grammar_seconds: float = 0.0  # its constraint's setup, before it was admitted (in no other time)
 
     @property
     def tokens_per_target_call(self) -> float:
@@ -114,6 +115,7 @@ class GenerationStats:
             "target_seconds": self.target_seconds,
             "total_seconds": self.total_seconds,
             "stop_reason": self.stop_reason,
+            "grammar_seconds": self.grammar_seconds,
             "drafter": self.drafter,
             "k": self.k,
         }

@@ -32,10 +32,19 @@ from verispec.files import check_writable
 from verispec.inputs import check_prompt, is_int
 
 if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
+    from verispec.api import GenerationResult
     from verispec.sequence import GenerationStats
     from verispec.trace import Trace
 
-__all__ = ["DEMO_PROMPT", "add_demo_parser", "add_generate_parser", "run_demo", "run_generate", "why_slower"]
+__all__ = [
+    "DEMO_PROMPT",
+    "add_demo_parser",
+    "add_generate_parser",
+    "busy_machine",
+    "run_demo",
+    "run_generate",
+    "why_slower",
+]
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -172,7 +181,21 @@ def _generate(args: argparse.Namespace, speculator, prompt: str, options, tracin
         stats = live.as_dict()
     if recorder is not None:
         _output_trace(args, recorder.finish(speculator.tokenizer, stats, prompt, _trace_settings(args)))
+    _chat_hint(args, speculator, stats)
     return 0
+
+
+def _chat_hint(args: argparse.Namespace, speculator, stats: Mapping[str, Any]) -> None:
+    """A warning when an instruct model (one with a chat template) ended at once on a plain prompt: what it
+    does with text that is not a turn of its chat, which --chat makes one."""
+    from verispec.models.base import has_chat_template
+
+    ended = stats["stop_reason"] == "eos" and stats["new_tokens"] <= 2
+    if ended and not args.chat and has_chat_template(speculator.tokenizer):
+        warn(
+            f"the model ended after {stats['new_tokens']} tokens: it is an instruct model (it has a chat "
+            "template), and a prompt outside its chat ends it; add --chat to wrap the prompt in a user's turn"
+        )
 
 
 def _run_batch(args: argparse.Namespace) -> int:
@@ -254,11 +277,25 @@ def _read_stdin() -> str:
     return text
 
 
+STOPS = {  # a generation's stop reason in the summary's words
+    "eos": "the end of sequence",
+    "max_new_tokens": "--max-new-tokens",
+    "stop_string": "a stop string",
+    "context": "the end of the target's context",
+}
+
+
 def _summary(stats: GenerationStats) -> str:
+    """The line on stderr after a generation: its tokens and seconds (the prefill among them, as in --json's
+    ``tokens_per_second``), the tokens drafted and accepted, why it stopped, and a constraint's setup apart
+    (in none of the generation's times)."""
+    grammar = f"; grammar setup {stats.grammar_seconds:.2f} s before it" if stats.grammar_seconds else ""
     return (
-        f"[{stats.drafter}, k={stats.k}] {stats.new_tokens} tokens in {stats.total_seconds:.2f} s: "
-        f"{stats.tokens_per_second:.1f} tokens/s, {stats.tokens_per_target_call:.2f} tokens per target call, "
-        f"acceptance {stats.acceptance_rate:.2f}"
+        f"[{stats.drafter}, k={stats.k}] {stats.new_tokens} tokens in {stats.total_seconds:.2f} s, prefill "
+        f"{stats.prefill_seconds:.2f} s included: {stats.tokens_per_second:.1f} tokens/s, "
+        f"{stats.tokens_per_target_call:.2f} tokens per target call; {stats.drafted} drafted, "
+        f"{stats.accepted} accepted ({stats.acceptance_rate:.2f}); stopped by "
+        f"{STOPS.get(stats.stop_reason, stats.stop_reason)}{grammar}"
     )
 
 
@@ -277,7 +314,8 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         help="compare plain and speculative decoding on an input-grounded prompt",
         description="Generate greedily for a prompt that copies its input with --drafter none, then with the "
         "chosen drafter (by default: ngram, and the learned drafter shipped for the target when there is "
-        "one), check that the outputs are identical, and print the speedups.",
+        f"one), {DEMO_RUNS} runs each in turns, check that the outputs are identical, and print the median "
+        "run's speedups (and whether the machine was busy: plain decoding's step varying across its runs).",
     )
     add_model_arguments(parser)
     parser.add_argument("--prompt", default=DEMO_PROMPT, help="the prompt (default: a spelling correction)")
@@ -324,11 +362,15 @@ def run_demo(args: argparse.Namespace) -> int:
     speculators[chosen.drafter_name] = chosen
     for speculator in speculators.values():  # warm-up: each one's first-call overheads
         speculator.generate(args.prompt, options, max_new_tokens=4)
-    results = {}
-    for name, speculator in speculators.items():
-        results[name] = speculator.generate(args.prompt, options)
-        print(f"--- {name} ---\n{results[name].text.strip()}\n")
+    runs: dict[str, list[GenerationResult]] = {name: [] for name in speculators}
+    for _ in range(DEMO_RUNS):  # in turns: a busy spell slows every method alike
+        for name, speculator in speculators.items():
+            runs[name].append(speculator.generate(args.prompt, options))
+    results = {name: _median_run(done) for name, done in runs.items()}
+    for name, result in results.items():
+        print(f"--- {name} ---\n{result.text.strip()}\n")
     base = results["none"]
+    print(f"the median of {DEMO_RUNS} runs each, in turns:")
     for name, result in results.items():
         s = result.stats
         speedup = s["tokens_per_second"] / base.stats["tokens_per_second"]
@@ -343,7 +385,35 @@ def run_demo(args: argparse.Namespace) -> int:
         )
         if name != "none" and speedup < 1:
             print(why_slower(s, base.stats))
-    return 0 if all(r.token_ids == base.token_ids for r in results.values()) else 1
+    busy = busy_machine([r.stats for r in runs["none"]])
+    if busy:
+        print(busy)
+    identical = all(r.token_ids == base.token_ids for done in runs.values() for r in done)
+    return 0 if identical else 1
+
+
+DEMO_RUNS = 3  # timed runs of each method in demo (the median kept)
+BUSY = 1.5  # plain decoding's step varying more than this factor across the runs: a busy machine
+
+
+def _median_run(results: list[GenerationResult]) -> GenerationResult:
+    """The run of median tokens/s."""
+    return sorted(results, key=lambda r: r.stats["tokens_per_second"])[len(results) // 2]
+
+
+def busy_machine(plain: list[Mapping[str, Any]]) -> str:
+    """A line saying that the machine was busy when plain decoding's step (its time after the prefill per
+    target call) varied more than BUSY across ``plain``'s runs (their stats), "" else: the speedups measured
+    beside it are then rough."""
+    steps = [(s["total_seconds"] - s["prefill_seconds"]) / max(1, s["target_calls"]) for s in plain]
+    if min(steps) <= 0 or max(steps) / min(steps) <= BUSY:
+        return ""
+    low, high = 1e3 * min(steps), 1e3 * max(steps)
+    return (
+        f"this machine was busy: a plain decoding step took {low:.1f} to {high:.1f} ms across the "
+        f"{len(steps)} runs (other work beside it?): the speedups above are rough; run the demo again when "
+        "the machine is quiet"
+    )
 
 
 def why_slower(stats: Mapping[str, Any], plain: Mapping[str, Any]) -> str:
