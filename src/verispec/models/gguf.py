@@ -12,7 +12,8 @@ A conversion (or a tokenizer, :func:`gguf_tokenizer_dir`) is built in a hidden `
 directory next to its target and renamed into place at the end, so the target directory either holds a
 complete conversion or does not exist. Partial directories left by a process that died are removed by the
 next conversion in the same cache. A tokenizer is extracted only from a file whose header reads whole
-(:func:`~verispec.models.gguf_file.read_gguf`) and whose tokenizer metadata holds together: a file refused leaves nothing in the cache.
+(:func:`~verispec.models.gguf_file.read_gguf`) and whose tokenizer metadata holds together: a file refused
+leaves nothing in the cache.
 
 The cache lives in ``$VERISPEC_CACHE/models`` (default ``~/.cache/verispec/models``).
 """
