@@ -39,10 +39,12 @@ from verispec.sequence import GenerationStats
 
 @pytest.fixture(autouse=True)
 def isolated(tmp_path, monkeypatch):
-    """Each test gets its own cache, and one torch thread (tiny tensors; steadier timings), and a process
-    that has not yet said that it probes."""
+    """Each test gets its own cache, and one torch thread (tiny tensors; steadier timings), a process that
+    has not yet said that it probes, and a machine never quiet enough to time a drifted measurement again
+    but where a test says so (this one's load would decide it)."""
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(calibration_module._Announced, "said", False)
+    monkeypatch.setattr(calibration_module, "quiet", lambda: False)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -370,8 +372,9 @@ class _FakeClock:
 
 def test_a_calibration_whose_t1_drifts_is_cached_all_the_same(stories, measured, monkeypatch, capsys):
     """A fake clock: the target's forwards take 3× as long in the second half of a full measurement (a busy
-    spell). It is not measured again: cached with its drift, one line saying so, and read back from then on
-    (the rounds' own timings correct it as it runs)."""
+    spell). It is not measured again on a busy machine: cached with its drift, one line saying so, and read
+    back (the rounds' own timings correct it as it runs); the first use that finds the machine quiet probes
+    it again, once: the probe held still."""
     model, _ = stories
     monkeypatch.setattr(calibration_module._RowsTimer, "of", classmethod(lambda cls, model, rows=16: None))
     clock = _FakeClock(1e-3, period=2 * K_MAX * (2 + 1), busy=lambda n: True)
@@ -386,6 +389,14 @@ def test_a_calibration_whose_t1_drifts_is_cached_all_the_same(stories, measured,
     assert "moved 3.0x while timing" in line and "kept all the same" in line and "verispec calibrate" in line
     assert measured["target"] == 1 and calibration.path.is_file()
     assert calibrate(model, repetitions=2) == calibration and measured["target"] == 1  # never again
+    clock.busy = lambda n: False  # the busy spell is over, and the machine looks quiet
+    monkeypatch.setattr(calibration_module, "quiet", lambda: True)
+    capsys.readouterr()
+    again = calibrate(model, repetitions=2)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "timed while T(1) moved 3.0x: timing again, the machine is quiet" in line
+    assert measured["target"] == 2 and again.target.probe and again.target.drift == pytest.approx(1.0)
+    assert calibrate(model, repetitions=2) == again and measured["target"] == 2  # steady now: kept
 
 
 @pytest.mark.parametrize("step", [1e-3, 0.5], ids=["idle", "busy"])

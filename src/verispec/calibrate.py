@@ -42,8 +42,9 @@ Every measurement says how far the machine moved while it ran: the T(1)s timed b
 four consecutive parts, each part's lower median (so that a single slow forward does not count), the largest
 over the smallest (``drift``). A measurement that drifted more than :data:`DRIFT` (a busy spell began or ended
 during it) is cached all the same, its drift recorded, with one line on stderr: it is never measured again on
-every run (the online correction is what follows a busy machine); ``verispec calibrate`` on a quiet machine
-measures it again. A cached calibration is not timed again at load.
+every run (the online correction is what follows a busy machine), only by a later use that finds the machine
+quiet (:func:`quiet`: a probe again, seconds, once it holds still) or by ``verispec calibrate``. A cached
+calibration is not timed again at load.
 
 The cache holds one JSON file per target in ``$VERISPEC_CACHE/calibration`` (by default
 ``~/.cache/verispec/calibration``), named by a hash of its identity: the model's class and architecture config
@@ -61,6 +62,7 @@ import datetime
 import hashlib
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -74,6 +76,7 @@ import numpy as np
 import torch
 
 from verispec.analysis.analytic import BatchCost, CostModel
+from verispec.cores import available_cores
 from verispec.drafting.base import Drafter, HiddenStateReader
 from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.learned.eagle_drafter import EagleDrafter
@@ -112,6 +115,7 @@ __all__ = [
     "cpu_name",
     "drafter_identity",
     "model_identity",
+    "quiet",
 ]
 
 K_MAX = 16  # v(k) is measured for k = 1..K_MAX new tokens: K ≤ K_MAX − 1 draft tokens per round
@@ -126,7 +130,8 @@ PROBE_SECONDS = 2.0  # a probe of a target begins its timed passes within this m
 PROBE_DRAFT_SECONDS = 1.0  # and a probe of a drafter
 PROBE_CONTEXT = 64  # positions in the cache while probing (a prefill of 256 takes seconds on a busy machine)
 PROBE_KS = (1, 2, 4, 8, K_MAX)  # the block sizes a probe times; v(k) linear between them
-DRIFT = 2.0  # T(1) moving more than this factor within a measurement is said on stderr (a busy machine)
+DRIFT = 2.0  # T(1) moving more than this factor within a measurement: said, and probed again when quiet
+QUIET = 0.25  # a load average over the last minute below this share of the usable cores: a quiet machine
 _VERSION = 6  # of the cache file format
 _TINY = 1e-9  # seconds: the least a draft token costs (a lookup's proposal hardly grows with its length)
 # part of the key: how it was measured
@@ -413,7 +418,7 @@ def calibrate(
     path = calibration_dir() / f"{_digest(identity)}.json"
     entry = _read(path, identity)
     probe = not force
-    if entry is None or force:
+    if entry is None or force or _again(entry["target"], target_label):
         what = f"{target_label} on this machine ({repetitions} repetitions), cached in {path}"
         _begin(probe, what, target_label, path)
         entry = {
@@ -430,7 +435,7 @@ def calibrate(
         draft_identity = drafter_identity(drafter)
         key = _digest(draft_identity)
         cached = entry["drafts"].get(key)
-        if cached is None or force:
+        if cached is None or force or _again(cached, draft_label or drafter.name):
             draft_label = draft_label or drafter.name
             _begin(probe, f"the {draft_label} drafter against {target_label}", target_label, path)
             with THREADS.held():
@@ -461,14 +466,35 @@ def _begin(probe: bool, what: str, target_label: str, path: Path) -> None:
         )
 
 
+def quiet() -> bool:
+    """Whether this machine looks quiet: its load average over the last minute below QUIET of the cores this
+    process may use (where it is unknown: not quiet)."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return False
+    return load < QUIET * available_cores()
+
+
+def _again(cached: dict, label: str) -> bool:
+    """Whether to probe a cached measurement again: it drifted more than DRIFT and the machine is quiet now
+    (said on stderr)."""
+    drift = cached.get("drift", 1.0)
+    if drift <= DRIFT or not quiet():
+        return False
+    _notice(f"{label}'s costs were timed while T(1) moved {drift:.1f}x: timing again, the machine is quiet")
+    _Announced.said = True  # what the probe's line would say
+    return True
+
+
 def _drifted(label: str, drift: float) -> None:
     """Say on stderr that a measurement's T(1) moved more than DRIFT while it ran (it is kept all the
     same)."""
     if drift > DRIFT:
         _notice(
-            f"{label}: T(1) moved {drift:.1f}x while timing (a busy machine?): kept all the same and "
-            "corrected by the rounds' own timings as it runs; `verispec calibrate` on a quiet machine "
-            "measures it again"
+            f"{label}: T(1) moved {drift:.1f}x while timing (a busy machine?): kept all the same, corrected "
+            "by the rounds' own timings as it runs, and timed again by a later run that finds the machine "
+            "quiet (or `verispec calibrate`)"
         )
 
 
