@@ -432,7 +432,9 @@ def test_an_instruct_model_that_ends_at_once_without_chat_gets_a_hint(capsys, mo
     ended = {"stop_reason": "eos", "new_tokens": 1}
     generate._chat_hint(SimpleNamespace(chat=False), speculator, ended)
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("verispec: warning: the model ended after 1 tokens: it is an instruct model")
+    assert line.startswith(
+        "verispec: warning: the model ended at once, after 1 token: it is an instruct model (it has a chat"
+    )
     assert line.endswith("add --chat to wrap the prompt in a user's turn")
     for chat, stats in ((True, ended), (False, {"stop_reason": "eos", "new_tokens": 30}),
                         (False, {"stop_reason": "max_new_tokens", "new_tokens": 2})):  # fmt: skip

@@ -190,11 +190,13 @@ def _chat_hint(args: argparse.Namespace, speculator, stats: Mapping[str, Any]) -
     does with text that is not a turn of its chat, which --chat makes one."""
     from verispec.models.base import has_chat_template
 
-    ended = stats["stop_reason"] == "eos" and stats["new_tokens"] <= 2
+    count = stats["new_tokens"]
+    ended = stats["stop_reason"] == "eos" and count <= 2
     if ended and not args.chat and has_chat_template(speculator.tokenizer):
+        tokens = f"{count} token{'s' if count != 1 else ''}"
         warn(
-            f"the model ended after {stats['new_tokens']} tokens: it is an instruct model (it has a chat "
-            "template), and a prompt outside its chat ends it; add --chat to wrap the prompt in a user's turn"
+            f"the model ended at once, after {tokens}: it is an instruct model (it has a chat template), and "
+            "a prompt outside its chat may end it; add --chat to wrap the prompt in a user's turn"
         )
 
 
