@@ -24,7 +24,6 @@ from verispec import cli
 from verispec import rounds as rounds_module
 from verispec.api import Speculator
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
-from verispec.drafting.registry import DRAFTERS
 from verispec.drafting.tree import TreeShape
 from verispec.models.registry import load_model
 from verispec.options import SamplingParams
@@ -41,9 +40,10 @@ def stories(shared_model):
 
 @pytest.fixture(scope="module")
 def served(stories):
-    """(base URL, Server): stories260K drafting with ngram, 2 slots and a queue of 1."""
+    """(base URL, Server): stories260K drafting ngram (none, as requests choose), 2 slots, a queue of 1."""
     root, loaded = stories
-    config = ServerConfig(target=str(root / "stories260K.bin"), drafter="ngram", max_batch=2, max_queue=1)
+    config = ServerConfig(target=str(root / "stories260K.bin"), drafter="ngram", max_batch=2, max_queue=1,
+                          allow_drafters=("none",))  # fmt: skip
     server = Server(config, loaded=loaded)
     with serving(server) as url:
         yield url, server
@@ -319,13 +319,19 @@ def test_wrong_methods_and_the_server_still_serves(served):
     assert client(url).completions.create(**GOOD).usage.completion_tokens == 4
 
 
-def test_an_unknown_drafter_s_error_names_every_drafter_of_the_registry(served):
-    url, _ = served
-    body = json.dumps({**GOOD, "drafter": "telepathy"}).encode()
-    got, _, answer = raw(url, "POST", "/v1/completions", body, {"content-type": "application/json"})
-    message = json.loads(answer)["error"]["message"]
-    named = set(re.findall(r"[a-z+]+", message.split("choose from", 1)[1]))
-    assert got == 400 and {AUTO_DRAFTER, *DRAFTERS} <= named, message
+def test_a_drafter_not_allowed_is_refused_naming_the_allowed_ones(served):
+    """Issue 52 (D10): a request chooses among the server's own drafter and those ``--allow-drafters`` names,
+    all loaded at start; any other, known to the registry or not, is a 400 naming the allowed ones, and
+    nothing is loaded."""
+    url, server = served
+    loaded = dict(server._speculators)
+    for drafter in ("telepathy", "suffix", "eagle"):
+        body = json.dumps({**GOOD, "drafter": drafter}).encode()
+        got, _, answer = raw(url, "POST", "/v1/completions", body, {"content-type": "application/json"})
+        error = json.loads(answer)["error"]
+        named = set(re.findall(r"[a-z+]+", error["message"].split("choose from", 1)[1].split("(")[0]))
+        assert got == 400 and error["param"] == "drafter" and named == {AUTO_DRAFTER, "ngram", "none"}, error
+    assert server._speculators == loaded
 
 
 def scrape(url: str) -> dict:
@@ -387,6 +393,9 @@ def test_serve_refuses_bad_flags_in_one_line(capsys):
         (["--body-timeout", "0"], "body-timeout must be seconds in (0, 86400]"),
         (["--keep-alive", "nan"], "keep-alive must be seconds"),
         (["--max-body", "-1"], "max-body must be an integer >= 1"),
+        (["--allow-drafters", "telepathy"], "--allow-drafters: 'telepathy' cannot be chosen by requests"),
+        (["--k", "65"], "--k must be at most 64"),
+        (["--allow-drafters", "ngram,model"], "--allow-drafters: 'model' cannot be chosen by requests"),
     ):
         assert cli.main(["serve", *flags]) == 2
         err = capsys.readouterr().err

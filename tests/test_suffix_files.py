@@ -15,9 +15,9 @@ from verispec import batch as batch_module
 from verispec import cli
 from verispec.batch import BatchJob, run_job
 from verispec.drafting.suffix_cache import SuffixCache
-from verispec.drafting.suffix_files import tenant_id, tenant_path
 from verispec.errors import UsageError
 from verispec.options import ModelChoice
+from verispec.server.tenants import installation_salt, tenant_id, tenants_dir
 
 PROMPT = "Once upon a time"
 
@@ -46,10 +46,13 @@ def test_sequences_since_a_mark_and_merge():
         merged.merge([[1]], "w")
 
 
-def test_tenant_files_never_name_the_key():
-    tenant = tenant_id("sesame")
-    assert len(tenant) == 16 and "sesame" not in tenant and tenant != tenant_id("sesame2")
-    assert tenant_path("dir/cache.npz", tenant) == Path(f"dir/cache.{tenant}.npz")
+def test_tenant_files_never_name_the_key(tmp_path):
+    salt = installation_salt(tenants_dir(tmp_path / "cache.npz"))
+    tenant = tenant_id("sesame", salt)
+    assert len(tenant) == 32 and "sesame" not in tenant and tenant != tenant_id("sesame2", salt)
+    assert tenant != tenant_id("sesame", bytes(32))  # keyed by the installation's salt, not a fixed one
+    assert installation_salt(tenants_dir(tmp_path / "cache.npz")) == salt  # made once
+    assert tenants_dir("dir/cache.npz") == Path("dir/cache.npz.tenants")
 
 
 def one_line_error(capsys, argv: list[str], message: str) -> None:

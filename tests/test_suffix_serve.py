@@ -1,7 +1,8 @@
 """The server's suffix caches (verispec.server.tenants) on 127.0.0.1 with the openai client: one cache per
 API key, never shared unless ``share_suffix_cache``; greedy output == ``none``'s; the caches saved at
-shutdown, one file per tenant named by a hash of its key (never the key), loaded by the next server; their
-stats, summed, in /metrics; ``serve`` refusing a cache flag with a drafter that has none, in one line."""
+shutdown, one file per tenant named by an HMAC of its key under the installation's secret salt (never the
+key), readable by the server's user alone, loaded by the next server; their stats not in /metrics; ``serve``
+refusing a cache flag with a drafter that has none, in one line."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import json
 
 import pytest
 
-from test_server import client, sample, scrape, stories  # noqa: F401 - stories: the fixture
+from test_server import client, scrape, stories  # noqa: F401 - stories: the fixture
 from verispec import cli
 from verispec.api import Speculator
 from verispec.drafting.suffix_cache import SuffixCache
-from verispec.drafting.suffix_files import tenant_id, tenant_path
 from verispec.options import SamplingParams
 from verispec.server.app import Server, ServerConfig, serving
+from verispec.server.tenants import installation_salt, tenant_id, tenants_dir
 
 PROMPTS = ["Once upon a time", "The little dog"]
 
@@ -37,21 +38,22 @@ def test_tenants_keep_apart_and_their_caches_survive_a_restart(stories, tmp_path
     plain = Speculator(loaded, drafter="none")
     greedy = SamplingParams(temperature=0)
     expected = [plain.generate(p, max_new_tokens=20, sampling=greedy).text for p in PROMPTS]
-    alpha, beta = (tenant_id(key) for key in ("alpha", "beta"))
     server = Server(config, loaded=loaded)
+    alpha, beta = (server.tenants.tenant(key) for key in ("alpha", "beta"))
     with serving(server) as url:
         assert [complete(url, "alpha", p) for p in PROMPTS] == expected
         assert complete(url, "alpha", PROMPTS[0]) == expected[0]  # warm
         assert server.tenants.caches[alpha].stats()["sequences"] == 3
         assert server.tenants.caches[beta].stats()["sequences"] == 0  # alpha's outputs are not beta's
         assert complete(url, "beta", PROMPTS[1]) == expected[1]
-        metrics = scrape(url)
-        assert sample(metrics, "verispec_suffix_cache_sequences") == 4
-        assert sample(metrics, "verispec_suffix_cache_caches") == 2
-    files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == sorted([tenant_path(path, alpha).name, tenant_path(path, beta).name])
+        assert server.tenants.stats()["sequences"] == 4
+        assert not [name for name in scrape(url) if "suffix" in name]  # the tenants' figures: nobody's
+    directory = tenants_dir(path)
+    assert [p.name for p in tmp_path.iterdir()] == [directory.name]
+    files = sorted(p.name for p in directory.iterdir())
+    assert files == sorted([f"{alpha}.npz", f"{beta}.npz", "salt"])
     assert not any("alpha" in name or "beta" in name for name in files)
-    assert len(SuffixCache.load(tenant_path(path, alpha)).sequences()) == 3
+    assert len(SuffixCache.load(directory / f"{alpha}.npz").sequences()) == 3
     restarted = Server(config, loaded=loaded)  # the next server starts warm, each tenant from its file
     assert restarted.tenants.caches[beta].stats()["sequences"] == 1
     restarted.close()
@@ -62,7 +64,7 @@ def test_a_shared_cache_is_one_file(stories, tmp_path):  # noqa: F811
     path = tmp_path / "cache.npz"
     config = ServerConfig(
         target=str(root / "stories260K.bin"), drafter="ngram", api_key=("alpha", "beta"),
-        share_suffix_cache=True,
+        share_suffix_cache=True, allow_drafters=("suffix",),
     )  # fmt: skip
     server = Server(config, loaded=loaded)
     with serving(server) as url:  # requests naming the suffix drafter share the one cache
@@ -76,10 +78,13 @@ def test_a_shared_cache_is_one_file(stories, tmp_path):  # noqa: F811
     assert not path.exists()  # no file given: memory only
 
 
-def test_serve_refuses_cache_flags_in_one_line(tmp_path, capsys):
+def test_serve_refuses_cache_flags_in_one_line(stories, tmp_path, capsys):  # noqa: F811
+    root, _ = stories
+    model = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
     corrupt = tmp_path / "c.npz"
     corrupt.write_text("junk")
-    tenant = tenant_path(tmp_path / "t.npz", tenant_id("k"))
+    directory = tenants_dir(tmp_path / "t.npz")
+    tenant = directory / f"{tenant_id('k', installation_salt(directory))}.npz"
     tenant.write_text("junk")
     for flags, message in (
         (
@@ -89,7 +94,7 @@ def test_serve_refuses_cache_flags_in_one_line(tmp_path, capsys):
         (["--drafter", "suffix", "--suffix-cache", str(corrupt)], "is not a verispec suffix cache"),
         (["--drafter", "suffix", "--suffix-cache", str(tmp_path / "t.npz"), "--api-key", "k"], tenant.name),
     ):
-        assert cli.main(["serve", "--target", str(tmp_path / "absent.bin"), *flags]) == 2
+        assert cli.main(["serve", *model, "--port", "0", *flags]) == 2  # refused before the model loads
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
     assert corrupt.read_text() == "junk" and tenant.read_text() == "junk"
@@ -100,7 +105,7 @@ def test_without_keys_or_with_one_there_is_one_tenant(stories, keys):  # noqa: F
     root, loaded = stories
     config = ServerConfig(target=str(root / "stories260K.bin"), drafter="suffix", api_key=keys)
     server = Server(config, loaded=loaded)
-    expected = ["shared"] if keys is None else [tenant_id("solo")]
+    expected = ["shared"] if keys is None else [server.tenants.tenant("solo")]
     assert list(server.tenants.caches) == expected
     server.close()
 

@@ -15,7 +15,9 @@ child) and the drafter's tree hangs from its end (:func:`~verispec.grammar.round
 One step of the engine (:meth:`SpeculativeEngine.step`) does that for every running sequence at once: each
 proposes with its own drafter, K policy and generator; the target scores all of them in ONE forward (sequence
 i contributes its k_i + 1 positions or its tree; a sequence that joined contributes a chunk of its prompt,
-at most ``prefill_chunk`` tokens while others decode, so that they keep streaming); then each is verified,
+at most ``prefill_chunk`` tokens while others decode, so that they keep streaming; a decoding sequence at most
+``round_tokens``, its grammar's forced run included: a 7,000-token ``const`` is forced over many rounds, never
+scored in one forward that holds the others up); then each is verified,
 committed and rolled back on its own row. A target that scores rows of one cache together
 (:class:`~verispec.models.base.RowModel`: verispec's native kernels) computes every row from that row's own
 tokens and cache entries alone, bit for bit, so what a request gets never depends on the rest of the batch;
@@ -73,9 +75,10 @@ from verispec.rounds import (
 from verispec.sequence import ForwardTotals, Request, Running, token_logprobs
 from verispec.verify.chain import Verdict
 
-__all__ = ["PREFILL_CHUNK", "SpeculativeEngine"]
+__all__ = ["PREFILL_CHUNK", "ROUND_TOKENS", "SpeculativeEngine"]
 
 PREFILL_CHUNK = 128  # prompt tokens a joining sequence adds to a step while other sequences decode
+ROUND_TOKENS = 64  # tokens a decoding sequence's round scores at most: its last token, forced run and draft
 
 
 class SpeculativeEngine:
@@ -86,12 +89,21 @@ class SpeculativeEngine:
     else a cache per slot. A tree drafter needs a target that takes a tree mask and a cache that compacts.
     """
 
-    def __init__(self, target: LanguageModel, *, slots: int = 1, prefill_chunk: int = PREFILL_CHUNK) -> None:
-        for name, value in (("slots", slots), ("prefill_chunk", prefill_chunk)):
+    def __init__(
+        self,
+        target: LanguageModel,
+        *,
+        slots: int = 1,
+        prefill_chunk: int = PREFILL_CHUNK,
+        round_tokens: int = ROUND_TOKENS,
+    ) -> None:
+        sizes = (("slots", slots), ("prefill_chunk", prefill_chunk), ("round_tokens", round_tokens))
+        for name, value in sizes:
             if not is_int(value) or value < 1:
                 raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
         self.target = target
         self.prefill_chunk = prefill_chunk
+        self.round_tokens = round_tokens
         self.caches: list[Cache]
         if slots > 1 and isinstance(target, RowModel):
             self.caches = target.new_cache_rows(slots)
@@ -330,6 +342,11 @@ class SpeculativeEngine:
         config = running.request.config
         return min(config.max_new_tokens - running.new, self.target.max_context - len(running.ids))
 
+    def _round_room(self, running: Running) -> int:
+        """The tokens the sequence's next round may emit: its room, at most ``round_tokens`` (a round scores
+        its last committed token and at most ``round_tokens - 1`` forced and drafted ones)."""
+        return min(self._room(running), self.round_tokens)
+
     def _plan(self, decoding: list[Running]) -> list[int | None]:
         """Each decoding sequence's K for this step: chosen for the whole batch when every one drafts a
         chain with ``--k auto`` (:func:`~verispec.policies.plan_batch`; a batch of one: its own policy's
@@ -340,7 +357,7 @@ class SpeculativeEngine:
         chains = not any(r.tree for r in decoding)
         if len(decoding) < 2 or not chains or not all(isinstance(p, CostModelK) for p in policies):
             return [None] * len(decoding)
-        caps = [self._room(r) - 1 for r in decoding]
+        caps = [self._round_room(r) - 1 for r in decoding]
         planned = plan_batch(cast(list[CostModelK], policies), [len(r.ids) for r in decoding], caps)
         return list(planned)
 
@@ -361,7 +378,7 @@ class SpeculativeEngine:
                     rounds.append(self._propose(running, k))
                 else:
                     together.setdefault((type(drafter), key), []).append(
-                        (running, chain_of(running, k, self._room(running)))
+                        (running, chain_of(running, k, self._round_room(running)))
                     )
             except Exception as err:
                 out.append((running, self._fail(running, err)))
@@ -392,7 +409,7 @@ class SpeculativeEngine:
     def _propose(self, running: Running, planned: int | None = None) -> Round:
         """A decoding sequence's round (:mod:`verispec.rounds`): its tree, or a chain of ``planned`` tokens
         (None: its K policy's choice), capped by its room."""
-        room = self._room(running)
+        room = self._round_room(running)
         if running.tree:  # checked on submission: a tree drafter, a cache that compacts
             return tree_round(running, room)
         t0 = time.perf_counter()

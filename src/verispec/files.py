@@ -3,7 +3,8 @@
 A temporary file beside the target is filled, then renamed over it (``os.replace``): a reader sees the old
 file or the new one, never part of either, and a failure leaves the old file and no temporary file. The new
 file gets the permissions a plain ``open(path, "w")`` would give it: an existing file's own mode, else
-0o666 less the umask (never ``mkstemp``'s 0o600, nor the 0o600 some libraries create their files with).
+0o666 less the umask (never ``mkstemp``'s 0o600, nor the 0o600 some libraries create their files with),
+unless the caller gives a ``mode`` (a secret's 0o600: the temporary file has it from its creation on).
 An OSError is a one-line UsageError naming the path.
 """
 
@@ -45,17 +46,19 @@ def check_writable(path: str | os.PathLike, suffix: str | None = None) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, mode: int | None = None) -> Iterator[Path]:
     """A temporary path beside ``path`` (an empty file, same suffix) for the body of the ``with`` to write,
     by itself or through a library that writes to a path (safetensors' ``save_file``, ``torch.save``,
-    matplotlib's ``savefig``); when the body returns, the file gets plain ``open()``'s permissions and
-    replaces ``path``. If the body raises, ``path`` is untouched and the temporary file removed; an OSError
-    becomes a one-line UsageError."""
+    matplotlib's ``savefig``); when the body returns, the file gets plain ``open()``'s permissions (or
+    ``mode``, given) and replaces ``path``. If the body raises, ``path`` is untouched and the temporary file
+    removed; an OSError becomes a one-line UsageError."""
     path = check_writable(path)
     try:
-        mode = stat.S_IMODE(path.stat().st_mode) if path.is_file() else None
+        created = 0o666 if mode is None else 0o600  # the umask applies; a mode given: nobody else's meanwhile
+        if mode is None and path.is_file():
+            mode = stat.S_IMODE(path.stat().st_mode)
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp{path.suffix}")
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # the umask applies here
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, created))
         mode = stat.S_IMODE(tmp.stat().st_mode) if mode is None else mode
     except OSError as err:
         raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
@@ -69,9 +72,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
-    """Write ``data`` (text as UTF-8) to ``path`` atomically (see :func:`atomic_path`); the path written."""
-    with atomic_path(path) as tmp:
+def atomic_write(path: str | os.PathLike, data: bytes | str, mode: int | None = None) -> Path:
+    """Write ``data`` (text as UTF-8) to ``path`` atomically (see :func:`atomic_path`; ``mode``: the file's
+    permissions, None: plain ``open()``'s); the path written."""
+    with atomic_path(path, mode) as tmp:
         if isinstance(data, str):
             tmp.write_text(data, encoding="utf-8")
         else:

@@ -44,6 +44,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--k", default="auto", help="K of requests naming none: N, additive or auto (default)"
     )
+    parser.add_argument(
+        "--allow-drafters",
+        metavar="A,B",
+        default="",
+        help="drafters requests may choose besides --drafter, each loaded at start (default: none; e.g. "
+        "ngram,suffix)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, only here)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: a free one)")
     parser.add_argument(
@@ -97,6 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         api_key=tuple(args.api_key) if args.api_key else None,
+        allow_drafters=tuple(name.strip() for name in args.allow_drafters.split(",") if name.strip()),
         model_name=args.model_name,
         **{name: value for name in SERVER_LIMITS if (value := getattr(args, name)) is not None},
     )

@@ -141,12 +141,13 @@ class SuffixCache:
             if len(tokens):
                 self._add(tokens)
 
-    def save(self, path: str | Path) -> None:
-        """Write the cache to ``path`` (an ``.npz`` archive; module docstring), atomically."""
+    def save(self, path: str | Path, mode: int | None = None) -> None:
+        """Write the cache to ``path`` (an ``.npz`` archive; module docstring), atomically; ``mode``: the
+        file's permissions (a server tenant's: 0o600), None: a plain ``open()``'s."""
         held = self.sequences()
         lengths = np.array([len(s) for s in held], dtype=np.int64)  # [S]
         tokens = np.array([t for s in held for t in s], dtype=np.int64)  # [sum(lengths)]
-        with atomic_path(path) as tmp, tmp.open("wb") as out:
+        with atomic_path(path, mode) as tmp, tmp.open("wb") as out:
             np.savez(
                 out,
                 format=np.array(FORMAT),

@@ -8,14 +8,13 @@ written, and a file that exists but is not a suffix cache (read, not indexed). T
 saved for is checked when the cache loads (:func:`open_suffix_cache`), once the target's tokenizer is known
 and before anything is generated or written: a file is never saved over unless it loaded.
 
-A server's tenants (one per API key) keep a file each: ``FILE`` with the tenant's id before its suffix
-(:func:`tenant_path`: ``cache.npz`` → ``cache.<id>.npz``), the id a hash of the key (:func:`tenant_id`),
-never the key; a server without keys, or sharing one cache (``--share-suffix-cache``), keeps ``FILE``.
+A server's tenants (one per API key) keep a file each in a private directory beside ``FILE``
+(:mod:`verispec.server.tenants`); a server without keys, or sharing one cache (``--share-suffix-cache``),
+keeps ``FILE``.
 """
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from verispec.drafting.registry import DRAFTERS, drafter_names
@@ -24,7 +23,7 @@ from verispec.errors import UsageError
 from verispec.files import check_writable
 from verispec.inputs import is_int
 
-__all__ = ["check_suffix_choice", "open_suffix_cache", "tenant_id", "tenant_path"]
+__all__ = ["check_file", "check_suffix_choice", "open_suffix_cache"]
 
 
 def check_suffix_choice(drafter: str, path: str | None, budget: int | None) -> None:
@@ -57,14 +56,3 @@ def open_suffix_cache(path: str | Path | None, budget: int | None, vocabulary: s
     if path is not None and Path(path).exists():
         return SuffixCache.load(path, budget, vocabulary=vocabulary)
     return SuffixCache(DEFAULT_BUDGET if budget is None else budget, vocabulary=vocabulary)
-
-
-def tenant_id(key: str) -> str:
-    """A tenant's id: a hash of its API key (16 hex digits), which file names and logs may show."""
-    return hashlib.sha256(f"verispec-tenant\0{key}".encode()).hexdigest()[:16]
-
-
-def tenant_path(path: str | Path, tenant: str) -> Path:
-    """The file of ``tenant``'s cache beside ``path`` (module docstring)."""
-    path = Path(path)
-    return path.with_name(f"{path.stem}.{tenant}{path.suffix}")

@@ -1,6 +1,9 @@
 """What a request constrains its output to, as a frozen spec checked once: a JSON schema, any JSON object, a
 regular expression or a grammar (Lark, or GBNF converted to Lark by llguidance); compiled by llguidance, and
-a fresh per-sequence state made from it for each request (:meth:`Constraint.state`)."""
+a fresh per-sequence state made from it for each request (:meth:`Constraint.state`), checked there against
+the tokenizer before anything is generated: a grammar that cannot start (a schema that only refers to itself:
+llguidance's "NoExtensionBias") or dead-ends within its forced start is refused then, as
+:class:`InvalidConstraint`, not after a stream has begun."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ if TYPE_CHECKING:  # light to import (no torch): the command line checks a const
     from verispec.grammar.matcher import MatcherState
     from verispec.models.base import SpelledTokenizer
 
-__all__ = ["KINDS", "Constraint"]
+__all__ = ["CHECKED_START", "KINDS", "Constraint", "InvalidConstraint"]
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")  # json_object: any JSON object, no text
 COMPACT_JSON = {"whitespace_flexible": False}
@@ -25,6 +28,12 @@ COMPACT_JSON = {"whitespace_flexible": False}
 small model allowed JSON's whitespace may spend its tokens on newlines; ``{"whitespace_flexible": true}`` in
 a schema's ``"x-guidance"`` allows it)."""
 _NAMES = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regex", "grammar": "grammar"}
+CHECKED_START = 64  # forced tokens a new state walks from the start, checking that a token follows them
+
+
+class InvalidConstraint(UsageError):
+    """A constraint that cannot be generated from: its text refused, or its grammar allowing no output from
+    the start (one line, the caller's mistake; a server names the request's ``response_format``)."""
 
 
 @dataclass(frozen=True)
@@ -45,14 +54,14 @@ class Constraint:
             try:
                 schema = parse_json(self.text)
             except UsageError as err:
-                raise UsageError(f"invalid JSON schema: {err}") from None
+                raise InvalidConstraint(f"invalid JSON schema: {err}") from None
             if not isinstance(schema, dict):
-                raise UsageError("invalid JSON schema: not a JSON object")
+                raise InvalidConstraint("invalid JSON schema: not a JSON object")
         import llguidance
 
         problem = llguidance.LLMatcher.validate_grammar(self.grammar)
         if problem:
-            raise UsageError(f"invalid {_NAMES[self.kind]}: {_first_line(problem)}")
+            raise InvalidConstraint(f"invalid {_NAMES[self.kind]}: {_first_line(problem)}")
 
     @classmethod
     def of(
@@ -90,21 +99,36 @@ class Constraint:
         try:
             return llguidance.grammar_from(kind, text)  # type: ignore[arg-type]
         except ValueError as err:  # a schema llguidance cannot take, or GBNF it cannot convert
-            raise UsageError(f"invalid {_NAMES[self.kind]}: {_first_line(str(err))}") from None
+            raise InvalidConstraint(f"invalid {_NAMES[self.kind]}: {_first_line(str(err))}") from None
 
     def state(self, tokenizer: SpelledTokenizer) -> MatcherState:
-        """A fresh grammar state for one sequence of ``tokenizer``'s tokens (UsageError when the grammar
-        does not compile for it)."""
+        """A fresh grammar state for one sequence of ``tokenizer``'s tokens, its start checked:
+        :class:`InvalidConstraint` when the grammar does not compile for it, allows no first token, or allows
+        none after the tokens it forces from the start (up to :data:`CHECKED_START` of them; their masks are
+        kept for the first round). The first mask walks llguidance's lexer over the whole of a long forced
+        value once (a 500 KB ``const``: about a second, in the caller's thread, not the engine's)."""
         import llguidance
 
         from verispec.grammar.matcher import MatcherState
+        from verispec.grammar.rounds import forced_run
         from verispec.grammar.tokens import llg_tokenizer
 
         tokens = llg_tokenizer(tokenizer)
         matcher = llguidance.LLMatcher(tokens, self.grammar, log_level=0)
         if matcher.is_error():
-            raise UsageError(f"invalid {_NAMES[self.kind]}: {_first_line(matcher.get_error())}")
-        return MatcherState(matcher, tokens.vocab_size, tokenizer.eos_token_ids)
+            raise InvalidConstraint(f"invalid {_NAMES[self.kind]}: {_first_line(matcher.get_error())}")
+        state = MatcherState(matcher, tokens.vocab_size, tokenizer.eos_token_ids)
+        try:
+            start = forced_run(state, CHECKED_START)
+            if len(start) < CHECKED_START and not (start and start[-1] in tokenizer.eos_token_ids):
+                after = state.mask_after(start)  # None: a forced token it could not take (its limits)
+                if after is None or not bool(after.any()):
+                    why = _first_line(matcher.get_error()) if matcher.is_error() else "no token is allowed"
+                    raise UsageError(f"after its first {len(start)} tokens, {why}")
+        except UsageError as err:
+            name = _NAMES[self.kind]
+            raise InvalidConstraint(f"invalid {name}: no output can be made of it ({err})") from None
+        return state
 
 
 def _first_line(message: str) -> str:

@@ -7,7 +7,8 @@ past the end then left the matcher inside the text), and nothing is allowed afte
 the matcher back (``rollback``) to the prefix the two paths share and consumes the rest, a token only where
 the mask computed before it allows it (a token it does not allow would put the matcher in its error state for
 good). The masks of the path's prefixes are kept until rolled back, so a chain's forced run and drafts compute
-each once.
+each once: a path that the tentative one begins with is answered from them without moving the matcher (a
+round's masks asked again from its first position, after its forced run and drafts computed them).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class MatcherState:
         shared = 0  # the tokens the tentative path and ``path`` begin with alike
         while shared < min(len(self._path), len(path)) and self._path[shared] == path[shared]:
             shared += 1
+        if shared == len(path) < len(self._masks):  # a prefix of the tentative path: its mask is kept
+            return self._masks[shared]
         self._rollback(shared)
         for token in path[len(self._path) :]:
             if not bool(self._mask()[token]):
@@ -54,6 +57,7 @@ class MatcherState:
         if self.mask_after(tokens) is None:
             why = self._error() if self.matcher.is_error() else "a token it does not allow was committed"
             raise UsageError(f"the grammar failed: {why}")
+        self._rollback(len(tokens))  # the matcher stands after ``tokens``, not after a longer tentative path
         self._ended = self._at_end()
         self._path, self._masks = [], self._masks[len(tokens) :]
 

@@ -8,15 +8,23 @@ cancels its request, which leaves the batch at the next step. Every refusal is O
 one message; an unexpected failure is a 500 whose traceback goes to the log, the client sees one line.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not), ``GET /v1/models``,
-``GET /health``, ``GET /metrics``. With an API key, the ``/v1`` routes need ``Authorization: Bearer KEY``.
+``GET /health``, ``GET /metrics``. With an API key, the ``/v1`` routes need ``Authorization: Bearer KEY``
+(the scheme in any case, as HTTP has it).
 
 Bounded by design: a request's failure is its own (a 400 for the caller's mistake, a 500 naming an internal
 error, the batch going on; /health says 503 if the scheduler ever dies); a body must be JSON by Content-Type
 (415), arrive within ``body_timeout`` (408) and weigh at most ``max_body`` bytes (413); a client that hangs up
 while sending it is a 499. Connections are capped at ``max_connections`` (an idle one gives way to a new one),
 a request's headers must arrive within ``header_timeout`` of the connection opening or the previous answer,
-an idle keep-alive connection closes after ``keep_alive`` seconds; /metrics labels known routes only; a
-repeated log line is written once per :data:`LOG_INTERVAL` (:class:`OncePerInterval`).
+an idle keep-alive connection closes after ``keep_alive`` seconds; /metrics' label sets are bounded by
+configuration (:mod:`verispec.server.metrics`); a repeated log line is written once per :data:`LOG_INTERVAL`
+(:class:`OncePerInterval`). No request makes the server load anything: the drafters requests may choose
+are the server's own and those ``allow_drafters`` names, each loaded and calibrated at start. What a request
+asks for is bounded before it reaches the engine: ``k`` by :data:`MAX_K`, ``top_k`` by the vocabulary, a
+prompt by its bytes before it is tokenized (:meth:`Server.check_prompt_bytes`), a ``response_format`` by
+its grammar's start, checked when its state is made (a 400 naming it, before a stream begins); a round
+scores at most :data:`~verispec.engine.ROUND_TOKENS` of a sequence's tokens, however long its grammar's
+forced run.
 """
 
 from __future__ import annotations
@@ -50,9 +58,11 @@ from verispec.api import Speculator, failure_message
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import DRAFTERS, drafter_names
 from verispec.drafting.suffix_cache import tokenizer_identity
+from verispec.engine import ROUND_TOKENS
 from verispec.errors import UsageError
+from verispec.grammar.constraint import InvalidConstraint
 from verispec.inputs import is_int, parse_json
-from verispec.models.base import LanguageModel, Tokenizer
+from verispec.models.base import LanguageModel, SpelledTokenizer, Tokenizer
 from verispec.options import GenerationOptions, ModelChoice, parse_k
 from verispec.scheduler import Handle, QueueFull, Scheduler, SchedulerFailed
 from verispec.sequence import TokenLogprob
@@ -67,6 +77,7 @@ from verispec.server.schema import (
     finish_reason,
     new_id,
     parse_request,
+    refused_format,
     speculation,
     spelling,
     usage,
@@ -79,6 +90,8 @@ __all__ = ["OncePerInterval", "Server", "ServerConfig", "create_app", "exposed",
 _log = logging.getLogger("verispec.server")
 LOG_INTERVAL = 60.0  # seconds: a repeated log line is written once per interval
 UNKNOWN_ROUTE = "other"  # /metrics' label of every path that is not a route
+MAX_K = ROUND_TOKENS  # a request's k: more than a round scores is never drafted
+SHRINK = 4  # the most a tokenizer's normalization shortens text's UTF-8 (a 4-byte letter to 1 byte: NFKC)
 
 
 class OncePerInterval(logging.Filter):
@@ -130,6 +143,7 @@ class ServerConfig(ModelChoice):
     max_batch: int = 8
     max_queue: int = 64
     api_key: str | tuple[str, ...] | None = None  # a key, or several: each a tenant (its own suffix cache)
+    allow_drafters: tuple[str, ...] = ()  # drafters requests may choose besides the server's own
     share_suffix_cache: bool = False  # one suffix cache for every tenant (server/tenants.py)
     model_name: str | None = None  # the model id clients name (default: the target's name)
     max_connections: int = 512  # open connections; beyond, the oldest idle one closes (or the new one)
@@ -148,9 +162,19 @@ class ServerConfig(ModelChoice):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
                 raise UsageError(f"{name.replace('_', '-')} must be seconds in (0, 86400], got {value!r}")
-        parse_k(self.k)
+        k = parse_k(self.k)
+        if is_int(k) and k > MAX_K:
+            raise UsageError(f"--k must be at most {MAX_K} (a round scores at most {ROUND_TOKENS} tokens)")
         if any(not key.strip() for key in self.api_keys) or self.api_key == ():
             raise UsageError("the API key is empty")
+        for name in self.allow_drafters:
+            kind = DRAFTERS.get(name)
+            if kind is None or (kind.needs_draft_model and name != self.drafter):
+                choices = drafter_names(lambda kind: not kind.needs_draft_model)
+                raise UsageError(
+                    f"--allow-drafters: {name[:40]!r} cannot be chosen by requests; choose from {choices} "
+                    "(one with a draft model: only as the server's own)"
+                )
         self.tenants().check()
 
     @property
@@ -173,7 +197,8 @@ class ServerConfig(ModelChoice):
 
 class Server:
     """The state behind the app. ``loaded``: a target already in memory (model, tokenizer) to serve instead
-    of loading ``config.target``."""
+    of loading ``config.target``. Every drafter requests may choose is loaded (and, with ``--k auto``,
+    calibrated) here, before the first request."""
 
     def __init__(self, config: ServerConfig, loaded: tuple[LanguageModel, Tokenizer] | None = None) -> None:
         self.config = config
@@ -185,43 +210,63 @@ class Server:
         self.tenants.open(tokenizer_identity(self.default.tokenizer))
         self.default.k_policy(config.k)  # calibrates now (with --k auto), not in a client's request
         self._speculators = {self.default.drafter_name: self.default}
+        for name in config.allow_drafters:
+            if name not in self._speculators:
+                self._speculators[name] = made = Speculator(
+                    (self.default.model, self.default.tokenizer),
+                    drafter=name,
+                    drafter_path=config.drafter_path if DRAFTERS[name].learned else None,
+                    target_label=config.target,
+                )
+                made.k_policy(config.k)
         self.spell = spelling(self.default.tokenizer)  # each token's bytes, for log-probabilities
-        self._lock = threading.Lock()
+        self.prompt_bytes = self._prompt_bytes()
         self.scheduler = Scheduler(self.default, slots=config.max_batch, max_queue=config.max_queue)
         self.metrics = ServerMetrics(
-            lambda: self.scheduler.running, lambda: self.scheduler.queue_depth, self.tenants.stats
+            lambda: self.scheduler.running,
+            lambda: self.scheduler.queue_depth,
+            None if config.api_keys else self.tenants.stats,  # the tenants' figures: told to nobody
         )
 
     def speculator(self, drafter: str | None) -> Speculator:
-        """The speculator of a request's drafter (the server's own by default): any drafter of the registry
-        that needs no draft model (a learned one where the target has its file), or the server's. Made on
-        first use and kept."""
+        """The speculator of a request's drafter: the server's own by default, else one ``allow_drafters``
+        names (loaded at start); ApiError 400 naming those for any other."""
         name = self.default.drafter_name if drafter in (None, AUTO_DRAFTER) else drafter
-        with self._lock:
-            if name in self._speculators:
-                return self._speculators[name]
-            if name not in DRAFTERS or DRAFTERS[name].needs_draft_model:
-                own = self.default.drafter_name
-                served = drafter_names(lambda kind: not kind.needs_draft_model or kind.name == own)
-                unserved = drafter_names(lambda kind: kind.needs_draft_model and kind.name != own, "and")
-                why = f" ({unserved}: with a draft model, only as the server's own)" if unserved else ""
-                raise ApiError(
-                    400,
-                    f"drafter {drafter!r} is not served here; choose from {AUTO_DRAFTER}, {served}{why}",
-                    param="drafter",
-                )
-            try:
-                made = Speculator(
-                    (self.default.model, self.default.tokenizer),
-                    drafter=name,
-                    drafter_path=self.config.drafter_path if DRAFTERS[name].learned else None,
-                    target_label=self.config.target,
-                )
-                made.k_policy(self.config.k)
-            except UsageError as err:
-                raise ApiError(400, str(err), param="drafter") from None
-            self._speculators[name] = made
-            return made
+        if name not in self._speculators:
+            allowed = ", ".join([AUTO_DRAFTER, *self._speculators])
+            raise ApiError(
+                400,
+                f"drafter {name[:40]!r} is not served here; choose from {allowed} (the server's operator "
+                "allows more with --allow-drafters)",
+                param="drafter",
+            )
+        return self._speculators[name]
+
+    def _prompt_bytes(self) -> int | None:
+        """The most UTF-8 bytes of prompt text that can fit the context (None: no bound known): a token
+        spells at most the tokenizer's longest token's bytes of its normalized text, and normalization
+        shortens text at most :data:`SHRINK` times, so a text of more bytes than the context's tokens can
+        spell that way is certainly too long. A tokenizer that deletes text as it normalizes (some collapse
+        runs of spaces) is beyond this bound: byte-level BPE (GGUF files, SmolLM2, Llama 3), llama2.c's and
+        the SentencePiece tokenizers of Llama and Gemma delete nothing."""
+        tokenizer = self.default.tokenizer
+        if not isinstance(tokenizer, SpelledTokenizer):
+            return None
+        longest = max(map(len, tokenizer.token_bytes()))
+        return self.default.model.max_context * longest * SHRINK
+
+    def check_prompt_bytes(self, prompt: str | list[int] | list[dict[str, str]]) -> None:
+        """ApiError 400 for a prompt (text, or a conversation's messages) of more bytes than the context can
+        hold whatever its tokens (:meth:`_prompt_bytes`), before it is tokenized (a 3.9 MB prompt took
+        3.5-6 s of CPU to tokenize, then was refused); token ids are counted as they are, later."""
+        if self.prompt_bytes is None or not prompt or isinstance(prompt[0], int):
+            return
+        texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]  # type: ignore[index]
+        size = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
+        if size > self.prompt_bytes:
+            context = self.default.model.max_context
+            raise ApiError(400, f"the prompt has {size} bytes, more than {context} tokens can spell: the "
+                                f"context holds {context} tokens")  # fmt: skip
 
     def close(self) -> None:
         """Stop the scheduler, then save the tenants' suffix caches."""
@@ -318,8 +363,9 @@ class _Api:
         keys = self.server.config.api_keys
         if not keys:
             return None
-        given = request.headers.get("authorization", "").encode()
-        matched = [key for key in keys if hmac.compare_digest(given, f"Bearer {key}".encode())]  # every key
+        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+        given = credentials.lstrip(" ").encode() if scheme.lower() == "bearer" else b""  # RFC 9110: any case
+        matched = [key for key in keys if hmac.compare_digest(given, key.encode())]  # every key compared
         if not matched:
             raise ApiError(
                 401, "a missing or wrong API key (Authorization: Bearer KEY)", "authentication_error"
@@ -374,12 +420,20 @@ class _Api:
                 "not_found_error",
                 "model",
             )
-        limit = parsed.max_completion_tokens or parsed.max_tokens
+        limit = parsed.limit
         prompt = parsed.conversation if isinstance(parsed, ChatRequest) else parsed.one_prompt  # type: ignore[attr-defined]
+        self.server.check_prompt_bytes(prompt)
         try:
             k = parse_k(parsed.k if parsed.k is not None else self.server.config.k)
         except UsageError as err:
             raise ApiError(400, str(err), param="k") from None
+        if is_int(k) and k > MAX_K:  # never echoed: it may have thousands of digits
+            raise ApiError(400, f"k must be at most {MAX_K} (a round scores at most {ROUND_TOKENS} tokens)",
+                           param="k")  # fmt: skip
+        vocabulary = self.server.default.model.vocab_size
+        if parsed.top_k > vocabulary:
+            raise ApiError(400, f"top_k must be at most {vocabulary}, the vocabulary's size (0 keeps all)",
+                           param="top_k")  # fmt: skip
         structure = parsed.response_format
         constraint = None if structure is None else structure.constraint()  # a bad schema: 400
         try:
@@ -396,8 +450,9 @@ class _Api:
             raise ApiError(400, str(err)) from None
         loop, chunks = asyncio.get_running_loop(), asyncio.Queue[Chunk | None]()
 
+        speculator = self.server.speculator(parsed.drafter)
+
         def submit() -> Handle:
-            speculator = self.server.speculator(parsed.drafter)
             listener = lambda item: loop.call_soon_threadsafe(chunks.put_nowait, item)  # noqa: E731
             cache = self.server.tenants.cache(key) if speculator.kind.shared_cache else None  # the tenant's
             try:
@@ -413,6 +468,8 @@ class _Api:
                 raise ApiError(429, str(err), "rate_limit_error") from None
             except SchedulerFailed as err:
                 raise ApiError(503, str(err), "server_error") from None
+            except InvalidConstraint as err:  # its grammar cannot start: before anything streams
+                raise refused_format(err) from None
             except UsageError as err:
                 raise ApiError(400, str(err)) from None
 
@@ -468,8 +525,9 @@ class _Api:
                     yield _event(reply.chunk(chunk.text, logprobs=chunk.logprobs))
             reply.check()
             yield _event(reply.chunk(None, final=True))
-            if include_usage:
-                yield _event({**reply.head("chunk"), "choices": [], "usage": reply.usage()})
+            if include_usage:  # the last chunk carries usage and the verispec object, as a whole answer
+                yield _event({**reply.head("chunk"), "choices": [], "usage": reply.usage(),
+                              "verispec": speculation(reply.handle.stats)})  # fmt: skip
             yield "data: [DONE]\n\n"
             status = 200
         except ApiError as err:  # the request failed after its headers went out: an error event ends it

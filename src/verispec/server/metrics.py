@@ -4,7 +4,13 @@ share counters).
 Per request: requests by endpoint and status, prompt and generated tokens, target calls, draft tokens drafted
 and accepted at each draft position (acceptance by position = accepted / drafted), tokens per target call,
 time to first token and inter-token latency. Of the engine, read at each scrape: the sequences decoding (the
-batch) and the requests waiting (the queue); and the suffix caches' stats, summed over tenants.
+batch) and the requests waiting (the queue); and, on a server without API keys, its suffix cache's stats
+(with keys, the caches are the tenants' and /metrics, open to all, shows nothing of them).
+
+Every label set is bounded by configuration, never by what requests send: routes are the app's own (every
+other path one label), statuses the few the server answers, and draft positions 1 to :data:`POSITIONS` − 1
+each with their own series, every later one counted under ``"{POSITIONS}+"`` (a grammar's forced run drafts
+many positions in a round: a series per position once took /metrics to 1.9 MB).
 """
 
 from __future__ import annotations
@@ -15,10 +21,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from verispec.sequence import GenerationStats
 
-__all__ = ["ServerMetrics"]
+__all__ = ["POSITIONS", "ServerMetrics"]
 
 _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # seconds
-SUFFIX_STATS = {  # the suffix caches' stats in /metrics, summed over tenants: no label per tenant
+POSITIONS = 16  # draft positions with a series each: 1 .. POSITIONS - 1, then one "16+" for all later ones
+SUFFIX_STATS = {  # the suffix cache's stats in /metrics (a server without keys: one cache)
     "caches": "Caches",
     "tokens": "Tokens held",
     "sequences": "Sequences (outputs) held",
@@ -38,7 +45,7 @@ class ServerMetrics:
         suffix: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         """running, waiting: read at each scrape, the engine's batch size and queue depth; suffix: the suffix
-        caches' stats summed over tenants (:meth:`~verispec.server.tenants.SuffixTenants.stats`)."""
+        cache's stats (:meth:`~verispec.server.tenants.SuffixTenants.stats`; None: not shown)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -54,13 +61,13 @@ class ServerMetrics:
         )
         self.drafted = Counter(
             "verispec_draft_tokens_drafted",
-            "Draft tokens proposed, by draft position (1 = first)",
+            f"Draft tokens proposed, by draft position (1 = first; {POSITIONS}+: that one and later)",
             ["position"],
             registry=r,
         )
         self.accepted = Counter(
             "verispec_draft_tokens_accepted",
-            "Draft tokens accepted, by draft position (1 = first)",
+            f"Draft tokens accepted, by draft position (1 = first; {POSITIONS}+: that one and later)",
             ["position"],
             registry=r,
         )
@@ -82,7 +89,7 @@ class ServerMetrics:
         Gauge("verispec_batch_size", "Sequences decoding together", registry=r).set_function(running)
         Gauge("verispec_queue_depth", "Requests waiting for a slot", registry=r).set_function(waiting)
         for stat, text in () if suffix is None else SUFFIX_STATS.items():
-            gauge = Gauge(f"verispec_suffix_cache_{stat}", f"{text}, all tenants' suffix caches", registry=r)
+            gauge = Gauge(f"verispec_suffix_cache_{stat}", f"{text}, the suffix cache", registry=r)
             gauge.set_function(lambda stat=stat: suffix()[stat])  # type: ignore[misc]
 
     def finished(self, prompt_tokens: int, stats: GenerationStats) -> None:
@@ -93,8 +100,9 @@ class ServerMetrics:
         for position, (drafted, accepted) in enumerate(
             zip(stats.drafted_per_position, stats.accepted_per_position, strict=True), 1
         ):
-            self.drafted.labels(str(position)).inc(drafted)
-            self.accepted.labels(str(position)).inc(accepted)
+            label = str(position) if position < POSITIONS else f"{POSITIONS}+"
+            self.drafted.labels(label).inc(drafted)
+            self.accepted.labels(label).inc(accepted)
         if stats.target_calls:
             self.tokens_per_call.observe(stats.tokens_per_target_call)
 

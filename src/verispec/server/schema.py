@@ -5,10 +5,13 @@ converted). A field verispec does not implement is refused with a 400 naming it,
 (:data:`NOT_IMPLEMENTED`: OpenAI's fields, which pass only with the value that asks for nothing, such as
 ``presence_penalty: 0``), as is a field nobody defines. verispec's own options ride in the body beside
 OpenAI's: ``top_k``, ``min_p``, ``drafter``, ``k`` and ``invariant`` (by default: invariant draws exactly when
-a ``seed`` is given). ``response_format`` (``text``, ``json_object``, or ``json_schema`` with its ``name``,
-``schema`` and ``strict``) constrains the output through :class:`~verispec.grammar.Constraint`, exactly and
-whatever ``strict`` says (the schema is enforced either way). Every refusal is an :class:`ApiError`:
-an HTTP status and one line, written in OpenAI's error format by :func:`error_body`.
+a ``seed`` is given). A message's ``name`` (OpenAI's participant name) is accepted and not used: the chat
+templates have no place for it. ``max_tokens`` and ``max_completion_tokens`` (chat's newer name for it) may
+both be given only with one value (:attr:`_Request.limit`). ``response_format`` (``text``, ``json_object``,
+or ``json_schema`` with its ``name``, ``schema`` and ``strict``) constrains the output through
+:class:`~verispec.grammar.Constraint`, exactly and whatever ``strict`` says (the schema is enforced either
+way). Every refusal is an :class:`ApiError`: an HTTP status and one line, written in OpenAI's error format
+by :func:`error_body`.
 
 Log-probabilities (chat: ``logprobs: true`` and ``top_logprobs: N``; completions: ``logprobs: N``; N ≤
 :data:`~verispec.options.MAX_LOGPROBS`) are the engine's (:class:`~verispec.sequence.TokenLogprob`): the
@@ -28,7 +31,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from verispec.errors import UsageError
-from verispec.grammar.constraint import Constraint
+from verispec.grammar.constraint import Constraint, InvalidConstraint
 from verispec.models.base import SpelledTokenizer, Tokenizer
 from verispec.options import MAX_LOGPROBS, SamplingParams
 from verispec.sequence import GenerationStats, TokenLogprob
@@ -122,8 +125,14 @@ class ResponseFormat(BaseModel):
             return Constraint("json_object") if self.type == "json_object" else None
         try:
             return Constraint("json_schema", json.dumps(self.json_schema.schema_))
-        except UsageError as err:
-            raise ApiError(400, f"response_format: {err}", param="response_format") from None
+        except InvalidConstraint as err:
+            raise refused_format(err) from None
+
+
+def refused_format(error: InvalidConstraint) -> ApiError:
+    """The 400 of a response_format whose constraint cannot be generated from (refused on construction, or
+    when its state is made for the request, before anything is answered)."""
+    return ApiError(400, f"response_format: {error}", param="response_format")
 
 
 class _Request(BaseModel):
@@ -132,8 +141,8 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # chat's newer name of max_tokens
+    max_tokens: Annotated[int, Field(ge=1, lt=2**63)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, lt=2**63)] | None = None  # chat's newer name of it
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
     stop: str | list[str] | None = None
@@ -164,6 +173,18 @@ class _Request(BaseModel):
         if len(stops) > MAX_STOP or not all(stops):
             raise ValueError(f"at most {MAX_STOP} stop strings, none empty")
         return stop
+
+    @property
+    def limit(self) -> int | None:
+        """The most tokens to generate: ``max_completion_tokens`` or ``max_tokens`` (None: neither given).
+        OpenAI documents no rule for a body giving both (``max_tokens`` is the older name of the same
+        bound): with the same value it is that value, with two values a 400 naming both, never one of
+        them silently winning."""
+        both = (self.max_tokens, self.max_completion_tokens)
+        if None not in both and both[0] != both[1]:
+            raise ApiError(400, "max_tokens and max_completion_tokens differ: give one of them",
+                           param="max_completion_tokens")  # fmt: skip
+        return self.max_completion_tokens or self.max_tokens
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -228,6 +249,7 @@ class Message(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
+    name: str | None = None  # OpenAI's participant name: accepted, not used (the chat templates take none)
 
     def as_dict(self) -> dict[str, str]:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
