@@ -316,6 +316,8 @@ def test_smoke_bench_on_stories260k(capsys, tmp_path, stories_args):
         assert cell["greedy_identity"]["compared"] > 0
         if not cell["method"].startswith("transformers"):  # verispec: exact, predicted, calibrated
             assert cell["greedy_identity"]["differ"] == [], cell["label"]
+            # every sample scored its prompts whole (a cell after another on the same prompt included)
+            assert [s["cached_prompt_tokens"] for s in cell["samples"]] == [0, 0], cell["label"]
             assert m["predicted_speedup"] > 0 and m["efficiency"] > 0
     ngram = next(c for c in results["cells"] if c["label"] == "ngram k=4")["metrics"]
     assert 0 < ngram["acceptance_rate"] <= 1 and ngram["acceptance_per_position"]

@@ -754,9 +754,10 @@ def test_bench_gguf_commands_run(tmp_path, monkeypatch, own_cache, restore_threa
     """The README's bench-gguf and write-gguf lines, shrunk: model.gguf a tiny random file, the random
     shapes a tiny one, llama.cpp left out, one repetition of a few tokens; each completes with its report
     (the bench's) or its file (write-gguf's; requantizing: where llama.cpp is installed, else its one-line
-    error)."""
+    error; inflating: the tiny file to hidden 1024, no drafter shipped for it, and the generate line beside
+    the file it writes)."""
     monkeypatch.chdir(tmp_path)
-    bench_file, bench_random, write, requantize = verispec_commands(BENCH_GGUF)
+    bench_file, bench_random, write, requantize, inflate, beside = verispec_commands(BENCH_GGUF)
     _tiny_gguf_in(tmp_path, bench_file.words[2])
     quick = ["--no-llamacpp", "--repetitions", "1", "--context", "8", "--prefill", "4", "--max-k", "2"]
     quick += ["--threads", "1"]
@@ -782,3 +783,12 @@ def test_bench_gguf_commands_run(tmp_path, monkeypatch, own_cache, restore_threa
         assert status == 2 and "make peers" in err and not target.exists()
     else:
         assert status == 0 and target.is_file(), err
+    assert inflate.words[:6] == ["verispec", "write-gguf", "--from", "smollm2-135m", "--inflate", "llama3-1b"]
+    small = {"smollm2-135m": str(out), "llama3-1b": "hidden=1024,ffn=512", "--drafters": "", "shipped": ""}
+    words = [small.get(w, w) for w in inflate.words if small.get(w, w)]
+    assert cli.main(words[1:]) == 0, capsys.readouterr().err
+    wide = tmp_path / words[words.index("--out") + 1]
+    assert "inflated (hidden 256→1024" in capsys.readouterr().out and wide.is_file()
+    assert beside.words[:4] == ["verispec", "generate", "--target", wide.name]
+    words = [w for w in beside.words if w not in ("--drafter", "eagle", "--chat")]  # no eagle file here
+    assert cli.main([*words[1:], "--max-new-tokens", "4"]) == 0, capsys.readouterr().err

@@ -442,6 +442,12 @@ class Speculator:
         if sink.error is not None:
             raise sink.error
 
+    def forget(self) -> None:
+        """Drop the engine kept between streams, and the keys and values it holds: the next stream scores
+        its whole prompt, as a first one does (the bench's samples, each timed from an empty cache)."""
+        with self._streams:
+            self._driver = None
+
     def _own_driver(self) -> Driver:
         """The engine this speculator's streams run on, one at a time (made on first use)."""
         if self._driver is None:

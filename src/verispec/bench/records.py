@@ -42,6 +42,7 @@ class Sample(TypedDict):
     accepted_per_position: list[int]  # rounds that accepted position i
     tree_nodes: int  # draft nodes the target scored in tree rounds (0 for chains and transformers)
     forced: int  # drafted tokens that were the grammar's forced ones (constrained verispec methods)
+    cached_prompt_tokens: int  # prompt tokens not scored again (a sequence's later turns; 0 for a first)
     peak_rss_mib: float
     rss_growth_mib: float
     prompts: int

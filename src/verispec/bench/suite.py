@@ -561,6 +561,7 @@ def _add_samples(samples: Sequence[Sample]) -> Sample:
         "accepted_per_position": _positionwise(s["accepted_per_position"] for s in samples),
         "tree_nodes": sum(s["tree_nodes"] for s in samples),
         "forced": sum(s["forced"] for s in samples),
+        "cached_prompt_tokens": sum(s.get("cached_prompt_tokens", 0) for s in samples),  # older files: none
         "peak_rss_mib": max(s["peak_rss_mib"] for s in samples),
         "rss_growth_mib": max(s["rss_growth_mib"] for s in samples),
         "prompts": sum(s["prompts"] for s in samples),
@@ -782,7 +783,9 @@ class Bench:
         ids: list[int] = []
         records: list[Sample] = []
         replies: list[str] = []
-        for _ in range(len(prompt.follow_ups) + 1):
+        if not method.is_peer:  # an empty cache, as the peers start from: no cell skips a prefill paid before
+            self._speculator(method).forget()
+        for _ in range(len(prompt.follow_ups) + 1):  # later turns keep the conversation, as a user's would
             out, record = self._generate_one(method, prompt.turn(replies), sampling, cache)
             ids += out
             records.append(record)
@@ -803,10 +806,13 @@ class Bench:
         record["peak_rss_mib"], record["rss_growth_mib"] = peak, max(0.0, peak - rss_before)
         return ids, record
 
+    def _speculator(self, method: Method) -> Speculator:
+        return self.trees.get(method.label) or self.speculators[method.base]
+
     def _generate_verispec(
         self, method: Method, prompt: Prompt, sampling: SamplingParams, cache: SuffixCache
     ) -> tuple[list[int], Sample]:
-        speculator = self.trees.get(method.label) or self.speculators[method.base]
+        speculator = self._speculator(method)
         k = method.k or 0
         stats = GenerationStats(method.name, str(k))
         options = GenerationOptions(
@@ -836,6 +842,7 @@ class Bench:
             "accepted_per_position": list(stats.accepted_per_position),
             "tree_nodes": stats.tree_nodes,
             "forced": stats.forced,
+            "cached_prompt_tokens": stats.cached_prompt_tokens,
             "peak_rss_mib": 0.0,  # measured by _generate
             "rss_growth_mib": 0.0,
             "prompts": 1,
@@ -877,6 +884,7 @@ class Bench:
             "accepted_per_position": [],
             "tree_nodes": 0,
             "forced": 0,
+            "cached_prompt_tokens": 0,
             "peak_rss_mib": 0.0,  # measured by _generate
             "rss_growth_mib": 0.0,
             "prompts": 1,
