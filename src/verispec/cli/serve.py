@@ -93,7 +93,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from verispec.options import ModelChoice
 
     ModelChoice(**model_fields(args), **suffix_fields(args))
-    sock = _listen(args.host, args.port)
+    with _listen(args.host, args.port) as sock:  # closed whatever fails after it
+        return _serve(args, sock)
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
+    """``verispec serve`` on ``sock``: the flags read into a ServerConfig (checked), the server loaded, then
+    run until interrupted."""
     from verispec.server.app import Server, ServerConfig, exposed, run  # loads torch and transformers
 
     config = ServerConfig(
