@@ -342,8 +342,8 @@ def test_cli_generate_invariant_is_the_target_s_own_sampling(shared_model, capsy
         outputs.append(json.loads(capsys.readouterr().out))
     assert all(o["token_ids"] == outputs[0]["token_ids"] for o in outputs)
     assert sum(o["stats"]["accepted"] for o in outputs) > 0
-    traced = ["generate", "x", "--target", "nowhere.gguf", *sampled, "--show-trace"]
-    assert cli.main(traced) == 2  # refused before the (missing) model loads
+    traced = ["generate", "x", *model_args, *sampled, "--show-trace"]
+    assert cli.main(traced) == 2  # refused before the model loads
     assert "add --no-invariant" in capsys.readouterr().err
 
 
