@@ -170,6 +170,8 @@ def test_mistakes_that_need_no_model_are_answered_before_torch_loads(tmp_path):
     6-8 s): one process, main() run for each, a port taken by that process itself."""
     checkpoint = tmp_path / "model.bin"
     checkpoint.write_bytes(b"\0")
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text('{"prompt": "x"}\n')
     cases = {
         "generate x --drafter eagel": "unknown drafter 'eagel' (did you mean eagle?)",
         "generate x --target smollm2": "unknown model 'smollm2' (did you mean smollm2-135m?)",
@@ -184,6 +186,7 @@ def test_mistakes_that_need_no_model_are_answered_before_torch_loads(tmp_path):
         "demo --drafter model": "drafter 'model' needs a draft model",
         "calibrate --drafter eagel": "(did you mean eagle?)",
         "batch --input i --output o --drafter eagel": "(did you mean eagle?)",
+        f"batch --input {requests} --output {tmp_path / 'o'} --target smollm2": "did you mean smollm2-135m",
         "serve --port 99999": "--port must be in [0, 65535], got 99999",
         "serve --port TAKEN": "cannot listen on 127.0.0.1:TAKEN: Address already in use",
         "serve --drafter model": "drafter 'model' needs a draft model",

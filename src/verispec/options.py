@@ -271,7 +271,7 @@ class ModelChoice:
     """The models to load and the drafter to draft with, as a config (``verispec serve``, ``verispec batch``
     extend it): the :class:`~verispec.api.Speculator` arguments that name files and choices; the drafter's
     choice checked on construction (:func:`~verispec.drafting.registry.check_choice`: its name, its draft,
-    file and tokenizer together), the files when it loads."""
+    file and tokenizer together), the models and files it names before it loads (:meth:`check_models`)."""
 
     target: str = DEFAULT_MODEL
     tokenizer: str | None = None
@@ -291,12 +291,35 @@ class ModelChoice:
         check_choice(self.draft, self.drafter, self.drafter_path, self.draft_tokenizer, self.cross_tokenizer)
         check_suffix_choice(self.drafter, self.suffix_cache_file, self.suffix_budget)
 
+    def check_models(self, target: bool = True) -> None:
+        """UsageError for a model or file this choice names that cannot work, known without loading anything
+        (:func:`~verispec.models.names.check_spec`): the target (``target``) with its tokenizer, the draft
+        with its own tokenizer (else the target's), a drafter file that is not there."""
+        from pathlib import Path
+
+        from verispec.drafting.registry import early_exit_layers, self_draft
+        from verispec.models.names import check_spec
+
+        if target:
+            check_spec(self.target, self.tokenizer)
+        if self.tokenizer is not None:
+            check_spec(self.tokenizer, model=False)
+        draft = self.draft
+        if draft is not None and early_exit_layers(draft) is None and self_draft(draft) is None:
+            check_spec(draft, self.draft_tokenizer or self.tokenizer)
+            if self.draft_tokenizer is not None:
+                check_spec(self.draft_tokenizer, model=False)
+        if self.drafter_path is not None and not Path(self.drafter_path).expanduser().is_file():
+            raise UsageError(f"no such drafter file: {self.drafter_path}")
+
     def speculator(
         self, loaded: tuple[LanguageModel, Tokenizer] | None = None, tree: TreeShape | str | None = None
     ) -> Speculator:
         """The Speculator of this choice, drafting token trees of ``tree`` if given; ``loaded``: the target
-        already in memory, instead of loading ``target`` (which still names it). A drafter with a shared
-        cache starts from ``suffix_cache_file`` where it exists (:meth:`save_suffix_cache` saves it)."""
+        already in memory, instead of loading ``target`` (which still names it). The models it names are
+        checked first (:meth:`check_models`), before torch loads. A drafter with a shared cache starts from
+        ``suffix_cache_file`` where it exists (:meth:`save_suffix_cache` saves it)."""
+        self.check_models(target=loaded is None)
         from verispec.api import Speculator  # loads torch and transformers
         from verispec.drafting.suffix_cache import tokenizer_identity
         from verispec.drafting.suffix_files import open_suffix_cache

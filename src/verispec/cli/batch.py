@@ -83,6 +83,7 @@ def run_batch(args: argparse.Namespace) -> int:
         ray=args.ray,
         workers=args.workers,
     )
+    job.check_models()  # before anything starts
     try:
         summary = run_job(job)
     except KeyboardInterrupt:

@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
-from verispec.drafting.registry import CROSS_TOKENIZER, DRAFTERS, drafter_names, early_exit_layers, self_draft
+from verispec.drafting.registry import CROSS_TOKENIZER, DRAFTERS, drafter_names
 from verispec.errors import UsageError
 from verispec.inputs import did_you_mean
-from verispec.models.names import check_spec
 
 if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
     from verispec.grammar.constraint import Constraint
@@ -34,7 +33,6 @@ __all__ = [
     "add_sampling_arguments",
     "add_suffix_arguments",
     "add_threads_argument",
-    "check_specs",
     "constraint_of",
     "format_table",
     "joined_values",
@@ -44,6 +42,7 @@ __all__ = [
     "option_fields",
     "k_flag",
     "parse_precision",
+    "refuse_empty_specs",
     "sampling_of",
     "show_results",
     "suffix_fields",
@@ -169,25 +168,14 @@ def add_model_specs(parser: argparse.ArgumentParser) -> None:
 _SPECS = ("target", "draft", "tokenizer", "draft_tokenizer", "drafter_path")  # flags naming a model or a file
 
 
-def check_specs(args: argparse.Namespace) -> None:
-    """UsageError, before any command loads anything, for a model or file flag that cannot work: given as
-    empty text (``--target ""`` would silently mean the default model), a target that names no model
-    (:func:`~verispec.models.names.check_spec`: a short name not known, a file that is not there, a llama2.c
-    checkpoint without its tokenizer where the command takes one), a tokenizer or drafter file that is not
-    there. A draft's flags are checked with the choice they belong to (:func:`model_fields`): a command may
-    refuse them altogether."""
+def refuse_empty_specs(args: argparse.Namespace) -> None:
+    """UsageError for a model or file flag given as empty text (``--target ""`` would silently mean the
+    default model); what a SPEC names is checked with its choice, before it loads
+    (:meth:`~verispec.options.ModelChoice.check_models`)."""
     for name in _SPECS:
         value = getattr(args, name, None)
         if isinstance(value, str) and not value.strip():
             raise UsageError(f"--{name.replace('_', '-')} is empty: name a model or a file (or leave it out)")
-    tokenizer = getattr(args, "tokenizer", None)
-    if getattr(args, "target", None) is not None:  # else the command says what it does with a checkpoint
-        check_spec(args.target, tokenizer, model=hasattr(args, "tokenizer"))
-    if tokenizer is not None:
-        check_spec(tokenizer, model=False)
-    path = getattr(args, "drafter_path", None)
-    if path is not None and not Path(path).expanduser().is_file():
-        raise UsageError(f"no such drafter file: {path}")
 
 
 def parse_precision(value: str) -> str:
@@ -210,14 +198,7 @@ def across_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def model_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The fields of a :class:`~verispec.api.ModelChoice` (the models and the drafter), from the flags; a
-    draft model's SPEC and tokenizer checked (:func:`~verispec.models.names.check_spec`) before anything
-    loads."""
-    draft, own = args.draft, args.draft_tokenizer
-    if draft is not None and early_exit_layers(draft) is None and self_draft(draft) is None:
-        check_spec(draft, own or args.tokenizer)
-        if own is not None:
-            check_spec(own, model=False)
+    """The fields of a :class:`~verispec.api.ModelChoice` (the models and the drafter), from the flags."""
     return {
         **({"target": args.target} if args.target else {}),
         "tokenizer": args.tokenizer,

@@ -331,7 +331,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     check_prompt(args.prompt)
     options = GenerationOptions(k=k_flag(args), max_new_tokens=args.max_new_tokens, chat=True)  # greedy
-    ModelChoice(**model_fields(args))  # the drafter's choice
+    ModelChoice(**model_fields(args)).check_models()  # the drafter's choice, the models it names
     from verispec.api import Speculator  # loads transformers: once every argument is checked
     from verispec.drafting.learned.kinds import shipped_drafter
     from verispec.models.base import has_chat_template

@@ -92,7 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
     anything loads (a mistake, a port out of range or taken: one line at once)."""
     from verispec.options import ModelChoice
 
-    ModelChoice(**model_fields(args), **suffix_fields(args))
+    ModelChoice(**model_fields(args), **suffix_fields(args)).check_models()
     with _listen(args.host, args.port) as sock:  # closed whatever fails after it
         return _serve(args, sock)
 
