@@ -41,6 +41,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter, ReaderTensor, quants
@@ -226,7 +227,7 @@ def read_source(reader: GGUFReader) -> Source:
         ffn=int(widths["ffn"]),
         heads=heads,
         kv_heads=kv_heads,
-        head_dim=int(_value(reader, f"{arch}.attention.key_length", hidden // heads)),  # type: ignore[call-overload]
+        head_dim=int(_value(reader, f"{arch}.attention.key_length", hidden // heads)),
         layers=int(widths["layers"]),
         vocab=int(names["token_embd.weight"].shape[-1]),
         tied="output.weight" not in names,
@@ -234,7 +235,7 @@ def read_source(reader: GGUFReader) -> Source:
     )
 
 
-def _value(reader: GGUFReader, key: str, default: object = None) -> object:
+def _value(reader: GGUFReader, key: str, default: Any = None) -> Any:
     """A metadata value (``default`` when absent; UsageError when absent without one)."""
     field = reader.fields.get(key)
     if field is None:
@@ -271,9 +272,12 @@ def inflate_gguf(source: str | Path, out: str | Path, shape: str) -> tuple[Path,
             else:
                 block, size = GGML_QUANT_SIZES[tensor.tensor_type]
                 nbytes = rows * cols // block * size
-                shape = (rows, nbytes // rows)
                 writer.add_tensor_info(
-                    tensor.name, shape, np.dtype(np.uint8), nbytes, raw_dtype=tensor.tensor_type
+                    tensor.name,
+                    (rows, nbytes // rows),
+                    np.dtype(np.uint8),
+                    nbytes,
+                    raw_dtype=tensor.tensor_type,
                 )
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -338,7 +342,7 @@ def _scaled_blocks(raw: np.ndarray, tensor: ReaderTensor, scale: float) -> np.nd
     raw, name = raw.copy(), tensor.tensor_type.name
     if name in ("F32", "F16"):
         values = raw.view(np.float32 if name == "F32" else np.float16)
-        values *= values.dtype.type(scale)
+        np.multiply(values, values.dtype.type(scale), out=values)
         return raw
     try:
         fields = [at for at in scale_offsets(name) if at is not None]
