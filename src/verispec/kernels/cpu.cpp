@@ -33,9 +33,8 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(VS_PORTABLE)
 #define VS_AVX2 1
 #include <immintrin.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
-    !defined(VS_256)
-#define VS_AVX512 1  // 512-bit kernels, 16 outputs per group (VS_256: the 256-bit ones, with what else it has)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define VS_AVX512 1  // 512-bit kernels, 16 outputs per group
 #endif
 #endif
 
