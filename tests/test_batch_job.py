@@ -491,7 +491,7 @@ def test_drafter_data_on_ray(local_ray, tmp_path, capsys):
     """``drafter-data --ray --workers 2`` on a tiny chat Llama: the prompts of a one-machine run, and its
     greedy answers (the even prompts), in one merged data set."""
     from test_eagle_data import save_target
-    from verispec.drafting.learned.data import _sequences, read_data_meta
+    from verispec.training.data import _sequences, read_data_meta
 
     target = str(save_target(tmp_path / "target", 1.5))
     common = [

@@ -1,7 +1,7 @@
 """The learned (EAGLE-style) drafter: its file, its training, and exactness in the engine.
 
 Targets are tiny random Llamas (and stories260K from ``../shared/models`` where present); their training data
-sets are made here, in the format of :mod:`verispec.drafting.learned.data`, by the target itself: its sampled
+sets are made here, in the format of :mod:`verispec.training.data`, by the target itself: its sampled
 answers to random prompts, with ``forward_hidden`` at every position.
 """
 
@@ -31,22 +31,9 @@ from verispec.api import Speculator
 from verispec.bench.suite import BenchConfig, Method, plan_methods
 from verispec.calibrate import DRAFT_K, FILLS, drafter_identity
 from verispec.drafting.base import Allowed, Proposal
-from verispec.drafting.learned import train as train_module
-from verispec.drafting.learned.data import load_split
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.eagle_drafter import DEFAULT_TREE, EagleDrafter, EagleTreeDrafter
 from verispec.drafting.learned.head import native_target, target_fingerprint
-from verispec.drafting.learned.train import (
-    Batch,
-    EagleRecipe,
-    TrainConfig,
-    TrainingData,
-    batch_loss,
-    draft_index,
-    sample_batch,
-    train_drafter,
-    unrolled_features,
-)
 from verispec.drafting.ngram import NGramTreeDrafter
 from verispec.drafting.tree import TreeShape
 from verispec.models.llama import Llama, LlamaConfig
@@ -55,6 +42,12 @@ from verispec.options import GenerationOptions, SamplingParams
 from verispec.policies import ConstantK
 from verispec.sampling import probs_from_logits
 from verispec.sequence import EngineConfig, GenerationStats, Request
+from verispec.training import eagle as eagle_recipe
+from verispec.training.config import TrainConfig
+from verispec.training.data import load_split
+from verispec.training.eagle import Batch, EagleRecipe, batch_loss, sample_batch, unrolled_features
+from verispec.training.recipe import TrainingData, draft_index
+from verispec.training.train import train_drafter
 
 VOCAB = 64
 GREEDY = SamplingParams(temperature=0)
@@ -104,7 +97,7 @@ def hidden_states(model: Llama, ids: list[int]) -> torch.Tensor:
 def make_dataset(
     model: Llama, directory: Path, prompts: list[list[int]], answer: int, seed: int = 0, label: str = "tiny"
 ) -> Path:
-    """A data set in verispec.drafting.learned.data's format: the model's sampled answers (every fourth held
+    """A data set in verispec.training.data's format: the model's sampled answers (every fourth held
     out)."""
     g = torch.Generator().manual_seed(seed)
     splits: dict[str, list] = {"train": [], "heldout": []}
@@ -363,7 +356,7 @@ def test_resume_continues_exactly(target, dataset, tmp_path, monkeypatch):
         steps=6, batch_tokens=64, window=32, draft_vocab=48, eval_every=2, checkpoint_every=3, eval_tokens=64
     )
     whole = train_whole_and_cut(
-        target, dataset, tmp_path, monkeypatch, config, train_module, "sample_batch", 5
+        target, dataset, tmp_path, monkeypatch, config, eagle_recipe, "sample_batch", 5
     )
     assert torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["step"] == 3
     one_line_error(lambda: train_drafter(target, dataset, tmp_path / "cut", config), "already holds")

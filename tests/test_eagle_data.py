@@ -1,5 +1,5 @@
-"""The learned drafter's training data (:mod:`verispec.drafting.learned.data`): the prompt set
-(:mod:`verispec.drafting.learned.prompts`), ``DataConfig``, and data sets built, extended and merged end to
+"""The learned drafter's training data (:mod:`verispec.training.data`): the prompt set
+(:mod:`verispec.training.prompts`), ``DataConfig``, and data sets built, extended and merged end to
 end on a tiny random transformers Llama (with a byte-level tokenizer that has a chat template, both made
 here), every stored hidden state and greedy answer checked against verispec's native Llama loaded from the
 same directory."""
@@ -18,17 +18,17 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from test_eagle import assert_usage_error, run_cli
 from test_hf_adapter import save_tokenizer
 from test_lookahead import needs_native
-from verispec.drafting.learned import data as data_module
-from verispec.drafting.learned import prompts as prompts_module
-from verispec.drafting.learned.data import (
+from verispec.models.registry import load_model
+from verispec.training import data as data_module
+from verispec.training import prompts as prompts_module
+from verispec.training.data import (
     DataConfig,
     add_follow_ups,
     build_dataset,
     load_split,
     merge_datasets,
 )
-from verispec.drafting.learned.prompts import FOLLOW_UPS, chat_prompts
-from verispec.models.registry import load_model
+from verispec.training.prompts import FOLLOW_UPS, chat_prompts
 
 VOCAB = 4 + 256  # save_tokenizer's vocabulary: four special tokens, then the 256 byte symbols
 EOS = {1, 3}  # </s> and <|end|> (its generation_config.json)

@@ -18,7 +18,6 @@ from verispec.cli import main
 from verispec.drafting.hybrid import LookupFirstDrafter
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.eagle_drafter import EagleDrafter
-from verispec.drafting.learned.train import TrainConfig
 from verispec.drafting.ngram import NGramDrafter
 from verispec.drafting.registry import DRAFTERS, drafter_names
 from verispec.errors import UsageError
@@ -26,6 +25,7 @@ from verispec.models.llama import Llama
 from verispec.options import GenerationOptions, SamplingParams
 from verispec.policies import CostModelK, PartsK
 from verispec.sequence import GenerationStats
+from verispec.training.config import TrainConfig
 
 pytestmark = needs_native
 MATCHED = [5, 9, 12, 7, 5, 9]  # its last two tokens occurred before: the lookup proposes 12, 7, 5...

@@ -38,24 +38,21 @@ from test_real_models import STORY_PROMPTS
 from verispec.api import Speculator
 from verispec.bench.suite import BenchConfig, Method, plan_methods
 from verispec.calibrate import drafter_identity
-from verispec.drafting.learned import train as train_module
-from verispec.drafting.learned.data import load_split
 from verispec.drafting.learned.head import target_fingerprint
 from verispec.drafting.learned.kinds import load_head
 from verispec.drafting.learned.lookahead import LookaheadDrafter, LookaheadTokens, lookahead_mask
-from verispec.drafting.learned.train import (
-    LookaheadRecipe,
-    TrainConfig,
-    TrainingData,
-    draft_index,
-    train_drafter,
-)
 from verispec.kernels.cpu import native_available
 from verispec.models.llama import Llama
 from verispec.models.registry import load_model
 from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
 from verispec.sequence import GenerationStats
+from verispec.training import train as train_module
+from verispec.training.config import TrainConfig
+from verispec.training.data import load_split
+from verispec.training.lookahead import LookaheadRecipe
+from verispec.training.recipe import TrainingData, draft_index
+from verispec.training.train import train_drafter
 
 PROMPTS = ("abc", "hello", "qqqzzz", "the", "mnopqrs", "x")
 TRAINING = dataclasses.replace(

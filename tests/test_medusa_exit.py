@@ -38,25 +38,21 @@ from verispec.api import Speculator
 from verispec.bench.suite import BenchConfig, Method, plan_methods
 from verispec.calibrate import drafter_identity
 from verispec.drafting.draft_model import ModelDrafter
-from verispec.drafting.learned import train as train_module
-from verispec.drafting.learned.data import load_split
 from verispec.drafting.learned.exit import ExitAdapter, ExitDraft, exit_features
 from verispec.drafting.learned.head import target_fingerprint
 from verispec.drafting.learned.kinds import load_head
 from verispec.drafting.learned.medusa import MedusaDrafter, MedusaHeads, MedusaTreeDrafter, medusa_tree
-from verispec.drafting.learned.train import (
-    MedusaRecipe,
-    TrainConfig,
-    TrainingData,
-    draft_index,
-    train_drafter,
-)
 from verispec.drafting.tree import TreeShape
 from verispec.models.llama import Llama
 from verispec.models.registry import load_model
 from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
 from verispec.sequence import GenerationStats
+from verispec.training.config import TrainConfig
+from verispec.training.data import load_split
+from verispec.training.medusa import MedusaRecipe
+from verispec.training.recipe import TrainingData, draft_index
+from verispec.training.train import train_drafter
 
 KINDS = ("medusa", "exit")
 PROMPTS = ("abc", "hello", "qqqzzz", "the", "mnopqrs", "x")
@@ -392,8 +388,8 @@ def test_resume_continues_exactly(target, dataset, tmp_path, monkeypatch, kind):
     config = dataclasses.replace(
         TRAINING[kind], steps=6, batch_tokens=64, eval_every=2, checkpoint_every=3, eval_tokens=64
     )
-    cut = ("_sample_positions", 5)
-    whole = train_whole_and_cut(target, dataset, tmp_path, monkeypatch, config, train_module, *cut)
+    cut = ("sample_positions", 5)
+    whole = train_whole_and_cut(target, dataset, tmp_path, monkeypatch, config, TrainingData, *cut)
     resumed = train_drafter(target, dataset, tmp_path / "cut", config, resume=True, progress=False)
     a, b = load_file(str(whole)), load_file(str(resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

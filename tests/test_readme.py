@@ -384,7 +384,7 @@ def chat_target(tmp_path_factory, monkeypatch) -> Path:
     "chatty" target (<|end|> ×1.5: it writes usable user turns of its own). The prompt set's stdlib passages
     are read once for the whole recipe, as ``test_eagle_data`` does (the prompts do not change)."""
     from test_eagle_data import save_target
-    from verispec.drafting.learned import prompts as prompts_module
+    from verispec.training import prompts as prompts_module
 
     passages = prompts_module._stdlib_passages()
     monkeypatch.setattr(prompts_module, "_stdlib_passages", lambda: list(passages))

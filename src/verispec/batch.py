@@ -17,10 +17,8 @@ out with ``invariant=False``.
 
 With ``ray``, the shards are the rows of a Ray Data dataset mapped by ``map_batches`` with a stateful actor
 class (:class:`ShardWorker`, which loads the models once) in ``workers`` actors, on a local Ray started here
-or the cluster at an address. The driver writes each shard as it comes back.
-
-:func:`drafter_data_on_ray` makes a learned drafter's data set (``verispec drafter-data --ray``) the same way:
-the prompt set cut into ranges, each answered by a Ray worker into a data set of its own, merged.
+or the cluster at an address (:func:`connect_ray`, which ``verispec drafter-data --ray`` connects with too).
+The driver writes each shard as it comes back.
 """
 
 from __future__ import annotations
@@ -51,7 +49,7 @@ if TYPE_CHECKING:  # the models load where a job runs: its settings are checked 
 __all__ = [
     "BatchJob",
     "ShardWorker",
-    "drafter_data_on_ray",
+    "connect_ray",
     "generate_requests",
     "prompt_seed",
     "read_requests",
@@ -465,7 +463,8 @@ def run_job(job: BatchJob) -> dict:
     now and before, tokens and seconds of this run."""
     requests = read_requests(job.input)  # a malformed line: an error record
     shards = _shards(requests, job.shard_size)
-    ray = _connect(job.ray) if job.ray is not None else None  # an unreachable address fails before any file
+    # an unreachable address fails before any file
+    ray = connect_ray(job.ray) if job.ray is not None else None
     seed, done = _prepare(job, requests, shards)
     pending = [i for i in range(len(shards)) if i not in done]
     started, tokens = time.perf_counter(), 0
@@ -505,7 +504,7 @@ def _here(job: BatchJob, shards, pending: Sequence[int], seed: int) -> Iterator[
         yield _shard_lines(job, speculator, index, shards[index], seed)
 
 
-def _connect(address: str):
+def connect_ray(address: str):
     """Ray, connected to ``address`` (or a local Ray started here); UsageError when that fails."""
     try:
         import ray
@@ -563,48 +562,3 @@ def _progress(job: BatchJob, requests, shards, done: set[int]):
 
     already = sum(len(shards[i]) for i in done)
     return tqdm(total=len(requests), initial=already, unit="prompt", desc="batch", disable=not job.progress)
-
-
-# ---------------------------------------------------------------------------------------------- drafter data
-
-
-def drafter_data_on_ray(target: str, out: str | Path, config, address: str, workers: int) -> dict:
-    """``verispec drafter-data --ray``: the template prompts ``config.first_prompt ..`` cut into ``workers``
-    ranges (even-sized, so that each prompt keeps its parity: even prompts are answered greedily, odd ones
-    sampled), each answered by a Ray task into ``OUT.parts/range-i`` (a filesystem the workers share: on one
-    machine, always), then merged into ``out`` as ``--merge`` does. The prompts and the greedy answers are
-    those of a one-machine run; sampled answers and the held-out choice are drawn per range. Returns the
-    merged data set's meta data."""
-    from verispec.drafting.learned.data import build_dataset, merge_datasets
-
-    if config.questions != "templates":
-        raise UsageError("--ray cuts the template prompt set into ranges: target-written questions run here")
-    if not is_int(workers) or workers < 1:
-        raise UsageError(f"--workers must be an integer >= 1, got {workers!r}")
-    out = Path(out)
-    if out.exists():
-        raise UsageError(f"{out} exists: remove it or choose another directory")
-    ray = _connect(address)
-    step = -(-config.num_prompts // workers)
-    step += step % 2  # even, so that every range starts on an even prompt
-    ranges = [(a, min(step, config.num_prompts - a)) for a in range(0, config.num_prompts, step)]
-    parts = Path(f"{out}.parts")
-    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)) // len(ranges))
-
-    def answer(first: int, count: int, where: str) -> str:
-        import torch
-
-        torch.set_num_threads(cpus)
-        part = dataclasses.replace(config, first_prompt=config.first_prompt + first, num_prompts=count)
-        build_dataset(target, where, dataclasses.replace(part, progress=False))
-        return where
-
-    task = ray.remote(num_cpus=cpus)(answer)
-    done = ray.get([task.remote(a, n, str(parts / f"range-{i}")) for i, (a, n) in enumerate(ranges)])
-    if len(done) == 1:
-        shutil.move(done[0], out)
-        meta = json.loads((out / "meta.json").read_text())
-    else:
-        meta = merge_datasets(done, out)
-    shutil.rmtree(parts, ignore_errors=True)
-    return meta

@@ -95,7 +95,7 @@ def add_drafter_data_parser(subparsers: argparse._SubParsersAction) -> None:
         help="build the training data of a learned drafter: the target's own answers to a prompt set",
         description="Have the target answer a generated set of chat prompts (half greedily, half sampled at "
         "temperature 1) and store every token with the target's final hidden state, split into train and "
-        "held-out sets (see verispec.drafting.learned.data). Needs no model hub and no corpus.",
+        "held-out sets (see verispec.training.data). Needs no model hub and no corpus.",
     )
     parser.add_argument(
         "--target", default="smollm2-135m", metavar="SPEC", help="the target (default: %(default)s)"
@@ -166,7 +166,13 @@ def add_drafter_data_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_drafter_data(args: argparse.Namespace) -> int:
     """Run ``verispec drafter-data``: build the data set and print what it holds."""
-    from verispec.drafting.learned.data import DataConfig, add_follow_ups, build_dataset, merge_datasets
+    from verispec.training.data import (
+        DataConfig,
+        add_follow_ups,
+        build_dataset,
+        drafter_data_on_ray,
+        merge_datasets,
+    )
 
     config = DataConfig(
         args.prompts,
@@ -190,8 +196,6 @@ def run_drafter_data(args: argparse.Namespace) -> int:
     if args.merge is not None:
         meta = merge_datasets(args.merge, args.out)
     elif args.ray is not None:
-        from verispec.batch import drafter_data_on_ray
-
         meta = drafter_data_on_ray(args.target, args.out, config, args.ray, args.workers)
     elif args.source is not None:
         meta = add_follow_ups(args.source, args.out, args.follow_ups, config)
@@ -207,7 +211,7 @@ def run_drafter_data(args: argparse.Namespace) -> int:
 
 def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
     """Declare ``verispec train-drafter``."""
-    from verispec.drafting.learned.config import KINDS, TrainConfig
+    from verispec.training.config import KINDS, TrainConfig
 
     defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}  # no validation
     parser = subparsers.add_parser(
@@ -215,7 +219,7 @@ def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
         help="train a learned drafter (EAGLE head, Medusa heads, trained exit, lookahead tokens) on a "
         "drafter-data set",
         description="Train a learned drafter for a target, with logits over a reduced draft vocabulary (see "
-        "verispec.drafting.learned.train): --kind eagle, a draft head (one decoder layer unless --layers) "
+        "verispec.training): --kind eagle, a draft head (one decoder layer unless --layers) "
         "that predicts the target's next hidden state from its current one and the next token; medusa, "
         "--heads heads on the target's last hidden state, head i guessing the token i + 1 ahead; exit, an "
         "adapter after the target's first --exit-layer layers; lookahead, --lookahead input embeddings that "
@@ -272,11 +276,11 @@ def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_train_drafter(args: argparse.Namespace) -> int:
     """Run ``verispec train-drafter``: validate, load the target, train, print where the drafter is."""
-    from verispec.drafting.learned.config import THROUGH_TARGET
-    from verispec.drafting.learned.data import read_data_meta
-    from verispec.drafting.learned.train import TrainConfig, train_drafter
     from verispec.models.registry import load_model
     from verispec.options import DEFAULT_MODEL
+    from verispec.training.config import THROUGH_TARGET, TrainConfig
+    from verispec.training.data import read_data_meta
+    from verispec.training.train import train_drafter
 
     config = TrainConfig(
         kind=args.kind,

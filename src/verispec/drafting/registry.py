@@ -3,7 +3,11 @@
 This is the one place where a drafter's name means something. The API, the command line, the calibration and
 the bench ask a :class:`DrafterKind` (``DRAFTERS[name]``) instead of comparing names. To add a drafter, write
 its chain form (the :class:`~verispec.drafting.base.Drafter` protocol) and, if it has one, its tree form
-(:class:`~verispec.drafting.base.TreeDrafter`), then add one entry to :data:`DRAFTERS`.
+(:class:`~verispec.drafting.base.TreeDrafter`), then add one entry to :data:`DRAFTERS`. A learned kind's entry
+also declares what it trains (:class:`Trained`: its head class in :mod:`verispec.drafting.learned`, its recipe
+in :mod:`verispec.training`, the targets verispec ships a file of it for); the kinds' head classes
+(:data:`verispec.drafting.learned.kinds.HEADS`), their shipped files, the kinds ``train-drafter`` trains and
+the recipe each trains with are read from there.
 
 ``auto`` is not a drafter but a choice among them (:func:`choose_auto`): the draft model when one is given,
 else the learned drafter when one exists for the target, else prompt lookup. :func:`check_choice` is every
@@ -13,6 +17,7 @@ the command line asks it before anything loads.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,6 +46,7 @@ __all__ = [
     "SELF",
     "DraftInputs",
     "DrafterKind",
+    "Trained",
     "check_algorithm",
     "check_choice",
     "choose_auto",
@@ -123,6 +129,34 @@ class DraftInputs:
 
 
 @dataclass(frozen=True)
+class Trained:
+    """What a learned kind's files hold and how verispec trains one: its head class and its training recipe,
+    each named by its dotted path (imported where used: this table loads no torch), and the targets (short
+    names) verispec ships a file of it for, ``verispec/data/drafters/TARGET-KIND.safetensors``."""
+
+    head: str  # a LearnedHead subclass, "verispec.drafting.learned.MODULE.CLASS"
+    recipe: str  # its recipe, "verispec.training.MODULE.CLASS" (a verispec.training.recipe.Recipe)
+    shipped: tuple[str, ...] = ()
+    through_target: bool = False  # trained through the target's own float32 layers (native kernels compute
+    # no gradients), whatever precision it otherwise runs in
+
+    def head_class(self) -> type[LearnedHead]:
+        """The head class, imported."""
+        head: type[LearnedHead] = _named(self.head)
+        return head
+
+    def recipe_class(self) -> Any:
+        """The recipe class, imported."""
+        return _named(self.recipe)
+
+
+def _named(path: str) -> Any:
+    """The object at the dotted ``path`` ("package.module.NAME"), its module imported."""
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
 class DrafterKind:
     """One drafter: its capabilities and factories.
 
@@ -137,12 +171,18 @@ class DrafterKind:
     tree: TreeFactory | None = None
     drafts: bool = True  # False only for plain decoding: K is then irrelevant and nothing is calibrated
     needs_draft_model: bool = False  # a second model (--draft SPEC), or the target's first layers
-    learned: bool = False  # a trained drafter file: --drafter-path, or the one shipped for the target
-    head: str = ""  # the kind of that file, where not the drafter's own name
+    trained: Trained | None = None  # a learned kind of its own: drafts with a trained file of that kind
+    head: str = ""  # drafts with a trained file of another learned kind, this one
     dynamic_trees: bool = False  # takes tree shapes with a node budget (ranks its nodes, EAGLE-2)
     reads_target_hidden: bool = False  # drafts from the target's hidden states: needs a native target
     reads_target_cache: bool = False  # runs the target's first layers on the target's own cache
     shared_cache: bool = False  # drafts from a cache shared across requests (DraftInputs.suffix_cache)
+
+    @property
+    def learned(self) -> bool:
+        """Whether the kind drafts with a trained drafter file: --drafter-path, or the one shipped for the
+        target."""
+        return self.trained is not None or bool(self.head)
 
     @property
     def head_kind(self) -> str:
@@ -300,6 +340,8 @@ def _suffix_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> Tr
     return SuffixTreeDrafter(shape, chain)
 
 
+_SHIPPED = ("smollm2-135m",)  # the targets verispec ships every learned kind's file for
+
 DRAFTERS: dict[str, DrafterKind] = {
     kind.name: kind
     for kind in (
@@ -329,7 +371,11 @@ DRAFTERS: dict[str, DrafterKind] = {
             "a learned head reading the target's hidden states (EAGLE-style)",
             _eagle_chain,
             _eagle_tree,
-            learned=True,
+            trained=Trained(
+                head="verispec.drafting.learned.eagle.EagleHead",
+                recipe="verispec.training.eagle.EagleRecipe",
+                shipped=_SHIPPED,
+            ),
             dynamic_trees=True,
             reads_target_hidden=True,
         ),
@@ -337,7 +383,6 @@ DRAFTERS: dict[str, DrafterKind] = {
             "ngram+eagle",
             "prompt lookup where the context's suffix occurred before, the eagle head elsewhere",
             _ngram_eagle_chain,
-            learned=True,
             head="eagle",
             reads_target_hidden=True,
         ),
@@ -346,7 +391,11 @@ DRAFTERS: dict[str, DrafterKind] = {
             "Medusa heads on the target's last hidden state, head i guessing the token i + 1 ahead",
             _medusa_chain,
             _medusa_tree,
-            learned=True,
+            trained=Trained(
+                head="verispec.drafting.learned.medusa.MedusaHeads",
+                recipe="verispec.training.medusa.MedusaRecipe",
+                shipped=_SHIPPED,
+            ),
             reads_target_hidden=True,
         ),
         DrafterKind(
@@ -354,14 +403,23 @@ DRAFTERS: dict[str, DrafterKind] = {
             "the target's first layers and a trained exit (a LayerSkip-style self-draft)",
             _exit_chain,
             _model_tree,
-            learned=True,
+            trained=Trained(
+                head="verispec.drafting.learned.exit.ExitAdapter",
+                recipe="verispec.training.exit.ExitRecipe",
+                shipped=_SHIPPED,
+            ),
             reads_target_cache=True,
         ),
         DrafterKind(
             "lookahead",
             "trained lookahead tokens after the context: one target forward drafts several tokens (PaSS)",
             _lookahead_chain,
-            learned=True,
+            trained=Trained(
+                head="verispec.drafting.learned.lookahead.LookaheadTokens",
+                recipe="verispec.training.lookahead.LookaheadRecipe",
+                shipped=_SHIPPED,
+                through_target=True,
+            ),
             reads_target_cache=True,
         ),
     )

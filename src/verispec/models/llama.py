@@ -555,7 +555,7 @@ class KVCache:
     def grown(self, extra: int) -> KVCache:
         """A new cache holding copies of this one's committed slots, with room for ``extra`` more: a copy that
         autograd follows, so that training can extend one context along several branches (the unrolled
-        draft steps of :mod:`verispec.drafting.learned.train`) without writing into tensors it still needs."""
+        draft steps of :mod:`verispec.training.eagle`) without writing into tensors it still needs."""
         if not is_int(extra) or extra < 0:
             raise UsageError(f"extra must be an integer >= 0, got {extra!r}")
         if self.tiled:

@@ -1,5 +1,5 @@
 """How a learned drafter is trained: :class:`TrainConfig`, light to import (no torch) so that the command
-line declares its flags from the defaults (the training itself: :mod:`verispec.drafting.learned.train`)."""
+line declares its flags from the defaults (the training itself: :mod:`verispec.training.train`)."""
 
 from __future__ import annotations
 
@@ -12,18 +12,18 @@ from verispec.inputs import check_seed
 
 __all__ = ["CE_TARGETS", "KINDS", "THROUGH_TARGET", "TrainConfig"]
 
-KINDS = tuple(
-    name for name, kind in DRAFTERS.items() if kind.learned and kind.head_kind == name
-)  # trained kinds
+KINDS = tuple(name for name, kind in DRAFTERS.items() if kind.trained is not None)  # trained kinds
 # kinds trained through the target's own layers (their gradient flows through it): on its float32 weights,
 # whatever precision it otherwise runs in, since the native kernels compute no gradients
-THROUGH_TARGET = frozenset({"lookahead"})
+THROUGH_TARGET = frozenset(
+    name for name, kind in DRAFTERS.items() if kind.trained is not None and kind.trained.through_target
+)
 CE_TARGETS = ("token", "distribution")  # the target's next token, or its distribution on the draft vocabulary
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How a drafter is trained (see :mod:`verispec.drafting.learned.train`); validated with UsageError."""
+    """How a drafter is trained (see :mod:`verispec.training.train`); validated with UsageError."""
 
     kind: str = "eagle"
     steps: int = 2000

@@ -3,15 +3,15 @@
 A learned drafter should predict what the target will say, so the best data is the target itself talking
 (self-distillation, as Medusa-2 and EAGLE's later versions do). No model hub or text corpus is needed:
 
-- :func:`verispec.drafting.learned.prompts.chat_prompts` writes a deterministic, varied set of chat requests
-  from templates and word lists (see :mod:`verispec.drafting.learned.prompts`). None of them is a bench
-  prompt.
+- :func:`verispec.training.prompts.chat_prompts` writes a deterministic, varied set of chat requests from
+  templates and word lists (see :mod:`verispec.training.prompts`). None of them is a bench prompt.
 - :func:`build_dataset` has the target answer each prompt in its chat template — half greedily, half sampled
   at temperature 1, so that the drafter sees what it must predict at both settings — in verispec's own
   continuous batches, the target loaded as generate loads it (``DataConfig.precision``: by default the
   checkpoint's own format on the native kernels, SmolLM2's Q4_1 — the weights the drafter will draft for),
   and keeps the target's final hidden state at every position (what ``Llama.forward_hidden`` returns, from
-  which the next token's logits are computed).
+  which the next token's logits are computed); :func:`drafter_data_on_ray` has Ray workers answer ranges of
+  the prompt set, merged.
 
 The data set is a directory: ``meta.json`` and ``train.safetensors`` / ``heldout.safetensors``, each holding
 ``tokens`` int32 [T_total] (sequences concatenated: prompt, then the answer), ``hidden`` float16 [T_total, H],
@@ -21,8 +21,10 @@ The last token of each sequence is dropped: generation never feeds it, so it has
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -32,12 +34,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from verispec.batch import connect_ray
 from verispec.drafting.learned.head import native_target
-from verispec.drafting.learned.prompts import FOLLOW_UPS, chat_prompts
 from verispec.errors import UsageError
 from verispec.files import atomic_path
 from verispec.inputs import check_seed, is_int
 from verispec.options import DEFAULT_PRECISION
+from verispec.training.prompts import FOLLOW_UPS, chat_prompts
 
 if TYPE_CHECKING:
     from verispec.api import Speculator
@@ -47,6 +50,7 @@ __all__ = [
     "add_follow_ups",
     "answered_precision",
     "build_dataset",
+    "drafter_data_on_ray",
     "load_split",
     "merge_datasets",
     "read_data_meta",
@@ -332,7 +336,7 @@ def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig(
     if config.questions == "target":
         splits = _self_written(speculator, heldout, config)
         prompts = {
-            "prompts": "written by the target (verispec.drafting.learned.data._write_user_turns)",
+            "prompts": "written by the target (verispec.training.data._write_user_turns)",
             "turns": config.turns,
             "user_turn_tokens": _USER_TURN_TOKENS,
         }
@@ -341,7 +345,7 @@ def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig(
         prompt_ids = [tokenizer.encode(tokenizer.chat_prompt(t), add_bos=True) for t in texts]
         splits = _answer_all(speculator, prompt_ids, heldout, config, "target answers")
         prompts = {
-            "prompts": "verispec.drafting.learned.prompts.chat_prompts",
+            "prompts": "verispec.training.prompts.chat_prompts",
             "first_prompt": config.first_prompt,
         }
     meta = {
@@ -393,7 +397,7 @@ def add_follow_ups(
 ) -> dict:
     """A new data set in ``out``: every sequence of ``source`` (made by :func:`build_dataset`), plus second
     turns — the first ``count`` conversations of each split continued with a follow-up request
-    (:data:`verispec.drafting.learned.prompts.FOLLOW_UPS`, by seed) and the target's answer — so that the
+    (:data:`verispec.training.prompts.FOLLOW_UPS`, by seed) and the target's answer — so that the
     drafter also sees multi-turn chats. A follow-up stays in its conversation's split. Returns the new meta
     data."""
     started = time.perf_counter()
@@ -438,7 +442,7 @@ def add_follow_ups(
     merged = {name: splits[name] + second[name] for name in splits}
     meta["generation"]["follow_ups"] = {
         "per_split": count,
-        "requests": "verispec.drafting.learned.prompts.FOLLOW_UPS",
+        "requests": "verispec.training.prompts.FOLLOW_UPS",
         "max_new_tokens": config.max_new_tokens,
         "seed": config.seed,
     }
@@ -502,3 +506,43 @@ def load_split(directory: str | Path, split: str) -> dict[str, Tensor]:
     ):
         raise UsageError(f"{path} is inconsistent: tokens, hidden and offsets disagree")
     return data
+
+
+def drafter_data_on_ray(target: str, out: str | Path, config: DataConfig, address: str, workers: int) -> dict:
+    """``verispec drafter-data --ray``: the template prompts ``config.first_prompt ..`` cut into ``workers``
+    ranges (even-sized, so that each prompt keeps its parity: even prompts are answered greedily, odd ones
+    sampled), each answered by a Ray task into ``OUT.parts/range-i`` (a filesystem the workers share: on one
+    machine, always), then merged into ``out`` as ``--merge`` does. The prompts and the greedy answers are
+    those of a one-machine run; sampled answers and the held-out choice are drawn per range. Returns the
+    merged data set's meta data."""
+    if config.questions != "templates":
+        raise UsageError("--ray cuts the template prompt set into ranges: target-written questions run here")
+    if not is_int(workers) or workers < 1:
+        raise UsageError(f"--workers must be an integer >= 1, got {workers!r}")
+    out = Path(out)
+    if out.exists():
+        raise UsageError(f"{out} exists: remove it or choose another directory")
+    ray = connect_ray(address)
+    step = -(-config.num_prompts // workers)
+    step += step % 2  # even, so that every range starts on an even prompt
+    ranges = [(a, min(step, config.num_prompts - a)) for a in range(0, config.num_prompts, step)]
+    parts = Path(f"{out}.parts")
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)) // len(ranges))
+
+    def answer(first: int, count: int, where: str) -> str:
+        import torch
+
+        torch.set_num_threads(cpus)
+        part = dataclasses.replace(config, first_prompt=config.first_prompt + first, num_prompts=count)
+        build_dataset(target, where, dataclasses.replace(part, progress=False))
+        return where
+
+    task = ray.remote(num_cpus=cpus)(answer)
+    done = ray.get([task.remote(a, n, str(parts / f"range-{i}")) for i, (a, n) in enumerate(ranges)])
+    if len(done) == 1:
+        shutil.move(done[0], out)
+        meta = json.loads((out / "meta.json").read_text())
+    else:
+        meta = merge_datasets(done, out)
+    shutil.rmtree(parts, ignore_errors=True)
+    return meta

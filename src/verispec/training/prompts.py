@@ -1,5 +1,5 @@
 """The prompt set the target answers to make a learned drafter's training data
-(:mod:`verispec.drafting.learned.data`).
+(:mod:`verispec.training.data`).
 
 :func:`chat_prompts` writes a deterministic, varied set of chat requests from templates and word lists
 (explanations, advice, stories, comparisons, lists, e-mails, math word problems, code, translation) plus

@@ -1,30 +1,22 @@
-"""The learned drafter kinds by name: each one's head class (:data:`HEADS`), the files verispec ships for a
-target (:func:`shipped_drafter`), and :func:`load_head`, which reads any drafter file as the kind it holds."""
+"""The learned drafter kinds by name, as the drafter registry declares them
+(:class:`~verispec.drafting.registry.Trained`): each one's head class (:data:`HEADS`), the files verispec
+ships for a target (:func:`shipped_drafter`), and :func:`load_head`, which reads any drafter file as the kind
+it holds."""
 
 from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
 
-from verispec.drafting.learned.eagle import EagleHead
-from verispec.drafting.learned.exit import ExitAdapter
 from verispec.drafting.learned.head import LearnedHead, read_drafter_file
-from verispec.drafting.learned.lookahead import LookaheadTokens
-from verispec.drafting.learned.medusa import MedusaHeads
+from verispec.drafting.registry import DRAFTERS
 from verispec.errors import UsageError
 from verispec.models.base import LanguageModel
 
-__all__ = ["HEADS", "SHIPPED", "load_head", "shipped_drafter"]
+__all__ = ["HEADS", "load_head", "shipped_drafter"]
 
 HEADS: dict[str, type[LearnedHead]] = {
-    cls.kind: cls for cls in (EagleHead, MedusaHeads, ExitAdapter, LookaheadTokens)
-}
-# (target short name, kind) → file in verispec/data/drafters
-SHIPPED = {
-    ("smollm2-135m", "eagle"): "smollm2-135m-eagle.safetensors",
-    ("smollm2-135m", "medusa"): "smollm2-135m-medusa.safetensors",
-    ("smollm2-135m", "exit"): "smollm2-135m-exit.safetensors",
-    ("smollm2-135m", "lookahead"): "smollm2-135m-lookahead.safetensors",
+    name: kind.trained.head_class() for name, kind in DRAFTERS.items() if kind.trained is not None
 }
 
 
@@ -50,8 +42,9 @@ def shipped_drafter(target_label: str, kind: str = "eagle") -> Path | None:
     """The drafter file of ``kind`` that comes with the target named ``target_label``, when there is one:
     verispec's own for a short model name (``verispec/data/drafters``), or for a GGUF file ``MODEL.gguf`` the
     file ``MODEL.KIND.safetensors`` beside it (as ``write-gguf --inflate --drafters`` writes them)."""
-    name = SHIPPED.get((target_label, kind))
-    if name is not None:
+    trained = DRAFTERS[kind].trained if kind in DRAFTERS else None
+    if trained is not None and target_label in trained.shipped:
+        name = f"{target_label}-{kind}.safetensors"
         path = Path(str(resources.files("verispec") / "data" / "drafters" / name))
     elif target_label.endswith(".gguf"):
         gguf = Path(target_label)
