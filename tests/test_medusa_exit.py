@@ -40,18 +40,20 @@ from verispec.calibrate import drafter_identity
 from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.learned.exit import ExitAdapter, ExitDraft, exit_features
 from verispec.drafting.learned.head import target_fingerprint
-from verispec.drafting.learned.kinds import load_head
+from verispec.drafting.learned.kinds import HEADS, load_head, shipped_drafter
 from verispec.drafting.learned.medusa import MedusaDrafter, MedusaHeads, MedusaTreeDrafter, medusa_tree
+from verispec.drafting.registry import DRAFTERS
 from verispec.drafting.tree import TreeShape
 from verispec.models.llama import Llama
 from verispec.models.registry import load_model
 from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
 from verispec.sequence import GenerationStats
+from verispec.training import config as config_module
 from verispec.training.config import TrainConfig
 from verispec.training.data import load_split
 from verispec.training.medusa import MedusaRecipe
-from verispec.training.recipe import TrainingData, draft_index
+from verispec.training.recipe import Recipe, TrainingData, draft_index
 from verispec.training.train import train_drafter
 
 KINDS = ("medusa", "exit")
@@ -399,6 +401,19 @@ def test_resume_continues_exactly(target, dataset, tmp_path, monkeypatch, kind):
     assert logs[0] == [{**r, "seconds": x["seconds"]} for r, x in zip(logs[1], logs[0], strict=True)]
     other = dataclasses.replace(config, heads=2) if kind == "medusa" else dataclasses.replace(config, lr=5e-3)
     one_line_error(lambda: train_drafter(target, dataset, tmp_path / "cut", other, resume=True), "differ")
+
+
+def test_each_learned_kind_is_declared_once():
+    """Issue 53: a learned kind's registry entry names its head class, its recipe and its shipped files; what
+    reads them resolves: the head class of that kind, a Recipe, a shipped file for every target named, and
+    the kinds train-drafter takes and those trained through the target."""
+    trained = {name: kind.trained for name, kind in DRAFTERS.items() if kind.trained is not None}
+    assert set(trained) == set(HEADS) == set(config_module.KINDS) == {"eagle", "medusa", "exit", "lookahead"}
+    assert config_module.THROUGH_TARGET == {"lookahead"}
+    for name, declared in trained.items():
+        assert HEADS[name] is declared.head_class() and HEADS[name].kind == name
+        assert Recipe in declared.recipe_class().__mro__
+        assert declared.shipped and all(shipped_drafter(target, name) for target in declared.shipped)
 
 
 def test_bad_training_settings(target, dataset, tmp_path):
