@@ -190,6 +190,9 @@ def test_mistakes_that_need_no_model_are_answered_before_torch_loads(tmp_path):
         "serve --port 99999": "--port must be in [0, 65535], got 99999",
         "serve --port TAKEN": "cannot listen on 127.0.0.1:TAKEN: Address already in use",
         "serve --drafter model": "drafter 'model' needs a draft model",
+        "serve --max-batch 0": "max-batch must be an integer >= 1, got 0",
+        "serve --k 65": "--k must be at most 64",
+        "serve --allow-drafters eagel": "--allow-drafters: 'eagel' cannot be chosen by requests",
         "bench-gguf nothing.gguf": "no such GGUF file: nothing.gguf",
     }
     script = (

@@ -262,3 +262,10 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_the_servers_bound_on_k_is_what_a_round_scores():
+    """server.config keeps MAX_K apart from the engine (which loads torch) so that serve checks --k first."""
+    from verispec.engine import ROUND_TOKENS
+
+    assert MAX_K == ROUND_TOKENS

@@ -18,8 +18,8 @@ from verispec.cli.common import (
 )
 from verispec.errors import UsageError
 
-if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
-    pass
+if TYPE_CHECKING:  # imported where a command runs (the CLI's import stays light)
+    from verispec.server.config import ServerConfig
 
 __all__ = ["SERVER_LIMITS", "add_serve_parser", "run_serve"]
 
@@ -88,19 +88,9 @@ SERVER_LIMITS = ("max_connections", "keep_alive", "header_timeout", "body_timeou
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Run ``verispec serve`` until interrupted: the drafter's choice checked and the port bound before
+    """Run ``verispec serve`` until interrupted: every flag checked (a ServerConfig) and the port bound before
     anything loads (a mistake, a port out of range or taken: one line at once)."""
-    from verispec.options import ModelChoice
-
-    ModelChoice(**model_fields(args), **suffix_fields(args)).check_models()
-    with _listen(args.host, args.port) as sock:  # closed whatever fails after it
-        return _serve(args, sock)
-
-
-def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
-    """``verispec serve`` on ``sock``: the flags read into a ServerConfig (checked), the server loaded, then
-    run until interrupted."""
-    from verispec.server.app import Server, ServerConfig, exposed, run  # loads torch and transformers
+    from verispec.server.config import ServerConfig  # light: every flag checked before torch loads
 
     config = ServerConfig(
         **model_fields(args),
@@ -114,6 +104,15 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
         model_name=args.model_name,
         **{name: value for name in SERVER_LIMITS if (value := getattr(args, name)) is not None},
     )
+    config.check_models()
+    with _listen(args.host, args.port) as sock:  # closed whatever fails after it
+        return _serve(config, sock)
+
+
+def _serve(config: ServerConfig, sock: socket.socket) -> int:
+    """``verispec serve`` of ``config`` on ``sock``: the server loaded, then run until interrupted."""
+    from verispec.server.app import Server, exposed, run  # loads torch and transformers
+
     host, port = sock.getsockname()[:2]
     if exposed(host) and config.api_key is None:
         warn(

@@ -1,0 +1,79 @@
+"""What ``verispec serve`` serves, as one frozen, validated :class:`ServerConfig`: light to import (no torch,
+no transformers), so that the command line refuses a bad flag before anything loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from verispec.drafting.registry import DRAFTERS, drafter_names
+from verispec.errors import UsageError
+from verispec.inputs import is_int
+from verispec.options import ModelChoice, parse_k
+from verispec.server.tenants import SuffixTenants
+
+__all__ = ["MAX_K", "ServerConfig"]
+
+# A request's k: more than a round scores is never drafted (engine.ROUND_TOKENS, whose module loads torch;
+# tested equal)
+MAX_K = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig(ModelChoice):
+    """What ``verispec serve`` serves (the models and drafter, then these); validated with UsageError."""
+
+    k: str = "auto"  # the K of requests that do not name one
+    max_batch: int = 8
+    max_queue: int = 64
+    api_key: str | tuple[str, ...] | None = None  # a key, or several: each a tenant (its own suffix cache)
+    allow_drafters: tuple[str, ...] = ()  # drafters requests may choose besides the server's own
+    share_suffix_cache: bool = False  # one suffix cache for every tenant (server/tenants.py)
+    model_name: str | None = None  # the model id clients name (default: the target's name)
+    max_connections: int = 512  # open connections; beyond, the oldest idle one closes (or the new one)
+    keep_alive: float = 5.0  # seconds an idle keep-alive connection stays open
+    header_timeout: float = 10.0  # seconds for a request's headers to arrive
+    body_timeout: float = 30.0  # seconds for a request's body to arrive
+    max_body: int = 4 << 20  # bytes of a request's body
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, low in (("max_batch", 1), ("max_queue", 0), ("max_connections", 1), ("max_body", 1)):
+            value = getattr(self, name)
+            if not is_int(value) or value < low:
+                raise UsageError(f"{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+        for name in ("keep_alive", "header_timeout", "body_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
+                raise UsageError(f"{name.replace('_', '-')} must be seconds in (0, 86400], got {value!r}")
+        k = parse_k(self.k)
+        if is_int(k) and k > MAX_K:
+            raise UsageError(f"--k must be at most {MAX_K} (a round scores at most {MAX_K} tokens)")
+        if any(not key.strip() for key in self.api_keys) or self.api_key == ():
+            raise UsageError("the API key is empty")
+        for name in self.allow_drafters:
+            kind = DRAFTERS.get(name)
+            if kind is None or (kind.needs_draft_model and name != self.drafter):
+                choices = drafter_names(lambda kind: not kind.needs_draft_model)
+                raise UsageError(
+                    f"--allow-drafters: {name[:40]!r} cannot be chosen by requests; choose from {choices} "
+                    "(one with a draft model: only as the server's own)"
+                )
+        self.tenants().check()
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys a request may give (none: every request is served)."""
+        return (self.api_key,) if isinstance(self.api_key, str) else self.api_key or ()
+
+    def tenants(self) -> SuffixTenants:
+        """The suffix caches of the tenants that the keys and ``share_suffix_cache`` make, not yet loaded."""
+        return SuffixTenants(
+            self.api_keys, self.share_suffix_cache, self.suffix_cache_file, self.suffix_budget
+        )
+
+    @property
+    def served_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        return Path(self.target).stem if Path(self.target).suffix else self.target
