@@ -194,6 +194,9 @@ def test_mistakes_that_need_no_model_are_answered_before_torch_loads(tmp_path):
         "serve --k 65": "--k must be at most 64",
         "serve --allow-drafters eagel": "--allow-drafters: 'eagel' cannot be chosen by requests",
         "bench-gguf nothing.gguf": "no such GGUF file: nothing.gguf",
+        "bench --target smollm2": "did you mean smollm2-135m",
+        "bench-load --target smollm2": "did you mean smollm2-135m",
+        "train-drafter --data d --out o --target missing.gguf": "missing.gguf",
     }
     script = (
         "import contextlib, io, json, socket, sys\n"

@@ -67,7 +67,8 @@ def test_bad_suffix_flags_are_one_line_before_any_model_loads(command, tmp_path,
     Path("in.jsonl").write_text(json.dumps({"prompt": PROMPT}) + "\n")
     corrupt = tmp_path / "corrupt.npz"
     corrupt.write_bytes(b"not a zip")
-    absent = ["--target", str(tmp_path / "absent.bin")]  # a model that would fail to load: never reached
+    (tmp_path / "broken.gguf").write_bytes(b"not a model")  # a file that would fail to load: never reached
+    absent = ["--target", str(tmp_path / "broken.gguf")]
     suffix = [*command, *absent, "--drafter", "suffix"]
     one_line_error(capsys, [*command, *absent, "--suffix-cache", "c.npz"], "give --drafter suffix (not auto)")
     one_line_error(

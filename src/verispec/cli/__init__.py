@@ -32,7 +32,7 @@ from verispec.cli.bench import (
     add_bench_suffix_cache_parser,
     add_write_gguf_parser,
 )
-from verispec.cli.common import PROG, Parser, refuse_empty_specs
+from verispec.cli.common import PROG, Parser, check_target, refuse_empty_specs
 from verispec.cli.drafters import add_calibrate_parser, add_drafter_data_parser, add_train_drafter_parser
 from verispec.cli.generate import add_demo_parser, add_generate_parser
 from verispec.cli.serve import add_serve_parser
@@ -89,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SystemExit as exit_:  # --help or --version: printed, status 0
             return exit_.code if isinstance(exit_.code, int) else 0
         refuse_empty_specs(args)
+        check_target(args)
         if hasattr(args, "threads"):  # a command that runs a model
             use_threads(args.threads)
         status = args.func(args)

@@ -178,6 +178,15 @@ def refuse_empty_specs(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} is empty: name a model or a file (or leave it out)")
 
 
+def check_target(args: argparse.Namespace) -> None:
+    """UsageError for a ``--target`` that cannot name a model, known before anything loads
+    (:func:`~verispec.models.names.check_spec`), for every command that takes one with ``--tokenizer``."""
+    if isinstance(getattr(args, "target", None), str) and hasattr(args, "tokenizer"):
+        from verispec.models.names import check_spec
+
+        check_spec(args.target, args.tokenizer)
+
+
 def parse_precision(value: str) -> str:
     """--precision's type: one of :data:`verispec.models.llama.PRECISION_CHOICES` (torch), read only when a
     value other than the default auto is given (the help names them in words: --help imports no torch)."""
