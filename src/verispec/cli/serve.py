@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
 from typing import TYPE_CHECKING
 
@@ -16,9 +14,10 @@ from verispec.cli.common import (
     suffix_fields,
     warn,
 )
-from verispec.errors import UsageError
 
 if TYPE_CHECKING:  # imported where a command runs (the CLI's import stays light)
+    import socket
+
     from verispec.server.config import ServerConfig
 
 __all__ = ["SERVER_LIMITS", "add_serve_parser", "run_serve"]
@@ -90,7 +89,7 @@ SERVER_LIMITS = ("max_connections", "keep_alive", "header_timeout", "body_timeou
 def run_serve(args: argparse.Namespace) -> int:
     """Run ``verispec serve`` until interrupted: every flag checked (a ServerConfig) and the port bound before
     anything loads (a mistake, a port out of range or taken: one line at once)."""
-    from verispec.server.config import ServerConfig  # light: every flag checked before torch loads
+    from verispec.server.config import ServerConfig, listen  # light: every flag checked before torch loads
 
     config = ServerConfig(
         **model_fields(args),
@@ -105,7 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
         **{name: value for name in SERVER_LIMITS if (value := getattr(args, name)) is not None},
     )
     config.check_models()
-    with _listen(args.host, args.port) as sock:  # closed whatever fails after it
+    with listen(args.host, args.port) as sock:  # closed whatever fails after it
         return _serve(config, sock)
 
 
@@ -128,18 +127,3 @@ def _serve(config: ServerConfig, sock: socket.socket) -> int:
     run(server, sock)
     print("verispec: stopped", file=sys.stderr)
     return 0
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port (port 0: a free one), the stdlib's (no torch); UsageError when it
-    cannot be had."""
-    if not 0 <= port < 65536:
-        raise UsageError(f"--port must be in [0, 65535], got {port}")
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    except socket.gaierror as err:
-        raise UsageError(f"cannot listen on {host}:{port}: {err.strerror}") from None
-    try:
-        return socket.create_server((host, port), family=family, backlog=128)
-    except OSError as err:  # its message names the address again: the errno's words alone
-        raise UsageError(f"cannot listen on {host}:{port}: {os.strerror(err.errno or 0)}") from None

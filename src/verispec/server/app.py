@@ -64,7 +64,7 @@ from verispec.models.base import LanguageModel, SpelledTokenizer, Tokenizer
 from verispec.options import GenerationOptions, parse_k
 from verispec.scheduler import Handle, QueueFull, Scheduler, SchedulerFailed
 from verispec.sequence import TokenLogprob
-from verispec.server.config import MAX_K, ServerConfig
+from verispec.server.config import MAX_K, ServerConfig, listen
 from verispec.server.metrics import ServerMetrics
 from verispec.server.schema import (
     ApiError,
@@ -583,19 +583,6 @@ class _Reply:
 def exposed(address: str) -> bool:
     """Whether a bound ``address`` (an IP) takes connections from other machines: anything but loopback."""
     return not ipaddress.ip_address(address.split("%")[0]).is_loopback
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port (port 0: a free one); UsageError when it cannot be had."""
-    try:
-        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(info[0], socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(info[4])
-        sock.listen(128)
-    except OSError as err:
-        raise UsageError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
-    return sock
 
 
 def _protocol(limits: ServerConfig) -> type[H11Protocol]:

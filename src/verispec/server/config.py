@@ -3,6 +3,8 @@ no transformers), so that the command line refuses a bad flag before anything lo
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +14,7 @@ from verispec.inputs import is_int
 from verispec.options import ModelChoice, parse_k
 from verispec.server.tenants import SuffixTenants
 
-__all__ = ["MAX_K", "ServerConfig"]
+__all__ = ["MAX_K", "ServerConfig", "listen"]
 
 # A request's k: more than a round scores is never drafted (engine.ROUND_TOKENS, whose module loads torch;
 # tested equal)
@@ -77,3 +79,18 @@ class ServerConfig(ModelChoice):
         if self.model_name:
             return self.model_name
         return Path(self.target).stem if Path(self.target).suffix else self.target
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: a free one), the stdlib's (no torch); UsageError when it
+    cannot be had."""
+    if not 0 <= port < 65536:
+        raise UsageError(f"--port must be in [0, 65535], got {port}")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as err:
+        raise UsageError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+    try:
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as err:  # its message names the address again: the errno's words alone
+        raise UsageError(f"cannot listen on {host}:{port}: {os.strerror(err.errno or 0)}") from None
