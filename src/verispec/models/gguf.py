@@ -34,8 +34,7 @@ import torch
 from gguf import GGUFReader
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from transformers import AutoTokenizer
 
 from verispec.errors import UsageError
 from verispec.inputs import is_int
@@ -204,6 +203,10 @@ def _build(out_dir: Path, done: Callable[[Path], bool], write: Callable[[Path], 
 
 def _write_transformers_dir(gguf: Path, out: Path) -> None:
     """Read, dequantize and check every tensor of ``gguf``; write the transformers-format files to ``out``."""
+    # transformers' modeling code takes seconds to import: only a conversion needs it
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
     folder, name = str(gguf.parent), gguf.name
     with tqdm(total=4, desc=f"Converting {name}", unit="step") as bar:
         try:

@@ -33,6 +33,7 @@ __all__ = ["GGUFFile", "GGUFTensor", "read_gguf"]
 _MAGIC = b"GGUF"
 _ALIGNMENT = 32  # general.alignment's default
 _MAX_DIMS = 4  # GGML_MAX_DIMS: a tensor has 1 to 4 dimensions
+_LENGTH = struct.Struct("<Q")  # a string's byte count
 # the fewest bytes an entry can take, what a claimed count of them is checked against: a metadata key and
 # value (key length, type, a 1-byte value), a tensor info (name length, n_dims, 1 dimension, type, offset),
 # an array's item by its type (a string: its length; an array: its type and count)
@@ -124,12 +125,21 @@ class GGUFFile:
         return value
 
     def _string(self) -> str:
-        length = self._unpack("<Q")
-        if length > self._size - self._at:
-            raise struct.error(f"a string of {length} bytes runs past the end")
-        text = bytes(self._buffer[self._at : self._at + length])
-        self._at += length
-        return text.decode("utf-8")
+        return self._strings(1)[0]
+
+    def _strings(self, count: int) -> list[str]:
+        """``count`` strings, each a uint64 length and its UTF-8 bytes (a vocabulary's 262k in a fraction of a
+        second: one loop over locals)."""
+        buffer, at, size, out = self._buffer, self._at, self._size, []
+        for _ in range(count):
+            (length,) = _LENGTH.unpack_from(buffer, at)
+            at += 8
+            if length > size - at:
+                raise struct.error(f"a string of {length} bytes runs past the end")
+            out.append(str(buffer[at : at + length], "utf-8"))
+            at += length
+        self._at = at
+        return out
 
     def _value(self, kind: GGUFValueType, key: str) -> Any:
         if kind == GGUFValueType.STRING:
@@ -148,7 +158,7 @@ class GGUFFile:
         )
         self._check_count(count, least, f"items in metadata {key}")
         if item == GGUFValueType.STRING:
-            return [self._string() for _ in range(count)]
+            return self._strings(count)
         if item not in _SCALARS:
             return [self._value(item, key) for _ in range(count)]  # arrays of arrays
         dtype = np.dtype("<" + _SCALARS[item])

@@ -15,17 +15,22 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import AutoTokenizer
 from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from verispec.errors import UsageError
+from verispec.grammar.tools import Tools, template_messages
 from verispec.inputs import is_int
 from verispec.models.base import Cache
+
+if TYPE_CHECKING:  # transformers' modeling code takes seconds to import: loaded where a model is
+    from transformers import PretrainedConfig, PreTrainedModel
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
 
@@ -104,6 +109,8 @@ class HFModel:
         cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ) -> HFModel:
         """Load a transformers-format directory (or a hub id) with ``AutoModelForCausalLM``."""
+        from transformers import AutoModelForCausalLM
+
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         return cls(model.to(device))  # type: ignore[arg-type]  # transformers types .to as unbound
 
@@ -285,17 +292,24 @@ class HFTokenizer:
             self._spelled = spelled
         return self._spelled
 
-    def chat_prompt(self, user_message: str | Sequence[Mapping[str, str]]) -> str:
-        """``user_message`` (or a conversation: {"role", "content"} messages) in the model's chat template,
-        ready for the assistant's reply; a BOS token the template writes is left to ``encode``. UsageError
-        when the tokenizer has no chat template."""
-        if not self._tokenizer.chat_template:
+    def chat_prompt(self, user_message: str | Sequence[Mapping[str, Any]], tools: Tools | None = None) -> str:
+        """``user_message`` (or a conversation: {"role", "content"} messages, an assistant's ``tool_calls``
+        and ``tool`` results among them) in the model's chat template, ready for the assistant's reply, with
+        the functions it may call (``tools``): rendered by the template where it references ``tools``, else
+        by verispec's fallback (:func:`~verispec.grammar.tools.template_messages`); a BOS token the template
+        writes is left to ``encode``. UsageError when the tokenizer has no chat template."""
+        template = self._tokenizer.chat_template
+        if not template:
             raise UsageError("this model's tokenizer has no chat template")
-        if isinstance(user_message, str):
-            messages = [{"role": "user", "content": user_message}]
-        else:
-            messages = [dict(m) for m in user_message]
-        text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        conversation = (
+            [{"role": "user", "content": user_message}] if isinstance(user_message, str) else user_message
+        )
+        native = re.search(r"\btools\b", str(template)) is not None  # the template renders tools itself
+        messages = template_messages(conversation, tools, native)
+        definitions = tools.definitions if native and tools is not None else None
+        text = self._tokenizer.apply_chat_template(
+            messages, tools=definitions, add_generation_prompt=True, tokenize=False
+        )
         assert isinstance(text, str)  # one conversation, not tokenized: its text
         bos_text = self._tokenizer.bos_token
         if self.bos_token_id is not None and bos_text and text.startswith(bos_text):
