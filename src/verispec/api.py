@@ -49,7 +49,7 @@ from verispec.options import (
 )
 from verispec.policies import AdditiveK, ConstantK, CostModelK, Evidence, KPolicy, PartsK
 from verispec.resolve import Loadable, Parts, resolve
-from verispec.sequence import EngineConfig, GenerationStats, Request, TokenLogprob
+from verispec.sequence import DrafterFor, EngineConfig, GenerationStats, Request, TokenLogprob
 from verispec.text import Chunk, TextAssembler
 from verispec.trace import TraceRecorder
 
@@ -382,7 +382,7 @@ class Speculator:
         request = Request(
             ids,
             config,
-            lambda cache: self._drafter(options.sampling, cache, suffix_cache, policy),
+            DrafterFor(lambda cache: self._drafter(options.sampling, cache, suffix_cache, policy)),
             policy,
             stats,
             text.stop_check if options.stop else None,

@@ -72,7 +72,7 @@ from verispec.rounds import (
     verify_greedy_chains,
     verify_tree,
 )
-from verispec.sequence import ForwardTotals, Request, Running, token_logprobs
+from verispec.sequence import DrafterFor, ForwardTotals, Request, Running, token_logprobs
 from verispec.verify.chain import Verdict
 
 __all__ = ["PREFILL_CHUNK", "ROUND_TOKENS", "SpeculativeEngine"]
@@ -167,10 +167,7 @@ class SpeculativeEngine:
         slot = max((i for i in shared if i not in taken), key=lambda i: shared[i])  # the first on ties
         cache = self.caches[slot]
         given = request.drafter
-        if isinstance(given, TreeDrafter) or hasattr(given, "propose"):
-            drafter = cast(Drafter | TreeDrafter, given)
-        else:  # a factory: the drafter for this row
-            drafter = given(cache)
+        drafter = given.make(cache) if isinstance(given, DrafterFor) else given
         self._check_drafter(drafter, request.trace, cache)
         sampling = request.config.sampling
         if request.trace is not None and sampling.invariant and not sampling.greedy:

@@ -172,7 +172,12 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     ]
 
 
-DrafterFor = Callable[[Cache], Drafter | TreeDrafter]  # a drafter made for the cache row a request gets
+@dataclass(frozen=True)
+class DrafterFor:
+    """A request's drafter made for the cache row the request gets (an early exit reads that row): the engine
+    calls ``make`` with that row's cache when it admits the request."""
+
+    make: Callable[[Cache], Drafter | TreeDrafter]
 
 
 @dataclass(eq=False)
