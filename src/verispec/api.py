@@ -34,6 +34,7 @@ from verispec.driver import Collected, Driver
 from verispec.errors import UsageError
 from verispec.grammar.constraint import Constraint
 from verispec.grammar.rounds import GrammarState
+from verispec.grammar.tools import Tools
 from verispec.inputs import check_prompt, check_text, is_int
 from verispec.models.base import Cache, SpelledTokenizer
 from verispec.online_costs import OnlineCosts
@@ -56,7 +57,7 @@ from verispec.trace import TraceRecorder
 P = ParamSpec("P")
 R = TypeVar("R")
 # a prompt: text, a conversation ({"role", "content"} messages, with chat), or token ids taken as they are
-Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]
+Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
 
 __all__ = [
     "GenerationResult",
@@ -304,7 +305,7 @@ class Speculator:
         if options is None:
             return None
         s = options.sampling
-        key = (part, s.temperature, s.top_k, s.top_p, s.min_p, s.invariant, options.constraint is not None)
+        key = (part, s.temperature, s.top_k, s.top_p, s.min_p, s.invariant, options.structure is not None)
         if key not in self._evidence:
             self._evidence[key] = Evidence(calibration.cost_model.max_k or 0)
         return self._evidence[key]
@@ -316,10 +317,10 @@ class Speculator:
             return f"tree {self.tree.name}"
         return str(parse_k(k)) if self.kind.drafts else "0"
 
-    def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, chat: bool = False, tools: Tools | None = None) -> list[int]:
         """The prompt's token ids: ``prompt`` as it is (text, or token ids of the target's vocabulary), or
         (``chat``) in the model's chat template, where it may also be a conversation: {"role", "content"}
-        messages ending with a user turn."""
+        messages ending with a user turn or tool results, and the functions it may call (``tools``)."""
         listed = hasattr(prompt, "__len__") and hasattr(prompt, "__iter__")
         tensor = "torch" in sys.modules and isinstance(prompt, sys.modules["torch"].Tensor)  # ids: .tolist()
         if tensor or isinstance(prompt, (bytes, Mapping)) or not (isinstance(prompt, str) or listed):
@@ -336,14 +337,14 @@ class Speculator:
             return ids
         if isinstance(prompt, str):
             check_prompt(prompt)
-            text = self.tokenizer.chat_prompt(prompt) if chat else prompt
+            text = self._chat_prompt(prompt, tools) if chat else prompt
         elif chat and prompt:
-            prompt = cast(Sequence[Mapping[str, str]], prompt)  # not token ids: checked above
+            prompt = cast(Sequence[Mapping[str, Any]], prompt)  # not token ids: checked above
             for i, message in enumerate(prompt):
                 if not isinstance(message, Mapping):
                     raise UsageError(f"message {i} must be a {{'role', 'content'}} mapping")
-                check_text(message.get("content", ""), f"message {i}'s content")
-            text = self.tokenizer.chat_prompt(prompt)
+                check_text(message.get("content") or "", f"message {i}'s content")
+            text = self._chat_prompt(prompt, tools)
         elif prompt and all(isinstance(t, (int, float)) for t in prompt):  # numbers, not all integers
             bad = next(t for t in prompt if not is_int(t, integral=True))
             raise UsageError(f"a prompt's token ids must be integers, got {bad!r}")
@@ -353,6 +354,12 @@ class Speculator:
                 "token ids at least one id"
             )
         return self.tokenizer.encode(text, add_bos=True)
+
+    def _chat_prompt(self, prompt: str | Sequence[Mapping[str, Any]], tools: Tools | None) -> str:
+        """The tokenizer's chat prompt, told the tools where there are some."""
+        if tools is None:
+            return self.tokenizer.chat_prompt(prompt)
+        return self.tokenizer.chat_prompt(prompt, tools=tools)
 
     def request(
         self,
@@ -374,10 +381,10 @@ class Speculator:
         config = EngineConfig(options.max_new_tokens, options.sampling, eos, options.stop, options.logprobs)
         stats = stats if stats is not None else GenerationStats(self.drafter_name, self.k_label(options.k))
         text = TextAssembler(self.tokenizer, options.stop)
-        ids = self.encode_prompt(prompt, options.chat)
+        ids = self.encode_prompt(prompt, options.chat, options.tools)
         policy = self.k_policy(options.k, options)
         start = time.perf_counter()
-        grammar = self._grammar(options.constraint)  # compiled here, before the request's clock starts
+        grammar = self._grammar(options.structure)  # compiled here, before the request's clock starts
         stats.grammar_seconds = time.perf_counter() - start if grammar is not None else 0.0
         request = Request(
             ids,
@@ -552,6 +559,9 @@ def generate(
     json_schema: Mapping[str, Any] | str | None = None,
     regex: str | None = None,
     grammar: str | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_choice: str | Mapping[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
 ) -> GenerationResult:
     """Generate text for ``prompt`` with speculative decoding; the same arguments and defaults as ``verispec
     generate`` (greedy unless ``temperature`` > 0: :data:`~verispec.options.DEFAULT_SAMPLING`; a keyword of
@@ -560,11 +570,19 @@ def generate(
     :class:`~verispec.options.SamplingParams`; ``tree``: a :class:`~verispec.drafting.tree.TreeShape`, "WxD"
     or a JSON shape file, either with ":N" or ":auto" for a dynamic tree, or "auto": the learned drafter's
     default tree, see :class:`Speculator`; ``json_schema`` (a dict or its JSON text), ``regex`` or ``grammar``
-    (Lark or GBNF): at most one, the output's structure, see :class:`~verispec.grammar.Constraint`)."""
+    (Lark or GBNF): at most one, the output's structure, see :class:`~verispec.grammar.Constraint`;
+    ``tools``, ``tool_choice``, ``parallel_tool_calls``: OpenAI's, with ``chat``, the calls read from the
+    text by :func:`~verispec.grammar.tools.read_calls`, see :class:`~verispec.grammar.tools.Tools`)."""
     sampling = SamplingParams(temperature, top_k, top_p, min_p, seed, invariant)
     constraint = Constraint.of(json_schema, regex, grammar)
     options = GenerationOptions(
-        k=k, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat, stop=stop, constraint=constraint
+        k=k,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        chat=chat,
+        stop=stop,
+        constraint=constraint,
+        tools=Tools.of(tools, tool_choice, parallel_tool_calls),
     )
     shape = TreeShape.parse(tree) if isinstance(tree, str) and tree != AUTO else tree
     speculator = Speculator(

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 from verispec.errors import UsageError
 from verispec.grammar.constraint import Constraint  # light: llguidance loads when one is checked
+from verispec.grammar.tools import Tools
 from verispec.inputs import check_seed, check_text, did_you_mean, is_int
 
 if TYPE_CHECKING:
@@ -177,7 +178,9 @@ class GenerationOptions:
     under the target's own distribution and that many likeliest alternatives (0 to :data:`MAX_LOGPROBS`).
     constraint: the output's structure (:class:`~verispec.grammar.Constraint`: a JSON schema, any JSON
     object, a regex or a grammar), checked when the Constraint is built; the output is then distributed
-    exactly as the target's constrained sampling without speculation (:mod:`verispec.grammar`).
+    exactly as the target's constrained sampling without speculation (:mod:`verispec.grammar`). tools: the
+    functions a chat may call (:class:`~verispec.grammar.tools.Tools`), rendered in its template, the calls
+    held to their grammar (:attr:`structure`; not beside a ``constraint``).
     """
 
     k: int | str = DEFAULT_K
@@ -187,11 +190,20 @@ class GenerationOptions:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     constraint: Constraint | None = None
+    tools: Tools | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "k", parse_k(self.k))
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise UsageError(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
+        if self.tools is not None and not isinstance(self.tools, Tools):
+            raise UsageError(
+                f"tools must be a Tools (Tools.of: OpenAI's definitions), got {type(self.tools).__name__}"
+            )
+        if self.tools is not None and not self.chat:
+            raise UsageError("tools are rendered in the chat template: give chat=True too")
+        if self.tools is not None and self.tools.constraint is not None and self.constraint is not None:
+            raise UsageError("tool calls have their own grammar: give tools or a constraint, not both")
         if not isinstance(self.sampling, SamplingParams):
             raise UsageError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
         if not isinstance(self.chat, bool):
@@ -200,6 +212,11 @@ class GenerationOptions:
             raise UsageError(f"stop must be a sequence of strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
         check_generation(self.max_new_tokens, self.logprobs, self.stop)
+
+    @property
+    def structure(self) -> Constraint | None:
+        """The constraint the output is held to: ``constraint``, or the tools' calls' grammar."""
+        return (self.tools.constraint if self.tools is not None else None) or self.constraint
 
     @classmethod
     def of(cls, options: GenerationOptions | None = None, **fields: object) -> GenerationOptions:
@@ -232,6 +249,7 @@ class OptionFields(TypedDict, total=False):
     stop: tuple[str, ...]
     logprobs: int | None
     constraint: Constraint | None
+    tools: Tools | None
     temperature: float
     top_k: int
     top_p: float

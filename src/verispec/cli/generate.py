@@ -21,6 +21,7 @@ from verispec.cli.common import (
     k_flag,
     model_fields,
     option_fields,
+    read_text,
     suffix_fields,
     tree_shape_of,
     warn,
@@ -29,10 +30,11 @@ from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import drafter_names
 from verispec.errors import UsageError
 from verispec.files import check_writable
-from verispec.inputs import check_prompt, is_int
+from verispec.inputs import check_prompt, is_int, parse_json
 
 if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
     from verispec.api import GenerationResult
+    from verispec.grammar.tools import Tools
     from verispec.sequence import GenerationStats
     from verispec.trace import Trace
 
@@ -43,6 +45,7 @@ __all__ = [
     "busy_machine",
     "run_demo",
     "run_generate",
+    "tools_of",
     "why_slower",
 ]
 
@@ -67,6 +70,17 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     add_constraint_arguments(parser)
+    tools = parser.add_argument_group(
+        "tool calls",
+        "functions the model may call (implies --chat; see docs/tools.md): the answer's text, "
+        "then each call as one JSON line (OpenAI's object)",
+    )
+    tools.add_argument("--tools", metavar="FILE", help="a JSON file holding OpenAI's tools list")
+    tools.add_argument(
+        "--tool-choice",
+        metavar="auto|required|none|NAME",
+        help="auto (default): text or calls; required: calls only; none: no call; NAME: that function's call",
+    )
     parser.add_argument(
         "--batch",
         metavar="FILE.jsonl",
@@ -122,8 +136,11 @@ def run_generate(args: argparse.Namespace) -> int:
         return _run_batch(args)
     if args.max_batch is not None:
         raise UsageError("--max-batch sets how many requests of --batch FILE run at once: give --batch too")
+    tools = tools_of(args)  # every argument checked before a model loads
     prompt = check_prompt(args.prompt if args.prompt is not None else _read_stdin())
-    options = GenerationOptions(**option_fields(args))  # every argument checked before a model loads
+    options = GenerationOptions(
+        **{**option_fields(args), "chat": args.chat or tools is not None}, tools=tools
+    )
     sampling = options.sampling
     if args.show_trace and args.json:
         raise UsageError("--show-trace and --json both write to standard output: choose one")
@@ -159,24 +176,39 @@ def _generate(args: argparse.Namespace, speculator, prompt: str, options, tracin
     from verispec.sequence import GenerationStats
     from verispec.trace import TraceRecorder
 
-    room = speculator.model.max_context - len(speculator.encode_prompt(prompt, args.chat))
+    room = speculator.model.max_context - len(speculator.encode_prompt(prompt, options.chat, options.tools))
     if 0 < room < args.max_new_tokens:  # no room at all: generation refuses the prompt, in one line
         warn(
             f"--max-new-tokens {args.max_new_tokens} is more than the target's context of "
             f"{speculator.model.max_context} tokens leaves after this prompt: at most {room} new tokens"
         )
     recorder = TraceRecorder() if tracing else None
+    calls = options.tools is not None and options.tools.constraint is not None  # calls to read and print
     if args.json:
         result = speculator.generate(prompt, options, trace=recorder)
-        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats}))
+        out = {"text": result.text, "token_ids": result.token_ids, "stats": result.stats}
+        if calls:
+            from verispec.grammar.tools import read_calls
+
+            content, made = read_calls(result.text)
+            out |= {"content": content, "tool_calls": [call.as_dict() for call in made]}
+        print(json.dumps(out))
         stats = result.stats
     else:
+        from verispec.grammar.tools import CallReader
+
         live = GenerationStats(speculator.drafter_name, speculator.k_label(options.k))
+        reader = CallReader()
         for chunk in speculator.stream(prompt, options, stats=live, trace=recorder):
             if not args.show_trace:  # the trace shows the text instead
-                print(chunk.text, end="", flush=True)
+                text = (
+                    "".join(p for p in reader.feed(chunk.text) if isinstance(p, str)) if calls else chunk.text
+                )
+                print(text, end="", flush=True)
         if not args.show_trace:
-            print()
+            print("".join(p for p in reader.close() if isinstance(p, str)) if calls else "")
+            for call in reader.calls:
+                print(json.dumps(call.as_dict()))
         print(_summary(live), file=sys.stderr)
         stats = live.as_dict()
     if recorder is not None:
@@ -192,7 +224,7 @@ def _chat_hint(args: argparse.Namespace, speculator, stats: Mapping[str, Any]) -
 
     count = stats["new_tokens"]
     ended = stats["stop_reason"] == "eos" and count <= 2
-    if ended and not args.chat and has_chat_template(speculator.tokenizer):
+    if ended and not args.chat and args.tools is None and has_chat_template(speculator.tokenizer):
         tokens = f"{count} token{'s' if count != 1 else ''}"
         warn(
             f"the model ended at once, after {tokens}: it is an instruct model (it has a chat template), and "
@@ -206,6 +238,8 @@ def _run_batch(args: argparse.Namespace) -> int:
 
     if args.prompt is not None:
         raise UsageError("give PROMPT or --batch FILE, not both")
+    if args.tools is not None:
+        raise UsageError("--tools calls functions from one PROMPT's chat, not from --batch's requests")
     if args.trace is not None or args.show_trace or tree_shape_of(args) is not None:
         raise UsageError("--batch decodes chains: no traces, no token trees")
     slots = DEFAULT_MAX_BATCH if args.max_batch is None else args.max_batch
@@ -240,6 +274,26 @@ def _run_batch(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def tools_of(args: argparse.Namespace) -> Tools | None:
+    """The tools of --tools FILE and --tool-choice (a function's NAME: that function), read and checked
+    before a model loads (UsageError: one line)."""
+    if args.tools is None:
+        if args.tool_choice is not None:
+            raise UsageError("--tool-choice chooses among --tools FILE's functions: give --tools too")
+        return None
+    from verispec.grammar.tools import CHOICES, Tools
+
+    choice = args.tool_choice or "auto"
+    named = choice if choice in CHOICES else {"type": "function", "function": {"name": choice}}
+    try:
+        definitions = parse_json(read_text(args.tools))
+        if definitions == []:
+            raise UsageError("the list is empty: give at least one function")
+        return Tools.of(definitions, named)
+    except UsageError as err:
+        raise UsageError(f"--tools {args.tools}: {err}") from None
 
 
 def _trace_settings(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
@@ -427,5 +481,5 @@ def why_slower(stats: Mapping[str, Any], plain: Mapping[str, Any]) -> str:
     return (
         f"        slower here: a round cost {verify:.2f} plain steps to verify and {draft:.2f} to draft, and "
         f"committed {stats['tokens_per_target_call']:.2f} tokens; speculation pays when a round commits more "
-        "tokens than it costs steps (README: Adaptive K)"
+        "tokens than it costs steps (docs/adaptive-k.md)"
     )

@@ -36,8 +36,17 @@ from verispec.errors import UsageError
 from verispec.grammar.constraint import COMPACT_JSON, Constraint, InvalidConstraint
 from verispec.inputs import did_you_mean, parse_json
 
-__all__ = ["CHOICES", "CallDelta", "CallReader", "Function", "InvalidTools", "ToolCall", "Tools", "read_calls",
-           "template_messages"]  # fmt: skip
+__all__ = [
+    "CHOICES",
+    "CallDelta",
+    "CallReader",
+    "Function",
+    "InvalidTools",
+    "ToolCall",
+    "Tools",
+    "read_calls",
+    "template_messages",
+]
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 CHOICES = ("none", "auto", "required")  # tool_choice by word; else a function's name
@@ -75,7 +84,7 @@ class Function:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise InvalidTools("tools", f": a function's name is 1 to 64 of a-z, A-Z, 0-9, _ and -, "
                                         f"not {str(self.name)[:70]!r}")  # fmt: skip
-        whose = f": function {self.name!r}'s"
+        whose = f": function {self.name}'s"
         if not isinstance(self.description, str):
             raise InvalidTools("tools", f"{whose} description must be text")
         try:
@@ -146,7 +155,7 @@ class Tools:
         ``{"type": "function", "function": {"name": ...}}``; default auto) and ``parallel_tool_calls``
         (default true); None for no tools (None or an empty list, with no choice but none). Every bad shape
         is a one-line :class:`InvalidTools` naming where."""
-        if tool_choice is not None and not isinstance(tool_choice, str | dict):
+        if tool_choice is not None and not (tool_choice in CHOICES or isinstance(tool_choice, dict)):
             raise InvalidTools("tool_choice", ': must be "none", "auto", "required" or a function object')
         if isinstance(tool_choice, dict):
             tool_choice = _named_choice(tool_choice)
@@ -281,7 +290,7 @@ def _call_of(message: int, index: int, call: object) -> tuple[str, str, str]:
         parse_json(arguments)
     except UsageError as err:
         raise UsageError(f"message {message}'s tool call {index}: its arguments are {err}") from None
-    return str(call.get("id", "")), name, arguments  # type: ignore[union-attr]
+    return str(call.get("id", "")), name, arguments  # type: ignore[attr-defined]  # a Mapping: it has a name
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -373,13 +382,13 @@ class CallReader:
             self._state, self._buffer = "arguments", buffer[end + len(_ARGUMENTS) :]
             return CallDelta(len(self.calls) - 1, "", call.id, call.name)
         if self._state == "arguments":
-            end = self._arguments_end(buffer)
-            piece = buffer if end is None else buffer[:end]
-            self._buffer = "" if end is None else buffer[end:]
-            if end is not None:
+            cut = self._arguments_end(buffer)
+            piece = buffer if cut is None else buffer[:cut]
+            self._buffer = "" if cut is None else buffer[cut:]
+            if cut is not None:
                 self._state = "end"
             if not piece:
-                return "" if end is not None else None
+                return "" if cut is not None else None
             self.calls[-1].arguments += piece
             return CallDelta(len(self.calls) - 1, piece)
         closing = "}" + CALL_CLOSE if self._state == "end" else "\n" + CALL_OPEN

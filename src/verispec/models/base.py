@@ -25,10 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from verispec.grammar.tools import Tools
 
 
 @runtime_checkable
@@ -167,10 +170,11 @@ class Tokenizer(Protocol):
         whole character, which is what streaming relies on."""
         ...
 
-    def chat_prompt(self, user_message: str | Sequence[Mapping[str, str]]) -> str:
+    def chat_prompt(self, user_message: str | Sequence[Mapping[str, Any]], tools: Tools | None = None) -> str:
         """``user_message`` wrapped in the model's chat template, ready to generate the assistant's reply; it
-        may also be a whole conversation, {"role", "content"} messages ending with a user turn. UsageError
-        when the model has no chat template."""
+        may also be a whole conversation, {"role", "content"} messages ending with a user turn (or tool
+        results: OpenAI's assistant ``tool_calls`` and ``tool`` messages), the functions it may call
+        ``tools``. UsageError when the model has no chat template."""
         ...
 
 

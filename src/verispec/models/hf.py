@@ -306,7 +306,9 @@ class HFTokenizer:
         )
         native = re.search(r"\btools\b", str(template)) is not None  # the template renders tools itself
         messages = template_messages(conversation, tools, native)
-        definitions = tools.definitions if native and tools is not None else None
+        definitions: list[Any] | None = None  # transformers takes dicts or functions
+        if native and tools is not None:
+            definitions = list(tools.definitions)
         text = self._tokenizer.apply_chat_template(
             messages, tools=definitions, add_generation_prompt=True, tokenize=False
         )

@@ -12,6 +12,7 @@ import re
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,6 +20,9 @@ from torch import Tensor
 
 from verispec.errors import UsageError
 from verispec.models.llama import Llama, LlamaConfig
+
+if TYPE_CHECKING:
+    from verispec.grammar.tools import Tools
 
 __all__ = ["Llama2cTokenizer", "load_llama2c"]
 
@@ -255,6 +259,6 @@ class Llama2cTokenizer:
             prev = token
         return out.decode("utf-8", errors="replace")
 
-    def chat_prompt(self, user_message: str | Sequence[Mapping[str, str]]) -> str:
+    def chat_prompt(self, user_message: str | Sequence[Mapping[str, Any]], tools: Tools | None = None) -> str:
         """llama2.c models have no chat template: always UsageError."""
         raise UsageError("llama2.c tokenizers have no chat template; give a plain prompt")

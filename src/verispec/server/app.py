@@ -5,7 +5,10 @@ over that one target), the :class:`~verispec.scheduler.Scheduler` whose thread r
 metrics. The event loop never waits on the engine: a request is submitted from a worker thread (its prompt
 is tokenized there) and its chunks come back through ``loop.call_soon_threadsafe``. A client that goes away
 cancels its request, which leaves the batch at the next step. Every refusal is OpenAI's error object with
-one message; an unexpected failure is a 500 whose traceback goes to the log, the client sees one line.
+one message; an unexpected failure is a 500 whose traceback goes to the log, the client sees one line. With
+tools, the calls are read from the text as it comes (:class:`~verispec.grammar.tools.CallReader`): a whole
+answer's ``message.tool_calls``, or streamed as OpenAI streams them (a call's id, type and name with empty
+arguments, then deltas of its arguments).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed or not), ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``. With an API key, the ``/v1`` routes need ``Authorization: Bearer KEY``
@@ -59,6 +62,7 @@ from verispec.drafting.suffix_cache import tokenizer_identity
 from verispec.engine import ROUND_TOKENS
 from verispec.errors import UsageError
 from verispec.grammar.constraint import InvalidConstraint
+from verispec.grammar.tools import CallReader, ToolCall, read_calls
 from verispec.inputs import is_int, parse_json
 from verispec.models.base import LanguageModel, SpelledTokenizer, Tokenizer
 from verispec.options import GenerationOptions, parse_k
@@ -192,13 +196,13 @@ class Server:
         longest = max(map(len, tokenizer.token_bytes()))
         return self.default.model.max_context * longest * SHRINK
 
-    def check_prompt_bytes(self, prompt: str | list[int] | list[dict[str, str]]) -> None:
+    def check_prompt_bytes(self, prompt: str | list[int] | list[dict[str, Any]]) -> None:
         """ApiError 400 for a prompt (text, or a conversation's messages) of more bytes than the context can
         hold whatever its tokens (:meth:`_prompt_bytes`), before it is tokenized (a 3.9 MB prompt took
         3.5-6 s of CPU to tokenize, then was refused); token ids are counted as they are, later."""
         if self.prompt_bytes is None or not prompt or isinstance(prompt[0], int):
             return
-        texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]  # type: ignore[index]
+        texts = [prompt] if isinstance(prompt, str) else [t for m in prompt for t in _texts(m)]  # type: ignore[arg-type]
         size = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
         if size > self.prompt_bytes:
             context = self.default.model.max_context
@@ -373,6 +377,7 @@ class _Api:
                            param="top_k")  # fmt: skip
         structure = parsed.response_format
         constraint = None if structure is None else structure.constraint()  # a bad schema: 400
+        tools = parsed.tool_spec() if isinstance(parsed, ChatRequest) else None  # bad tools: 400
         try:
             options = GenerationOptions(
                 k=k,
@@ -382,6 +387,7 @@ class _Api:
                 stop=parsed.stops,
                 logprobs=parsed.alternatives,
                 constraint=constraint,
+                tools=tools,
             )
         except UsageError as err:
             raise ApiError(400, str(err)) from None
@@ -406,13 +412,16 @@ class _Api:
             except SchedulerFailed as err:
                 raise ApiError(503, str(err), "server_error") from None
             except InvalidConstraint as err:  # its grammar cannot start: before anything streams
+                if tools is not None:
+                    raise ApiError(400, f"tools: {err}", param="tools") from None
                 raise refused_format(err) from None
             except UsageError as err:
                 raise ApiError(400, str(err)) from None
 
         started = time.perf_counter()
         handle = await anyio.to_thread.run_sync(submit)
-        reply = _Reply(self.server, chat, handle, started, parsed.alternatives is not None)
+        reading = tools is not None and tools.constraint is not None  # calls to read from the text
+        reply = _Reply(self.server, chat, handle, started, parsed.alternatives is not None, reading)
         if parsed.stream:
             return StreamingResponse(
                 self._stream(request, reply, chunks, parsed.include_usage), media_type="text/event-stream"
@@ -458,9 +467,11 @@ class _Api:
                 yield _event(reply.chunk({"role": "assistant", "content": ""}))
             while (chunk := await chunks.get()) is not None:
                 reply.arrived(chunk, self.metrics)
-                if chunk.text or chunk.logprobs:
-                    yield _event(reply.chunk(chunk.text, logprobs=chunk.logprobs))
+                for piece in reply.pieces(chunk.text, chunk.logprobs):
+                    yield _event(piece)
             reply.check()
+            for piece in reply.pieces(None):
+                yield _event(piece)
             yield _event(reply.chunk(None, final=True))
             if include_usage:  # the last chunk carries usage and the verispec object, as a whole answer
                 yield _event({**reply.head("chunk"), "choices": [], "usage": reply.usage(),
@@ -486,6 +497,14 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _texts(message: dict[str, Any]) -> list[str]:
+    """A chat message's texts: its content and its calls' arguments."""
+    return [
+        message["content"] or "",
+        *(call["function"]["arguments"] for call in message.get("tool_calls", ())),
+    ]
+
+
 def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
@@ -493,8 +512,12 @@ def _event(payload: dict[str, Any]) -> str:
 class _Reply:
     """One answer's ids and timing, and its OpenAI objects (with ``logprobs``: each token's)."""
 
-    def __init__(self, server: Server, chat: bool, handle: Handle, started: float, logprobs: bool) -> None:
+    def __init__(
+        self, server: Server, chat: bool, handle: Handle, started: float, logprobs: bool, calls: bool = False
+    ) -> None:
         self.model, self.chat, self.handle, self.logprobs = server.name, chat, handle, logprobs
+        self.reader = CallReader() if calls else None  # the calls read from the text as it streams
+        self.calls: list[ToolCall] = []  # the calls made
         self.spell = server.spell
         self.id, self.created = new_id("chatcmpl" if chat else "cmpl")
         self.started = self.last = started
@@ -546,12 +569,25 @@ class _Reply:
         self.offset += sum(len(token) for token in out["tokens"])
         return out
 
+    def pieces(self, text: str | None, logprobs: Sequence[TokenLogprob] = ()) -> list[dict[str, Any]]:
+        """The streamed chunks of more text (None: the text's end) and its tokens' logprobs: the text, or
+        with calls to read, the content and the calls' deltas read from it so far (the logprobs with the
+        first, or alone)."""
+        if self.reader is None:
+            return [self.chunk(text, logprobs=logprobs)] if text or logprobs else []
+        read = self.reader.feed(text) if text is not None else self.reader.close()
+        self.calls = self.reader.calls
+        deltas = [{"content": p} if isinstance(p, str) else {"tool_calls": [p.as_dict()]} for p in read]
+        if logprobs and not deltas:
+            deltas = [{}]
+        return [self.chunk(d, logprobs=logprobs if i == 0 else ()) for i, d in enumerate(deltas)]
+
     def chunk(
         self, content: str | dict[str, Any] | None, final: bool = False, logprobs: Sequence[TokenLogprob] = ()
     ) -> dict[str, Any]:
-        """A streamed chunk: text (or the chat's opening delta) and its tokens' logprobs, or the last one with
-        its finish reason."""
-        reason = finish_reason(self.handle.stats) if final else None
+        """A streamed chunk: text (or a chat's delta) and its tokens' logprobs, or the last one with its
+        finish reason."""
+        reason = finish_reason(self.handle.stats, self.calls) if final else None
         lp = self.logprob_object(logprobs)
         if self.chat:
             delta = content if isinstance(content, dict) else {} if content is None else {"content": content}
@@ -562,10 +598,15 @@ class _Reply:
         return {**out, "verispec": speculation(self.handle.stats)} if final else out
 
     def whole(self, text: str, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
-        reason = finish_reason(self.handle.stats)
+        content: str | None = text
+        if self.reader is not None:
+            content, self.calls = read_calls(text)
+        reason = finish_reason(self.handle.stats, self.calls)
         lp = self.logprob_object(logprobs)
         if self.chat:
-            message = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if self.calls:
+                message["tool_calls"] = [call.as_dict() for call in self.calls]
             choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": lp, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}

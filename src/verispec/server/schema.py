@@ -10,7 +10,11 @@ templates have no place for it. ``max_tokens`` and ``max_completion_tokens`` (ch
 both be given only with one value (:attr:`_Request.limit`). ``response_format`` (``text``, ``json_object``,
 or ``json_schema`` with its ``name``, ``schema`` and ``strict``) constrains the output through
 :class:`~verispec.grammar.Constraint`, exactly and whatever ``strict`` says (the schema is enforced either
-way). Every refusal is an :class:`ApiError`: an HTTP status and one line, written in OpenAI's error format
+way). Chat's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are read by
+:meth:`~verispec.grammar.tools.Tools.of` (every bad shape a 400 naming its field), an assistant's message may
+carry ``tool_calls`` (content null) and a ``tool`` message answers one of them by ``tool_call_id``; the
+answer's calls end it with finish_reason ``tool_calls``; the legacy ``functions`` and ``function_call`` stay
+refused. Every refusal is an :class:`ApiError`: an HTTP status and one line, written in OpenAI's error format
 by :func:`error_body`.
 
 Log-probabilities (chat: ``logprobs: true`` and ``top_logprobs: N``; completions: ``logprobs: N``; N ≤
@@ -28,10 +32,20 @@ from collections.abc import Callable, Mapping, Sequence
 from itertools import accumulate
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from verispec.errors import UsageError
 from verispec.grammar.constraint import Constraint, InvalidConstraint
+from verispec.grammar.tools import InvalidTools, ToolCall, Tools
+from verispec.inputs import parse_json
 from verispec.models.base import SpelledTokenizer, Tokenizer
 from verispec.options import MAX_LOGPROBS, SamplingParams
 from verispec.sequence import GenerationStats, TokenLogprob
@@ -59,9 +73,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None,),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
     "modalities": (None, ["text"]),
@@ -244,16 +255,59 @@ class ContentPart(BaseModel):
     text: str
 
 
-class Message(BaseModel):
+class CalledFunction(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
-    name: str | None = None  # OpenAI's participant name: accepted, not used (the chat templates take none)
+    name: str
+    arguments: str  # JSON text
 
-    def as_dict(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+    @field_validator("arguments")
+    @classmethod
+    def _json(cls, arguments: str) -> str:
+        parse_json(arguments)  # UsageError, a ValueError: pydantic's error, one line
+        return arguments
+
+
+class MessageToolCall(BaseModel):
+    """A call an assistant's message made (an earlier answer's ``tool_calls``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: Annotated[str, Field(min_length=1)]
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class Message(BaseModel):
+    """A chat message: ``content`` (None only in an assistant's message that makes ``tool_calls``), a
+    ``tool`` message the result of the call its ``tool_call_id`` names."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None  # OpenAI's participant name: accepted, not used (the chat templates take none)
+    tool_calls: Annotated[list[MessageToolCall], Field(min_length=1)] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> Message:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant's message makes tool_calls")
+        if self.content is None and self.tool_calls is None:
+            raise ValueError("content is missing (only an assistant's message with tool_calls may omit it)")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message, and only a tool message, has a tool_call_id")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        text = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls is not None:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatRequest(_Request):
@@ -262,6 +316,28 @@ class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
     logprobs: bool | None = None  # each token's log-probability
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # and its N likeliest
+    tools: list[Any] | None = None  # OpenAI's function definitions: read by Tools.of
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _results_answer_calls(cls, messages: list[Message]) -> list[Message]:
+        made: set[str] = set()
+        for i, message in enumerate(messages):
+            made.update(call.id for call in message.tool_calls or ())
+            if message.tool_call_id is not None and message.tool_call_id not in made:
+                raise ValueError(
+                    f"message {i}'s tool_call_id {message.tool_call_id[:40]!r} answers no earlier tool call"
+                )
+        return messages
+
+    def tool_spec(self) -> Tools | None:
+        """The tools the request gives (None: none); ApiError 400 naming the field at fault."""
+        try:
+            return Tools.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except InvalidTools as err:
+            raise ApiError(400, str(err), param=err.field) from None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -275,7 +351,7 @@ class ChatRequest(_Request):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return [m.as_dict() for m in self.messages]
 
 
@@ -382,9 +458,11 @@ def completion_logprobs(
     }
 
 
-def finish_reason(stats: GenerationStats) -> str:
-    """OpenAI's finish_reason for verispec's stop reason: "stop" at an end-of-sequence token or a stop string,
-    "length" at max_tokens or the end of the context."""
+def finish_reason(stats: GenerationStats, calls: Sequence[ToolCall] = ()) -> str:
+    """OpenAI's finish_reason for verispec's stop reason: "tool_calls" at an end-of-sequence token after
+    ``calls``, else "stop" there or at a stop string, "length" at max_tokens or the end of the context."""
+    if stats.stop_reason == "eos" and calls:
+        return "tool_calls"
     return "stop" if stats.stop_reason in ("eos", "stop_string") else "length"
 
 
