@@ -547,8 +547,8 @@ NOT_IMPLEMENTED = [
     ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
     ("completions", {"frequency_penalty": -1.0}, "frequency_penalty"),
     ("completions", {"suffix": "end"}, "suffix"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("chat", {"tool_choice": "auto"}, "tool_choice"),
+    ("chat", {"functions": [{"name": "f"}]}, "functions"),  # the legacy calls (tools: tests/test_tools.py)
+    ("chat", {"function_call": "auto"}, "function_call"),
     ("chat", {"extra_body": {"invented": 1}}, "invented"),
 ]
 

@@ -34,6 +34,7 @@ __all__ = [
     "add_suffix_arguments",
     "add_threads_argument",
     "constraint_of",
+    "read_text",
     "format_table",
     "joined_values",
     "list_of",
@@ -366,14 +367,17 @@ def constraint_of(args: argparse.Namespace) -> Constraint | None:
     from verispec.grammar.constraint import Constraint
 
     def read(path: str | None) -> str | None:
-        if path is None:
-            return None
-        try:
-            return Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise UsageError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+        return None if path is None else read_text(path)
 
     return Constraint.of(read(args.json_schema), args.regex, read(args.grammar))
+
+
+def read_text(path: str) -> str:
+    """A flag's file as text; UsageError (one line) when it cannot be read."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
 
 
 def sampling_of(args: argparse.Namespace) -> SamplingParams:
