@@ -29,7 +29,8 @@ is an end-of-sequence token it is committed without a forward.
 Modules: :mod:`~verispec.grammar.constraint` (the frozen spec a request carries, validated),
 :mod:`~verispec.grammar.rounds` (the state protocol and the pure steps of a constrained round),
 :mod:`~verispec.grammar.matcher` (that state over llguidance's matcher), :mod:`~verispec.grammar.tokens`
-(llguidance's tokenizer from a tokenizer's spelled tokens).
+(llguidance's tokenizer from a tokenizer's spelled tokens), :mod:`~verispec.grammar.tools` (tool calls: the
+grammar of OpenAI's ``tool_choice``, the chat template's rendering, the calls read back).
 """
 
 from __future__ import annotations
