@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 from collections.abc import Callable, Sequence
 from unittest import mock
 
@@ -566,3 +567,21 @@ def test_auto_weighs_a_draft_forward_by_the_calibrated_cost():
     measured = DraftInputs(SETTINGS["t1"], target, draft=draft, pair=pair, cost_ratio=0.37)
     chain = DRAFTERS["model"].chain(measured)
     assert isinstance(chain, CrossTokenizerDrafter) and chain.cost_ratio == 0.37
+
+
+def test_a_draft_across_tokenizers_has_its_draft_models_cost_identity():
+    """Issue 53: calibrated costs are cached under each drafter's cost identity. A draft across tokenizers
+    was known by its name alone ("model"), so every draft model drafting for a target shared one cached
+    cost; its identity now holds its draft model's, and which algorithm it runs."""
+    _, draft, pair = models()
+    sampling = SamplingParams(temperature=0)
+    longer = TableLM(len(DRAFT_PIECES), seed=12, max_context=512)  # another draft model: a longer context
+    identities = [
+        TokenIntersectionDrafter(draft, pair, sampling).cost_identity(),
+        StringMatchDrafter(draft, pair, sampling).cost_identity(),
+        CrossTokenizerDrafter(draft, pair, sampling, "auto").cost_identity(),
+        CrossTokenizerDrafter(draft, pair, sampling, "tli").cost_identity(),
+        CrossTokenizerDrafter(longer, pair, sampling, "auto").cost_identity(),
+    ]
+    assert all(identity["model"]["class"] == "TableLM" for identity in identities)
+    assert len({json.dumps(identity, sort_keys=True) for identity in identities}) == len(identities)

@@ -29,7 +29,7 @@ from verispec import resolve as resolve_module
 from verispec.analysis.analytic import CostModel, best_tree_size, speedup_by_k
 from verispec.api import Speculator
 from verispec.bench.suite import BenchConfig, Method, plan_methods
-from verispec.calibrate import DRAFT_K, FILLS, drafter_identity
+from verispec.calibrate import DRAFT_K, FILLS
 from verispec.drafting.base import Allowed, Proposal
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.eagle_drafter import DEFAULT_TREE, EagleDrafter, EagleTreeDrafter
@@ -1035,7 +1035,7 @@ def test_a_grown_head_computes_what_it_grew_from(target, trained, tmp_path):
     )
     one_line_error(lambda: small.adopt(loaded), "cannot start a 1-layer head from a 3-layer one")
     # the calibration cache keeps the costs of heads of different sizes apart
-    identities = [drafter_identity(EagleDrafter(h, GREEDY)) for h in (small, loaded)]
+    identities = [EagleDrafter(h, GREEDY).cost_identity() for h in (small, loaded)]
     assert identities[0] != identities[1]
     for bad in (0, 9, True):
         one_line_error(

@@ -34,7 +34,6 @@ from transformers import (
 import verispec.models.gguf as gguf_module
 from test_gguf import MERGES, SPECIALS, tiny_llama, write_tiny_gguf
 from verispec.api import Speculator
-from verispec.calibrate import model_identity
 from verispec.drafting.learned.head import target_fingerprint
 from verispec.errors import UsageError
 from verispec.kernels.cpu import GGUF_TYPES, PackedMatrix, native_available
@@ -42,6 +41,7 @@ from verispec.models.base import RowInput
 from verispec.models.gguf import convert_gguf, gguf_cache_path, gguf_tokenizer_dir
 from verispec.models.gguf_native import GGUFEmbedding, load_gguf
 from verispec.models.hf import HFModel, HFTokenizer
+from verispec.models.identity import model_identity
 from verispec.models.llama import Llama
 from verispec.models.registry import gguf_file, load_model, load_tokenizer, model_dir
 from verispec.options import DEFAULT_MODEL, SamplingParams

@@ -37,7 +37,6 @@ from test_kernels import CONFIG, random_llama
 from test_real_models import STORY_PROMPTS
 from verispec.api import Speculator
 from verispec.bench.suite import BenchConfig, Method, plan_methods
-from verispec.calibrate import drafter_identity
 from verispec.drafting.learned.head import target_fingerprint
 from verispec.drafting.learned.kinds import load_head
 from verispec.drafting.learned.lookahead import LookaheadDrafter, LookaheadTokens, lookahead_mask
@@ -198,7 +197,7 @@ def test_own_cache_drafts_as_the_engines(target, files):
         b = shared.propose(context[:n], 3, torch.Generator())
         assert a.tokens.tolist() == b.tokens.tolist()
         assert own.cache.length == n
-    assert drafter_identity(own) == {
+    assert own.cost_identity() == {
         "drafter": "lookahead",
         "draft_vocab": VOCAB // 2,
         "lookahead_tokens": 3,

@@ -36,7 +36,6 @@ from test_eagle import (
 from test_real_models import STORY_PROMPTS
 from verispec.api import Speculator
 from verispec.bench.suite import BenchConfig, Method, plan_methods
-from verispec.calibrate import drafter_identity
 from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.learned.exit import ExitAdapter, ExitDraft, exit_features
 from verispec.drafting.learned.head import target_fingerprint
@@ -345,9 +344,9 @@ def test_the_exit_reads_and_leaves_the_targets_cache(target, files):
     cache = target.new_cache()
     drafter = spec._chain_drafter(GREEDY, cache)
     assert isinstance(drafter, ModelDrafter) and drafter.shared is not None and drafter.shared[0] is cache
-    assert drafter_identity(drafter)["exit_draft_vocab"] == VOCAB // 2
+    assert drafter.cost_identity()["exit_draft_vocab"] == VOCAB // 2
     medusa = speculator(target, files["medusa"], "medusa")
-    assert drafter_identity(medusa._chain_drafter(GREEDY)) == {
+    assert medusa._chain_drafter(GREEDY).cost_identity() == {
         "drafter": "medusa",
         "draft_vocab": VOCAB,
         "heads": 3,

@@ -70,7 +70,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -78,20 +77,13 @@ import torch
 from verispec.analysis.analytic import BatchCost, CostModel
 from verispec.cores import available_cores
 from verispec.drafting.base import Drafter, HiddenStateReader
-from verispec.drafting.draft_model import ModelDrafter
-from verispec.drafting.learned.eagle_drafter import EagleDrafter
-from verispec.drafting.learned.exit import ExitDraft
-from verispec.drafting.learned.lookahead import LookaheadDrafter
-from verispec.drafting.learned.medusa import MedusaDrafter
-from verispec.drafting.ngram import NGramDrafter
-from verispec.drafting.suffix import SuffixDrafter
 from verispec.errors import UsageError
 from verispec.files import atomic_write
 from verispec.inputs import is_int
-from verispec.kernels.build import library_path
 from verispec.kernels.threads import THREADS
 from verispec.models.base import HiddenStateModel, LanguageModel, RowInput, RowModel
 from verispec.models.gguf import cache_dir
+from verispec.models.identity import model_identity
 from verispec.models.llama import KVCache
 
 __all__ = [
@@ -113,8 +105,6 @@ __all__ = [
     "calibrate",
     "calibration_dir",
     "cpu_name",
-    "drafter_identity",
-    "model_identity",
     "quiet",
 ]
 
@@ -145,7 +135,6 @@ _METHOD = {
     "row_tokens": ROW_TOKENS,
 }
 Grid = tuple[tuple[float, ...], ...]  # [len(BATCH_ROWS)][len(ROW_TOKENS)] seconds
-_HF_VERSION = "transformers_version"
 
 
 @dataclass(frozen=True)
@@ -325,70 +314,6 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def model_identity(model: LanguageModel) -> dict:
-    """What a model's cost depends on: its class and architecture config, dtype, device, the precision of its
-    CPU fast path, and on the native kernels the build they run (a new source or compiler measures again)."""
-    config: Any = getattr(model, "config", None)
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        arch = dataclasses.asdict(config)
-    elif hasattr(config, "to_dict"):  # a transformers config; its private and version fields are not shape
-        arch = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != _HF_VERSION}
-    else:
-        arch = {"vocab_size": model.vocab_size, "max_context": model.max_context}
-    fast_path = getattr(model, "cpu_precision", None)
-    identity = {
-        "class": type(model).__name__,
-        "config": arch,
-        "dtype": str(getattr(model, "dtype", "")),
-        "device": str(model.device),
-        "fast_path": fast_path,  # the CPU fast path's weights (native models)
-        "kernels": library_path().name if fast_path not in (None, "fp32") else None,
-    }
-    head = getattr(getattr(model, "_native_head", None), "format", None)
-    if head is not None and head != ("q8_0" if fast_path == "q4_1" else fast_path):
-        identity["head"] = head  # a GGUF file's own head read in place, in another format than packing's
-    return identity
-
-
-def drafter_identity(drafter: Drafter) -> dict:
-    """What a drafter's cost depends on: its kind, and its model's identity, its lookup's parameters or its
-    learned head's size (draft vocabulary and layers; the rest is the target's) and fast path."""
-    if isinstance(drafter, ModelDrafter):
-        identity: dict = {"drafter": drafter.name, "model": model_identity(drafter.model)}
-        if isinstance(drafter.model, ExitDraft):  # a trained exit: its draft vocabulary's head
-            identity["exit_draft_vocab"] = drafter.model.adapter.draft_vocab_size
-            identity["exit_precision"] = drafter.model.adapter.cpu_precision
-        return identity
-    if isinstance(drafter, MedusaDrafter):
-        return {
-            "drafter": drafter.name,
-            "draft_vocab": drafter.heads.draft_vocab_size,
-            "heads": drafter.heads.num_heads,
-            "precision": drafter.heads.cpu_precision,
-        }
-    if isinstance(drafter, LookaheadDrafter):  # the target's own forward, and its draft vocabulary's head
-        return {
-            "drafter": drafter.name,
-            "draft_vocab": drafter.tokens.draft_vocab_size,
-            "lookahead_tokens": drafter.tokens.num_tokens,
-            "precision": drafter.tokens.cpu_precision,
-        }
-    if isinstance(drafter, NGramDrafter):
-        return {"drafter": drafter.name, "max_ngram": drafter.max_ngram, "min_ngram": drafter.min_ngram}
-    if isinstance(
-        drafter, SuffixDrafter
-    ):  # a lookup like the n-gram's: its settings, not its cache's content
-        return {"drafter": drafter.name, **dataclasses.asdict(drafter.config)}
-    if isinstance(drafter, EagleDrafter):
-        return {
-            "drafter": drafter.name,
-            "draft_vocab": drafter.head.draft_vocab_size,
-            "layers": drafter.head.num_layers,
-            "precision": drafter.head.cpu_precision,
-        }
-    return {"drafter": drafter.name}
-
-
 def _machine_identity() -> dict:
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_name()}
 
@@ -432,7 +357,7 @@ def calibrate(
         _write(path, entry)
     draft = None
     if drafter is not None:
-        draft_identity = drafter_identity(drafter)
+        draft_identity = drafter.cost_identity()
         key = _digest(draft_identity)
         cached = entry["drafts"].get(key)
         if cached is None or force or _again(cached, draft_label or drafter.name):

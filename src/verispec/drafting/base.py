@@ -201,6 +201,13 @@ class Drafter(Protocol):
         """The target accepted the first ``num_accepted`` tokens of the last proposal."""
         ...
 
+    def cost_identity(self) -> dict:
+        """What this drafter's cost per proposal depends on besides the target, as JSON-able values: its name
+        and every setting, model or head that changes the time a proposal takes. Calibrated costs are cached
+        under it (:func:`verispec.calibrate.calibrate`): two drafters with the same identity share a cost,
+        so each drafter says its own (no list elsewhere to keep up to date)."""
+        ...
+
 
 class NoDrafter:
     """Proposes nothing: plain autoregressive decoding through the same engine, the speed baseline."""
@@ -217,6 +224,9 @@ class NoDrafter:
 
     def observe(self, num_accepted: int) -> None:
         pass
+
+    def cost_identity(self) -> dict:
+        return {"drafter": self.name}
 
 
 @dataclass(frozen=True)

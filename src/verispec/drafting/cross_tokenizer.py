@@ -34,6 +34,7 @@ from verispec.drafting.base import Allowed, Proposal, allowed_guesses, allowed_l
 from verispec.drafting.registry import CROSS_TOKENIZER, check_algorithm
 from verispec.errors import UsageError
 from verispec.models.base import LanguageModel, SpelledTokenizer, Tokenizer
+from verispec.models.identity import model_identity
 from verispec.options import SamplingParams
 from verispec.sampling import first_argmax, probs_from_logits, sample
 
@@ -280,6 +281,8 @@ class DraftText:
 class _CrossDraft:
     """A draft model reading the committed text in its own tokens (:class:`DraftText`), with its cache."""
 
+    name = "model"
+
     def __init__(self, model: LanguageModel, pair: VocabularyPair, sampling: SamplingParams) -> None:
         self.model = model
         self.pair = pair
@@ -321,6 +324,10 @@ class _CrossDraft:
     def observe(self, num_accepted: int) -> None:
         """Nothing to do now: the next :meth:`start` rolls the draft back to the accepted text."""
 
+    def cost_identity(self) -> dict:
+        """The draft model's, across tokenizers (spelling the text in its tokens is part of each proposal)."""
+        return {"drafter": self.name, "model": model_identity(self.model), "across": type(self).__name__}
+
 
 class TokenIntersectionDrafter(_CrossDraft):
     """Token-level intersection (TLI): the draft samples only tokens that the target's vocabulary also has.
@@ -334,8 +341,6 @@ class TokenIntersectionDrafter(_CrossDraft):
     unrenormalised restriction is not the distribution the token was drawn from. At temperature 0, the
     draft's most likely shared token, verified greedily.
     """
-
-    name = "model"
 
     def propose(
         self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
@@ -379,8 +384,6 @@ class StringMatchDrafter(_CrossDraft):
     bytes would complete ("Ġsun" of "Ġsunshine"), so it is left out unless the text ended there (EOS);
     keeping it stays exact, it is just a poor guess.
     """
-
-    name = "model"
 
     def __init__(
         self,
@@ -477,6 +480,11 @@ class CrossTokenizerDrafter:
         self._last = self.choose()
         self.used[self._last] += 1
         return self._drafters[self._last].propose(context, k, generator, allowed)
+
+    def cost_identity(self) -> dict:
+        """The draft model's, and which algorithms it runs (auto: both, each round's choice)."""
+        model = self._drafters["tli"].model
+        return {"drafter": self.name, "model": model_identity(model), "algorithm": self.algorithm}
 
     def observe(self, num_accepted: int) -> None:
         drafter = self._drafters[self._last]

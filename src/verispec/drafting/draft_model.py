@@ -13,6 +13,7 @@ from verispec.drafting.registry import EARLY_EXIT, SELF, early_exit_layers, self
 from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
 from verispec.models.base import Cache, LanguageModel, TreeLanguageModel
+from verispec.models.identity import model_identity
 from verispec.models.llama import KVCache, Llama
 from verispec.options import SamplingParams
 from verispec.sampling import draft_draw, first_argmax, probs_from_logits
@@ -108,6 +109,13 @@ class ModelDrafter:
 
     def observe(self, num_accepted: int) -> None:
         self.cache.truncate(self._committed + min(num_accepted, self._drafted))
+
+    def cost_identity(self) -> dict:
+        identity: dict = {"drafter": self.name, "model": model_identity(self.model)}
+        if isinstance(self.model, ExitDraft):  # a trained exit: its draft vocabulary's head
+            identity["exit_draft_vocab"] = self.model.adapter.draft_vocab_size
+            identity["exit_precision"] = self.model.adapter.cpu_precision
+        return identity
 
 
 class ModelTreeDrafter(BranchedTreeDrafter):

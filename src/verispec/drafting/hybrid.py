@@ -103,3 +103,7 @@ class LookupFirstDrafter:
     def observe(self, num_accepted: int) -> None:
         self.lookup.observe(num_accepted)
         self.head.observe(num_accepted)
+
+    def cost_identity(self) -> dict:
+        lookup, head = self.lookup.cost_identity(), self.head.cost_identity()
+        return {"drafter": self.name, "lookup": lookup, "head": head}

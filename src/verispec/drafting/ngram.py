@@ -87,6 +87,9 @@ class NGramDrafter:
     def observe(self, num_accepted: int) -> None:
         pass
 
+    def cost_identity(self) -> dict:
+        return {"drafter": self.name, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
+
 
 class NGramTreeDrafter:
     """Prompt lookup, branched: the continuations of several earlier occurrences of the context's suffix —

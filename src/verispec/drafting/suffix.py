@@ -24,6 +24,8 @@ holds.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from verispec.drafting.base import Allowed, Proposal, allowed_guesses, allowed_tree, check_static
@@ -71,6 +73,10 @@ class SuffixDrafter:
 
     def observe(self, num_accepted: int) -> None:
         pass
+
+    def cost_identity(self) -> dict:
+        """A lookup like the n-gram's: its settings, not its cache's content."""
+        return {"drafter": self.name, **dataclasses.asdict(self.config)}
 
     def finish(self, ids: list[int]) -> None:
         """The request finished with ``ids`` (its prompt, then its output): the output enters the shared cache

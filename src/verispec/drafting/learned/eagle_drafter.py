@@ -230,6 +230,16 @@ class EagleDrafter:
     def observe(self, num_accepted: int) -> None:
         self.cache.truncate(self._committed)
 
+    def cost_identity(self) -> dict:
+        """Its head's size (draft vocabulary and layers; the rest is the target's) and fast path."""
+        head = self.head
+        return {
+            "drafter": self.name,
+            "draft_vocab": head.draft_vocab_size,
+            "layers": head.num_layers,
+            "precision": head.cpu_precision,
+        }
+
 
 class EagleTreeDrafter(BranchedTreeDrafter):
     """The learned head's token tree (module docstring): at every node of the shape, its children are the

@@ -176,3 +176,13 @@ class LookaheadDrafter:
 
     def observe(self, num_accepted: int) -> None:
         pass
+
+    def cost_identity(self) -> dict:
+        """The target's own forward, and its draft vocabulary's head."""
+        tokens = self.tokens
+        return {
+            "drafter": self.name,
+            "draft_vocab": tokens.draft_vocab_size,
+            "lookahead_tokens": tokens.num_tokens,
+            "precision": tokens.cpu_precision,
+        }

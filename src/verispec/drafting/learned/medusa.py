@@ -217,6 +217,15 @@ class MedusaDrafter:
     def observe(self, num_accepted: int) -> None:
         pass
 
+    def cost_identity(self) -> dict:
+        heads = self.heads
+        return {
+            "drafter": self.name,
+            "draft_vocab": heads.draft_vocab_size,
+            "heads": heads.num_heads,
+            "precision": heads.cpu_precision,
+        }
+
 
 class MedusaTreeDrafter(BranchedTreeDrafter):
     """Medusa's token tree: the children of a node at depth d come from head d + 1 — its top tokens (single
