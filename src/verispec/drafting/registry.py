@@ -173,6 +173,8 @@ class DrafterKind:
     needs_draft_model: bool = False  # a second model (--draft SPEC), or the target's first layers
     trained: Trained | None = None  # a learned kind of its own: drafts with a trained file of that kind
     head: str = ""  # drafts with a trained file of another learned kind, this one
+    published: str = ""  # drafts with a head in its authors' published layout: its class's dotted path, whose
+    # ``load(path, target, label, fast)`` reads it (--drafter-path)
     dynamic_trees: bool = False  # takes tree shapes with a node budget (ranks its nodes, EAGLE-2)
     reads_target_hidden: bool = False  # drafts from the target's hidden states: needs a native target
     reads_target_cache: bool = False  # runs the target's first layers on the target's own cache
@@ -182,7 +184,11 @@ class DrafterKind:
     def learned(self) -> bool:
         """Whether the kind drafts with a trained drafter file: --drafter-path, or the one shipped for the
         target."""
-        return self.trained is not None or bool(self.head)
+        return self.trained is not None or bool(self.head or self.published)
+
+    def published_class(self) -> Any:
+        """The class that reads the kind's published heads (``published``), imported."""
+        return _named(self.published)
 
     @property
     def head_kind(self) -> str:
@@ -302,6 +308,13 @@ def _eagle_chain(inputs: DraftInputs) -> Drafter:
     return EagleDrafter(head, inputs.sampling, head.cache_row(inputs.slot))
 
 
+def _eagle3_chain(inputs: DraftInputs) -> Drafter:
+    """A published EAGLE-3 head, reading three of the target's layers."""
+    from verispec.drafting.learned.eagle3 import Eagle3Drafter, Eagle3Head
+
+    return Eagle3Drafter(inputs.need_head("eagle3", Eagle3Head), inputs.sampling)
+
+
 def _medusa_chain(inputs: DraftInputs) -> Drafter:
     """Every Medusa head in one forward."""
     from verispec.drafting.learned.medusa import MedusaDrafter, MedusaHeads
@@ -376,6 +389,16 @@ DRAFTERS: dict[str, DrafterKind] = {
                 recipe="verispec.training.eagle.EagleRecipe",
                 shipped=_SHIPPED,
             ),
+            dynamic_trees=True,
+            reads_target_hidden=True,
+        ),
+        DrafterKind(
+            "eagle3",
+            "an EAGLE-3 head as its authors publish it (--drafter-path its model.safetensors), reading three "
+            "of the target's layers",
+            _eagle3_chain,
+            _eagle_tree,
+            published="verispec.drafting.learned.eagle3.Eagle3Head",
             dynamic_trees=True,
             reads_target_hidden=True,
         ),
@@ -466,6 +489,11 @@ def check_choice(
         raise UsageError("give a draft model (--draft) or a drafter file (--drafter-path), not both")
     if drafter_path is not None and kind is not None and not kind.learned:
         raise UsageError(f"a drafter file was given but drafter is {drafter!r}")
+    if kind is not None and kind.published and drafter_path is None and draft is None:
+        raise UsageError(
+            f"drafter {drafter!r} reads a published head: give its file (--drafter-path "
+            "DIR/model.safetensors, its config.json beside it)"
+        )
     if tree is not None and tree != AUTO and not isinstance(tree, TreeShape):
         raise UsageError(f"tree must be a TreeShape, {AUTO!r} or None, got {tree!r}")
     if kind is not None and isinstance(tree, TreeShape):

@@ -517,8 +517,10 @@ class NativeStack:
         pos: Tensor | None = None,
         cos_local: Tensor | None = None,
         sin_local: Tensor | None = None,
+        first_layer: int = 0,
     ) -> None:
-        """Runs the first ``num_layers`` layers over the residual stream h [N, hidden] float32 in place.
+        """Runs the first ``num_layers`` layers over the residual stream h [N, hidden] float32 in place (from
+        ``first_layer`` on: the layers before it ran already, a forward in parts).
 
         cos, sin: [N, head_dim / 2] float32 RoPE at each token's position; seq, slot, base: [N] int32, token i
         writes slot[i] of cache row seq[i] and attends to that row's slots [0, base[i]) and to its new slots
@@ -543,14 +545,14 @@ class NativeStack:
         start = time.perf_counter()
         status = self._lib.vs_forward(
             ctypes.byref(self._model),
-            0,
+            first_layer,
             num_layers,
             ctypes.byref(batch),
             ctypes.byref(_cache(keys, values)),
             h.data_ptr(),
             THREADS.count(),
         )
-        if self.measured and num_layers == len(self.layers):  # an early exit's forwards are drafts
+        if self.measured and first_layer == 0 and num_layers == len(self.layers):  # an early exit's: drafts
             THREADS.record(h.shape[0], time.perf_counter() - start)
         _check_status(status, "forward")
 

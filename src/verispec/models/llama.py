@@ -763,6 +763,23 @@ class _DecoderLayer(nn.Module):
         self.mlp = _MLP(config, device, dtype)
 
 
+def attention_inputs(
+    h: Tensor, positions: Tensor, cache: KVCache, inv_freq: Tensor, mask: Tensor | None
+) -> tuple[int, int, Tensor, Tensor, Tensor | None]:
+    """What a forward of the T tokens of h [B, T, ...] at ``positions`` [B, T] attends with: the slots it
+    takes in ``cache`` (start, end; reserved), RoPE's cos and sin [B, 1, T, head_dim] in h's dtype (angles in
+    float32, as transformers computes them) and its mask (``mask``, else causal: [T, end] bool, None for one
+    token)."""
+    t = h.shape[1]
+    start, end = cache._reserve(t)
+    freqs = positions[..., None].float() * inv_freq  # [B, T, head_dim // 2]
+    angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, head_dim]
+    cos, sin = angles.cos().to(h.dtype), angles.sin().to(h.dtype)  # [B, 1, T, head_dim]
+    if mask is None and t > 1:
+        mask = torch.ones(t, end, dtype=torch.bool, device=h.device).tril(diagonal=start)  # [T, end]
+    return start, end, cos, sin, mask
+
+
 def run_layers(
     layers: Sequence[_DecoderLayer],
     h: Tensor,
@@ -770,22 +787,20 @@ def run_layers(
     cache: KVCache,
     inv_freq: Tensor,
     mask: Tensor | None = None,
+    taps: Sequence[int] = (),
+    tapped: list[Tensor] | None = None,
 ) -> Tensor:
     """Run the residual stream h [B, T, hidden] through ``layers`` (layer i on the cache's layer i) at RoPE
     ``positions`` [B, T] int64, appending T slots to ``cache``; returns [B, T, hidden] before any final norm.
 
     inv_freq: [head_dim // 2] float32 RoPE inverse frequencies. mask: [T, cache.length + T] bool (True =
-    attend); None: causal, new token i sees every committed slot and new tokens 0..i. Shared by
+    attend); None: causal, new token i sees every committed slot and new tokens 0..i. taps: layers whose
+    input (the residual stream entering them) is appended to ``tapped``, in order. Shared by
     :class:`Llama` and the learned drafters of :mod:`verispec.drafting.learned`."""
-    t = h.shape[1]
-    start, end = cache._reserve(t)
-    # RoPE angles in float32, as transformers computes them
-    freqs = positions[..., None].float() * inv_freq  # [B, T, head_dim // 2]
-    angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, head_dim]
-    cos, sin = angles.cos().to(h.dtype), angles.sin().to(h.dtype)  # [B, 1, T, head_dim]
-    if mask is None and t > 1:
-        mask = torch.ones(t, end, dtype=torch.bool, device=h.device).tril(diagonal=start)  # [T, end]
+    start, end, cos, sin, mask = attention_inputs(h, positions, cache, inv_freq, mask)
     for i, layer in enumerate(layers):
+        if i in taps and tapped is not None:
+            tapped.append(h)
         x = layer.input_layernorm(h)  # [B, T, hidden]
         h = h + layer.self_attn(x, cos, sin, cache.keys[i], cache.values[i], start, mask)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -867,21 +882,25 @@ def run_native(
     norm: tuple[Tensor, float],
     base: int | None = None,
     mask: Tensor | None = None,
+    taps: Sequence[int] = (),
 ) -> Tensor:
     """``num_layers`` layers of ``stack`` over inputs [B, T, H] float32 (RoPE tables ``rope`` at each
     token, :func:`rope_tables`), then the RMSNorm ``norm`` (its weight [H] and epsilon): [B, T, H]. Row b of
     the batch is row b of ``cache`` (a tiled one; of the whole cache for a row view), its T tokens at the next
     T slots; every token sees the slots before ``base`` (default: every committed one) and those from
-    ``base`` on where ``mask`` [B·T, slots from base] says so (None: causally)."""
+    ``base`` on where ``mask`` [B·T, slots from base] says so (None: causally). With ``taps``, the inputs of
+    those layers follow the output: [B, T, H·(1 + len(taps))] (:func:`forward_tapped`)."""
     b, t, _ = inputs.shape
     assert isinstance(cache.keys, Tensor) and isinstance(cache.values, Tensor)  # tiled: one tensor
     start, end = cache._reserve(t)
     h = inputs.reshape(b * t, -1).clone()  # [B·T, H] float32, a copy: the kernels write into it
     first = 0 if cache.row is None else cache.row  # a row view is row `row` of the whole cache
     keys, values = (cache.keys, cache.values) if cache.whole is None else cache.whole
-    stack.forward(
+    tapped = forward_tapped(
+        stack,
         h,
-        num_layers=num_layers,
+        num_layers,
+        taps,
         **rope,
         seq=(first + torch.arange(b, dtype=torch.int32)).repeat_interleave(t),  # [B·T]: each token's row
         slot=(start + torch.arange(t, dtype=torch.int32)).repeat(b),  # [B·T]
@@ -891,7 +910,27 @@ def run_native(
         values=values,
     )
     cache._length = end
-    return rmsnorm(h, *norm).view(b, t, -1)  # [B, T, H]
+    return _with_tapped(rmsnorm(h, *norm), tapped).view(b, t, -1)  # [B, T, H·(1 + taps)]
+
+
+def forward_tapped(
+    stack: NativeStack, h: Tensor, num_layers: int, taps: Sequence[int], **inputs: Any
+) -> list[Tensor]:
+    """:meth:`NativeStack.forward` of the first ``num_layers`` layers over h [N, H] (in place, ``inputs`` the
+    rest of its arguments), in parts split at the layers ``taps`` (ascending): the residual stream entering
+    each of them [N, H] each, copied (none without taps: one call)."""
+    tapped, first = [], 0
+    for layer in taps:
+        stack.forward(h, num_layers=layer, first_layer=first, **inputs)
+        tapped.append(h.clone())
+        first = layer
+    stack.forward(h, num_layers=num_layers, first_layer=first, **inputs)
+    return tapped
+
+
+def _with_tapped(out: Tensor, tapped: Sequence[Tensor]) -> Tensor:
+    """The output [..., H] and the tapped layers' inputs [..., H] each side by side: [..., H·(1 + taps)]."""
+    return torch.cat([out, *tapped], -1) if tapped else out
 
 
 def rows_of_one_cache(caches: Sequence[object]) -> bool:
@@ -912,16 +951,18 @@ def run_native_rows(
     rope: dict[str, Any],
     norm: tuple[Tensor, float],
     mask: Tensor | None = None,
+    taps: Sequence[int] = (),
 ) -> Tensor:
     """``num_layers`` layers of ``stack`` over the new tokens of several sequences at once, h [N, H] float32
     contiguous (N = Σ counts; RoPE tables ``rope`` at each token; overwritten), then the RMSNorm ``norm``:
     [N, H]. Sequence i's ``counts[i]`` tokens go to the next slots of ``caches[i]``, a row of one whole tiled
     cache (each its own, :func:`rows_of_one_cache`), and attend to its committed slots and, causally or where
     ``mask`` [N, widest] says, to its own new ones. A row's outputs are bit-identical to running it alone
-    (:func:`run_native` differs only in taking B rows of T tokens each after one shared start)."""
-    stack.forward(h, num_layers=num_layers, **rope, **native_rows(caches, counts), mask=mask)
+    (:func:`run_native` differs only in taking B rows of T tokens each after one shared start). With
+    ``taps``, the inputs of those layers follow the output: [N, H·(1 + len(taps))]."""
+    tapped = forward_tapped(stack, h, num_layers, taps, **rope, **native_rows(caches, counts), mask=mask)
     advance_rows(caches, counts)
-    return rmsnorm(h, *norm)  # [N, H]
+    return _with_tapped(rmsnorm(h, *norm), tapped)  # [N, H·(1 + taps)]
 
 
 def native_rows(caches: Sequence[KVCache], counts: Sequence[int]) -> dict[str, Tensor]:
@@ -1041,6 +1082,7 @@ class Llama(nn.Module):
         self._onednn_head = False  # the tied head runs on oneDNN (see optimize_for_cpu)
         self._native: NativeStack | None = None  # the decoder stack on the native kernels (optimize_for_cpu)
         self._native_head: PackedMatrix | None = None  # the output head on the native kernels
+        self.taps: tuple[int, ...] = ()  # the layers whose inputs forward_hidden returns too (tap_layers)
 
     @property
     def device(self) -> torch.device:
@@ -1308,6 +1350,23 @@ class Llama(nn.Module):
         (part of the target as configured, as in llama.cpp); otherwise the model's dtype, untiled."""
         return (torch.float16, True) if self._native is not None else (self.dtype, False)
 
+    def tap_layers(self, layers: Sequence[int]) -> None:
+        """From now on :meth:`forward_hidden` (and :meth:`forward_rows`' hidden states) returns after the
+        final hidden state the inputs of ``layers`` (the residual stream entering each: layer 0's is the
+        embedding), ascending, side by side: [..., H·(1 + len(layers))], for a drafter that reads several
+        layers (EAGLE-3). The logits, keys and values are those of the plain forward; :meth:`logits` reads
+        the first H columns. UsageError for layers out of [0, num_layers), repeated, or other than taps
+        already set."""
+        wanted = tuple(sorted(layers))
+        count = self.config.num_layers
+        if any(not is_int(i) or not 0 <= i < count for i in wanted) or len(set(wanted)) != len(wanted):
+            raise UsageError(f"the layers read must be distinct integers in [0, {count}), got {list(layers)}")
+        if self.taps and self.taps != wanted:
+            raise UsageError(
+                f"this target already returns the inputs of layers {list(self.taps)}, not {wanted}"
+            )
+        self.taps = wanted
+
     def forward_hidden(
         self,
         tokens: Tensor,
@@ -1320,7 +1379,7 @@ class Llama(nn.Module):
         drafters. tokens: [B, T] int64; positions: [B, T] int64; tree_mask: [T, T] bool or None (see
         :meth:`forward`); embeddings: [B, T, hidden] float32, the input vectors to run instead of the tokens'
         embeddings (a lookahead drafter's trained tokens among them), or None. Returns [B, T, hidden] in the
-        model's dtype. Appends T slots to ``cache``."""
+        model's dtype (then the tapped layers' inputs, :meth:`tap_layers`). Appends T slots to ``cache``."""
         cache = self._check_inputs(tokens, positions, cache)
         if tree_mask is not None:
             _checked_tree_mask(tree_mask, tokens.shape[1])
@@ -1335,10 +1394,10 @@ class Llama(nn.Module):
         if tree_mask is not None:  # a token tree: the committed slots, then the masked new tokens
             t = tokens.shape[1]
             mask = torch.cat([tree_mask.new_ones(t, cache.length), tree_mask], 1)
-        h = h.to(self.dtype)
-        # run_layers takes the _DecoderLayers of the ModuleList, whose items torch types as plain Modules
-        h = run_layers(self.model.layers, h, positions, cache, self.inv_freq, mask)  # type: ignore[arg-type]
-        return self.model.norm(h)
+        h, tapped = h.to(self.dtype), list[Tensor]()
+        layers = self.model.layers  # _DecoderLayers, which torch types as plain Modules
+        h = run_layers(layers, h, positions, cache, self.inv_freq, mask, self.taps, tapped)  # type: ignore[arg-type]
+        return _with_tapped(self.model.norm(h), tapped)
 
     def embed(self, tokens: Tensor) -> Tensor:
         """The input vectors of ``tokens`` [...]: their embeddings [..., hidden] times the embedding scale."""
@@ -1373,7 +1432,9 @@ class Llama(nn.Module):
         rope = self._rope(positions.reshape(-1))
         mask = None if tree_mask is None else tree_mask.repeat(b, 1).contiguous()  # [B·T, T] bool
         norm = (self.model.norm.weight, self.config.rms_norm_eps)
-        return run_native(native, inputs, cache, self.config.num_layers, rope, norm, mask=mask)
+        return run_native(
+            native, inputs, cache, self.config.num_layers, rope, norm, mask=mask, taps=self.taps
+        )
 
     # ---------------------------------------------------------------- rows of a batch (RowModel)
 
@@ -1421,7 +1482,8 @@ class Llama(nn.Module):
             self._rope(positions),
             (self.model.norm.weight, self.config.rms_norm_eps),
             torch.cat(masks).contiguous() if trees else None,  # [N, widest] bool
-        )  # [N, hidden]
+            self.taps,
+        )  # [N, hidden · (1 + taps)]
         parts = list(hidden.split([len(row.tokens) for row in rows]))
         wanted = [p for p, row in zip(parts, rows, strict=True) if row.logits]
         logits = list(self.logits(torch.cat(wanted)).split([len(p) for p in wanted])) if wanted else []
@@ -1432,6 +1494,7 @@ class Llama(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden: [B, T, hidden] from :meth:`forward_hidden` → logits [B, T, vocab_size] float32."""
+        hidden = hidden[..., : self.config.hidden_size]  # the final state, before any tapped layers' inputs
         if self._native_head is not None:
             flat = hidden.reshape(-1, hidden.shape[-1]).float()  # [B·T, hidden]
             return self._native_head(flat).view(*hidden.shape[:-1], -1)  # [B, T, vocab]

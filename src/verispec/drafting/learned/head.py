@@ -130,7 +130,16 @@ class LearnedHead(nn.Module):
 
     kind: ClassVar[str]
 
-    def __init__(self, target: LanguageModel, draft_vocab: Tensor, metadata: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        target: LanguageModel,
+        draft_vocab: Tensor,
+        metadata: dict[str, Any],
+        *,
+        head_rows: Tensor | None = None,
+    ) -> None:
+        """head_rows: the draft vocabulary's output rows [Vd, H] where the drafter brings its own (a published
+        EAGLE-3 head's ``lm_head``); None: the target's own, frozen."""
         super().__init__()
         target = native_target(target)
         ids = torch.as_tensor(draft_vocab, dtype=torch.long)  # [Vd]
@@ -142,7 +151,8 @@ class LearnedHead(nn.Module):
         self.metadata = dict(metadata)
         self.hidden_size = target.config.hidden_size
         self.draft_vocab = nn.Buffer(ids.to(target.device), persistent=False)  # [Vd]
-        self.head_weight = nn.Buffer(_head_rows(target, self.draft_vocab), persistent=False)  # [Vd, H]
+        rows = _head_rows(target, self.draft_vocab) if head_rows is None else head_rows.to(target.device)
+        self.head_weight = nn.Buffer(rows, persistent=False)  # [Vd, H]
         self.vocab_size = vocab
         self.cpu_precision: str | None = None  # its CPU fast path (optimize_for_cpu): "fp32" or DRAFT_FORMAT
         self._native_rows: PackedMatrix | None = None  # head_weight on the native kernels (DRAFT_FORMAT)

@@ -28,7 +28,12 @@ def load_head(
     kind: str | None = None,
 ) -> LearnedHead:
     """The learned drafter in ``path`` for ``target``, of the kind the file records, which must be ``kind``
-    when given (:meth:`LearnedHead.load` for the rest; UsageError, one line, for any mismatch)."""
+    when given (:meth:`LearnedHead.load` for the rest; UsageError, one line, for any mismatch). A kind that
+    reads a published layout (:attr:`~verispec.drafting.registry.DrafterKind.published`) reads ``path``
+    as such."""
+    if kind in DRAFTERS and DRAFTERS[kind].published:
+        head: LearnedHead = DRAFTERS[kind].published_class().load(path, target, target_label, fast)
+        return head
     metadata, tensors = read_drafter_file(path)
     found = metadata.get("kind")
     if kind is not None and found != kind:

@@ -1,0 +1,511 @@
+"""Published EAGLE-3 heads (:mod:`verispec.drafting.learned.eagle3`): random-weight heads written in the exact
+layout their authors publish (tensor names, shapes and dtypes, config.json) beside tiny random targets — a
+float32 Llama, the same on the native kernels, a Qwen2 and a Llama saved by transformers — checked against a
+reference forward written here from the paper's description, then for exactness in the engine, and each
+refusal in one line."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from transformers import LlamaConfig as HFLlamaConfig
+from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from fakes import LetterTokenizer
+from verispec import cli
+from verispec.api import Speculator
+from verispec.drafting.learned.eagle3 import Eagle3Drafter, Eagle3Head
+from verispec.drafting.registry import DRAFTERS, check_choice
+from verispec.errors import UsageError
+from verispec.models.llama import Llama, LlamaConfig
+from verispec.options import SamplingParams
+from verispec.sampling import probs_from_logits
+
+VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB = 64, 32, 8, 40
+GREEDY = SamplingParams(temperature=0)
+PROMPTS = ("abc", "hello", "qqqzzz", "the", "mnopqrs")
+
+
+def tiny_target(native: bool = False, seed: int = 0) -> Llama:
+    """A random 8-layer Llama (default layers read: 2, 4, 5) with peaked next-token distributions; in float16
+    on the native kernels with ``native``."""
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=48,
+        num_layers=LAYERS,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    model = Llama(config)
+    g = torch.Generator().manual_seed(seed)
+    model.load_weights(
+        (
+            name,
+            torch.ones(p.shape) if name.endswith("norm.weight") else 0.3 * torch.randn(p.shape, generator=g),
+        )
+        for name, p in model.named_parameters()
+    )
+    if native:
+        assert model.optimize_for_cpu(precision="fp16", min_weight_elements=0) and model.on_native_kernels
+    return model
+
+
+def head_config(**changes) -> dict:
+    """A published head's config.json (EAGLE-3 Llama 3.1 8B's keys) for the tiny targets."""
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN,
+        "intermediate_size": 40,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "vocab_size": VOCAB,
+        "draft_vocab_size": DRAFT_VOCAB,
+    }
+    return {**config, **changes}
+
+
+def head_tensors(config: dict, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Random tensors of the published layout for ``config``: matrices of scale 1/sqrt(fan-in), norms near
+    one, ``d2t`` (int64) and ``t2d`` (bool) of a random draft vocabulary, ascending as EAGLE-3 writes it."""
+    g = torch.Generator().manual_seed(seed)
+    h, inter, vocab, draft = (
+        config[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "draft_vocab_size")
+    )
+    d = h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    shapes = {
+        "fc.weight": (h, 3 * h),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, q),
+        "midlayer.mlp.gate_proj.weight": (inter, h),
+        "midlayer.mlp.up_proj.weight": (inter, h),
+        "midlayer.mlp.down_proj.weight": (h, inter),
+        "lm_head.weight": (draft, h),
+    }
+    tensors = {
+        name: (torch.randn(shape, generator=g) * 2 / math.sqrt(shape[1])).to(dtype)
+        for name, shape in shapes.items()
+    }
+    for name in (
+        "midlayer.input_layernorm",
+        "midlayer.hidden_norm",
+        "midlayer.post_attention_layernorm",
+        "norm",
+    ):
+        tensors[f"{name}.weight"] = (1 + 0.1 * torch.randn(h, generator=g)).to(dtype)
+    used = torch.randperm(vocab, generator=g)[:draft].sort().values  # target ids, ascending
+    tensors["d2t"] = used - torch.arange(draft)  # int64
+    tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool)
+    tensors["t2d"][used] = True
+    return tensors
+
+
+def write_head(
+    directory: Path, config: dict | None = None, tensors: dict | None = None, seed: int = 0
+) -> Path:
+    """A head directory as published: config.json and model.safetensors."""
+    config = head_config() if config is None else config
+    tensors = head_tensors(config, seed) if tensors is None else tensors
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+# ---------------------------------------------------------------- the reference, from the paper
+
+
+def reference_states(target: Llama, ids: list[int], layers: tuple[int, ...]) -> torch.Tensor:
+    """The target's features EAGLE-3 fuses, computed apart from the runners' taps: the residual stream
+    entering each of ``layers``, for every position of ``ids``, by running the target's decoder layers one at
+    a time ([len(ids), 3H], low to high)."""
+    h = target.embed(torch.tensor([ids])).float()  # [1, T, H]
+    n = len(ids)
+    d = target.config.head_dim
+    inv = 1.0 / (target.config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    angles = torch.arange(n)[:, None].float() * inv
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    states = []
+    for i, layer in enumerate(target.model.layers):
+        if i in layers:
+            states.append(h[0])
+        x = layer.input_layernorm(h)
+        h = h + _attention(layer.self_attn, x, cos, sin, torch.ones(n, n, dtype=torch.bool).tril())
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return torch.cat(states, -1)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+def _attention(attn, x, cos, sin, mask) -> torch.Tensor:
+    """The target's own attention modules' weights, applied here (x [1, T, H], mask [T, T])."""
+    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    return attn.o_proj(_sdpa(q, k, v, cos, sin, mask, attn.num_heads, attn.num_kv_heads)[None])
+
+
+def _sdpa(q, k, v, cos, sin, mask, heads: int, kv_heads: int) -> torch.Tensor:
+    """Grouped-query attention of q [1, T, heads·d] over k, v [1, S, kv_heads·d] (cos, sin of the new
+    positions [T, d] and of all [S, d]) → [T, heads·d]."""
+    t, s, d = q.shape[1], k.shape[1], q.shape[-1] // heads
+    qh = _rope(q.view(t, heads, d).transpose(0, 1), cos[-t:], sin[-t:])
+    kh = _rope(k.view(s, kv_heads, d).transpose(0, 1), cos, sin)
+    vh = v.view(s, kv_heads, d).transpose(0, 1)
+    out = F.scaled_dot_product_attention(
+        qh[None], kh[None], vh[None], attn_mask=mask, enable_gqa=heads != kv_heads
+    )
+    return out[0].transpose(0, 1).reshape(t, heads * d)
+
+
+class Reference:
+    """EAGLE-3's draft head from the paper and the published layout, in plain float32 torch: s_t = fc(the
+    three features) for committed positions; at slot t, [norm_in(embed(x_{t+1})) ; norm_h(s_t)] through one
+    attention (q, k, v over 2H) added to s_t, then the MLP; its output normalised through lm_head drafts the
+    next token, and the output itself is the next step's s."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], config: dict, embedding: torch.Tensor) -> None:
+        self.w = {k: v.float() for k, v in tensors.items()}
+        self.config, self.embedding = config, embedding.float()
+        self.ids = torch.arange(config["draft_vocab_size"]) + tensors["d2t"]  # draft id → target id
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.eps = config["rms_norm_eps"]
+        self.heads, self.kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+        d = config["hidden_size"] // self.heads
+        self.inv = 1.0 / (
+            config.get("rope_theta", 10000.0) ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+        )
+
+    def step(self, tokens: list[int], states: torch.Tensor, start: int) -> torch.Tensor:
+        """Slots start.. with tokens x_{t+1} [T] and states s_t [T, H] (causal over all slots so far) → the
+        layer's outputs [T, H]."""
+        w, eps = self.w, self.eps
+        t = len(tokens)
+        emb = _rms(self.embedding[torch.tensor(tokens)], w["midlayer.input_layernorm.weight"], eps)
+        normed = _rms(states, w["midlayer.hidden_norm.weight"], eps)
+        x = torch.cat((emb, normed), -1)[None]  # [1, T, 2H]
+        self.keys.append(F.linear(x, w["midlayer.self_attn.k_proj.weight"]))
+        self.values.append(F.linear(x, w["midlayer.self_attn.v_proj.weight"]))
+        q = F.linear(x, w["midlayer.self_attn.q_proj.weight"])
+        angles = torch.arange(start + t)[:, None].float() * self.inv
+        cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+        mask = torch.ones(t, start + t, dtype=torch.bool).tril(diagonal=start)
+        k, v = torch.cat(self.keys, 1), torch.cat(self.values, 1)
+        attn = _sdpa(q, k, v, cos, sin, mask if t > 1 else None, self.heads, self.kv_heads)
+        h = states + F.linear(attn[None], w["midlayer.self_attn.o_proj.weight"])[0]
+        m = _rms(h, w["midlayer.post_attention_layernorm.weight"], eps)
+        gate, up = (
+            F.linear(m, w["midlayer.mlp.gate_proj.weight"]),
+            F.linear(m, w["midlayer.mlp.up_proj.weight"]),
+        )
+        return h + F.linear(F.silu(gate) * up, w["midlayer.mlp.down_proj.weight"])
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft logits [..., Vd] of layer outputs [..., H], in draft-id order."""
+        return F.linear(_rms(out, self.w["norm.weight"], self.eps), self.w["lm_head.weight"])
+
+    def greedy(
+        self, context: list[int], features: torch.Tensor, k: int
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """The greedy chain of k target ids after ``context`` (features [len - 1, 3H] of its positions) and
+        each step's draft logits."""
+        n = len(context) - 1
+        out = self.step(context[1:], F.linear(features, self.w["fc.weight"]), 0)[-1:]  # [1, H]
+        drafts, logits = [], []
+        for i in range(k):
+            logits.append(self.logits(out)[0])
+            drafts.append(int(self.ids[int(logits[-1].argmax())]))
+            if i < k - 1:
+                out = self.step(drafts[-1:], out, n + i)
+        return drafts, logits
+
+
+# ---------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def target() -> Llama:
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory) -> Path:
+    return write_head(tmp_path_factory.mktemp("head"))
+
+
+def test_taps_are_the_layers_inputs_and_change_nothing_else(tmp_path):
+    """The tapped states are the residual stream entering each layer (computed apart), after the final state,
+    which with the logits is bit for bit the untapped forward's, on the float path and the native kernels
+    (a forward in parts), alone and in a batch's rows."""
+    ids = [5, 9, 2, 33, 7, 1, 60, 12]
+    tokens, positions = torch.tensor([ids]), torch.arange(len(ids))[None]
+    for native in (False, True):
+        plain, tapped = tiny_target(native), tiny_target(native)
+        tapped.tap_layers([5, 2, 4])
+        a = plain.forward_hidden(tokens, positions, plain.new_cache())[0]
+        b = tapped.forward_hidden(tokens, positions, tapped.new_cache())[0]
+        assert b.shape == (len(ids), 4 * HIDDEN)
+        assert torch.equal(a, b[:, :HIDDEN]) and torch.equal(plain.logits(a), tapped.logits(b))
+        reference = reference_states(tiny_target(), ids, (2, 4, 5))
+        tolerance = {"rtol": 2e-2, "atol": 0.1} if native else {"atol": 1e-5}  # float16 weights natively
+        assert torch.allclose(b[:, HIDDEN:].float(), reference, **tolerance)
+        if native:  # a batch's rows: each row's states its own forward's
+            from verispec.models.base import RowInput
+
+            rows = tapped.new_cache_rows(2)
+            out = tapped.forward_rows(
+                [
+                    RowInput(rows[i], tokens[0, : 5 + i], positions[0, : 5 + i], None, True, True)
+                    for i in range(2)
+                ]
+            )
+            assert torch.equal(out[1][1], b[:6]) and torch.equal(out[0][1], b[:5])
+
+
+def test_taps_refused_in_one_line(target):
+    model = tiny_target()
+    with pytest.raises(UsageError, match=r"distinct integers in \[0, 8\)"):
+        model.tap_layers([2, 8, 4])
+    model.tap_layers([1, 2, 3])
+    with pytest.raises(UsageError, match="already returns the inputs of layers"):
+        model.tap_layers([2, 4, 5])
+
+
+def test_head_equals_the_reference_bit_for_bit(head_dir):
+    """The loaded head's forward, logits and chained greedy drafts == the reference's, bit for bit (bfloat16
+    weights read as float32), from features the target's taps give."""
+    model = tiny_target()
+    head = Eagle3Head.load(head_dir, model)
+    config = json.loads((head_dir / "config.json").read_text())
+    from safetensors.torch import load_file
+
+    tensors = load_file(head_dir / "model.safetensors")
+    assert head.aux_layers == (2, 4, 5) and model.taps == (2, 4, 5)
+    context = [3, 14, 15, 9, 2, 6, 53, 58, 9]
+    states = model.forward_hidden(
+        torch.tensor([context]), torch.arange(len(context))[None], model.new_cache()
+    )[0]
+    features = states[:-1, HIDDEN:]  # [n, 3H]: the committed positions' taps
+    assert torch.allclose(features, reference_states(model, context[:-1], (2, 4, 5)), rtol=1e-4, atol=1e-4)
+    ref = Reference(tensors, config, model.model.embed_tokens.weight)
+    want, want_logits = ref.greedy(context, features, 4)
+    # the head's own calls, shaped as the drafter makes them
+    cache = head.new_cache()
+    n = len(context) - 1
+    out = head(torch.tensor([context[1:]]), head.fuse(features)[None], torch.arange(n)[None], cache)[0]
+    assert torch.equal(
+        out,
+        Reference(tensors, config, model.model.embed_tokens.weight).step(
+            context[1:], F.linear(features, ref.w["fc.weight"]), 0
+        ),
+    )
+    order = torch.argsort(ref.ids)  # the head's draft vocabulary is ascending: the same order here
+    assert torch.equal(head.draft_vocab, ref.ids[order])
+    assert torch.equal(head.logits(out[-1:])[0], want_logits[0][order])
+    drafter = Eagle3Drafter(head, GREEDY)
+    drafter.begin(context)
+    drafter.observe_hidden(states[:-1])
+    assert drafter.propose(context, 4, torch.Generator()).tokens.tolist() == want
+
+
+def test_q_is_zero_outside_the_draft_vocabulary(target, head_dir):
+    """Sampled drafts: q is the sampling transform of the head's logits on the draft vocabulary and 0 on every
+    other target token (exact for rejection sampling: a token never drafted has q = 0, the residual gives it
+    its whole p)."""
+    model = tiny_target()
+    head = Eagle3Head.load(head_dir, model)
+    context = [3, 14, 15, 9, 2, 6]
+    sampling = SamplingParams(temperature=0.8, top_k=20)
+    states = model.forward_hidden(
+        torch.tensor([context]), torch.arange(len(context))[None], model.new_cache()
+    )[0]
+    drafter = Eagle3Drafter(head, sampling)
+    drafter.begin(context)
+    drafter.observe_hidden(states[:-1])
+    proposal = drafter.propose(context, 3, torch.Generator().manual_seed(0))
+    assert proposal.q is not None and proposal.q.shape == (3, VOCAB)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[head.draft_vocab] = False
+    assert (proposal.q[:, outside] == 0).all() and torch.allclose(proposal.q.sum(-1), torch.ones(3))
+    assert (proposal.q[torch.arange(3), proposal.tokens] > 0).all()
+    feature = drafter.catch_up(context)
+    assert feature is not None
+    first = probs_from_logits(head.logits(feature[0])[0], sampling)
+    assert torch.equal(proposal.q[0, head.draft_vocab], first)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_greedy_speculation_equals_plain_greedy(head_dir, native):
+    """Speculative greedy with the head == the target's own greedy, token for token (chains K = 1, 3 and a
+    tree), on the float path and the native kernels."""
+    tokenizer = LetterTokenizer(VOCAB)
+    plain = Speculator((tiny_target(native), tokenizer), drafter="none")
+    spec = Speculator((tiny_target(native), tokenizer), drafter="eagle3", drafter_path=str(head_dir))
+    accepted = 0
+    for prompt in PROMPTS:
+        want = plain.generate(prompt, k=0, max_new_tokens=24, sampling=GREEDY).token_ids
+        for k in (1, 3):
+            result = spec.generate(prompt, k=k, max_new_tokens=24, sampling=GREEDY)
+            assert result.token_ids == want, (prompt, k)
+            accepted += result.stats["accepted"]
+    assert accepted > 0  # the head's drafts are sometimes the target's
+
+
+def test_seeded_sampling_alone_equals_batched(head_dir):
+    """A seeded sampled run gives each prompt the same tokens alone and in a continuous batch (native
+    target: its rows scored together)."""
+    spec = Speculator(
+        (tiny_target(True), LetterTokenizer(VOCAB)), drafter="eagle3", drafter_path=str(head_dir)
+    )
+    sampling = SamplingParams(temperature=0.8)
+    seeds = list(range(len(PROMPTS)))
+    batch = spec.generate_batch(
+        list(PROMPTS), k=3, max_new_tokens=30, sampling=sampling, slots=3, seeds=seeds
+    )
+    for prompt, seed, result in zip(PROMPTS, seeds, batch, strict=True):
+        alone = spec.generate(prompt, k=3, max_new_tokens=30, sampling=sampling.with_seed(seed))
+        assert result.token_ids == alone.token_ids, prompt
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_transformers_targets(tmp_path, kind):
+    """Beside a Llama and a Qwen2 saved by transformers (layers read given in the config): speculative greedy
+    == plain greedy."""
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    hf = (
+        LlamaForCausalLM(HFLlamaConfig(**common))
+        if kind == "llama"
+        else Qwen2ForCausalLM(Qwen2Config(**common))
+    )
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0, 0.3)
+    hf.save_pretrained(tmp_path / "target")
+    config = head_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 3]})
+    head = write_head(tmp_path / "head", config)
+    model = Llama.from_pretrained(tmp_path / "target")
+    tokenizer = LetterTokenizer(VOCAB)
+    plain = Speculator((model, tokenizer), drafter="none")
+    want = {p: plain.generate(p, k=0, max_new_tokens=16, sampling=GREEDY).token_ids for p in PROMPTS[:3]}
+    spec = Speculator((model, tokenizer), drafter="eagle3", drafter_path=str(head / "model.safetensors"))
+    assert model.taps == (0, 1, 3)
+    for prompt in PROMPTS[:3]:
+        assert spec.generate(prompt, k=3, max_new_tokens=16, sampling=GREEDY).token_ids == want[prompt]
+
+
+def _broken(tmp_path: Path, name: str, config: dict | None = None, drop: str = "", **tensors) -> Path:
+    config = head_config() if config is None else config
+    written = head_tensors(config)
+    written.pop(drop, None)
+    written.update(tensors)
+    return write_head(tmp_path / name, config, written)
+
+
+def test_refusals_in_one_line(tmp_path):
+    """A head that does not fit the target, a file missing a tensor or of another layout: one UsageError
+    line each, before anything drafts."""
+    cases = {
+        "hidden": (_broken(tmp_path, "hidden", head_config(hidden_size=64)), "hidden_size is 64"),
+        "target_hidden": (
+            _broken(tmp_path, "th", head_config(target_hidden_size=48)),
+            "target_hidden_size is 48",
+        ),
+        "vocab": (_broken(tmp_path, "vocab", head_config(vocab_size=128)), "vocab_size is 128"),
+        "layers": (
+            _broken(tmp_path, "layers", head_config(eagle_aux_hidden_state_layer_ids=[2, 4, 8])),
+            "this target has 8 layers",
+        ),
+        "missing": (
+            _broken(tmp_path, "missing", drop="midlayer.hidden_norm.weight"),
+            "no tensor midlayer.hidden_norm",
+        ),
+        "shape": (
+            _broken(tmp_path, "shape", **{"fc.weight": torch.zeros(HIDDEN, 2 * HIDDEN)}),
+            r"fc.weight has shape \(32, 64\)",
+        ),
+        "d2t": (
+            _broken(tmp_path, "d2t", d2t=torch.full((DRAFT_VOCAB,), VOCAB)),
+            "d2t maps the draft vocabulary outside",
+        ),
+        "t2d": (_broken(tmp_path, "t2d", t2d=torch.ones(VOCAB, dtype=torch.bool)), "t2d does not mark"),
+    }
+    for name, (path, message) in cases.items():
+        with pytest.raises(UsageError, match=message) as err:
+            Eagle3Head.load(path, tiny_target())
+        assert "\n" not in str(err.value), name
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(UsageError, match="pytorch_model.bin is a pickle"):
+        Eagle3Head.load(tmp_path / "bin", tiny_target())
+    with pytest.raises(UsageError, match="no EAGLE-3 head"):
+        Eagle3Head.load(tmp_path / "nothing", tiny_target())
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    save_file(head_tensors(head_config()), str(lone / "weights.safetensors"))
+    with pytest.raises(UsageError, match="no config.json beside it"):
+        Eagle3Head.load(lone / "weights.safetensors", tiny_target())
+
+
+def test_registry_and_command_line(tmp_path, head_dir, capsys):
+    """One registry entry (listed with the drafters, learned, reading hidden states); a drafter file is
+    required before any model loads; the CLI's refusal of a head that does not fit is one line, exit 2."""
+    kind = DRAFTERS["eagle3"]
+    assert kind.learned and kind.reads_target_hidden and kind.published_class() is Eagle3Head
+    with pytest.raises(UsageError, match="reads a published head: give its file"):
+        check_choice(None, "eagle3")
+    story = Path(__file__).parent.parent.parent / "shared" / "models" / "stories260K" / "stories260K.bin"
+    if not story.exists():
+        pytest.skip("stories260K not present")
+    code = cli.main(
+        [
+            "generate",
+            "--target",
+            str(story),
+            "--tokenizer",
+            str(story.with_name("tok512.bin")),
+            "--drafter",
+            "eagle3",
+            "--drafter-path",
+            str(head_dir / "model.safetensors"),
+            "--max-new-tokens",
+            "4",
+            "Once",
+        ]
+    )
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("verispec: error:") and "hidden_size is 32" in err[0]
