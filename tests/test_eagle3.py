@@ -22,6 +22,7 @@ from verispec import cli
 from verispec.api import Speculator
 from verispec.drafting.learned.eagle3 import Eagle3Drafter, Eagle3Head
 from verispec.drafting.registry import DRAFTERS, check_choice
+from verispec.drafting.tree import TreeShape
 from verispec.errors import UsageError
 from verispec.models.llama import Llama, LlamaConfig
 from verispec.options import SamplingParams
@@ -373,6 +374,17 @@ def test_greedy_speculation_equals_plain_greedy(head_dir, native):
             assert result.token_ids == want, (prompt, k)
             accepted += result.stats["accepted"]
     assert accepted > 0  # the head's drafts are sometimes the target's
+
+
+def test_tree_greedy_equals_plain_greedy(head_dir):
+    """The head branched into a token tree (the eagle drafter's tree form): greedy == plain greedy."""
+    tokenizer = LetterTokenizer(VOCAB)
+    plain = Speculator((tiny_target(), tokenizer), drafter="none")
+    shape = TreeShape.from_paths([[0], [1], [0, 0], [0, 0, 0]], name="t")
+    spec = Speculator((tiny_target(), tokenizer), drafter="eagle3", drafter_path=str(head_dir), tree=shape)
+    for prompt in PROMPTS[:3]:
+        want = plain.generate(prompt, k=0, max_new_tokens=20, sampling=GREEDY).token_ids
+        assert spec.generate(prompt, max_new_tokens=20, sampling=GREEDY).token_ids == want, prompt
 
 
 def test_seeded_sampling_alone_equals_batched(head_dir):
