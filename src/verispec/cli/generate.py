@@ -138,9 +138,8 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UsageError("--max-batch sets how many requests of --batch FILE run at once: give --batch too")
     tools = tools_of(args)  # every argument checked before a model loads
     prompt = check_prompt(args.prompt if args.prompt is not None else _read_stdin())
-    options = GenerationOptions(
-        **{**option_fields(args), "chat": args.chat or tools is not None}, tools=tools
-    )
+    args.chat = args.chat or tools is not None  # --tools implies --chat
+    options = GenerationOptions(**option_fields(args), tools=tools)
     sampling = options.sampling
     if args.show_trace and args.json:
         raise UsageError("--show-trace and --json both write to standard output: choose one")
@@ -224,7 +223,7 @@ def _chat_hint(args: argparse.Namespace, speculator, stats: Mapping[str, Any]) -
 
     count = stats["new_tokens"]
     ended = stats["stop_reason"] == "eos" and count <= 2
-    if ended and not args.chat and args.tools is None and has_chat_template(speculator.tokenizer):
+    if ended and not args.chat and has_chat_template(speculator.tokenizer):
         tokens = f"{count} token{'s' if count != 1 else ''}"
         warn(
             f"the model ended at once, after {tokens}: it is an instruct model (it has a chat template), and "
