@@ -14,11 +14,12 @@ from verispec.cli.common import (
     suffix_fields,
     warn,
 )
+from verispec.errors import UsageError
 
 if TYPE_CHECKING:  # imported where a command runs (the CLI's import stays light)
     import socket
 
-    from verispec.server.config import ServerConfig
+    from verispec.server.config import RayDeployment, ServerConfig
 
 __all__ = ["SERVER_LIMITS", "add_serve_parser", "run_serve"]
 
@@ -71,7 +72,20 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--model-name", metavar="NAME", help="the model id clients name (default: the target's)"
     )
-    limits = parser.add_argument_group("limits (README: Serving; unset: ServerConfig's defaults)")
+    ray = parser.add_argument_group("more than one machine (docs/serve-ray.md)")
+    ray.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve on Ray Serve: --replicas servers behind its HTTP proxy, each request sent to the replica "
+        "holding its conversation's or tenant's caches",
+    )
+    ray.add_argument("--replicas", type=int, metavar="N", help="servers on Ray Serve, a model each (1)")
+    ray.add_argument(
+        "--address",
+        metavar="ADDRESS",
+        help="the Ray cluster to join (auto, or the head's HOST:PORT; default: a local Ray started here)",
+    )
+    limits = parser.add_argument_group("limits (docs/server.md; unset: ServerConfig's defaults)")
     for flag, kind, meta, text in (
         ("--max-connections", int, "N", "open connections; at the cap a new one closes an idle one (512)"),
         ("--keep-alive", float, "S", "seconds an idle keep-alive connection stays open (5)"),
@@ -103,21 +117,62 @@ def run_serve(args: argparse.Namespace) -> int:
         model_name=args.model_name,
         **{name: value for name in SERVER_LIMITS if (value := getattr(args, name)) is not None},
     )
+    deployment = _ray_deployment(args)
     config.check_models()
     with listen(args.host, args.port) as sock:  # closed whatever fails after it
-        return _serve(config, sock)
+        if deployment is None:
+            return _serve(config, sock)
+        host, port = sock.getsockname()[:2]  # a free port found: Ray Serve's proxy binds it
+    _warn_exposed(host, config)
+    from verispec.server.ray_serve import serve_on_ray  # loads Ray
+
+    return serve_on_ray(config, deployment, host, port)
 
 
-def _serve(config: ServerConfig, sock: socket.socket) -> int:
-    """``verispec serve`` of ``config`` on ``sock``: the server loaded, then run until interrupted."""
-    from verispec.server.app import Server, exposed, run  # loads torch and transformers
+RAY_REFUSED = (
+    "max_connections",
+    "header_timeout",
+)  # limits of the server's own uvicorn: not Ray Serve's proxy
 
-    host, port = sock.getsockname()[:2]
+
+def _ray_deployment(args: argparse.Namespace) -> RayDeployment | None:
+    """``--ray``'s deployment (None without it); UsageError for its flags without it, or with flags it
+    cannot honour."""
+    from verispec.server.config import RayDeployment
+
+    if not args.ray:
+        for flag in ("replicas", "address"):
+            if getattr(args, flag) is not None:
+                raise UsageError(f"--{flag} is a Ray Serve setting: give --ray too")
+        return None
+    for name in RAY_REFUSED:
+        if getattr(args, name) is not None:
+            raise UsageError(f"--{name.replace('_', '-')} bounds the single server's connections, not Ray "
+                             "Serve's proxy: not with --ray")  # fmt: skip
+    if args.suffix_cache is not None:
+        raise UsageError("--suffix-cache FILE: replicas keep their suffix caches in memory, not with --ray")
+    return RayDeployment(
+        replicas=1 if args.replicas is None else args.replicas, address=args.address, threads=args.threads
+    )
+
+
+def _warn_exposed(host: str, config: ServerConfig) -> None:
+    """The warning for a server reachable from other machines without an API key."""
+    from verispec.server.app import exposed  # loads torch
+
     if exposed(host) and config.api_key is None:
         warn(
             f"{host} is reachable from other machines and no --api-key is set: anyone who can reach it can "
             "generate (bind 127.0.0.1, or give --api-key)"
         )
+
+
+def _serve(config: ServerConfig, sock: socket.socket) -> int:
+    """``verispec serve`` of ``config`` on ``sock``: the server loaded, then run until interrupted."""
+    from verispec.server.app import Server, run  # loads torch and transformers
+
+    host, port = sock.getsockname()[:2]
+    _warn_exposed(host, config)
     server = Server(config)
     print(
         f"verispec: serving {server.name} (drafter {server.default.drafter_name}) on http://{host}:{port}/v1",

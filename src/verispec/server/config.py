@@ -14,11 +14,12 @@ from verispec.inputs import is_int
 from verispec.options import ModelChoice, parse_k
 from verispec.server.tenants import SuffixTenants
 
-__all__ = ["MAX_K", "ServerConfig", "listen"]
+__all__ = ["MAX_K", "MAX_REPLICAS", "RayDeployment", "ServerConfig", "listen"]
 
 # A request's k: more than a round scores is never drafted (engine.ROUND_TOKENS, whose module loads torch;
 # tested equal)
 MAX_K = 64
+MAX_REPLICAS = 1024  # replicas of one server on Ray Serve (beyond any cluster here)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +80,23 @@ class ServerConfig(ModelChoice):
         if self.model_name:
             return self.model_name
         return Path(self.target).stem if Path(self.target).suffix else self.target
+
+
+@dataclass(frozen=True, kw_only=True)
+class RayDeployment:
+    """``verispec serve --ray``: how many replicas of the server, on which Ray (``address``: a cluster's,
+    ``auto`` or HOST:PORT; None: a Ray started here), with how many threads each (None: the cluster's CPUs
+    shared out); validated with UsageError."""
+
+    replicas: int = 1
+    address: str | None = None
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not is_int(self.replicas) or not 1 <= self.replicas <= MAX_REPLICAS:
+            raise UsageError(f"--replicas must be an integer in [1, {MAX_REPLICAS}], got {self.replicas!r}")
+        if self.address is not None and not self.address.strip():
+            raise UsageError("--address is empty (auto, or the head's HOST:PORT)")
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -1,0 +1,215 @@
+"""``verispec serve --ray``: two replicas of stories260K (one thread each) on one local Ray, behind Ray
+Serve's proxy on a free loopback port, started once for the module (``ray_lock``: one local Ray at a time)
+and always shut down. The ``openai`` client against it: answers equal to ``verispec generate``'s (greedy,
+and sampled with a seed) whichever replica serves them; a session or a user back to its replica; /metrics
+of both, labelled; a replica killed while its requests run: they fail in one line, the rest succeed, and
+Ray Serve replaces it. Without Ray: the affinity keys, and the new flags refused before Ray or torch
+loads."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from verispec import cli
+from verispec.server.config import ServerConfig, listen
+
+TIMEOUT = 60  # seconds, for any one client call
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_lock, shared_model):
+    """(base URL, stories260K's directory): 2 replicas drafting ngram, 2 slots and a queue of 16 each."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed")
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'ray[serve]'")
+    from ray import serve
+
+    from verispec.server.config import RayDeployment
+    from verispec.server.ray_serve import deploy
+
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    config = ServerConfig(target=str(root / "stories260K.bin"), tokenizer=str(root / "tok512.bin"),
+                          drafter="ngram", k="4", max_batch=2, max_queue=16)  # fmt: skip
+    with ray_lock:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        try:
+            with listen("127.0.0.1", 0) as probe:
+                port = probe.getsockname()[1]
+            yield deploy(config, RayDeployment(replicas=2, threads=1), "127.0.0.1", port), root
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+
+
+def complete(url: str, session: str | None = None, **options) -> tuple[str, str]:
+    """(the replica that answered, the text) of a completion of stories260K."""
+    headers = {"X-Session-Id": session} if session else {}
+    raw = client(url).completions.with_raw_response.create(
+        model="stories260K", **{"prompt": PROMPT, "max_tokens": 24, **options}, extra_headers=headers
+    )
+    return raw.headers["x-verispec-replica"], raw.parse().choices[0].text
+
+
+@pytest.fixture(scope="module")
+def sessions(cluster):
+    """A session header that goes to each replica: replica id → session."""
+    url, _ = cluster
+    found: dict[str, str] = {}
+    for n in range(32):  # each session lands on either replica by its hash: 2**-31 to miss one
+        replica, _ = complete(url, f"s{n}", max_tokens=1)
+        found.setdefault(replica, f"s{n}")
+        if len(found) == 2:
+            return found
+    raise AssertionError(f"32 sessions all went to {set(found)}")
+
+
+def generated(root, capsys, *flags: str) -> str:
+    model = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
+    assert cli.main(["generate", PROMPT, "--json", "--max-new-tokens", "24", *model, *flags]) == 0
+    return json.loads(capsys.readouterr().out)["text"]
+
+
+def test_answers_equal_generate_whichever_replica_serves(cluster, sessions, capsys):
+    url, root = cluster
+    greedy = generated(root, capsys, "--drafter", "none")
+    sampled = generated(root, capsys, "--drafter", "none", "--temperature", "0.8", "--seed", "11")
+    assert greedy != sampled
+    for replica, session in sessions.items():
+        assert complete(url, session, temperature=0) == (replica, greedy)
+        assert complete(url, session, temperature=0.8, seed=11) == (replica, sampled)
+        raw = client(url).completions.with_raw_response.create(
+            model="stories260K", prompt=PROMPT, max_tokens=24, temperature=0.8, seed=11, stream=True,
+            extra_headers={"X-Session-Id": session},
+        )  # fmt: skip
+        assert raw.headers["x-verispec-replica"] == replica
+        assert "".join(chunk.choices[0].text for chunk in raw.parse()) == sampled
+
+
+def test_a_session_or_a_user_comes_back_to_its_replica(cluster, sessions):
+    url, _ = cluster
+    for replica, session in sessions.items():
+        for prompt in ("Tom had", "The sun", "Lily saw a"):
+            assert complete(url, session, prompt=prompt, max_tokens=2)[0] == replica
+    for user in ("ann", "bob"):
+        served = {complete(url, prompt=prompt, max_tokens=2, user=user)[0] for prompt in ("Tom", "Sue", "A")}
+        assert len(served) == 1
+
+
+def test_metrics_are_every_replica_s_labelled(cluster, sessions):
+    url, _ = cluster
+    for session in sessions.values():
+        complete(url, session, max_tokens=2)
+    with client(url)._client as http:  # the openai client's httpx: /metrics is outside /v1
+        page = http.get(f"{url}/metrics", timeout=TIMEOUT)
+    assert page.status_code == 200
+    families = {family.name: family for family in text_string_to_metric_families(page.text)}
+    served = {
+        s.labels["replica"] for s in families["verispec_requests"].samples if s.labels["status"] == "200"
+    }
+    assert served == set(sessions)
+
+
+def test_a_replica_killed_mid_run_fails_its_requests_cleanly(cluster, sessions):
+    """Streams and whole answers running on a replica that is killed end at once with one message (an error
+    event, a 503); the others' answers are whole; the next requests succeed, and Ray Serve starts a new
+    replica."""
+    import ray
+    from ray import serve
+
+    url, _ = cluster
+    victim, session = next(iter(sessions.items()))
+
+    streaming = threading.Event()  # a stream's first chunk has come: requests are running
+
+    def run(n: int) -> str:
+        options = dict(model="stories260K", prompt=f"{PROMPT} {n}", max_tokens=400, temperature=0)
+        headers = {"X-Session-Id": session}  # its replica's 2 slots, then the other's, then queued there
+        try:
+            if n % 2:
+                text = ""
+                for chunk in client(url).completions.create(**options, stream=True, extra_headers=headers):
+                    streaming.set()
+                    text += chunk.choices[0].text
+            else:
+                text = client(url).completions.create(**options, extra_headers=headers).choices[0].text
+        except openai.APIError as err:
+            assert "replica serving this request died" in err.message, err.message
+            assert getattr(err, "status_code", 503) == 503
+            return "failed"
+        assert text
+        return "whole"
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        runs = [pool.submit(run, n) for n in range(8)]
+        assert streaming.wait(TIMEOUT)
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::verispec#Replica#{victim}", namespace="serve"))
+        outcomes = [future.result(timeout=TIMEOUT) for future in runs]
+    assert "failed" in outcomes, outcomes
+    for n in range(4):
+        replica, text = complete(url, session, prompt=f"Tom {n}", max_tokens=4)
+        assert text and replica != victim
+    deadline = time.monotonic() + 120
+    while True:  # a new replica, its model loaded
+        deployment = serve.status().applications["verispec"].deployments["Replica"]
+        if deployment.replica_states.get("RUNNING") == 2:
+            break
+        assert time.monotonic() < deadline, deployment
+        time.sleep(1)
+
+
+def test_affinity_keys():
+    from verispec.server.ray_serve import affinity_key
+
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}
+    later = {"messages": [*chat["messages"], {"role": "assistant", "content": "Hello"}]}
+    body = lambda fields: json.dumps(fields).encode()  # noqa: E731
+    key = lambda headers, fields, tenanted=False: affinity_key(tenanted, headers, body(fields))  # noqa: E731
+    assert key({}, chat) == key({}, later)  # a conversation's next turn: its replica
+    assert key({}, chat) != key({}, {"messages": [{"role": "user", "content": "Hi"}]})
+    bearer = {"authorization": "Bearer alpha"}
+    assert key(bearer, chat, True) == key(bearer, {"prompt": "x"}, True) != key({}, chat)  # a tenant's
+    assert key(bearer, chat) == key({}, chat)  # no keys served: the client's key names nobody
+    assert key({}, {**chat, "user": "ann"}) == key({}, {"prompt": "x", "user": "ann"})
+    session = {"x-session-id": "s1"}
+    assert key(session, chat) == key(session, {"prompt": "y"}) != key({}, chat)
+    assert key({}, {"prompt": "a" * 600}) == key({}, {"prompt": "a" * 512 + "b" * 88})  # a prompt's start
+    assert key({}, {"prompt": [[1, 2, 3]]}) == key({}, {"prompt": [1, 2, 3]})
+    assert affinity_key(False, {}, b"{not json") is None and key({}, {"model": "m"}) is None
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--replicas", "2"], "--replicas is a Ray Serve setting: give --ray too"),
+        (["--address", "auto"], "--address is a Ray Serve setting: give --ray too"),
+        (["--ray", "--replicas", "0"], "--replicas must be an integer in [1, 1024], got 0"),
+        (["--ray", "--address", " "], "--address is empty"),
+        (["--ray", "--max-connections", "9"], "--max-connections bounds the single server's connections"),
+        (
+            ["--ray", "--drafter", "suffix", "--suffix-cache", "c.npz"],
+            "--suffix-cache FILE: replicas keep their suffix caches",
+        ),
+        (["--ray", "--max-batch", "0"], "max-batch must be an integer >= 1"),
+    ],
+)
+def test_ray_flags_refused_in_one_line_before_ray_loads(flags, message):
+    code = (
+        "import sys; from verispec import cli; rc = cli.main(['serve', '--port', '0', *sys.argv[1:]]); "
+        "assert not {'ray', 'torch'} & set(sys.modules), 'loaded'; sys.exit(rc)"
+    )
+    done = subprocess.run([sys.executable, "-c", code, *flags], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
