@@ -11,6 +11,12 @@ over its chunks), and the server's resident memory after its first request and a
 then stopped, and the engine runs the same number of requests at the same concurrency in this process
 (:mod:`verispec.bench.load`): the served tokens/s over that is what the HTTP layer costs.
 
+With ``replicas`` (``--replicas N``), the server is ``verispec serve --ray --replicas N`` (a local Ray
+started by it, each replica with ``threads`` threads): each client is a conversation of its own (its
+``X-Session-Id``), so that affinity sends it to one replica; the answers' replica ids are counted, and the
+memory sampled is the Ray driver's alone (the replicas are Ray's workers). Every run reports the share of
+prompt tokens whose keys and values a slot still held (``cached_tokens``), which affinity is to keep.
+
 A drafter with a cache shared across requests (``--drafter suffix``) is timed from the server's cache as the
 one request that readied it left it; ``suffix-warm`` serves ``suffix`` and runs every prompt once through the
 server before timing (and once through the engine before its run).
@@ -69,13 +75,15 @@ class ServeLoadConfig:
     seconds: float = 30.0
     max_tokens: int = 64
     disconnect_every: int = 10  # every N-th request hangs up after its first token (0: none does)
+    replicas: int = 0  # 0: verispec serve alone; N: verispec serve --ray --replicas N (docs/serve-ray.md)
+    threads: int | None = None  # each replica's threads, with replicas (None: the machine's CPUs shared out)
     engine: bool = True  # then the engine alone on the same work
     prompts: tuple[Prompt, ...] = ()  # default: the bench's task prompts
     out: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("clients", "max_tokens", "disconnect_every"):
-            value, low = getattr(self, name), 0 if name == "disconnect_every" else 1
+        for name in ("clients", "max_tokens", "disconnect_every", "replicas"):
+            value, low = getattr(self, name), 0 if name in ("disconnect_every", "replicas") else 1
             if not is_int(value) or value < low:
                 raise UsageError(f"{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
         seconds = self.seconds
@@ -93,6 +101,9 @@ class _Child:
                 "--max-queue", str(config.clients)]  # fmt: skip
         if config.tokenizer:
             argv += ["--tokenizer", config.tokenizer]
+        if config.replicas:
+            argv += ["--ray", "--replicas", str(config.replicas)]
+            argv += ["--threads", str(config.threads)] if config.threads else []
         # a session of its own: a Ctrl-C at the terminal interrupts this process, which stops the server
         # (stop), instead of stopping the server under the clients' feet
         self.process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -164,21 +175,35 @@ class _Tally:
     failures: int = 0
     disconnects: int = 0
     tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose keys and values a slot still held
     failure_examples: list[str] | None = None
 
 
+@dataclass
+class _Answer:
+    """One streamed request's outcome: "completed", "disconnected" or a failure's description."""
+
+    outcome: str
+    tokens: int = 0  # completion tokens
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    replica: str | None = None  # the replica that answered (X-Verispec-Replica), on Ray Serve
+
+
 def _one_request(
-    child: _Child, body: dict, hang_up: bool, ttft: list[float], itl: list[float]
-) -> tuple[str, int]:
-    """("completed" | "disconnected" | a failure's description, completion tokens) of one streamed request."""
+    child: _Child, body: dict, hang_up: bool, ttft: list[float], itl: list[float], session: str | None = None
+) -> _Answer:
+    """One streamed request (``session``: its X-Session-Id)."""
     connection = child.connection()
     start = time.perf_counter()
     try:
         path, headers = body.pop("_path"), {"content-type": "application/json"}
-        connection.request("POST", path, body=json.dumps(body), headers=headers)
+        connection.request("POST", path, body=json.dumps(body), headers=headers | _session(session))
         response = connection.getresponse()
         if response.status != 200:
-            return f"status {response.status}: {response.read()[:200]!r}", 0
+            return _Answer(f"status {response.status}: {response.read()[:200]!r}")
+        answer = _Answer("completed", replica=response.getheader("x-verispec-replica"))
         arrivals, tokens, done = [], 0, False
         while line := response.readline():
             if not line.startswith(b"data: "):
@@ -190,44 +215,59 @@ def _one_request(
             event = json.loads(data)
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
+                answer.prompt_tokens = event["usage"]["prompt_tokens"]
+                answer.cached_tokens = event["usage"]["prompt_tokens_details"]["cached_tokens"]
             choice = event["choices"][0] if event.get("choices") else {}
             if choice.get("text") or (choice.get("delta") or {}).get("content"):
                 arrivals.append(time.perf_counter())
                 if hang_up:
-                    return "disconnected", 0
+                    return _Answer("disconnected")
         if not done:
-            return "the stream ended without [DONE]", 0
+            return _Answer("the stream ended without [DONE]")
         if arrivals:
             ttft.append(arrivals[0] - start)
             per_chunk = max(1.0, tokens / len(arrivals))
             for before, after in zip(arrivals, arrivals[1:], strict=False):
                 itl.extend([(after - before) / per_chunk] * round(per_chunk))
-        return "completed", tokens
+        answer.tokens = tokens
+        return answer
     except (OSError, http.client.HTTPException, json.JSONDecodeError, KeyError) as err:
-        return f"{type(err).__name__}: {err}", 0
+        return _Answer(f"{type(err).__name__}: {err}")
     finally:
         connection.close()
+
+
+def _session(session: str | None) -> dict[str, str]:
+    return {} if session is None else {"x-session-id": session}
 
 
 def _load(child: _Child, config: ServeLoadConfig, prompts: Sequence[Prompt], chat: bool) -> dict:
     tally, lock = _Tally(failure_examples=[]), threading.Lock()
     ttft: list[float] = []
     itl: list[float] = []
-    counter = iter(range(1 << 62))
+    counter, clients = iter(range(1 << 62)), iter(range(1 << 62))
+    replicas: dict[str, int] = {}  # a replica's id → requests it answered
     deadline = time.perf_counter() + config.seconds
 
     def client() -> None:
+        with lock:
+            session = f"client-{next(clients)}" if config.replicas else None  # a conversation each
         while time.perf_counter() < deadline and child.running:
             with lock:
                 index = next(counter)
             body = _body(child, prompts[index % len(prompts)], chat, config)
             every = config.disconnect_every
             hang_up = every > 0 and index % every == every - 1
-            outcome, tokens = _one_request(child, body, hang_up, ttft, itl)
+            answer = _one_request(child, body, hang_up, ttft, itl, session)
+            outcome = answer.outcome
             with lock:
+                if answer.replica is not None:
+                    replicas[answer.replica] = replicas.get(answer.replica, 0) + 1
                 if outcome == "completed":
                     tally.completed += 1
-                    tally.tokens += tokens
+                    tally.tokens += answer.tokens
+                    tally.prompt_tokens += answer.prompt_tokens
+                    tally.cached_tokens += answer.cached_tokens
                 elif outcome == "disconnected":
                     tally.disconnects += 1
                 else:
@@ -263,6 +303,8 @@ def _load(child: _Child, config: ServeLoadConfig, prompts: Sequence[Prompt], cha
         "tokens": tally.tokens,
         "seconds": seconds,
         "tokens_per_second": tally.tokens / seconds,
+        "cached_prompt_share": tally.cached_tokens / max(1, tally.prompt_tokens),
+        "replicas": dict(sorted(replicas.items())),
         "ttft_p50": _percentile(ttft, 0.5),
         "ttft_p99": _percentile(ttft, 0.99),
         "itl_p50": _percentile(itl, 0.5),
@@ -293,8 +335,8 @@ def run_serve_load(config: ServeLoadConfig, progress: bool = True) -> dict:
     child = _Child(config)
     try:
         warm = _one_request(child, _body(child, prompts[0], chat, config), False, [], [])
-        if warm[0] != "completed":
-            raise UsageError(f"the server's first request failed: {warm[0]}")
+        if warm.outcome != "completed":
+            raise UsageError(f"the server's first request failed: {warm.outcome}")
         if config.drafter.endswith(WARM):  # every prompt once through the server's cache, untimed
             with ThreadPoolExecutor(config.clients) as pool:
                 list(
@@ -319,7 +361,8 @@ def run_serve_load(config: ServeLoadConfig, progress: bool = True) -> dict:
     result = {
         "config": {"target": config.target, "drafter": config.drafter, "k": config.k,
                    "clients": config.clients, "seconds": config.seconds, "max_tokens": config.max_tokens,
-                   "disconnect_every": config.disconnect_every},
+                   "disconnect_every": config.disconnect_every, "replicas": config.replicas,
+                   "threads": config.threads},
         "served": {**measured, "disconnects_freed": freed, "rss_start_mib": rss_start, "rss_end_mib": rss_end,
                    "rss_growth": rss_end / rss_start - 1,
                    "rss_growth_warm": rss_end / measured["rss_warm_mib"] - 1},
@@ -374,6 +417,13 @@ def write_serve_report(result: Mapping, out: str | Path) -> Path:
         f"{s['rss_growth_warm']:+.1%} from warm ({_WARM_UP:.0%} into the run, all clients at work) "
         "to the end.",
     ]
+    lines += ["", f"Prompt tokens whose keys and values a slot still held: {s['cached_prompt_share']:.1%}."]
+    if s["replicas"]:
+        counts = ", ".join(f"{replica} {n}" for replica, n in s["replicas"].items())
+        lines += [
+            "",
+            f"Requests per replica (Ray Serve): {counts}; the memory above is the Ray driver's alone.",
+        ]
     if "engine" in result:
         e = result["engine"]
         lines += ["", f"The engine alone on the same work: {e['tokens_per_second']:.1f} tok/s; "

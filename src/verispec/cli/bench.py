@@ -242,6 +242,14 @@ def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--disconnect-every", type=int, default=10, metavar="N", help="every N-th request hangs up (0: none)"
     )
     parser.add_argument("--no-engine", action="store_true", help="skip the engine-alone comparison")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        metavar="N",
+        help="serve with --ray --replicas N (a local Ray; --threads: each replica's), each client a session "
+        "(docs/serve-ray.md; default 0: the server alone)",
+    )
     add_threads_argument(parser)
     parser.add_argument("--out", metavar="DIR", help="output directory (default: results/bench-serve-STAMP)")
     parser.set_defaults(func=run_bench_serve)
@@ -264,6 +272,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         seconds=args.seconds,
         max_tokens=args.max_tokens,
         disconnect_every=args.disconnect_every,
+        replicas=args.replicas,
+        threads=args.threads if args.replicas else None,
         engine=not args.no_engine,
         out=args.out or f"results/bench-serve-{stamp}",
     )

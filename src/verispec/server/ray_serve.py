@@ -405,8 +405,8 @@ def serve_on_ray(config: ServerConfig, deployment: RayDeployment, host: str, por
     started = connect(deployment.address)
     try:
         url = deploy(config, deployment, host, port)
-        print(f"verispec: serving {config.served_name} on {deployment.replicas} replicas at {url}/v1 "
-              "(Ray Serve)", file=sys.stderr, flush=True)  # fmt: skip
+        replicas = f"{deployment.replicas} replica{'s' if deployment.replicas > 1 else ''} on Ray Serve"
+        print(f"verispec: serving {config.served_name} ({replicas}) on {url}/v1", file=sys.stderr, flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
