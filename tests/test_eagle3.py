@@ -122,9 +122,11 @@ def head_tensors(config: dict, seed: int = 0, dtype: torch.dtype = torch.bfloat1
 def write_head(
     directory: Path, config: dict | None = None, tensors: dict | None = None, seed: int = 0
 ) -> Path:
-    """A head directory as published: config.json and model.safetensors."""
+    """A head directory as published: config.json and model.safetensors (random EAGLE-3 tensors or, for an
+    EAGLE-1/2 config, EAGLE-1/2 ones, unless given)."""
     config = head_config() if config is None else config
-    tensors = head_tensors(config, seed) if tensors is None else tensors
+    if tensors is None:
+        tensors = head_tensors(config, seed) if "draft_vocab_size" in config else eagle2_tensors(config, seed)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(directory / "model.safetensors"))
@@ -483,7 +485,7 @@ def test_refusals_in_one_line(tmp_path):
     (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(UsageError, match="pytorch_model.bin is a pickle"):
         Eagle3Head.load(tmp_path / "bin", tiny_target())
-    with pytest.raises(UsageError, match="no EAGLE-3 head"):
+    with pytest.raises(UsageError, match="no published head"):
         Eagle3Head.load(tmp_path / "nothing", tiny_target())
     lone = tmp_path / "lone"
     lone.mkdir()
@@ -521,3 +523,158 @@ def test_registry_and_command_line(tmp_path, head_dir, capsys):
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("verispec: error:") and "hidden_size is 32" in err[0]
+
+
+# ---------------------------------------------------------------- EAGLE-1/2 heads (fc [H, 2H], layers.{i}.*)
+
+
+def eagle2_config(**changes) -> dict:
+    """A published EAGLE-1/2 head's config.json for the tiny targets (two layers: layer 0's missing norm and
+    a plain one)."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": 48,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+        "torch_dtype": "float16",
+    }
+    return {**config, **changes}
+
+
+def eagle2_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random float16 tensors of the EAGLE-1/2 layout for ``config``."""
+    g = torch.Generator().manual_seed(seed)
+    h, inter, d = HIDDEN, config["intermediate_size"], HIDDEN // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * d
+    shapes = {"fc.weight": (h, 2 * h)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        shapes |= {f"{p}self_attn.q_proj.weight": (h, h), f"{p}self_attn.k_proj.weight": (kv, h)}
+        shapes |= {f"{p}self_attn.v_proj.weight": (kv, h), f"{p}self_attn.o_proj.weight": (h, h)}
+        shapes |= {f"{p}mlp.gate_proj.weight": (inter, h), f"{p}mlp.up_proj.weight": (inter, h)}
+        shapes[f"{p}mlp.down_proj.weight"] = (h, inter)
+    tensors = {n: (torch.randn(s, generator=g) * 2 / math.sqrt(s[1])).half() for n, s in shapes.items()}
+    if config.get("bias", True):
+        tensors["fc.bias"] = (0.1 * torch.randn(h, generator=g)).half()
+    for i in range(config["num_hidden_layers"]):
+        norms = ["post_attention_layernorm"] + (["input_layernorm"] if i else [])  # layer 0: none before it
+        for norm in norms:
+            tensors[f"layers.{i}.{norm}.weight"] = (1 + 0.1 * torch.randn(h, generator=g)).half()
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def eagle2_dir(tmp_path_factory) -> Path:
+    config = eagle2_config()
+    return write_head(tmp_path_factory.mktemp("eagle2"), config, eagle2_tensors(config))
+
+
+def reference_eagle2(
+    tensors: dict, config: dict, target: Llama, context: list[int], k: int
+) -> tuple[list[int], torch.Tensor]:
+    """EAGLE-1's greedy chain written from the paper and the authors' layout: f̂ = layers(fc([embed(x) ; f]))
+    (layer 0 without its input norm, no final norm), the draft the argmax of the target's head on f̂, fed back
+    as the next step's feature. Returns the drafts and the f̂ over the context [len - 1, H]."""
+    w = {n: t.float() for n, t in tensors.items()}
+    heads, kv_heads, eps = (
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["rms_norm_eps"],
+    )
+    d = HIDDEN // heads
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    embedding = target.model.embed_tokens.weight.float()
+    layers = config["num_hidden_layers"]
+    keys: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+    values: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+
+    def forward(tokens: list[int], features: torch.Tensor, start: int) -> torch.Tensor:
+        t = len(tokens)
+        h = F.linear(torch.cat((embedding[torch.tensor(tokens)], features), -1), w["fc.weight"], w["fc.bias"])
+        angles = torch.arange(start + t)[:, None].float() * inv
+        cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+        mask = torch.ones(t, start + t, dtype=torch.bool).tril(diagonal=start) if t > 1 else None
+        for i in range(layers):
+            p = f"layers.{i}."
+            x = (h if i == 0 else _rms(h, w[f"{p}input_layernorm.weight"], eps))[None]
+            keys[i].append(F.linear(x, w[f"{p}self_attn.k_proj.weight"]))
+            values[i].append(F.linear(x, w[f"{p}self_attn.v_proj.weight"]))
+            q = F.linear(x, w[f"{p}self_attn.q_proj.weight"])
+            attn = _sdpa(q, torch.cat(keys[i], 1), torch.cat(values[i], 1), cos, sin, mask, heads, kv_heads)
+            h = h + F.linear(attn[None], w[f"{p}self_attn.o_proj.weight"])[0]
+            m = _rms(h, w[f"{p}post_attention_layernorm.weight"], eps)
+            gate, up = F.linear(m, w[f"{p}mlp.gate_proj.weight"]), F.linear(m, w[f"{p}mlp.up_proj.weight"])
+            h = h + F.linear(F.silu(gate) * up, w[f"{p}mlp.down_proj.weight"])
+        return h
+
+    n = len(context) - 1
+    final = target.forward_hidden(torch.tensor([context]), torch.arange(n + 1)[None], target.new_cache())[0]
+    first = forward(context[1:], final[:-1].float(), 0)
+    out, drafts = first[-1:], []
+    for i in range(k):
+        drafts.append(int(F.linear(out, embedding).argmax()))  # the tied target's head
+        if i < k - 1:
+            out = forward(drafts[-1:], out, n + i)
+    return drafts, first
+
+
+def test_eagle2_head_equals_the_reference(eagle2_dir):
+    """A published EAGLE-1/2 head (two layers, fc with its bias, float16): the drafter's greedy chain == the
+    reference's, and its f̂ over the context == the reference's, bit for bit."""
+    from safetensors.torch import load_file
+
+    from verispec.drafting.learned.eagle2 import Eagle2Drafter, Eagle2Head
+
+    model = tiny_target()
+    head = Eagle2Head.load(eagle2_dir, model)
+    assert model.taps == () and head.draft_vocab_size == VOCAB
+    config = json.loads((eagle2_dir / "config.json").read_text())
+    tensors = load_file(eagle2_dir / "model.safetensors")
+    for context in ([3, 14, 15, 9, 2, 6, 53, 58, 9], [7, 7, 1]):
+        want, first = reference_eagle2(tensors, config, model, context, 4)
+        n = len(context)
+        final = model.forward_hidden(torch.tensor([context]), torch.arange(n)[None], model.new_cache())[0]
+        out = head(torch.tensor([context[1:]]), final[None, :-1], torch.arange(n - 1)[None], head.new_cache())
+        assert torch.equal(out[0], first)
+        drafter = Eagle2Drafter(head, GREEDY)
+        drafter.begin(context)
+        drafter.observe_hidden(
+            model.forward_hidden(torch.tensor([context]), torch.arange(n)[None], model.new_cache())[0][:-1]
+        )
+        assert drafter.propose(context, 4, torch.Generator()).tokens.tolist() == want, context
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_eagle2_greedy_equals_plain_greedy(eagle2_dir, native):
+    tokenizer = LetterTokenizer(VOCAB)
+    plain = Speculator((tiny_target(native), tokenizer), drafter="none")
+    spec = Speculator((tiny_target(native), tokenizer), drafter="eagle2", drafter_path=str(eagle2_dir))
+    for prompt in PROMPTS[:3]:
+        want = plain.generate(prompt, k=0, max_new_tokens=20, sampling=GREEDY).token_ids
+        assert spec.generate(prompt, k=3, max_new_tokens=20, sampling=GREEDY).token_ids == want, prompt
+
+
+def test_eagle2_refusals_in_one_line(tmp_path, head_dir):
+    from verispec.drafting.learned.eagle2 import Eagle2Head
+
+    config = eagle2_config()
+    extra = {**eagle2_tensors(config), "layers.0.input_layernorm.weight": torch.ones(HIDDEN).half()}
+    no_bias = eagle2_tensors(config)
+    del no_bias["fc.bias"]
+    cases = {
+        "eagle3": (head_dir, "no tensor fc.bias .*--drafter eagle3"),
+        "extra": (write_head(tmp_path / "extra", config, extra), "holds layers.0.input_layernorm.weight"),
+        "bias": (write_head(tmp_path / "bias", config, no_bias), "no tensor fc.bias"),
+        "hidden": (write_head(tmp_path / "h", eagle2_config(hidden_size=64)), "hidden_size is 64"),
+        "layers": (write_head(tmp_path / "l", eagle2_config(num_hidden_layers=0)), "num_hidden_layers 0"),
+    }
+    for name, (path, message) in cases.items():
+        with pytest.raises(UsageError, match=message) as err:
+            Eagle2Head.load(path, tiny_target())
+        assert "\n" not in str(err.value), name
+    assert Eagle2Head.load(write_head(tmp_path / "nb", eagle2_config(bias=False), None), tiny_target())

@@ -315,6 +315,13 @@ def _eagle3_chain(inputs: DraftInputs) -> Drafter:
     return Eagle3Drafter(inputs.need_head("eagle3", Eagle3Head), inputs.sampling)
 
 
+def _eagle2_chain(inputs: DraftInputs) -> Drafter:
+    """A published EAGLE-1/2 head, reading the target's final hidden states."""
+    from verispec.drafting.learned.eagle2 import Eagle2Drafter, Eagle2Head
+
+    return Eagle2Drafter(inputs.need_head("eagle2", Eagle2Head), inputs.sampling)
+
+
 def _medusa_chain(inputs: DraftInputs) -> Drafter:
     """Every Medusa head in one forward."""
     from verispec.drafting.learned.medusa import MedusaDrafter, MedusaHeads
@@ -399,6 +406,16 @@ DRAFTERS: dict[str, DrafterKind] = {
             _eagle3_chain,
             _eagle_tree,
             published="verispec.drafting.learned.eagle3.Eagle3Head",
+            dynamic_trees=True,
+            reads_target_hidden=True,
+        ),
+        DrafterKind(
+            "eagle2",
+            "an EAGLE-1/2 head as its authors publish it (--drafter-path its model.safetensors), reading the "
+            "target's last hidden state",
+            _eagle2_chain,
+            _eagle_tree,
+            published="verispec.drafting.learned.eagle2.Eagle2Head",
             dynamic_trees=True,
             reads_target_hidden=True,
         ),

@@ -62,7 +62,15 @@ from verispec.models.llama import (
 )
 from verispec.options import SamplingParams
 
-__all__ = ["Eagle3Config", "Eagle3Drafter", "Eagle3Head", "published_files"]
+__all__ = [
+    "Eagle3Config",
+    "Eagle3Drafter",
+    "Eagle3Head",
+    "check_layout",
+    "layer_config",
+    "published_files",
+    "read_published",
+]
 
 WEIGHTS = "model.safetensors"  # the weights' file in a published head's directory
 _MAPPING = ("d2t", "t2d", "embed_tokens.weight")  # tensors beside the head's modules
@@ -80,14 +88,14 @@ def published_files(path: str | Path) -> tuple[Path, Path]:
             "(safetensors.torch.save_file of its state dict) and give that"
         )
     if not weights.is_file():
-        raise UsageError(f"no EAGLE-3 head at {path}: give its model.safetensors (config.json beside it)")
+        raise UsageError(f"no published head at {path}: give its model.safetensors (config.json beside it)")
     config = weights.parent / "config.json"
     if not config.is_file():
         raise UsageError(f"{weights}: no config.json beside it (the head's published config)")
     return weights, config
 
 
-def _read(path: str | Path) -> tuple[Path, dict[str, Any], dict[str, Tensor]]:
+def read_published(path: str | Path) -> tuple[Path, dict[str, Any], dict[str, Tensor]]:
     """(the weights' path, the config, the tensors) of a published head (:func:`published_files`)."""
     from safetensors import SafetensorError, safe_open
 
@@ -107,6 +115,52 @@ def _read(path: str | Path) -> tuple[Path, dict[str, Any], dict[str, Tensor]]:
     return weights, config, tensors
 
 
+def layer_config(config: dict[str, Any], target: Llama, where: Path, layers: int) -> LlamaConfig:
+    """The decoder layers' config of a published head (its config.json ``config``; ``layers`` of them) beside
+    ``target``: its heads, widths, epsilon and RoPE, the target's context. UsageError, one line, for a
+    hidden size (or ``target_hidden_size``) or vocabulary other than the target's, or a config not of a Llama
+    layer."""
+    hidden = target.config.hidden_size
+    for key in ("hidden_size", "target_hidden_size"):
+        if key in config and config[key] != hidden:
+            raise UsageError(
+                f"{where}: the head's {key} is {config[key]!r}, the target's hidden size {hidden}"
+            )
+    if config.get("vocab_size") != target.vocab_size:
+        raise UsageError(
+            f"{where}: the head's vocab_size is {config.get('vocab_size')!r}, the target's vocabulary "
+            f"{target.vocab_size}"
+        )
+    own = {**config, "model_type": "llama", "architectures": [], "num_hidden_layers": layers}
+    try:
+        layer = LlamaConfig.from_hf_config(own)
+    except (UsageError, TypeError, ValueError) as err:
+        raise UsageError(f"{where}: {err}") from None
+    return dataclasses.replace(layer, max_position_embeddings=target.max_context, sliding_window=None)
+
+
+def check_layout(
+    tensors: dict[str, Tensor],
+    shapes: dict[str, tuple[int, ...]],
+    optional: dict[str, tuple[int, ...]],
+    where: Path,
+    layout: str,
+    hint: str = "",
+) -> None:
+    """UsageError naming the first tensor of ``layout`` (required ``shapes``, ``optional`` ones) missing from
+    ``tensors`` (with ``hint``), not of it, or of another shape."""
+    missing = sorted(set(shapes) - set(tensors))
+    if missing:
+        raise UsageError(f"{where} has no tensor {missing[0]}{hint}: not the published {layout} layout")
+    unknown = sorted(set(tensors) - set(shapes) - set(optional))
+    if unknown:
+        raise UsageError(f"{where} holds {unknown[0]}, not a tensor of the published {layout} layout")
+    for name, tensor in tensors.items():
+        shape = shapes.get(name, optional.get(name))
+        if tuple(tensor.shape) != shape:
+            raise UsageError(f"{where}: {name} has shape {tuple(tensor.shape)}, {shape} beside this target")
+
+
 @dataclasses.dataclass(frozen=True)
 class Eagle3Config:
     """A published head's config as it fits a target: its decoder layer's (a one-layer
@@ -123,21 +177,11 @@ class Eagle3Config:
     def of(cls, config: dict[str, Any], target: Llama, where: Path) -> Eagle3Config:
         """The config.json ``config`` of the head at ``where`` beside ``target``; UsageError, one line, where
         it does not fit (hidden size, vocabulary, layers past the target's)."""
-        t = target.config
-        for key in ("hidden_size", "target_hidden_size"):
-            if key in config and config[key] != t.hidden_size:
-                raise UsageError(
-                    f"{where}: the head's {key} is {config[key]!r}, the target's hidden size {t.hidden_size}"
-                )
-        if config.get("vocab_size") != target.vocab_size:
-            raise UsageError(
-                f"{where}: the head's vocab_size is {config.get('vocab_size')!r}, the target's vocabulary "
-                f"{target.vocab_size}"
-            )
+        layer = layer_config(config, target, where, 1)
         nested = config.get("eagle_config")
         eagle: dict[str, Any] = nested if isinstance(nested, dict) else {}
         ids = config.get("eagle_aux_hidden_state_layer_ids", eagle.get("eagle_aux_hidden_state_layer_ids"))
-        n = t.num_layers
+        n = target.config.num_layers
         ids = (2, n // 2, n - 3) if ids is None else ids
         if (
             not isinstance(ids, list | tuple)
@@ -152,12 +196,6 @@ class Eagle3Config:
         draft = config.get("draft_vocab_size", target.vocab_size)
         if not is_int(draft) or not 0 < draft <= target.vocab_size:
             raise UsageError(f"{where}: draft_vocab_size {draft!r} is not in [1, {target.vocab_size}]")
-        own = {**config, "model_type": "llama", "architectures": [], "num_hidden_layers": 1}
-        try:
-            layer = LlamaConfig.from_hf_config(own)
-        except (UsageError, TypeError, ValueError) as err:
-            raise UsageError(f"{where}: {err}") from None
-        layer = dataclasses.replace(layer, max_position_embeddings=target.max_context, sliding_window=None)
         return cls(layer, draft, tuple(sorted(ids)), bool(config.get("norm_before_residual", False)))
 
 
@@ -221,7 +259,7 @@ class Eagle3Head(EagleHead):
         safetensors file) for ``target``, which from then on returns the inputs of the layers the head reads
         (:meth:`~verispec.models.llama.Llama.tap_layers`); ``fast`` is ignored (float32 torch). UsageError,
         one line, for a head that does not fit the target or misses a tensor."""
-        weights, config, tensors = _read(path)
+        weights, config, tensors = read_published(path)
         model = native_target(target)
         return cls(model, Eagle3Config.of(config, model, weights), tensors, weights)
 
@@ -285,25 +323,9 @@ def _check_tensors(tensors: dict[str, Tensor], config: Eagle3Config, target: Lla
     optional = {"d2t": (config.draft_vocab_size,), "t2d": (vocab,), "embed_tokens.weight": (vocab, h)}
     if config.draft_vocab_size < vocab:
         shapes["d2t"] = optional["d2t"]
-    missing = sorted(set(shapes) - set(tensors))
-    if missing:
-        first = missing[0]
-        hint = (
-            " (an EAGLE-1/2 head's layers.0.*: not an EAGLE-3 head)"
-            if "layers.0.self_attn.q_proj.weight" in tensors
-            else ""
-        )
-        raise UsageError(f"{where} has no tensor {first}{hint}: not the published EAGLE-3 layout")
-    unknown = sorted(set(tensors) - set(shapes) - set(optional))
-    if unknown:
-        raise UsageError(f"{where} holds {unknown[0]}, not a tensor of the published EAGLE-3 layout")
-    for name, tensor in tensors.items():
-        shape = shapes.get(name, optional.get(name))
-        if tuple(tensor.shape) != shape:
-            raise UsageError(
-                f"{where}: {name} has shape {tuple(tensor.shape)}, {shape} beside this target (hidden "
-                f"{h}, vocabulary {vocab}, draft vocabulary {config.draft_vocab_size})"
-            )
+    other = "layers.0.self_attn.q_proj.weight" in tensors
+    hint = " (an EAGLE-1/2 head's layers.0.*: --drafter eagle2)" if other else ""
+    check_layout(tensors, shapes, optional, where, "EAGLE-3", hint)
 
 
 def _draft_vocabulary(
