@@ -496,7 +496,8 @@ def test_refusals_in_one_line(tmp_path):
 
 def test_registry_and_command_line(tmp_path, head_dir, capsys):
     """One registry entry (listed with the drafters, learned, reading hidden states); a drafter file is
-    required before any model loads; the CLI's refusal of a head that does not fit is one line, exit 2."""
+    required before any model loads; the CLI takes the head's file or its directory, and refuses a head that
+    does not fit in one line, exit 2."""
     kind = DRAFTERS["eagle3"]
     assert kind.learned and kind.reads_target_hidden and kind.published_class() is Eagle3Head
     with pytest.raises(UsageError, match="reads a published head: give its file"):
@@ -504,25 +505,14 @@ def test_registry_and_command_line(tmp_path, head_dir, capsys):
     story = Path(__file__).parent.parent.parent / "shared" / "models" / "stories260K" / "stories260K.bin"
     if not story.exists():
         pytest.skip("stories260K not present")
-    code = cli.main(
-        [
-            "generate",
-            "--target",
-            str(story),
-            "--tokenizer",
-            str(story.with_name("tok512.bin")),
-            "--drafter",
-            "eagle3",
-            "--drafter-path",
-            str(head_dir / "model.safetensors"),
-            "--max-new-tokens",
-            "4",
-            "Once",
-        ]
-    )
-    assert code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("verispec: error:") and "hidden_size is 32" in err[0]
+    common = ["generate", "--target", str(story), "--tokenizer", str(story.with_name("tok512.bin"))]
+    common += ["--max-new-tokens", "4", "Once"]
+    for path in (head_dir / "model.safetensors", head_dir):  # the file, or the directory as downloaded
+        assert cli.main([*common, "--drafter", "eagle3", "--drafter-path", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("verispec: error:") and "hidden_size is 32" in err[0]
+    assert cli.main([*common, "--drafter", "eagle", "--drafter-path", str(head_dir)]) == 2  # a file only
+    assert "no such drafter file" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- EAGLE-1/2 heads (fc [H, 2H], layers.{i}.*)

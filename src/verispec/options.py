@@ -315,7 +315,7 @@ class ModelChoice:
         with its own tokenizer (else the target's), a drafter file that is not there."""
         from pathlib import Path
 
-        from verispec.drafting.registry import early_exit_layers, self_draft
+        from verispec.drafting.registry import DRAFTERS, early_exit_layers, self_draft
         from verispec.models.names import check_spec
 
         if target:
@@ -328,7 +328,9 @@ class ModelChoice:
             if self.draft_tokenizer is not None:
                 check_spec(self.draft_tokenizer, model=False)
         if self.drafter_path is not None and not Path(self.drafter_path).expanduser().is_file():
-            raise UsageError(f"no such drafter file: {self.drafter_path}")
+            published = self.drafter in DRAFTERS and DRAFTERS[self.drafter].published  # its directory too
+            if not (published and Path(self.drafter_path).expanduser().is_dir()):
+                raise UsageError(f"no such drafter file: {self.drafter_path}")
 
     def speculator(
         self, loaded: tuple[LanguageModel, Tokenizer] | None = None, tree: TreeShape | str | None = None
