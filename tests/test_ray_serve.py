@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import openai
 import pytest
@@ -188,6 +189,19 @@ def test_affinity_keys():
     assert key({}, {"prompt": "a" * 600}) == key({}, {"prompt": "a" * 512 + "b" * 88})  # a prompt's start
     assert key({}, {"prompt": [[1, 2, 3]]}) == key({}, {"prompt": [1, 2, 3]})
     assert affinity_key(False, {}, b"{not json") is None and key({}, {"model": "m"}) is None
+
+
+def test_a_replica_whose_scheduler_died_is_unhealthy():
+    """Ray Serve replaces a replica whose ``check_health`` raises: one whose scheduler has died."""
+    from verispec.server.ray_serve import Replica
+
+    replica = Replica.__new__(Replica)  # its server alone: no model, no Ray
+    scheduler = types.SimpleNamespace(failure=None)
+    replica.server = types.SimpleNamespace(scheduler=scheduler, close=lambda: None)
+    replica.check_health()
+    scheduler.failure = MemoryError()
+    with pytest.raises(RuntimeError, match=r"the scheduler has failed \(MemoryError\)"):
+        replica.check_health()
 
 
 @pytest.mark.parametrize(

@@ -172,6 +172,13 @@ class Replica:
             elif message["type"] == "http.response.body" and message.get("body"):
                 yield bytes(message["body"])
 
+    def check_health(self) -> None:
+        """Ray Serve's periodic check: a replica whose scheduler has died (every request it would take
+        refused) is unhealthy, and Ray Serve replaces it."""
+        failure = self.server.scheduler.failure
+        if failure is not None:
+            raise RuntimeError(f"the scheduler has failed ({type(failure).__name__})")
+
     async def metrics(self, pin: str) -> str:
         """This replica's Prometheus exposition (``pin``: the router's)."""
         return self.server.metrics.exposition().decode()
