@@ -235,7 +235,8 @@ def test_openai_s_name_bearer_in_any_case_and_both_token_limits(stories):  # noq
 
 
 def test_the_stream_s_usage_chunk_carries_the_verispec_object(served):
-    """README: the last chunk of a stream carries usage and the verispec object (it had usage alone)."""
+    """docs/server.md: the last chunk of a stream carries usage and the verispec object (it had usage
+    alone)."""
     url, _ = served
     chunks = list(client(url).completions.create(**GOOD, stream=True, stream_options={"include_usage": True}))
     last = chunks[-1]

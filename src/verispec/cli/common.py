@@ -279,7 +279,7 @@ def add_suffix_arguments(parser: argparse.ArgumentParser) -> None:
     shared = drafter_names(lambda kind: kind.shared_cache)
     group = parser.add_argument_group(
         "suffix cache",
-        f"the {shared} drafter's cache of earlier outputs, kept in a file (README: the suffix drafter)",
+        f"the {shared} drafter's cache of earlier outputs, kept in a file (docs/suffix.md)",
     )
     group.add_argument(
         "--suffix-cache",
