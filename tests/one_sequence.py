@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from verispec.costs.policies import KPolicy
 from verispec.drafting.base import Drafter, TreeDrafter
 from verispec.engine import SpeculativeEngine
-from verispec.policies import KPolicy
 from verispec.sequence import EngineConfig, GenerationStats, Request
 from verispec.trace import TraceRecorder
 

@@ -1,4 +1,4 @@
-"""Tests of verispec.analysis.analytic: worked numbers, closed forms, brute force, properties, validation."""
+"""Tests of verispec.costs.analytic: worked numbers, closed forms, brute force, properties, validation."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from verispec.analysis.analytic import (
+from verispec.costs.analytic import (
     DEFAULT_K_MAX,
     BatchCost,
     CostModel,

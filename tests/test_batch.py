@@ -26,6 +26,7 @@ from verispec import cli
 from verispec.api import Speculator
 from verispec.batch import read_requests
 from verispec.bench.load import LoadConfig, auto_against_best, rotated
+from verispec.costs.policies import ConstantK
 from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.learned.eagle import EagleHead
@@ -38,7 +39,6 @@ from verispec.engine import SpeculativeEngine
 from verispec.kernels.cpu import native_available
 from verispec.models.base import RowInput
 from verispec.options import GenerationOptions, SamplingParams
-from verispec.policies import ConstantK
 from verispec.sampling import position_draws, probs_from_logits
 from verispec.scheduler import QueueFull, Scheduler
 from verispec.sequence import EngineConfig, GenerationStats, Request

@@ -14,7 +14,6 @@ import pytest
 import torch
 from matplotlib import image
 
-from verispec.analysis.analytic import CostModel, expected_speedup
 from verispec.bench import suite as bench
 from verispec.bench.goals import load_goals
 from verispec.bench.peers import to_transformers
@@ -31,6 +30,7 @@ from verispec.bench.suite import (
     select_tasks,
 )
 from verispec.cli import main
+from verispec.costs.analytic import CostModel, expected_speedup
 from verispec.errors import UsageError
 from verispec.models.llama2c import load_llama2c
 

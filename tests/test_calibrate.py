@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from verispec import calibrate as calibration_module
 from verispec.api import Speculator
-from verispec.calibrate import (
+from verispec.cli import main
+from verispec.costs import calibrate as calibration_module
+from verispec.costs.calibrate import (
     BATCH_ROWS,
     DRAFT_K,
     K_MAX,
@@ -25,7 +26,7 @@ from verispec.calibrate import (
     calibrate,
     calibration_dir,
 )
-from verispec.cli import main
+from verispec.costs.policies import ConstantK, CostModelK
 from verispec.drafting.base import Allowed, Proposal
 from verispec.drafting.ngram import NGramDrafter
 from verispec.grammar.constraint import Constraint
@@ -33,7 +34,6 @@ from verispec.models.identity import model_identity
 from verispec.models.llama import Llama, LlamaConfig
 from verispec.models.registry import load_model
 from verispec.options import GenerationOptions, SamplingParams
-from verispec.policies import ConstantK, CostModelK
 from verispec.sequence import GenerationStats
 
 

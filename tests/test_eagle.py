@@ -26,10 +26,11 @@ from one_sequence import OneSequence
 from test_real_models import STORY_PROMPTS
 from verispec import cli
 from verispec import resolve as resolve_module
-from verispec.analysis.analytic import CostModel, best_tree_size, speedup_by_k
 from verispec.api import Speculator
 from verispec.bench.suite import BenchConfig, Method, plan_methods
-from verispec.calibrate import DRAFT_K, FILLS
+from verispec.costs.analytic import CostModel, best_tree_size, speedup_by_k
+from verispec.costs.calibrate import DRAFT_K, FILLS
+from verispec.costs.policies import ConstantK
 from verispec.drafting.base import Allowed, Proposal
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.eagle_drafter import DEFAULT_TREE, EagleDrafter, EagleTreeDrafter
@@ -39,7 +40,6 @@ from verispec.drafting.tree import TreeShape
 from verispec.models.llama import Llama, LlamaConfig
 from verispec.models.registry import load_model
 from verispec.options import GenerationOptions, SamplingParams
-from verispec.policies import ConstantK
 from verispec.sampling import probs_from_logits
 from verispec.sequence import EngineConfig, GenerationStats, Request
 from verispec.training import eagle as eagle_recipe

@@ -14,12 +14,12 @@ from scipy import stats as scipy_stats
 import verispec.rounds as rounds_module
 from fakes import TableLM
 from one_sequence import OneSequence
+from verispec.costs.policies import AdditiveK, ConstantK
 from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.ngram import NGramDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.options import SamplingParams
-from verispec.policies import AdditiveK, ConstantK
 from verispec.sampling import probs_from_logits
 from verispec.sequence import EngineConfig, GenerationStats
 from verispec.verify.chain import rejection_rule, sample_verdict

@@ -14,6 +14,7 @@ import torch
 from scipy import stats as scipy_stats
 
 from toy import single_threaded
+from verispec.costs.policies import ConstantK
 from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.ngram import NGramDrafter, NGramTreeDrafter
@@ -23,7 +24,6 @@ from verispec.errors import UsageError
 from verispec.grammar import Constraint
 from verispec.grammar.rounds import constrain, forced_run
 from verispec.models.registry import load_model
-from verispec.policies import ConstantK
 from verispec.sampling import SamplingParams, probs_from_logits
 from verispec.sequence import EngineConfig, GenerationStats, Request
 

@@ -15,6 +15,7 @@ from test_learned_native import batch_and_alone, native_copy, native_tiny_target
 from test_lookahead import needs_native
 from verispec.api import Speculator
 from verispec.cli import main
+from verispec.costs.policies import CostModelK, PartsK
 from verispec.drafting.hybrid import LookupFirstDrafter
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.eagle_drafter import EagleDrafter
@@ -23,7 +24,6 @@ from verispec.drafting.registry import DRAFTERS, drafter_names
 from verispec.errors import UsageError
 from verispec.models.llama import Llama
 from verispec.options import GenerationOptions, SamplingParams
-from verispec.policies import CostModelK, PartsK
 from verispec.sequence import GenerationStats
 from verispec.training.config import TrainConfig
 

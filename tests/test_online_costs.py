@@ -1,5 +1,5 @@
 """Costs measured as it runs: ``--k auto`` takes the calibration as a prior and corrects it by the rounds' own
-timings — made-up timings here (:func:`~verispec.analysis.recovery.simulate_recovery`), nothing timed — and
+timings — made-up timings here (:func:`~verispec.costs.recovery.simulate_recovery`), nothing timed — and
 the engine hands a real run's timings to the policy without changing its output."""
 
 import time
@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from toy import single_threaded
-from verispec.analysis.analytic import BatchCost, CostModel, speedup_by_k
-from verispec.analysis.recovery import simulate_recovery
+from verispec.costs.analytic import BatchCost, CostModel, speedup_by_k
+from verispec.costs.online import ForwardTiming, OnlineConfig, OnlineCosts, RoundTiming
+from verispec.costs.policies import AutoKConfig, ConstantK, CostModelK, KPolicy
+from verispec.costs.recovery import simulate_recovery
 from verispec.drafting.ngram import NGramDrafter
 from verispec.engine import SpeculativeEngine
 from verispec.models.registry import load_model
-from verispec.online_costs import ForwardTiming, OnlineConfig, OnlineCosts, RoundTiming
 from verispec.options import SamplingParams
-from verispec.policies import AutoKConfig, ConstantK, CostModelK, KPolicy
 from verispec.sequence import EngineConfig, GenerationStats, Request
 
 MEASURED = [1.0, 1.13, 1.2, 1.13, 1.11, 1.15, 1.23, 1.25, 1.26, 1.29, 1.31, 1.32, 1.39, 1.42, 1.45, 1.5]

@@ -6,10 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from verispec.analysis.analytic import BatchCost, CostModel, tokens_by_k
 from verispec.api import k_policy
-from verispec.options import parse_k
-from verispec.policies import (
+from verispec.costs.analytic import BatchCost, CostModel, tokens_by_k
+from verispec.costs.policies import (
     CONTEXT_STEP,
     AdditiveK,
     AutoKConfig,
@@ -19,6 +18,7 @@ from verispec.policies import (
     PartsK,
     plan_batch,
 )
+from verispec.options import parse_k
 
 K_MAX = 12
 FLAT = [1.0] * (K_MAX + 1)  # memory-bound: verifying K+1 tokens costs one step
@@ -29,7 +29,7 @@ STEEP = [1.0 + 0.5 * k for k in range(K_MAX + 1)]  # compute-bound: every extra 
 
 def speeds(alpha: float, c: float, v: list[float], fixed: float = 0.0) -> list[float]:
     """(1 − α^{K+1}) / (1 − α) / (v(K+1) + K·c + c₀ [K > 0]) for every K: the textbook formula, computed
-    independently of verispec.analysis.analytic."""
+    independently of verispec.costs.analytic."""
     return [
         (1 - alpha ** (k + 1)) / (1 - alpha) / (v[k] + k * c + (fixed if k else 0.0)) for k in range(len(v))
     ]

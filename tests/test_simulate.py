@@ -1,4 +1,4 @@
-"""Tests of verispec.analysis.simulate: the family, Monte-Carlo vs the analytic model, seeding, validation.
+"""Tests of verispec.costs.simulate: the family, Monte-Carlo vs the analytic model, seeding, validation.
 
 Tolerance of the Monte-Carlo checks: 5 standard errors, computed from the samples themselves. The estimates
 are means of many i.i.d. bounded variables, hence close to normal: a correct simulation lands outside 5 SE
@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from verispec.analysis import simulate as sim
-from verispec.analysis.analytic import acceptance_rate, expected_speedup, expected_tokens_per_call
-from verispec.analysis.simulate import (
+from verispec.costs import simulate as sim
+from verispec.costs.analytic import acceptance_rate, expected_speedup, expected_tokens_per_call
+from verispec.costs.simulate import (
     SimulationConfig,
     agreement_pairs,
     pair_acceptance,

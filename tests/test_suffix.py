@@ -16,6 +16,7 @@ from scipy import stats as scipy_stats
 
 from first_rounds import first_token_counts
 from verispec.api import Speculator
+from verispec.costs.policies import ConstantK
 from verispec.drafting.registry import DRAFTERS, DraftInputs
 from verispec.drafting.suffix import SuffixDrafter, SuffixTreeDrafter
 from verispec.drafting.suffix_cache import FORMAT, SuffixCache, tokenizer_identity
@@ -24,7 +25,6 @@ from verispec.drafting.tree import TreeShape
 from verispec.engine import SpeculativeEngine
 from verispec.errors import UsageError
 from verispec.models.registry import load_model
-from verispec.policies import ConstantK
 from verispec.sampling import SamplingParams, probs_from_logits
 from verispec.sequence import EngineConfig, GenerationStats, Request
 

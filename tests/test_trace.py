@@ -10,11 +10,11 @@ import torch
 
 from fakes import LetterTokenizer, TableLM
 from one_sequence import OneSequence
+from verispec.costs.policies import ConstantK
 from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.ngram import NGramDrafter
 from verispec.options import SamplingParams
-from verispec.policies import ConstantK
 from verispec.sampling import probs_from_logits
 from verispec.sequence import EngineConfig, GenerationStats
 from verispec.trace import TokenFate, TokenProbs, Trace, TraceRecorder, token_texts

@@ -18,6 +18,7 @@ from one_sequence import OneSequence
 from test_hf_adapter import tiny_model
 from verispec import cli
 from verispec.api import Speculator, generate
+from verispec.costs.policies import ConstantK
 from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter, ModelTreeDrafter
 from verispec.drafting.ngram import NGramDrafter, NGramTreeDrafter
@@ -26,7 +27,6 @@ from verispec.engine import SpeculativeEngine
 from verispec.models.hf import HFModel
 from verispec.models.registry import load_model
 from verispec.options import SamplingParams
-from verispec.policies import ConstantK
 from verispec.sampling import probs_from_logits
 from verispec.sequence import EngineConfig, GenerationStats
 from verispec.verify.tree import SiblingRule, sample_tree_verdict, sibling_rule

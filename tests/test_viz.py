@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from verispec import cli
-from verispec.analysis.analytic import acceptance_rate
-from verispec.analysis.simulate import SimulationConfig, simulate
+from verispec.costs.analytic import acceptance_rate
+from verispec.costs.simulate import SimulationConfig, simulate
 from verispec.viz import visible_text
 from verispec.viz.charts import CHARTS, simulation_charts
 from verispec.viz.figures import COLOURS, figure_paths, save_figure

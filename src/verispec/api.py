@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, Unpack, cast
 
-from verispec.analysis.analytic import BatchCost, CostModel
-from verispec.calibrate import QUICK_REPETITIONS, Calibration, calibrate
+from verispec.costs.analytic import BatchCost, CostModel
+from verispec.costs.calibrate import QUICK_REPETITIONS, Calibration, calibrate
+from verispec.costs.online import OnlineCosts
+from verispec.costs.policies import AdditiveK, ConstantK, CostModelK, Evidence, KPolicy, PartsK
 from verispec.drafting.base import Drafter, TreeDrafter
 from verispec.drafting.hybrid import LookupFirstDrafter
 from verispec.drafting.registry import DraftInputs
@@ -37,7 +39,6 @@ from verispec.grammar.rounds import GrammarState
 from verispec.grammar.tools import Tools
 from verispec.inputs import check_prompt, check_text, is_int
 from verispec.models.base import Cache, SpelledTokenizer
-from verispec.online_costs import OnlineCosts
 from verispec.options import (
     DEFAULT_K,
     DEFAULT_PRECISION,
@@ -48,7 +49,6 @@ from verispec.options import (
     check_keywords,
     parse_k,
 )
-from verispec.policies import AdditiveK, ConstantK, CostModelK, Evidence, KPolicy, PartsK
 from verispec.resolve import Loadable, Parts, resolve
 from verispec.sequence import DrafterFor, EngineConfig, GenerationStats, Request, TokenLogprob
 from verispec.text import Chunk, TextAssembler
@@ -119,7 +119,7 @@ def k_policy(
     calibrated cost model of the target and drafter (:meth:`Speculator.calibration` measures or loads it),
     follows the context with ``costs_at``, plans batches with ``batch_costs_at``, corrects them all by the
     costs measured as it runs in ``online`` and starts from the acceptance evidence ``shared`` by other
-    requests (see :class:`~verispec.policies.CostModelK`)."""
+    requests (see :class:`~verispec.costs.policies.CostModelK`)."""
     k = parse_k(k)
     if isinstance(k, int):
         return ConstantK(k)
@@ -254,8 +254,9 @@ class Speculator:
         return self.kind.chain(inputs)
 
     def calibration(self, *, force: bool = False, repetitions: int = QUICK_REPETITIONS) -> Calibration:
-        """The costs of this target and drafter on this machine (:mod:`verispec.calibrate`): read from the
-        cache, or probed (seconds, once) and cached on first use; ``force`` measures them again in full."""
+        """The costs of this target and drafter on this machine (:mod:`verispec.costs.calibrate`): read from
+        the cache, or probed (seconds, once) and cached on first use; ``force`` measures them again in
+        full."""
         if self._calibration is None or force:
             drafter = self._chain_drafter(SamplingParams(temperature=0))
             parts = drafter if isinstance(drafter, LookupFirstDrafter) else None

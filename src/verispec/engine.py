@@ -39,6 +39,8 @@ from typing import cast
 
 import torch
 
+from verispec.costs.online import ForwardTiming, RoundTiming
+from verispec.costs.policies import CostModelK, plan_batch
 from verispec.drafting.base import (
     Drafter,
     DraftRow,
@@ -59,8 +61,6 @@ from verispec.models.base import (
     TreeCache,
     TreeLanguageModel,
 )
-from verispec.online_costs import ForwardTiming, RoundTiming
-from verispec.policies import CostModelK, plan_batch
 from verispec.rounds import (
     Chain,
     Round,
@@ -346,7 +346,7 @@ class SpeculativeEngine:
 
     def _plan(self, decoding: list[Running]) -> list[int | None]:
         """Each decoding sequence's K for this step: chosen for the whole batch when every one drafts a
-        chain with ``--k auto`` (:func:`~verispec.policies.plan_batch`; a batch of one: its own policy's
+        chain with ``--k auto`` (:func:`~verispec.costs.policies.plan_batch`; a batch of one: its own policy's
         choice), else None (each asks its own K policy). Prompt chunks in the same forward are not priced:
         pricing them (an extra token's marginal cost in a forward full of prompt tokens, read off the grid)
         drafted more during joins and measured 11-20 % slower at 4-16 concurrent requests."""

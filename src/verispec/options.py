@@ -48,7 +48,7 @@ MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest value
 """The largest temperature: logits are divided by it in float32, where a larger one is infinite (and a
 masked token's −inf / inf is NaN)."""
 MAX_LOGPROBS = 20  # the most likely alternatives a request may ask for per token, as OpenAI allows
-K_NAMES = ("additive", "auto")  # the K policies named rather than numbered (verispec.policies)
+K_NAMES = ("additive", "auto")  # the K policies named rather than numbered (verispec.costs.policies)
 DEFAULT_K = "auto"
 DEFAULT_MODEL = (
     "smollm2-135m"  # the target a choice names unless told (a short name of verispec.models.registry)

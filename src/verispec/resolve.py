@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from verispec.analysis.analytic import CostModel, expected_tokens_per_call, speedup_by_k, tree_tokens_bound
-from verispec.calibrate import calibrate
+from verispec.costs.analytic import CostModel, expected_tokens_per_call, speedup_by_k, tree_tokens_bound
+from verispec.costs.calibrate import calibrate
 from verispec.drafting.cross_tokenizer import VocabularyPair, same_vocabulary
 from verispec.drafting.learned.eagle_drafter import DEFAULT_TREE
 from verispec.drafting.learned.head import LearnedHead, native_target
@@ -178,7 +178,7 @@ def _default_tree(
 def _tree_may_pay(model: LanguageModel, head: LearnedHead, target_label: str) -> bool:
     """Whether :data:`DEFAULT_TREE` may draft faster than a chain at its best K and cannot lose to plain
     decoding: by this machine's calibrated costs, the tree's expected tokens bounded from above (its siblings'
-    guesses as good as they could be, :func:`~verispec.analysis.analytic.tree_tokens_bound`) per round of
+    guesses as good as they could be, :func:`~verispec.costs.analytic.tree_tokens_bound`) per round of
     its verification and draft steps at least the chain's best expected speed, and bounded from below (its
     first-ranked path alone, no sibling ever accepted) at least plain decoding's (a tree round always
     drafts, where a chain's K may fall to 0), at the per-position agreement the drafter's file records on

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
+from verispec.costs.policies import KPolicy
 from verispec.drafting.base import Drafter, HiddenStateReader, RowDrafter, TreeDrafter
 from verispec.grammar.rounds import GrammarState
 from verispec.models.base import Cache
 from verispec.options import SamplingParams, check_generation
-from verispec.policies import KPolicy
 from verispec.trace import TraceRecorder
 
 __all__ = [

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from verispec.analysis.analytic import expected_speedup, optimal_k
 from verispec.bench.peers import llamacpp_missing
+from verispec.costs.analytic import expected_speedup, optimal_k
 from verispec.errors import UsageError
 from verispec.inputs import is_int
 from verispec.kernels.threads import THREADS
@@ -127,7 +127,7 @@ _VECTOR_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni", "avx512f", "avx2")
 def machine(load_at_start: tuple[float, float, float]) -> dict[str, Any]:
     """What the run's figures depend on beyond the files: the CPU, its vector extensions and last-level
     cache, the load average at the start and now, llama.cpp's version (None where not installed)."""
-    from verispec.calibrate import cpu_name
+    from verispec.costs.calibrate import cpu_name
     from verispec.kernels.build import cpu_features
 
     try:

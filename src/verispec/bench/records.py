@@ -150,7 +150,7 @@ class Machine(TypedDict):
 
 
 class TargetCosts(TypedDict):
-    """:class:`verispec.calibrate.TargetCosts`."""
+    """:class:`verispec.costs.calibrate.TargetCosts`."""
 
     label: str
     seconds: list[float]  # T_target(k) for k = 1.., medians
@@ -159,7 +159,7 @@ class TargetCosts(TypedDict):
 
 
 class DraftCosts(TypedDict):
-    """:class:`verispec.calibrate.DraftCosts`."""
+    """:class:`verispec.costs.calibrate.DraftCosts`."""
 
     label: str
     cost_ratio: float
@@ -171,7 +171,7 @@ class DraftCosts(TypedDict):
 
 
 class Calibration(TypedDict):
-    """:meth:`verispec.calibrate.Calibration.to_dict`."""
+    """:meth:`verispec.costs.calibrate.Calibration.to_dict`."""
 
     path: str
     target: TargetCosts

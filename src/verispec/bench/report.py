@@ -301,7 +301,8 @@ def markdown(results: Results) -> str:
 
 def _fixed(calibration: Calibration) -> float:
     """c₀ of a calibration's drafter: its fixed seconds a proposal over the T_target(1) timed beside them, as
-    c is (:meth:`verispec.calibrate.Calibration.cost_model`; 0 for a record made before it was measured)."""
+    c is (:meth:`verispec.costs.calibrate.Calibration.cost_model`; 0 for a record made before it was
+    measured)."""
     draft = calibration["draft"]
     assert draft is not None
     return draft.get("fixed_seconds", 0.0) * draft["cost_ratio"] / draft["seconds_per_token"]

@@ -66,7 +66,6 @@ import torch
 from tqdm import tqdm
 
 from verispec import __version__
-from verispec.analysis.analytic import CostModel, expected_tokens_per_call
 from verispec.api import Speculator
 from verispec.bench.goals import load_goals
 from verispec.bench.methods import (
@@ -91,7 +90,8 @@ from verispec.bench.records import Cell, Identity, Machine, Metrics, Results, Sa
 from verispec.bench.report import write_report
 from verispec.bench.schemas import valid_json
 from verispec.bench.workloads import WARM, CacheSnapshots, turns
-from verispec.calibrate import Calibration, cpu_name
+from verispec.costs.analytic import CostModel, expected_tokens_per_call
+from verispec.costs.calibrate import Calibration, cpu_name
 from verispec.drafting.draft_model import early_exit_layers
 from verispec.drafting.learned.head import read_drafter_file
 from verispec.drafting.learned.kinds import shipped_drafter
@@ -509,7 +509,7 @@ def predicted_speedup(
     where n_d is the number of rounds that drafted d tokens (rounds may draft fewer than K: an n-gram lookup
     without a match, ``--k auto``, the last tokens of a generation) and α_i the measured acceptance at
     position i given that every earlier position was accepted. With a constant K and every round drafting
-    K this is E[L](α, K) / (v(K+1) + K·c), :func:`verispec.analysis.analytic.expected_speedup`.
+    K this is E[L](α, K) / (v(K+1) + K·c), :func:`verispec.costs.analytic.expected_speedup`.
     ``drafted_per_position
     [i]`` counts the rounds that drafted position i, ``accepted_per_position[i]`` those that accepted it (as
     :class:`~verispec.sequence.GenerationStats` keeps them). None when nothing ran or K exceeds the curve."""

@@ -55,7 +55,7 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     """Run ``verispec calibrate``: measure, cache, and print v(k), c and the best K for a few α."""
-    from verispec.analysis.analytic import optimal_k
+    from verispec.costs.analytic import optimal_k
     from verispec.options import ModelChoice
 
     if args.repetitions < 1:

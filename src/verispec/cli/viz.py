@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from verispec.analysis.simulate import SimulationConfig, simulate  # numpy: no torch
 from verispec.cli.common import (
     across_fields,
     add_model_specs,
@@ -20,6 +19,7 @@ from verispec.cli.common import (
     joined_values,
     list_of,
 )
+from verispec.costs.simulate import SimulationConfig, simulate  # numpy: no torch
 from verispec.errors import UsageError
 
 if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
@@ -48,7 +48,7 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
         help="Monte-Carlo speculative rounds on toy distributions vs the analytic model",
         description="Simulate speculative rounds on toy draft/target pairs whose acceptance rate equals the "
         "agreement, in sampled and greedy modes, and compare tokens per target call (tau) and speedup "
-        "with the analytic model (see verispec.analysis.simulate).",
+        "with the analytic model (see verispec.costs.simulate).",
     )
     parser.add_argument(
         "--k",
@@ -146,7 +146,7 @@ def add_viz_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_viz_overlap(args: argparse.Namespace) -> int:
     """Run ``verispec viz overlap``: draw the picture, print alpha and the files written."""
-    from verispec.analysis.analytic import acceptance_rate
+    from verispec.costs.analytic import acceptance_rate
     from verispec.viz.figures import figure_paths, save_figure
     from verispec.viz.overlap import overlap_figure
 

@@ -204,8 +204,8 @@ class Drafter(Protocol):
     def cost_identity(self) -> dict:
         """What this drafter's cost per proposal depends on besides the target, as JSON-able values: its name
         and every setting, model or head that changes the time a proposal takes. Calibrated costs are cached
-        under it (:func:`verispec.calibrate.calibrate`): two drafters with the same identity share a cost,
-        so each drafter says its own (no list elsewhere to keep up to date)."""
+        under it (:func:`verispec.costs.calibrate.calibrate`): two drafters with the same identity share a
+        cost, so each drafter says its own (no list elsewhere to keep up to date)."""
         ...
 
 

@@ -12,10 +12,10 @@ lookup's single guesses (q None) or the head's sampled q. The head reads every c
 state whichever drafted (it catches up on the positions of the rounds it sat out, in its next forward), and
 its cache is rolled back after every round, as when it drafts every round.
 
-With ``--k auto`` each part drafts at its own K (:class:`~verispec.policies.PartsK`: a policy per part, from
-its own calibrated costs and its own acceptance), asked once the round knows which part drafts: a lookup's
-guesses are free and often long, the head's drafts cost a share of a target step and are right less often,
-so where the head does not pay its rounds are plain ones.
+With ``--k auto`` each part drafts at its own K (:class:`~verispec.costs.policies.PartsK`: a policy per part,
+from its own calibrated costs and its own acceptance), asked once the round knows which part drafts: a
+lookup's guesses are free and often long, the head's drafts cost a share of a target step and are right less
+often, so where the head does not pay its rounds are plain ones.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from verispec.costs.policies import PartsK
 from verispec.drafting.base import Allowed, Drafter, DraftRow, Proposal, RowDrafter
 from verispec.drafting.ngram import NGramDrafter
-from verispec.policies import PartsK
 
 __all__ = ["LookupFirstDrafter"]
 

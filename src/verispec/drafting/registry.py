@@ -26,7 +26,7 @@ from verispec.errors import UsageError
 from verispec.inputs import did_you_mean
 
 if TYPE_CHECKING:  # the drafters themselves are imported where they are built: this table loads no torch
-    from verispec.analysis.analytic import CostModel
+    from verispec.costs.analytic import CostModel
     from verispec.drafting.base import Drafter, TreeDrafter
     from verispec.drafting.cross_tokenizer import VocabularyPair
     from verispec.drafting.learned.head import LearnedHead

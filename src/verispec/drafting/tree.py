@@ -15,7 +15,7 @@ common prefixes; :meth:`TreeShape.select` makes one from chosen nodes.
 A shape with a *budget* is dynamic (EAGLE-2, Li et al. 2024): its nodes are the candidates, and each round the
 drafter expands its likeliest nodes depth by depth and verifies only the ``budget`` draft nodes of highest
 path probability (the product of the draft's probabilities along the path), or, with budget ``"auto"``, as
-many of them as the calibrated costs pay for (:func:`verispec.analysis.analytic.best_tree_size`). Written
+many of them as the calibrated costs pay for (:func:`verispec.costs.analytic.best_tree_size`). Written
 ``SPEC:N`` or ``SPEC:auto``, e.g. ``3x4:6``.
 
 The target scores a whole tree in one forward: node i sits at position (committed length − 1 + depth[i]) and

@@ -1,5 +1,5 @@
 """What a model's cost depends on, as a JSON-able dict: the key under which its calibrated costs are cached
-(:mod:`verispec.calibrate`) and part of each drafter's own cost identity (``Drafter.cost_identity``)."""
+(:mod:`verispec.costs.calibrate`) and part of each drafter's own cost identity (``Drafter.cost_identity``)."""
 
 from __future__ import annotations
 

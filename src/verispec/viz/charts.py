@@ -1,6 +1,6 @@
-"""The charts of ``verispec simulate --plot DIR``: the Monte-Carlo cells of :mod:`verispec.analysis.simulate`
+"""The charts of ``verispec simulate --plot DIR``: the Monte-Carlo cells of :mod:`verispec.costs.simulate`
 drawn
-over the analytic model of :mod:`verispec.analysis.analytic`.
+over the analytic model of :mod:`verispec.costs.analytic`.
 
 - ``acceptance``: the measured acceptance rate vs the agreement a, against α = a (sampled mode) and the
   pool's argmax agreement β (greedy mode);
@@ -23,8 +23,8 @@ from matplotlib import colormaps, patheffects
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
-from verispec.analysis.analytic import expected_speedup, expected_tokens_per_call
-from verispec.analysis.simulate import CellResult, SimulationResult
+from verispec.costs.analytic import expected_speedup, expected_tokens_per_call
+from verispec.costs.simulate import CellResult, SimulationResult
 from verispec.errors import UsageError
 from verispec.viz.figures import COLOURS, figure_style, new_figure, save_figure
 

@@ -5,7 +5,7 @@ For a target distribution p and a draft distribution q over the same vocabulary,
 accepted with probability min(1, p(x) / q(x)). Per token:
 
 - min(p(x), q(x)) is mass that is always accepted (green); its sum is the acceptance probability
-  α = Σ min(p, q) (:func:`verispec.analysis.analytic.acceptance_rate`);
+  α = Σ min(p, q) (:func:`verispec.costs.analytic.acceptance_rate`);
 - (q(x) − p(x))⁺ is q's excess over p (red): the draft mass that can be rejected, 1 − α in all;
 - (p(x) − q(x))⁺ is the residual (blue), also 1 − α in all: a rejection resamples from it, normalized.
 
@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.typing import LineStyleType
 
-from verispec.analysis.analytic import acceptance_rate
+from verispec.costs.analytic import acceptance_rate
 from verispec.errors import UsageError
 from verispec.inputs import is_int
 from verispec.models.base import LanguageModel
@@ -66,7 +66,7 @@ class OverlapBars:
 
 def overlap_bars(*, p: object, q: object, top: int) -> OverlapBars:
     """The bars for distributions p, q [V] and the ``top`` ≥ 1 tokens of largest max(p, q); one-line
-    UsageError unless p and q are distributions (as :func:`verispec.analysis.analytic.acceptance_rate`
+    UsageError unless p and q are distributions (as :func:`verispec.costs.analytic.acceptance_rate`
     checks) of the same length."""
     try:
         p, q = (np.asarray(x, dtype=np.float64) for x in (p, q))

@@ -37,7 +37,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from verispec.analysis.analytic import CostModel, best_tree_size, tree_rates
+from verispec.costs.analytic import CostModel, best_tree_size, tree_rates
 from verispec.drafting.base import Allowed, BranchedTreeDrafter, DraftRow, Proposal, allowed_logits
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.tree import AUTO, TreeProposal, TreeShape, likeliest_nodes

@@ -24,7 +24,7 @@ family, then:
 The number of tokens a round emits is the number of accepted positions before the first rejection, plus one
 (the recovered or bonus token). Positions are independent with acceptance probability α (sampled) or β
 (greedy), known exactly from the pool, so the Monte-Carlo τ and speedup estimate exactly the analytic
-E[L](α or β) and :func:`verispec.analysis.analytic.expected_speedup` of :mod:`verispec.analysis.analytic`.
+E[L](α or β) and :func:`verispec.costs.analytic.expected_speedup` of :mod:`verispec.costs.analytic`.
 
 All randomness comes from ``np.random.Generator`` objects seeded from (seed, agreement) for the pool and from
 (seed, mode, agreement, K) for the rounds: the same seed gives the same numbers, and a cell's numbers do not
@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from verispec.analysis.analytic import (
+from verispec.costs.analytic import (
     CostModel,
     VerifyCost,
     acceptance_rate,
@@ -84,12 +84,12 @@ class SimulationConfig:
 
     ks: draft lengths K ≥ 1. agreements: agreement levels a ∈ [0, 1] (= α of every pair, see the module).
     modes: a subset of ("sampled", "greedy").
-    cost_ratio, verify_cost: the cost of a round, as in :class:`verispec.analysis.analytic.CostModel` (v ≡ 1
+    cost_ratio, verify_cost: the cost of a round, as in :class:`verispec.costs.analytic.CostModel` (v ≡ 1
     if None). rounds: rounds per cell, ≥ 2 (for a standard error). seed: integer ≥ 0.
     vocab_size: V ≥ 2 (the target lives on the first V // 2 tokens).
     pool_size: pairs (p, q) per agreement level, ≥ 1.
     concentration: Dirichlet concentration > 0 of p and u (small: peaked distributions).
-    cost: the validated :class:`verispec.analysis.analytic.CostModel` of cost_ratio and verify_cost (derived).
+    cost: the validated :class:`verispec.costs.analytic.CostModel` of cost_ratio and verify_cost (derived).
     """
 
     ks: tuple[int, ...] = (1, 2, 4, 8)

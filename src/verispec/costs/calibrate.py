@@ -1,6 +1,6 @@
 """Calibration: what a target forward and a draft step cost on this machine, measured once and cached.
 
-The cost model of :mod:`verispec.analysis.analytic` (and so ``--k auto`` and the bench's predicted speedups)
+The cost model of :mod:`verispec.costs.analytic` (and so ``--k auto`` and the bench's predicted speedups)
 needs, for one target and one drafter on this machine:
 
 - the verification curve v(k) = T_target(k new tokens) / T_target(1) for k = 1..:data:`K_MAX`: the target's
@@ -11,7 +11,7 @@ needs, for one target and one drafter on this machine:
   attention makes every forward dearer as the context grows, and a block of k tokens more so than one
   token, so that the costs of a round at context L (:meth:`Calibration.cost_model_at`) interpolate the two
   linearly in L (attention's cost is linear in L);
-- the cost of a batch (:class:`~verispec.analysis.analytic.BatchCost`): T_target(b rows × m new tokens each)
+- the cost of a batch (:class:`~verispec.costs.analytic.BatchCost`): T_target(b rows × m new tokens each)
   for b in :data:`BATCH_ROWS` and m in :data:`ROW_TOKENS`, every row of one batch cache after the same
   context, at both contexts, each timed right after a T(1) of one row and kept as the median of those ratios
   times T(1). Rows share the weights' reads but each reads its own cache, so b rows of m tokens cost more
@@ -35,7 +35,7 @@ its batch grid is predicted, not timed (b rows of m tokens as one row of b·m to
 reads, and each reads its own short cache), and nothing is timed at the long context (the costs do not grow
 with the context). A drafter is probed likewise within :data:`PROBE_DRAFT_SECONDS`. The probe is cached
 (``probe: true``) like a full calibration and used from then on: ``--k auto`` takes any calibration as a prior
-and corrects it by the rounds' own timings from the first rounds on (:mod:`verispec.online_costs`), which is
+and corrects it by the rounds' own timings from the first rounds on (:mod:`verispec.costs.online`), which is
 what makes a rough prior good enough. ``verispec calibrate`` (``force``) measures in full and replaces it.
 
 Every measurement says how far the machine moved while it ran: the T(1)s timed beside its timings, in up to
@@ -74,8 +74,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from verispec.analysis.analytic import BatchCost, CostModel
 from verispec.cores import available_cores
+from verispec.costs.analytic import BatchCost, CostModel
 from verispec.drafting.base import Drafter, HiddenStateReader
 from verispec.errors import UsageError
 from verispec.files import atomic_write
@@ -285,7 +285,7 @@ class Calibration:
 
     def step_seconds(self, context: int) -> float:
         """T_target(1) after ``context`` positions, in seconds: the unit of :meth:`cost_model_at` (what the
-        costs measured as it runs are set against, :mod:`verispec.online_costs`)."""
+        costs measured as it runs are set against, :mod:`verispec.costs.online`)."""
         return self.target.step_at(context)
 
     def to_dict(self) -> dict:

@@ -5,7 +5,7 @@ The engine asks ``next_k(context)`` before each round (``context``: the position
 answer by the tokens still allowed and the context left, so a policy never has to know about either.
 
 :class:`CostModelK` (``--k auto``) chooses each round's K from a cost model of this machine (see
-:mod:`verispec.calibrate`), corrected by the rounds' own timings (:mod:`verispec.online_costs`), and an
+:mod:`verispec.costs.calibrate`), corrected by the rounds' own timings (:mod:`verispec.costs.online`), and an
 online estimate of the acceptance rate, K = 0 included.
 """
 
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verispec.analysis.analytic import BatchCost, CostModel, tokens_by_k
+from verispec.costs.analytic import BatchCost, CostModel, tokens_by_k
+from verispec.costs.online import OnlineCosts, RoundTiming
 from verispec.errors import UsageError
 from verispec.inputs import is_int
-from verispec.online_costs import OnlineCosts, RoundTiming
 
 __all__ = [
     "CONTEXT_STEP",
@@ -165,7 +165,7 @@ class CostModelK(KPolicy):
 
         K* = argmax_{K = 0..k_max} E[L](α̂_1..α̂_K) / (v(K+1) + K·c + c₀),   E[L] = 1 + α̂_1 + α̂_1·α̂_2 + …
 
-    (:func:`verispec.analysis.analytic.speedup_by_k`; the smallest K on ties; K = 0 pays no c₀), where v, c
+    (:func:`verispec.costs.analytic.speedup_by_k`; the smallest K on ties; K = 0 pays no c₀), where v, c
     and c₀ (a proposal's cost besides its tokens) are the calibrated costs of this target and drafter on this
     machine and α̂_i estimates the probability that draft position i is
     accepted when every position before it was. Acceptance is estimated per position because it is far from
@@ -198,7 +198,7 @@ class CostModelK(KPolicy):
     one's starts; every verdict is added to both, so a request's own then weighs most.
 
     ``online`` (optional, shared by the policies of one calibration): the costs measured as it runs
-    (:class:`~verispec.online_costs.OnlineCosts`). The calibrated costs are then a prior, corrected by the
+    (:class:`~verispec.costs.online.OnlineCosts`). The calibrated costs are then a prior, corrected by the
     timings the engine hands over (:meth:`observe_costs`); until the drafter's cost has been seen, probes
     come after at most ``explore`` plain rounds, so that a calibration that prices drafting far too dear
     is found out.

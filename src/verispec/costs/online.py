@@ -1,6 +1,6 @@
-"""Costs measured as it runs: the calibration (:mod:`verispec.calibrate`) is a prior, which the engine's own
-timings of each round correct, so that ``--k auto`` follows the machine it runs on (a calibration made on a
-busy machine or another CPU, a thermal change).
+"""Costs measured as it runs: the calibration (:mod:`verispec.costs.calibrate`) is a prior, which the engine's
+own timings of each round correct, so that ``--k auto`` follows the machine it runs on (a calibration made on
+a busy machine or another CPU, a thermal change).
 
 Each timing is a *slowdown* ρ: the seconds measured over the seconds the prior predicts for the same work at
 the same context — a target forward of m new tokens in one row (ρ(m)), a forward over b ≥ 2 rows (ρ_b), a
@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from verispec.analysis.analytic import BatchCost, CostModel
+from verispec.costs.analytic import BatchCost, CostModel
 from verispec.errors import UsageError
 from verispec.inputs import is_int
 

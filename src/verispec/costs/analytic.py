@@ -336,7 +336,7 @@ def speedup_by_k(
     """The expected speedup of every draft length at once: [K_max + 1], E[L](α, K) / round_costs[K] for
     K = 0..K_max, with round_costs from :meth:`CostModel.round_costs` (validated there) and α a scalar or
     per-position rates α_1..α_{K_max} (as for :func:`expected_tokens_per_call`); the per-round hot path of
-    :class:`verispec.policies.CostModelK`."""
+    :class:`verispec.costs.policies.CostModelK`."""
     costs = np.asarray(round_costs, dtype=np.float64)  # [K_max + 1]
     return tokens_by_k(_alphas(alpha, costs.size - 1)) / costs
 
@@ -344,7 +344,8 @@ def speedup_by_k(
 def tokens_by_k(alphas: np.ndarray) -> np.ndarray:
     """[K_max + 1]: E[L] = 1 + α_1 + α_1·α_2 + … (:func:`expected_tokens_per_call`'s products) of every draft
     length K = 0..K_max at once, for per-position rates ``alphas`` [K_max] already checked to lie in [0, 1]
-    (:func:`speedup_by_k` checks them; :class:`verispec.policies.CostModelK`'s own are so by construction)."""
+    (:func:`speedup_by_k` checks them; :class:`verispec.costs.policies.CostModelK`'s own are so by
+    construction)."""
     tokens = np.ones(alphas.size + 1)  # [K_max + 1]
     tokens[1:] += np.cumsum(np.cumprod(alphas))
     return tokens

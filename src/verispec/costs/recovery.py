@@ -1,12 +1,12 @@
 """How ``--k auto`` recovers from a wrong calibration: rounds of one sequence played against made-up true
 costs, nothing timed (:func:`simulate_recovery`).
 
-The policy (:class:`~verispec.policies.CostModelK`) starts from a *prior* cost model, the calibration, and
-learns the true costs from the timings of its rounds (:class:`~verispec.online_costs.OnlineCosts`), which are
-made up from the *truth* cost model: a forward of m new tokens takes v(m) seconds (T(1) = 1 s), a proposal of
-K tokens after g unread positions K·c + g·u seconds. Each draft position is accepted with probability α, until
-the first rejection. A twin policy that knows the truth (no online costs) observes the same verdicts, so that
-both hold the same acceptance estimates: its choice is the one the policy should reach.
+The policy (:class:`~verispec.costs.policies.CostModelK`) starts from a *prior* cost model, the calibration,
+and learns the true costs from the timings of its rounds (:class:`~verispec.costs.online.OnlineCosts`), which
+are made up from the *truth* cost model: a forward of m new tokens takes v(m) seconds (T(1) = 1 s), a proposal
+of K tokens after g unread positions K·c + g·u seconds. Each draft position is accepted with probability α,
+until the first rejection. A twin policy that knows the truth (no online costs) observes the same verdicts, so
+that both hold the same acceptance estimates: its choice is the one the policy should reach.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verispec.analysis.analytic import CostModel, speedup_by_k
+from verispec.costs.analytic import CostModel, speedup_by_k
+from verispec.costs.online import ForwardTiming, OnlineCosts, RoundTiming
+from verispec.costs.policies import AutoKConfig, CostModelK
 from verispec.errors import UsageError
-from verispec.online_costs import ForwardTiming, OnlineCosts, RoundTiming
-from verispec.policies import AutoKConfig, CostModelK
 
 __all__ = ["Recovery", "simulate_recovery"]
 
