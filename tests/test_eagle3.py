@@ -361,6 +361,28 @@ def test_q_is_zero_outside_the_draft_vocabulary(target, head_dir):
     assert torch.equal(proposal.q[0, head.draft_vocab], first)
 
 
+def test_native_head_close_to_the_float_one(head_dir):
+    """Beside a target on the native kernels the head's matrices are on them too (q8_0; float16 where a
+    width does not fit its blocks), its states and logits within their rounding of the float32 head's."""
+    model = tiny_target(True)
+    packed, plain = Eagle3Head.load(head_dir, model, fast=True), Eagle3Head.load(head_dir, model)
+    assert packed.cpu_precision == "q8_0" and plain.cpu_precision is None and not packed.rows_alone
+    context = [3, 14, 15, 9, 2, 6, 53, 58, 9]
+    n = len(context) - 1
+    states = model.forward_hidden(torch.tensor([context]), torch.arange(n + 1)[None], model.new_cache())[0]
+    outs = [
+        head(torch.tensor([context[1:]]), head.fuse(states[:-1, HIDDEN:])[None], torch.arange(n)[None],
+             head.new_cache())[0]
+        for head in (packed, plain)
+    ]  # fmt: skip
+    scale = outs[1].abs().max()
+    assert torch.allclose(outs[0], outs[1], atol=0.05 * scale)
+    logits = [head.logits(out) for head, out in zip((packed, plain), outs, strict=True)]
+    assert torch.allclose(logits[0], logits[1], atol=0.05 * logits[1].abs().max())
+    spec = Speculator((model, LetterTokenizer(VOCAB)), drafter="eagle3", drafter_path=str(head_dir))
+    assert spec.head is not None and spec.head.cpu_precision == "q8_0"
+
+
 @pytest.mark.parametrize("native", [False, True])
 def test_greedy_speculation_equals_plain_greedy(head_dir, native):
     """Speculative greedy with the head == the target's own greedy, token for token (chains K = 1, 3 and a

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from verispec.drafting.learned.eagle import MAX_LAYERS, EagleHead
-from verispec.drafting.learned.eagle3 import check_layout, layer_config, read_published
+from verispec.drafting.learned.eagle import MAX_LAYERS
+from verispec.drafting.learned.eagle3 import PublishedHead, check_layout, layer_config, read_published
 from verispec.drafting.learned.eagle_drafter import EagleDrafter
 from verispec.drafting.learned.head import LearnedHead, native_target
 from verispec.errors import UsageError
@@ -39,14 +39,14 @@ from verispec.models.llama import Llama, LlamaConfig, _DecoderLayer, _Linear, ru
 __all__ = ["Eagle2Drafter", "Eagle2Head"]
 
 
-class Eagle2Head(EagleHead):
+class Eagle2Head(PublishedHead):
     """A published EAGLE-1/2 head (module docstring) beside its target: an :class:`EagleHead` without the
     first layer's input norm and without a final norm (it has no ``norm``: only the native path, never taken,
-    reads one), over the whole vocabulary; float32, never packed. Read with :meth:`load`."""
+    reads one), over the whole vocabulary. Read with :meth:`load`."""
 
     kind = "eagle2"
 
-    def __init__(  # an EagleHead's modules, built here for the file's config: EagleHead's constructor unused
+    def __init__(
         self, target: Llama, config: LlamaConfig, bias: bool, tensors: dict[str, Tensor], where: Path
     ) -> None:
         LearnedHead.__init__(self, target, torch.arange(target.vocab_size), {"published": str(where)})
@@ -84,8 +84,9 @@ class Eagle2Head(EagleHead):
     @classmethod
     def load(cls, path: str | Path, target: LanguageModel, target_label: str = "", fast: bool = False):
         """The published head at ``path`` (a directory with config.json and model.safetensors, or the
-        safetensors file) for ``target``; ``fast`` is ignored (float32 torch). UsageError, one line, for a
-        head that does not fit the target or misses a tensor."""
+        safetensors file) for ``target``; ``fast``: on the native kernels beside a target on them
+        (:class:`~verispec.drafting.learned.eagle3.PublishedHead`). UsageError, one line, for a head that does
+        not fit the target or misses a tensor."""
         weights, config, tensors = read_published(path)
         model = native_target(target)
         layers = config.get("num_hidden_layers", 1)
@@ -94,11 +95,9 @@ class Eagle2Head(EagleHead):
         qkv_bias = bool(config.get("qkv_bias", False))  # q, k and v only, as EAGLE's code reads it
         layer = layer_config({**config, "attention_bias": qkv_bias}, model, weights, layers)
         layer = dataclasses.replace(layer, attention_out_bias=False)
-        return cls(model, layer, bool(config.get("bias", True)), tensors, weights)
-
-    def optimize_for_cpu(self, native: bool = False, min_weight_elements: int = 2**17) -> bool:
-        """Not packed: the head keeps its float32 weights (returns False)."""
-        return False
+        head = cls(model, layer, bool(config.get("bias", True)), tensors, weights)
+        head.optimize_for_cpu(native=fast and model.on_native_kernels)
+        return head
 
     def forward(
         self, tokens: Tensor, features: Tensor, positions: Tensor, cache: Any, mask: Tensor | None = None

@@ -29,10 +29,11 @@ skipping fc). The layer::
     logits = lm_head(norm(out))                       # over the draft vocabulary
 
 The head runs in float32 torch (unpacked, so a reference written from this description matches it bit for
-bit). Its draft distributions cover the draft vocabulary; :meth:`LearnedHead.full_q` puts them on the
-target's vocabulary with zeros elsewhere — exactly the distribution each draft token was sampled from, so
-rejection sampling stays exact (a target token outside the draft vocabulary is never drafted: its q is 0,
-and the verifier's residual max(p − q, 0) gives it its full p).
+bit), or beside a target on the native kernels with its matrices on them (:class:`PublishedHead`). Its draft
+distributions cover the draft vocabulary; :meth:`LearnedHead.full_q` puts them on the target's vocabulary
+with zeros elsewhere — exactly the distribution each draft token was sampled from, so rejection sampling
+stays exact (a target token outside the draft vocabulary is never drafted: its q is 0, and the verifier's
+residual max(p − q, 0) gives it its full p).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ __all__ = [
     "Eagle3Config",
     "Eagle3Drafter",
     "Eagle3Head",
+    "PublishedHead",
     "check_layout",
     "layer_config",
     "published_files",
@@ -217,15 +219,36 @@ class _Midlayer(nn.Module):
         self.mlp = _MLP(config, device, f32)
 
 
-class Eagle3Head(EagleHead):
+class PublishedHead(EagleHead):
+    """What the published heads share: an :class:`EagleHead`'s interface over modules of their own (their
+    constructors build them; EagleHead's is not called), in float32 torch, unpacked — the numerics of a
+    reference written from the papers — unless ``load``'s ``fast`` finds the target on the native kernels:
+    then every matrix of the head on those kernels in :data:`DRAFT_FORMAT`, each linear alone (attention
+    stays in torch over a float32 cache), another drafter than the float32 one, every draft distribution
+    computed from its own logits. Each drafter's cache is its own (rows never drafted together)."""
+
+    def optimize_for_cpu(self, native: bool = False, min_weight_elements: int = 2**17) -> bool:
+        """On the native kernels with ``native`` (see the class); else unpacked (returns False)."""
+        return native and super().optimize_for_cpu(native=True)
+
+    def pack_native(self) -> None:
+        """Each linear on the native kernels (not EagleHead's stack: the layers are not a Llama's)."""
+        LearnedHead.pack_native(self)
+
+    @property
+    def rows_alone(self) -> bool:
+        return False
+
+
+class Eagle3Head(PublishedHead):
     """A published EAGLE-3 head (module docstring) beside its target, drafting as an :class:`EagleHead`
     does (the same drafter, :class:`Eagle3Drafter`): its "features" are the states s_t, the committed ones
     fused from the target's three layers by :meth:`fuse`; :meth:`forward` returns the layer's pre-norm
-    output and :meth:`logits` normalises it. Read with :meth:`load`; float32, never packed."""
+    output and :meth:`logits` normalises it. Read with :meth:`load`."""
 
     kind = "eagle3"
 
-    def __init__(  # an EagleHead's interface, its own modules: EagleHead's constructor is not called
+    def __init__(
         self, target: LanguageModel, config: Eagle3Config, tensors: dict[str, Tensor], where: Path
     ) -> None:
         target = native_target(target)
@@ -257,15 +280,14 @@ class Eagle3Head(EagleHead):
     def load(cls, path: str | Path, target: LanguageModel, target_label: str = "", fast: bool = False):
         """The published head at ``path`` (a directory with config.json and model.safetensors, or the
         safetensors file) for ``target``, which from then on returns the inputs of the layers the head reads
-        (:meth:`~verispec.models.llama.Llama.tap_layers`); ``fast`` is ignored (float32 torch). UsageError,
-        one line, for a head that does not fit the target or misses a tensor."""
+        (:meth:`~verispec.models.llama.Llama.tap_layers`); ``fast``: on the native kernels beside a target
+        on them (:class:`PublishedHead`). UsageError, one line, for a head that does not fit the target or
+        misses a tensor."""
         weights, config, tensors = read_published(path)
         model = native_target(target)
-        return cls(model, Eagle3Config.of(config, model, weights), tensors, weights)
-
-    def optimize_for_cpu(self, native: bool = False, min_weight_elements: int = 2**17) -> bool:
-        """Not packed: the head keeps its float32 weights (returns False)."""
-        return False
+        head = cls(model, Eagle3Config.of(config, model, weights), tensors, weights)
+        head.optimize_for_cpu(native=fast and model.on_native_kernels)
+        return head
 
     def fuse(self, states: Tensor) -> Tensor:
         """The target's tapped states [T, 3H] (its layers' inputs, ascending) → s [T, H] through fc."""
@@ -290,7 +312,7 @@ class Eagle3Head(EagleHead):
 
     def logits(self, features: Tensor) -> Tensor:
         """The layer's outputs [..., H] → draft logits [..., Vd] float32: lm_head(norm(·))."""
-        return F.linear(self.norm(features.float()), self.head_weight)
+        return super().logits(self.norm(features.float()))
 
 
 def _check_tensors(tensors: dict[str, Tensor], config: Eagle3Config, target: Llama, where: Path) -> None:
