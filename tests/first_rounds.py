@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from verispec.engine import SpeculativeEngine
+from verispec.engine.engine import SpeculativeEngine
+from verispec.engine.sequence import GenerationStats, Request, Running
 from verispec.models.base import LanguageModel
-from verispec.sequence import GenerationStats, Request, Running
 
 SLOTS = 16  # requests decoded at once
 ALONE = 20  # requests also decoded alone, each in an engine of its own

@@ -8,8 +8,8 @@ from typing import Any
 
 from verispec.costs.policies import KPolicy
 from verispec.drafting.base import Drafter, TreeDrafter
-from verispec.engine import SpeculativeEngine
-from verispec.sequence import EngineConfig, GenerationStats, Request
+from verispec.engine.engine import SpeculativeEngine
+from verispec.engine.sequence import EngineConfig, GenerationStats, Request
 from verispec.trace import TraceRecorder
 
 

@@ -73,8 +73,8 @@ def test_a_next_turn_keeps_the_last_streams_keys_and_values(shared_model):
     with a seed; a reader that leaves early frees the slot, and a stream opened while another is open runs
     beside it on an engine of its own, the same tokens again."""
     from verispec.api import Speculator
+    from verispec.engine.sequence import GenerationStats
     from verispec.options import GenerationOptions, SamplingParams
-    from verispec.sequence import GenerationStats
 
     root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
     target = str(root / "stories260K.bin")

@@ -35,13 +35,13 @@ from verispec.drafting.learned.lookahead import LookaheadTokens
 from verispec.drafting.learned.medusa import MedusaHeads
 from verispec.drafting.ngram import NGramDrafter
 from verispec.drafting.tree import TreeShape
-from verispec.engine import SpeculativeEngine
+from verispec.engine.engine import SpeculativeEngine
+from verispec.engine.scheduler import QueueFull, Scheduler
+from verispec.engine.sequence import EngineConfig, GenerationStats, Request
 from verispec.kernels.cpu import native_available
 from verispec.models.base import RowInput
 from verispec.options import GenerationOptions, SamplingParams
 from verispec.sampling import position_draws, probs_from_logits
-from verispec.scheduler import QueueFull, Scheduler
-from verispec.sequence import EngineConfig, GenerationStats, Request
 
 GREEDY = SamplingParams(temperature=0)
 VOCAB = CONFIG.vocab_size

@@ -29,12 +29,12 @@ from verispec.costs.calibrate import (
 from verispec.costs.policies import ConstantK, CostModelK
 from verispec.drafting.base import Allowed, Proposal
 from verispec.drafting.ngram import NGramDrafter
+from verispec.engine.sequence import GenerationStats
 from verispec.grammar.constraint import Constraint
 from verispec.models.identity import model_identity
 from verispec.models.llama import Llama, LlamaConfig
 from verispec.models.registry import load_model
 from verispec.options import GenerationOptions, SamplingParams
-from verispec.sequence import GenerationStats
 
 
 @pytest.fixture(autouse=True)

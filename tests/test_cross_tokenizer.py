@@ -499,7 +499,7 @@ def test_real_pair_first_sampled_token_follows_the_target(real_pair, algorithm: 
     SmolLM2's own next-token distribution, and the verifier both accepted and rejected draft tokens."""
     from scipy import stats as scipy_stats
 
-    from verispec.sequence import Request
+    from verispec.engine.sequence import Request
 
     target, _ = real_pair
     model, tokenizer = target

@@ -37,11 +37,11 @@ from verispec.drafting.learned.eagle_drafter import DEFAULT_TREE, EagleDrafter, 
 from verispec.drafting.learned.head import native_target, target_fingerprint
 from verispec.drafting.ngram import NGramTreeDrafter
 from verispec.drafting.tree import TreeShape
+from verispec.engine.sequence import EngineConfig, GenerationStats, Request
 from verispec.models.llama import Llama, LlamaConfig
 from verispec.models.registry import load_model
 from verispec.options import GenerationOptions, SamplingParams
 from verispec.sampling import probs_from_logits
-from verispec.sequence import EngineConfig, GenerationStats, Request
 from verispec.training import eagle as eagle_recipe
 from verispec.training.config import TrainConfig
 from verispec.training.data import load_split

@@ -11,17 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
-import verispec.rounds as rounds_module
+import verispec.engine.rounds as rounds_module
 from fakes import TableLM
 from one_sequence import OneSequence
 from verispec.costs.policies import AdditiveK, ConstantK
 from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.ngram import NGramDrafter
-from verispec.engine import SpeculativeEngine
+from verispec.engine.engine import SpeculativeEngine
+from verispec.engine.sequence import EngineConfig, GenerationStats
 from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
-from verispec.sequence import EngineConfig, GenerationStats
 from verispec.verify.chain import rejection_rule, sample_verdict
 
 V = 6

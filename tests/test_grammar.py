@@ -19,13 +19,13 @@ from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.ngram import NGramDrafter, NGramTreeDrafter
 from verispec.drafting.tree import TreeShape
-from verispec.engine import SpeculativeEngine
+from verispec.engine.engine import SpeculativeEngine
+from verispec.engine.sequence import EngineConfig, GenerationStats, Request
 from verispec.errors import UsageError
 from verispec.grammar import Constraint
 from verispec.grammar.rounds import constrain, forced_run
 from verispec.models.registry import load_model
 from verispec.sampling import SamplingParams, probs_from_logits
-from verispec.sequence import EngineConfig, GenerationStats, Request
 
 GREEDY = SamplingParams(temperature=0)
 REGEX = r"(Once|One day), [a-z ]{5,30}\. (The|She) [a-z]+ [0-9]{2}!"

@@ -17,14 +17,14 @@ from test_grammar import GREEDY, REGEX, SCHEMA
 from test_lookahead import random_lookahead
 from test_medusa_exit import random_exit, random_medusa
 from toy import single_threaded
-from verispec import rounds
 from verispec.api import Speculator
 from verispec.drafting.registry import DRAFTERS
 from verispec.drafting.tree import TreeShape
+from verispec.engine import rounds
+from verispec.engine.sequence import GenerationStats
 from verispec.grammar import Constraint
 from verispec.models.registry import load_model
 from verispec.options import GenerationOptions, SamplingParams
-from verispec.sequence import GenerationStats
 
 PROMPT = "Once upon a time"
 CONSTRAINTS = (Constraint("regex", REGEX), Constraint("json_schema", json.dumps(SCHEMA)))

@@ -18,7 +18,7 @@ import pytest
 from test_server import GOOD, client, raw, scrape, stories  # noqa: F401 - stories: the fixture
 from verispec import cli
 from verispec.api import Speculator
-from verispec.engine import ROUND_TOKENS, SpeculativeEngine
+from verispec.engine.engine import ROUND_TOKENS, SpeculativeEngine
 from verispec.grammar.constraint import Constraint
 from verispec.options import GenerationOptions, SamplingParams
 from verispec.server import app
@@ -267,6 +267,6 @@ def _umask() -> int:
 
 def test_the_servers_bound_on_k_is_what_a_round_scores():
     """server.config keeps MAX_K apart from the engine (which loads torch) so that serve checks --k first."""
-    from verispec.engine import ROUND_TOKENS
+    from verispec.engine.engine import ROUND_TOKENS
 
     assert MAX_K == ROUND_TOKENS

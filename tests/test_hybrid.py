@@ -21,10 +21,10 @@ from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.eagle_drafter import EagleDrafter
 from verispec.drafting.ngram import NGramDrafter
 from verispec.drafting.registry import DRAFTERS, drafter_names
+from verispec.engine.sequence import GenerationStats
 from verispec.errors import UsageError
 from verispec.models.llama import Llama
 from verispec.options import GenerationOptions, SamplingParams
-from verispec.sequence import GenerationStats
 from verispec.training.config import TrainConfig
 
 pytestmark = needs_native

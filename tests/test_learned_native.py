@@ -33,11 +33,11 @@ from verispec.drafting.learned.eagle_drafter import EagleDrafter, EagleTreeDraft
 from verispec.drafting.learned.head import LearnedHead
 from verispec.drafting.learned.medusa import MedusaDrafter
 from verispec.drafting.tree import TreeShape
+from verispec.engine.sequence import GenerationStats
 from verispec.kernels.threads import THREADS
 from verispec.models.llama import Llama, native_rows
 from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
-from verispec.sequence import GenerationStats
 
 pytestmark = needs_native
 rows_of = native_rows  # what the eagle head places its rows' tokens with (counted in a test)

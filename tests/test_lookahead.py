@@ -40,12 +40,12 @@ from verispec.bench.suite import BenchConfig, Method, plan_methods
 from verispec.drafting.learned.head import target_fingerprint
 from verispec.drafting.learned.kinds import load_head
 from verispec.drafting.learned.lookahead import LookaheadDrafter, LookaheadTokens, lookahead_mask
+from verispec.engine.sequence import GenerationStats
 from verispec.kernels.cpu import native_available
 from verispec.models.llama import Llama
 from verispec.models.registry import load_model
 from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
-from verispec.sequence import GenerationStats
 from verispec.training import train as train_module
 from verispec.training.config import TrainConfig
 from verispec.training.data import load_split

@@ -43,11 +43,11 @@ from verispec.drafting.learned.kinds import HEADS, load_head, shipped_drafter
 from verispec.drafting.learned.medusa import MedusaDrafter, MedusaHeads, MedusaTreeDrafter, medusa_tree
 from verispec.drafting.registry import DRAFTERS
 from verispec.drafting.tree import TreeShape
+from verispec.engine.sequence import GenerationStats
 from verispec.models.llama import Llama
 from verispec.models.registry import load_model
 from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
-from verispec.sequence import GenerationStats
 from verispec.training import config as config_module
 from verispec.training.config import TrainConfig
 from verispec.training.data import load_split

@@ -13,10 +13,10 @@ from verispec.costs.online import ForwardTiming, OnlineConfig, OnlineCosts, Roun
 from verispec.costs.policies import AutoKConfig, ConstantK, CostModelK, KPolicy
 from verispec.costs.recovery import simulate_recovery
 from verispec.drafting.ngram import NGramDrafter
-from verispec.engine import SpeculativeEngine
+from verispec.engine.engine import SpeculativeEngine
+from verispec.engine.sequence import EngineConfig, GenerationStats, Request
 from verispec.models.registry import load_model
 from verispec.options import SamplingParams
-from verispec.sequence import EngineConfig, GenerationStats, Request
 
 MEASURED = [1.0, 1.13, 1.2, 1.13, 1.11, 1.15, 1.23, 1.25, 1.26, 1.29, 1.31, 1.32, 1.39, 1.42, 1.45, 1.5]
 CASES = [(0.02, 0.8), (0.02, 0.5), (0.2, 0.8), (0.05, 0.3)]  # (c, α): lookups and model drafts, good and poor

@@ -22,11 +22,11 @@ from verispec import cli
 from verispec.api import Speculator
 from verispec.drafting.learned.kinds import shipped_drafter
 from verispec.drafting.tree import TreeShape
+from verispec.engine.sequence import GenerationStats, Request
 from verispec.models.llama import Llama
 from verispec.models.registry import load_model
 from verispec.options import GenerationOptions, SamplingParams
 from verispec.sampling import probs_from_logits
-from verispec.sequence import GenerationStats, Request
 from verispec.text import TEXT_WINDOW, TextAssembler
 
 GREEDY = SamplingParams(temperature=0)

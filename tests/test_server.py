@@ -21,10 +21,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from verispec import cli
-from verispec import rounds as rounds_module
 from verispec.api import Speculator
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.tree import TreeShape
+from verispec.engine import rounds as rounds_module
 from verispec.models.registry import load_model
 from verispec.options import SamplingParams
 from verispec.server.app import OncePerInterval, Server, ServerConfig, listen, serving
@@ -633,7 +633,7 @@ def test_a_request_that_fails_fails_alone_and_the_batch_goes_on(served, stories,
     assert client(url).completions.create(**GOOD).usage.completion_tokens == 4
     assert raw(url, "GET", "/health")[0] == 200
     logged = [r for r in caplog.records if r.exc_info]
-    assert logged and all(r.name == "verispec.driver" for r in logged)  # the bug's traceback, once each
+    assert logged and all(r.name == "verispec.engine.driver" for r in logged)  # the traceback, once each
 
 
 class Fatal(BaseException):
@@ -660,7 +660,7 @@ def test_a_dead_scheduler_answers_503_at_once_and_health_says_so(stories, caplog
                               {"content-type": "application/json"})  # fmt: skip
         assert status == 503 and "restart" in json.loads(body)["error"]["message"]
         assert time.monotonic() - started < 5
-    assert [r.levelname for r in caplog.records if r.name == "verispec.scheduler"] == ["CRITICAL"]
+    assert [r.levelname for r in caplog.records if r.name == "verispec.engine.scheduler"] == ["CRITICAL"]
 
 
 @pytest.fixture(scope="module")

@@ -22,11 +22,11 @@ from verispec.drafting.suffix import SuffixDrafter, SuffixTreeDrafter
 from verispec.drafting.suffix_cache import FORMAT, SuffixCache, tokenizer_identity
 from verispec.drafting.suffix_index import SuffixConfig, TokenIndex
 from verispec.drafting.tree import TreeShape
-from verispec.engine import SpeculativeEngine
+from verispec.engine.engine import SpeculativeEngine
+from verispec.engine.sequence import EngineConfig, GenerationStats, Request
 from verispec.errors import UsageError
 from verispec.models.registry import load_model
 from verispec.sampling import SamplingParams, probs_from_logits
-from verispec.sequence import EngineConfig, GenerationStats, Request
 
 G = torch.Generator()
 GREEDY = SamplingParams(temperature=0)

@@ -14,9 +14,9 @@ from verispec.costs.policies import ConstantK
 from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter
 from verispec.drafting.ngram import NGramDrafter
+from verispec.engine.sequence import EngineConfig, GenerationStats
 from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
-from verispec.sequence import EngineConfig, GenerationStats
 from verispec.trace import TokenFate, TokenProbs, Trace, TraceRecorder, token_texts
 
 V = 6

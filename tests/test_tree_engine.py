@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
-import verispec.rounds as rounds_module
+import verispec.engine.rounds as rounds_module
 from fakes import TableLM, TokenCache
 from one_sequence import OneSequence
 from test_hf_adapter import tiny_model
@@ -23,12 +23,12 @@ from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter, ModelTreeDrafter
 from verispec.drafting.ngram import NGramDrafter, NGramTreeDrafter
 from verispec.drafting.tree import TreeShape
-from verispec.engine import SpeculativeEngine
+from verispec.engine.engine import SpeculativeEngine
+from verispec.engine.sequence import EngineConfig, GenerationStats
 from verispec.models.hf import HFModel
 from verispec.models.registry import load_model
 from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
-from verispec.sequence import EngineConfig, GenerationStats
 from verispec.verify.tree import SiblingRule, sample_tree_verdict, sibling_rule
 
 V = 6

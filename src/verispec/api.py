@@ -32,7 +32,8 @@ from verispec.drafting.hybrid import LookupFirstDrafter
 from verispec.drafting.registry import DraftInputs
 from verispec.drafting.suffix_cache import SuffixCache, tokenizer_identity
 from verispec.drafting.tree import AUTO, TreeShape
-from verispec.driver import Collected, Driver
+from verispec.engine.driver import Collected, Driver
+from verispec.engine.sequence import DrafterFor, EngineConfig, GenerationStats, Request, TokenLogprob
 from verispec.errors import UsageError
 from verispec.grammar.constraint import Constraint
 from verispec.grammar.rounds import GrammarState
@@ -50,7 +51,6 @@ from verispec.options import (
     parse_k,
 )
 from verispec.resolve import Loadable, Parts, resolve
-from verispec.sequence import DrafterFor, EngineConfig, GenerationStats, Request, TokenLogprob
 from verispec.text import Chunk, TextAssembler
 from verispec.trace import TraceRecorder
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from verispec.engine.sequence import TokenLogprob
 from verispec.models.base import Tokenizer
-from verispec.sequence import TokenLogprob
 
 __all__ = ["STOP_REACH", "TEXT_WINDOW", "Chunk", "TextAssembler"]
 

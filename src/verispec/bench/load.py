@@ -3,8 +3,8 @@ latency per method and concurrency, beside transformers' batched ``generate`` on
 
 At each concurrency C, C client threads share a list of requests (the bench's task prompts in the chat
 template, cycled; the same list at every C), each submitting its next request to a
-:class:`~verispec.scheduler.Scheduler` of C slots as soon as its last one ended, until every request has
-run: a closed loop that keeps C requests in flight.
+:class:`~verispec.engine.scheduler.Scheduler` of C slots as soon as its last one ended, until every request
+has run: a closed loop that keeps C requests in flight.
 Measured per cell: generated tokens over wall time (aggregate tokens/s), time to first token (submission →
 the first committed token), inter-token latency (the time between committed chunks, spread over the tokens
 of each: what a streaming client sees), their p50 and p99, tokens per target forward, the draft tokens
@@ -36,12 +36,12 @@ from verispec.bench.methods import LOAD_METHODS
 from verispec.bench.suite import builtin_tasks
 from verispec.bench.workloads import WARM
 from verispec.drafting.suffix_cache import SuffixCache
+from verispec.engine.scheduler import Scheduler
 from verispec.errors import UsageError
 from verispec.files import atomic_write
 from verispec.inputs import is_int
 from verispec.models.base import has_chat_template
 from verispec.options import DEFAULT_MODEL, DEFAULT_PRECISION, GenerationOptions
-from verispec.scheduler import Scheduler
 
 Prompt = str | Sequence[Mapping[str, str]]  # a prompt, or a conversation
 

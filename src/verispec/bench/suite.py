@@ -98,6 +98,7 @@ from verispec.drafting.learned.kinds import shipped_drafter
 from verispec.drafting.registry import DRAFTERS
 from verispec.drafting.suffix_cache import SuffixCache
 from verispec.drafting.tree import AUTO, TreeShape
+from verispec.engine.sequence import GenerationStats
 from verispec.errors import UsageError
 from verispec.files import atomic_write
 from verispec.grammar.constraint import Constraint
@@ -106,7 +107,6 @@ from verispec.models.base import LanguageModel, Tokenizer, has_chat_template
 from verispec.models.gguf import source_gguf
 from verispec.models.registry import gguf_file, model_dir
 from verispec.options import DEFAULT_MODEL, DEFAULT_PRECISION, GenerationOptions, SamplingParams, parse_k
-from verispec.sequence import GenerationStats
 from verispec.viz.charts import chart_directory
 
 __all__ = [
@@ -512,7 +512,8 @@ def predicted_speedup(
     K this is E[L](α, K) / (v(K+1) + K·c), :func:`verispec.costs.analytic.expected_speedup`.
     ``drafted_per_position
     [i]`` counts the rounds that drafted position i, ``accepted_per_position[i]`` those that accepted it (as
-    :class:`~verispec.sequence.GenerationStats` keeps them). None when nothing ran or K exceeds the curve."""
+    :class:`~verispec.engine.sequence.GenerationStats` keeps them). None when nothing ran or K exceeds the
+    curve."""
     depth = len(drafted_per_position)
     if target_calls <= 0 or (cost.max_k is not None and depth > cost.max_k):
         return None

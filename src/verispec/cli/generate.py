@@ -34,8 +34,8 @@ from verispec.inputs import check_prompt, is_int, parse_json
 
 if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
     from verispec.api import GenerationResult
+    from verispec.engine.sequence import GenerationStats
     from verispec.grammar.tools import Tools
-    from verispec.sequence import GenerationStats
     from verispec.trace import Trace
 
 __all__ = [
@@ -172,7 +172,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace, speculator, prompt: str, options, tracing: bool) -> int:
     """``verispec generate`` of one prompt by ``speculator``: the text streamed (or --json), the summary."""
-    from verispec.sequence import GenerationStats
+    from verispec.engine.sequence import GenerationStats
     from verispec.trace import TraceRecorder
 
     room = speculator.model.max_context - len(speculator.encode_prompt(prompt, options.chat, options.tools))

@@ -1,7 +1,7 @@
 """``verispec serve``: the OpenAI API over the batched engine (Starlette, uvicorn, server-sent events).
 
 One :class:`Server` holds the loaded target, a :class:`~verispec.api.Speculator` per drafter asked for (all
-over that one target), the :class:`~verispec.scheduler.Scheduler` whose thread runs the engine, and the
+over that one target), the :class:`~verispec.engine.scheduler.Scheduler` whose thread runs the engine, and the
 metrics. The event loop never waits on the engine: a request is submitted from a worker thread (its prompt
 is tokenized there) and its chunks come back through ``loop.call_soon_threadsafe``. A client that goes away
 cancels its request, which leaves the batch at the next step. Every refusal is OpenAI's error object with
@@ -26,7 +26,7 @@ are the server's own and those ``allow_drafters`` names, each loaded and calibra
 asks for is bounded before it reaches the engine: ``k`` by :data:`MAX_K`, ``top_k`` by the vocabulary, a
 prompt by its bytes before it is tokenized (:meth:`Server.check_prompt_bytes`), a ``response_format`` by
 its grammar's start, checked when its state is made (a 400 naming it, before a stream begins); a round
-scores at most :data:`~verispec.engine.ROUND_TOKENS` of a sequence's tokens, however long its grammar's
+scores at most :data:`~verispec.engine.engine.ROUND_TOKENS` of a sequence's tokens, however long its grammar's
 forced run.
 """
 
@@ -59,15 +59,15 @@ from verispec.api import Speculator, failure_message
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import DRAFTERS
 from verispec.drafting.suffix_cache import tokenizer_identity
-from verispec.engine import ROUND_TOKENS
+from verispec.engine.engine import ROUND_TOKENS
+from verispec.engine.scheduler import Handle, QueueFull, Scheduler, SchedulerFailed
+from verispec.engine.sequence import TokenLogprob
 from verispec.errors import UsageError
 from verispec.grammar.constraint import InvalidConstraint
 from verispec.grammar.tools import CallReader, ToolCall, read_calls
 from verispec.inputs import is_int, parse_json
 from verispec.models.base import LanguageModel, SpelledTokenizer, Tokenizer
 from verispec.options import GenerationOptions, parse_k
-from verispec.scheduler import Handle, QueueFull, Scheduler, SchedulerFailed
-from verispec.sequence import TokenLogprob
 from verispec.server.config import MAX_K, ServerConfig, listen
 from verispec.server.metrics import ServerMetrics
 from verispec.server.schema import (
@@ -100,7 +100,7 @@ class OncePerInterval(logging.Filter):
     same logger, message and exception type), the next one through saying how many were held back; added to
     the loggers a flood can fill (accept errors when file descriptors run out, failing requests)."""
 
-    LOGGERS = ("asyncio", "uvicorn.error", "verispec.server", "verispec.scheduler")
+    LOGGERS = ("asyncio", "uvicorn.error", "verispec.server", "verispec.engine.scheduler")
     KEYS = 1024  # distinct messages remembered (forgotten all at once beyond)
 
     def __init__(self, interval: float = LOG_INTERVAL, clock: Callable[[], float] = time.monotonic) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from verispec.sequence import GenerationStats
+from verispec.engine.sequence import GenerationStats
 
 __all__ = ["POSITIONS", "ServerMetrics"]
 

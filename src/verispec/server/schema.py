@@ -18,9 +18,9 @@ refused. Every refusal is an :class:`ApiError`: an HTTP status and one line, wri
 by :func:`error_body`.
 
 Log-probabilities (chat: ``logprobs: true`` and ``top_logprobs: N``; completions: ``logprobs: N``; N ≤
-:data:`~verispec.options.MAX_LOGPROBS`) are the engine's (:class:`~verispec.sequence.TokenLogprob`): the
-log-softmax of the target's own logits at each token's prefix, before the sampling transform, read from the
-forward that verified the token.
+:data:`~verispec.options.MAX_LOGPROBS`) are the engine's (:class:`~verispec.engine.sequence.TokenLogprob`):
+the log-softmax of the target's own logits at each token's prefix, before the sampling transform, read from
+the forward that verified the token.
 """
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ from pydantic import (
     model_validator,
 )
 
+from verispec.engine.sequence import GenerationStats, TokenLogprob
 from verispec.errors import UsageError
 from verispec.grammar.constraint import Constraint, InvalidConstraint
 from verispec.grammar.tools import InvalidTools, ToolCall, Tools
 from verispec.inputs import parse_json
 from verispec.models.base import SpelledTokenizer, Tokenizer
 from verispec.options import MAX_LOGPROBS, SamplingParams
-from verispec.sequence import GenerationStats, TokenLogprob
 
 __all__ = [
     "ApiError",

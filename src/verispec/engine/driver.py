@@ -1,8 +1,8 @@
 """The one loop that runs the engine for every caller — a stream of one, a batch of prompts, the scheduler's
 thread: admit → step → chunk.
 
-A :class:`Driver` holds a :class:`~verispec.engine.SpeculativeEngine` and, per admitted request, its text
-assembler and its :class:`Sink`. Each :meth:`Driver.step` runs one engine step and hands every sequence's
+A :class:`Driver` holds a :class:`~verispec.engine.engine.SpeculativeEngine` and, per admitted request, its
+text assembler and its :class:`Sink`. Each :meth:`Driver.step` runs one engine step and hands every sequence's
 committed tokens to its sink as a :class:`~verispec.text.Chunk`; a sequence that stops gets its last text and
 then ``end(None)``. A failure is contained where it happens: a request that cannot be admitted, or whose own
 part of a step (its proposal, verification, commit, text) raises, ends its sink with the error (logged too
@@ -18,15 +18,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from verispec.engine import SpeculativeEngine
+from verispec.engine.engine import SpeculativeEngine
+from verispec.engine.sequence import Request, Running, TokenLogprob
 from verispec.errors import UsageError
 from verispec.models.base import LanguageModel
-from verispec.sequence import Request, Running, TokenLogprob
 from verispec.text import Chunk, TextAssembler
 
 __all__ = ["Collected", "Driver", "Sink"]
 
-_log = logging.getLogger("verispec.driver")
+_log = logging.getLogger("verispec.engine.driver")
 
 
 class Sink(Protocol):

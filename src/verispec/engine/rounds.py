@@ -15,6 +15,7 @@ import torch
 
 from verispec.drafting.base import Allowed, Drafter, Proposal, TreeDrafter
 from verispec.drafting.tree import TreeProposal
+from verispec.engine.sequence import EngineConfig, Running
 from verispec.grammar.rounds import (
     GrammarState,
     chain_masks,
@@ -25,7 +26,6 @@ from verispec.grammar.rounds import (
 )
 from verispec.models.base import TreeCache
 from verispec.sampling import position_draws, probs_from_logits
-from verispec.sequence import EngineConfig, Running
 from verispec.verify.chain import (
     Verdict,
     greedy_targets,

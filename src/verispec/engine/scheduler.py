@@ -24,10 +24,10 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, cast
 
-from verispec.driver import Driver
+from verispec.engine.driver import Driver
+from verispec.engine.sequence import GenerationStats, Request
 from verispec.errors import UsageError
 from verispec.inputs import is_int
-from verispec.sequence import GenerationStats, Request
 
 if TYPE_CHECKING:
     from verispec.api import Speculator
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Handle", "QueueFull", "Scheduler", "SchedulerFailed"]
 
-_log = logging.getLogger("verispec.scheduler")
+_log = logging.getLogger("verispec.engine.scheduler")
 
 
 class QueueFull(UsageError):
@@ -50,8 +50,8 @@ class SchedulerFailed(RuntimeError):
 
 
 class Handle:
-    """One submitted request, and the :class:`~verispec.driver.Sink` of its output. Iterating it yields its
-    :class:`~verispec.text.Chunk`\\ s as they are committed (blocking), ending when it stops; ``stats``
+    """One submitted request, and the :class:`~verispec.engine.driver.Sink` of its output. Iterating it yields
+    its :class:`~verispec.text.Chunk`\\ s as they are committed (blocking), ending when it stops; ``stats``
     fills in as it goes; :meth:`cancel` stops it. With a ``listener``, each chunk is handed to it instead, in
     the scheduler's thread, and then None at the end (an event loop's reader: ``loop.call_soon_threadsafe``);
     such a handle is not iterated."""

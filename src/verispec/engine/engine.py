@@ -49,6 +49,18 @@ from verispec.drafting.base import (
     SequenceEnd,
     TreeDrafter,
 )
+from verispec.engine.rounds import (
+    Chain,
+    Round,
+    chain_of,
+    chain_round,
+    draft,
+    tree_round,
+    verify_chain,
+    verify_greedy_chains,
+    verify_tree,
+)
+from verispec.engine.sequence import DrafterFor, ForwardTotals, Request, Running, token_logprobs
 from verispec.errors import UsageError
 from verispec.grammar.rounds import constrain, finish
 from verispec.inputs import is_int
@@ -61,18 +73,6 @@ from verispec.models.base import (
     TreeCache,
     TreeLanguageModel,
 )
-from verispec.rounds import (
-    Chain,
-    Round,
-    chain_of,
-    chain_round,
-    draft,
-    tree_round,
-    verify_chain,
-    verify_greedy_chains,
-    verify_tree,
-)
-from verispec.sequence import DrafterFor, ForwardTotals, Request, Running, token_logprobs
 from verispec.verify.chain import Verdict
 
 __all__ = ["PREFILL_CHUNK", "ROUND_TOKENS", "SpeculativeEngine"]
@@ -404,8 +404,8 @@ class SpeculativeEngine:
         return rounds
 
     def _propose(self, running: Running, planned: int | None = None) -> Round:
-        """A decoding sequence's round (:mod:`verispec.rounds`): its tree, or a chain of ``planned`` tokens
-        (None: its K policy's choice), capped by its room."""
+        """A decoding sequence's round (:mod:`verispec.engine.rounds`): its tree, or a chain of ``planned``
+        tokens (None: its K policy's choice), capped by its room."""
         room = self._round_room(running)
         if running.tree:  # checked on submission: a tree drafter, a cache that compacts
             return tree_round(running, room)
