@@ -191,6 +191,46 @@ def test_affinity_keys():
     assert affinity_key(False, {}, b"{not json") is None and key({}, {"model": "m"}) is None
 
 
+def test_the_router_keeps_a_key_on_its_replica_unless_it_is_full():
+    """The affinity router on made-up replicas and loads: a key's replica the same whatever the order; a
+    replica that goes moves its own keys alone; a full replica's key to the least loaded while another has
+    a free slot; a pinned request to its replica alone; no key, any replica by load."""
+    import asyncio
+
+    from verispec.server.ray_serve import PIN, AffinityRouter
+
+    def replica(name):
+        return types.SimpleNamespace(replica_id=types.SimpleNamespace(unique_id=name))
+
+    loads: dict[str, int] = {}
+    router = AffinityRouter.__new__(AffinityRouter)  # no Ray Serve: the policy alone
+    router.slots = 2
+    router._replica_queue_len_cache = types.SimpleNamespace(get=lambda rid: loads.get(rid.unique_id))
+
+    def ranks(replicas, key):
+        request = types.SimpleNamespace(args=[key], routing_context=types.SimpleNamespace())
+        chosen = asyncio.run(router.choose_replicas(replicas, request))
+        return [[r.replica_id.unique_id for r in rank] for rank in chosen]
+
+    three = [replica(name) for name in ("a", "b", "c")]
+    keys = [f"key{n}" for n in range(60)]
+    first = {key: ranks(three, key)[0] for key in keys}
+    assert all(len(rank) == 1 for rank in first.values()) and len({r[0] for r in first.values()}) == 3
+    assert all(ranks(three[::-1], key)[0] == first[key] for key in keys)
+    assert set(ranks(three, "key0")[1]) == {"a", "b", "c"} - set(first["key0"])  # then the others
+    two = [r for r in three if r.replica_id.unique_id != "c"]
+    for key in keys:  # c goes: its keys move, the others stay
+        if first[key] != ["c"]:
+            assert ranks(two, key)[0] == first[key]
+    (home,) = first["key0"]
+    loads.update({home: 2, **{other: 1 for other in {"a", "b", "c"} - {home}}})
+    assert ranks(three, "key0") == [["a", "b", "c"]]  # all slots of its replica taken: by load
+    loads.update({other: 2 for other in {"a", "b", "c"} - {home}})
+    assert ranks(three, "key0")[0] == [home]  # every replica full: it queues where its caches are
+    assert ranks(three, PIN + "b") == [["b"]] and ranks(three, PIN + "gone") == [[]]
+    assert ranks(three, None) == [["a", "b", "c"]]
+
+
 def test_a_replica_whose_scheduler_died_is_unhealthy():
     """Ray Serve replaces a replica whose ``check_health`` raises: one whose scheduler has died."""
     from verispec.server.ray_serve import Replica

@@ -61,7 +61,7 @@ REPLICA_HEADER = "x-verispec-replica"  # the id of the replica that answered
 SESSION_HEADER = "x-session-id"  # a client's session: its requests' affinity key (after a tenant, a user)
 PROMPT_START = 512  # characters (or token ids) of a completion's prompt that key it
 FIRST_MESSAGES = 2  # messages of a conversation that key it (a system prompt and the first turn)
-METRICS_TIMEOUT = 2.0  # seconds a replica has to answer /metrics before the page goes without it
+METRICS_TIMEOUT = 5.0  # seconds a replica has to answer /metrics before the page goes without it
 HEADROOM = 8  # requests a replica takes beyond its batch and queue (/metrics, /health while it is full)
 PIN = "replica:"  # a key naming one replica by its id (the ingress asking each for its /metrics)
 Headers = list[tuple[bytes, bytes]]  # ASGI's: (name, value), the names lower case
@@ -114,8 +114,9 @@ class AffinityRouter(RequestRouter):
     """Ray Serve's request router of the replicas (it runs in the ingress's process): a request's affinity key
     (its first argument) to the replica its rendezvous hash ranks first, unless all of that one's ``slots``
     are taken while another replica has one free (then by load, as keyless requests go); :data:`PIN` and a
-    replica's id to that replica alone. Ray Serve copies this module's code into the ingress (pickled by
-    value): nothing here may name this module's other objects but through an import at run time."""
+    replica's id to that replica alone. Ray Serve copies this module into the ingress with the class (pickled
+    by value): the functions and constants it uses are copies, this module's state is reached through an
+    import at run time."""
 
     slots = 1  # requests a replica decodes at once (its --max-batch)
 
@@ -134,8 +135,8 @@ class AffinityRouter(RequestRouter):
         key = pending_request.args[0] if pending_request is not None and pending_request.args else None
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # none chosen: wait before trying again
-        if isinstance(key, str) and key.startswith("replica:"):
-            return [[r for r in candidate_replicas if f"replica:{r.replica_id.unique_id}" == key]]
+        if isinstance(key, str) and key.startswith(PIN):
+            return [[r for r in candidate_replicas if PIN + r.replica_id.unique_id == key]]
         if not isinstance(key, str) or len(candidate_replicas) < 2:
             return [candidate_replicas]
         ranked = sorted(candidate_replicas, key=lambda r: _rank(key, r.replica_id.unique_id), reverse=True)
@@ -163,14 +164,20 @@ class Replica:
     async def serve(
         self, key: str | None, method: str, path: str, query: bytes, headers: Headers,
         body: bytes,
-    ) -> AsyncIterator[tuple[str, int, Headers] | bytes]:  # fmt: skip
-        """The app's answer to a request: first (this replica's id, the status, the headers), then the body's
-        parts. ``key`` is the router's (unused here)."""
+    ) -> AsyncIterator[tuple[str, int, Headers, bytes] | bytes]:  # fmt: skip
+        """The app's answer to a request: first (this replica's id, the status, the headers, the body's first
+        part: a whole answer's all), then the body's other parts. ``key`` is the router's (unused here)."""
+        start: tuple[str, int, Headers] | None = None
         async for message in _asgi(self.app, method, path, query, headers, body):
             if message["type"] == "http.response.start":
-                yield self.id, int(message["status"]), list(message.get("headers", []))
-            elif message["type"] == "http.response.body" and message.get("body"):
-                yield bytes(message["body"])
+                start = self.id, int(message["status"]), list(message.get("headers", []))
+            elif message["type"] == "http.response.body":
+                part = bytes(message.get("body", b""))
+                if start is not None:
+                    yield *start, part
+                    start = None
+                elif part:
+                    yield part
 
     def check_health(self) -> None:
         """Ray Serve's periodic check: a replica whose scheduler has died (every request it would take
@@ -260,7 +267,7 @@ class Ingress:
             key, request.method, request.url.path, request.url.query.encode(), headers, body
         )
         try:
-            replica, status, answer_headers = await stream.__anext__()
+            replica, status, answer_headers, first = await stream.__anext__()
         except Exception as err:
             stream.cancel()
             raise _failure(err) from None
@@ -268,7 +275,7 @@ class Ingress:
                 if name.lower() not in (b"content-length", b"transfer-encoding")}  # fmt: skip
         events = kept.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(
-            _rest(stream, events), status_code=status, headers={**kept, REPLICA_HEADER: replica}
+            _rest(first, stream, events), status_code=status, headers={**kept, REPLICA_HEADER: replica}
         )
 
     async def _body(self, request: Request) -> bytes:
@@ -307,10 +314,11 @@ class Ingress:
         return Response(page, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-async def _rest(stream: Any, events: bool) -> AsyncIterator[bytes]:
-    """The rest of a replica's answer; a replica that dies on the way ends it with an error event (a
-    stream's) or cuts it short (the client sees a body shorter than announced)."""
+async def _rest(first: bytes, stream: Any, events: bool) -> AsyncIterator[bytes]:
+    """A replica's answer from its first part (a whole answer's all: nothing can cut it short); a replica
+    that dies during a stream ends it with an error event."""
     try:
+        yield first
         async for part in stream:
             yield part
     except Exception as err:
