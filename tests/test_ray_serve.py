@@ -257,6 +257,7 @@ def test_a_replica_whose_scheduler_died_is_unhealthy():
             "--suffix-cache FILE: replicas keep their suffix caches",
         ),
         (["--ray", "--max-batch", "0"], "max-batch must be an integer >= 1"),
+        (["--ray", "--address", "127.0.0.1:1"], "cannot reach Ray at 127.0.0.1:1"),  # a closed port
     ],
 )
 def test_ray_flags_refused_in_one_line_before_ray_loads(flags, message):

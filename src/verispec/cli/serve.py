@@ -123,6 +123,10 @@ def run_serve(args: argparse.Namespace) -> int:
         if deployment is None:
             return _serve(config, sock)
         host, port = sock.getsockname()[:2]  # a free port found: Ray Serve's proxy binds it
+    if deployment.address is not None:
+        from verispec.batch import _check_reachable
+
+        _check_reachable(deployment.address)  # a cluster's head that does not answer: at once, no Ray loaded
     _warn_exposed(host, config)
     from verispec.server.ray_serve import serve_on_ray  # loads Ray
 

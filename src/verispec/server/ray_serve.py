@@ -369,12 +369,10 @@ def merge_metrics(texts: Mapping[str, str]) -> str:
 
 def connect(address: str | None) -> bool:
     """Ray at ``address`` (None: a local Ray started here, unless one is already connected); whether it was
-    started here. UsageError when it cannot be had."""
-    from verispec.batch import LOCAL, _check_reachable
-
+    started here. UsageError when it cannot be had (the command line has found the head's HOST:PORT
+    answering)."""
     if ray.is_initialized():
         return False
-    _check_reachable(address or LOCAL)
     try:
         if address is None:
             ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
