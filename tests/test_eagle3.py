@@ -561,7 +561,8 @@ def eagle2_config(**changes) -> dict:
 def eagle2_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random float16 tensors of the EAGLE-1/2 layout for ``config``."""
     g = torch.Generator().manual_seed(seed)
-    h, inter, d = HIDDEN, config["intermediate_size"], HIDDEN // config["num_attention_heads"]
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    d = h // config["num_attention_heads"]
     kv = config["num_key_value_heads"] * d
     shapes = {"fc.weight": (h, 2 * h)}
     for i in range(config["num_hidden_layers"]):
@@ -690,3 +691,49 @@ def test_eagle2_refusals_in_one_line(tmp_path, head_dir):
             Eagle2Head.load(path, tiny_target())
         assert "\n" not in str(err.value), name
     assert Eagle2Head.load(write_head(tmp_path / "nb", eagle2_config(bias=False), None), tiny_target())
+
+
+def published_head(target: Llama, directory: Path, kind: str) -> Path:
+    """A random head in the published layout of ``kind`` ("eagle3": reading layers 0, N // 2 and N − 1;
+    "eagle2") fitting ``target`` (its hidden size, vocabulary and attention heads): for tests of every
+    drafter of the registry."""
+    c = target.config
+    fit = {
+        "hidden_size": c.hidden_size,
+        "vocab_size": target.vocab_size,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "intermediate_size": c.intermediate_size,
+    }
+    if kind == "eagle3":
+        layers = [0, c.num_layers // 2, c.num_layers - 1]
+        draft = target.vocab_size // 2
+        config = head_config(**fit, draft_vocab_size=draft, eagle_aux_hidden_state_layer_ids=layers)
+    else:
+        config = eagle2_config(**fit, num_hidden_layers=1)
+    return write_head(directory, config)
+
+
+def test_other_hidden_readers_beside_a_tapped_target(head_dir):
+    """A target tapped for an EAGLE-3 head hands wider states to every drafter that reads them: verispec's
+    own eagle head and Medusa heads on that target read the final state alone, as lookahead tokens do from
+    the target's own forward (greedy == plain greedy)."""
+    from test_eagle import fresh_head
+    from test_lookahead import random_lookahead
+    from test_medusa_exit import random_medusa
+
+    model, tokenizer = tiny_target(), LetterTokenizer(VOCAB)
+    plain = Speculator((model, tokenizer), drafter="none")
+    want = {p: plain.generate(p, k=0, max_new_tokens=16, sampling=GREEDY).token_ids for p in PROMPTS[:3]}
+    Eagle3Head.load(head_dir, model)  # taps the target: its states [T, 4H] from now on
+    vocab = torch.arange(VOCAB)
+    heads = {"eagle": fresh_head(model, vocab, seed=2), "medusa": random_medusa(model, vocab)}
+    heads["lookahead"] = random_lookahead(model, vocab)
+    for name, head in heads.items():
+        spec = Speculator(
+            (model, tokenizer), drafter=name, drafter_path=str(head.save(head_dir.parent / name))
+        )
+        for prompt in PROMPTS[:3]:
+            assert spec.generate(prompt, k=3, max_new_tokens=16, sampling=GREEDY).token_ids == want[prompt], (
+                name
+            )

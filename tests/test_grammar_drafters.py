@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from test_eagle import fresh_head
+from test_eagle3 import published_head
 from test_grammar import GREEDY, REGEX, SCHEMA
 from test_lookahead import random_lookahead
 from test_medusa_exit import random_exit, random_medusa
@@ -48,6 +49,8 @@ def speculators(shared_model, tmp_path_factory) -> dict[str, Speculator]:
         "medusa": random_medusa(model, vocab).save(out / "medusa.safetensors"),
         "exit": random_exit(model, vocab).save(out / "exit.safetensors"),
         "lookahead": random_lookahead(model, vocab).save(out / "lookahead.safetensors"),
+        "eagle3": published_head(model, out / "eagle3", "eagle3"),
+        "eagle2": published_head(model, out / "eagle2", "eagle2"),
     }
     made = {}
     for name, kind in DRAFTERS.items():

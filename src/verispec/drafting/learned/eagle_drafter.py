@@ -85,9 +85,11 @@ class EagleDrafter:
         self._next_logits = None
 
     def observe_hidden(self, hidden: Tensor) -> None:
-        """hidden: [T, H], the target's final hidden states at the next T committed positions."""
+        """hidden: [T, H], the target's final hidden states at the next T committed positions (wider beside
+        a target that taps layers for another drafter, :meth:`~verispec.models.llama.Llama.tap_layers`: the
+        first H columns read)."""
         end = self._num_features + hidden.shape[0]
-        self._features[self._num_features : end] = hidden
+        self._features[self._num_features : end] = hidden[:, : self._features.shape[1]]
         self._num_features = end
 
     def _ready(self, context: list[int]) -> bool:

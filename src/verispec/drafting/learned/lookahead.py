@@ -154,6 +154,7 @@ class LookaheadDrafter:
         inputs = torch.cat([target.model.embed_tokens(fed).float(), self.tokens.embeddings[None, :m]], 1)
         positions = torch.arange(cache.length, cache.length + f + m, device=target.device)[None]  # [1, F + m]
         hidden = target.forward_hidden(tokens, positions, cache, embeddings=inputs)[0, f - 1 :]  # [1 + m, H]
+        hidden = hidden[:, : target.config.hidden_size]  # the final state (after any tapped layers' inputs)
         cache.truncate(len(context))  # its own cache keeps the committed tokens; a view is let go
         first = target.logits(hidden[None, :1])[0, 0]  # [V]: the target's own distribution of x_{n+1}
         later = self.tokens.logits(hidden[1:].float())  # [m, Vd]

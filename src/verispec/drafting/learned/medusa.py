@@ -145,9 +145,10 @@ class MedusaDrafter:
         self._num_features = 0
 
     def observe_hidden(self, hidden: Tensor) -> None:
-        """hidden: [T, H], the target's final hidden states at the next T committed positions."""
+        """hidden: [T, H], the target's final hidden states at the next T committed positions (wider beside
+        a target that taps layers for another drafter: the first H columns read)."""
         if hidden.shape[0]:
-            self._last = hidden[-1:].float()
+            self._last = hidden[-1:, : self.heads.hidden_size].float()
             self._num_features += hidden.shape[0]
 
     @property
