@@ -737,3 +737,36 @@ def test_other_hidden_readers_beside_a_tapped_target(head_dir):
             assert spec.generate(prompt, k=3, max_new_tokens=16, sampling=GREEDY).token_ids == want[prompt], (
                 name
             )
+
+
+def test_beside_a_gguf_target(tmp_path, monkeypatch):
+    """Beside a Q8_0 GGUF file run in place on the native kernels (its embedding read from the file): the
+    head's matrices on the kernels too, its layers read from the file's forward in parts, and speculative
+    greedy == plain greedy."""
+    from transformers import LlamaForCausalLM as HFLlama
+
+    from test_gguf import tiny_llama, write_tiny_gguf
+    from verispec.models.registry import load_model
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    config = tiny_llama().config
+    config.num_hidden_layers = 5
+    torch.manual_seed(1)
+    hf = HFLlama(config).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    model, tokenizer = load_model(write_tiny_gguf(tmp_path / "tiny.gguf", hf, "Q8_0"), precision="auto")
+    plain = Speculator((model, tokenizer), drafter="none")
+    prompts = ("hello world", "the the the the", "ab")
+    want = {
+        p: plain.generate(p, k=0, max_new_tokens=20, sampling=GREEDY).token_ids for p in prompts
+    }  # untapped
+    head = published_head(model, tmp_path / "head", "eagle3")
+    spec = Speculator((model, tokenizer), drafter="eagle3", drafter_path=str(head))
+    assert model.taps == (0, 2, 4) and spec.head is not None and spec.head.cpu_precision == "q8_0"
+    for prompt in prompts:
+        assert spec.generate(prompt, k=3, max_new_tokens=20, sampling=GREEDY).token_ids == want[prompt], (
+            prompt
+        )
