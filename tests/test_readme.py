@@ -303,6 +303,46 @@ def test_relative_links_resolve(page):
     assert not broken, f"{page}: " + "; ".join(broken)
 
 
+def named_object(dotted: str) -> object:
+    """What ``verispec.a.b.c`` names: the longest importable module prefix, then attributes."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            found: object = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            found = getattr(found, name)
+        return found
+    raise ImportError(dotted)
+
+
+def test_named_object():
+    from verispec.sampling import SamplingParams
+
+    assert named_object("verispec.sampling.SamplingParams.invariant") is SamplingParams.invariant
+    for dotted in ("verispec.policies", "verispec.sampling.SamplingParams.nothing"):  # moved; never was
+        with pytest.raises((ImportError, AttributeError)):
+            named_object(dotted)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_named_code_exists(page):
+    """Every ``verispec.module.name`` the page names in a code span imports and has that attribute, and every
+    file it names there (``src/...``, ``tests/...``, ``verispec/...``) exists: a module that moves takes its
+    pages along."""
+    text, missing = (ROOT / page).read_text(), []
+    for dotted in sorted(set(re.findall(r"`(verispec(?:\.\w+)+)", text))):
+        try:
+            named_object(dotted)
+        except (ImportError, AttributeError):
+            missing.append(dotted)
+    for path in sorted(set(re.findall(r"`((?:src/|tests/|verispec/)[\w/.-]+\.\w+)`", text))):
+        if not (ROOT / path).exists() and not (ROOT / "src" / path).exists():
+            missing.append(path)
+    assert not missing, f"{page} names what does not exist: {', '.join(missing)}"
+
+
 # ---------------------------------------------------------------------------------------------- python
 
 
