@@ -124,29 +124,14 @@ def resolve(
         raise UsageError("--cross-tokenizer applies to a draft whose tokenizer differs from the target's")
     if target_label is None:
         target_label = DEFAULT_MODEL if target is None else target if isinstance(target, str) else ""
-    head = None
-    learned = kind.learned if kind is not None else draft is None  # auto: the shipped one, if any
-    if learned or drafter_path is not None:
-        wanted = kind.head_kind if kind is not None else None if drafter_path is not None else "eagle"
-        head = _learned_head(model, drafter_path, target_label, kind is not None, wanted)
-    shipped = kind is None and draft is None and drafter_path is None and head is not None
-    if shipped and head is not None and not _learned_pays(model, head, target_label):
-        head = None  # auto: prompt lookup instead of the shipped drafter (see LEARNED_MARGIN)
-    if kind is None and head is not None:  # auto with a drafter file: the file's kind
-        kind = DRAFTERS[head.kind]
-    kind = kind if kind is not None else choose_auto(draft is not None, head is not None)
+    kind, head = _kind_and_head(kind, model, draft is not None, drafter_path, target_label)
     if kind.reads_target_hidden and not isinstance(model, HiddenStateModel):
         raise UsageError(
             f"drafter {kind.name!r} reads the target's hidden states: it needs a native target, "
             f"not a {type(model).__name__}"
         )
     shape = _default_tree(kind, head, model, target_label) if tree == AUTO else tree
-    if shape is not None:
-        assert isinstance(shape, TreeShape)  # checked by check_choice
-        kind.check_tree(shape)
-        shape.check_fits(model.max_context)
-        if pair is not None:
-            raise UsageError("token trees are drafted with the target's tokenizer, not across tokenizers")
+    shape = None if shape is None else _checked_tree(shape, kind, model, across=pair is not None)
     return Parts(
         model,
         spoken_by_target,
@@ -160,6 +145,40 @@ def resolve(
         target_label=target_label,
         draft_label=draft if isinstance(draft, str) else "",
     )
+
+
+def _checked_tree(shape: TreeShape | str, kind: DrafterKind, model: LanguageModel, across: bool) -> TreeShape:
+    """``shape``; UsageError for a token tree that ``kind`` cannot draft, that ``model``'s context cannot
+    hold, or beside a draft across tokenizers (``across``)."""
+    assert isinstance(shape, TreeShape)  # checked by check_choice
+    kind.check_tree(shape)
+    shape.check_fits(model.max_context)
+    if across:
+        raise UsageError("token trees are drafted with the target's tokenizer, not across tokenizers")
+    return shape
+
+
+def _kind_and_head(
+    kind: DrafterKind | None,
+    model: LanguageModel,
+    drafted: bool,
+    drafter_path: str | Path | None,
+    target_label: str,
+) -> tuple[DrafterKind, LearnedHead | None]:
+    """The drafter kind (``kind`` None: auto's choice) and its learned head: the file given, or a shipped one
+    (auto takes the shipped file only where it pays, else prompt lookup; a file given decides auto's kind).
+    ``drafted``: a draft model was given."""
+    head = None
+    learned = kind.learned if kind is not None else not drafted  # auto: the shipped one, if any
+    if learned or drafter_path is not None:
+        wanted = kind.head_kind if kind is not None else None if drafter_path is not None else "eagle"
+        head = _learned_head(model, drafter_path, target_label, kind is not None, wanted)
+    shipped = kind is None and not drafted and drafter_path is None and head is not None
+    if shipped and head is not None and not _learned_pays(model, head, target_label):
+        head = None  # auto: prompt lookup instead of the shipped drafter (see LEARNED_MARGIN)
+    if kind is None and head is not None:  # auto with a drafter file: the file's kind
+        kind = DRAFTERS[head.kind]
+    return (kind if kind is not None else choose_auto(drafted, head is not None)), head
 
 
 def _default_tree(

@@ -175,17 +175,7 @@ class SpeculativeEngine:
                 "token-fate traces show rejection sampling's odds: not with invariant draws (a seed's "
                 "default; invariant=False opts out)"
             )
-        donors = [slot] + ([i for i in shared if i != slot] if self._rows is not None else [])
-        keepable = {i: self._keepable(i, shared[i], prompt, drafter) for i in donors}
-        source = max(donors, key=lambda i: keepable[i])  # the slot's own on ties: nothing copied
-        kept, last = keepable[source], self._last.get(source)
-        handed = last.hidden if last is not None and isinstance(drafter, HiddenStateReader) else []
-        states = torch.cat(handed) if handed else None  # [T, H]: what the source's sequence was handed
-        if source == slot:
-            cache.truncate(kept)
-        else:
-            assert self._rows is not None  # donors other than the slot only then
-            self._rows.copy_prefix(self.caches[source], cache, kept)
+        kept, states = self._keep_prefix(slot, shared, prompt, drafter)
         request.stats.cached_prompt_tokens = kept
         drafter.begin(list(prompt))
         running = Running(
@@ -207,6 +197,24 @@ class SpeculativeEngine:
         self._last[slot] = running
         self._forward_end = None  # the time until the next forward is no round's (an idle wait, a join)
         return running
+
+    def _keep_prefix(
+        self, slot: int, shared: dict[int, int], prompt: list[int], drafter: Drafter | TreeDrafter
+    ) -> tuple[int, torch.Tensor | None]:
+        """Keep in ``slot``'s cache the longest start of ``prompt`` that a row holds (``shared``: each slot's
+        shared start), its own or copied from another row's: how many positions are kept, and the hidden
+        states [T, H] the source row's sequence was handed (None: none, or a drafter that reads none)."""
+        donors = [slot] + ([i for i in shared if i != slot] if self._rows is not None else [])
+        keepable = {i: self._keepable(i, shared[i], prompt, drafter) for i in donors}
+        source = max(donors, key=lambda i: keepable[i])  # the slot's own on ties: nothing copied
+        kept, last = keepable[source], self._last.get(source)
+        handed = last.hidden if last is not None and isinstance(drafter, HiddenStateReader) else []
+        if source == slot:
+            self.caches[slot].truncate(kept)
+        else:
+            assert self._rows is not None  # donors other than the slot only then
+            self._rows.copy_prefix(self.caches[source], self.caches[slot], kept)
+        return kept, torch.cat(handed) if handed else None
 
     def _keepable(self, slot: int, shared: int, prompt: list[int], drafter: Drafter | TreeDrafter) -> int:
         """How many positions of ``prompt`` a sequence decoding with ``drafter`` can keep from ``slot``'s

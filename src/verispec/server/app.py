@@ -72,6 +72,7 @@ from verispec.server.config import MAX_K, ServerConfig, listen
 from verispec.server.metrics import ServerMetrics
 from verispec.server.schema import (
     ApiError,
+    ApiRequest,
     ChatRequest,
     CompletionRequest,
     chat_logprobs,
@@ -364,33 +365,8 @@ class _Api:
         limit = parsed.limit
         prompt = parsed.conversation if isinstance(parsed, ChatRequest) else parsed.one_prompt  # type: ignore[attr-defined]
         self.server.check_prompt_bytes(prompt)
-        try:
-            k = parse_k(parsed.k if parsed.k is not None else self.server.config.k)
-        except UsageError as err:
-            raise ApiError(400, str(err), param="k") from None
-        if is_int(k) and k > MAX_K:  # never echoed: it may have thousands of digits
-            raise ApiError(400, f"k must be at most {MAX_K} (a round scores at most {ROUND_TOKENS} tokens)",
-                           param="k")  # fmt: skip
-        vocabulary = self.server.default.model.vocab_size
-        if parsed.top_k > vocabulary:
-            raise ApiError(400, f"top_k must be at most {vocabulary}, the vocabulary's size (0 keeps all)",
-                           param="top_k")  # fmt: skip
-        structure = parsed.response_format
-        constraint = None if structure is None else structure.constraint()  # a bad schema: 400
-        tools = parsed.tool_spec() if isinstance(parsed, ChatRequest) else None  # bad tools: 400
-        try:
-            options = GenerationOptions(
-                k=k,
-                max_new_tokens=limit or (self.server.default.model.max_context if chat else 16),
-                sampling=parsed.sampling(),
-                chat=chat,
-                stop=parsed.stops,
-                logprobs=parsed.alternatives,
-                constraint=constraint,
-                tools=tools,
-            )
-        except UsageError as err:
-            raise ApiError(400, str(err)) from None
+        options = self._options(parsed, chat)
+        tools = options.tools
         loop, chunks = asyncio.get_running_loop(), asyncio.Queue[Chunk | None]()
 
         speculator = self.server.speculator(parsed.drafter)
@@ -427,6 +403,37 @@ class _Api:
                 self._stream(request, reply, chunks, parsed.include_usage), media_type="text/event-stream"
             )
         return await self._whole(request, reply, chunks)
+
+    def _options(self, parsed: ApiRequest, chat: bool) -> GenerationOptions:
+        """What a parsed request asks for (its k at most :data:`MAX_K`, its top_k at most the vocabulary, its
+        schema and tools compiled); ApiError 400 naming what is wrong."""
+        try:
+            k = parse_k(parsed.k if parsed.k is not None else self.server.config.k)
+        except UsageError as err:
+            raise ApiError(400, str(err), param="k") from None
+        if is_int(k) and k > MAX_K:  # never echoed: it may have thousands of digits
+            raise ApiError(400, f"k must be at most {MAX_K} (a round scores at most {ROUND_TOKENS} tokens)",
+                           param="k")  # fmt: skip
+        vocabulary = self.server.default.model.vocab_size
+        if parsed.top_k > vocabulary:
+            raise ApiError(400, f"top_k must be at most {vocabulary}, the vocabulary's size (0 keeps all)",
+                           param="top_k")  # fmt: skip
+        structure = parsed.response_format
+        constraint = None if structure is None else structure.constraint()  # a bad schema: 400
+        tools = parsed.tool_spec() if isinstance(parsed, ChatRequest) else None  # bad tools: 400
+        try:
+            return GenerationOptions(
+                k=k,
+                max_new_tokens=parsed.limit or (self.server.default.model.max_context if chat else 16),
+                sampling=parsed.sampling(),
+                chat=chat,
+                stop=parsed.stops,
+                logprobs=parsed.alternatives,
+                constraint=constraint,
+                tools=tools,
+            )
+        except UsageError as err:
+            raise ApiError(400, str(err)) from None
 
     async def _whole(self, request: Request, reply: _Reply, chunks: asyncio.Queue[Chunk | None]) -> Response:
         """The non-streamed answer; cancelled if the client goes away first."""

@@ -7,7 +7,7 @@ converted). A field verispec does not implement is refused with a 400 naming it,
 OpenAI's: ``top_k``, ``min_p``, ``drafter``, ``k`` and ``invariant`` (by default: invariant draws exactly when
 a ``seed`` is given). A message's ``name`` (OpenAI's participant name) is accepted and not used: the chat
 templates have no place for it. ``max_tokens`` and ``max_completion_tokens`` (chat's newer name for it) may
-both be given only with one value (:attr:`_Request.limit`). ``response_format`` (``text``, ``json_object``,
+both be given only with one value (:attr:`ApiRequest.limit`). ``response_format`` (``text``, ``json_object``,
 or ``json_schema`` with its ``name``, ``schema`` and ``strict``) constrains the output through
 :class:`~verispec.grammar.Constraint`, exactly and whatever ``strict`` says (the schema is enforced either
 way). Chat's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are read by
@@ -52,6 +52,7 @@ from verispec.options import MAX_LOGPROBS, SamplingParams
 
 __all__ = [
     "ApiError",
+    "ApiRequest",
     "ChatRequest",
     "CompletionRequest",
     "chat_logprobs",
@@ -146,7 +147,7 @@ def refused_format(error: InvalidConstraint) -> ApiError:
     return ApiError(400, f"response_format: {error}", param="response_format")
 
 
-class _Request(BaseModel):
+class ApiRequest(BaseModel):
     """The fields both endpoints share."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -219,7 +220,7 @@ class _Request(BaseModel):
             raise ApiError(400, str(err)) from None
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(ApiRequest):
     """``POST /v1/completions``: one prompt: a string or token ids of the served model's vocabulary, or a list
     holding one of them (as OpenAI's API takes them)."""
 
@@ -310,7 +311,7 @@ class Message(BaseModel):
         return out
 
 
-class ChatRequest(_Request):
+class ChatRequest(ApiRequest):
     """``POST /v1/chat/completions``: a conversation, rendered with the model's chat template."""
 
     messages: Annotated[list[Message], Field(min_length=1)]
@@ -355,7 +356,7 @@ class ChatRequest(_Request):
         return [m.as_dict() for m in self.messages]
 
 
-def parse_request(kind: type[_Request], body: Any) -> _Request:
+def parse_request(kind: type[ApiRequest], body: Any) -> ApiRequest:
     """The validated request, or ApiError 400 naming the first problem in one line (a field verispec does
     not implement: by name, unless it has a value that asks for nothing)."""
     if not isinstance(body, Mapping):
