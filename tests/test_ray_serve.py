@@ -268,3 +268,15 @@ def test_ray_flags_refused_in_one_line_before_ray_loads(flags, message):
     done = subprocess.run([sys.executable, "-c", code, *flags], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_the_exposure_warning_loads_no_torch():
+    """`serve --ray` warns of an address reachable from other machines before Ray Serve starts: that check
+    (server.config.exposed) is the stdlib's, so the driver process never loads torch for it."""
+    code = (
+        "import sys; from verispec.server.config import exposed; "
+        "assert exposed('0.0.0.0') and exposed('::') and not exposed('127.0.0.1') and not exposed('::1'); "
+        "assert 'torch' not in sys.modules, 'loaded'"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr

@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # the models load where a job runs: its settings are checked 
 __all__ = [
     "BatchJob",
     "ShardWorker",
+    "check_reachable",
     "connect_ray",
     "generate_requests",
     "prompt_seed",
@@ -511,7 +512,7 @@ def connect_ray(address: str):
         import ray.data
     except ImportError:
         raise UsageError("--ray needs Ray: pip install 'ray[data]'") from None
-    _check_reachable(address)
+    check_reachable(address)
     try:
         if not ray.is_initialized():
             if address == LOCAL:
@@ -528,7 +529,7 @@ def connect_ray(address: str):
     return ray
 
 
-def _check_reachable(address: str) -> None:
+def check_reachable(address: str) -> None:
     """UsageError, at once, when a cluster's HOST:PORT does not answer (Ray itself waits for minutes)."""
     host, _, port = address.rpartition(":")
     if address in (LOCAL, "auto") or "://" in address or not host or not port.isdigit():

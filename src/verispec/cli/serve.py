@@ -124,9 +124,9 @@ def run_serve(args: argparse.Namespace) -> int:
             return _serve(config, sock)
         host, port = sock.getsockname()[:2]  # a free port found: Ray Serve's proxy binds it
     if deployment.address is not None:
-        from verispec.batch import _check_reachable
+        from verispec.batch import check_reachable
 
-        _check_reachable(deployment.address)  # a cluster's head that does not answer: at once, no Ray loaded
+        check_reachable(deployment.address)  # a cluster's head that does not answer: at once, no Ray loaded
     _warn_exposed(host, config)
     from verispec.server.ray_serve import serve_on_ray  # loads Ray
 
@@ -162,7 +162,7 @@ def _ray_deployment(args: argparse.Namespace) -> RayDeployment | None:
 
 def _warn_exposed(host: str, config: ServerConfig) -> None:
     """The warning for a server reachable from other machines without an API key."""
-    from verispec.server.app import exposed  # loads torch
+    from verispec.server.config import exposed
 
     if exposed(host) and config.api_key is None:
         warn(

@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import ipaddress
 import json
 import logging
 import socket
@@ -88,7 +87,7 @@ from verispec.server.schema import (
 )
 from verispec.text import Chunk
 
-__all__ = ["OncePerInterval", "Server", "ServerConfig", "create_app", "exposed", "listen", "run", "serving"]
+__all__ = ["OncePerInterval", "Server", "ServerConfig", "create_app", "listen", "run", "serving"]
 
 _log = logging.getLogger("verispec.server")
 LOG_INTERVAL = 60.0  # seconds: a repeated log line is written once per interval
@@ -626,11 +625,6 @@ class _Reply:
 
 
 # ---------------------------------------------------------------------------------------------- running it
-
-
-def exposed(address: str) -> bool:
-    """Whether a bound ``address`` (an IP) takes connections from other machines: anything but loopback."""
-    return not ipaddress.ip_address(address.split("%")[0]).is_loopback
 
 
 def _protocol(limits: ServerConfig) -> type[H11Protocol]:

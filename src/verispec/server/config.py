@@ -3,6 +3,7 @@ no transformers), so that the command line refuses a bad flag before anything lo
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from verispec.inputs import is_int
 from verispec.options import ModelChoice, parse_k
 from verispec.server.tenants import SuffixTenants
 
-__all__ = ["MAX_K", "MAX_REPLICAS", "RayDeployment", "ServerConfig", "listen"]
+__all__ = ["MAX_K", "MAX_REPLICAS", "RayDeployment", "ServerConfig", "exposed", "listen"]
 
 # A request's k: more than a round scores is never drafted (engine.ROUND_TOKENS, whose module loads torch;
 # tested equal)
@@ -112,3 +113,8 @@ def listen(host: str, port: int) -> socket.socket:
         return socket.create_server((host, port), family=family, backlog=128)
     except OSError as err:  # its message names the address again: the errno's words alone
         raise UsageError(f"cannot listen on {host}:{port}: {os.strerror(err.errno or 0)}") from None
+
+
+def exposed(address: str) -> bool:
+    """Whether a bound ``address`` (an IP) takes connections from other machines: anything but loopback."""
+    return not ipaddress.ip_address(address.split("%")[0]).is_loopback
