@@ -230,7 +230,7 @@ def test_first_sampled_token_chi_square(stories) -> None:
         while pending and engine.free_slots:
             pending.pop()
             seed = int(torch.randint(2**62, (1,), generator=generator))
-            seeded = SamplingParams(1.0, 12, 0.95, seed=seed, invariant=False)  # rejection sampling
+            seeded = SamplingParams(1.0, top_k=12, top_p=0.95, seed=seed, invariant=False)  # rejection
             config = EngineConfig(max_new_tokens=4, sampling=seeded, eos_token_ids=tokenizer.eos_token_ids)
             drafter = ModelDrafter(model.first_layers(1), seeded, model.vocab_size)
             stats = GenerationStats("model", "3")

@@ -274,7 +274,7 @@ def test_a_top_p_below_float32_s_least_value_keeps_the_argmax(top_p, dtype):
     logits = torch.tensor([[0.0, 3.0, -2.0, float("-inf")], [1.0, 1.0, 0.5, 0.0]], dtype=dtype)  # [2, 4]
     for temperature in (1e-300, 1e-3, 1.0, 1e30, 3.4e38):
         for top_k, min_p in ((0, 0.0), (2, 0.5)):
-            params = SamplingParams(temperature, top_k, top_p, min_p)
+            params = SamplingParams(temperature, top_k=top_k, top_p=top_p, min_p=min_p)
             probs = probs_from_logits(logits, params)
             assert torch.isfinite(probs).all()
             assert support(probs[0]) == [1] and support(probs[1]) == [0]

@@ -574,7 +574,9 @@ def generate(
     (Lark or GBNF): at most one, the output's structure, see :class:`~verispec.grammar.Constraint`;
     ``tools``, ``tool_choice``, ``parallel_tool_calls``: OpenAI's, with ``chat``, the calls read from the
     text by :func:`~verispec.grammar.tools.read_calls`, see :class:`~verispec.grammar.tools.Tools`)."""
-    sampling = SamplingParams(temperature, top_k, top_p, min_p, seed, invariant)
+    sampling = SamplingParams(
+        temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, invariant=invariant
+    )
     constraint = Constraint.of(json_schema, regex, grammar)
     options = GenerationOptions(
         k=k,

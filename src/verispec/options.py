@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, TypedDict
 
 from verispec.errors import UsageError
@@ -80,6 +80,7 @@ class SamplingParams:
     """
 
     temperature: float = 1.0
+    _: KW_ONLY  # the rest by name: a positional (1.0, 40, 0.9) reads as nothing
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0

@@ -384,7 +384,14 @@ def sampling_of(args: argparse.Namespace) -> SamplingParams:
     """The sampling parameters of a command with a seed (generate, batch)."""
     from verispec.options import SamplingParams
 
-    return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed, args.invariant)
+    return SamplingParams(
+        args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        invariant=args.invariant,
+    )
 
 
 def k_flag(args: argparse.Namespace) -> str:

@@ -159,7 +159,7 @@ def run_viz_overlap(args: argparse.Namespace) -> int:
     from verispec.options import SamplingParams
 
     # validated in either mode
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
+    sampling = SamplingParams(args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     if toy and sampling != SamplingParams(temperature=1.0):
         raise UsageError(
             "toy mode draws --p and --q as they are: --temperature, --top-k, --top-p and --min-p transform a "
@@ -187,7 +187,7 @@ def _model_overlap(args: argparse.Namespace):
     from verispec.viz import visible_text
     from verispec.viz.overlap import next_token_distributions
 
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
+    sampling = SamplingParams(args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     speculator = Speculator(
         args.target, args.draft, "model", args.tokenizer, precision=args.precision, **across_fields(args)
     )

@@ -214,7 +214,12 @@ class ApiRequest(BaseModel):
     def sampling(self) -> SamplingParams:
         try:
             return SamplingParams(
-                self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.invariant
+                self.temperature,
+                top_k=self.top_k,
+                top_p=self.top_p,
+                min_p=self.min_p,
+                seed=self.seed,
+                invariant=self.invariant,
             )
         except UsageError as err:
             raise ApiError(400, str(err)) from None
