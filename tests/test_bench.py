@@ -150,6 +150,7 @@ def test_plan_methods(monkeypatch):
         "suffix-json k=auto",
         "eagle-json k=4",
         "eagle-json k=auto",
+        "none-unconstrained",  # tool_choice none on the tool task's conversations (agent_calls)
         "suffix-warm k=4",  # the suffix cache after the workload's first pass
         "suffix-warm k=auto",
         "transformers",

@@ -124,10 +124,11 @@ def _load_prompts(
     prompts: Sequence[Prompt], spec: Speculator, chat: bool, max_new_tokens: int
 ) -> list[Prompt]:
     """The requests' prompts: ``prompts``, else every bench task's (conversations where the model has a
-    chat template), those that leave ``max_new_tokens`` of room in the target's context; UsageError when
-    none does."""
+    chat template; an agent loop's items aside: their tools are not rendered here), those that leave
+    ``max_new_tokens`` of room in the target's context; UsageError when none does."""
     if not prompts:
-        prompts = [p.for_model(chat) for task_prompts in builtin_tasks().values() for p in task_prompts]
+        every = (p for task_prompts in builtin_tasks().values() for p in task_prompts if p.agent is None)
+        prompts = [p.for_model(chat) for p in every]
     room = spec.model.max_context - max_new_tokens
     fit = [p for p in prompts if len(spec.encode_prompt(p, chat)) < room]
     if not fit:

@@ -15,6 +15,7 @@ __all__ = [
     "PEERS",
     "SHARED_CACHE",
     "TASKS",
+    "TOOLS_FREE",
     "TRANSFORMERS_PEERS",
     "TREE_METHODS",
     "VERISPEC_METHODS",
@@ -32,6 +33,7 @@ TASKS = (
     "agent_tools",  # the agentic ones: sequences of requests, each fed the earlier outputs
     "code_edit_loop",
     "chat_quoting",
+    "agent_calls",  # an agent loop of real tool calls, answered by fake tools (:mod:`verispec.bench.agent`)
     "json",  # extraction into a JSON object: each prompt brings its schema (the constrained methods')
 )
 TRANSFORMERS_PEERS = ("transformers", "transformers-assisted", "transformers-lookup")
@@ -51,9 +53,13 @@ CONSTRAINED_METHODS = (
     *(f"{name}{CONSTRAINED}" for name in ("none", "ngram", "suffix", "eagle")),
     LLAMACPP_PEERS[-1],
 )
+# none with tool_choice "none" on a tool task's conversations (the tools rendered, no grammar): the
+# unconstrained baseline of the constrained methods there
+TOOLS_FREE = "none-unconstrained"
 METHODS = (
     *VERISPEC_METHODS,
     *CONSTRAINED_METHODS[:-1],
+    TOOLS_FREE,
     *WARM_METHODS,
     *CROSS_METHODS,
     *TREE_METHODS,

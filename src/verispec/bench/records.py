@@ -4,7 +4,7 @@ out unchanged, checked by the type checker on both sides; :func:`metrics` and
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 __all__ = [
     "Calibration",
@@ -43,6 +43,12 @@ class Sample(TypedDict):
     tree_nodes: int  # draft nodes the target scored in tree rounds (0 for chains and transformers)
     forced: int  # drafted tokens that were the grammar's forced ones (constrained verispec methods)
     cached_prompt_tokens: int  # prompt tokens not scored again (a sequence's later turns; 0 for a first)
+    # an agent loop's (tool tasks only, :mod:`verispec.bench.agent`): its turns, the calls it made whole,
+    # those whose arguments parsed and validated against their function's schema, those a token limit cut
+    turns: NotRequired[int]
+    tool_calls: NotRequired[int]
+    valid_tool_calls: NotRequired[int]
+    cut_tool_calls: NotRequired[int]
     peak_rss_mib: float
     rss_growth_mib: float
     prompts: int
@@ -96,11 +102,14 @@ class Identity(TypedDict):
 
 class Validity(TypedDict):
     """A cell's outputs against their prompts' JSON schemas (every sample's): how many were checked, how many
-    parsed and validated, and the ids of the prompts with an invalid one."""
+    parsed and validated, and the ids of the prompts with an invalid one. On a tool task, its calls (every
+    sample's), each's arguments against its function's schema, and the calls a token limit cut off (not
+    checked)."""
 
     checked: int
     valid: int
     invalid: list[str]
+    cut: NotRequired[int]
 
 
 class Cell(TypedDict, total=False):

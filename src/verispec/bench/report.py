@@ -21,6 +21,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from verispec.bench.goals import judge
+from verispec.bench.methods import TOOLS_FREE
 from verispec.bench.records import (
     Calibration,
     Cell,
@@ -79,9 +80,10 @@ def _validity(validity: Validity | None) -> str:
     if validity is None:
         return _MISSING
     checked, valid = validity["checked"], validity["valid"]
+    cut = f" ({validity['cut']} cut)" if validity.get("cut") else ""
     if valid == checked:
-        return f"✓ {valid}/{checked}"
-    return f"✗ {valid}/{checked}: {', '.join(validity['invalid'])}"
+        return f"✓ {valid}/{checked}{cut}"
+    return f"✗ {valid}/{checked}{cut}: {', '.join(validity['invalid'])}"
 
 
 # (header, the cell's metrics → the column's text)
@@ -127,7 +129,13 @@ LEGEND = """\
 - **valid**: on a task whose prompts bring a JSON schema (json), the outputs (every repetition's) that parse
   and validate against their prompt's schema (`jsonschema`), of those checked; ✗ names the prompts with an
   invalid one. A constrained method (`-json`, llama.cpp's included: its grammar from the schema) holds each
-  output to the schema; its × none and × llama.cpp are over `none-json` and `llamacpp-json`.
+  output to the schema; its × none and × llama.cpp are over `none-json` and `llamacpp-json`. On a task of
+  tool calls (agent_calls), the calls made (every repetition's), each's arguments parsed and validated
+  against its function's schema; (N cut): calls a token limit cut off, not checked.
+- **A task of tool calls** (agent_calls) runs an agent loop: every verispec method under the tools' grammar
+  (its × none over `none`'s, itself constrained), `none-unconstrained` (tool_choice none: the tools rendered,
+  no grammar) on the conversations `none`'s loop generated from; **constrained / unconstrained** is
+  `none`'s tok/s over `none-unconstrained`'s.
 """
 
 
@@ -242,6 +250,16 @@ def tree_comparison(results: Results) -> list[str]:
     return lines
 
 
+def _constrained_over_free(cells: list[Cell]) -> list[str]:
+    """A task of tool calls: ``none``'s tok/s over the unconstrained baseline's (lines; none elsewhere)."""
+    by_label = {c["label"]: c for c in cells}
+    none, free = by_label.get("none"), by_label.get(TOOLS_FREE)
+    if none is None or free is None:
+        return []
+    ratio = tokens_per_second(none) / tokens_per_second(free)
+    return ["", f"Constrained / unconstrained (`none` / `{TOOLS_FREE}`): {ratio:.2f}×"]
+
+
 def markdown(results: Results) -> str:
     """results.md: the run's context, then one table per task and temperature."""
     config, machine = results["config"], results["machine"]
@@ -293,6 +311,7 @@ def markdown(results: Results) -> str:
                 row.append(_identity(cell.get("greedy_identity")))
                 row.append(_validity(cell.get("schema_valid")))
                 lines.append("| " + " | ".join(row) + " |")
+            lines += _constrained_over_free(cells)
     if any(c["samples"] and len(c["samples"]) < config["repetitions"] for c in results["cells"]):
         lines += ["", "† fewer repetitions than asked (the run was interrupted)."]
     lines += ["", LEGEND]

@@ -41,6 +41,7 @@ cell; the report (:mod:`verispec.bench.report`) is drawn from it.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -59,7 +60,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -67,6 +68,7 @@ from tqdm import tqdm
 
 from verispec import __version__
 from verispec.api import Speculator
+from verispec.bench.agent import Agent, run_loop
 from verispec.bench.goals import load_goals
 from verispec.bench.methods import (
     CONSTRAINED,
@@ -75,6 +77,7 @@ from verispec.bench.methods import (
     METHODS,
     PEERS,
     TASKS,
+    TOOLS_FREE,
     TRANSFORMERS_PEERS,
     TREE_METHODS,
 )
@@ -102,6 +105,7 @@ from verispec.engine.sequence import GenerationStats
 from verispec.errors import UsageError
 from verispec.files import atomic_write
 from verispec.grammar.constraint import Constraint
+from verispec.grammar.tools import Tools
 from verispec.inputs import check_seed, is_int
 from verispec.models.base import LanguageModel, Tokenizer, has_chat_template
 from verispec.models.gguf import source_gguf
@@ -127,7 +131,7 @@ __all__ = [
 BASELINE, PEER_BASELINE, LLAMACPP_BASELINE = "none", TRANSFORMERS_PEERS[0], LLAMACPP_PEERS[0]
 # a constrained cell's baselines: the same constraint without speculation, in verispec and in llama.cpp
 JSON_BASELINE, LLAMACPP_JSON = f"{BASELINE}{CONSTRAINED}", f"{LLAMACPP_BASELINE}{CONSTRAINED}"
-K_FREE = (BASELINE, PEER_BASELINE, LLAMACPP_BASELINE, JSON_BASELINE, LLAMACPP_JSON)
+K_FREE = (BASELINE, PEER_BASELINE, LLAMACPP_BASELINE, JSON_BASELINE, LLAMACPP_JSON, TOOLS_FREE)
 # the plain run each speculative peer's greedy output must equal
 PLAIN_PEER = {
     "transformers-assisted": PEER_BASELINE,
@@ -135,6 +139,13 @@ PLAIN_PEER = {
     "llamacpp-lookup": LLAMACPP_BASELINE,
 }
 _ROLES = ("system", "user", "assistant")
+# a tool task's counts in its samples (:class:`~verispec.bench.records.Sample`)
+_LOOP_COUNTS: tuple[Literal["turns", "tool_calls", "valid_tool_calls", "cut_tool_calls"], ...] = (
+    "turns",
+    "tool_calls",
+    "valid_tool_calls",
+    "cut_tool_calls",
+)
 _RECALIBRATION = 10  # repetitions of a calibration the bench measures
 _TASK_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
@@ -151,6 +162,7 @@ class Prompt:
     messages: tuple[tuple[str, str], ...]  # (role, content)
     follow_ups: tuple[str, ...] = ()  # a sequence's later user turns (:mod:`verispec.bench.workloads`)
     constraint: Constraint | None = None  # the schema a constrained method holds the output to
+    agent: Agent | None = None  # an agent loop's tools and turns (a tool task's: :mod:`verispec.bench.agent`)
 
     def turn(self, replies: Sequence[str]) -> Prompt:
         """Request ``len(replies)`` of this sequence, after those replies (:func:`workloads.turns`)."""
@@ -170,7 +182,8 @@ class Prompt:
 def _parse_prompt(line: str, where: str, task: str, index: int) -> Prompt:
     """One JSONL line: {"prompt": str} or {"messages": [{"role", "content"}, ...]}, optional "id", "task",
     "follow_ups" (a sequence's later user turns, non-empty strings) and "schema" (a JSON schema, the output's
-    for the constrained methods)."""
+    for the constrained methods), or an agent loop's "tools", "tool_choice", "parallel_tool_calls" and
+    "max_turns" (:class:`~verispec.bench.agent.Agent`)."""
     try:
         data = json.loads(line)
     except json.JSONDecodeError as err:
@@ -209,7 +222,10 @@ def _parse_prompt(line: str, where: str, task: str, index: int) -> Prompt:
         constraint = Constraint.of(json_schema=schema)
     except UsageError as err:
         raise UsageError(f"{where}: {err}") from None
-    return Prompt(task, prompt_id, tuple(pairs), tuple(follow_ups), constraint)
+    agent = Agent.of(data, where)
+    if agent is not None and (follow_ups or constraint is not None):
+        raise UsageError(f'{where}: an agent item takes no "follow_ups" or "schema" beside "tools"')
+    return Prompt(task, prompt_id, tuple(pairs), tuple(follow_ups), constraint, agent)
 
 
 def load_prompts(path: str | os.PathLike, default_task: str | None = None) -> list[Prompt]:
@@ -403,7 +419,15 @@ class Method:
     @property
     def base(self) -> str:
         """The method without its constraint: the speculator or peer that runs it."""
-        return self.name.removesuffix(CONSTRAINED)
+        return BASELINE if self.name == TOOLS_FREE else self.name.removesuffix(CONSTRAINED)
+
+    def runs_on(self, prompts: Sequence[Prompt]) -> bool:
+        """Whether this method runs on a task of ``prompts``: a constrained one where a prompt brings a
+        schema, the unconstrained baseline of tool calls where one calls tools, a peer where none does."""
+        tools = any(p.agent for p in prompts)
+        if self.constrained:
+            return any(p.constraint for p in prompts)
+        return tools if self.name == TOOLS_FREE else not (tools and self.is_peer)
 
 
 def learned_drafter(config: BenchConfig, kind: str) -> str | None:
@@ -548,7 +572,7 @@ def _positionwise(counts: Iterable[list[int]]) -> list[int]:
 
 def _add_samples(samples: Sequence[Sample]) -> Sample:
     """One record for several: counters and per-position counts summed, memory peaks their maximum."""
-    return {
+    total: Sample = {
         "tokens": sum(s["tokens"] for s in samples),
         "decode_tokens": sum(s["decode_tokens"] for s in samples),
         "seconds": sum(s["seconds"] for s in samples),
@@ -567,6 +591,10 @@ def _add_samples(samples: Sequence[Sample]) -> Sample:
         "rss_growth_mib": max(s["rss_growth_mib"] for s in samples),
         "prompts": sum(s["prompts"] for s in samples),
     }
+    for key in _LOOP_COUNTS:
+        if any(key in s for s in samples):
+            total[key] = sum(s.get(key, 0) for s in samples)
+    return total
 
 
 def cell_metrics(
@@ -662,7 +690,8 @@ class _Cell:
     samples: list[Sample] = field(default_factory=list)
     outputs: dict[str, list[int]] = field(default_factory=dict)  # prompt id → generated ids (first sample)
     invalid: dict[str, int] = field(default_factory=dict)  # prompt id → its outputs not valid for its schema
-    checked: int = 0  # outputs checked against their prompt's schema (every sample's)
+    checked: int = 0  # outputs checked against their prompt's schema (every sample's); a tool task's calls
+    cut: int = 0  # a tool task's calls cut off by the token limit (not checked)
 
 
 class Bench:
@@ -676,13 +705,11 @@ class Bench:
         notes: Sequence[str] = (),
     ) -> None:
         """``tasks``, ``methods``: from :func:`select_tasks` and :func:`plan_methods`; ``notes``: the methods
-        left out, and why (recorded in the results). A constrained method runs on the tasks whose prompts
-        bring a schema, and is left out (noted) where none does."""
+        left out, and why (recorded in the results). A method runs on the tasks :meth:`Method.runs_on`
+        allows, and is left out (noted) where there is none; a task of tool calls needs a chat template (the
+        default tasks' is left out without one, noted; one asked for is refused)."""
         self.notes = list(notes)
-        if not any(p.constraint for prompts in tasks.values() for p in prompts):
-            self.notes += [f"{m.label}: no task with schemas (json)" for m in methods if m.constrained]
-            methods = [m for m in methods if not m.constrained]
-        self.config, self.tasks, self.methods = config, tasks, methods
+        self.config = config
         self.goals = [] if config.goals is None else load_goals(config.goals)
         self.out = chart_directory(config.out)
         if config.threads is not None:
@@ -691,6 +718,10 @@ class Bench:
             config.target, drafter="none", tokenizer=config.tokenizer, precision=config.precision
         )
         self.tokenizer = base.tokenizer
+        self.chat = has_chat_template(self.tokenizer)
+        self.tasks = self._chat_tasks(tasks)
+        self.methods = self._applicable(methods)
+        methods = self.methods
         loaded = (base.model, base.tokenizer)
         self.speculators = {BASELINE: base}
         chains = (m.base for m in methods if not m.is_peer and m.base not in (BASELINE, *TREE_METHODS))
@@ -709,10 +740,13 @@ class Bench:
             )
         self.trees = {m.label: self._tree_speculator(m) for m in methods if m.name in TREE_METHODS}
         self.snapshots = CacheSnapshots()  # the warm caches of the shared-cache methods
-        self.chat = has_chat_template(self.tokenizer)
+        # a tool task's conversations before each turn, by none's loop: what its unconstrained baseline runs
+        self.conversations: dict[tuple[str, str, SamplingParams], list[list[dict[str, Any]]]] = {}
         self.prompt_ids = {
-            (p.task, p.id): base.encode_prompt(p.for_model(self.chat), self.chat)
-            for prompts in tasks.values()
+            (p.task, p.id): base.encode_prompt(
+                p.for_model(self.chat), self.chat, p.agent.tools if p.agent else None
+            )
+            for prompts in self.tasks.values()
             for p in prompts
         }
         room = base.model.max_context - config.max_new_tokens
@@ -742,14 +776,43 @@ class Bench:
         }
         self.cells = [
             _Cell(task, t, m)
-            for task, prompts in tasks.items()
+            for task, prompts in self.tasks.items()
             for t in config.temperatures
             for m in methods
-            if not m.constrained or any(p.constraint for p in prompts)
+            if m.runs_on(prompts)
         ]
         self.started_at = _now()
         self.load_at_start = os.getloadavg()
         self.exact_peaks = _reset_peak_memory()
+
+    def _chat_tasks(self, tasks: dict[str, list[Prompt]]) -> dict[str, list[Prompt]]:
+        """``tasks`` but those that call tools where the target has no chat template to render them in:
+        left out (noted) when the tasks are the default ones, else a UsageError."""
+        calling = [task for task, prompts in tasks.items() if any(p.agent for p in prompts)]
+        if self.chat or not calling:
+            return tasks
+        if self.config.tasks is not None:
+            raise UsageError(
+                f"task {calling[0]} calls tools, rendered in the chat template: the target has none"
+            )
+        self.notes += [f"task {task}: calls tools, and the target has no chat template" for task in calling]
+        return {task: prompts for task, prompts in tasks.items() if task not in calling}
+
+    def _applicable(self, methods: list[Method]) -> list[Method]:
+        """``methods`` but those that run on none of the tasks (noted, and why)."""
+        kept = []
+        for m in methods:
+            if any(m.runs_on(prompts) for prompts in self.tasks.values()):
+                kept.append(m)
+            elif m.constrained:
+                self.notes.append(f"{m.label}: no task with schemas (json)")
+            else:
+                self.notes.append(f"{m.label}: no task with tool calls" if m.name == TOOLS_FREE
+                                  else f"{m.label}: tool tasks only, where peers do not run")  # fmt: skip
+        calling = [task for task, prompts in self.tasks.items() if any(p.agent for p in prompts)]
+        if calling and any(m.is_peer for m in kept):
+            self.notes.append(f"the peers: not on {', '.join(calling)} (tool calls)")
+        return kept
 
     def _tree_speculator(self, method: Method) -> Speculator:
         """A tree method's speculator: its chain method's models (already loaded), drafting the tree."""
@@ -786,6 +849,8 @@ class Bench:
         replies: list[str] = []
         if not method.is_peer:  # an empty cache, as the peers start from: no cell skips a prefill paid before
             self._speculator(method).forget()
+        if prompt.agent is not None:
+            return self._agent_loop(method, prompt, prompt.agent, sampling, cache)
         for _ in range(len(prompt.follow_ups) + 1):  # later turns keep the conversation, as a user's would
             out, record = self._generate_one(method, prompt.turn(replies), sampling, cache)
             ids += out
@@ -793,16 +858,61 @@ class Bench:
             replies.append(self.tokenizer.decode(out))
         return ids, _add_samples(records)
 
-    def _generate_one(
-        self, method: Method, prompt: Prompt, sampling: SamplingParams, cache: SuffixCache
+    def _agent_loop(
+        self, method: Method, prompt: Prompt, agent: Agent, sampling: SamplingParams, cache: SuffixCache
     ) -> tuple[list[int], Sample]:
-        """One generation: its token ids and its counters and timings."""
+        """An agent item's loop (:func:`~verispec.bench.agent.run_loop`), each turn one generation with its
+        tools; the unconstrained baseline (tool_choice none) generates from the conversations ``none``'s loop
+        generated from, each turn's (that loop run first, untimed, where it has not run yet). A conversation
+        that outgrows the context ends the loop."""
+        ids: list[int] = []
+        records: list[Sample] = []
+        tools = agent.tools if method.name != TOOLS_FREE else dataclasses.replace(agent.tools, choice="none")
+        room = self.speculators[BASELINE].model.max_context - self.config.max_new_tokens
+
+        def reply(conversation: list[dict[str, Any]]) -> str | None:
+            if len(self.speculators[BASELINE].encode_prompt(conversation, True, tools)) > room:
+                return None
+            out, record = self._generate_one(method, prompt, sampling, cache, (conversation, tools))
+            ids.extend(out)
+            records.append(record)
+            return self.tokenizer.decode(out)
+
+        key = (prompt.task, prompt.id, sampling)
+        if method.name == TOOLS_FREE:
+            if key not in self.conversations:
+                self._generate(Method(BASELINE), prompt, sampling)
+                self._speculator(method).forget()  # none's last turn: not this run's to keep
+            for conversation in self.conversations[key]:
+                reply(conversation)
+            calls, valid, cut = 0, 0, 0
+        else:
+            messages = cast(list[dict[str, Any]], prompt.for_model(True))
+            loop = run_loop(tools, agent.turns, messages, reply)
+            if method.name == BASELINE:
+                self.conversations[key] = loop.conversations
+            calls, valid, cut = len(loop.calls), loop.valid, loop.cut
+        record = _add_samples(records)
+        record["turns"], record["tool_calls"] = len(records), calls
+        record["valid_tool_calls"], record["cut_tool_calls"] = valid, cut
+        return ids, record
+
+    def _generate_one(
+        self,
+        method: Method,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        cache: SuffixCache,
+        turn: tuple[list[dict[str, Any]], Tools] | None = None,
+    ) -> tuple[list[int], Sample]:
+        """One generation: its token ids and its counters and timings; ``turn``: an agent loop's (the
+        conversation so far and the tools), instead of ``prompt``'s messages."""
         _reset_peak_memory()
         rss_before, _ = memory_mib()
         if method.is_peer:
             ids, record = self._generate_peer(method, prompt, sampling)
         else:
-            ids, record = self._generate_verispec(method, prompt, sampling, cache)
+            ids, record = self._generate_verispec(method, prompt, sampling, cache, turn)
         _, peak = memory_mib()
         record["peak_rss_mib"], record["rss_growth_mib"] = peak, max(0.0, peak - rss_before)
         return ids, record
@@ -811,7 +921,12 @@ class Bench:
         return self.trees.get(method.label) or self.speculators[method.base]
 
     def _generate_verispec(
-        self, method: Method, prompt: Prompt, sampling: SamplingParams, cache: SuffixCache
+        self,
+        method: Method,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        cache: SuffixCache,
+        turn: tuple[list[dict[str, Any]], Tools] | None,
     ) -> tuple[list[int], Sample]:
         speculator = self._speculator(method)
         k = method.k or 0
@@ -822,9 +937,10 @@ class Bench:
             sampling=sampling,
             chat=self.chat,
             constraint=prompt.constraint if method.constrained else None,
+            tools=None if turn is None else turn[1],
         )
         start = time.perf_counter()
-        text = prompt.for_model(self.chat)
+        text = prompt.for_model(self.chat) if turn is None else turn[0]
         if speculator.kind.shared_cache:
             speculator.suffix_cache = cache  # this sample's: empty, or warm from the workload's first pass
         ids = [t for chunk in speculator.stream(text, options, stats=stats) for t in chunk.token_ids]
@@ -911,6 +1027,12 @@ class Bench:
                 cell.checked += 1
                 if not valid_json(self.tokenizer.decode(ids), prompt.constraint.text):
                     cell.invalid[prompt.id] = cell.invalid.get(prompt.id, 0) + 1
+            if prompt.agent is not None and cell.method.name != TOOLS_FREE:  # its calls, checked by the loop
+                calls, valid = record.get("tool_calls", 0), record.get("valid_tool_calls", 0)
+                cell.checked += calls
+                cell.cut += record.get("cut_tool_calls", 0)
+                if valid < calls:
+                    cell.invalid[prompt.id] = cell.invalid.get(prompt.id, 0) + calls - valid
             records.append(record)
             tick()
         cell.samples.append(_add_samples(records))
@@ -1004,7 +1126,7 @@ class Bench:
             c["metrics"] = cell_metrics(c, none, peer, llamacpp, self._cost(c))
             plain_name = PLAIN_PEER.get(c["method"], none_name)
             plain = by_key.get((c["task"], c["temperature"], plain_name))
-            c["greedy_identity"] = _identity(c, plain)
+            c["greedy_identity"] = None if c["method"] == TOOLS_FREE else _identity(c, plain)
         return {
             "version": 1,
             "verispec": __version__,
@@ -1100,11 +1222,19 @@ def _identity(cell: Cell, plain: Cell | None) -> Identity | None:
 
 
 def _validity(cell: _Cell) -> Validity | None:
-    """A cell's outputs against their prompts' schemas (None on a task without schemas)."""
-    if not cell.checked:
+    """A cell's outputs against their prompts' schemas, or its tool calls against their functions' (None
+    where nothing was checked)."""
+    if not cell.checked and not cell.cut:
         return None
     invalid = sum(cell.invalid.values())
-    return {"checked": cell.checked, "valid": cell.checked - invalid, "invalid": sorted(cell.invalid)}
+    validity: Validity = {
+        "checked": cell.checked,
+        "valid": cell.checked - invalid,
+        "invalid": sorted(cell.invalid),
+    }
+    if cell.cut:
+        validity["cut"] = cell.cut
+    return validity
 
 
 def _load_assistant(config: BenchConfig):
