@@ -4,7 +4,10 @@ own generation on the same weights — written as ``results.json``, ``results.md
 Tasks (Spec-Bench style, ``verispec/data/tasks/*.jsonl``): multi-turn chat, summarization of a passage,
 question answering over a passage (RAG), math word problems, code completion, code editing, translation;
 and agentic sequences of requests, each fed the earlier outputs (:mod:`verispec.bench.workloads`): a
-tool-calling agent loop, a code-editing loop, a chat quoting itself. ``--prompts FILE`` adds a JSONL file of
+tool-calling agent loop, a code-editing loop, a chat quoting itself; and an agent loop of real tool calls,
+each turn under the tools' grammar and the calls answered by fake tools (``agent_calls``:
+:mod:`verispec.bench.agent`; its unconstrained baseline ``none-unconstrained``, tool_choice none on ``none``'s
+conversations). ``--prompts FILE`` adds a JSONL file of
 one's own (see :func:`load_prompts`). A drafter with a cache shared across requests (``suffix``) runs cold
 and, as ``suffix-warm``, from the cache the workload's first pass left.
 
