@@ -278,3 +278,11 @@ def test_bench_runs_the_agent_task(stories, capsys, tmp_path, monkeypatch):  # n
         and "Constrained / unconstrained (`none` / `none-unconstrained`)" in table
     )
     assert f"✓ {cells[('none', 0)]['samples'][0]['tool_calls']}/" in table
+
+
+def test_the_agent_task_is_refused_without_a_chat_template(stories, capsys, tmp_path):  # noqa: F811
+    root, _, _ = stories  # the file's own tokenizer: llama2.c's has no chat template
+    argv = ["bench", "--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin"),
+            "--tasks", "agent_calls", "--methods", "none", "--out", str(tmp_path / "out")]  # fmt: skip
+    status, _, err = run(capsys, *argv)
+    assert status == 2 and err.count("\n") == 1 and "calls tools, rendered in the chat template" in err
