@@ -308,7 +308,7 @@ def test_config_validation_and_hf_parsing(saved):
         LlamaConfig(
             vocab_size=8, hidden_size=24, intermediate_size=8, num_layers=1, num_heads=6, num_kv_heads=4
         )
-    with pytest.raises(ValueError, match="vocab_size must be an integer > 0"):
+    with pytest.raises(ValueError, match="vocab_size must be an integer >= 1"):
         LlamaConfig(
             vocab_size=0, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1
         )

@@ -38,7 +38,7 @@ from verispec.errors import UsageError
 from verispec.grammar.constraint import Constraint
 from verispec.grammar.rounds import GrammarState
 from verispec.grammar.tools import Tools
-from verispec.inputs import check_prompt, check_text, is_int
+from verispec.inputs import check_int, check_prompt, check_text, is_int
 from verispec.models.base import Cache, SpelledTokenizer
 from verispec.options import (
     DEFAULT_K,
@@ -500,8 +500,7 @@ class Speculator:
         token; sampled: the same tokens for the same seed at a fixed K, or at any K with
         ``SamplingParams.invariant``). ``seeds``: one sampling seed per prompt (instead of the sampling
         parameters' one for all)."""
-        if not is_int(slots) or slots < 1:
-            raise UsageError(f"slots must be an integer >= 1, got {slots!r}")
+        check_int(slots, "slots", 1)
         if isinstance(prompts, (str, bytes, Mapping)) or not isinstance(prompts, Iterable):
             raise UsageError(
                 f"prompts is a list of prompts, not {type(prompts).__name__} (one prompt: generate)"

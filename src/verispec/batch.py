@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from verispec.errors import UsageError
 from verispec.files import atomic_path, atomic_write, check_writable
 from verispec.grammar.constraint import Constraint
-from verispec.inputs import check_seed, check_text, is_int, parse_json
+from verispec.inputs import check_int, check_seed, check_text, is_int, parse_json
 from verispec.options import GenerationOptions, ModelChoice, SamplingParams
 
 if TYPE_CHECKING:  # the models load where a job runs: its settings are checked without them
@@ -219,8 +219,7 @@ class BatchJob(ModelChoice):
             object.__setattr__(self, "sampling", dataclasses.replace(self.sampling, invariant=True))
         for name, low in (("max_batch", 1), ("shard_size", 1), ("workers", 1), ("max_new_tokens", 1)):
             value = getattr(self, name)
-            if not is_int(value) or value < low:
-                raise UsageError(f"{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+            check_int(value, name.replace("_", "-"), low)
         self.options  # noqa: B018 (checks k, max-new-tokens, the sampling and the stop strings)
         if self.workers > 1 and self.ray is None:
             raise UsageError("--workers N runs N Ray workers: give --ray too")

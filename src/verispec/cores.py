@@ -18,8 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from verispec.errors import UsageError
-from verispec.inputs import is_int
+from verispec.inputs import check_int
 
 __all__ = ["MAX_THREADS", "available_cores", "cgroup_quota", "use_threads"]
 
@@ -56,8 +55,8 @@ def available_cores(root: Path = _CGROUP) -> int:
 def use_threads(threads: int | None) -> None:
     """A command's models use ``threads`` threads (None: :func:`available_cores`, unless OMP_NUM_THREADS is
     set); UsageError for a count below 1 (module docstring)."""
-    if threads is not None and (not is_int(threads) or not 1 <= threads <= MAX_THREADS):
-        raise UsageError(f"--threads must be an integer in [1, {MAX_THREADS}], got {threads!r}")
+    if threads is not None:
+        check_int(threads, "--threads", 1, MAX_THREADS)
     if "torch" in sys.modules:
         if threads is not None:
             sys.modules["torch"].set_num_threads(threads)

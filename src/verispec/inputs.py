@@ -3,7 +3,8 @@ hostile value is a caller's mistake in one line (:class:`~verispec.errors.UsageE
 from deep inside: JSON text (:func:`parse_json`: nesting too deep for the parser, an integer too long to
 convert) and text that is not valid Unicode (:func:`check_text`: a lone surrogate, which JSON's ``\\ud800``
 escapes can carry and no tokenizer encodes); and :func:`is_int`, the one test of an integer argument (a bool
-is not one), and :func:`check_seed`, of a seed; :func:`did_you_mean`, the hint after a name not known."""
+is not one), :func:`check_int`, the one check of an integer in a range, and :func:`check_seed`, of a seed;
+:func:`did_you_mean`, the hint after a name not known."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any, TypeGuard
 
 from verispec.errors import UsageError
 
-__all__ = ["check_prompt", "check_seed", "check_text", "did_you_mean", "is_int", "parse_json"]
+__all__ = ["check_int", "check_prompt", "check_seed", "check_text", "did_you_mean", "is_int", "parse_json"]
 
 
 def is_int(value: object, *, integral: bool = False) -> TypeGuard[int]:
@@ -23,6 +24,18 @@ def is_int(value: object, *, integral: bool = False) -> TypeGuard[int]:
     count to verispec); ``integral``: any ``numbers.Integral`` (NumPy's integers too), bools still not."""
     kind = numbers.Integral if integral else int
     return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def check_int(
+    value: object, name: str, low: int = 0, high: int | None = None, *, integral: bool = False, hint: str = ""
+) -> int:
+    """``value`` when it is an integer (:func:`is_int`; ``integral``: NumPy's too) in [``low``, ``high``]
+    (``high`` None: no bound above); else UsageError "NAME must be an integer >= LOW (HINT), got VALUE" (or
+    "in [LOW, HIGH]"), the one wording of every such check."""
+    if is_int(value, integral=integral) and value >= low and (high is None or value <= high):
+        return value
+    bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+    raise UsageError(f"{name} must be an integer {bound}{hint}, got {value!r}")
 
 
 def check_seed(value: object, name: str = "seed", below: int = 2**63) -> None:

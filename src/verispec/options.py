@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, TypedDict
 from verispec.errors import UsageError
 from verispec.grammar.constraint import Constraint  # light: llguidance loads when one is checked
 from verispec.grammar.tools import Tools
-from verispec.inputs import check_seed, check_text, did_you_mean, is_int
+from verispec.inputs import check_int, check_seed, check_text, did_you_mean, is_int
 
 if TYPE_CHECKING:
     import torch
@@ -94,8 +94,7 @@ class SamplingParams:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= MAX_TEMPERATURE:
             raise UsageError(f"temperature must be a number in [0, {MAX_TEMPERATURE:.4g}], got {t!r}")
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise UsageError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        check_int(self.top_k, "top_k", 0, hint=" (0 disables it)")
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
             raise UsageError(f"top_p must be in (0, 1], got {p!r}")
@@ -150,16 +149,14 @@ def parse_k(k: int | str) -> int | str:
         if not (k.isascii() and k.isdigit()) or len(k) > 9:  # "²" is a digit to isdigit, not to int
             raise UsageError(f"k must be an integer >= 0, 'additive' or 'auto', got {k[:20]!r}")
         k = int(k)
-    if not is_int(k) or k < 0:
-        raise UsageError(f"k must be an integer >= 0, got {k!r}")
+    check_int(k, "k", 0)
     return k
 
 
 def check_generation(max_new_tokens: object, logprobs: object, stop: tuple[object, ...]) -> None:
     """UsageError unless ``max_new_tokens`` is an integer ≥ 1, ``logprobs`` None or an integer in [0,
     :data:`MAX_LOGPROBS`] and every stop string a non-empty string of valid text."""
-    if not is_int(max_new_tokens) or max_new_tokens < 1:
-        raise UsageError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_int(max_new_tokens, "max_new_tokens", 1)
     if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
         raise UsageError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
     for s in stop:

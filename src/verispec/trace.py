@@ -36,7 +36,7 @@ from torch import Tensor
 
 from verispec.drafting.base import Proposal
 from verispec.errors import UsageError
-from verispec.inputs import is_int
+from verispec.inputs import check_int
 from verispec.models.base import Tokenizer
 from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
@@ -67,8 +67,7 @@ class TokenProbs:
     text: str = ""  # what the token adds to the decoded text (filled in by TraceRecorder.finish)
 
     def __post_init__(self) -> None:
-        if not is_int(self.token_id) or self.token_id < 0:
-            raise UsageError(f"token_id must be an integer >= 0, got {self.token_id!r}")
+        check_int(self.token_id, "token_id", 0)
         _check_prob("p", self.p)
         _check_prob("q", self.q, optional=True)
         _check_prob("p_softmax", self.p_softmax, optional=True)
@@ -87,8 +86,7 @@ class TokenFate:
     def __post_init__(self) -> None:
         if self.fate not in FATES:
             raise UsageError(f"fate must be one of {FATES}, got {self.fate!r}")
-        if not is_int(self.round) or self.round < 0:
-            raise UsageError(f"round must be an integer >= 0, got {self.round!r}")
+        check_int(self.round, "round", 0)
         _check_prob("accept_prob", self.accept_prob, optional=self.fate == "bonus")
         if (self.rejected is not None) != (self.fate == "recovered"):
             raise UsageError("exactly the recovered tokens carry the rejected draft token")

@@ -52,7 +52,7 @@ from verispec.bench.load import (
 from verispec.bench.workloads import WARM
 from verispec.errors import UsageError
 from verispec.files import atomic_write
-from verispec.inputs import is_int
+from verispec.inputs import check_int
 from verispec.options import DEFAULT_MODEL, DEFAULT_PRECISION
 
 __all__ = ["ServeLoadConfig", "run_serve_load", "write_serve_report"]
@@ -84,8 +84,7 @@ class ServeLoadConfig:
     def __post_init__(self) -> None:
         for name in ("clients", "max_tokens", "disconnect_every", "replicas"):
             value, low = getattr(self, name), 0 if name in ("disconnect_every", "replicas") else 1
-            if not is_int(value) or value < low:
-                raise UsageError(f"{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+            check_int(value, name.replace("_", "-"), low)
         seconds = self.seconds
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
             raise UsageError(f"seconds must be a finite number > 0, got {self.seconds!r}")

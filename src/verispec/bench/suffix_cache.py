@@ -30,9 +30,8 @@ from verispec.bench.suite import memory_mib
 from verispec.drafting.suffix import SuffixDrafter, SuffixTreeDrafter
 from verispec.drafting.suffix_cache import DEFAULT_BUDGET, SuffixCache
 from verispec.drafting.tree import TreeShape
-from verispec.errors import UsageError
 from verispec.files import atomic_write
-from verispec.inputs import is_int
+from verispec.inputs import check_int
 from verispec.options import DEFAULT_MODEL
 
 __all__ = ["SuffixCacheBenchConfig", "run_suffix_cache_bench", "write_suffix_cache_report"]
@@ -57,8 +56,7 @@ class SuffixCacheBenchConfig:
     def __post_init__(self) -> None:
         for name in ("requests", "budget", "lookups", "k"):
             value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                raise UsageError(f"--{name} must be an integer >= 1, got {value!r}")
+            check_int(value, f"--{name}", 1)
         TreeShape.parse(self.tree)
 
 

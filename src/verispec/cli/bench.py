@@ -19,6 +19,7 @@ from verispec.cli.common import (
 )
 from verispec.drafting.registry import drafter_names
 from verispec.errors import UsageError
+from verispec.inputs import check_int
 
 if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
     pass
@@ -516,10 +517,7 @@ def run_bench_gguf(args: argparse.Namespace) -> int:
     import datetime
 
     for name, least in (("context", 1), ("prefill", 2), ("max_k", 2), ("repetitions", 1)):  # v(k): k >= 2
-        if getattr(args, name) < least:
-            raise UsageError(
-                f"--{name.replace('_', '-')} must be an integer >= {least}, got {getattr(args, name)}"
-            )
+        check_int(getattr(args, name), f"--{name.replace('_', '-')}", least)
     files = [Path(f) for f in args.files]
     for path in files:
         if path.suffix != ".gguf" or not path.is_file():

@@ -18,6 +18,7 @@ from verispec.cli.common import (
 )
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.errors import UsageError
+from verispec.inputs import check_int
 
 if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
     pass
@@ -58,8 +59,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from verispec.costs.analytic import optimal_k
     from verispec.options import ModelChoice
 
-    if args.repetitions < 1:
-        raise UsageError(f"--repetitions must be an integer >= 1, got {args.repetitions}")
+    check_int(args.repetitions, "--repetitions", 1)
     choice = ModelChoice(**model_fields(args))  # checked before torch loads
     import torch
 

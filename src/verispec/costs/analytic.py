@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from verispec.errors import UsageError
-from verispec.inputs import is_int
+from verispec.inputs import check_int, is_int
 
 __all__ = [
     "DEFAULT_K_MAX",
@@ -79,9 +79,7 @@ def _check_real(name: str, value: object, low: float = -math.inf, high: float = 
 
 def _check_k(k: object, name: str = "k") -> int:
     """k as an int, if it is an integer (not a bool) ≥ 0; else UsageError."""
-    if not is_int(k, integral=True) or k < 0:
-        raise UsageError(f"{name} must be an integer >= 0, got {k!r}")
-    return int(k)
+    return int(check_int(k, name, 0, integral=True))
 
 
 def _alphas(alpha: float | Sequence[float] | np.ndarray, k: int | None) -> np.ndarray:

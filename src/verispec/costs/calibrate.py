@@ -79,7 +79,7 @@ from verispec.costs.analytic import BatchCost, CostModel
 from verispec.drafting.base import Drafter, HiddenStateReader
 from verispec.errors import UsageError
 from verispec.files import atomic_write
-from verispec.inputs import is_int
+from verispec.inputs import check_int
 from verispec.kernels.threads import THREADS
 from verispec.models.base import HiddenStateModel, LanguageModel, RowInput, RowModel
 from verispec.models.gguf import cache_dir
@@ -336,8 +336,7 @@ def calibrate(
     with ``repetitions`` timed repetitions, and cached in place of what was there; other drafters' entries
     stay (their costs are ratios to the T(1) timed beside them, whatever the target's timings say). The labels
     name the models in the cache file and notices."""
-    if not is_int(repetitions) or repetitions < 1:
-        raise UsageError(f"repetitions must be an integer >= 1, got {repetitions!r}")
+    check_int(repetitions, "repetitions", 1)
     target_label = target_label or type(target).__name__
     identity = {"model": model_identity(target), "machine": _machine_identity(), "method": _METHOD}
     path = calibration_dir() / f"{_digest(identity)}.json"

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from verispec.costs.analytic import BatchCost, CostModel
 from verispec.errors import UsageError
-from verispec.inputs import is_int
+from verispec.inputs import check_int, is_int
 
 __all__ = ["ForwardTiming", "OnlineConfig", "OnlineCosts", "RoundTiming"]
 
@@ -99,8 +99,7 @@ class OnlineConfig:
     def __post_init__(self) -> None:
         if not (is_int(self.window) and is_int(self.min_seen) and 1 <= self.min_seen <= self.window):
             raise UsageError(f"need 1 <= min_seen <= window, got {self.min_seen!r}, {self.window!r}")
-        if not (is_int(self.horizon) and self.horizon >= 1):
-            raise UsageError(f"horizon must be an integer >= 1, got {self.horizon!r}")
+        check_int(self.horizon, "horizon", 1)
         for name, low in (("tolerance", 0.0), ("notice", 1.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and low <= value < 1e9):

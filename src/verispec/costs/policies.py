@@ -20,7 +20,7 @@ import numpy as np
 from verispec.costs.analytic import BatchCost, CostModel, tokens_by_k
 from verispec.costs.online import OnlineCosts, RoundTiming
 from verispec.errors import UsageError
-from verispec.inputs import is_int
+from verispec.inputs import check_int
 
 __all__ = [
     "CONTEXT_STEP",
@@ -59,8 +59,7 @@ class ConstantK(KPolicy):
     """Always the same draft length."""
 
     def __init__(self, k: int) -> None:
-        if not is_int(k) or k < 0:
-            raise UsageError(f"k must be an integer >= 0, got {k!r}")
+        check_int(k, "k", 0)
         self.k = k
         self.name = str(k)
 
@@ -153,11 +152,10 @@ class AutoKConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 < value <= 1):
                 raise UsageError(f"{name} must be a number in (0, 1], got {value!r}")
-        if self.k_max is not None and not (is_int(self.k_max) and self.k_max >= 0):
-            raise UsageError(f"k_max must be an integer >= 0 or None, got {self.k_max!r}")
+        if self.k_max is not None:
+            check_int(self.k_max, "k_max", 0)
         for name in ("explore", "amortize"):
-            if not (is_int(getattr(self, name)) and getattr(self, name) >= 1):
-                raise UsageError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+            check_int(getattr(self, name), name, 1)
 
 
 class CostModelK(KPolicy):

@@ -50,7 +50,7 @@ from verispec.costs.analytic import (
     speedup_from_tokens,
 )
 from verispec.errors import UsageError
-from verispec.inputs import is_int
+from verispec.inputs import check_int
 
 __all__ = [
     "MODES",
@@ -116,8 +116,7 @@ class SimulationConfig:
         object.__setattr__(self, "modes", modes)
         for name, low in (("rounds", 2), ("seed", 0), ("vocab_size", 2), ("pool_size", 1)):
             value = getattr(self, name)
-            if not is_int(value, integral=True) or value < low:
-                raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
+            check_int(value, name, low, integral=True)
         c = self.concentration
         if isinstance(c, bool) or not isinstance(c, numbers.Real) or not 0 < c < math.inf:
             raise UsageError(f"concentration must be a finite number > 0, got {c!r}")
@@ -237,8 +236,7 @@ def simulate_rounds(
     chunks, so memory does not grow with ``rounds``.
     """
     for name, value in (("k", k), ("rounds", rounds)):
-        if not is_int(value, integral=True) or value < 1:
-            raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
+        check_int(value, name, 1, integral=True)
     per_pair = pair_acceptance(p=p, q=q, mode=mode)  # [M]; validates p, q and mode
     greedy_accept = per_pair > 0.5 if mode == "greedy" else None  # [M] bool
     hist, accepted = np.zeros(k + 1, dtype=np.int64), 0

@@ -21,7 +21,7 @@ from verispec.drafting.registry import DRAFTERS, drafter_names
 from verispec.drafting.suffix_cache import DEFAULT_BUDGET, SuffixCache
 from verispec.errors import UsageError
 from verispec.files import check_writable
-from verispec.inputs import is_int
+from verispec.inputs import check_int
 
 __all__ = ["check_file", "check_suffix_choice", "open_suffix_cache"]
 
@@ -37,8 +37,8 @@ def check_suffix_choice(drafter: str, path: str | None, budget: int | None) -> N
         shared = drafter_names(lambda k: k.shared_cache)
         raise UsageError(f"{flag} keeps the cache of a drafter that shares one across requests: give "
                          f"--drafter {shared} (not {drafter})")  # fmt: skip
-    if budget is not None and (not is_int(budget) or budget < 1):
-        raise UsageError(f"--suffix-budget must be an integer >= 1 (tokens), got {budget!r}")
+    if budget is not None:
+        check_int(budget, "--suffix-budget", 1, hint=" (tokens)")
     if path is not None:
         check_file(Path(path))
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from verispec.drafting.tree import TreeShape
 from verispec.errors import UsageError
-from verispec.inputs import is_int
+from verispec.inputs import check_int
 
 __all__ = ["SEPARATOR", "Match", "SuffixConfig", "TokenIndex"]
 
@@ -50,8 +50,7 @@ class SuffixConfig:
     def __post_init__(self) -> None:
         for name in ("max_depth", "min_match", "max_candidates"):
             value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                raise UsageError(f"suffix {name} must be an integer >= 1, got {value!r}")
+            check_int(value, f"suffix {name}", 1)
         if self.min_match > self.max_depth:
             raise UsageError(f"suffix min_match {self.min_match} exceeds max_depth {self.max_depth}")
         if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):

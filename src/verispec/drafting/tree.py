@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from verispec.errors import UsageError
-from verispec.inputs import is_int
+from verispec.inputs import check_int, is_int
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the command line checks shapes without it
     from torch import Tensor
@@ -171,8 +171,7 @@ class TreeShape:
     def full(cls, width: int, depth: int, max_nodes: int = MAX_NODES) -> TreeShape:
         """Every node has ``width`` children, down to ``depth``: (width^(depth+1) − 1) / (width − 1) nodes."""
         for label, value in (("width", width), ("depth", depth)):
-            if not is_int(value) or value < 1:
-                raise UsageError(f"tree {label} must be an integer >= 1, got {value!r}")
+            check_int(value, f"tree {label}", 1)
         nodes = sum(width**d for d in range(depth + 1))
         if nodes > max_nodes:
             count = f"{nodes}" if nodes < 10**9 else f"about {nodes:.1e}"
@@ -183,8 +182,7 @@ class TreeShape:
     @classmethod
     def chain(cls, k: int) -> TreeShape:
         """A single path of ``k`` draft nodes: the chain round's draft, as a tree."""
-        if not is_int(k) or k < 1:
-            raise UsageError(f"chain length must be an integer >= 1, got {k!r}")
+        check_int(k, "chain length", 1)
         return cls.from_paths([(0,) * d for d in range(1, k + 1)], name=f"chain{k}")
 
     @classmethod

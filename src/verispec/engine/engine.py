@@ -63,7 +63,7 @@ from verispec.engine.rounds import (
 from verispec.engine.sequence import DrafterFor, ForwardTotals, Request, Running, token_logprobs
 from verispec.errors import UsageError
 from verispec.grammar.rounds import constrain, finish
-from verispec.inputs import is_int
+from verispec.inputs import check_int
 from verispec.models.base import (
     Cache,
     HiddenStateModel,
@@ -99,8 +99,7 @@ class SpeculativeEngine:
     ) -> None:
         sizes = (("slots", slots), ("prefill_chunk", prefill_chunk), ("round_tokens", round_tokens))
         for name, value in sizes:
-            if not is_int(value) or value < 1:
-                raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
+            check_int(value, name, 1)
         self.target = target
         self.prefill_chunk = prefill_chunk
         self.round_tokens = round_tokens

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, cast
 from verispec.engine.driver import Driver
 from verispec.engine.sequence import GenerationStats, Request
 from verispec.errors import UsageError
-from verispec.inputs import is_int
+from verispec.inputs import check_int
 
 if TYPE_CHECKING:
     from verispec.api import Speculator
@@ -106,9 +106,8 @@ class Scheduler:
     ``max_queue`` more waiting. Use as a context manager, or :meth:`close` it."""
 
     def __init__(self, speculator: Speculator, slots: int = 8, max_queue: int = 64) -> None:
-        for name, value in (("slots", slots), ("max_queue", max_queue)):
-            if not is_int(value) or value < (1 if name == "slots" else 0):
-                raise UsageError(f"{name} must be an integer >= {1 if name == 'slots' else 0}, got {value!r}")
+        check_int(slots, "slots", 1)
+        check_int(max_queue, "max_queue", 0)
         self.speculator = speculator
         self.driver = Driver(speculator.model, slots=slots, log_failures=True)
         self.max_queue = max_queue

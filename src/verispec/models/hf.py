@@ -26,7 +26,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from verispec.errors import UsageError
 from verispec.grammar.tools import Tools, template_messages
-from verispec.inputs import is_int
+from verispec.inputs import check_int
 from verispec.models.base import Cache
 
 if TYPE_CHECKING:  # transformers' modeling code takes seconds to import: loaded where a model is
@@ -58,7 +58,7 @@ class HFCache:
 
     def truncate(self, length: int) -> None:
         """Drop every slot from ``length`` on (0 ≤ length ≤ self.length; UsageError otherwise)."""
-        _check_int("truncate length", length, 0, self._length)
+        check_int(length, "truncate length", 0, self._length)
         if length < self._length:
             self.inner.crop(length - self._length)  # a negative count removes that many trailing tokens
             self._length = length
@@ -67,7 +67,7 @@ class HFCache:
         """Move the entries of slots ``keep`` (ascending, each in [start, length)) to slots start, start + 1,
         …, and drop every slot after them (each layer's keys and values gathered along the sequence)."""
         keep = list(keep)
-        _check_int("compact start", start, 0, self._length)
+        check_int(start, "compact start", 0, self._length)
         bounds = [start - 1, *keep, self._length]
         if not all(isinstance(s, int) for s in keep) or any(a >= b for a, b in itertools.pairwise(bounds)):
             raise UsageError(f"slots to keep must ascend within [{start}, {self._length}), got {keep}")
@@ -126,8 +126,8 @@ class HFModel:
     def new_cache(self, batch_size: int = 1, capacity: int | None = None) -> HFCache:
         """An empty cache for ``batch_size`` sequences of at most ``capacity`` (default max_context) slots."""
         capacity = self.max_context if capacity is None else capacity
-        _check_int("batch_size", batch_size, 1)
-        _check_int("capacity", capacity, 1, self.max_context)
+        check_int(batch_size, "batch_size", 1)
+        check_int(capacity, "capacity", 1, self.max_context)
         return HFCache(self._config, batch_size, capacity)
 
     def forward(
@@ -197,13 +197,6 @@ class HFModel:
         dtype = self._model.dtype
         mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)  # [T, start + T]
         return mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]  # [1, 1, T, start + T]
-
-
-def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
-    """UsageError unless ``value`` is an integer in [low, high] (high None: unbounded)."""
-    if not (is_int(value) and low <= value and (high is None or value <= high)):
-        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise UsageError(f"{name} must be an integer {bounds}, got {value!r}")
 
 
 def _rollback_limit(config: PretrainedConfig) -> int:

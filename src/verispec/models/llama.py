@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from verispec.errors import UsageError
-from verispec.inputs import is_int
+from verispec.inputs import check_int, is_int
 from verispec.kernels.cpu import (
     ACTIVATIONS,
     FORMATS,
@@ -205,8 +205,7 @@ class LlamaConfig:
             "max_position_embeddings",
         ):
             value = getattr(self, name)
-            if not is_int(value) or value <= 0:
-                raise UsageError(f"{name} must be an integer > 0, got {value!r}")
+            check_int(value, name, 1)
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
                 raise UsageError(
@@ -231,10 +230,10 @@ class LlamaConfig:
         for name in ("tie_word_embeddings", "attention_bias", "attention_out_bias", "mlp_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.sliding_window is not None and (not is_int(self.sliding_window) or self.sliding_window <= 0):
-            raise UsageError(f"sliding_window must be an integer > 0 or None, got {self.sliding_window!r}")
-        if self.bos_token_id is not None and not (is_int(self.bos_token_id) and self.bos_token_id >= 0):
-            raise UsageError(f"bos_token_id must be an integer >= 0 or None, got {self.bos_token_id!r}")
+        if self.sliding_window is not None:
+            check_int(self.sliding_window, "sliding_window", 1)
+        if self.bos_token_id is not None:
+            check_int(self.bos_token_id, "bos_token_id", 0)
         if not isinstance(self.eos_token_ids, tuple) or not all(
             is_int(t) and t >= 0 for t in self.eos_token_ids
         ):
@@ -422,8 +421,7 @@ class KVCache:
             ("capacity", capacity),
             ("head_dim", head_dim),
         ):
-            if not is_int(value) or value <= 0:
-                raise UsageError(f"{name} must be an integer > 0, got {value!r}")
+            check_int(value, name, 1)
         if tiled and (separate_layers or dtype != torch.float16):
             raise UsageError("a tiled cache holds every layer in one float16 tensor")
         self._capacity = capacity
@@ -522,8 +520,7 @@ class KVCache:
         of the model that fills this one, which computes exactly those layers, so the draft finds every slot
         the full model has written. Slots the draft writes beyond that are the full model's to overwrite."""
         layers = len(self.keys)
-        if not is_int(num_layers) or not 0 < num_layers <= layers:
-            raise UsageError(f"num_layers must be an integer in [1, {layers}], got {num_layers!r}")
+        check_int(num_layers, "num_layers", 1, layers)
         view = object.__new__(KVCache)
         view.keys, view.values = self.keys[:num_layers], self.values[:num_layers]
         view._length, view._capacity, view.tiled = self._length, self._capacity, self.tiled
@@ -556,8 +553,7 @@ class KVCache:
         """A new cache holding copies of this one's committed slots, with room for ``extra`` more: a copy that
         autograd follows, so that training can extend one context along several branches (the unrolled
         draft steps of :mod:`verispec.training.eagle`) without writing into tensors it still needs."""
-        if not is_int(extra) or extra < 0:
-            raise UsageError(f"extra must be an integer >= 0, got {extra!r}")
+        check_int(extra, "extra", 0)
         if self.tiled:
             raise UsageError("a tiled cache (the native kernels') does not grow: training uses the plain one")
         batch, heads, _, head_dim = self.keys[0].shape
@@ -1210,10 +1206,8 @@ class Llama(nn.Module):
         holds fused, packed or emptied tensors. Only float32 models on a CPU; elsewhere (CUDA, half types)
         the model keeps the plain path, and a native precision is refused. UsageError for a precision this
         machine or model cannot run, naming those it can. Returns whether the model is now on a fast path."""
-        if not is_int(batch_size_hint) or batch_size_hint <= 0:
-            raise UsageError(f"batch_size_hint must be an integer > 0, got {batch_size_hint!r}")
-        if not is_int(min_weight_elements) or min_weight_elements < 0:
-            raise UsageError(f"min_weight_elements must be an integer >= 0, got {min_weight_elements!r}")
+        check_int(batch_size_hint, "batch_size_hint", 1)
+        check_int(min_weight_elements, "min_weight_elements", 0)
         check_precision(precision)
         on_cpu = self.device.type == "cpu" and self.dtype == torch.float32
         if not on_cpu and precision in FORMATS:
@@ -1268,10 +1262,7 @@ class Llama(nn.Module):
         """A draft sharing this model's weights that runs only its first ``num_layers`` decoder layers, then
         the final norm and the head (self-speculation by early exit). Nothing is copied: the draft costs no
         memory but its own cache, and follows this model's fast path."""
-        if not is_int(num_layers) or not 0 < num_layers < self.config.num_layers:
-            raise UsageError(
-                f"num_layers must be an integer in [1, {self.config.num_layers - 1}], got {num_layers!r}"
-            )
+        check_int(num_layers, "num_layers", 1, self.config.num_layers - 1)
         config = self.config.first_layers(num_layers)
         draft = Llama(config, device="meta", dtype=self.dtype)  # allocates nothing; every module is replaced
         draft.model.embed_tokens = self.model.embed_tokens
@@ -1300,8 +1291,7 @@ class Llama(nn.Module):
         ):
             raise UsageError(f"a self-draft is packed in q8_0 or q4_1 (with widths of 32), got {precision!r}")
         n = self.config.num_layers if num_layers is None else num_layers
-        if not is_int(n) or not 0 < n <= self.config.num_layers:
-            raise UsageError(f"num_layers must be an integer in [1, {self.config.num_layers}], got {n!r}")
+        check_int(n, "num_layers", 1, self.config.num_layers)
         draft = Llama(self.config.first_layers(n), device="meta", dtype=self.dtype)
         draft.model.embed_tokens, draft.model.norm = self.model.embed_tokens, self.model.norm
         draft.model.layers = nn.ModuleList(self.model.layers[:n])  # their released weights: for names only
@@ -1329,10 +1319,7 @@ class Llama(nn.Module):
     def new_cache(self, batch_size: int = 1, capacity: int | None = None) -> KVCache:
         """An empty cache for ``batch_size`` sequences of at most ``capacity`` (default max_context) slots."""
         capacity = self.max_context if capacity is None else capacity
-        if not is_int(capacity) or not 0 < capacity <= self.max_context:
-            raise UsageError(
-                f"cache capacity must be an integer in [1, {self.max_context}], got {capacity!r}"
-            )
+        check_int(capacity, "cache capacity", 1, self.max_context)
         c, (dtype, tiled) = self.config, self._cache_layout()
         return KVCache(
             c.num_layers,

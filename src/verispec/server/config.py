@@ -11,7 +11,7 @@ from pathlib import Path
 
 from verispec.drafting.registry import DRAFTERS, drafter_names
 from verispec.errors import UsageError
-from verispec.inputs import is_int
+from verispec.inputs import check_int, is_int
 from verispec.options import ModelChoice, parse_k
 from verispec.server.tenants import SuffixTenants
 
@@ -44,8 +44,7 @@ class ServerConfig(ModelChoice):
         super().__post_init__()
         for name, low in (("max_batch", 1), ("max_queue", 0), ("max_connections", 1), ("max_body", 1)):
             value = getattr(self, name)
-            if not is_int(value) or value < low:
-                raise UsageError(f"{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+            check_int(value, name.replace("_", "-"), low)
         for name in ("keep_alive", "header_timeout", "body_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
@@ -94,8 +93,7 @@ class RayDeployment:
     threads: int | None = None
 
     def __post_init__(self) -> None:
-        if not is_int(self.replicas) or not 1 <= self.replicas <= MAX_REPLICAS:
-            raise UsageError(f"--replicas must be an integer in [1, {MAX_REPLICAS}], got {self.replicas!r}")
+        check_int(self.replicas, "--replicas", 1, MAX_REPLICAS)
         if self.address is not None and not self.address.strip():
             raise UsageError("--address is empty (auto, or the head's HOST:PORT)")
 

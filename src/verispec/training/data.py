@@ -38,7 +38,7 @@ from verispec.batch import connect_ray
 from verispec.drafting.learned.head import native_target
 from verispec.errors import UsageError
 from verispec.files import atomic_path
-from verispec.inputs import check_seed, is_int
+from verispec.inputs import check_int, check_seed
 from verispec.options import DEFAULT_PRECISION
 from verispec.training.prompts import FOLLOW_UPS, chat_prompts
 
@@ -79,8 +79,7 @@ class DataConfig:
         for name in ("num_prompts", "max_new_tokens", "batch_size", "first_prompt", "turns"):
             value = getattr(self, name)
             low = {"first_prompt": 0}.get(name, 1)
-            if not is_int(value) or value < low:
-                raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
+            check_int(value, name, low)
         if not 0 < self.heldout_fraction < 1:
             raise UsageError(f"heldout_fraction must lie in (0, 1), got {self.heldout_fraction!r}")
         from verispec.models.llama import check_precision
@@ -517,8 +516,7 @@ def drafter_data_on_ray(target: str, out: str | Path, config: DataConfig, addres
     merged data set's meta data."""
     if config.questions != "templates":
         raise UsageError("--ray cuts the template prompt set into ranges: target-written questions run here")
-    if not is_int(workers) or workers < 1:
-        raise UsageError(f"--workers must be an integer >= 1, got {workers!r}")
+    check_int(workers, "--workers", 1)
     out = Path(out)
     if out.exists():
         raise UsageError(f"{out} exists: remove it or choose another directory")

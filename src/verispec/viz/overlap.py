@@ -26,7 +26,7 @@ from matplotlib.typing import LineStyleType
 
 from verispec.costs.analytic import acceptance_rate
 from verispec.errors import UsageError
-from verispec.inputs import is_int
+from verispec.inputs import check_int
 from verispec.models.base import LanguageModel
 from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
@@ -74,8 +74,7 @@ def overlap_bars(*, p: object, q: object, top: int) -> OverlapBars:
         raise UsageError("p and q must be lists of numbers") from None
     if p.ndim != 1 or p.shape != q.shape:
         raise UsageError(f"p and q must be lists of the same length, got shapes {p.shape} and {q.shape}")
-    if not is_int(top) or top < 1:
-        raise UsageError(f"top must be an integer >= 1, got {top!r}")
+    check_int(top, "top", 1)
     alpha = acceptance_rate(p=p, q=q)  # validates: non-empty, finite, non-negative, each summing to 1
     assert isinstance(alpha, float)  # one α for one pair of distributions [V]
     order = np.lexsort((np.arange(p.size), -np.maximum(p, q)))  # by max(p, q) down, then by id

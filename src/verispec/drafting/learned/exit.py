@@ -28,8 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from verispec.drafting.learned.head import LearnedHead, native_target, shape_count
-from verispec.errors import UsageError
-from verispec.inputs import is_int
+from verispec.inputs import check_int
 from verispec.models.base import Cache, LanguageModel
 from verispec.models.llama import KVCache, Llama, _Linear
 
@@ -39,9 +38,7 @@ __all__ = ["ExitAdapter", "ExitDraft", "check_exit_layer", "exit_features"]
 def check_exit_layer(target: Llama, exit_layer: object) -> int:
     """``exit_layer`` when the target has a layer after it; UsageError otherwise."""
     layers = target.config.num_layers
-    if not is_int(exit_layer) or not 1 <= exit_layer < layers:
-        raise UsageError(f"the exit layer must be an integer in [1, {layers - 1}], got {exit_layer!r}")
-    return exit_layer
+    return check_int(exit_layer, "the exit layer", 1, layers - 1)
 
 
 class ExitAdapter(LearnedHead):
