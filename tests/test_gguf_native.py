@@ -580,7 +580,7 @@ def test_smollm2_in_place_equals_the_converted_path():
     assert os.path.samefile(source, gguf_file(DEFAULT_MODEL))
 
 
-def test_generating_on_a_gguf_file_never_imports_transformers_modeling_code(tmp_path, cache):
+def test_generating_on_a_gguf_file_never_imports_transformers_modeling_code(tmp_path, own_cache):
     """Issue 52: a GGUF file read in place needs transformers' tokenizers only; its modeling code (which
     takes seconds to import: torch.distributed, dynamo) is imported by a conversion or a transformers model
     alone. `verispec generate` on a tiny file, in a fresh process, leaves it unimported."""
@@ -589,7 +589,8 @@ def test_generating_on_a_gguf_file_never_imports_transformers_modeling_code(tmp_
         "import contextlib, io, sys\n"
         "from verispec import cli\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
-        f"    status = cli.main(['generate', '--target', {str(source)!r}, 'hi', '--max-new-tokens', '4'])\n"
+        f"    status = cli.main(['generate', '--target', {str(source)!r}, 'hi', '--max-new-tokens', '2',\n"
+        "                       '--k', '2'])\n"
         "print(status, 'transformers.modeling_utils' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

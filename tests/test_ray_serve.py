@@ -83,6 +83,7 @@ def generated(root, capsys, *flags: str) -> str:
     return json.loads(capsys.readouterr().out)["text"]
 
 
+@pytest.mark.xdist_group("ray")  # one worker starts each local Ray once (ray_lock)
 def test_answers_equal_generate_whichever_replica_serves(cluster, sessions, capsys):
     url, root = cluster
     greedy = generated(root, capsys, "--drafter", "none")
@@ -99,6 +100,7 @@ def test_answers_equal_generate_whichever_replica_serves(cluster, sessions, caps
         assert "".join(chunk.choices[0].text for chunk in raw.parse()) == sampled
 
 
+@pytest.mark.xdist_group("ray")  # one worker starts each local Ray once (ray_lock)
 def test_a_session_or_a_user_comes_back_to_its_replica(cluster, sessions):
     url, _ = cluster
     for replica, session in sessions.items():
@@ -109,6 +111,7 @@ def test_a_session_or_a_user_comes_back_to_its_replica(cluster, sessions):
         assert len(served) == 1
 
 
+@pytest.mark.xdist_group("ray")  # one worker starts each local Ray once (ray_lock)
 def test_metrics_are_every_replica_s_labelled(cluster, sessions):
     url, _ = cluster
     for session in sessions.values():
@@ -123,6 +126,7 @@ def test_metrics_are_every_replica_s_labelled(cluster, sessions):
     assert served == set(sessions)
 
 
+@pytest.mark.xdist_group("ray")  # one worker starts each local Ray once (ray_lock)
 def test_a_replica_killed_mid_run_fails_its_requests_cleanly(cluster, sessions):
     """Streams and whole answers running on a replica that is killed end at once with one message (an error
     event, a 503); the others' answers are whole; the next requests succeed, and Ray Serve starts a new

@@ -839,6 +839,7 @@ def test_across_tokenizers_command_runs(default_model, shared_model, monkeypatch
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")  # one worker starts each local Ray once (ray_lock)
 def test_offline_batch_commands_run(shared_model, tmp_path, monkeypatch, own_cache, ray_lock, capsys):
     """docs/batch.md's batch lines on stories260K (a prompts.jsonl of stories, 8 new tokens), from a fresh
     directory: in-process, then on a local Ray with two workers (the same tokens: a fixed --k and --seed),

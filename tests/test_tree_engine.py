@@ -22,6 +22,7 @@ from verispec.costs.policies import ConstantK
 from verispec.drafting.base import NoDrafter
 from verispec.drafting.draft_model import ModelDrafter, ModelTreeDrafter
 from verispec.drafting.ngram import NGramDrafter, NGramTreeDrafter
+from verispec.drafting.registry import drafter_names
 from verispec.drafting.tree import TreeShape
 from verispec.engine.engine import SpeculativeEngine
 from verispec.engine.sequence import EngineConfig, GenerationStats
@@ -396,6 +397,7 @@ def test_cli_generate_with_a_tree(capsys, shared_model, tmp_path):
     )
     assert one_shot.token_ids == plain["token_ids"] and one_shot.stats["k"] == "tree 2x2"
     assert cli.main([*common, "--drafter", "none", "--tree-width", "2", "--tree-depth", "2"]) == 2
-    assert "model, ngram, suffix, eagle, medusa or exit drafter" in capsys.readouterr().err
+    takers = drafter_names(lambda kind: kind.takes_trees)  # the registry's: eagle3 and eagle2 take trees too
+    assert f"token trees need the {takers} drafter" in capsys.readouterr().err and "ngram" in takers
     assert cli.main([*common, "--tree-width", "2", "--tree-depth", "9"]) == 2  # 1023 nodes, context 512
     assert "context of" in capsys.readouterr().err
