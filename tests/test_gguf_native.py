@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import (
+    AutoTokenizer,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
@@ -337,7 +338,7 @@ def test_tokenizer_from_the_metadata_is_the_conversions_and_is_cached(tmp_path, 
     for text in ("hello world, ünïcode", "<|im_start|>user\nhi<|im_end|>\n", ""):
         assert tokenizer.encode(text) == converted.encode(text)
     assert tokenizer.chat_prompt("hi") == converted.chat_prompt("hi")
-    monkeypatch.setattr(gguf_module, "AutoTokenizer", None)  # a second load converts nothing
+    monkeypatch.setattr(gguf_module, "_tokenizer_class", None)  # a second load converts nothing
     assert load_tokenizer(source).encode("hello") == tokenizer.encode("hello")
 
 
@@ -361,7 +362,7 @@ def test_interrupted_tokenizer_leaves_nothing(tmp_path, cache, monkeypatch):
             raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(gguf_module, "AutoTokenizer", Interrupted)
+        patch.setattr(gguf_module, "_tokenizer_class", lambda arch: Interrupted)
         with pytest.raises(KeyboardInterrupt):
             gguf_tokenizer_dir(source)
     assert list(cache.iterdir()) == []
@@ -595,3 +596,26 @@ def test_generating_on_a_gguf_file_never_imports_transformers_modeling_code(tmp_
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.stdout.split() == ["0", "False"], done.stderr
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "phi3"])
+def test_a_files_tokenizer_is_autotokenizers_without_its_config_read(tmp_path, cache, arch, monkeypatch):
+    """Issue 52: AutoTokenizer reads a GGUF file's whole metadata with gguf's reader to learn its model type
+    (18.5 s of a Gemma 3 file's first run here); the cache's tokenizer is made by the class it would pick,
+    found from the architecture's name, gguf's reader never called: the same files as AutoTokenizer's, byte
+    for byte."""
+    hf = dict(llama=tiny_llama, qwen2=tiny_qwen2, qwen3=tiny_qwen3, gemma3=tiny_gemma3, phi3=tiny_phi3)
+    source = write_tiny_gguf(tmp_path / f"{arch}.gguf", hf[arch](), "F16", arch=arch)
+    with monkeypatch.context() as patch:
+
+        def slow_reader(*args, **kwargs):
+            raise AssertionError("gguf.GGUFReader read the whole file")
+
+        patch.setattr(gguf, "GGUFReader", slow_reader)
+        ours = gguf_tokenizer_dir(source)
+    theirs = tmp_path / "auto"
+    AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name).save_pretrained(theirs)
+    names = sorted(p.name for p in theirs.iterdir())
+    assert names == sorted(p.name for p in ours.iterdir()) and "tokenizer.json" in names
+    for name in names:
+        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
