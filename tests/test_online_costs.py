@@ -283,3 +283,20 @@ def test_the_engine_hands_each_rounds_timings_and_the_output_is_unchanged(storie
     assert decode(stories, pair) == [tokens, tokens]  # rows of one batch: their own output
     first, second = ([t.forward for t in each.timings if t.forward.rows == 2] for each in pair)
     assert first and all(a is b for a, b in zip(first, second, strict=True))  # one object per forward
+
+
+def test_a_prior_whose_curve_falls_at_its_end_never_predicts_a_negative_forward():
+    """A probe timed on a busy machine can end lower than it was (here v(16) < v(15): it was cached with its
+    drift). A forward of more tokens than the curve holds (a grammar's forced run) was predicted by extending
+    its last segment, falling below zero: a negative slowdown, then a corrected v(16) < 0 refused as a
+    UsageError in the middle of a request. Extended by a falling segment no more, the forward costs at least
+    v(16) and every corrected cost stays positive."""
+    falling = CostModel(0.01, [1.0, *(1.0 + 0.2 * k for k in range(1, 15)), 0.5])  # v(15) = 3.8, v(16) = 0.5
+    online = OnlineCosts()
+    policy = CostModelK(falling, online=online)
+    for _ in range(3):
+        for tokens in (1, 25):
+            policy.observe_costs(timing(tokens, 0.01 * tokens))
+    corrected = online.correct(falling)
+    assert all(corrected.verify(k) > 0 for k in range(1, 17))
+    assert 0 <= policy.next_k(100) <= 15

@@ -399,13 +399,15 @@ class PartsK(KPolicy):
 
 def _forward_cost(cost: CostModel, batch: BatchCost | None, rows: int, n: int) -> float:
     """V(b, n): a target forward over n new tokens of b rows in units of one single-token step: the
-    calibrated batch grid, or without one the single-row curve v(n), extended linearly past its last point."""
+    calibrated batch grid, or without one the single-row curve v(n), extended linearly past its last point
+    by its last segment's slope, never a falling one (a probe timed on a busy machine can end lower than it
+    was: extended, it went below zero, and so did the slowdowns measured against it)."""
     if batch is not None:
         return batch.forward(rows, n)
     last = cost.max_k + 1 if cost.max_k is not None else n
     if n <= last:
         return cost.verify(n)
-    slope = cost.verify(last) - cost.verify(last - 1) if last > 1 else 1.0
+    slope = max(cost.verify(last) - cost.verify(last - 1), 0.0) if last > 1 else 1.0
     return cost.verify(last) + slope * (n - last)
 
 
