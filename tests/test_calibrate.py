@@ -351,6 +351,22 @@ def test_the_drift_of_t1_within_a_measurement():
     assert calibration_module._drift([1.0, 5.0, 5.0]) == 1.0  # too few to compare
 
 
+def test_a_probed_curve_that_falls_counts_as_drift(stories, measured, monkeypatch):
+    """A probe of one pass per size on a busy machine timed T(1) at 2.06 s and T(2) at 0.9 ms, and its T(1)s
+    alone showed no drift (too few): cached as clean, it stayed, and --k auto planned with it. A curve that
+    falls (a forward of more tokens never costs less) is a drift of its fall: probed again once quiet."""
+    assert calibration_module._fall([1.0, 1.1, 1.05, 2.0]) == pytest.approx(1.1 / 1.05)  # noise: no drift
+    assert calibration_module._fall([2.0, 0.001, 0.03]) == pytest.approx(2000.0)
+    model, _ = stories
+
+    def seconds(self, k):  # every one-token forward timed while something else held the core
+        return 1.0 if k == 1 else 1e-3 * (1 + 0.1 * (k - 1))
+
+    monkeypatch.setattr(calibration_module._TargetTimer, "seconds", seconds)
+    probed = calibrate(model, repetitions=1).target
+    assert probed.probe and probed.drift == pytest.approx(1.0 / 1.1e-3)
+
+
 class _FakeClock:
     """The calibration's clock, advanced by the target's forwards as timed (none takes real time): a forward
     of k tokens takes ``step`` · (1 + 0.1 (k − 1)) seconds, 3× that in the second half of every ``period``

@@ -434,6 +434,18 @@ def _drift(ones: Sequence[float]) -> float:
     return max(medians) / min(medians)
 
 
+def _fall(seconds: Sequence[float]) -> float:
+    """How far a curve T(1), T(2), ... falls from a size to a larger one (a forward over more tokens never
+    costs less: a fall is a forward slowed by something else, a busy machine), as a drift: the largest
+    T(j) / T(k) over j < k, 1.0 for a curve that never falls. A busy first probe here timed T(1) at 2.06 s
+    and T(2) at 0.9 ms over its one pass each: a drift of 2,262, probed again once the machine is quiet."""
+    most, fall = 0.0, 1.0
+    for t in seconds:
+        most = max(most, t)
+        fall = max(fall, most / t)
+    return fall
+
+
 class _Budget:
     """How long a measurement goes on: each loop of passes begins its first pass always, another while
     fewer than its most are done and ``seconds`` have not passed since the budget was made (a probe's; a
@@ -486,6 +498,7 @@ def _measure_target(model: LanguageModel, label: str, repetitions: int, probe: b
         budget = _Budget(PROBE_SECONDS)
         short = _context(model, K_MAX, PROBE_CONTEXT)
         seconds, drift, passes = _time_forwards(model, short, PROBE_KS, repetitions, budget)
+        drift = max(drift, _fall(seconds))  # a probe of few passes: its T(1)s alone may not show the load
         grid = _one_row_grid(seconds) if _RowsTimer.of(model, 2) else _one_by_one(seconds)
         _drifted(label, drift)
         return TargetCosts(
