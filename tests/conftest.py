@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _pytest.nodeid import NodeId
 from filelock import FileLock
 
 SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared/models"
@@ -22,6 +23,21 @@ def pytest_configure(config: pytest.Config) -> None:
     if "PYTEST_XDIST_WORKER" in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``make test``'s ``--dist loadgroup`` sends the tests marked ``xdist_group("ray")`` (those that start a
+    local Ray) to one worker, each module's Ray started once there. pytest-xdist 3.8 marks a group by a
+    suffix on each test's node id, set as ``item._nodeid``, which pytest 9.2 no longer reads (its node ids
+    are ``item._id``): unmarked, the group's tests were spread over both workers, each starting its own Ray
+    in turn behind ``ray_lock``. The same suffix, set where pytest 9.2 reads it."""
+    if not getattr(config.option, "loadgroup", False):  # set on the workers of --dist loadgroup
+        return
+    for item in items:
+        marks = item.iter_markers("xdist_group")
+        groups = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks}
+        if groups and "@" not in item.nodeid:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(groups))}")
 
 
 @pytest.fixture(scope="session")
