@@ -10,8 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _pytest.nodeid import NodeId
 from filelock import FileLock
+
+try:  # pytest 9.2's structured node ids; an older pytest reads the suffix pytest-xdist sets itself
+    from _pytest.nodeid import NodeId
+except ImportError:
+    NodeId = None
 
 SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared/models"
 
@@ -31,7 +35,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     suffix on each test's node id, set as ``item._nodeid``, which pytest 9.2 no longer reads (its node ids
     are ``item._id``): unmarked, the group's tests were spread over both workers, each starting its own Ray
     in turn behind ``ray_lock``. The same suffix, set where pytest 9.2 reads it."""
-    if not getattr(config.option, "loadgroup", False):  # set on the workers of --dist loadgroup
+    if NodeId is None or not getattr(config.option, "loadgroup", False):  # on --dist loadgroup's workers
         return
     for item in items:
         marks = item.iter_markers("xdist_group")
