@@ -148,9 +148,9 @@ def gguf_tokenizer_dir(gguf: Path) -> Path:
         raise UsageError(f"no tokenizer in {gguf} that transformers reads: {problem}")
 
     def write(partial: Path) -> None:
-        reader = _tokenizer_class(header.fields.get("general.architecture"))
+        kind = _tokenizer_class(header.fields.get("general.architecture"))
         try:
-            tokenizer = reader.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            tokenizer = kind.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         except (ValueError, KeyError, IndexError, OSError, NotImplementedError, TypeError) as err:
             raise UsageError(f"no tokenizer in {gguf} that transformers reads: {first_line(err)}") from err
         arch = header.fields.get("general.architecture")
@@ -167,7 +167,7 @@ def gguf_tokenizer_dir(gguf: Path) -> Path:
     return out_dir
 
 
-def _tokenizer_class(arch: object) -> Any:
+def _tokenizer_class(arch: object) -> Any:  # a tokenizer class, or AutoTokenizer: from_pretrained either way
     """The tokenizer class AutoTokenizer would pick for a GGUF file of architecture ``arch`` (its model
     type's: a Gemma 3 file's GemmaTokenizer; a Llama file's none, so the generic backend), found from the name
     alone: AutoTokenizer reads the file's whole metadata with gguf's reader to learn the model type, 10-20 s
