@@ -161,9 +161,8 @@ class SpeculativeEngine:
             )
         if not self.free_slots:
             raise UsageError(f"all {self.slots} slots are taken: wait for a sequence to finish")
-        taken = {r.slot for r in self.running}
         shared = {i: self._kept_prefix(i, prompt) for i in range(self.slots)}
-        slot = max((i for i in shared if i not in taken), key=lambda i: shared[i])  # the first on ties
+        slot = self._slot_for(shared)
         cache = self.caches[slot]
         given = request.drafter
         drafter = given.make(cache) if isinstance(given, DrafterFor) else given
@@ -175,7 +174,7 @@ class SpeculativeEngine:
                 "default; invariant=False opts out)"
             )
         kept, states = self._keep_prefix(slot, shared, prompt, drafter)
-        request.stats.cached_prompt_tokens = kept
+        request.stats.prompt_tokens, request.stats.cached_prompt_tokens = len(prompt), kept
         drafter.begin(list(prompt))
         running = Running(
             request=request,
@@ -196,6 +195,27 @@ class SpeculativeEngine:
         self._last[slot] = running
         self._forward_end = None  # the time until the next forward is no round's (an idle wait, a join)
         return running
+
+    def _slot_for(self, shared: dict[int, int]) -> int:
+        """The free slot a prompt joins (``shared``: the start each slot's last sequence shares with it).
+        Where rows cannot copy from one another, the one sharing the longest start (the first on ties): only
+        a slot's own start can be kept. Where they can (a start is kept from whichever row holds it), a slot
+        whose last sequence the prompt replaces — none, or one whose whole prompt it begins with (a
+        conversation's next turn: its last output's tail, where the template renders it otherwise, is never
+        needed again) — the longest shared first; else the least recently admitted. So a conversation keeps
+        its keys and values while others come and go between its turns, even ones that share its start (the
+        same system prompt and tools): they copy that start into a slot of their own."""
+        free = [i for i in range(self.slots) if i not in {r.slot for r in self.running}]
+        if self._rows is None:
+            return max(free, key=lambda i: shared[i])  # the first on ties
+
+        def rank(slot: int) -> tuple[bool, int, float]:
+            last = self._last.get(slot)
+            if last is None or shared[slot] >= len(last.request.prompt):
+                return False, -shared[slot], 0.0
+            return True, 0, last.started
+
+        return min(free, key=rank)
 
     def _keep_prefix(
         self, slot: int, shared: dict[int, int], prompt: list[int], drafter: Drafter | TreeDrafter

@@ -60,6 +60,7 @@ class GenerationStats:
     forced: int = 0  # drafted tokens that were the grammar's forced ones (in drafted and accepted too)
     drafted_per_position: list[int] = field(default_factory=list)  # rounds that drafted a token at position i
     accepted_per_position: list[int] = field(default_factory=list)  # rounds that accepted position i
+    prompt_tokens: int = 0  # its prompt's tokens: those scored, and those cached
     cached_prompt_tokens: int = 0  # prompt tokens whose keys and values its slot still held: not scored again
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
@@ -109,6 +110,7 @@ class GenerationStats:
             "tree_nodes": self.tree_nodes,
             "forced": self.forced,
             "tokens_per_second": self.tokens_per_second,
+            "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "prefill_seconds": self.prefill_seconds,
             "draft_seconds": self.draft_seconds,
