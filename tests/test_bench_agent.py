@@ -249,12 +249,16 @@ def test_bench_runs_the_agent_task(stories, capsys, tmp_path, monkeypatch):  # n
     status, stdout, _ = run(capsys, *argv)
     assert status == 0
     results = json.loads((out / "results.json").read_text())
+    table = (out / "results.md").read_text()
     cells = {(c["label"], c["temperature"]): c for c in results["cells"]}
     labels = {"none", "ngram k=3", "suffix k=3", "suffix-warm k=3", "none-unconstrained"}
     assert set(cells) == {(label, t) for label in labels for t in (0, 0.7)}
     for (label, temperature), cell in cells.items():
         [sample] = cell["samples"]
         assert sample["turns"] >= 1 and cell["metrics"]["tokens_per_second"]["median"] > 0
+        scored, prompt = cell["metrics"]["prompt_scored"]  # every turn's prompt counted, later ones kept
+        assert prompt == sample["prompt_tokens"] and scored == prompt - sample["cached_prompt_tokens"]
+        assert (scored < prompt) == (sample["turns"] > 1) and f"{scored:.0f}/{prompt:.0f}" in table
         if label == "none-unconstrained":  # none's conversations, no grammar: no call, no check
             assert (
                 sample["tool_calls"] == 0 and cell["schema_valid"] is None and cell["greedy_identity"] is None
@@ -272,7 +276,6 @@ def test_bench_runs_the_agent_task(stories, capsys, tmp_path, monkeypatch):  # n
     for temperature in (0, 0.7):  # speculation is exact: every method the same calls, greedy and seeded
         calling = labels - {"none-unconstrained"}
         assert len({tuple(cells[(label, temperature)]["outputs"]["agent_calls-1"]) for label in calling}) == 1
-    table = (out / "results.md").read_text()
     assert (
         "## agent_calls — greedy" in table
         and "Constrained / unconstrained (`none` / `none-unconstrained`)" in table

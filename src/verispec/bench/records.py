@@ -43,6 +43,7 @@ class Sample(TypedDict):
     tree_nodes: int  # draft nodes the target scored in tree rounds (0 for chains and transformers)
     forced: int  # drafted tokens that were the grammar's forced ones (constrained verispec methods)
     cached_prompt_tokens: int  # prompt tokens not scored again (a sequence's later turns; 0 for a first)
+    prompt_tokens: NotRequired[int]  # the prompts' tokens, scored or cached (older files: none)
     # an agent loop's (tool tasks only, :mod:`verispec.bench.agent`): its turns, the calls it made whole,
     # those whose arguments parsed and validated against their function's schema, those a token limit cut
     turns: NotRequired[int]
@@ -91,6 +92,7 @@ class Metrics(TypedDict):
     predicted_speedup: float | None
     efficiency: float | None
     forced_share: float | None  # forced tokens / tokens (constrained verispec methods; None: no forced token)
+    prompt_scored: list[float] | None  # a sample's prompt tokens scored, and all (mean; older: None)
 
 
 class Identity(TypedDict):

@@ -67,6 +67,11 @@ def _shares(split: TimeSplit) -> tuple[float, float, float, float]:
     return split["prefill"], split["draft"], split["target"], split["other"]
 
 
+def _scored(scored: list[float] | None) -> str:
+    """A sample's prompt tokens scored / all its prompt tokens."""
+    return _MISSING if not scored else f"{scored[0]:.0f}/{scored[1]:.0f}"
+
+
 def _identity(identity: Identity | None) -> str:
     if identity is None or not identity["compared"]:
         return _MISSING
@@ -101,6 +106,7 @@ COLUMNS: tuple[tuple[str, Callable[[Metrics], str]], ...] = (
     ("predicted", lambda m: _number(".2f", "×")(m["predicted_speedup"])),
     ("efficiency", lambda m: _number(".2f")(m["efficiency"])),
     ("forced", lambda m: _number(".0%")(m.get("forced_share"))),
+    ("prompt scored", lambda m: _scored(m.get("prompt_scored"))),
 )
 
 LEGEND = """\
@@ -123,6 +129,9 @@ LEGEND = """\
   lengths and the calibrated v(k), c.
   **efficiency**: the measured decoding speedup over `none` divided by the predicted one.
 - **forced**: the share of a constrained method's tokens that the grammar forced (drafted for free).
+- **prompt scored**: a sample's prompt tokens that the target scored, over all its prompt tokens (the rest
+  kept from a slot: a sequence's later turns begin with the conversation the last one held); a mean over the
+  samples.
 - **greedy = none**: each prompt's greedy output compared with `none`'s, token for token (✓: identical); a
   speculative peer's (assisted, lookup) with its own plain output's; a constrained method's (`-json`) with
   `none-json`'s.

@@ -590,6 +590,7 @@ def _add_samples(samples: Sequence[Sample]) -> Sample:
         "tree_nodes": sum(s["tree_nodes"] for s in samples),
         "forced": sum(s["forced"] for s in samples),
         "cached_prompt_tokens": sum(s.get("cached_prompt_tokens", 0) for s in samples),  # older files: none
+        "prompt_tokens": sum(s.get("prompt_tokens", 0) for s in samples),
         "peak_rss_mib": max(s["peak_rss_mib"] for s in samples),
         "rss_growth_mib": max(s["rss_growth_mib"] for s in samples),
         "prompts": sum(s["prompts"] for s in samples),
@@ -642,7 +643,15 @@ def cell_metrics(
         "predicted_speedup": predicted,
         "efficiency": decode_speedup / predicted if predicted and decode_speedup else None,
         "forced_share": total["forced"] / total["tokens"] if total["forced"] and total["tokens"] else None,
+        "prompt_scored": _prompt_scored(total, len(samples)),
     }
+
+
+def _prompt_scored(total: Sample, samples: int) -> list[float] | None:
+    """A sample's prompt tokens scored (not kept from a slot) and all its prompt tokens, the mean of
+    ``samples`` summed in ``total`` (None for files written before prompts were counted)."""
+    prompt = total.get("prompt_tokens", 0)
+    return [(prompt - total["cached_prompt_tokens"]) / samples, prompt / samples] if prompt else None
 
 
 def _ratio(spread: Spread, other: Cell | None, decode: bool = False) -> float | None:
@@ -963,6 +972,7 @@ class Bench:
             "tree_nodes": stats.tree_nodes,
             "forced": stats.forced,
             "cached_prompt_tokens": stats.cached_prompt_tokens,
+            "prompt_tokens": stats.prompt_tokens,
             "peak_rss_mib": 0.0,  # measured by _generate
             "rss_growth_mib": 0.0,
             "prompts": 1,
@@ -1005,6 +1015,7 @@ class Bench:
             "tree_nodes": 0,
             "forced": 0,
             "cached_prompt_tokens": 0,
+            "prompt_tokens": len(ids),
             "peak_rss_mib": 0.0,  # measured by _generate
             "rss_growth_mib": 0.0,
             "prompts": 1,
