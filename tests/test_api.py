@@ -122,3 +122,38 @@ def test_sampling_keywords_are_taken_alike_by_generate_and_the_speculators_metho
         UsageError, match="^temprature is not a verispec argument \\(did you mean temperature\\?\\)"
     ):
         list(spec.stream("Tom", temprature=0.5))
+
+
+def test_a_target_loaded_once_drafts_beside_every_drafter(shared_model, monkeypatch):
+    """Issue 53's one door: a ModelChoice's target loaded once (Target.load), then a speculator per drafter
+    beside it (Speculator.on), none loading the target again; each one's output == the public constructor's
+    for the same choice, and the label names the target for every drafter."""
+    from verispec import resolve
+    from verispec.choice import ModelChoice
+    from verispec.drafting.registry import PLAIN
+    from verispec.resolve import Target
+
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    model, tokenizer = str(root / "stories260K.bin"), str(root / "tok512.bin")
+    choice = ModelChoice(target=model, tokenizer=tokenizer, drafter=PLAIN)
+    target = Target.load(choice)
+    assert (target.label, target.precision) == (model, choice.precision)
+    loads = []
+    monkeypatch.setattr(resolve, "load_model", lambda *a, **k: loads.append(a))
+    made = {name: api.Speculator.on(target, drafter=name) for name in ("ngram", "suffix")}
+    made[PLAIN] = api.Speculator.on(target)  # the choice's own drafter
+    assert not loads
+    assert {name: s.drafter_name for name, s in made.items()} == {n: n for n in ("ngram", "suffix", PLAIN)}
+    assert all(s.model is target.model and s.parts.target_label == model for s in made.values())
+    monkeypatch.undo()
+    for name, speculator in made.items():
+        alone = verispec.Speculator(model, drafter=name, tokenizer=tokenizer)
+        ask = {"max_new_tokens": 24, "k": 3}
+        assert (
+            speculator.generate("Once upon a time", **ask).token_ids
+            == alone.generate("Once upon a time", **ask).token_ids
+        )
+    with pytest.raises(UsageError, match="^give the drafter that drafts from drafter_path$"):
+        api.Speculator.on(target, drafter_path="x.safetensors")
+    with pytest.raises(UsageError, match="needs a draft model"):
+        api.Speculator.on(target, drafter="model")

@@ -27,8 +27,8 @@ from verispec.kernels.cpu import native_available
 from verispec.models.gguf import cache_dir, convert_gguf, gguf_cache_path, stored_format
 from verispec.models.hf import HFTokenizer
 from verispec.models.llama import Llama
+from verispec.models.names import DEFAULT_MODEL
 from verispec.models.registry import MODELS, model_dir
-from verispec.options import DEFAULT_MODEL
 
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]  # BOS, EOS, chat, GPT-2's unknown
 MERGES = ["h e", "l l", "Ġ w"]

@@ -26,8 +26,9 @@ from verispec.kernels.cpu import native_available
 from verispec.models.gguf_inflate import Source, inflate_gguf, plan_inflation
 from verispec.models.gguf_native import load_gguf
 from verispec.models.gguf_write import SHAPES
+from verispec.models.names import DEFAULT_MODEL
 from verispec.models.registry import gguf_file, load_model, load_tokenizer
-from verispec.options import DEFAULT_MODEL, SamplingParams
+from verispec.options import SamplingParams
 
 pytestmark = pytest.mark.skipif(
     native_available() is not None, reason=f"no native kernels: {native_available()}"

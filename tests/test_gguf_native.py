@@ -44,8 +44,9 @@ from verispec.models.gguf_native import GGUFEmbedding, load_gguf
 from verispec.models.hf import HFModel, HFTokenizer
 from verispec.models.identity import model_identity
 from verispec.models.llama import Llama
+from verispec.models.names import DEFAULT_MODEL
 from verispec.models.registry import gguf_file, load_model, load_tokenizer, model_dir
-from verispec.options import DEFAULT_MODEL, SamplingParams
+from verispec.options import SamplingParams
 
 pytestmark = pytest.mark.skipif(
     native_available() is not None, reason=f"no native kernels: {native_available()}"

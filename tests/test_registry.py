@@ -23,8 +23,8 @@ from test_hf_adapter import save_tokenizer, tiny_model
 from verispec.models.gguf import source_gguf
 from verispec.models.hf import HFModel, HFTokenizer
 from verispec.models.llama import Llama
+from verispec.models.names import DEFAULT_MODEL
 from verispec.models.registry import MODELS, PyPIModel, load_model, model_dir
-from verispec.options import DEFAULT_MODEL
 
 
 @pytest.fixture

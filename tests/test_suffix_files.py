@@ -13,10 +13,12 @@ import pytest
 
 from verispec import batch as batch_module
 from verispec import cli
+from verispec.api import Speculator
 from verispec.batch import BatchJob, run_job
+from verispec.choice import ModelChoice
 from verispec.drafting.suffix_cache import SuffixCache
 from verispec.errors import UsageError
-from verispec.options import ModelChoice
+from verispec.resolve import Target
 from verispec.server.tenants import installation_salt, tenant_id, tenants_dir
 
 PROMPT = "Once upon a time"
@@ -166,15 +168,15 @@ def test_batch_merges_its_worker_into_the_file_and_resumes_warm(stories, tmp_pat
         run_job(batch_job(stories, tmp_path, output, shard_size=2))
     first = outputs(plain)[:4]
     assert sorted(SuffixCache.load(tmp_path / "cache.npz").sequences()) == sorted(first)  # saved as they came
-    speculator = ModelChoice.speculator
+    on = Speculator.on
 
-    def watched(choice, *args, **kwargs):
-        made = speculator(choice, *args, **kwargs)
+    def watched(target, **kwargs):
+        made = on(target, **kwargs)
         loaded.append(made.suffix_cache.sequences())
         return made
 
     monkeypatch.setattr(batch_module, "_shard_lines", real)
-    monkeypatch.setattr(ModelChoice, "speculator", watched)
+    monkeypatch.setattr(Speculator, "on", watched)
     run_job(batch_job(stories, tmp_path, output, shard_size=2))
     assert [sorted(held) for held in loaded] == [sorted(first)]  # the resumed job's worker started warm
     assert outputs(output) == outputs(plain)
@@ -185,5 +187,5 @@ def test_a_library_choice_checks_the_cache_too(stories, tmp_path):
     with pytest.raises(UsageError, match=r"--drafter suffix \(not ngram\)"):
         ModelChoice(drafter="ngram", suffix_cache_file=str(tmp_path / "c.npz"))
     choice = ModelChoice(target=stories[1], tokenizer=stories[3], drafter="suffix", suffix_budget=50)
-    speculator = choice.speculator()
+    speculator = Speculator.on(Target.load(choice))
     assert speculator.suffix_cache.budget == 50 and speculator.suffix_cache.vocabulary

@@ -21,8 +21,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar, Unpack, cast
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, Unpack, cast
 
+from verispec.choice import DEFAULT_PRECISION, DrafterFields, ModelChoice
 from verispec.costs.analytic import BatchCost, CostModel
 from verispec.costs.calibrate import QUICK_REPETITIONS, Calibration, calibrate
 from verispec.costs.online import OnlineCosts
@@ -31,6 +32,7 @@ from verispec.drafting.base import Drafter, TreeDrafter
 from verispec.drafting.hybrid import LookupFirstDrafter
 from verispec.drafting.registry import DraftInputs
 from verispec.drafting.suffix_cache import SuffixCache, tokenizer_identity
+from verispec.drafting.suffix_files import open_suffix_cache
 from verispec.drafting.tree import AUTO, TreeShape
 from verispec.engine.driver import Collected, Driver
 from verispec.engine.sequence import DrafterFor, EngineConfig, GenerationStats, Request, TokenLogprob
@@ -40,9 +42,9 @@ from verispec.grammar.rounds import GrammarState
 from verispec.grammar.tools import Tools
 from verispec.inputs import check_int, check_prompt, check_text, is_int
 from verispec.models.base import Cache, SpelledTokenizer
+from verispec.models.names import DEFAULT_MODEL
 from verispec.options import (
     DEFAULT_K,
-    DEFAULT_PRECISION,
     DEFAULT_SAMPLING,
     GenerationOptions,
     OptionFields,
@@ -50,9 +52,12 @@ from verispec.options import (
     check_keywords,
     parse_k,
 )
-from verispec.resolve import Loadable, Parts, resolve
+from verispec.resolve import Parts, Target, check_device, resolve
 from verispec.text import Chunk, TextAssembler
 from verispec.trace import TraceRecorder
+
+if TYPE_CHECKING:
+    from verispec.choice import Loadable
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -163,8 +168,10 @@ class Speculator:
     target's identity: fp16 rounds every projection and the output head, and the output is exactly that
     model's.
 
-    The choice is checked and loaded by :func:`verispec.resolve.resolve` (every "auto" rule is there);
-    :meth:`from_parts` assembles a speculator from parts already resolved.
+    These arguments are a :class:`~verispec.choice.ModelChoice` (with ``device``), checked and loaded by
+    :func:`verispec.resolve.resolve` (every "auto" rule is there); :meth:`on` drafts beside a target already
+    loaded (:class:`~verispec.resolve.Target`: one load for any number of drafters), :meth:`from_parts`
+    assembles a speculator from parts already resolved.
     """
 
     def __init__(
@@ -181,11 +188,48 @@ class Speculator:
         draft_tokenizer: str | None = None,
         cross_tokenizer: str = "auto",
     ) -> None:
-        parts = resolve(
-            target, draft, drafter, tokenizer, device, tree, drafter_path, target_label, precision,
-            draft_tokenizer, cross_tokenizer,
-        )  # fmt: skip
-        self._assemble(parts)
+        spec = DEFAULT_MODEL if target is None else target
+        choice = ModelChoice(
+            target=spec if isinstance(spec, str) else "",  # a loaded target: named by its label alone
+            tokenizer=tokenizer,
+            draft=draft,
+            draft_tokenizer=draft_tokenizer,
+            cross_tokenizer=cross_tokenizer,
+            drafter=drafter,
+            drafter_path=None if drafter_path is None else str(drafter_path),
+            precision=precision,
+            device=device,
+        )
+        loaded = None
+        if isinstance(spec, tuple):
+            loaded = Target(*spec, choice, target_label or "", check_device(device))
+        elif target_label is not None:
+            loaded = Target.load(choice, target_label)
+        self._assemble(resolve(choice, tree, loaded))
+
+    @classmethod
+    def on(
+        cls,
+        target: Target,
+        *,
+        drafter: str | None = None,
+        tree: TreeShape | str | None = None,
+        **fields: Unpack[DrafterFields],
+    ) -> Speculator:
+        """A speculator drafting beside ``target`` (loaded once: :meth:`verispec.resolve.Target.load`), with
+        the drafter of its choice (``drafter`` None), its suffix cache from the choice's file, or with
+        ``drafter`` and what it drafts from, ``fields`` (:meth:`~verispec.choice.ModelChoice.with_drafter`: a
+        drafter with a shared cache then starts empty); token trees of ``tree`` when given (see the class)."""
+        if drafter is None and fields:
+            raise UsageError(f"give the drafter that drafts from {', '.join(fields)}")
+        choice = target.choice if drafter is None else target.choice.with_drafter(drafter, **fields)
+        speculator = cls.from_parts(resolve(choice, tree, target))
+        if speculator.kind.shared_cache:
+            identity = tokenizer_identity(speculator.tokenizer)
+            speculator.suffix_cache = open_suffix_cache(
+                choice.suffix_cache_file, choice.suffix_budget, identity
+            )
+        return speculator
 
     @classmethod
     def from_parts(cls, parts: Parts) -> Speculator:

@@ -37,11 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from verispec.choice import ModelChoice
 from verispec.errors import UsageError
 from verispec.files import atomic_path, atomic_write, check_writable
 from verispec.grammar.constraint import Constraint
 from verispec.inputs import check_int, check_seed, check_text, is_int, parse_json
-from verispec.options import GenerationOptions, ModelChoice, SamplingParams
+from verispec.options import GenerationOptions, SamplingParams
 
 if TYPE_CHECKING:  # the models load where a job runs: its settings are checked without them
     from verispec.api import GenerationResult, Speculator
@@ -289,7 +290,10 @@ class ShardWorker:
             **{**job, "sampling": SamplingParams(**job["sampling"]), "constraint": constraint}
         )
         self.seed = seed
-        self.speculator = self.job.speculator()
+        from verispec.api import Speculator
+        from verispec.resolve import Target
+
+        self.speculator = Speculator.on(Target.load(self.job))
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, list]:
         done = []
@@ -499,7 +503,12 @@ def _merged_cache(job: BatchJob):
 
 
 def _here(job: BatchJob, shards, pending: Sequence[int], seed: int) -> Iterator[Done]:
-    speculator = job.speculator() if pending else None
+    speculator = None
+    if pending:
+        from verispec.api import Speculator  # loads torch: once the job's settings are checked
+        from verispec.resolve import Target
+
+        speculator = Speculator.on(Target.load(job))
     for index in pending:
         yield _shard_lines(job, speculator, index, shards[index], seed)
 

@@ -1,8 +1,8 @@
 """What a generation asks for, parsed once where it comes in (library keywords, the command line, a batch
 line, a server request) into frozen objects: :class:`SamplingParams` (how the target samples),
 :class:`GenerationOptions` (K, the length, the stop strings, chat, log-probabilities, the sampling, and the
-output's structure: a :class:`~verispec.grammar.Constraint`) and :class:`ModelChoice` (which models and
-drafter, by name).
+output's structure: a :class:`~verispec.grammar.Constraint`): per request (which models and drafter is
+:class:`~verispec.choice.ModelChoice`'s).
 
 Light to import (no torch): the command line checks every argument with these before it loads anything, so a
 mistake is reported in a fraction of a second.
@@ -23,21 +23,13 @@ from verispec.inputs import check_int, check_seed, check_text, did_you_mean, is_
 if TYPE_CHECKING:
     import torch
 
-    from verispec.api import Speculator
-    from verispec.drafting.suffix_cache import SuffixCache
-    from verispec.drafting.tree import TreeShape
-    from verispec.models.base import LanguageModel, Tokenizer
-
 __all__ = [
     "DEFAULT_K",
-    "DEFAULT_MODEL",
-    "DEFAULT_PRECISION",
     "DEFAULT_SAMPLING",
     "K_NAMES",
     "MAX_LOGPROBS",
     "MAX_TEMPERATURE",
     "GenerationOptions",
-    "ModelChoice",
     "OptionFields",
     "SamplingParams",
     "check_generation",
@@ -50,10 +42,6 @@ masked token's −inf / inf is NaN)."""
 MAX_LOGPROBS = 20  # the most likely alternatives a request may ask for per token, as OpenAI allows
 K_NAMES = ("additive", "auto")  # the K policies named rather than numbered (verispec.costs.policies)
 DEFAULT_K = "auto"
-DEFAULT_MODEL = (
-    "smollm2-135m"  # the target a choice names unless told (a short name of verispec.models.registry)
-)
-DEFAULT_PRECISION = "auto"  # the weights models load in unless told (verispec.models.llama.resolve_precision)
 
 
 @dataclass(frozen=True)
@@ -280,86 +268,3 @@ def check_keywords(given: Iterable[str], allowed: tuple[str, ...]) -> None:
             raise UsageError(f"{name} is not a verispec argument; use {FOREIGN_KEYWORDS[name]}")
         close = did_you_mean(name, allowed)
         raise UsageError(f"{name} is not a verispec argument{close}; use one of {', '.join(allowed)}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelChoice:
-    """The models to load and the drafter to draft with, as a config (``verispec serve``, ``verispec batch``
-    extend it): the :class:`~verispec.api.Speculator` arguments that name files and choices; the drafter's
-    choice checked on construction (:func:`~verispec.drafting.registry.check_choice`: its name, its draft,
-    file and tokenizer together), the models and files it names before it loads (:meth:`check_models`)."""
-
-    target: str = DEFAULT_MODEL
-    tokenizer: str | None = None
-    draft: str | None = None
-    draft_tokenizer: str | None = None  # the draft's own tokenizer file (a llama2.c draft)
-    cross_tokenizer: str = "auto"  # with a draft of another tokenizer: tli, string or auto
-    drafter: str = "auto"
-    drafter_path: str | None = None
-    precision: str = DEFAULT_PRECISION
-    suffix_cache_file: str | None = None  # a suffix drafter's cache: loaded at start, saved at exit
-    suffix_budget: int | None = None  # its budget in tokens (None: the saved one, else the default)
-
-    def __post_init__(self) -> None:
-        from verispec.drafting.registry import check_choice
-        from verispec.drafting.suffix_files import check_suffix_choice  # numpy, no torch
-
-        check_choice(self.draft, self.drafter, self.drafter_path, self.draft_tokenizer, self.cross_tokenizer)
-        check_suffix_choice(self.drafter, self.suffix_cache_file, self.suffix_budget)
-
-    def check_models(self, target: bool = True) -> None:
-        """UsageError for a model or file this choice names that cannot work, known without loading anything
-        (:func:`~verispec.models.names.check_spec`): the target (``target``) with its tokenizer, the draft
-        with its own tokenizer (else the target's), a drafter file that is not there."""
-        from pathlib import Path
-
-        from verispec.drafting.registry import DRAFTERS, early_exit_layers, self_draft
-        from verispec.models.names import check_spec
-
-        if target:
-            check_spec(self.target, self.tokenizer)
-        if self.tokenizer is not None:
-            check_spec(self.tokenizer, model=False)
-        draft = self.draft
-        if draft is not None and early_exit_layers(draft) is None and self_draft(draft) is None:
-            check_spec(draft, self.draft_tokenizer or self.tokenizer)
-            if self.draft_tokenizer is not None:
-                check_spec(self.draft_tokenizer, model=False)
-        if self.drafter_path is not None and not Path(self.drafter_path).expanduser().is_file():
-            published = self.drafter in DRAFTERS and DRAFTERS[self.drafter].published  # its directory too
-            if not (published and Path(self.drafter_path).expanduser().is_dir()):
-                raise UsageError(f"no such drafter file: {self.drafter_path}")
-
-    def speculator(
-        self, loaded: tuple[LanguageModel, Tokenizer] | None = None, tree: TreeShape | str | None = None
-    ) -> Speculator:
-        """The Speculator of this choice, drafting token trees of ``tree`` if given; ``loaded``: the target
-        already in memory, instead of loading ``target`` (which still names it). The models it names are
-        checked first (:meth:`check_models`), before torch loads. A drafter with a shared cache starts from
-        ``suffix_cache_file`` where it exists (:meth:`save_suffix_cache` saves it)."""
-        self.check_models(target=loaded is None)
-        from verispec.api import Speculator  # loads torch and transformers
-        from verispec.drafting.suffix_cache import tokenizer_identity
-        from verispec.drafting.suffix_files import open_suffix_cache
-
-        speculator = Speculator(
-            loaded if loaded is not None else self.target,
-            self.draft,
-            self.drafter,
-            self.tokenizer,
-            tree=tree,
-            drafter_path=self.drafter_path,
-            target_label=self.target,
-            precision=self.precision,
-            draft_tokenizer=self.draft_tokenizer,
-            cross_tokenizer=self.cross_tokenizer,
-        )
-        if speculator.kind.shared_cache:
-            identity = tokenizer_identity(speculator.tokenizer)
-            speculator.suffix_cache = open_suffix_cache(self.suffix_cache_file, self.suffix_budget, identity)
-        return speculator
-
-    def save_suffix_cache(self, cache: SuffixCache | None) -> None:
-        """Save ``cache`` to ``suffix_cache_file`` (atomically), when both are given."""
-        if cache is not None and self.suffix_cache_file is not None:
-            cache.save(self.suffix_cache_file)

@@ -1,7 +1,8 @@
-"""From a choice of models and drafter to the loaded parts a :class:`~verispec.api.Speculator` generates with:
-every check of the choice that needs no model (made first, so that a mistake costs no load:
-:func:`~verispec.drafting.registry.check_choice`, a draft's SPEC by
-:func:`~verispec.models.names.check_spec`), the loading, and every "auto" rule in one place — which drafter
+"""From a choice of models and drafter (:class:`~verispec.choice.ModelChoice`) to the loaded parts a
+:class:`~verispec.api.Speculator` generates with: every check of the choice that needs no model (made first,
+so that a mistake costs no load: :func:`~verispec.drafting.registry.check_choice`,
+:meth:`~verispec.choice.ModelChoice.check_models`), the loading (a :class:`Target` once, whatever drafters
+draft beside it), and every "auto" rule in one place — which drafter
 auto drafts with (a draft model when given, else the learned drafter verispec ships for the target where the
 cost model says it pays, else prompt lookup), which tree ``tree="auto"`` is, which learned drafter file a
 target gets. The drafters' names mean something only here and in the registry
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,13 +37,13 @@ from verispec.drafting.tree import AUTO, TreeShape
 from verispec.errors import UsageError
 from verispec.models.base import HiddenStateModel, LanguageModel, Tokenizer
 from verispec.models.llama import Llama
-from verispec.models.names import check_spec
 from verispec.models.registry import load_model
-from verispec.options import DEFAULT_MODEL, DEFAULT_PRECISION, SamplingParams
+from verispec.options import SamplingParams
 
-__all__ = ["LEARNED_MARGIN", "Parts", "check_device", "resolve"]
+if TYPE_CHECKING:
+    from verispec.choice import Loadable, ModelChoice
 
-Loadable = str | tuple[LanguageModel, Tokenizer]  # a model SPEC, or a model already loaded with its tokenizer
+__all__ = ["LEARNED_MARGIN", "Parts", "Target", "check_device", "resolve"]
 
 LEARNED_MARGIN = 1.5
 """``auto`` drafts with the learned drafter only where the cost model predicts it this much faster than plain
@@ -87,44 +89,65 @@ class Parts:
         return self.kind.name if self.pair is None else f"{self.kind.name}-{self.cross_tokenizer}"
 
 
-def resolve(
-    target: Loadable | None = None,
-    draft: Loadable | None = None,
-    drafter: str = AUTO,
-    tokenizer: str | None = None,
-    device: str = "cpu",
-    tree: TreeShape | str | None = None,
-    drafter_path: str | Path | None = None,
-    target_label: str | None = None,
-    precision: str = DEFAULT_PRECISION,
-    draft_tokenizer: str | None = None,
-    cross_tokenizer: str = "auto",
-) -> Parts:
-    """The parts of a choice (the arguments of :class:`~verispec.api.Speculator`, which documents them),
-    loaded; UsageError for a choice that cannot work, before any model loads where that can be known."""
-    kind = check_choice(draft, drafter, drafter_path, draft_tokenizer, cross_tokenizer, tree)
-    torch_device = check_device(device)
+@dataclass(frozen=True)
+class Target:
+    """A target loaded once (:meth:`load`): its model and tokenizer, the label naming it (in calibrations, and
+    the drafter verispec ships for it), the choice it was loaded from (its tokenizer and precision, its own
+    drafter) and the device. Any number of drafters draft beside it (:func:`resolve` with ``target``,
+    :meth:`verispec.api.Speculator.on`), none loading it again."""
+
+    model: LanguageModel
+    tokenizer: Tokenizer
+    choice: ModelChoice
+    label: str
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def precision(self) -> str:
+        """The weights' precision it was asked for (:data:`~verispec.models.llama.PRECISIONS`, or auto)."""
+        return self.choice.precision
+
+    @classmethod
+    def load(cls, choice: ModelChoice, label: str | None = None) -> Target:
+        """``choice``'s target, loaded once everything it names has been checked
+        (:meth:`~verispec.choice.ModelChoice.check_models`, the device); ``label`` names it (default: its
+        SPEC)."""
+        choice.check_models()
+        device = check_device(choice.device)
+        model, tokenizer = load_model(
+            choice.target, tokenizer=choice.tokenizer, device=device, precision=choice.precision
+        )
+        return cls(model, tokenizer, choice, choice.target if label is None else label, device)
+
+
+def resolve(choice: ModelChoice, tree: TreeShape | str | None = None, target: Target | None = None) -> Parts:
+    """The parts of ``choice`` (see :class:`~verispec.api.Speculator`, which documents its fields), drafting
+    token trees of ``tree`` when given: its drafter beside ``target`` (loaded from the choice when None, else
+    the target's own); UsageError for a choice that cannot work, before any model loads where that can be
+    known."""
+    draft, tokenizer = choice.draft, choice.tokenizer
+    kind = check_choice(
+        draft, choice.drafter, choice.drafter_path, choice.draft_tokenizer, choice.cross_tokenizer, tree
+    )
+    if target is None:
+        target = Target.load(choice)
+    else:
+        choice.check_models(target=False)
+    model, device, precision, target_label = target.model, target.device, choice.precision, target.label
     layers = early_exit_layers(draft) if isinstance(draft, str) else None
     itself = self_draft(draft) if isinstance(draft, str) else None
-    if isinstance(draft, str) and layers is None and itself is None:  # before the target loads
-        check_spec(draft, draft_tokenizer or tokenizer)
-    model, spoken_by_target = _load(
-        DEFAULT_MODEL if target is None else target, tokenizer, torch_device, precision
-    )
     draft_model, pair = None, None
     if layers is not None:
         draft_model = _early_exit(model, layers)
     elif itself is not None:
         draft_model = _requantized(model, *itself)
     elif draft is not None:
-        draft_model, spoken = _load(draft, draft_tokenizer or tokenizer, torch_device, precision)
-        if not same_vocabulary(spoken_by_target, spoken):  # drafts across tokenizers
-            pair = VocabularyPair.build(spoken_by_target, spoken, draft_model.vocab_size)
-    if cross_tokenizer != "auto" and pair is None:
+        draft_model, spoken = _load(draft, choice.draft_tokenizer or tokenizer, device, precision)
+        if not same_vocabulary(target.tokenizer, spoken):  # drafts across tokenizers
+            pair = VocabularyPair.build(target.tokenizer, spoken, draft_model.vocab_size)
+    if choice.cross_tokenizer != "auto" and pair is None:
         raise UsageError("--cross-tokenizer applies to a draft whose tokenizer differs from the target's")
-    if target_label is None:
-        target_label = DEFAULT_MODEL if target is None else target if isinstance(target, str) else ""
-    kind, head = _kind_and_head(kind, model, draft is not None, drafter_path, target_label)
+    kind, head = _kind_and_head(kind, model, draft is not None, choice.drafter_path, target_label)
     if kind.reads_target_hidden and not isinstance(model, HiddenStateModel):
         raise UsageError(
             f"drafter {kind.name!r} reads the target's hidden states: it needs a native target, "
@@ -134,11 +157,11 @@ def resolve(
     shape = None if shape is None else _checked_tree(shape, kind, model, across=pair is not None)
     return Parts(
         model,
-        spoken_by_target,
+        target.tokenizer,
         kind,
         draft=draft_model,
         pair=pair,
-        cross_tokenizer=cross_tokenizer,
+        cross_tokenizer=choice.cross_tokenizer,
         head=head,
         tree=shape,
         early_exit=layers is not None,
@@ -279,7 +302,7 @@ def _learned_head(
 
 
 def _load(
-    spec: str | tuple[LanguageModel, Tokenizer], tokenizer: str | None, device: torch.device, precision: str
+    spec: Loadable, tokenizer: str | None, device: torch.device, precision: str
 ) -> tuple[LanguageModel, Tokenizer]:
     if isinstance(spec, tuple):
         return spec

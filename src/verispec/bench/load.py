@@ -35,13 +35,17 @@ from verispec.api import Speculator
 from verispec.bench.methods import LOAD_METHODS
 from verispec.bench.suite import builtin_tasks
 from verispec.bench.workloads import WARM
+from verispec.choice import DEFAULT_PRECISION, ModelChoice
+from verispec.drafting.registry import PLAIN
 from verispec.drafting.suffix_cache import SuffixCache
 from verispec.engine.scheduler import Scheduler
 from verispec.errors import UsageError
 from verispec.files import atomic_write
 from verispec.inputs import is_int
 from verispec.models.base import has_chat_template
-from verispec.options import DEFAULT_MODEL, DEFAULT_PRECISION, GenerationOptions
+from verispec.models.names import DEFAULT_MODEL
+from verispec.options import GenerationOptions
+from verispec.resolve import Target
 
 Prompt = str | Sequence[Mapping[str, str]]  # a prompt, or a conversation
 
@@ -282,17 +286,17 @@ def run_load(config: LoadConfig, progress: bool = True) -> dict:
     """Every method at every concurrency; the results as ``results.json`` records them."""
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    base = Speculator(config.target, drafter="none", tokenizer=config.tokenizer, precision=config.precision)
+    choice = ModelChoice(
+        target=str(config.target), tokenizer=config.tokenizer, precision=config.precision, drafter=PLAIN
+    )
+    target = Target.load(choice)  # once, every method's drafter beside it
+    base = Speculator.on(target)
     chat = has_chat_template(base.tokenizer)
     prompts = _load_prompts(config.prompts, base, chat, config.max_new_tokens)
-    loaded = (base.model, base.tokenizer)
     turns = []  # (method, k, speculator): the verispec cells, which take turns at each concurrency
     for method in config.methods:
         if method != "transformers":
-            spec = base if method == "none" else Speculator(
-                loaded, drafter=method.removesuffix(WARM), target_label=str(config.target),
-                precision=config.precision,
-            )  # fmt: skip
+            spec = base if method == "none" else Speculator.on(target, drafter=method.removesuffix(WARM))
             turns += [(method, k, spec) for k in (("0",) if method == "none" else config.ks)]
     for _, k, spec in turns:
         _verispec_cell(spec, prompts, 1, k, dataclasses.replace(config, requests=1), chat)  # warm-up

@@ -50,10 +50,11 @@ from verispec.bench.load import (
     run_clients,
 )
 from verispec.bench.workloads import WARM
+from verispec.choice import DEFAULT_PRECISION
 from verispec.errors import UsageError
 from verispec.files import atomic_write
 from verispec.inputs import check_int
-from verispec.options import DEFAULT_MODEL, DEFAULT_PRECISION
+from verispec.models.names import DEFAULT_MODEL
 
 __all__ = ["ServeLoadConfig", "run_serve_load", "write_serve_report"]
 

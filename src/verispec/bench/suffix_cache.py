@@ -27,12 +27,13 @@ import torch
 
 from verispec.api import Speculator
 from verispec.bench.suite import memory_mib
+from verispec.drafting.registry import PLAIN
 from verispec.drafting.suffix import SuffixDrafter, SuffixTreeDrafter
 from verispec.drafting.suffix_cache import DEFAULT_BUDGET, SuffixCache
 from verispec.drafting.tree import TreeShape
 from verispec.files import atomic_write
 from verispec.inputs import check_int
-from verispec.options import DEFAULT_MODEL
+from verispec.models.names import DEFAULT_MODEL
 
 __all__ = ["SuffixCacheBenchConfig", "run_suffix_cache_bench", "write_suffix_cache_report"]
 
@@ -118,7 +119,7 @@ def run_suffix_cache_bench(config: SuffixCacheBenchConfig) -> dict[str, Any]:
     cache = SuffixCache(config.budget)
     workload = _Workload(VOCABULARY, config.seed)
     record = _fill(cache, workload, config.requests)
-    speculator = Speculator(target=config.target, tokenizer=config.tokenizer, drafter="none")
+    speculator = Speculator(target=config.target, tokenizer=config.tokenizer, drafter=PLAIN)
     shape = TreeShape.parse(config.tree)
     contexts = [workload.output() for _ in range(config.lookups)]
     _target_steps(speculator, 16)  # first calls build and warm up

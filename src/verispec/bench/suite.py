@@ -96,12 +96,13 @@ from verispec.bench.records import Cell, Identity, Machine, Metrics, Results, Sa
 from verispec.bench.report import write_report
 from verispec.bench.schemas import valid_json
 from verispec.bench.workloads import WARM, CacheSnapshots, turns
+from verispec.choice import DEFAULT_PRECISION, ModelChoice
 from verispec.costs.analytic import CostModel, expected_tokens_per_call
 from verispec.costs.calibrate import Calibration, cpu_name
 from verispec.drafting.draft_model import early_exit_layers
 from verispec.drafting.learned.head import read_drafter_file
 from verispec.drafting.learned.kinds import shipped_drafter
-from verispec.drafting.registry import DRAFTERS
+from verispec.drafting.registry import DRAFT_MODEL, DRAFTERS, PLAIN
 from verispec.drafting.suffix_cache import SuffixCache
 from verispec.drafting.tree import AUTO, TreeShape
 from verispec.engine.sequence import GenerationStats
@@ -112,8 +113,10 @@ from verispec.grammar.tools import Tools
 from verispec.inputs import check_seed, is_int
 from verispec.models.base import LanguageModel, Tokenizer, has_chat_template
 from verispec.models.gguf import source_gguf
+from verispec.models.names import DEFAULT_MODEL
 from verispec.models.registry import gguf_file, model_dir
-from verispec.options import DEFAULT_MODEL, DEFAULT_PRECISION, GenerationOptions, SamplingParams, parse_k
+from verispec.options import GenerationOptions, SamplingParams, parse_k
+from verispec.resolve import Target
 from verispec.viz.charts import chart_directory
 
 __all__ = [
@@ -726,27 +729,26 @@ class Bench:
         self.out = chart_directory(config.out)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        base = Speculator(
-            config.target, drafter="none", tokenizer=config.tokenizer, precision=config.precision
+        choice = ModelChoice(
+            target=str(config.target), tokenizer=config.tokenizer, precision=config.precision, drafter=PLAIN
         )
+        self.target = Target.load(choice)  # once, every method's drafter beside it
+        base = Speculator.on(self.target)
         self.tokenizer = base.tokenizer
         self.chat = has_chat_template(self.tokenizer)
         self.tasks = self._chat_tasks(tasks)
         self.methods = self._applicable(methods)
         methods = self.methods
-        loaded = (base.model, base.tokenizer)
         self.speculators = {BASELINE: base}
         chains = (m.base for m in methods if not m.is_peer and m.base not in (BASELINE, *TREE_METHODS))
         for name in dict.fromkeys(chains):
-            kind = DRAFTERS["model" if name in CROSS_METHODS else name.removesuffix(WARM)]
+            kind = DRAFTERS[DRAFT_MODEL if name in CROSS_METHODS else name.removesuffix(WARM)]
             path = learned_drafter(config, kind.head_kind) if kind.learned else None
-            self.speculators[name] = Speculator(
-                loaded,
-                draft=config.draft if kind.needs_draft_model else None,
+            self.speculators[name] = Speculator.on(
+                self.target,
                 drafter=kind.name,
+                draft=config.draft if kind.needs_draft_model else None,
                 drafter_path=path,
-                target_label=str(config.target),
-                precision=config.precision,
                 draft_tokenizer=config.draft_tokenizer if kind.needs_draft_model else None,
                 cross_tokenizer=CROSS_METHODS.get(name, "auto"),
             )
@@ -834,14 +836,12 @@ class Bench:
             draft = self.config.draft
         elif chain.draft is not None:
             draft = (chain.draft, self.tokenizer)
-        tree = TreeShape.parse(method.k)
-        return Speculator(
-            (chain.model, self.tokenizer),
-            draft=draft,
+        return Speculator.on(
+            self.target,
             drafter=chain.drafter_name,
-            tree=tree,
+            draft=draft,
             drafter_path=learned_drafter(self.config, chain.kind.head_kind) if chain.kind.learned else None,
-            target_label=str(self.config.target),
+            tree=TreeShape.parse(method.k),
         )
 
     # ------------------------------------------------------------------ generation

@@ -318,7 +318,7 @@ def run_bench_suffix_cache(args: argparse.Namespace) -> int:
         run_suffix_cache_bench,
         write_suffix_cache_report,
     )
-    from verispec.options import DEFAULT_MODEL
+    from verispec.models.names import DEFAULT_MODEL
 
     out = args.out or f"results/bench-suffix-cache-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     config = SuffixCacheBenchConfig(

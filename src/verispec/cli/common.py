@@ -172,7 +172,7 @@ _SPECS = ("target", "draft", "tokenizer", "draft_tokenizer", "drafter_path")  # 
 def refuse_empty_specs(args: argparse.Namespace) -> None:
     """UsageError for a model or file flag given as empty text (``--target ""`` would silently mean the
     default model); what a SPEC names is checked with its choice, before it loads
-    (:meth:`~verispec.options.ModelChoice.check_models`)."""
+    (:meth:`~verispec.choice.ModelChoice.check_models`)."""
     for name in _SPECS:
         value = getattr(args, name, None)
         if isinstance(value, str) and not value.strip():
@@ -208,7 +208,7 @@ def across_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def model_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The fields of a :class:`~verispec.api.ModelChoice` (the models and the drafter), from the flags."""
+    """The fields of a :class:`~verispec.choice.ModelChoice` (the models and the drafter), from the flags."""
     return {
         **({"target": args.target} if args.target else {}),
         "tokenizer": args.tokenizer,
@@ -296,7 +296,7 @@ def add_suffix_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def suffix_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """A :class:`~verispec.options.ModelChoice`'s suffix cache fields, from the flags."""
+    """A :class:`~verispec.choice.ModelChoice`'s suffix cache fields, from the flags."""
     return {"suffix_cache_file": args.suffix_cache, "suffix_budget": args.suffix_budget}
 
 

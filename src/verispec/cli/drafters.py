@@ -56,14 +56,17 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     """Run ``verispec calibrate``: measure, cache, and print v(k), c and the best K for a few α."""
+    from verispec.choice import ModelChoice
     from verispec.costs.analytic import optimal_k
-    from verispec.options import ModelChoice
 
     check_int(args.repetitions, "--repetitions", 1)
     choice = ModelChoice(**model_fields(args))  # checked before torch loads
     import torch
 
-    speculator = choice.speculator()
+    from verispec.api import Speculator
+    from verispec.resolve import Target
+
+    speculator = Speculator.on(Target.load(choice))
     calibration = speculator.calibration(force=True, repetitions=args.repetitions)
     if args.json:
         print(json.dumps(calibration.to_dict(), indent=2))
@@ -276,8 +279,8 @@ def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_train_drafter(args: argparse.Namespace) -> int:
     """Run ``verispec train-drafter``: validate, load the target, train, print where the drafter is."""
+    from verispec.models.names import DEFAULT_MODEL
     from verispec.models.registry import load_model
-    from verispec.options import DEFAULT_MODEL
     from verispec.training.config import THROUGH_TARGET, TrainConfig
     from verispec.training.data import read_data_meta
     from verispec.training.train import train_drafter

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 from verispec.cli.common import (
     DEFAULT_MAX_BATCH,
-    across_fields,
     add_constraint_arguments,
     add_invariant_argument,
     add_model_arguments,
@@ -27,7 +26,7 @@ from verispec.cli.common import (
     warn,
 )
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
-from verispec.drafting.registry import drafter_names
+from verispec.drafting.registry import DRAFTERS, PLAIN, auto_candidates, drafter_names
 from verispec.errors import UsageError
 from verispec.files import check_writable
 from verispec.inputs import check_prompt, is_int, parse_json
@@ -160,10 +159,14 @@ def run_generate(args: argparse.Namespace) -> int:
         )
     if tree is None and args.k is None and not tracing:
         tree = AUTO  # the learned drafter's tree, where it drafts
-    from verispec.options import ModelChoice
+    from verispec.choice import ModelChoice
 
     choice = ModelChoice(**model_fields(args), **suffix_fields(args))
-    speculator = choice.speculator(tree=tree)
+    choice.check_models()  # before torch loads
+    from verispec.api import Speculator  # loads torch: once every argument is checked
+    from verispec.resolve import Target
+
+    speculator = Speculator.on(Target.load(choice), tree=tree)
     try:
         return _generate(args, speculator, prompt, options, tracing)
     finally:  # Ctrl-C too
@@ -246,11 +249,15 @@ def _run_batch(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-batch must be >= 1, got {slots}")
     options = GenerationOptions(**option_fields(args))
     from verispec.batch import generate_requests, read_requests, record
-    from verispec.options import ModelChoice
+    from verispec.choice import ModelChoice
 
     requests = read_requests(args.batch)  # refused before a model loads when no line is a request
     choice = ModelChoice(**model_fields(args), **suffix_fields(args))
-    speculator = choice.speculator()
+    choice.check_models()  # before torch loads
+    from verispec.api import Speculator  # loads torch: once every argument is checked
+    from verispec.resolve import Target
+
+    speculator = Speculator.on(Target.load(choice))
     start = time.perf_counter()
     try:
         results = generate_requests(speculator, requests, options, slots=slots)
@@ -297,7 +304,7 @@ def tools_of(args: argparse.Namespace) -> Tools | None:
 
 def _trace_settings(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     """The header items of a trace that the stats do not hold: models and sampling settings."""
-    from verispec.options import DEFAULT_MODEL
+    from verispec.models.names import DEFAULT_MODEL
 
     items = [("target", args.target or DEFAULT_MODEL)]
     if args.draft is not None:
@@ -379,40 +386,31 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run ``verispec demo``: exit status 1 if any speculative output differs from plain decoding's."""
+    from verispec.choice import ModelChoice
     from verispec.drafting.tree import AUTO
-    from verispec.options import GenerationOptions, ModelChoice
+    from verispec.options import GenerationOptions
 
     check_prompt(args.prompt)
     options = GenerationOptions(k=k_flag(args), max_new_tokens=args.max_new_tokens, chat=True)  # greedy
-    ModelChoice(**model_fields(args)).check_models()  # the drafter's choice, the models it names
+    choice = ModelChoice(**model_fields(args))  # the drafter's choice
+    choice.check_models()  # the models it names, before torch loads
     from verispec.api import Speculator  # loads transformers: once every argument is checked
     from verispec.drafting.learned.kinds import shipped_drafter
     from verispec.models.base import has_chat_template
-    from verispec.options import DEFAULT_MODEL
+    from verispec.resolve import Target
 
-    plain = Speculator(args.target, drafter="none", tokenizer=args.tokenizer, precision=args.precision)
+    target = Target.load(choice)  # once, shared by every drafter
+    plain = Speculator.on(target, drafter=PLAIN)
     if not has_chat_template(plain.tokenizer):  # a llama2.c model: the prompt as it is
         options = dataclasses.replace(options, chat=False)
-    loaded = (plain.model, plain.tokenizer)  # shared: the target is loaded once
-    label = args.target or DEFAULT_MODEL  # names the loaded target: auto finds the drafter shipped for it
     tree = AUTO if args.k is None else None  # the learned drafter's tree, unless a K is asked for
-    chosen = Speculator(
-        loaded,
-        args.draft,
-        args.drafter,
-        drafter_path=args.drafter_path,
-        target_label=label,
-        tree=tree,
-        precision=args.precision,
-        **across_fields(args),
-    )
-    speculators = {"none": plain}
-    if args.drafter == AUTO_DRAFTER and args.draft is None:  # auto's choice and the other one beside it
-        speculators["ngram"] = Speculator(loaded, drafter="ngram")
-        if args.drafter_path is not None or shipped_drafter(label) is not None:
-            speculators["eagle"] = Speculator(
-                loaded, drafter="eagle", drafter_path=args.drafter_path, target_label=label, tree=tree
-            )
+    chosen = Speculator.on(target, tree=tree)
+    speculators = {PLAIN: plain}
+    if args.drafter == AUTO_DRAFTER and args.draft is None:  # auto's choice and the others beside it
+        learned = args.drafter_path is not None or shipped_drafter(target.label) is not None
+        for name in auto_candidates(learned):
+            path = args.drafter_path if DRAFTERS[name].learned else None
+            speculators[name] = Speculator.on(target, drafter=name, drafter_path=path, tree=tree)
         print(f"drafter auto chooses {chosen.drafter_name} for this target on this machine\n")
     speculators[chosen.drafter_name] = chosen
     for speculator in speculators.values():  # warm-up: each one's first-call overheads
@@ -424,23 +422,23 @@ def run_demo(args: argparse.Namespace) -> int:
     results = {name: _median_run(done) for name, done in runs.items()}
     for name, result in results.items():
         print(f"--- {name} ---\n{result.text.strip()}\n")
-    base = results["none"]
+    base = results[PLAIN]
     print(f"the median of {DEMO_RUNS} runs each, in turns:")
     for name, result in results.items():
         s = result.stats
         speedup = s["tokens_per_second"] / base.stats["tokens_per_second"]
         same = (
             ""
-            if name == "none"
-            else f"; identical to none: {'yes' if result.token_ids == base.token_ids else 'NO'}"
+            if name == PLAIN
+            else f"; identical to {PLAIN}: {'yes' if result.token_ids == base.token_ids else 'NO'}"
         )
         print(
             f"{name:>6}: {s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tokens/s ({speedup:.2f}x), "
             f"{s['tokens_per_target_call']:.2f} tokens per target call{same}"
         )
-        if name != "none" and speedup < 1:
+        if name != PLAIN and speedup < 1:
             print(why_slower(s, base.stats))
-    busy = busy_machine([r.stats for r in runs["none"]])
+    busy = busy_machine([r.stats for r in runs[PLAIN]])
     if busy:
         print(busy)
     identical = all(r.token_ids == base.token_ids for done in runs.values() for r in done)

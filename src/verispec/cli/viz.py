@@ -183,13 +183,15 @@ def run_viz_overlap(args: argparse.Namespace) -> int:
 def _model_overlap(args: argparse.Namespace):
     """(p, q, label, title) of the next token after --prompt, for :func:`run_viz_overlap`."""
     from verispec.api import Speculator
-    from verispec.options import DEFAULT_MODEL, SamplingParams
+    from verispec.drafting.registry import DRAFT_MODEL
+    from verispec.models.names import DEFAULT_MODEL
+    from verispec.options import SamplingParams
     from verispec.viz import visible_text
     from verispec.viz.overlap import next_token_distributions
 
     sampling = SamplingParams(args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     speculator = Speculator(
-        args.target, args.draft, "model", args.tokenizer, precision=args.precision, **across_fields(args)
+        args.target, args.draft, DRAFT_MODEL, args.tokenizer, precision=args.precision, **across_fields(args)
     )
     if speculator.pair is not None:
         raise UsageError("viz overlap draws p and q over one vocabulary: the draft must share the target's")

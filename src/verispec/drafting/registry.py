@@ -57,6 +57,8 @@ __all__ = [
 ]
 
 AUTO = "auto"
+PLAIN = "none"  # the drafter that drafts nothing: plain decoding, every speedup's baseline
+DRAFT_MODEL = "model"  # the drafter that drafts with a draft model (--draft)
 CROSS_TOKENIZER = ("auto", "tli", "string")  # how a draft of another tokenizer drafts (--cross-tokenizer)
 EARLY_EXIT = "layers:"  # the draft SPEC of an early exit: ``layers:N``, the target's own first N layers
 SELF = "self:"  # the draft SPEC of the target's own weights in a lower precision: ``self:PRECISION``
@@ -365,9 +367,9 @@ _SHIPPED = ("smollm2-135m",)  # the targets verispec ships every learned kind's 
 DRAFTERS: dict[str, DrafterKind] = {
     kind.name: kind
     for kind in (
-        DrafterKind("none", "plain decoding: drafts nothing (the speed baseline)", _no_chain, drafts=False),
+        DrafterKind(PLAIN, "plain decoding: drafts nothing (the speed baseline)", _no_chain, drafts=False),
         DrafterKind(
-            "model",
+            DRAFT_MODEL,
             "a smaller model with the target's tokenizer, or the target's first layers (--draft layers:N)",
             _model_chain,
             _model_tree,
@@ -529,5 +531,11 @@ def choose_auto(has_draft_model: bool, has_learned_drafter: bool) -> DrafterKind
     """What ``auto`` picks: the draft model when one is given, else the learned drafter when one exists for
     the target, else prompt lookup."""
     if has_draft_model:
-        return DRAFTERS["model"]
-    return DRAFTERS["eagle"] if has_learned_drafter else DRAFTERS["ngram"]
+        return DRAFTERS[DRAFT_MODEL]
+    return DRAFTERS[auto_candidates(has_learned_drafter)[-1]]  # the learned drafter where there is one
+
+
+def auto_candidates(has_learned_drafter: bool) -> tuple[str, ...]:
+    """The drafters ``auto`` chooses between without a draft model: prompt lookup, and the learned drafter
+    when one exists for the target (``verispec demo`` runs each beside auto's choice)."""
+    return ("ngram", "eagle") if has_learned_drafter else ("ngram",)

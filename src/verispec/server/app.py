@@ -67,6 +67,7 @@ from verispec.grammar.tools import CallReader, ToolCall, read_calls
 from verispec.inputs import is_int, parse_json
 from verispec.models.base import LanguageModel, SpelledTokenizer, Tokenizer
 from verispec.options import GenerationOptions, parse_k
+from verispec.resolve import Target
 from verispec.server.config import MAX_K, ServerConfig, listen
 from verispec.server.metrics import ServerMetrics
 from verispec.server.schema import (
@@ -144,20 +145,17 @@ class Server:
     def __init__(self, config: ServerConfig, loaded: tuple[LanguageModel, Tokenizer] | None = None) -> None:
         self.config = config
         self.name = config.served_name
-        self.default = dataclasses.replace(config, suffix_cache_file=None).speculator(
-            loaded
-        )  # tenants' caches
+        choice = dataclasses.replace(config, suffix_cache_file=None)  # the tenants' caches instead
+        target = Target.load(choice) if loaded is None else Target(*loaded, choice, config.target)
+        self.default = Speculator.on(target)
         self.tenants = config.tenants()
         self.tenants.open(tokenizer_identity(self.default.tokenizer))
         self.default.k_policy(config.k)  # calibrates now (with --k auto), not in a client's request
         self._speculators = {self.default.drafter_name: self.default}
         for name in config.allow_drafters:
             if name not in self._speculators:
-                self._speculators[name] = made = Speculator(
-                    (self.default.model, self.default.tokenizer),
-                    drafter=name,
-                    drafter_path=config.drafter_path if DRAFTERS[name].learned else None,
-                    target_label=config.target,
+                self._speculators[name] = made = Speculator.on(
+                    target, drafter=name, drafter_path=config.drafter_path if DRAFTERS[name].learned else None
                 )
                 made.k_policy(config.k)
         self.spell = spelling(self.default.tokenizer)  # each token's bytes, for log-probabilities

@@ -9,10 +9,11 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from verispec.choice import ModelChoice
 from verispec.drafting.registry import DRAFTERS, drafter_names
 from verispec.errors import UsageError
 from verispec.inputs import check_int, is_int
-from verispec.options import ModelChoice, parse_k
+from verispec.options import parse_k
 from verispec.server.tenants import SuffixTenants
 
 __all__ = ["MAX_K", "MAX_REPLICAS", "RayDeployment", "ServerConfig", "exposed", "listen"]

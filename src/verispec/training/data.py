@@ -35,11 +35,12 @@ import torch
 from torch import Tensor
 
 from verispec.batch import connect_ray
+from verispec.choice import DEFAULT_PRECISION
 from verispec.drafting.learned.head import native_target
+from verispec.drafting.registry import PLAIN
 from verispec.errors import UsageError
 from verispec.files import atomic_path
 from verispec.inputs import check_int, check_seed
-from verispec.options import DEFAULT_PRECISION
 from verispec.training.prompts import FOLLOW_UPS, chat_prompts
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ def _load_target(target: str, precision: str) -> Speculator:
     of), drafting nothing: it answers the prompts in continuous batches."""
     from verispec.api import Speculator
 
-    speculator = Speculator(target, drafter="none", precision=precision)
+    speculator = Speculator(target, drafter=PLAIN, precision=precision)
     native_target(speculator.model)  # UsageError for a target learned drafters cannot read
     return speculator
 
