@@ -99,10 +99,9 @@ from verispec.bench.workloads import WARM, CacheSnapshots, turns
 from verispec.choice import DEFAULT_PRECISION, ModelChoice
 from verispec.costs.analytic import CostModel, expected_tokens_per_call
 from verispec.costs.calibrate import Calibration, cpu_name
-from verispec.drafting.draft_model import early_exit_layers
 from verispec.drafting.learned.head import read_drafter_file
 from verispec.drafting.learned.kinds import shipped_drafter
-from verispec.drafting.registry import DRAFT_MODEL, DRAFTERS, PLAIN
+from verispec.drafting.registry import DRAFT_MODEL, DRAFTERS, PLAIN, early_exit_layers
 from verispec.drafting.suffix_cache import SuffixCache
 from verispec.drafting.tree import AUTO, TreeShape
 from verispec.engine.sequence import GenerationStats

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from verispec.drafting.base import Allowed, Proposal, allowed_guesses, allowed_logits
-from verispec.drafting.registry import CROSS_TOKENIZER, check_algorithm
+from verispec.drafting.specs import CROSS_TOKENIZER, check_algorithm
 from verispec.errors import UsageError
 from verispec.models.base import LanguageModel, SpelledTokenizer, Tokenizer
 from verispec.models.identity import model_identity

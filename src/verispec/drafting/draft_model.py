@@ -9,7 +9,6 @@ from torch import Tensor
 
 from verispec.drafting.base import Allowed, BranchedTreeDrafter, Proposal, allowed_logits
 from verispec.drafting.learned.exit import ExitDraft
-from verispec.drafting.registry import EARLY_EXIT, SELF, early_exit_layers, self_draft
 from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
 from verispec.models.base import Cache, LanguageModel, TreeLanguageModel
@@ -18,7 +17,7 @@ from verispec.models.llama import KVCache, Llama
 from verispec.options import SamplingParams
 from verispec.sampling import draft_draw, first_argmax, probs_from_logits
 
-__all__ = ["EARLY_EXIT", "SELF", "ModelDrafter", "ModelTreeDrafter", "early_exit_layers", "self_draft"]
+__all__ = ["ModelDrafter", "ModelTreeDrafter"]
 
 
 class ModelDrafter:

@@ -22,6 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from verispec.drafting.specs import (  # the drafters' own spellings, here for every choice's checks
+    CROSS_TOKENIZER,
+    EARLY_EXIT,
+    SELF,
+    check_algorithm,
+    early_exit_layers,
+    self_draft,
+)
 from verispec.errors import UsageError
 from verispec.inputs import did_you_mean
 
@@ -42,11 +50,14 @@ __all__ = [
     "CHOICES",
     "CROSS_TOKENIZER",
     "DRAFTERS",
+    "DRAFT_MODEL",
     "EARLY_EXIT",
+    "PLAIN",
     "SELF",
     "DraftInputs",
     "DrafterKind",
     "Trained",
+    "auto_candidates",
     "check_algorithm",
     "check_choice",
     "choose_auto",
@@ -59,41 +70,6 @@ __all__ = [
 AUTO = "auto"
 PLAIN = "none"  # the drafter that drafts nothing: plain decoding, every speedup's baseline
 DRAFT_MODEL = "model"  # the drafter that drafts with a draft model (--draft)
-CROSS_TOKENIZER = ("auto", "tli", "string")  # how a draft of another tokenizer drafts (--cross-tokenizer)
-EARLY_EXIT = "layers:"  # the draft SPEC of an early exit: ``layers:N``, the target's own first N layers
-SELF = "self:"  # the draft SPEC of the target's own weights in a lower precision: ``self:PRECISION``
-
-
-def early_exit_layers(spec: str) -> int | None:
-    """N for the draft SPEC ``layers:N`` (an early exit: the target's first N layers, sharing its cache),
-    None for any other SPEC (``layers:N:PRECISION`` included: see :func:`self_draft`); UsageError when the
-    count is not an integer."""
-    if not spec.startswith(EARLY_EXIT) or spec.count(":") > 1:
-        return None
-    count = spec[len(EARLY_EXIT) :]
-    if not count.isdigit():
-        raise UsageError(f"an early-exit draft is written {EARLY_EXIT}N with N an integer, got {spec!r}")
-    return int(count)
-
-
-def self_draft(spec: str) -> tuple[int | None, str] | None:
-    """(N or None, PRECISION) for a draft SPEC of the target's own weights packed again in a lower
-    precision: ``self:PRECISION`` (every layer) or ``layers:N:PRECISION`` (the first N, an early exit with a
-    cache of its own); None for any other SPEC; UsageError for a malformed one."""
-    if spec.startswith(SELF):
-        return None, spec[len(SELF) :]
-    if not spec.startswith(EARLY_EXIT) or spec.count(":") != 2:
-        return None
-    _, count, precision = spec.split(":")
-    if not count.isdigit():
-        raise UsageError(f"a self-draft is written {EARLY_EXIT}N:PRECISION with N an integer, got {spec!r}")
-    return int(count), precision
-
-
-def check_algorithm(name: str) -> None:
-    """UsageError, one line, unless ``name`` is one of :data:`CROSS_TOKENIZER`."""
-    if name not in CROSS_TOKENIZER:
-        raise UsageError(f"cross-tokenizer must be one of {', '.join(CROSS_TOKENIZER)}, got {name!r}")
 
 
 @dataclass(frozen=True)
