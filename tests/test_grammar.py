@@ -23,6 +23,7 @@ from verispec.engine.engine import SpeculativeEngine
 from verispec.engine.sequence import EngineConfig, GenerationStats, Request
 from verispec.errors import UsageError
 from verispec.grammar import Constraint
+from verispec.grammar.matcher import start_state
 from verispec.grammar.rounds import constrain, forced_run
 from verispec.models.registry import load_model
 from verispec.sampling import SamplingParams, probs_from_logits
@@ -64,7 +65,7 @@ def generate(stories, requests, slots: int = 1) -> list[tuple[list[int], Generat
             engine.step()
         config = EngineConfig(max_new_tokens=60, sampling=sampling, eos_token_ids=tokenizer.eos_token_ids)
         stats = GenerationStats(drafter.name, str(k))
-        grammar = constraint.state(tokenizer)
+        grammar = start_state(constraint, tokenizer)
         runs.append(
             (engine.submit(Request(prompt, config, drafter, ConstantK(k), stats, grammar=grammar)), stats)
         )
@@ -103,7 +104,7 @@ def test_tentative_paths_and_rollback_equal_a_fresh_matcher(stories) -> None:
     matcher's that consumed the same committed tokens, and the drafts never moved the committed state."""
     _, tokenizer = stories
     constraint = Constraint("json_schema", json.dumps(SCHEMA))
-    state, rng = constraint.state(tokenizer), random.Random(5)
+    state, rng = start_state(constraint, tokenizer), random.Random(5)
     committed: list[int] = []
     for _ in range(12):
         path: list[int] = []
@@ -113,7 +114,7 @@ def test_tentative_paths_and_rollback_equal_a_fresh_matcher(stories) -> None:
             if not mask.any():
                 break
             path.append(rng.choice(mask.nonzero().flatten().tolist()))
-        fresh = constraint.state(tokenizer)
+        fresh = start_state(constraint, tokenizer)
         fresh.settle(committed)
         assert torch.equal(state.mask_after([]), fresh.mask_after([]))  # drafting left the committed state
         keep = path[: rng.randint(0, len(path))]
@@ -122,7 +123,7 @@ def test_tentative_paths_and_rollback_equal_a_fresh_matcher(stories) -> None:
         keep.append(rng.choice(mask.nonzero().flatten().tolist()))  # a recovered or bonus token
         state.settle(keep)
         committed += keep
-        fresh = constraint.state(tokenizer)
+        fresh = start_state(constraint, tokenizer)
         fresh.settle(committed)
         assert torch.equal(state.mask_after([]), fresh.mask_after([]))
         if state.finished:
@@ -136,7 +137,7 @@ def test_nothing_follows_the_end_and_rolling_back_over_it_restores_the_masks(sto
     matcher back inside the text — found by SmolLM2 answering a JSON schema); rolled back over the end, every
     mask is as before."""
     _, tokenizer = stories
-    state = Constraint("regex", "ab").state(tokenizer)
+    state = start_state(Constraint("regex", "ab"), tokenizer)
     ends = tokenizer.eos_token_ids
     text = forced_run(state, 10)  # "a", "b" (however the tokenizer spells them), then the end if it is one
     if text[-1] not in ends:  # two end tokens here: the end is then allowed, not forced
@@ -157,7 +158,7 @@ def test_forced_tokens_and_masked_logits(stories) -> None:
     """The regex's fixed text comes as a forced run, each token the one allowed; masked logits keep exactly
     the allowed tokens (the model's wider vocabulary never allowed)."""
     _, tokenizer = stories
-    state = Constraint("regex", r"[0-9]-abc").state(tokenizer)
+    state = start_state(Constraint("regex", r"[0-9]-abc"), tokenizer)
     spelled = tokenizer.token_bytes()
     state.settle([spelled.index(b"7")])
     forced = forced_run(state, 10)
@@ -220,7 +221,9 @@ def test_first_sampled_token_chi_square(stories) -> None:
     constraint = Constraint("regex", r"(a|an|the|he|she|it|one|two|they)[a-z]* [a-z]+")
     prompt = tokenizer.encode("Once upon a time")
     logits = model.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], model.new_cache())[0, -1]
-    p = probs_from_logits(constrain(logits, constraint.state(tokenizer).mask_after([])), sampling)  # [V]
+    p = probs_from_logits(
+        constrain(logits, start_state(constraint, tokenizer).mask_after([])), sampling
+    )  # [V]
     runs = 300
     engine = SpeculativeEngine(model, slots=8)
     counts = torch.zeros(model.vocab_size)  # [V]
@@ -235,7 +238,7 @@ def test_first_sampled_token_chi_square(stories) -> None:
             drafter = ModelDrafter(model.first_layers(1), seeded, model.vocab_size)
             stats = GenerationStats("model", "3")
             request = Request(
-                prompt, config, drafter, ConstantK(3), stats, grammar=constraint.state(tokenizer)
+                prompt, config, drafter, ConstantK(3), stats, grammar=start_state(constraint, tokenizer)
             )
             engine.submit(request)
         for running, _ in engine.step():

@@ -18,6 +18,7 @@ from test_grammar import SCHEMA
 from toy import single_threaded
 from verispec.api import Speculator
 from verispec.grammar import Constraint
+from verispec.grammar.matcher import start_state
 from verispec.grammar.rounds import constrain, forced_run
 from verispec.models.registry import load_model
 from verispec.options import GenerationOptions, SamplingParams
@@ -54,7 +55,7 @@ def assert_first_free_token_follows_the_masked_target(
         return speculator.request(prompt, options)[0]
 
     ids = request(0).prompt
-    state = constraint.state(tokenizer)
+    state = start_state(constraint, tokenizer)
     forced = forced_run(state, 30)
     context = torch.tensor([ids + forced])  # [1, T]
     logits = model.forward(context, torch.arange(context.shape[1])[None], model.new_cache())[0, -1]  # [V]

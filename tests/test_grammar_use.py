@@ -17,11 +17,12 @@ import verispec
 from test_grammar import GREEDY, REGEX, SCHEMA
 from test_server import client
 from toy import single_threaded
-from verispec import cli
+from verispec import api, cli
 from verispec.api import Speculator
 from verispec.batch import BatchJob, read_requests
 from verispec.errors import UsageError
 from verispec.grammar import Constraint
+from verispec.grammar.matcher import start_state
 from verispec.models.registry import load_model
 from verispec.options import GenerationOptions, SamplingParams
 from verispec.server.app import Server, ServerConfig, serving
@@ -80,38 +81,42 @@ def test_generate_takes_one_constraint_by_keyword(stories):
     assert "\n" not in str(err.value)
 
 
-class DeadEnd(Constraint):
-    """A regex whose state allows nothing after two committed tokens: a dead end."""
-
-    def state(self, tokenizer):
-        real = super().state(tokenizer)
-
-        class Dead:
-            vocab_size = real.vocab_size
-            committed: list[int] = []
-            finished = False
-
-            def mask_after(self, path):
-                mask = real.mask_after(path)
-                return mask if len(self.committed) + len(path) < 2 or mask is None else mask & False
-
-            def settle(self, tokens):
-                self.committed = [*self.committed, *tokens]
-                real.settle(tokens)
-
-        return Dead()
+DEAD_END = Constraint("regex", "[a-z ]+")  # its state made a dead end by dead_ends
 
 
-def test_generate_batch_takes_options_per_prompt_and_a_dead_end_fails_alone(stories):
+def dead_ends(constraint, tokenizer):
+    """start_state, but DEAD_END's state allows nothing after two committed tokens: a dead end."""
+    real = start_state(constraint, tokenizer)
+    if constraint != DEAD_END:
+        return real
+
+    class Dead:
+        vocab_size = real.vocab_size
+        committed: list[int] = []
+        finished = False
+
+        def mask_after(self, path):
+            mask = real.mask_after(path)
+            return mask if len(self.committed) + len(path) < 2 or mask is None else mask & False
+
+        def settle(self, tokens):
+            self.committed = [*self.committed, *tokens]
+            real.settle(tokens)
+
+    return Dead()
+
+
+def test_generate_batch_takes_options_per_prompt_and_a_dead_end_fails_alone(stories, monkeypatch):
     """Per-prompt options (a regex, a schema, none, a dead end) in one continuous batch of two slots: each
     result == generating it alone; the dead end fails with its one line, the others untouched."""
     _, loaded = stories
     speculator = Speculator(loaded, drafter="ngram")
+    monkeypatch.setattr(api, "start_state", dead_ends)
     each = [
         GenerationOptions(k=3, max_new_tokens=60, sampling=GREEDY, constraint=Constraint("regex", REGEX)),
         GenerationOptions(k=2, max_new_tokens=60, constraint=Constraint("json_schema", json.dumps(SCHEMA))),
         GenerationOptions(k=3, max_new_tokens=20, sampling=SamplingParams(temperature=0.8, seed=4)),
-        GenerationOptions(k=3, max_new_tokens=20, constraint=DeadEnd("regex", "[a-z ]+")),
+        GenerationOptions(k=3, max_new_tokens=20, constraint=DEAD_END),
     ]
     results = speculator.generate_batch([PROMPT] * 4, each, slots=2)
     assert results[3].error == "the grammar allows no token here: the output cannot be completed"
@@ -268,7 +273,7 @@ def test_response_format_streamed_whole_chat_and_completions(served, which):
     else:  # any object: stories260K writes one longer than 60 tokens, a prefix the grammar allows
         assert (
             whole.startswith("{")
-            and constraint.state(speculator.tokenizer).mask_after(library.token_ids) is not None
+            and start_state(constraint, speculator.tokenizer).mask_after(library.token_ids) is not None
         )
 
 

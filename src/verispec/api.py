@@ -38,6 +38,7 @@ from verispec.engine.driver import Collected, Driver
 from verispec.engine.sequence import DrafterFor, EngineConfig, GenerationStats, Request, TokenLogprob
 from verispec.errors import UsageError
 from verispec.grammar.constraint import Constraint
+from verispec.grammar.matcher import start_state
 from verispec.grammar.rounds import GrammarState
 from verispec.grammar.tools import Tools
 from verispec.inputs import check_int, check_prompt, check_text, is_int
@@ -451,7 +452,7 @@ class Speculator:
             raise UsageError(
                 "structured output needs a tokenizer that spells its tokens and has an end token"
             )
-        return constraint.state(self.tokenizer)
+        return start_state(constraint, self.tokenizer)
 
     def stream(
         self,

@@ -189,8 +189,9 @@ class Request:
     own K policy, and ``stats`` filled in as it runs. ``stop_check(new_ids) -> int | None`` (optional) returns
     how many generated tokens to keep when a stop string has appeared in them; ``trace`` (optional, chain
     rounds only) records every round; ``grammar`` (optional) constrains the output
-    (:mod:`verispec.grammar`: this request's own state, e.g. ``Constraint.state(tokenizer)``, at the prompt's
-    end): the target's logits masked at every verified position, the forced tokens drafted first."""
+    (:mod:`verispec.grammar`: this request's own state, e.g. :func:`~verispec.grammar.matcher.start_state`'s,
+    at the prompt's end): the target's logits masked at every verified position, the forced tokens drafted
+    first."""
 
     prompt: list[int]
     config: EngineConfig

@@ -1,9 +1,9 @@
 """What a request constrains its output to, as a frozen spec checked once: a JSON schema, any JSON object, a
 regular expression or a grammar (Lark, or GBNF converted to Lark by llguidance); compiled by llguidance, and
-a fresh per-sequence state made from it for each request (:meth:`Constraint.state`), checked there against
-the tokenizer before anything is generated: a grammar that cannot start (a schema that only refers to itself:
-llguidance's "NoExtensionBias") or dead-ends within its forced start is refused then, as
-:class:`InvalidConstraint`, not after a stream has begun."""
+a fresh per-sequence state made from it for each request (:func:`verispec.grammar.matcher.start_state`: this
+module stays light, no torch), checked there against the tokenizer before anything is generated: a grammar
+that cannot start (a schema that only refers to itself: llguidance's "NoExtensionBias") or dead-ends within
+its forced start is refused then, as :class:`InvalidConstraint`, not after a stream has begun."""
 
 from __future__ import annotations
 
@@ -11,16 +11,12 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from verispec.errors import UsageError
 from verispec.inputs import parse_json
 
-if TYPE_CHECKING:  # light to import (no torch): the command line checks a constraint before a model loads
-    from verispec.grammar.matcher import MatcherState
-    from verispec.models.base import SpelledTokenizer
-
-__all__ = ["CHECKED_START", "KINDS", "Constraint", "InvalidConstraint"]
+__all__ = ["CHECKED_START", "KINDS", "Constraint", "InvalidConstraint", "first_line"]
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")  # json_object: any JSON object, no text
 COMPACT_JSON = {"whitespace_flexible": False}
@@ -61,7 +57,7 @@ class Constraint:
 
         problem = llguidance.LLMatcher.validate_grammar(self.grammar)
         if problem:
-            raise InvalidConstraint(f"invalid {_NAMES[self.kind]}: {_first_line(problem)}")
+            raise self.invalid(first_line(problem))
 
     @classmethod
     def of(
@@ -99,39 +95,14 @@ class Constraint:
         try:
             return llguidance.grammar_from(kind, text)  # type: ignore[arg-type]
         except ValueError as err:  # a schema llguidance cannot take, or GBNF it cannot convert
-            raise InvalidConstraint(f"invalid {_NAMES[self.kind]}: {_first_line(str(err))}") from None
+            raise self.invalid(first_line(str(err))) from None
 
-    def state(self, tokenizer: SpelledTokenizer) -> MatcherState:
-        """A fresh grammar state for one sequence of ``tokenizer``'s tokens, its start checked:
-        :class:`InvalidConstraint` when the grammar does not compile for it, allows no first token, or allows
-        none after the tokens it forces from the start (up to :data:`CHECKED_START` of them; their masks are
-        kept for the first round). The first mask walks llguidance's lexer over the whole of a long forced
-        value once (a 500 KB ``const``: about a second, in the caller's thread, not the engine's)."""
-        import llguidance
-
-        from verispec.grammar.matcher import MatcherState
-        from verispec.grammar.rounds import forced_run
-        from verispec.grammar.tokens import llg_tokenizer
-
-        tokens = llg_tokenizer(tokenizer)
-        matcher = llguidance.LLMatcher(tokens, self.grammar, log_level=0)
-        if matcher.is_error():
-            raise InvalidConstraint(f"invalid {_NAMES[self.kind]}: {_first_line(matcher.get_error())}")
-        state = MatcherState(matcher, tokens.vocab_size, tokenizer.eos_token_ids)
-        try:
-            start = forced_run(state, CHECKED_START)
-            if len(start) < CHECKED_START and not (start and start[-1] in tokenizer.eos_token_ids):
-                after = state.mask_after(start)  # None: a forced token it could not take (its limits)
-                if after is None or not bool(after.any()):
-                    why = _first_line(matcher.get_error()) if matcher.is_error() else "no token is allowed"
-                    raise UsageError(f"after its first {len(start)} tokens, {why}")
-        except UsageError as err:
-            name = _NAMES[self.kind]
-            raise InvalidConstraint(f"invalid {name}: no output can be made of it ({err})") from None
-        return state
+    def invalid(self, why: str) -> InvalidConstraint:
+        """The one-line error of a constraint of this kind that cannot be used: ``why``, after its kind."""
+        return InvalidConstraint(f"invalid {_NAMES[self.kind]}: {why}")
 
 
-def _first_line(message: str) -> str:
+def first_line(message: str) -> str:
     """llguidance's message in one line: its first, and the reason a regex parser gives lines below it
     ("error: unclosed character class") under a picture of where."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]

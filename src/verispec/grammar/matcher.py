@@ -14,13 +14,20 @@ round's masks asked again from its first position, after its forced run and draf
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from verispec.errors import UsageError
+from verispec.grammar.constraint import CHECKED_START, Constraint, first_line
+from verispec.grammar.rounds import forced_run
+from verispec.grammar.tokens import llg_tokenizer
 
-__all__ = ["MatcherState"]
+if TYPE_CHECKING:
+    from verispec.models.base import SpelledTokenizer
+
+__all__ = ["MatcherState", "start_state"]
 
 _BITS = torch.arange(32, dtype=torch.int32)  # [32]
 
@@ -94,3 +101,29 @@ class MatcherState:
 
     def _error(self) -> str:
         return self.matcher.get_error().strip().splitlines()[0]
+
+
+def start_state(constraint: Constraint, tokenizer: SpelledTokenizer) -> MatcherState:
+    """A fresh grammar state of ``constraint`` for one sequence of ``tokenizer``'s tokens, its start checked:
+    :class:`~verispec.grammar.constraint.InvalidConstraint` when the grammar does not compile for it, allows
+    no first token, or allows none after the tokens it forces from the start (up to
+    :data:`~verispec.grammar.constraint.CHECKED_START` of them; their masks are kept for the first round). The
+    first mask walks llguidance's lexer over the whole of a long forced value once (a 500 KB ``const``: about
+    a second, in the caller's thread, not the engine's)."""
+    import llguidance
+
+    tokens = llg_tokenizer(tokenizer)
+    matcher = llguidance.LLMatcher(tokens, constraint.grammar, log_level=0)
+    if matcher.is_error():
+        raise constraint.invalid(first_line(matcher.get_error()))
+    state = MatcherState(matcher, tokens.vocab_size, tokenizer.eos_token_ids)
+    try:
+        start = forced_run(state, CHECKED_START)
+        if len(start) < CHECKED_START and not (start and start[-1] in tokenizer.eos_token_ids):
+            after = state.mask_after(start)  # None: a forced token it could not take (its limits)
+            if after is None or not bool(after.any()):
+                why = first_line(matcher.get_error()) if matcher.is_error() else "no token is allowed"
+                raise UsageError(f"after its first {len(start)} tokens, {why}")
+    except UsageError as err:
+        raise constraint.invalid(f"no output can be made of it ({err})") from None
+    return state
