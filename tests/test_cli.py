@@ -399,7 +399,8 @@ def test_the_summary_says_what_was_drafted_why_it_stopped_and_what_its_time_hold
     """Issue 52: the line on stderr after a generation names the tokens drafted and accepted and the stop
     reason, and says that its time (and tokens/s, as --json's) includes the prefill; a constraint's setup
     (slowed here by half a second) is timed apart, before the generation's clock starts."""
-    from verispec.grammar.constraint import Constraint
+    from verispec import api
+    from verispec.grammar.matcher import start_state
 
     root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
     model = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
@@ -413,13 +414,12 @@ def test_the_summary_says_what_was_drafted_why_it_stopped_and_what_its_time_hold
     )
     assert found, summary
     assert int(found.group(2)) <= int(found.group(1)) and int(found.group(1)) > 0
-    state = Constraint.state
 
-    def slow_setup(self, tokenizer):
+    def slow_setup(constraint, tokenizer):
         time.sleep(0.5)
-        return state(self, tokenizer)
+        return start_state(constraint, tokenizer)
 
-    monkeypatch.setattr(Constraint, "state", slow_setup)
+    monkeypatch.setattr(api, "start_state", slow_setup)
     status, out, err = run(
         capsys, "generate", "Once upon a time", "--regex", "[a-z ]{4,12}", "--json", *model
     )

@@ -157,3 +157,45 @@ if __name__ == "__main__":  # print the cycles found (the issue's "before" and "
     graph = module_graph()
     for cycle in cycles():
         print(describe(cycle, graph))
+
+
+def _chooses_by_name(node: ast.AST, names: set[str]) -> bool:
+    """Whether ``node`` picks a drafter by a name written out: ``drafter="ngram"``, ``DRAFTERS["eagle"]``, or
+    ``x.drafter == "none"`` / ``kind.name != "eagle"`` / ``drafter_name == ...``."""
+
+    def named(value: ast.AST) -> bool:
+        return isinstance(value, ast.Constant) and value.value in names
+
+    def drafterish(value: ast.AST) -> bool:
+        word = (
+            value.attr
+            if isinstance(value, ast.Attribute)
+            else value.id
+            if isinstance(value, ast.Name)
+            else ""
+        )
+        return "drafter" in word or (word == "name" and isinstance(value, ast.Attribute))
+
+    if isinstance(node, ast.keyword):
+        return node.arg == "drafter" and named(node.value)
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.value, ast.Name) and node.value.id == "DRAFTERS" and named(node.slice)
+    if isinstance(node, ast.Compare):
+        sides = [node.left, *node.comparators]
+        return any(named(side) for side in sides) and any(drafterish(side) for side in sides)
+    return False
+
+
+def test_no_drafter_is_chosen_by_a_name_literal_outside_the_registry() -> None:
+    """Issue 53: a drafter's name means something only in the registry (``registry.PLAIN``, ``EAGLE``, ...);
+    the bench's method labels are labels, not choices, and stay as they are."""
+    from verispec.drafting.registry import DRAFTERS
+
+    names = set(DRAFTERS)
+    found = []
+    for name, path in module_names().items():
+        if name == f"{PACKAGE}.drafting.registry" or name.startswith(f"{PACKAGE}.bench"):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        found += [f"{name}:{getattr(n, 'lineno', 0)}" for n in ast.walk(tree) if _chooses_by_name(n, names)]
+    assert not found, f"drafters chosen by a name literal: {found}"

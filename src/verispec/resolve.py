@@ -26,6 +26,7 @@ from verispec.drafting.learned.kinds import load_head, shipped_drafter
 from verispec.drafting.learned.medusa import MedusaHeads, medusa_tree
 from verispec.drafting.registry import (
     DRAFTERS,
+    EAGLE,
     DrafterKind,
     DraftInputs,
     check_choice,
@@ -194,7 +195,7 @@ def _kind_and_head(
     head = None
     learned = kind.learned if kind is not None else not drafted  # auto: the shipped one, if any
     if learned or drafter_path is not None:
-        wanted = kind.head_kind if kind is not None else None if drafter_path is not None else "eagle"
+        wanted = kind.head_kind if kind is not None else None if drafter_path is not None else EAGLE
         head = _learned_head(model, drafter_path, target_label, kind is not None, wanted)
     shipped = kind is None and not drafted and drafter_path is None and head is not None
     if shipped and head is not None and not _learned_pays(model, head, target_label):
@@ -210,7 +211,7 @@ def _default_tree(
     """The tree of ``tree="auto"``: the eagle drafter's :data:`DEFAULT_TREE` where it may pay
     (:func:`_tree_may_pay`), Medusa's sparse tree shaped by its heads' held-out accuracies; None (chain
     rounds) for the other drafters."""
-    if kind.name == "eagle":
+    if kind.name == EAGLE:
         return DEFAULT_TREE if head is None or _tree_may_pay(model, head, target_label) else None
     if isinstance(head, MedusaHeads) and head.rank_accuracy:
         return medusa_tree(head.rank_accuracy)
@@ -257,7 +258,7 @@ def _chain_costs(
     if not heldout:
         return None
     greedy = SamplingParams(temperature=0)
-    drafter = DRAFTERS["eagle"].chain(DraftInputs(greedy, model, head=head))
+    drafter = DRAFTERS[EAGLE].chain(DraftInputs(greedy, model, head=head))
     cost = calibrate(model, drafter, target_label=target_label).cost_model
     k_max = cost.max_k if cost.max_k is not None else len(heldout)
     alphas = [*heldout, *[heldout[-1]] * max(0, k_max - len(heldout))][:k_max]
@@ -284,7 +285,7 @@ def _learned_head(
 ) -> LearnedHead | None:
     """The learned drafter: read from ``path`` (of ``kind`` when given), else the file of ``kind`` shipped for
     the target. Unless ``required`` (drafter "auto"), a missing or mismatched shipped file gives None."""
-    chosen = path if path is not None else shipped_drafter(target_label, kind or "eagle")
+    chosen = path if path is not None else shipped_drafter(target_label, kind or EAGLE)
     if chosen is None:
         if not required:
             return None

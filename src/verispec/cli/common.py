@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
-from verispec.drafting.registry import CROSS_TOKENIZER, DRAFTERS, drafter_names
+from verispec.drafting.registry import CROSS_TOKENIZER, DRAFTERS, PLAIN, drafter_names
 from verispec.errors import UsageError
 from verispec.inputs import did_you_mean
 
@@ -397,8 +397,10 @@ def sampling_of(args: argparse.Namespace) -> SamplingParams:
 def k_flag(args: argparse.Namespace) -> str:
     """--k as given (default: auto); UsageError for a K with --drafter none, which drafts nothing whatever
     K says (generate, batch, demo)."""
-    if args.k not in (None, "0") and args.drafter == "none":
-        raise UsageError(f"--drafter none drafts nothing: --k {args.k} would change nothing (leave it out)")
+    if args.k not in (None, "0") and args.drafter == PLAIN:
+        raise UsageError(
+            f"--drafter {PLAIN} drafts nothing: --k {args.k} would change nothing (leave it out)"
+        )
     return args.k if args.k is not None else "auto"
 
 

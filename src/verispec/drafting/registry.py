@@ -51,6 +51,7 @@ __all__ = [
     "CROSS_TOKENIZER",
     "DRAFTERS",
     "DRAFT_MODEL",
+    "EAGLE",
     "EARLY_EXIT",
     "PLAIN",
     "SELF",
@@ -70,6 +71,7 @@ __all__ = [
 AUTO = "auto"
 PLAIN = "none"  # the drafter that drafts nothing: plain decoding, every speedup's baseline
 DRAFT_MODEL = "model"  # the drafter that drafts with a draft model (--draft)
+EAGLE = "eagle"  # verispec's own learned drafter: auto's where it pays, a drafter file's default kind
 
 
 @dataclass(frozen=True)
@@ -365,7 +367,7 @@ DRAFTERS: dict[str, DrafterKind] = {
             shared_cache=True,
         ),
         DrafterKind(
-            "eagle",
+            EAGLE,
             "a learned head reading the target's hidden states (EAGLE-style)",
             _eagle_chain,
             _eagle_tree,
@@ -514,4 +516,4 @@ def choose_auto(has_draft_model: bool, has_learned_drafter: bool) -> DrafterKind
 def auto_candidates(has_learned_drafter: bool) -> tuple[str, ...]:
     """The drafters ``auto`` chooses between without a draft model: prompt lookup, and the learned drafter
     when one exists for the target (``verispec demo`` runs each beside auto's choice)."""
-    return ("ngram", "eagle") if has_learned_drafter else ("ngram",)
+    return ("ngram", EAGLE) if has_learned_drafter else ("ngram",)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from verispec.drafting.registry import DRAFTERS
+from verispec.drafting.registry import DRAFTERS, EAGLE
 from verispec.errors import UsageError
 from verispec.inputs import check_seed
 
@@ -25,7 +25,7 @@ CE_TARGETS = ("token", "distribution")  # the target's next token, or its distri
 class TrainConfig:
     """How a drafter is trained (see :mod:`verispec.training.train`); validated with UsageError."""
 
-    kind: str = "eagle"
+    kind: str = EAGLE
     steps: int = 2000
     batch_tokens: int = 2048
     window: int = 256
@@ -78,7 +78,7 @@ class TrainConfig:
             if getattr(self, name) > high:
                 raise UsageError(f"{name} must be at most {high}, got {getattr(self, name)!r}")
         _check("exit_layer", self.exit_layer, int, 1)
-        if self.init and self.kind != "eagle":
+        if self.init and self.kind != EAGLE:
             raise UsageError(f"init (fine-tuning a trained drafter) is for eagle heads, not {self.kind}")
         if self.batch_tokens < self.window:
             raise UsageError(f"batch_tokens ({self.batch_tokens}) must be at least window ({self.window})")

@@ -9,7 +9,7 @@ from importlib import resources
 from pathlib import Path
 
 from verispec.drafting.learned.head import LearnedHead, read_drafter_file
-from verispec.drafting.registry import DRAFTERS
+from verispec.drafting.registry import DRAFTERS, EAGLE
 from verispec.errors import UsageError
 from verispec.models.base import LanguageModel
 
@@ -43,7 +43,7 @@ def load_head(
     return HEADS[found].from_file(Path(path), metadata, tensors, target, target_label, fast)
 
 
-def shipped_drafter(target_label: str, kind: str = "eagle") -> Path | None:
+def shipped_drafter(target_label: str, kind: str = EAGLE) -> Path | None:
     """The drafter file of ``kind`` that comes with the target named ``target_label``, when there is one:
     verispec's own for a short model name (``verispec/data/drafters``), or for a GGUF file ``MODEL.gguf`` the
     file ``MODEL.KIND.safetensors`` beside it (as ``write-gguf --inflate --drafters`` writes them)."""
