@@ -431,7 +431,8 @@ def test_a_first_use_probes_within_its_seconds_once(stories, measured, monkeypat
     target = calibration.target
     assert target.probe and calibration.draft is not None and calibration.draft.probe
     assert target.repetitions == (5 if step < 0.1 else 1)
-    assert calibration.draft.repetitions == (5 if step < 0.1 else 1)
+    # an n-gram lookup costs nothing next to the target: its probe ends after its least passes
+    assert calibration.draft.repetitions == (calibration_module.PROBE_LEAST if step < 0.1 else 1)
     # no pass begun after its seconds: the target's pairs (one untimed pass, then the timed ones), the T(1)
     # beside each of the drafter's proposals
     sizes = len(calibration_module.PROBE_KS)
@@ -442,3 +443,34 @@ def test_a_first_use_probes_within_its_seconds_once(stories, measured, monkeypat
     calibrate(model, _model_drafter(model, 2), repetitions=5)  # another drafter: probed, said no more
     assert measured == {"target": 1, "draft": 2} and capsys.readouterr().err == ""
     assert calibrate(model, NGramDrafter()) == calibration and measured == {"target": 1, "draft": 2}
+
+
+class _TimedDrafter(NGramDrafter):
+    """An n-gram lookup whose every proposal advances the fake clock by ``cost`` seconds a token."""
+
+    def __init__(self, clock: _FakeClock, cost: float) -> None:
+        super().__init__()
+        self.clock, self.cost = clock, cost
+
+    def propose(self, context, k, generator, allowed=None):
+        self.clock.now += self.cost * k
+        return super().propose(context, k, generator, allowed)
+
+    def cost_identity(self) -> dict:
+        return {**super().cost_identity(), "cost": self.cost}
+
+
+@pytest.mark.parametrize("cost, passes", [(1e-6, 4), (1e-4, 12)])
+def test_a_probe_of_a_drafter_that_costs_nothing_ends_early(stories, monkeypatch, cost, passes):
+    """A fake clock, 1 ms target forwards: a drafter whose proposals take 1 µs a token (0.1 % of T(1), a
+    lookup's) is probed in PROBE_LEAST passes, not for the whole of PROBE_DRAFT_SECONDS beside the target's
+    forwards; one of 0.1 ms a token (10 %) for every pass its repetitions allow. Either way its cost is
+    measured."""
+    model, _ = stories
+    clock = _FakeClock(1e-3)
+    monkeypatch.setattr(calibration_module, "time", clock)
+    monkeypatch.setattr(calibration_module._TargetTimer, "seconds", clock.seconds)
+    assert calibration_module.PROBE_LEAST == 4 and calibration_module.NEGLIGIBLE == 0.01
+    draft = calibrate(model, _TimedDrafter(clock, cost), repetitions=12).draft
+    assert draft is not None and draft.probe and draft.repetitions == passes
+    assert draft.cost_ratio == pytest.approx(cost / 1e-3, rel=1e-6, abs=1e-6)

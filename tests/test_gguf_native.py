@@ -26,6 +26,7 @@ from transformers import (
     LlamaForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -352,6 +353,36 @@ def test_a_gemma_file_without_its_chat_template_gets_gemmas_turns(tmp_path, cach
     llama = write_tiny_gguf(tmp_path / "l.gguf", tiny_llama(), "Q8_0", chat_template=None)
     with pytest.raises(ValueError, match="no chat template"):  # no format known for its architecture
         load_tokenizer(llama).chat_prompt("hello")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_tokenizer_read_back_is_the_one_built(tmp_path, cache, monkeypatch, arch):
+    """The first load hands out the tokenizer it built from the metadata (not saved and read back again);
+    later loads read its saved tokenizer.json whole with the tokenizers library, not through the model's own
+    transformers class (Gemma's rebuilds its 262,144 tokens' merges in Python: seconds a run). Both tokenize,
+    spell their turns and end alike."""
+    config = tiny_gemma3() if arch == "gemma3" else tiny_llama()
+    source = write_tiny_gguf(tmp_path / "m.gguf", config, "Q8_0", arch=arch, chat_template=None)
+    built, directory = gguf_module.gguf_tokenizer(source)
+    assert type(built) is gguf_module._tokenizer_class(arch)  # the model's own class
+    first = load_tokenizer(source)  # the directory is there now: read back
+    monkeypatch.setattr(gguf_module, "_tokenizer_class", None)  # nothing is built again
+    read, again = gguf_module.gguf_tokenizer(source)
+    assert again == directory and type(read) is PreTrainedTokenizerFast
+    back = HFTokenizer.from_pretrained(directory, read)
+    for ours in (first, HFTokenizer.from_pretrained(directory, built)):
+        for text in ("hello world, ünïcode", "  two  spaces\tand a tab\n", "<start_of_turn>user\nhi", ""):
+            assert ours.encode(text) == back.encode(text) and ours.decode(back.encode(text)) == back.decode(
+                back.encode(text)
+            )
+        assert (ours.vocab_size, ours.bos_token_id, ours.eos_token_ids) == (
+            back.vocab_size,
+            back.bos_token_id,
+            back.eos_token_ids,
+        )
+        assert ours.special_token_ids() == back.special_token_ids()
+        if arch == "gemma3":
+            assert ours.chat_prompt("hello") == back.chat_prompt("hello")
 
 
 def test_interrupted_tokenizer_leaves_nothing(tmp_path, cache, monkeypatch):

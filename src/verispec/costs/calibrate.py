@@ -33,7 +33,8 @@ all of that: it *probes*, once, in seconds even on a busy machine. A probe times
 untimed pass and then timed passes begun within :data:`PROBE_SECONDS` (one at least, ``repetitions`` at most);
 its batch grid is predicted, not timed (b rows of m tokens as one row of b·m tokens: rows share the weights'
 reads, and each reads its own short cache), and nothing is timed at the long context (the costs do not grow
-with the context). A drafter is probed likewise within :data:`PROBE_DRAFT_SECONDS`. The probe is cached
+with the context). A drafter is probed likewise within :data:`PROBE_DRAFT_SECONDS` (one whose proposals
+cost next to nothing, a lookup's, in :data:`PROBE_LEAST` passes). The probe is cached
 (``probe: true``) like a full calibration and used from then on: ``--k auto`` takes any calibration as a prior
 and corrects it by the rounds' own timings from the first rounds on (:mod:`verispec.costs.online`), which is
 what makes a rough prior good enough. ``verispec calibrate`` (``force``) measures in full and replaces it.
@@ -93,8 +94,10 @@ __all__ = [
     "DRIFT",
     "FILLS",
     "K_MAX",
+    "NEGLIGIBLE",
     "PROBE_CONTEXT",
     "PROBE_DRAFT_SECONDS",
+    "PROBE_LEAST",
     "PROBE_KS",
     "PROBE_SECONDS",
     "QUICK_REPETITIONS",
@@ -118,6 +121,8 @@ ROW_TOKENS = (1, 2, 4)  # ... times new tokens in each row
 QUICK_REPETITIONS = 5  # a probe's timed passes at most; ``verispec calibrate`` measures 10 in full
 PROBE_SECONDS = 2.0  # a probe of a target begins its timed passes within this many seconds (the first always)
 PROBE_DRAFT_SECONDS = 1.0  # and a probe of a drafter
+PROBE_LEAST = 4  # passes a probe of a drafter times at least, however cheap the drafter
+NEGLIGIBLE = 0.01  # a drafter whose proposal costs less than this share of T(1): its probe ends then
 PROBE_CONTEXT = 64  # positions in the cache while probing (a prefill of 256 takes seconds on a busy machine)
 PROBE_KS = (1, 2, 4, 8, K_MAX)  # the block sizes a probe times; v(k) linear between them
 DRIFT = 2.0  # T(1) moving more than this factor within a measurement: said, and probed again when quiet
@@ -667,7 +672,8 @@ def _measure_drafter(
         drafter.observe(0)
     times: dict[int, list[float]] = {1: [], DRAFT_K: []}  # proposal length → seconds
     ones, appended, passes = [], 0, 0
-    while budget.more(passes, repetitions):  # after the last fill, as after a round that committed a token
+    while budget.more(passes, repetitions) and not (probe and _negligible(times[DRAFT_K], ones, passes)):
+        # after the last fill, as after a round that committed a token
         for k, seconds in times.items():  # each right after a target forward, as in a round
             ones.append(timer.seconds(1))
             context.append(context[appended])
@@ -686,6 +692,16 @@ def _measure_drafter(
     one, drift = statistics.median(ones), _drift(ones)
     _drifted(label, drift)
     return DraftCosts(label, per_token / one, per_token, passes, _now(), catch_up, fixed, probe, drift)
+
+
+def _negligible(proposals: list[float], ones: list[float], passes: int) -> bool:
+    """Whether a probe has timed enough of a drafter whose proposals cost next to nothing (a lookup's): after
+    :data:`PROBE_LEAST` passes, its median proposal under :data:`NEGLIGIBLE` of the median T(1); more passes
+    would change no K, and a probe of an n-gram lookup would otherwise spend its whole budget timing the
+    target's forwards beside it."""
+    if passes < PROBE_LEAST:
+        return False
+    return statistics.median(proposals) < NEGLIGIBLE * statistics.median(ones)
 
 
 # ---------------------------------------------------------------------------------------------- the cache

@@ -35,7 +35,8 @@ import torch
 from gguf import GGUFReader
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from verispec.errors import UsageError
 from verispec.inputs import is_int
@@ -45,6 +46,7 @@ __all__ = [
     "cache_dir",
     "convert_gguf",
     "gguf_cache_path",
+    "gguf_tokenizer",
     "gguf_tokenizer_dir",
     "is_converted",
     "source_gguf",
@@ -134,6 +136,25 @@ def gguf_tokenizer_dir(gguf: Path) -> Path:
     the cache beside where its conversion would go (keyed the same way): later loads read these files.
     UsageError (one line) when the file is no readable GGUF file or has no tokenizer transformers reads,
     checked before anything is written: nothing is left behind then."""
+    return _tokenizer_dir(gguf)[0]
+
+
+def gguf_tokenizer(gguf: Path) -> tuple[PreTrainedTokenizerBase, Path]:
+    """The tokenizer in :func:`gguf_tokenizer_dir` and that directory: the tokenizer this call built there,
+    else read back whole from its ``tokenizer.json`` by the tokenizers library (transformers' own class for
+    the model would rebuild it from its vocabulary and merges in Python: seconds for Gemma 3's 262,144
+    tokens, on every run)."""
+    directory, built = _tokenizer_dir(gguf)
+    if built is not None:
+        return built, directory
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(str(directory)), directory
+    except (ValueError, KeyError, OSError, TypeError) as err:  # a file of it damaged since it was saved
+        raise UsageError(f"no usable tokenizer in {directory}: {first_line(err)}") from err
+
+
+def _tokenizer_dir(gguf: Path) -> tuple[Path, PreTrainedTokenizerBase | None]:
+    """:func:`gguf_tokenizer_dir`, and the tokenizer when this call built it (None: it was there)."""
     out_dir = gguf_cache_path(gguf)
     out_dir = out_dir.with_name(out_dir.name + _TOKENIZER)
 
@@ -141,11 +162,12 @@ def gguf_tokenizer_dir(gguf: Path) -> Path:
         return (directory / "tokenizer_config.json").is_file()
 
     if done(out_dir):
-        return out_dir
+        return out_dir, None
     header = read_gguf(gguf)  # a file refused leaves nothing in the cache
     problem = _tokenizer_problem(header.fields)
     if problem is not None:
         raise UsageError(f"no tokenizer in {gguf} that transformers reads: {problem}")
+    built: list[PreTrainedTokenizerBase] = []
 
     def write(partial: Path) -> None:
         kind = _tokenizer_class(header.fields.get("general.architecture"))
@@ -157,14 +179,15 @@ def gguf_tokenizer_dir(gguf: Path) -> Path:
         if not tokenizer.chat_template and arch in _CHAT_FORMATS:  # a file without its template
             template, end_of_turn = _CHAT_FORMATS[arch]
             tokenizer.chat_template = template
-            end = tokenizer.get_vocab().get(end_of_turn)
-            if end is not None:
+            end = tokenizer.convert_tokens_to_ids(end_of_turn)
+            if end is not None and end != tokenizer.unk_token_id:
                 eos = [tokenizer.eos_token_id, end]
                 (partial / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}) + "\n")
         tokenizer.save_pretrained(partial)
+        built.append(tokenizer)
 
     _build(out_dir, done, write, gguf)
-    return out_dir
+    return out_dir, (built[0] if built else None)
 
 
 def _tokenizer_class(arch: object) -> Any:  # a tokenizer class, or AutoTokenizer: from_pretrained either way

@@ -238,10 +238,11 @@ class HFTokenizer:
         self.eos_token_ids = frozenset(eos)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> HFTokenizer:
-        """The tokenizer of a transformers-format directory; EOS ids also from its config and generation
-        config."""
-        return cls(AutoTokenizer.from_pretrained(str(path)), _config_eos_token_ids(Path(path)))
+    def from_pretrained(cls, path: str | Path, loaded: PreTrainedTokenizerBase | None = None) -> HFTokenizer:
+        """The tokenizer of a transformers-format directory (``loaded``: the directory's tokenizer, already in
+        memory); EOS ids also from its config and generation config."""
+        tokenizer = loaded if loaded is not None else AutoTokenizer.from_pretrained(str(path))
+        return cls(tokenizer, _config_eos_token_ids(Path(path)))
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = self._tokenizer.encode(text, add_special_tokens=False)

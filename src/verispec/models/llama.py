@@ -809,8 +809,13 @@ class _Body(nn.Module):
 
     def __init__(self, config: LlamaConfig, device: Any, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)  # [vocab, hidden]
+        weight = torch.empty(
+            config.vocab_size, config.hidden_size, device=device, dtype=dtype
+        )  # [vocab, hidden]
+        # given its weight, nn.Embedding skips its random initialisation (a second of normal draws over a
+        # large vocabulary, and torch._dynamo's import): every weight is loaded after construction
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+        self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(_DecoderLayer(config, device, dtype) for _ in range(config.num_layers))
         self.norm = _RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
 

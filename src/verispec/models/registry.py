@@ -40,7 +40,7 @@ from verispec.models.gguf import (
     convert_gguf,
     first_line,
     gguf_cache_path,
-    gguf_tokenizer_dir,
+    gguf_tokenizer,
     is_converted,
 )
 from verispec.models.gguf_native import in_place_problem, load_gguf, read_gguf
@@ -193,9 +193,9 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     if path.suffix == ".bin":
         return Llama2cTokenizer(path)
     gguf = gguf_file(spec)
-    directory = model_dir(spec) if gguf is None else gguf_tokenizer_dir(gguf)
+    loaded, directory = (None, model_dir(spec)) if gguf is None else gguf_tokenizer(gguf)
     try:
-        return HFTokenizer.from_pretrained(directory)
+        return HFTokenizer.from_pretrained(directory, loaded)
     except (ValueError, KeyError, OSError, TypeError) as err:
         raise UsageError(
             f"no usable tokenizer in {directory} (give one: --tokenizer, or tokenizer=): {first_line(err)}"
