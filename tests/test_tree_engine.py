@@ -401,3 +401,43 @@ def test_cli_generate_with_a_tree(capsys, shared_model, tmp_path):
     assert f"token trees need the {takers} drafter" in capsys.readouterr().err and "ngram" in takers
     assert cli.main([*common, "--tree-width", "2", "--tree-depth", "9"]) == 2  # 1023 nodes, context 512
     assert "context of" in capsys.readouterr().err
+
+
+def test_a_model_draft_reads_a_prompt_without_its_logits(shared_model, monkeypatch):
+    """A draft model's first proposal, chain or tree, reads the prompt's positions for their keys and values
+    only: logits over the vocabulary at the last position and at each drafted one, never at the prompt's (a
+    135 M draft's head over 49,152 tokens at every position of a long prompt). Its first token is what a
+    draft fed the whole prompt with its logits picks, and speculative greedy is plain greedy."""
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    target, tokenizer = load_model(root / "stories260K.bin", tokenizer=root / "tok512.bin")
+    prompt = tokenizer.encode("Once upon a time there was a little dog who")
+    draft = target.first_layers(3)
+    with_logits: list[int] = []  # the positions of each forward that computes logits
+    original = type(draft).forward
+
+    def forward(self, tokens, positions, cache, tree_mask=None):
+        with_logits.append(tokens.shape[1])
+        return original(self, tokens, positions, cache, tree_mask)
+
+    monkeypatch.setattr(type(draft), "forward", forward)
+    chain = ModelDrafter(draft, GREEDY, target.vocab_size)
+    chain.begin(prompt)
+    proposal = chain.propose(prompt, 4, torch.Generator())
+    assert with_logits == [1, 1, 1, 1] and chain.cache.length == len(prompt) + 3
+    tree = ModelTreeDrafter(ModelDrafter(draft, GREEDY, target.vocab_size), TreeShape.full(2, 2))
+    tree.begin(prompt)
+    with_logits.clear()
+    tree.propose_tree(prompt, TreeShape.full(2, 2), torch.Generator())
+    assert with_logits == [1, 2]  # the root, then its two children (one tree forward)
+    monkeypatch.undo()
+    whole = draft.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], draft.new_cache())[0, -1]
+    assert int(proposal.tokens[0]) == int(whole.argmax())
+    config = EngineConfig(max_new_tokens=24, sampling=GREEDY)
+    out, _ = run(
+        OneSequence(target, ModelDrafter(draft, GREEDY, target.vocab_size), ConstantK(4)),
+        prompt,
+        config,
+        False,
+    )
+    plain, _ = run(OneSequence(target, NoDrafter(), ConstantK(0)), prompt, config, False)
+    assert out == plain

@@ -82,7 +82,8 @@ class ModelDrafter:
             self._committed, self._drafted = self.cache.length, 0
             return Proposal.empty()
         device = self.model.device
-        feed = torch.tensor([context[self.cache.length :]], dtype=torch.long, device=device)  # [1, T]
+        self.read(context)
+        feed = torch.tensor([context[self.cache.length :]], dtype=torch.long, device=device)  # [1, 1]
         self._committed = len(context)
         tokens: list[Tensor] = []
         qs = []
@@ -105,6 +106,15 @@ class ModelDrafter:
         if not tokens:
             return Proposal.empty()
         return Proposal(tokens=torch.cat(tokens).cpu(), q=torch.stack(qs).cpu() if qs else None)
+
+    def read(self, context: list[int]) -> None:
+        """Feed the committed tokens its cache has not read, all but the last (whose logits a proposal
+        needs): their keys and values only, no logits over the vocabulary at a prompt's positions."""
+        unread = context[self.cache.length : -1]
+        if unread:
+            device, start = self.model.device, self.cache.length
+            positions = torch.arange(start, start + len(unread), device=device).unsqueeze(0)  # [1, U]
+            self.model.prefill(torch.tensor([unread], dtype=torch.long, device=device), positions, self.cache)
 
     def observe(self, num_accepted: int) -> None:
         self.cache.truncate(self._committed + min(num_accepted, self._drafted))
@@ -147,7 +157,8 @@ class ModelTreeDrafter(BranchedTreeDrafter):
         if committed >= cache.capacity:  # no room left in the draft's context: the root alone
             return shape.select([0], [context[-1]])
         shape = shape.capped(shape.max_depth, cache.capacity - committed)
-        feed = torch.tensor([context[cache.length :]], dtype=torch.long, device=model.device)  # [1, T]
+        self.drafter.read(context)
+        feed = torch.tensor([context[cache.length :]], dtype=torch.long, device=model.device)  # [1, 1]
         positions = torch.arange(cache.length, committed, device=model.device).unsqueeze(0)  # [1, T]
         logits = {0: model.forward(feed, positions, cache)[0, -1]}  # node → the draft's next logits [V]
         children, parents = shape.children(), shape.parent_list
