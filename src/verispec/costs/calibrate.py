@@ -671,7 +671,8 @@ def _measure_drafter(
         fills.append(time.perf_counter() - start)
         drafter.observe(0)
     times: dict[int, list[float]] = {1: [], DRAFT_K: []}  # proposal length → seconds
-    ones, appended, passes = [], 0, 0
+    ones: list[float] = []
+    appended, passes = 0, 0
     while budget.more(passes, repetitions) and not (probe and _negligible(times[DRAFT_K], ones, passes)):
         # after the last fill, as after a round that committed a token
         for k, seconds in times.items():  # each right after a target forward, as in a round
