@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, TypeVar, cast
 
 import torch
 
@@ -47,6 +47,8 @@ __all__ = [
     "verify_greedy_chains",
     "verify_tree",
 ]
+
+V_co = TypeVar("V_co", covariant=True)  # a verdict: a chain's or a tree's
 
 
 def _after(grammar: GrammarState, forced: list[int]) -> Allowed:
@@ -176,24 +178,91 @@ def verify_greedy_chains(
     return out
 
 
+class _Rules(Protocol[V_co]):
+    """A round's verifiers, one per rule; :func:`_verify` picks which one a sequence's sampling settings
+    call for. ``eos``: the end-of-sequence tokens, or None."""
+
+    def greedy(self, logits: torch.Tensor, eos: list[int] | None) -> V_co:
+        """The target's greedy tokens against the draft, from its raw logits."""
+        ...
+
+    def invariant(self, p: torch.Tensor, eos: list[int] | None) -> V_co:
+        """Each position's own draw from p (invariant draws), accepted while the draft matches it."""
+        ...
+
+    def sampled(self, p: torch.Tensor, eos: list[int] | None) -> V_co:
+        """Sampling from p: rejection sampling against the draft's q, single guesses where it has none."""
+        ...
+
+
+def _verify(rules: _Rules[V_co], logits: torch.Tensor, config: EngineConfig) -> V_co:
+    """The one choice of verification rule by a sequence's sampling settings, chains and trees alike:
+    greedy on the logits; else p by the one transform, then invariant draws or sampling."""
+    eos = sorted(config.eos_token_ids) or None
+    if config.sampling.greedy:
+        return rules.greedy(logits, eos)
+    p = probs_from_logits(logits, config.sampling)
+    return (rules.invariant if config.sampling.invariant else rules.sampled)(p, eos)
+
+
+@dataclass(frozen=True)
+class _ChainRules:
+    """A chain's verifiers: ``drafted`` [1, k'], the first emitted token at position ``first``."""
+
+    proposal: Proposal
+    drafted: torch.Tensor
+    generator: torch.Generator
+    first: int
+
+    def greedy(self, logits: torch.Tensor, eos: list[int] | None) -> Verdict:
+        return greedy_verify(self.drafted, p=logits, eos_token_id=eos)
+
+    def invariant(self, p: torch.Tensor, eos: list[int] | None) -> Verdict:
+        positions = range(self.first, self.first + p.shape[1])
+        targets = position_draws(p[0], self.generator.initial_seed(), positions).unsqueeze(0)  # [1, k'+1]
+        return greedy_verify_targets(self.drafted, targets=targets, eos_token_id=eos)
+
+    def sampled(self, p: torch.Tensor, eos: list[int] | None) -> Verdict:
+        if self.proposal.q is None:
+            return single_guess_sample(self.drafted, p=p, generator=self.generator, eos_token_id=eos)
+        q = self.proposal.q.to(p.device).unsqueeze(0)  # [1, k', V]
+        return rejection_sample(self.drafted, q=q, p=p, generator=self.generator, eos_token_id=eos)
+
+
+@dataclass(frozen=True)
+class _TreeRules:
+    """A tree's verifiers: its ``tokens`` and ``parents`` [N], the root's child at position ``first``."""
+
+    tree: TreeProposal
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    generator: torch.Generator
+    first: int
+
+    def greedy(self, logits: torch.Tensor, eos: list[int] | None) -> TreeVerdict:
+        return tree_greedy_verify(self.tokens, self.parents, p=logits, eos_token_id=eos)
+
+    def invariant(self, p: torch.Tensor, eos: list[int] | None) -> TreeVerdict:
+        # each node's draw at its child's position, as scores that argmax to it
+        positions = [self.first + d for d in self.tree.depth.tolist()]
+        drawn = position_draws(p, self.generator.initial_seed(), positions)  # [N]
+        scores = torch.zeros_like(p).scatter_(1, drawn.unsqueeze(1), 1.0)  # [N, V]
+        return tree_greedy_verify(self.tokens, self.parents, p=scores, eos_token_id=eos)
+
+    def sampled(self, p: torch.Tensor, eos: list[int] | None) -> TreeVerdict:
+        q = None if self.tree.q is None else self.tree.q.to(p.device)  # [N, V]
+        return tree_rejection_sample(
+            self.tokens, self.parents, p=p, q=q, generator=self.generator, eos_token_id=eos
+        )
+
+
 def verify_chain(
     proposal: Proposal, logits: torch.Tensor, config: EngineConfig, generator: torch.Generator, first: int
 ) -> Verdict:
     """logits: [1, k'+1, V] target logits for the round, whose first emitted token is at position
     ``first``."""
     drafted = proposal.tokens.to(logits.device).unsqueeze(0)  # [1, k']
-    eos = sorted(config.eos_token_ids) or None
-    if config.sampling.greedy:
-        return greedy_verify(drafted, p=logits, eos_token_id=eos)
-    p = probs_from_logits(logits, config.sampling)  # [1, k'+1, V]
-    if config.sampling.invariant:  # each position's own draw: accept the draft while it matches them
-        positions = range(first, first + p.shape[1])
-        targets = position_draws(p[0], generator.initial_seed(), positions).unsqueeze(0)  # [1, k'+1]
-        return greedy_verify_targets(drafted, targets=targets, eos_token_id=eos)
-    if proposal.q is None:
-        return single_guess_sample(drafted, p=p, generator=generator, eos_token_id=eos)
-    q = proposal.q.to(logits.device).unsqueeze(0)  # [1, k', V]
-    return rejection_sample(drafted, q=q, p=p, generator=generator, eos_token_id=eos)
+    return _verify(_ChainRules(proposal, drafted, generator, first), logits, config)
 
 
 def verify_tree(
@@ -201,14 +270,4 @@ def verify_tree(
 ) -> TreeVerdict:
     """logits: [N, V] target logits at the tree's nodes; the root's child is at position ``first``."""
     tokens, parents = tree.tokens.to(logits.device), tree.parents.to(logits.device)  # [N], [N]
-    eos = sorted(config.eos_token_ids) or None
-    if config.sampling.greedy:
-        return tree_greedy_verify(tokens, parents, p=logits, eos_token_id=eos)
-    p = probs_from_logits(logits, config.sampling)  # [N, V]
-    if config.sampling.invariant:  # each node's draw at its child's position, as scores that argmax to it
-        positions = [first + d for d in tree.depth.tolist()]
-        drawn = position_draws(p, generator.initial_seed(), positions)  # [N]
-        scores = torch.zeros_like(p).scatter_(1, drawn.unsqueeze(1), 1.0)  # [N, V]
-        return tree_greedy_verify(tokens, parents, p=scores, eos_token_id=eos)
-    q = None if tree.q is None else tree.q.to(logits.device)  # [N, V]
-    return tree_rejection_sample(tokens, parents, p=p, q=q, generator=generator, eos_token_id=eos)
+    return _verify(_TreeRules(tree, tokens, parents, generator, first), logits, config)
