@@ -41,7 +41,7 @@ from verispec.drafting.suffix_cache import SuffixCache
 from verispec.engine.scheduler import Scheduler
 from verispec.errors import UsageError
 from verispec.files import atomic_write
-from verispec.inputs import is_int
+from verispec.inputs import check_int, is_int
 from verispec.models.base import has_chat_template
 from verispec.models.names import DEFAULT_MODEL
 from verispec.options import GenerationOptions
@@ -90,8 +90,8 @@ class LoadConfig:
             ("max_new_tokens", self.max_new_tokens),
         )
         for name, value in numbers:
-            if value is not None and (not is_int(value) or value < 1):
-                raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
+            if value is not None:
+                check_int(value, name, 1)
 
     @property
     def request_count(self) -> int:

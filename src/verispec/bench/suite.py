@@ -109,7 +109,7 @@ from verispec.errors import UsageError
 from verispec.files import atomic_write
 from verispec.grammar.constraint import Constraint
 from verispec.grammar.tools import Tools
-from verispec.inputs import check_seed, is_int
+from verispec.inputs import check_int, check_seed
 from verispec.models.base import LanguageModel, Tokenizer, has_chat_template
 from verispec.models.gguf import source_gguf
 from verispec.models.names import DEFAULT_MODEL
@@ -317,16 +317,11 @@ class BenchConfig:
     out: str = ""
 
     def __post_init__(self) -> None:
-        def positive(name: str, value: object, optional: bool = False) -> None:
-            if optional and value is None:
-                return
-            if not is_int(value) or value < 1:
-                raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
-
-        positive("max_new_tokens", self.max_new_tokens)
-        positive("repetitions", self.repetitions)
-        positive("prompts per task", self.prompts_per_task, optional=True)
-        positive("threads", self.threads, optional=True)
+        check_int(self.max_new_tokens, "max_new_tokens", 1)
+        check_int(self.repetitions, "repetitions", 1)
+        for name, value in (("prompts per task", self.prompts_per_task), ("threads", self.threads)):
+            if value is not None:
+                check_int(value, name, 1)
         # each (repetition, prompt) draws with seed + 1000 · repetition + index: room above the seed
         check_seed(self.seed, below=2**62)
         if not self.ks:
