@@ -18,7 +18,7 @@ from verispec.costs.policies import (
     PartsK,
     plan_batch,
 )
-from verispec.options import parse_k
+from verispec.options import DraftLength
 
 K_MAX = 12
 FLAT = [1.0] * (K_MAX + 1)  # memory-bound: verifying K+1 tokens costs one step
@@ -268,14 +268,15 @@ def test_k_max_bounds_and_unbounded_curves():
 
 def test_parse_k_and_k_policy():
     assert (
-        parse_k("4") == 4
-        and parse_k(3) == 3
-        and parse_k("auto") == "auto"
-        and parse_k("additive") == "additive"
+        DraftLength.parse("4") == DraftLength(fixed=4)
+        and DraftLength.parse(3) == DraftLength(fixed=3)
+        and DraftLength.parse("auto").auto
+        and DraftLength.parse("additive") == DraftLength(named="additive")
     )
-    for bad in ("x", "-1", "4.5", -2):
+    assert [str(DraftLength.parse(k)) for k in ("04", 0, "auto")] == ["4", "0", "auto"]  # as stats read
+    for bad in ("x", "-1", "4.5", -2, True):
         with pytest.raises(ValueError, match="k must be"):
-            parse_k(bad)
+            DraftLength.parse(bad)
     assert isinstance(k_policy("5"), ConstantK) and isinstance(k_policy("additive"), AdditiveK)
     assert isinstance(k_policy("auto", CostModel(0.1, MEASURED)), CostModelK)
     with pytest.raises(ValueError, match="cost model"):

@@ -47,11 +47,11 @@ from verispec.models.names import DEFAULT_MODEL
 from verispec.options import (
     DEFAULT_K,
     DEFAULT_SAMPLING,
+    DraftLength,
     GenerationOptions,
     OptionFields,
     SamplingParams,
     check_keywords,
-    parse_k,
 )
 from verispec.resolve import Parts, Target, check_device, resolve
 from verispec.text import Chunk, TextAssembler
@@ -114,22 +114,22 @@ def failure_message(error: BaseException) -> str:
 
 
 def k_policy(
-    k: int | str,
+    k: DraftLength | int | str,
     cost: CostModel | None = None,
     costs_at: Callable[[int], CostModel] | None = None,
     batch_costs_at: Callable[[int], BatchCost] | None = None,
     online: OnlineCosts | None = None,
     shared: Evidence | None = None,
 ) -> KPolicy:
-    """The K policy that ``k`` (see :func:`~verispec.options.parse_k`) names; "auto" needs ``cost``, the
-    calibrated cost model of the target and drafter (:meth:`Speculator.calibration` measures or loads it),
-    follows the context with ``costs_at``, plans batches with ``batch_costs_at``, corrects them all by the
-    costs measured as it runs in ``online`` and starts from the acceptance evidence ``shared`` by other
-    requests (see :class:`~verispec.costs.policies.CostModelK`)."""
-    k = parse_k(k)
-    if isinstance(k, int):
-        return ConstantK(k)
-    if k == "additive":
+    """The K policy that ``k`` (a :class:`~verispec.options.DraftLength`, or its int or text) names; "auto"
+    needs ``cost``, the calibrated cost model of the target and drafter (:meth:`Speculator.calibration`
+    measures or loads it), follows the context with ``costs_at``, plans batches with ``batch_costs_at``,
+    corrects them all by the costs measured as it runs in ``online`` and starts from the acceptance evidence
+    ``shared`` by other requests (see :class:`~verispec.costs.policies.CostModelK`)."""
+    k = DraftLength.parse(k)
+    if k.fixed is not None:
+        return ConstantK(k.fixed)
+    if not k.auto:
         return AdditiveK()
     if cost is None:
         raise UsageError("k 'auto' needs the cost model of the target and drafter")
@@ -140,7 +140,7 @@ def _auto_k(calibration: Calibration, online: OnlineCosts | None, shared: Eviden
     """``--k auto`` over ``calibration``'s costs, corrected by those ``online`` measures as it runs, its
     acceptance estimates starting from the ``shared`` evidence of other requests (None: from the prior)."""
     costs = calibration.cost_model, calibration.cost_model_at, calibration.batch_cost_at
-    return cast(CostModelK, k_policy("auto", *costs, online, shared))
+    return cast(CostModelK, k_policy(DEFAULT_K, *costs, online, shared))
 
 
 class Speculator:
@@ -321,16 +321,17 @@ class Speculator:
             self._lookup = None if lookup is None else (lookup, OnlineCosts(lookup.step_seconds))
         return self._calibration
 
-    def k_policy(self, k: int | str, options: GenerationOptions | None = None) -> KPolicy:
-        """The K policy ``k`` names (see :func:`~verispec.options.parse_k`), "auto" over this speculator's
-        calibrated costs, corrected by the timings of its rounds (one estimator for the calibration, shared by
-        every request; drafter "none" drafts nothing whatever K, so it needs none; tree rounds do not use
-        K). A request's ``options`` (optional) name the acceptance evidence its estimates start from and add
-        to: that of this speculator's requests with the same sampling settings and, or without, a constraint
-        (the seed aside)."""
+    def k_policy(self, k: DraftLength | int | str, options: GenerationOptions | None = None) -> KPolicy:
+        """The K policy ``k`` names (a :class:`~verispec.options.DraftLength`, or its int or text), "auto"
+        over this speculator's calibrated costs, corrected by the timings of its rounds (one estimator for
+        the calibration, shared by every request; drafter "none" drafts nothing whatever K, so it needs none;
+        tree rounds do not use K). A request's ``options`` (optional) name the acceptance evidence its
+        estimates start from and add to: that of this speculator's requests with the same sampling settings
+        and, or without, a constraint (the seed aside)."""
         if self.tree is not None:
             return ConstantK(0)
-        if parse_k(k) != "auto":
+        k = DraftLength.parse(k)
+        if not k.auto:
             return k_policy(k)
         if not self.kind.drafts:
             return ConstantK(0)
@@ -356,12 +357,12 @@ class Speculator:
             self._evidence[key] = Evidence(calibration.cost_model.max_k or 0)
         return self._evidence[key]
 
-    def k_label(self, k: int | str) -> str:
-        """How stats name the draft size: K (see :func:`~verispec.options.parse_k`), the tree's shape, or "0"
-        for drafter "none" (it drafts nothing whatever K asks)."""
+    def k_label(self, k: DraftLength | int | str) -> str:
+        """How stats name the draft size: K (a :class:`~verispec.options.DraftLength`, or its int or text),
+        the tree's shape, or "0" for drafter "none" (it drafts nothing whatever K asks)."""
         if self.tree is not None:
             return f"tree {self.tree.name}"
-        return str(parse_k(k)) if self.kind.drafts else "0"
+        return str(DraftLength.parse(k)) if self.kind.drafts else "0"
 
     def encode_prompt(self, prompt: Prompt, chat: bool = False, tools: Tools | None = None) -> list[int]:
         """The prompt's token ids: ``prompt`` as it is (text, or token ids of the target's vocabulary), or
@@ -588,7 +589,7 @@ def generate(
     draft: str | None = None,
     drafter: str = "auto",
     tokenizer: str | None = None,
-    k: int | str = DEFAULT_K,
+    k: DraftLength | int | str = DEFAULT_K,
     max_new_tokens: int = 128,
     temperature: float = DEFAULT_SAMPLING.temperature,
     top_k: int = 0,
@@ -623,7 +624,7 @@ def generate(
     )
     constraint = Constraint.of(json_schema, regex, grammar)
     options = GenerationOptions(
-        k=k,
+        k=DraftLength.parse(k),
         max_new_tokens=max_new_tokens,
         sampling=sampling,
         chat=chat,

@@ -42,7 +42,7 @@ from verispec.errors import UsageError
 from verispec.files import atomic_path, atomic_write, check_writable
 from verispec.grammar.constraint import Constraint
 from verispec.inputs import check_int, check_seed, check_text, is_int, parse_json
-from verispec.options import GenerationOptions, SamplingParams
+from verispec.options import DEFAULT_K, DraftLength, GenerationOptions, SamplingParams
 
 if TYPE_CHECKING:  # the models load where a job runs: its settings are checked without them
     from verispec.api import GenerationResult, Speculator
@@ -202,7 +202,7 @@ class BatchJob(ModelChoice):
 
     input: str
     output: str
-    k: str = "auto"
+    k: DraftLength = DEFAULT_K  # its text parsed on construction
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
     chat: bool = False
@@ -218,6 +218,7 @@ class BatchJob(ModelChoice):
         super().__post_init__()
         if self.sampling.follows_seed:  # every request has a seed: invariant draws, unless opted out
             object.__setattr__(self, "sampling", dataclasses.replace(self.sampling, invariant=True))
+        object.__setattr__(self, "k", DraftLength.parse(self.k))
         for name, low in (("max_batch", 1), ("shard_size", 1), ("workers", 1), ("max_new_tokens", 1)):
             value = getattr(self, name)
             check_int(value, name.replace("_", "-"), low)
@@ -258,6 +259,7 @@ class BatchJob(ModelChoice):
             "suffix_budget",
         ):
             fields.pop(name)  # the output does not depend on them
+        fields["k"] = str(self.k)  # as --k spells it
         fields["sampling"] = {**dataclasses.asdict(self.sampling), "seed": seed}
         fields["requests"] = hashlib.sha256(json.dumps(_plain(requests)).encode()).hexdigest()
         return fields
@@ -554,7 +556,7 @@ def _on_ray(ray, job: BatchJob, shards, pending: Sequence[int], seed: int) -> It
         return
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)) // job.workers)
     rows = [{"shard": i, "requests": json.dumps(_plain(shards[i]))} for i in pending]
-    spec = {**dataclasses.asdict(job), "sampling": dataclasses.asdict(job.sampling)}
+    spec = {**dataclasses.asdict(job), "k": str(job.k), "sampling": dataclasses.asdict(job.sampling)}
     dataset = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(  # a block per shard
         ShardWorker,
         fn_constructor_kwargs={"job": spec, "seed": seed, "threads": cpus},

@@ -27,13 +27,13 @@ __all__ = [
     "DEFAULT_K",
     "DEFAULT_SAMPLING",
     "K_NAMES",
+    "DraftLength",
     "MAX_LOGPROBS",
     "MAX_TEMPERATURE",
     "GenerationOptions",
     "OptionFields",
     "SamplingParams",
     "check_generation",
-    "parse_k",
 ]
 
 MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest value
@@ -41,7 +41,6 @@ MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest value
 masked token's −inf / inf is NaN)."""
 MAX_LOGPROBS = 20  # the most likely alternatives a request may ask for per token, as OpenAI allows
 K_NAMES = ("additive", "auto")  # the K policies named rather than numbered (verispec.costs.policies)
-DEFAULT_K = "auto"
 
 
 @dataclass(frozen=True)
@@ -127,18 +126,49 @@ greedy, the target's own greedy output token for token and the same on every run
 is greedy by default too). The server keeps OpenAI's default temperature of 1."""
 
 
-def parse_k(k: int | str) -> int | str:
-    """``k`` as given (an int, or text from a command line or a request), validated: an integer ≥ 0 (fixed),
-    "additive" (+2 / −1 rule) or "auto" (the K that the calibrated cost model and the running acceptance
-    estimate favour, 0 included)."""
-    if isinstance(k, str):
-        if k in K_NAMES:
+@dataclass(frozen=True)
+class DraftLength:
+    """K, a chain round's draft length, parsed once at the door (:meth:`parse`: a command line's flag, a
+    request's field, a library keyword) and passed down typed: ``fixed`` tokens every round (an integer ≥ 0;
+    0 drafts nothing), or the policy ``named`` (one of :data:`K_NAMES`): "additive" (+2 / −1 rule) or "auto"
+    (the K that the calibrated cost model and the running acceptance estimate favour, 0 included); exactly
+    one of the two. ``str()`` spells it as it is given and as stats and reports show it: "4", "auto"."""
+
+    fixed: int | None = None
+    named: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.fixed is None) == (self.named is None):
+            raise UsageError("a K is fixed or named: give one of fixed= and named=")
+        if self.named is not None and self.named not in K_NAMES:
+            raise UsageError(f"a K's name is one of {', '.join(K_NAMES)}, got {self.named[:20]!r}")
+        if self.fixed is not None:
+            check_int(self.fixed, "k", 0)
+
+    @property
+    def auto(self) -> bool:
+        """Whether K is "auto"'s (the cost model's choice)."""
+        return self.named == "auto"
+
+    @classmethod
+    def parse(cls, k: DraftLength | int | str) -> DraftLength:
+        """``k`` as given (an int, or text from a command line or a request; one already parsed as it is),
+        validated (UsageError)."""
+        if isinstance(k, DraftLength):
             return k
-        if not (k.isascii() and k.isdigit()) or len(k) > 9:  # "²" is a digit to isdigit, not to int
-            raise UsageError(f"k must be an integer >= 0, 'additive' or 'auto', got {k[:20]!r}")
-        k = int(k)
-    check_int(k, "k", 0)
-    return k
+        if isinstance(k, str):
+            if k in K_NAMES:
+                return cls(named=k)
+            if not (k.isascii() and k.isdigit()) or len(k) > 9:  # "²" is a digit to isdigit, not to int
+                raise UsageError(f"k must be an integer >= 0, 'additive' or 'auto', got {k[:20]!r}")
+            k = int(k)
+        return cls(fixed=k)
+
+    def __str__(self) -> str:
+        return str(self.fixed) if self.named is None else self.named
+
+
+DEFAULT_K = DraftLength(named="auto")
 
 
 def check_generation(max_new_tokens: object, logprobs: object, stop: tuple[object, ...]) -> None:
@@ -157,7 +187,8 @@ def check_generation(max_new_tokens: object, logprobs: object, stop: tuple[objec
 class GenerationOptions:
     """How one generation runs, checked once on construction (UsageError).
 
-    k: the draft length, :func:`parse_k`'s (a fixed K, "additive" or "auto"; not used by token trees).
+    k: the draft length, a :class:`DraftLength` (a fixed K, "additive" or "auto"; an int or its text is
+    parsed into one; not used by token trees).
     max_new_tokens: at most this many tokens after the prompt. sampling: :data:`DEFAULT_SAMPLING` (greedy)
     unless given. chat: the prompt in the model's chat template (it may then be a list of messages). stop:
     strings that end the generation (not included in the text). logprobs: each token's log-probability
@@ -169,7 +200,7 @@ class GenerationOptions:
     held to their grammar (:attr:`structure`; not beside a ``constraint``).
     """
 
-    k: int | str = DEFAULT_K
+    k: DraftLength = DEFAULT_K
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default=DEFAULT_SAMPLING)
     chat: bool = False
@@ -179,7 +210,7 @@ class GenerationOptions:
     tools: Tools | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "k", parse_k(self.k))
+        object.__setattr__(self, "k", DraftLength.parse(self.k))  # a library's k=4 or k="auto" too
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise UsageError(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
         if self.tools is not None and not isinstance(self.tools, Tools):
@@ -228,7 +259,7 @@ class OptionFields(TypedDict, total=False):
     """:class:`GenerationOptions`' fields as keywords (``Speculator.generate(prompt, k=4)``), and its
     sampling's (``temperature=0.5``)."""
 
-    k: int | str
+    k: DraftLength | int | str
     max_new_tokens: int
     sampling: SamplingParams
     chat: bool

@@ -44,7 +44,7 @@ from verispec.files import atomic_write
 from verispec.inputs import check_int, is_int
 from verispec.models.base import has_chat_template
 from verispec.models.names import DEFAULT_MODEL
-from verispec.options import GenerationOptions
+from verispec.options import DraftLength, GenerationOptions
 from verispec.resolve import Target
 
 Prompt = str | Sequence[Mapping[str, str]]  # a prompt, or a conversation
@@ -163,7 +163,9 @@ def _verispec_cell(
     ttft: list[float] = []
     itl: list[float] = []
     tokens, calls, drafted, failures, prompt, cached = [0], [0], [0], [0], [0], [0]
-    options = GenerationOptions(k=k, max_new_tokens=config.max_new_tokens, chat=chat)  # greedy
+    options = GenerationOptions(  # greedy
+        k=DraftLength.parse(k), max_new_tokens=config.max_new_tokens, chat=chat
+    )
 
     def client(scheduler: Scheduler) -> None:
         while True:

@@ -114,7 +114,7 @@ from verispec.models.base import LanguageModel, Tokenizer, has_chat_template
 from verispec.models.gguf import source_gguf
 from verispec.models.names import DEFAULT_MODEL
 from verispec.models.registry import gguf_file, model_dir
-from verispec.options import GenerationOptions, SamplingParams, parse_k
+from verispec.options import DraftLength, GenerationOptions, SamplingParams
 from verispec.resolve import Target
 from verispec.viz.charts import chart_directory
 
@@ -326,7 +326,7 @@ class BenchConfig:
         check_seed(self.seed, below=2**62)
         if not self.ks:
             raise UsageError("give at least one K")
-        object.__setattr__(self, "ks", tuple(dict.fromkeys(str(parse_k(k)) for k in self.ks)))
+        object.__setattr__(self, "ks", tuple(dict.fromkeys(str(DraftLength.parse(k)) for k in self.ks)))
         object.__setattr__(self, "trees", tuple(dict.fromkeys(self.trees)))
         for spec in self.trees:
             TreeShape.parse(spec)  # UsageError for a malformed shape
@@ -938,7 +938,7 @@ class Bench:
         k = method.k or 0
         stats = GenerationStats(method.name, str(k))
         options = GenerationOptions(
-            k=k if speculator.tree is None else 0,  # a tree's label, its shape, is not a K
+            k=DraftLength.parse(k) if speculator.tree is None else DraftLength(fixed=0),  # a tree: no K
             max_new_tokens=self.config.max_new_tokens,
             sampling=sampling,
             chat=self.chat,

@@ -18,7 +18,7 @@ from verispec.inputs import did_you_mean
 
 if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
     from verispec.grammar.constraint import Constraint
-    from verispec.options import SamplingParams
+    from verispec.options import DraftLength, SamplingParams
 
 __all__ = [
     "DEFAULT_MAX_BATCH",
@@ -394,14 +394,16 @@ def sampling_of(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def k_flag(args: argparse.Namespace) -> str:
-    """--k as given (default: auto); UsageError for a K with --drafter none, which drafts nothing whatever
+def k_flag(args: argparse.Namespace) -> DraftLength:
+    """--k parsed (default: auto); UsageError for a K with --drafter none, which drafts nothing whatever
     K says (generate, batch, demo)."""
     if args.k not in (None, "0") and args.drafter == PLAIN:
         raise UsageError(
             f"--drafter {PLAIN} drafts nothing: --k {args.k} would change nothing (leave it out)"
         )
-    return args.k if args.k is not None else "auto"
+    from verispec.options import DEFAULT_K, DraftLength
+
+    return DraftLength.parse(args.k) if args.k is not None else DEFAULT_K
 
 
 def option_fields(args: argparse.Namespace) -> dict[str, Any]:

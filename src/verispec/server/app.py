@@ -64,9 +64,9 @@ from verispec.engine.sequence import TokenLogprob
 from verispec.errors import UsageError
 from verispec.grammar.constraint import InvalidConstraint
 from verispec.grammar.tools import CallReader, ToolCall, read_calls
-from verispec.inputs import is_int, parse_json
+from verispec.inputs import parse_json
 from verispec.models.base import LanguageModel, SpelledTokenizer, Tokenizer
-from verispec.options import GenerationOptions, parse_k
+from verispec.options import DraftLength, GenerationOptions
 from verispec.resolve import Target
 from verispec.server.config import MAX_K, ServerConfig, listen
 from verispec.server.metrics import ServerMetrics
@@ -405,10 +405,10 @@ class _Api:
         """What a parsed request asks for (its k at most :data:`MAX_K`, its top_k at most the vocabulary, its
         schema and tools compiled); ApiError 400 naming what is wrong."""
         try:
-            k = parse_k(parsed.k if parsed.k is not None else self.server.config.k)
+            k = self.server.config.k if parsed.k is None else DraftLength.parse(parsed.k)  # parsed once, here
         except UsageError as err:
             raise ApiError(400, str(err), param="k") from None
-        if is_int(k) and k > MAX_K:  # never echoed: it may have thousands of digits
+        if k.fixed is not None and k.fixed > MAX_K:  # never echoed: it may have thousands of digits
             raise ApiError(400, f"k must be at most {MAX_K} (a round scores at most {ROUND_TOKENS} tokens)",
                            param="k")  # fmt: skip
         vocabulary = self.server.default.model.vocab_size

@@ -12,8 +12,8 @@ from pathlib import Path
 from verispec.choice import ModelChoice
 from verispec.drafting.registry import DRAFTERS, drafter_names
 from verispec.errors import UsageError
-from verispec.inputs import check_int, is_int
-from verispec.options import parse_k
+from verispec.inputs import check_int
+from verispec.options import DEFAULT_K, DraftLength
 from verispec.server.tenants import SuffixTenants
 
 __all__ = ["MAX_K", "MAX_REPLICAS", "RayDeployment", "ServerConfig", "exposed", "listen"]
@@ -28,7 +28,7 @@ MAX_REPLICAS = 1024  # replicas of one server on Ray Serve (beyond any cluster h
 class ServerConfig(ModelChoice):
     """What ``verispec serve`` serves (the models and drafter, then these); validated with UsageError."""
 
-    k: str = "auto"  # the K of requests that do not name one
+    k: DraftLength = DEFAULT_K  # the K of requests that do not name one (its text parsed on construction)
     max_batch: int = 8
     max_queue: int = 64
     api_key: str | tuple[str, ...] | None = None  # a key, or several: each a tenant (its own suffix cache)
@@ -50,8 +50,8 @@ class ServerConfig(ModelChoice):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
                 raise UsageError(f"{name.replace('_', '-')} must be seconds in (0, 86400], got {value!r}")
-        k = parse_k(self.k)
-        if is_int(k) and k > MAX_K:
+        object.__setattr__(self, "k", k := DraftLength.parse(self.k))
+        if k.fixed is not None and k.fixed > MAX_K:
             raise UsageError(f"--k must be at most {MAX_K} (a round scores at most {MAX_K} tokens)")
         if any(not key.strip() for key in self.api_keys) or self.api_key == ():
             raise UsageError("the API key is empty")

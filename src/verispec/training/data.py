@@ -140,11 +140,13 @@ def _generate_all(
     a prompt that fills the target's context (left out, said on stderr)."""
     from tqdm import tqdm
 
-    from verispec.options import GenerationOptions, SamplingParams
+    from verispec.options import DraftLength, GenerationOptions, SamplingParams
 
     each = {
         sample: GenerationOptions(
-            k=0, max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=1.0 if sample else 0.0)
+            k=DraftLength(fixed=0),
+            max_new_tokens=max_new_tokens,
+            sampling=SamplingParams(temperature=1.0 if sample else 0.0),
         )
         for sample in (False, True)
     }
