@@ -125,7 +125,7 @@ def test_engine_config_validation():
     with pytest.raises(ValueError, match="max_new_tokens"):
         EngineConfig(max_new_tokens=0)
     with pytest.raises(ValueError, match="stop strings"):
-        EngineConfig(stop_strings=("",))
+        EngineConfig(stop=("",))
 
 
 def test_draft_vocabulary_mismatch_is_an_error():

@@ -425,7 +425,7 @@ class Speculator:
         :mod:`verispec.trace`); ``suffix_cache``: the suffix drafter's shared cache for this request (a
         server tenant's; default :attr:`suffix_cache`)."""
         eos = self.tokenizer.eos_token_ids  # the ends the grammar allows too (its tokenizer's own)
-        config = EngineConfig(options.max_new_tokens, options.sampling, eos, options.stop, options.logprobs)
+        config = EngineConfig.of(options, eos)
         stats = stats if stats is not None else GenerationStats(self.drafter_name, self.k_label(options.k))
         text = TextAssembler(self.tokenizer, options.stop)
         ids = self.encode_prompt(prompt, options.chat, options.tools)

@@ -31,9 +31,9 @@ __all__ = [
     "MAX_LOGPROBS",
     "MAX_TEMPERATURE",
     "GenerationOptions",
+    "Decoding",
     "OptionFields",
     "SamplingParams",
-    "check_generation",
 ]
 
 MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest value
@@ -171,41 +171,55 @@ class DraftLength:
 DEFAULT_K = DraftLength(named="auto")
 
 
-def check_generation(max_new_tokens: object, logprobs: object, stop: tuple[object, ...]) -> None:
-    """UsageError unless ``max_new_tokens`` is an integer ≥ 1, ``logprobs`` None or an integer in [0,
-    :data:`MAX_LOGPROBS`] and every stop string a non-empty string of valid text."""
-    check_int(max_new_tokens, "max_new_tokens", 1)
-    if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
-        raise UsageError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
-    for s in stop:
-        if not isinstance(s, str) or not s:
-            raise UsageError("stop strings must be non-empty strings")
-        check_text(s, "a stop string")
+@dataclass(frozen=True)
+class Decoding:
+    """What a generation asks of the engine's decoding, the fields that :class:`GenerationOptions` (what a
+    caller asks for) and the engine's own config (:class:`~verispec.engine.sequence.EngineConfig`, the tokens
+    that end a sequence beside them) share, checked once on construction (UsageError).
+
+    max_new_tokens: at most this many tokens after the prompt (≥ 1). sampling: :data:`DEFAULT_SAMPLING`
+    (greedy) unless given. stop: strings that end the generation (non-empty, valid text; not included in the
+    text). logprobs: each token's log-probability under the target's own distribution and that many
+    likeliest alternatives (None, or 0 to :data:`MAX_LOGPROBS`).
+    """
+
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default=DEFAULT_SAMPLING)
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sampling, SamplingParams):
+            raise UsageError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        if isinstance(self.stop, str) or not isinstance(self.stop, (tuple, list)):
+            raise UsageError(f"stop must be a sequence of strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        check_int(self.max_new_tokens, "max_new_tokens", 1)
+        n = self.logprobs
+        if n is not None and (not is_int(n) or not 0 <= n <= MAX_LOGPROBS):
+            raise UsageError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {n!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise UsageError("stop strings must be non-empty strings")
+            check_text(s, "a stop string")
 
 
 @dataclass(frozen=True, kw_only=True)
-class GenerationOptions:
-    """How one generation runs, checked once on construction (UsageError).
+class GenerationOptions(Decoding):
+    """How one generation runs, checked once on construction (UsageError): :class:`Decoding`'s fields
+    (``max_new_tokens``, ``sampling``, ``stop``, ``logprobs``) and these.
 
     k: the draft length, a :class:`DraftLength` (a fixed K, "additive" or "auto"; an int or its text is
-    parsed into one; not used by token trees).
-    max_new_tokens: at most this many tokens after the prompt. sampling: :data:`DEFAULT_SAMPLING` (greedy)
-    unless given. chat: the prompt in the model's chat template (it may then be a list of messages). stop:
-    strings that end the generation (not included in the text). logprobs: each token's log-probability
-    under the target's own distribution and that many likeliest alternatives (0 to :data:`MAX_LOGPROBS`).
-    constraint: the output's structure (:class:`~verispec.grammar.Constraint`: a JSON schema, any JSON
-    object, a regex or a grammar), checked when the Constraint is built; the output is then distributed
-    exactly as the target's constrained sampling without speculation (:mod:`verispec.grammar`). tools: the
-    functions a chat may call (:class:`~verispec.grammar.tools.Tools`), rendered in its template, the calls
-    held to their grammar (:attr:`structure`; not beside a ``constraint``).
+    parsed into one; not used by token trees). chat: the prompt in the model's chat template (it may then be
+    a list of messages). constraint: the output's structure (:class:`~verispec.grammar.Constraint`: a JSON
+    schema, any JSON object, a regex or a grammar), checked when the Constraint is built; the output is then
+    distributed exactly as the target's constrained sampling without speculation (:mod:`verispec.grammar`).
+    tools: the functions a chat may call (:class:`~verispec.grammar.tools.Tools`), rendered in its template,
+    the calls held to their grammar (:attr:`structure`; not beside a ``constraint``).
     """
 
     k: DraftLength = DEFAULT_K
-    max_new_tokens: int = 128
-    sampling: SamplingParams = field(default=DEFAULT_SAMPLING)
     chat: bool = False
-    stop: tuple[str, ...] = ()
-    logprobs: int | None = None
     constraint: Constraint | None = None
     tools: Tools | None = None
 
@@ -221,14 +235,9 @@ class GenerationOptions:
             raise UsageError("tools are rendered in the chat template: give chat=True too")
         if self.tools is not None and self.tools.constraint is not None and self.constraint is not None:
             raise UsageError("tool calls have their own grammar: give tools or a constraint, not both")
-        if not isinstance(self.sampling, SamplingParams):
-            raise UsageError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
         if not isinstance(self.chat, bool):
             raise UsageError(f"chat must be true or false, got {self.chat!r}")
-        if isinstance(self.stop, str) or not isinstance(self.stop, (tuple, list)):
-            raise UsageError(f"stop must be a sequence of strings, got {self.stop!r}")
-        object.__setattr__(self, "stop", tuple(self.stop))
-        check_generation(self.max_new_tokens, self.logprobs, self.stop)
+        super().__post_init__()
 
     @property
     def structure(self) -> Constraint | None:

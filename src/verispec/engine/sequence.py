@@ -8,7 +8,7 @@ and what a generation reports: :class:`GenerationStats`, each committed token's 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ from verispec.costs.policies import KPolicy
 from verispec.drafting.base import Drafter, HiddenStateReader, RowDrafter, TreeDrafter
 from verispec.grammar.rounds import GrammarState
 from verispec.models.base import Cache
-from verispec.options import SamplingParams, check_generation
+from verispec.options import Decoding
 from verispec.trace import TraceRecorder
 
 __all__ = [
@@ -33,17 +33,19 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """What one generation asks for; validated with UsageError."""
+class EngineConfig(Decoding):
+    """What one generation asks of the engine, validated with UsageError: the fields of
+    :class:`~verispec.options.Decoding` (the length, the sampling, the stop strings, ``logprobs``: N, each
+    token's log-probability and its N likeliest, :class:`TokenLogprob`) and the tokens that end it,
+    ``eos_token_ids``; :meth:`of`, a caller's options' with them."""
 
-    max_new_tokens: int = 128
-    sampling: SamplingParams = field(default_factory=SamplingParams)
     eos_token_ids: frozenset[int] = frozenset()
-    stop_strings: tuple[str, ...] = ()
-    logprobs: int | None = None  # N: each token's log-probability and its N likeliest (TokenLogprob)
 
-    def __post_init__(self) -> None:
-        check_generation(self.max_new_tokens, self.logprobs, self.stop_strings)
+    @classmethod
+    def of(cls, options: Decoding, eos_token_ids: frozenset[int]) -> EngineConfig:
+        """The engine's config of ``options`` (:class:`~verispec.options.GenerationOptions` among them)."""
+        shared = {f.name: getattr(options, f.name) for f in fields(Decoding)}
+        return cls(**shared, eos_token_ids=eos_token_ids)
 
 
 @dataclass
