@@ -1,10 +1,12 @@
 """Shared fixtures: locating the small real models kept in ``../shared/models`` beside the repository, and a
 lock for one local Ray at a time; in a pytest-xdist worker (``make test`` runs one per core), one torch
-thread."""
+thread, and the modules that took longest in a recorded run (``durations.json``) handed out first."""
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,12 +20,21 @@ except ImportError:
     NodeId = None
 
 SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared/models"
+# seconds each test module took in a recorded `make test` run: the sum of its tests' setup, call and teardown
+# (a run's --junitxml, summed by file); a module not listed counts as quick
+DURATIONS = Path(__file__).with_name("durations.json")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """A pytest-xdist worker runs torch, and every process it starts (CLI subprocesses, servers), on one
     intra-op thread: the workers share the cores, and OpenMP threads competing for them make the small
-    models' many short operations many times slower."""
+    models' many short operations many times slower.
+
+    The test modules' compiled forms (pytest's rewritten ones) and the package's are kept in ``__pycache__``
+    even where PYTHONDONTWRITEBYTECODE is set: without them every pytest-xdist worker compiles every test
+    module and the package again (collection twice as long), and every CLI, server or Ray process the
+    tests start compiles the package (it reads what is kept, whatever that variable says)."""
+    sys.dont_write_bytecode = False
     if "PYTEST_XDIST_WORKER" in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
@@ -31,11 +42,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``make test``'s ``--dist loadgroup`` sends the tests marked ``xdist_group("ray")`` (those that start a
-    local Ray) to one worker, each module's Ray started once there. pytest-xdist 3.8 marks a group by a
-    suffix on each test's node id, set as ``item._nodeid``, which pytest 9.2 no longer reads (its node ids
-    are ``item._id``): unmarked, the group's tests were spread over both workers, each starting its own Ray
-    in turn behind ``ray_lock``. The same suffix, set where pytest 9.2 reads it."""
-    if NodeId is None or not getattr(config.option, "loadgroup", False):  # on --dist loadgroup's workers
+    local Ray) to one worker, each module's Ray started once there; the other tests it hands out one at a
+    time in collection order, so the modules are collected longest first (:data:`DURATIONS`), each module's
+    tests in their own order (its module-scoped fixtures set up once a worker): the last tests handed out are
+    quick ones, and no long test started late leaves a worker finishing it alone.
+
+    pytest-xdist 3.8 marks a group by a suffix on each test's node id, set as ``item._nodeid``, which pytest
+    9.2 no longer reads (its node ids are ``item._id``): unmarked, the group's tests were spread over both
+    workers, each starting its own Ray in turn behind ``ray_lock``. The same suffix, set where pytest 9.2
+    reads it."""
+    if not getattr(config.option, "loadgroup", False):  # on --dist loadgroup's workers
+        return
+    seconds = json.loads(DURATIONS.read_text())
+    items.sort(key=lambda item: -seconds.get(item.nodeid.partition("::")[0], 0))  # stable: a module's order
+    if NodeId is None:
         return
     for item in items:
         marks = item.iter_markers("xdist_group")
