@@ -64,13 +64,14 @@ TINY_TRAINING = TrainConfig(
 )
 
 
-def tiny_target(seed: int = 0, vocab: int = VOCAB) -> Llama:
-    """A random 2-layer Llama whose next-token distributions are peaked (weights of scale 0.3)."""
+def tiny_target(seed: int = 0, vocab: int = VOCAB, layers: int = 2) -> Llama:
+    """A random Llama of 2 layers (or ``layers``) whose next-token distributions are peaked (weights of scale
+    0.3)."""
     config = LlamaConfig(
         vocab_size=vocab,
         hidden_size=32,
         intermediate_size=48,
-        num_layers=2,
+        num_layers=layers,
         num_heads=4,
         num_kv_heads=2,
         max_position_embeddings=256,

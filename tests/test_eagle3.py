@@ -18,13 +18,14 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from fakes import LetterTokenizer
+from test_eagle import tiny_target as eagle_target
 from verispec import cli
 from verispec.api import Speculator
 from verispec.drafting.learned.eagle3 import Eagle3Drafter, Eagle3Head
 from verispec.drafting.registry import DRAFTERS, check_choice
 from verispec.drafting.tree import TreeShape
 from verispec.errors import UsageError
-from verispec.models.llama import Llama, LlamaConfig
+from verispec.models.llama import Llama
 from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
 
@@ -36,25 +37,7 @@ PROMPTS = ("abc", "hello", "qqqzzz", "the", "mnopqrs")
 def tiny_target(native: bool = False, seed: int = 0) -> Llama:
     """A random 8-layer Llama (default layers read: 2, 4, 5) with peaked next-token distributions; in float16
     on the native kernels with ``native``."""
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=48,
-        num_layers=LAYERS,
-        num_heads=4,
-        num_kv_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    model = Llama(config)
-    g = torch.Generator().manual_seed(seed)
-    model.load_weights(
-        (
-            name,
-            torch.ones(p.shape) if name.endswith("norm.weight") else 0.3 * torch.randn(p.shape, generator=g),
-        )
-        for name, p in model.named_parameters()
-    )
+    model = eagle_target(seed, VOCAB, LAYERS)
     if native:
         assert model.optimize_for_cpu(precision="fp16", min_weight_elements=0) and model.on_native_kernels
     return model
