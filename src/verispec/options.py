@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import KW_ONLY, dataclass, field
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from verispec.errors import UsageError
 from verispec.grammar.constraint import Constraint  # light: llguidance loads when one is checked
@@ -92,6 +92,19 @@ class SamplingParams:
             check_seed(self.seed)
         if not isinstance(self.invariant, bool):
             raise UsageError(f"invariant must be true or false, got {self.invariant!r}")
+
+    @classmethod
+    def of(cls, source: Any) -> SamplingParams:
+        """The parameters that ``source`` holds as attributes of the same names (a command's flags, a server
+        request's body); validated as on construction."""
+        return cls(
+            source.temperature,
+            top_k=source.top_k,
+            top_p=source.top_p,
+            min_p=source.min_p,
+            seed=source.seed,
+            invariant=source.invariant,
+        )
 
     def with_seed(self, seed: int | None) -> SamplingParams:
         """These parameters with ``seed``; invariant draws as chosen on construction, or (when not chosen)

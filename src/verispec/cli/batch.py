@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
 
 from verispec.cli.common import (
-    DEFAULT_MAX_BATCH,
     add_constraint_arguments,
-    add_invariant_argument,
-    add_model_arguments,
-    add_sampling_arguments,
-    add_suffix_arguments,
+    add_generation_arguments,
+    add_max_batch_argument,
     model_fields,
     option_fields,
     suffix_fields,
 )
-
-if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
-    pass
 
 __all__ = ["add_batch_parser", "run_batch"]
 
@@ -39,21 +32,13 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--input", required=True, metavar="FILE.jsonl", help="the requests")
     parser.add_argument("--output", required=True, metavar="FILE.jsonl", help="the results")
-    add_model_arguments(parser)
-    add_suffix_arguments(parser)
-    add_sampling_arguments(parser, temperature=0.0)
-    parser.add_argument("--seed", type=int, help="the job's seed (default: random, kept for a resumed run)")
-    add_invariant_argument(parser)
-    parser.add_argument("--chat", action="store_true", help="wrap plain prompts in the model's chat template")
-    parser.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
-    add_constraint_arguments(parser)
-    parser.add_argument(
-        "--max-batch",
-        type=int,
-        default=DEFAULT_MAX_BATCH,
-        metavar="N",
-        help=f"sequences decoded at once ({DEFAULT_MAX_BATCH})",
+    add_generation_arguments(
+        parser,
+        seed_help="the job's seed (default: random, kept for a resumed run)",
+        chat_help="wrap plain prompts in the model's chat template",
     )
+    add_constraint_arguments(parser)
+    add_max_batch_argument(parser, "sequences")
     parser.add_argument(
         "--shard-size", type=int, default=64, metavar="N", help="requests per shard, what resumes (64)"
     )

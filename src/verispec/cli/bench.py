@@ -8,7 +8,6 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from verispec.cli.common import (
     add_model_specs,
@@ -20,9 +19,6 @@ from verispec.cli.common import (
 from verispec.drafting.registry import drafter_names
 from verispec.errors import UsageError
 from verispec.inputs import check_int
-
-if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
-    pass
 
 __all__ = [
     "add_bench_gguf_parser",

@@ -18,7 +18,7 @@ from verispec.inputs import did_you_mean
 
 if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
     from verispec.grammar.constraint import Constraint
-    from verispec.options import DraftLength, SamplingParams
+    from verispec.options import DraftLength
 
 __all__ = [
     "DEFAULT_MAX_BATCH",
@@ -27,7 +27,9 @@ __all__ = [
     "across_fields",
     "add_constraint_arguments",
     "add_drafter_arguments",
+    "add_generation_arguments",
     "add_invariant_argument",
+    "add_max_batch_argument",
     "add_model_arguments",
     "add_model_specs",
     "add_sampling_arguments",
@@ -44,7 +46,6 @@ __all__ = [
     "k_flag",
     "parse_precision",
     "refuse_empty_specs",
-    "sampling_of",
     "show_results",
     "suffix_fields",
     "tree_shape_of",
@@ -325,6 +326,31 @@ def tree_shape_of(args: argparse.Namespace):
     return shape.with_budget(budget)
 
 
+def add_generation_arguments(parser: argparse.ArgumentParser, *, seed_help: str, chat_help: str) -> None:
+    """The flags of what a generation asks for, before its output's (generate, batch): the models, the
+    suffix cache, sampling, the seed, invariant draws, chat and stop strings (read back by
+    :func:`model_fields`, :func:`suffix_fields` and, with :func:`add_constraint_arguments`'s,
+    :func:`option_fields`)."""
+    add_model_arguments(parser)
+    add_suffix_arguments(parser)
+    add_sampling_arguments(parser, temperature=0.0)
+    parser.add_argument("--seed", type=int, help=seed_help)
+    add_invariant_argument(parser)
+    parser.add_argument("--chat", action="store_true", help=chat_help)
+    parser.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+
+
+def add_max_batch_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--max-batch N``, how many ``what`` are decoded at once (batch, serve)."""
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        metavar="N",
+        help=f"{what} decoded at once ({DEFAULT_MAX_BATCH})",
+    )
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float) -> None:
     """The flags of the sampling transform (generate, viz overlap)."""
     parser.add_argument(
@@ -380,20 +406,6 @@ def read_text(path: str) -> str:
         raise UsageError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
 
 
-def sampling_of(args: argparse.Namespace) -> SamplingParams:
-    """The sampling parameters of a command with a seed (generate, batch)."""
-    from verispec.options import SamplingParams
-
-    return SamplingParams(
-        args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-        invariant=args.invariant,
-    )
-
-
 def k_flag(args: argparse.Namespace) -> DraftLength:
     """--k parsed (default: auto); UsageError for a K with --drafter none, which drafts nothing whatever
     K says (generate, batch, demo)."""
@@ -408,10 +420,12 @@ def k_flag(args: argparse.Namespace) -> DraftLength:
 
 def option_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The fields of a :class:`~verispec.options.GenerationOptions` (generate, batch), from the flags."""
+    from verispec.options import SamplingParams
+
     return dict(
         k=k_flag(args),
         max_new_tokens=args.max_new_tokens,
-        sampling=sampling_of(args),
+        sampling=SamplingParams.of(args),
         chat=args.chat,
         stop=tuple(args.stop),
         constraint=constraint_of(args),

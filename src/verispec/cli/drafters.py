@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import sys
-from typing import TYPE_CHECKING
 
 from verispec.cli.common import (
     add_model_specs,
@@ -19,9 +18,6 @@ from verispec.cli.common import (
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.errors import UsageError
 from verispec.inputs import check_int
-
-if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
-    pass
 
 __all__ = [
     "add_calibrate_parser",

@@ -13,10 +13,8 @@ from typing import TYPE_CHECKING, Any
 from verispec.cli.common import (
     DEFAULT_MAX_BATCH,
     add_constraint_arguments,
-    add_invariant_argument,
+    add_generation_arguments,
     add_model_arguments,
-    add_sampling_arguments,
-    add_suffix_arguments,
     k_flag,
     model_fields,
     option_fields,
@@ -60,13 +58,11 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "prompt", nargs="?", metavar="PROMPT", help="the prompt (default: read standard input)"
     )
-    add_model_arguments(parser)
-    add_suffix_arguments(parser)
-    add_sampling_arguments(parser, temperature=0.0)
-    parser.add_argument("--seed", type=int, help="seed of all sampling (default: random)")
-    add_invariant_argument(parser)
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    parser.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+    add_generation_arguments(
+        parser,
+        seed_help="seed of all sampling (default: random)",
+        chat_help="wrap the prompt in the model's chat template",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     add_constraint_arguments(parser)
     tools = parser.add_argument_group(

@@ -7,8 +7,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from verispec.cli.common import (
-    DEFAULT_MAX_BATCH,
     add_drafter_arguments,
+    add_max_batch_argument,
     add_suffix_arguments,
     model_fields,
     suffix_fields,
@@ -53,13 +53,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, only here)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: a free one)")
-    parser.add_argument(
-        "--max-batch",
-        type=int,
-        default=DEFAULT_MAX_BATCH,
-        metavar="N",
-        help=f"requests decoded at once ({DEFAULT_MAX_BATCH})",
-    )
+    add_max_batch_argument(parser, "requests")
     parser.add_argument(
         "--max-queue", type=int, default=64, metavar="N", help="requests waiting; more: 429 (64)"
     )

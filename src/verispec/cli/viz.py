@@ -8,7 +8,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from verispec.cli.common import (
     across_fields,
@@ -21,9 +20,6 @@ from verispec.cli.common import (
 )
 from verispec.costs.simulate import SimulationConfig, simulate  # numpy: no torch
 from verispec.errors import UsageError
-
-if TYPE_CHECKING:  # the modules that load torch (and transformers) are imported by the commands that run
-    pass
 
 __all__ = ["add_simulate_parser", "add_viz_parser", "run_simulate", "run_viz_overlap"]
 

@@ -213,14 +213,7 @@ class ApiRequest(BaseModel):
 
     def sampling(self) -> SamplingParams:
         try:
-            return SamplingParams(
-                self.temperature,
-                top_k=self.top_k,
-                top_p=self.top_p,
-                min_p=self.min_p,
-                seed=self.seed,
-                invariant=self.invariant,
-            )
+            return SamplingParams.of(self)
         except UsageError as err:
             raise ApiError(400, str(err)) from None
 
