@@ -62,9 +62,10 @@ a trained exit, lookahead tokens); their names, capabilities and factories are i
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -256,6 +257,21 @@ class RowDrafter(Protocol):
     def propose_rows(cls, rows: Sequence[DraftRow]) -> list[Proposal]:
         """Every row's proposal (its drafter's, all with one :attr:`rows_key`), in order."""
         ...
+
+
+class ProposesByRows(ABC):
+    """A :class:`RowDrafter` whose own :meth:`Drafter.propose` is its row alone through
+    :meth:`propose_rows`, so that a row's proposal is the same alone or among others by construction."""
+
+    def propose(
+        self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> Proposal:
+        return self.propose_rows([DraftRow(cast(Drafter, self), context, k, generator, allowed)])[0]
+
+    @classmethod
+    @abstractmethod
+    def propose_rows(cls, rows: Sequence[DraftRow]) -> list[Proposal]:
+        """Every row's proposal (:meth:`RowDrafter.propose_rows`)."""
 
 
 @runtime_checkable

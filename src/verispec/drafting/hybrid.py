@@ -23,17 +23,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
-import torch
 from torch import Tensor
 
 from verispec.costs.policies import PartsK
-from verispec.drafting.base import Allowed, Drafter, DraftRow, Proposal, RowDrafter
+from verispec.drafting.base import Drafter, DraftRow, Proposal, ProposesByRows, RowDrafter
 from verispec.drafting.ngram import NGramDrafter
 
 __all__ = ["LookupFirstDrafter"]
 
 
-class LookupFirstDrafter:
+class LookupFirstDrafter(ProposesByRows):
     """The lookup's proposal where it has one, else the head's (module docstring). ``head``: a chain drafter
     reading the target's hidden states (eagle, medusa); where it is a :class:`RowDrafter`, the rows of a batch
     whose lookup found nothing draft together."""
@@ -56,11 +55,6 @@ class LookupFirstDrafter:
     def observe_hidden(self, hidden: Tensor) -> None:
         """hidden: [T, H], the target's final hidden states at the next T committed positions."""
         self.head.observe_hidden(hidden)  # type: ignore[attr-defined]  # a HiddenStateReader (registry)
-
-    def propose(
-        self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
-    ) -> Proposal:
-        return self.propose_rows([DraftRow(self, context, k, generator, allowed)])[0]
 
     def _k(self, part: str, row: DraftRow) -> int:
         """The round's K for ``part``: its own policy's with ``--k auto`` (:class:`PartsK`), within the

@@ -38,7 +38,14 @@ import torch
 from torch import Tensor
 
 from verispec.costs.analytic import CostModel, best_tree_size, tree_rates
-from verispec.drafting.base import Allowed, BranchedTreeDrafter, DraftRow, Proposal, allowed_logits
+from verispec.drafting.base import (
+    Allowed,
+    BranchedTreeDrafter,
+    DraftRow,
+    Proposal,
+    ProposesByRows,
+    allowed_logits,
+)
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.tree import AUTO, TreeProposal, TreeShape, likeliest_nodes
 from verispec.errors import UsageError
@@ -53,7 +60,7 @@ __all__ = ["DEFAULT_TREE", "EagleDrafter", "EagleTreeDrafter"]
 DEFAULT_TREE = TreeShape.from_paths([[0], [1], [2], [0, 0]], name="c4")
 
 
-class EagleDrafter:
+class EagleDrafter(ProposesByRows):
     """Drafts with a learned head reading the target's hidden states (module docstring). Beside a native
     target in a batch, its cache is a row of one the head holds for the batch (:meth:`EagleHead.cache_row`),
     and the rows' drafts run together (:meth:`propose_rows`)."""
@@ -134,11 +141,6 @@ class EagleDrafter:
         q_draft = probs_from_logits(logits, self.sampling)  # [Vd]
         qs.append(q_draft)
         return int(ids[draft_draw(q_draft, generator, self.sampling, position, ids)])
-
-    def propose(
-        self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
-    ) -> Proposal:
-        return self.propose_rows([DraftRow(self, context, k, generator, allowed)])[0]
 
     @classmethod
     @torch.inference_mode()
@@ -234,13 +236,7 @@ class EagleDrafter:
 
     def cost_identity(self) -> dict:
         """Its head's size (draft vocabulary and layers; the rest is the target's) and fast path."""
-        head = self.head
-        return {
-            "drafter": self.name,
-            "draft_vocab": head.draft_vocab_size,
-            "layers": head.num_layers,
-            "precision": head.cpu_precision,
-        }
+        return self.head.cost_identity(self.name, layers=self.head.num_layers)
 
 
 class EagleTreeDrafter(BranchedTreeDrafter):

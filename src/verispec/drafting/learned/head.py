@@ -169,6 +169,17 @@ class LearnedHead(nn.Module):
     def draft_vocab_size(self) -> int:
         return self.draft_vocab.shape[0]
 
+    def cost_identity(self, drafter: str, **size: int) -> dict[str, Any]:
+        """The cost identity of ``drafter`` drafting with this head (:meth:`Drafter.cost_identity
+        <verispec.drafting.base.Drafter.cost_identity>`): its draft vocabulary, ``size`` (what the kind
+        stacks: layers, heads, tokens; the rest is the target's) and its fast path."""
+        return {
+            "drafter": drafter,
+            "draft_vocab": self.draft_vocab_size,
+            **size,
+            "precision": self.cpu_precision,
+        }
+
     @property
     def training_record(self) -> dict[str, Any]:
         """The training record of the file ({}: none)."""

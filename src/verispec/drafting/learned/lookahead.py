@@ -180,10 +180,4 @@ class LookaheadDrafter:
 
     def cost_identity(self) -> dict:
         """The target's own forward, and its draft vocabulary's head."""
-        tokens = self.tokens
-        return {
-            "drafter": self.name,
-            "draft_vocab": tokens.draft_vocab_size,
-            "lookahead_tokens": tokens.num_tokens,
-            "precision": tokens.cpu_precision,
-        }
+        return self.tokens.cost_identity(self.name, lookahead_tokens=self.tokens.num_tokens)

@@ -41,7 +41,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from verispec.drafting.base import Allowed, BranchedTreeDrafter, DraftRow, Proposal, allowed_logits
+from verispec.drafting.base import (
+    Allowed,
+    BranchedTreeDrafter,
+    DraftRow,
+    Proposal,
+    ProposesByRows,
+    allowed_logits,
+)
 from verispec.drafting.learned.head import LearnedHead, shape_count
 from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
@@ -127,7 +134,7 @@ def medusa_tree(rank_accuracy: list[list[float]], nodes: int = DEFAULT_NODES) ->
     return TreeShape.from_paths(paths, name=f"medusa{len(paths)}")
 
 
-class MedusaDrafter:
+class MedusaDrafter(ProposesByRows):
     """Drafts with Medusa heads (module docstring): a :class:`~verispec.drafting.base.HiddenStateReader`
     keeping the last committed position's hidden state; a :class:`~verispec.drafting.base.RowDrafter` on the
     native kernels (the rows of a batch through the heads in one call)."""
@@ -169,12 +176,6 @@ class MedusaDrafter:
         if heads < 1 or not self._ready(context):
             return None
         return self.heads.logits(self.heads(self._last, heads)[0])
-
-    @torch.inference_mode()
-    def propose(
-        self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
-    ) -> Proposal:
-        return self.propose_rows([DraftRow(self, context, k, generator, allowed)])[0]
 
     @classmethod
     @torch.inference_mode()
@@ -219,13 +220,7 @@ class MedusaDrafter:
         pass
 
     def cost_identity(self) -> dict:
-        heads = self.heads
-        return {
-            "drafter": self.name,
-            "draft_vocab": heads.draft_vocab_size,
-            "heads": heads.num_heads,
-            "precision": heads.cpu_precision,
-        }
+        return self.heads.cost_identity(self.name, heads=self.heads.num_heads)
 
 
 class MedusaTreeDrafter(BranchedTreeDrafter):
