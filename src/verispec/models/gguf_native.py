@@ -35,7 +35,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from torch import Tensor, nn
 
 from verispec.errors import UsageError
-from verispec.kernels.cpu import GGUF_TYPES, NativeLayer, NativeStack, PackedMatrix, Projection
+from verispec.kernels.cpu import GGUF_TYPES, NativeLayer, PackedMatrix, Projection
 from verispec.models.gguf import first_line
 from verispec.models.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from verispec.models.llama import FORMATS, Llama, LlamaConfig, RopeScaling, _DecoderLayer
@@ -229,17 +229,7 @@ def _assemble(path: Path, reader: GGUFFile, precision: str) -> Llama:
                 "local_rope": c.layer_windows[i] > 0,
             }
         native.append(NativeLayer(norms[0].data, norms[1].data, qkv, o, gate_up, down, **extras))
-    model._native = NativeStack(
-        hidden=c.hidden_size,
-        intermediate=c.intermediate_size,
-        heads=c.num_heads,
-        kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        eps=c.rms_norm_eps,
-        layers=native,
-        attn_scale=c.attn_scale,
-        activation=c.activation,
-    )
+    model._native = c.stack(native, attn_scale=c.attn_scale, activation=c.activation)
     head = (
         embed if c.tie_word_embeddings else _tensor(tensors, "output.weight", (c.vocab_size, c.hidden_size))
     )

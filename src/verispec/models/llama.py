@@ -270,6 +270,20 @@ class LlamaConfig:
             if f.name in ARCHITECTURE_FIELDS and getattr(self, f.name) != f.default
         }
 
+    def stack(self, layers: Sequence[NativeLayer], **settings: Any) -> NativeStack:
+        """``layers`` on the native kernels as one stack of this config's sizes; ``settings``: the stack's
+        others (:class:`~verispec.kernels.cpu.NativeStack`)."""
+        return NativeStack(
+            hidden=self.hidden_size,
+            intermediate=self.intermediate_size,
+            heads=self.num_heads,
+            kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            eps=self.rms_norm_eps,
+            layers=layers,
+            **settings,
+        )
+
     @property
     def native_only(self) -> bool:
         """Whether the model has parts only the native kernels run (see the class docstring)."""
@@ -855,16 +869,7 @@ def native_stack(
             p.release()
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         packed.append(NativeLayer(*norms, qkv, o, gate_up, down))
-    return NativeStack(
-        hidden=config.hidden_size,
-        intermediate=config.intermediate_size,
-        heads=config.num_heads,
-        kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        eps=config.rms_norm_eps,
-        layers=packed,
-        measured=measured,
-    )
+    return config.stack(packed, measured=measured)
 
 
 def rope_tables(positions: Tensor, inv_freq: Tensor) -> dict[str, Tensor]:
