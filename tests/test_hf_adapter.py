@@ -203,7 +203,7 @@ def test_argument_errors(saved):
     with pytest.raises(ValueError, match="overflow"):
         hf.forward(torch.zeros(1, 2, dtype=torch.long), torch.arange(3, 5)[None], cache)
     for bad in (-1, 4, 1.0):
-        with pytest.raises(ValueError, match="truncate length"):
+        with pytest.raises(ValueError, match="cannot truncate a cache of length 3"):
             cache.truncate(bad)
     assert cache.length == 3
 

@@ -23,12 +23,16 @@ Token trees (:mod:`verispec.drafting.tree`) need more, from a :class:`TreeLangua
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+
+from verispec.errors import UsageError
+from verispec.inputs import is_int
 
 if TYPE_CHECKING:
     from verispec.grammar.tools import Tools
@@ -49,6 +53,26 @@ class Cache(Protocol):
     def truncate(self, length: int) -> None:
         """Drop every slot from ``length`` on (0 ≤ length ≤ self.length; UsageError otherwise)."""
         ...
+
+
+def check_truncate(length: int, to: int) -> None:
+    """UsageError unless a cache of ``length`` committed slots can be truncated ``to`` that many: an integer
+    in [0, length] (:meth:`Cache.truncate`)."""
+    if not is_int(to) or not 0 <= to <= length:
+        raise UsageError(f"cannot truncate a cache of length {length} to {to!r}")
+
+
+def check_compact(length: int, start: int, keep: Sequence[int]) -> list[int]:
+    """``keep`` as a list where a cache of ``length`` committed slots can compact it from ``start``
+    (:meth:`TreeCache.compact`: integers ascending within [start, length), start in [0, length]); else
+    UsageError."""
+    keep = list(keep)
+    if not is_int(start) or not 0 <= start <= length:
+        raise UsageError(f"cannot compact a cache of length {length} from slot {start!r}")
+    bounds = [start - 1, *keep, length]
+    if not all(is_int(s) for s in keep) or any(a >= b for a, b in itertools.pairwise(bounds)):
+        raise UsageError(f"slots to keep must ascend within [{start}, {length}), got {keep}")
+    return keep
 
 
 @runtime_checkable

@@ -10,7 +10,6 @@ cannot be cut back to an earlier length, and are refused with a UsageError.
 from __future__ import annotations
 
 import inspect
-import itertools
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,7 +26,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from verispec.errors import UsageError
 from verispec.grammar.tools import Tools, template_messages
 from verispec.inputs import check_int
-from verispec.models.base import Cache
+from verispec.models.base import Cache, check_compact, check_truncate
 
 if TYPE_CHECKING:  # transformers' modeling code takes seconds to import: loaded where a model is
     from transformers import PretrainedConfig, PreTrainedModel
@@ -58,7 +57,7 @@ class HFCache:
 
     def truncate(self, length: int) -> None:
         """Drop every slot from ``length`` on (0 ≤ length ≤ self.length; UsageError otherwise)."""
-        check_int(length, "truncate length", 0, self._length)
+        check_truncate(self._length, length)
         if length < self._length:
             self.inner.crop(length - self._length)  # a negative count removes that many trailing tokens
             self._length = length
@@ -66,11 +65,7 @@ class HFCache:
     def compact(self, start: int, keep: Sequence[int]) -> None:
         """Move the entries of slots ``keep`` (ascending, each in [start, length)) to slots start, start + 1,
         …, and drop every slot after them (each layer's keys and values gathered along the sequence)."""
-        keep = list(keep)
-        check_int(start, "compact start", 0, self._length)
-        bounds = [start - 1, *keep, self._length]
-        if not all(isinstance(s, int) for s in keep) or any(a >= b for a, b in itertools.pairwise(bounds)):
-            raise UsageError(f"slots to keep must ascend within [{start}, {self._length}), got {keep}")
+        keep = check_compact(self._length, start, keep)
         index = torch.tensor([*range(start), *keep], dtype=torch.int64)  # [start + len(keep)]
         for layer in self.inner.layers:  # each a DynamicLayer or a DummyLayer (see _rollback_limit)
             if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:

@@ -21,7 +21,6 @@ target as configured.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -45,7 +44,7 @@ from verispec.kernels.cpu import (
     rmsnorm,
     stacked,
 )
-from verispec.models.base import Cache, RowInput
+from verispec.models.base import Cache, RowInput, check_compact, check_truncate
 
 __all__ = [
     "ARCHITECTURE_FIELDS",
@@ -484,20 +483,14 @@ class KVCache:
 
     def truncate(self, length: int) -> None:
         """Drop every slot from ``length`` on (0 ≤ length ≤ self.length; UsageError otherwise)."""
-        if not is_int(length) or not 0 <= length <= self._length:
-            raise UsageError(f"cannot truncate a cache of length {self._length} to {length!r}")
+        check_truncate(self._length, length)
         self._length = length
 
     def compact(self, start: int, keep: Sequence[int]) -> None:
         """Move the entries of slots ``keep`` (ascending, each in [start, length)) to slots start, start + 1,
         …, and drop every slot after them: a token tree's accepted path kept in place, the rest dropped. One
         gather over every layer at once; nothing moves when ``keep`` is already start, start + 1, …"""
-        keep = list(keep)
-        if not is_int(start) or not 0 <= start <= self._length:
-            raise UsageError(f"cannot compact a cache of length {self._length} from slot {start!r}")
-        bounds = [start - 1, *keep, self._length]
-        if not all(is_int(s) for s in keep) or any(a >= b for a, b in itertools.pairwise(bounds)):
-            raise UsageError(f"slots to keep must ascend within [{start}, {self._length}), got {keep}")
+        keep = check_compact(self._length, start, keep)
         end = start + len(keep)
         if keep != list(range(start, end)):
             if not (isinstance(self.keys, Tensor) and isinstance(self.values, Tensor)):  # separate layers
