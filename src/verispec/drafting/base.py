@@ -376,3 +376,12 @@ class BranchedTreeDrafter:
             point[root] = 1.0
             q = torch.stack([point, *rows]).cpu()  # [N, V]
         return shape.select(nodes, [tokens[n] for n in nodes], q)
+
+
+class HiddenStateTreeDrafter(BranchedTreeDrafter):
+    """A branched tree drafter of a chain drafter that reads the target's hidden states (a
+    :class:`HiddenStateReader`, so this one too): the states go to the chain drafter."""
+
+    def observe_hidden(self, hidden: Tensor) -> None:
+        """hidden: [T, H], the target's final hidden states at the next T committed positions."""
+        self.drafter.observe_hidden(hidden)

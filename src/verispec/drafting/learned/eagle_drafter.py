@@ -40,8 +40,8 @@ from torch import Tensor
 from verispec.costs.analytic import CostModel, best_tree_size, tree_rates
 from verispec.drafting.base import (
     Allowed,
-    BranchedTreeDrafter,
     DraftRow,
+    HiddenStateTreeDrafter,
     Proposal,
     ProposesByRows,
     allowed_logits,
@@ -239,7 +239,7 @@ class EagleDrafter(ProposesByRows):
         return self.head.cost_identity(self.name, layers=self.head.num_layers)
 
 
-class EagleTreeDrafter(BranchedTreeDrafter):
+class EagleTreeDrafter(HiddenStateTreeDrafter):
     """The learned head's token tree (module docstring): at every node of the shape, its children are the
     head's c most likely next tokens on the draft vocabulary (c = the node's children in the shape;
     deterministic, verified as single guesses), or with ``sampled`` (and a temperature > 0) c independent
@@ -266,10 +266,6 @@ class EagleTreeDrafter(BranchedTreeDrafter):
             )
         super().__init__(drafter, shape, sampled)
         self.cost = cost
-
-    def observe_hidden(self, hidden: Tensor) -> None:
-        """hidden: [T, H], the target's final hidden states at the next T committed positions."""
-        self.drafter.observe_hidden(hidden)
 
     @torch.inference_mode()
     def propose_tree(

@@ -43,8 +43,8 @@ from torch import Tensor, nn
 
 from verispec.drafting.base import (
     Allowed,
-    BranchedTreeDrafter,
     DraftRow,
+    HiddenStateTreeDrafter,
     Proposal,
     ProposesByRows,
     allowed_logits,
@@ -223,16 +223,12 @@ class MedusaDrafter(ProposesByRows):
         return self.heads.cost_identity(self.name, heads=self.heads.num_heads)
 
 
-class MedusaTreeDrafter(BranchedTreeDrafter):
+class MedusaTreeDrafter(HiddenStateTreeDrafter):
     """Medusa's token tree: the children of a node at depth d come from head d + 1 — its top tokens (single
     guesses) or, ``sampled`` at a temperature > 0, independent samples of its q. One head forward a round."""
 
     name = "medusa"
     drafter: MedusaDrafter
-
-    def observe_hidden(self, hidden: Tensor) -> None:
-        """hidden: [T, H], the target's final hidden states at the next T committed positions."""
-        self.drafter.observe_hidden(hidden)
 
     @torch.inference_mode()
     def propose_tree(
