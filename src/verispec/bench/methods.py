@@ -1,7 +1,10 @@
 """The bench's names, light to import (no torch): the task suite, the methods ``verispec bench`` and
-``verispec bench-load`` run, and the peers among them. The command line's help lists them from here."""
+``verispec bench-load`` run, and the peers among them (the command line's help lists them from here); where
+a measuring command writes unless told (:func:`results_dir`)."""
 
 from __future__ import annotations
+
+import datetime
 
 from verispec.drafting.registry import CROSS_TOKENIZER, DRAFTERS
 
@@ -20,6 +23,7 @@ __all__ = [
     "TREE_METHODS",
     "VERISPEC_METHODS",
     "WARM_METHODS",
+    "results_dir",
 ]
 
 TASKS = (
@@ -68,3 +72,9 @@ METHODS = (
 SHARED_CACHE = tuple(name for name, kind in DRAFTERS.items() if kind.shared_cache)  # suffix: cold and warm
 # bench-load: auto, the drafter auto picks; a shared cache's drafter from an empty cache and a warm one
 LOAD_METHODS = ("none", "ngram", *SHARED_CACHE, *WARM_METHODS, "eagle", "auto", "transformers")
+
+
+def results_dir(command: str) -> str:
+    """``results/COMMAND-YYYYmmdd-HHMMSS``: where ``command`` (bench, bench-load, …) writes its results
+    unless given --out."""
+    return f"results/{command}-{datetime.datetime.now():%Y%m%d-%H%M%S}"

@@ -83,6 +83,7 @@ from verispec.bench.methods import (
     TOOLS_FREE,
     TRANSFORMERS_PEERS,
     TREE_METHODS,
+    results_dir,
 )
 from verispec.bench.peers import (
     LlamaCppPeer,
@@ -346,8 +347,7 @@ class BenchConfig:
         if self.goals is not None:
             load_goals(self.goals)  # UsageError for a missing or malformed file, before any model loads
         if not self.out:
-            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-            object.__setattr__(self, "out", str(Path("results") / f"bench-{stamp}"))
+            object.__setattr__(self, "out", results_dir("bench"))
 
     def command_line(self) -> str:
         """The ``verispec bench`` command that runs this configuration (the output directory aside)."""

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from verispec.bench.methods import results_dir
 from verispec.cli.common import (
     add_model_specs,
     add_threads_argument,
@@ -191,12 +192,9 @@ def add_bench_load_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_bench_load(args: argparse.Namespace) -> int:
     """Run ``verispec bench-load``: print the table; the files go to --out."""
-    import datetime
-
     from verispec.bench.load import LoadConfig, run_load, write_load_report
 
     no_draft_model(args, "bench-load")
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     config = LoadConfig(
         target=args.target or LoadConfig.target,
         tokenizer=args.tokenizer,
@@ -208,7 +206,7 @@ def run_bench_load(args: argparse.Namespace) -> int:
         repetitions=args.repetitions,
         max_new_tokens=args.max_new_tokens,
         threads=args.threads,
-        out=args.out or f"results/bench-load-{stamp}",
+        out=args.out or results_dir("bench-load"),
     )
     out = write_load_report(run_load(config), config.out)
     return show_results(out)
@@ -254,11 +252,8 @@ def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_bench_serve(args: argparse.Namespace) -> int:
     """Run ``verispec bench-serve``: print the table; the files go to --out."""
-    import datetime
-
     from verispec.bench.serve import ServeLoadConfig, run_serve_load, write_serve_report
 
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     config = ServeLoadConfig(
         target=args.target or ServeLoadConfig.target,
         tokenizer=args.tokenizer,
@@ -272,7 +267,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         threads=args.threads if args.replicas else None,
         engine=not args.no_engine,
-        out=args.out or f"results/bench-serve-{stamp}",
+        out=args.out or results_dir("bench-serve"),
     )
     no_draft_model(args, "bench-serve")
     out = write_serve_report(run_serve_load(config), config.out)
@@ -307,8 +302,6 @@ def add_bench_suffix_cache_parser(subparsers: argparse._SubParsersAction) -> Non
 
 def run_bench_suffix_cache(args: argparse.Namespace) -> int:
     """Run ``verispec bench-suffix-cache``: print the tables; the files go to --out."""
-    import datetime
-
     from verispec.bench.suffix_cache import (
         SuffixCacheBenchConfig,
         run_suffix_cache_bench,
@@ -316,7 +309,7 @@ def run_bench_suffix_cache(args: argparse.Namespace) -> int:
     )
     from verispec.models.names import DEFAULT_MODEL
 
-    out = args.out or f"results/bench-suffix-cache-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    out = args.out or results_dir("bench-suffix-cache")
     config = SuffixCacheBenchConfig(
         target=args.target or DEFAULT_MODEL,
         tokenizer=args.tokenizer,
@@ -510,8 +503,6 @@ def add_bench_gguf_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_bench_gguf(args: argparse.Namespace) -> int:
     """Run ``verispec bench-gguf``: check every argument (before torch loads), measure each file, print the
     tables."""
-    import datetime
-
     for name, least in (("context", 1), ("prefill", 2), ("max_k", 2), ("repetitions", 1)):  # v(k): k >= 2
         check_int(getattr(args, name), f"--{name.replace('_', '-')}", least)
     files = [Path(f) for f in args.files]
@@ -546,8 +537,5 @@ def run_bench_gguf(args: argparse.Namespace) -> int:
     load_at_start = os.getloadavg()
     bandwidth = read_bandwidth(threads)
     results = [bench_file(path, config, bandwidth) for path in files]
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = write_report(
-        results, config, machine(load_at_start), Path(args.out or f"results/bench-gguf-{stamp}")
-    )
+    out = write_report(results, config, machine(load_at_start), Path(args.out or results_dir("bench-gguf")))
     return show_results(out)
