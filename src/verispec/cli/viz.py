@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from verispec.cli.common import (
     across_fields,
@@ -20,6 +21,9 @@ from verispec.cli.common import (
 )
 from verispec.costs.simulate import SimulationConfig, simulate  # numpy: no torch
 from verispec.errors import UsageError
+
+if TYPE_CHECKING:
+    from verispec.options import SamplingParams
 
 __all__ = ["add_simulate_parser", "add_viz_parser", "run_simulate", "run_viz_overlap"]
 
@@ -169,23 +173,22 @@ def run_viz_overlap(args: argparse.Namespace) -> int:
         names = args.labels or tuple(str(i) for i in range(len(args.p)))
         p, q, label, title = args.p, args.q, names.__getitem__, "toy distributions"
     else:
-        p, q, label, title = _model_overlap(args)
+        p, q, label, title = _model_overlap(args, sampling)
     paths = save_figure(overlap_figure(p=p, q=q, top=args.top, label=label, title=title), args.out)
     print(f"alpha = sum min(p, q) = {acceptance_rate(p=p, q=q):.6f}")  # p and q were validated by the figure
     print(f"written: {', '.join(str(path) for path in paths)}")
     return 0
 
 
-def _model_overlap(args: argparse.Namespace):
-    """(p, q, label, title) of the next token after --prompt, for :func:`run_viz_overlap`."""
+def _model_overlap(args: argparse.Namespace, sampling: SamplingParams):
+    """(p, q, label, title) of the next token after --prompt under ``sampling``, for
+    :func:`run_viz_overlap`."""
     from verispec.api import Speculator
     from verispec.drafting.registry import DRAFT_MODEL
     from verispec.models.names import DEFAULT_MODEL
-    from verispec.options import SamplingParams
     from verispec.viz import visible_text
     from verispec.viz.overlap import next_token_distributions
 
-    sampling = SamplingParams(args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     speculator = Speculator(
         args.target, args.draft, DRAFT_MODEL, args.tokenizer, precision=args.precision, **across_fields(args)
     )
