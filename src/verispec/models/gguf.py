@@ -28,19 +28,21 @@ import tempfile
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from gguf import GGUFReader
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
-from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from verispec.errors import UsageError
 from verispec.inputs import is_int
 from verispec.models.gguf_file import read_gguf
+
+if TYPE_CHECKING:  # transformers is imported where a tokenizer or a conversion needs it: a second of every
+    # process that loads a GGUF file natively and makes no tokenizer (bench-gguf's load measurements)
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 __all__ = [
     "cache_dir",
@@ -144,6 +146,8 @@ def gguf_tokenizer(gguf: Path) -> tuple[PreTrainedTokenizerBase, Path]:
     else read back whole from its ``tokenizer.json`` by the tokenizers library (transformers' own class for
     the model would rebuild it from its vocabulary and merges in Python: seconds for Gemma 3's 262,144
     tokens, on every run)."""
+    from transformers import PreTrainedTokenizerFast
+
     directory, built = _tokenizer_dir(gguf)
     if built is not None:
         return built, directory
@@ -195,6 +199,7 @@ def _tokenizer_class(arch: object) -> Any:  # a tokenizer class, or AutoTokenize
     type's: a Gemma 3 file's GemmaTokenizer; a Llama file's none, so the generic backend), found from the name
     alone: AutoTokenizer reads the file's whole metadata with gguf's reader to learn the model type, 10-20 s
     over Gemma 3's 262,144 tokens. AutoTokenizer itself for an architecture transformers does not map."""
+    from transformers import AutoTokenizer
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
     if arch == "llama" or arch in TOKENIZER_MAPPING_NAMES:
@@ -244,7 +249,7 @@ def _build(out_dir: Path, done: Callable[[Path], bool], write: Callable[[Path], 
 def _write_transformers_dir(gguf: Path, out: Path) -> None:
     """Read, dequantize and check every tensor of ``gguf``; write the transformers-format files to ``out``."""
     # transformers' modeling code takes seconds to import: only a conversion needs it
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     folder, name = str(gguf.parent), gguf.name
