@@ -310,7 +310,7 @@ def test_a_prompt_that_fills_the_context_is_left_out_and_said(native, capsys, tm
     err = capsys.readouterr().err
     assert "answers: 1 of 3 prompts left out" in err and err.count("\n") == 1
     with pytest.raises(ValueError, match="no sequence for the heldout split") as refused:
-        data_module._finish(tmp_path / "out", {"train": [out[0]], "heldout": []}, {}, 0.0)
+        data_module.write_dataset(tmp_path / "out", {"train": [out[0]], "heldout": []}, {}, 0.0)
     assert "\n" not in str(refused.value) and not (tmp_path / "out").exists()
 
 

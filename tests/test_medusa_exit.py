@@ -163,7 +163,7 @@ def test_a_file_of_another_kind_or_shape_is_refused(target, files, tmp_path):
     for key, value, match in (
         ("num_heads", "0", "num_heads '0'"),
         ("num_heads", "2", "holds tensors"),
-        ("kind", "bogus", "this verispec reads eagle, medusa, exit, lookahead"),
+        ("kind", "bogus", "this verispec reads eagle, eagle3, medusa, exit, lookahead"),
     ):
         bad = tmp_path / f"{key}-{value}.safetensors"
         save_file(tensors, str(bad), metadata={**meta, key: value})
@@ -407,12 +407,14 @@ def test_each_learned_kind_is_declared_once():
     reads them resolves: the head class of that kind, a Recipe, a shipped file for every target named, and
     the kinds train-drafter takes and those trained through the target."""
     trained = {name: kind.trained for name, kind in DRAFTERS.items() if kind.trained is not None}
-    assert set(trained) == set(HEADS) == set(config_module.KINDS) == {"eagle", "medusa", "exit", "lookahead"}
+    assert set(trained) == set(HEADS) == set(config_module.KINDS)
+    assert set(trained) == {"eagle", "eagle3", "medusa", "exit", "lookahead"}
     assert config_module.THROUGH_TARGET == {"lookahead"}
     for name, declared in trained.items():
         assert HEADS[name] is declared.head_class() and HEADS[name].kind == name
         assert Recipe in declared.recipe_class().__mro__
-        assert declared.shipped and all(shipped_drafter(target, name) for target in declared.shipped)
+        assert all(shipped_drafter(target, name) for target in declared.shipped)
+    assert all(declared.shipped for name, declared in trained.items() if name != "eagle3")  # none shipped yet
 
 
 def test_bad_training_settings(target, dataset, tmp_path):

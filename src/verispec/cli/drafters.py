@@ -159,6 +159,18 @@ def add_drafter_data_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="instead: write the union of these data sets (same target) into --out",
     )
+    parser.add_argument(
+        "--text",
+        nargs="+",
+        metavar="SOURCE",
+        help="instead: token windows of offline text, no answers and no hidden states (for train-drafter "
+        "--kind eagle3, which recomputes the target's states): stdlib (the Python standard library's "
+        "docstrings, PSF-2.0) or PATH:LICENCE (the .py docstrings and .md/.rst/.txt files under PATH); "
+        "resumable: a rerun continues from the shards written",
+    )
+    parser.add_argument(
+        "--window", type=int, default=512, metavar="N", help="tokens per text window with --text (512)"
+    )
     add_threads_argument(parser)
     parser.set_defaults(func=run_drafter_data)
 
@@ -184,7 +196,7 @@ def run_drafter_data(args: argparse.Namespace) -> int:
         turns=args.turns,
         precision=args.precision,
     )
-    if args.target.endswith(".bin"):  # the registry's llama2.c rule
+    if args.target.endswith(".bin") and args.text is None:  # the registry's llama2.c rule
         raise UsageError("drafter-data answers chat prompts: a llama2.c checkpoint has no chat template")
     if (args.follow_ups is None) != (args.source is None):
         raise UsageError("--follow-ups N and --from DIR go together")
@@ -192,7 +204,14 @@ def run_drafter_data(args: argparse.Namespace) -> int:
         raise UsageError("--merge and --follow-ups are separate steps")
     if args.ray is not None and (args.merge is not None or args.source is not None):
         raise UsageError("--ray answers new prompts: not with --merge or --follow-ups")
-    if args.merge is not None:
+    if args.text is not None and (args.merge is not None or args.source is not None or args.ray is not None):
+        raise UsageError("--text builds a data set of its own: not with --merge, --follow-ups or --ray")
+    if args.text is not None:
+        from verispec.training.text import TextConfig, build_text_dataset
+
+        text = TextConfig(tuple(args.text), args.window, args.heldout, args.seed)  # checked before loading
+        meta = build_text_dataset(args.target, args.out, text)
+    elif args.merge is not None:
         meta = merge_datasets(args.merge, args.out)
     elif args.ray is not None:
         meta = drafter_data_on_ray(args.target, args.out, config, args.ray, args.workers)
@@ -215,20 +234,29 @@ def add_train_drafter_parser(subparsers: argparse._SubParsersAction) -> None:
     defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}  # no validation
     parser = subparsers.add_parser(
         "train-drafter",
-        help="train a learned drafter (EAGLE head, Medusa heads, trained exit, lookahead tokens) on a "
-        "drafter-data set",
+        help="train a learned drafter (EAGLE or EAGLE-3 head, Medusa heads, trained exit, lookahead "
+        "tokens) on a drafter-data set",
         description="Train a learned drafter for a target, with logits over a reduced draft vocabulary (see "
         "verispec.training): --kind eagle, a draft head (one decoder layer unless --layers) "
         "that predicts the target's next hidden state from its current one and the next token; medusa, "
         "--heads heads on the target's last hidden state, head i guessing the token i + 1 ahead; exit, an "
         "adapter after the target's first --exit-layer layers; lookahead, --lookahead input embeddings that "
         "one forward of the frozen target reads after the context to guess the tokens after its next "
-        "(PaSS). Writes DIR/drafter.safetensors, "
+        "(PaSS); eagle3, an EAGLE-3 head in the layout its authors publish (the target's low, middle and "
+        "high layers fused, the target's distribution alone as the loss, --unroll steps on its own outputs; "
+        "DIR/model.safetensors and DIR/config.json). Writes DIR/drafter.safetensors, "
         "DIR/checkpoint.pt and DIR/log.jsonl; --resume continues an interrupted run.",
     )
     parser.add_argument("--target", metavar="SPEC", help="the target (default: smollm2-135m)")
     parser.add_argument("--tokenizer", metavar="FILE", help="tokenizer file, for llama2.c checkpoints")
-    parser.add_argument("--data", required=True, metavar="DIR", help="the data set (verispec drafter-data)")
+    parser.add_argument(
+        "--data",
+        required=True,
+        nargs="+",
+        metavar="DIR",
+        help="the data set (verispec drafter-data), or several trained on together (eagle3: text and "
+        "answers)",
+    )
     parser.add_argument("--out", required=True, metavar="DIR", help="the training run's directory")
     parser.add_argument(
         "--kind", default=defaults["kind"], choices=KINDS, help="drafter kind (default: %(default)s)"
@@ -301,7 +329,8 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         exit_layer=args.exit_layer,
         lookahead=args.lookahead,
     )
-    read_data_meta(args.data)  # before loading a model
+    for directory in args.data:
+        read_data_meta(directory)  # before loading a model
     if args.init and not os.path.isfile(args.init):
         raise UsageError(f"no such drafter file: {args.init}")
     label = args.target or DEFAULT_MODEL

@@ -382,9 +382,13 @@ DRAFTERS: dict[str, DrafterKind] = {
         DrafterKind(
             "eagle3",
             "an EAGLE-3 head as its authors publish it (--drafter-path its model.safetensors), reading three "
-            "of the target's layers",
+            "of the target's layers; trained by train-drafter --kind eagle3",
             _eagle3_chain,
             _eagle_tree,
+            trained=Trained(
+                head="verispec.drafting.learned.eagle3.Eagle3Head",
+                recipe="verispec.training.eagle3.Eagle3Recipe",
+            ),
             published="verispec.drafting.learned.eagle3.Eagle3Head",
             dynamic_trees=True,
             reads_target_hidden=True,

@@ -39,7 +39,7 @@ from verispec.choice import DEFAULT_PRECISION
 from verispec.drafting.learned.head import native_target
 from verispec.drafting.registry import PLAIN
 from verispec.errors import UsageError
-from verispec.files import atomic_path
+from verispec.files import atomic_path, atomic_write
 from verispec.inputs import check_int, check_seed
 from verispec.training.prompts import FOLLOW_UPS, chat_prompts
 
@@ -53,8 +53,10 @@ __all__ = [
     "build_dataset",
     "drafter_data_on_ray",
     "load_split",
+    "load_splits",
     "merge_datasets",
     "read_data_meta",
+    "write_dataset",
 ]
 
 
@@ -98,17 +100,20 @@ class DataConfig:
             )
 
 
-def _write_split(path: Path, sequences: list[tuple[list[int], int, Tensor]]) -> None:
-    """Atomically write (tokens, prompt length, hidden) sequences to a safetensors file."""
+def _write_split(path: Path, sequences: list[tuple[list[int], int, Tensor | None]]) -> None:
+    """Atomically write (tokens, prompt length, hidden or None: a text data set's) sequences to a safetensors
+    file."""
     from safetensors.torch import save_file
 
     lengths = torch.tensor([len(t) for t, _, _ in sequences])
     tensors = {
         "tokens": torch.tensor([x for t, _, _ in sequences for x in t], dtype=torch.int32),  # [T_total]
-        "hidden": torch.cat([h for _, _, h in sequences]),  # [T_total, H] float16
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),  # [S+1]
         "prompt_lengths": torch.tensor([n for _, n, _ in sequences], dtype=torch.long),  # [S]
     }
+    states = [h for _, _, h in sequences if h is not None]
+    if states:
+        tensors["hidden"] = torch.cat(states)  # [T_total, H] float16
     with atomic_path(path) as tmp:
         save_file(tensors, tmp)
 
@@ -298,7 +303,7 @@ def _self_written(speculator: Speculator, heldout: set[int], config: DataConfig)
     return splits
 
 
-def _finish(out: Path, splits: dict[str, list], meta: dict, started: float) -> dict:
+def write_dataset(out: Path, splits: dict[str, list], meta: dict, started: float) -> dict:
     """Write the splits and meta.json (with the counts) into ``out``; returns the meta data. UsageError, and
     nothing written, where a split holds no sequence (its every prompt left out)."""
     for name, sequences in splits.items():
@@ -314,7 +319,7 @@ def _finish(out: Path, splits: dict[str, list], meta: dict, started: float) -> d
         "splits": {name: len(seqs) for name, seqs in splits.items()},
         "seconds": round(meta.get("seconds", 0) + time.perf_counter() - started, 1),
     }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    atomic_write(out / "meta.json", json.dumps(meta, indent=2) + "\n")
     return meta
 
 
@@ -365,7 +370,7 @@ def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig(
             "threads": torch.get_num_threads(),
         },
     }
-    return _finish(Path(out), splits, meta, started)
+    return write_dataset(Path(out), splits, meta, started)
 
 
 def read_data_meta(directory: str | Path) -> dict:
@@ -448,7 +453,7 @@ def add_follow_ups(
         "max_new_tokens": config.max_new_tokens,
         "seed": config.seed,
     }
-    return _finish(Path(out), merged, meta, started)
+    return write_dataset(Path(out), merged, meta, started)
 
 
 def answered_precision(meta: dict) -> str:
@@ -484,30 +489,56 @@ def merge_datasets(sources: list[str | Path], out: str | Path) -> dict:
         },
         "seconds": sum(m.get("seconds", 0) for m in metas),
     }
-    return _finish(Path(out), splits, meta, started)
+    return write_dataset(Path(out), splits, meta, started)
 
 
-def load_split(directory: str | Path, split: str) -> dict[str, Tensor]:
-    """One split ("train" or "heldout") of a data set made by :func:`build_dataset`, checked."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def load_split(directory: str | Path, split: str, hidden: bool = True) -> dict[str, Tensor]:
+    """One split ("train" or "heldout") of a data set made by :func:`build_dataset` or
+    :func:`~verispec.training.text.build_text_dataset`, checked; ``hidden`` False: its hidden states not read
+    (``hidden`` [N, 0]: a recipe that recomputes them). UsageError for hidden states asked of a data set of
+    token ids alone (a text data set)."""
+    from safetensors import SafetensorError, safe_open
 
     path = Path(directory) / f"{split}.safetensors"
     if not path.is_file():
         raise UsageError(f"{path} does not exist: build the data set with `verispec drafter-data` first")
     try:
-        data = load_file(str(path))
-    except (SafetensorError, OSError) as err:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            names = set(f.keys())
+            data = {name: f.get_tensor(name) for name in names if hidden or name != "hidden"}
+    except (SafetensorError, OSError, RuntimeError) as err:
         raise UsageError(f"{path} is not a readable safetensors file: {err}") from err
-    missing = {"tokens", "hidden", "offsets", "prompt_lengths"} - set(data)
+    missing = {"tokens", "offsets", "prompt_lengths"} - names
     if missing:
         raise UsageError(f"{path} lacks {', '.join(sorted(missing))}: not a verispec drafter data set")
+    if hidden and "hidden" not in names:
+        raise UsageError(
+            f"{path} holds token ids alone (a text data set): the eagle3 recipe, which recomputes the "
+            "target's states, trains on it"
+        )
+    if not hidden:
+        data["hidden"] = torch.empty(data["tokens"].shape[0], 0, dtype=torch.float16)
     if (
         data["hidden"].shape[0] != data["tokens"].shape[0]
         or int(data["offsets"][-1]) != data["tokens"].shape[0]
     ):
         raise UsageError(f"{path} is inconsistent: tokens, hidden and offsets disagree")
     return data
+
+
+def load_splits(directories: list[Path], split: str, hidden: bool = True) -> dict[str, Tensor]:
+    """One split of several data sets (:func:`load_split` each), their sequences one after another."""
+    parts = [load_split(directory, split, hidden) for directory in directories]
+    if len(parts) == 1:
+        return parts[0]
+    ends = torch.tensor([0] + [int(p["offsets"][-1]) for p in parts]).cumsum(0)  # [D+1]
+    offsets = [p["offsets"][1:] + ends[i] for i, p in enumerate(parts)]
+    return {
+        "tokens": torch.cat([p["tokens"] for p in parts]),
+        "hidden": torch.cat([p["hidden"] for p in parts]),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), *offsets]),
+        "prompt_lengths": torch.cat([p["prompt_lengths"] for p in parts]),
+    }
 
 
 def drafter_data_on_ray(target: str, out: str | Path, config: DataConfig, address: str, workers: int) -> dict:

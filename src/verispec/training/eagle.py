@@ -18,6 +18,7 @@ in hours.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ from verispec.models.llama import Llama
 from verispec.training.config import TrainConfig
 from verispec.training.recipe import EVAL_POSITIONS, IGNORE, Recipe, TrainingData
 
-__all__ = ["Batch", "EagleRecipe", "batch_loss", "sample_batch", "unrolled_features"]
+__all__ = ["Batch", "EagleRecipe", "batch_loss", "heldout_windows", "sample_batch", "unrolled_features"]
 
 
 @dataclass(frozen=True)
@@ -148,20 +149,28 @@ def _evaluate(head: EagleHead, data: TrainingData, max_tokens: int, window: int)
     tokens, the head's own features; an estimate of greedy acceptance): whole sequences in a fixed shuffled
     order (greedy and sampled answers mixed), one window each, until ``max_tokens`` slots."""
     totals = torch.zeros(EVAL_POSITIONS, 2, dtype=torch.long)  # [positions, (agreeing, counted)]
-    used, generator = 0, torch.Generator().manual_seed(0)  # the order; no noise is drawn
     with torch.no_grad():
-        for seq in torch.randperm(data.starts.shape[0], generator=generator).tolist():
-            width = min(window, int(data.lengths[seq]) - 1)
-            if width < 1:
-                continue
+        for seq, width in heldout_windows(data, window, max_tokens):
             batch = _window(data, torch.tensor([seq]), torch.zeros(1, dtype=torch.long), width)
-            outs = unrolled_features(head, batch, EVAL_POSITIONS - 1, 0.0, generator)
+            outs = unrolled_features(head, batch, EVAL_POSITIONS - 1, 0.0, torch.Generator())  # no noise
             for step, predicted in enumerate(outs):
                 totals[step] += _agreement(head, predicted, batch, step)
-            used += width
-            if used >= max_tokens:
-                break
     return (totals[:, 0] / totals[:, 1].clamp(min=1)).tolist()
+
+
+def heldout_windows(data: TrainingData, window: int, max_tokens: int) -> Iterator[tuple[int, int]]:
+    """The windows an evaluation reads, (sequence, slots): whole sequences in a fixed shuffled order (greedy
+    and sampled answers mixed), one window of at most ``window`` slots each from its start, until
+    ``max_tokens`` slots."""
+    used = 0
+    for seq in torch.randperm(data.starts.shape[0], generator=torch.Generator().manual_seed(0)).tolist():
+        width = min(window, int(data.lengths[seq]) - 1)
+        if width < 1:
+            continue
+        yield seq, width
+        used += width
+        if used >= max_tokens:
+            return
 
 
 class EagleRecipe(Recipe):

@@ -16,8 +16,9 @@ from verispec.drafting.learned.head import LearnedHead
 from verispec.models.llama import Llama
 from verispec.training.config import TrainConfig
 
-__all__ = ["EVAL_POSITIONS", "IGNORE", "Recipe", "TrainingData", "distilled_ce", "draft_index"]
+__all__ = ["DRAFTER", "EVAL_POSITIONS", "IGNORE", "Recipe", "TrainingData", "distilled_ce", "draft_index"]
 
+DRAFTER = "drafter.safetensors"  # a verispec drafter file, in the run's directory
 EVAL_POSITIONS = 4  # draft positions whose held-out accuracy is reported
 IGNORE = -100  # cross-entropy target of a slot that does not count
 
@@ -27,7 +28,7 @@ class TrainingData:
     """One split of a data set, with each token's index in the draft vocabulary."""
 
     tokens: Tensor  # [N] int64, every sequence concatenated
-    hidden: Tensor  # [N, H] float16: the target's final hidden state at each position
+    hidden: Tensor  # [N, H] float16: the target's final hidden state at each position ([N, 0]: not read)
     starts: Tensor  # [S] int64: first position of each sequence
     lengths: Tensor  # [S] int64
     prompt_lengths: Tensor  # [S] int64
@@ -91,6 +92,11 @@ def draft_index(draft_vocab: Tensor, vocab_size: int) -> Tensor:
 
 class Recipe(Protocol):
     """What a kind of learned drafter brings to the training loop."""
+
+    # whether it reads the data set's stored hidden states (else it computes what it reads from the tokens:
+    # a data set of token ids alone, verispec.training.text's, will do)
+    reads_stored_hidden: bool = True
+    drafter_name: str = DRAFTER  # the drafter file it writes into the run's directory
 
     @classmethod
     def of(cls, target: Llama, config: TrainConfig, start: LearnedHead | None) -> Recipe:

@@ -22,8 +22,10 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,14 +39,14 @@ from verispec.files import atomic_path
 from verispec.models.base import LanguageModel
 from verispec.models.llama import Llama
 from verispec.training.config import THROUGH_TARGET, TrainConfig
-from verispec.training.data import answered_precision, load_split, read_data_meta
+from verispec.training.data import answered_precision, load_split, load_splits, read_data_meta
 from verispec.training.recipe import EVAL_POSITIONS, IGNORE, Recipe, TrainingData, draft_index
 
 __all__ = ["train_drafter"]
 
 CHECKPOINT = "checkpoint.pt"
-DRAFTER = "drafter.safetensors"
 LOG = "log.jsonl"
+_DATA_RECORD = ("target", "num_sequences", "num_tokens", "generation", "text")  # a data set's, in the file
 _FEATURE_CHECK_TOKENS = 32  # positions of the data set recomputed to check that it belongs to the target
 _FEATURE_CHECK_TOLERANCE = 0.02  # relative error allowed (the data set stores float16)
 # kinds trained through the float32 target (config.THROUGH_TARGET), whatever precision answered the data: the
@@ -61,13 +63,11 @@ def _answer_tokens(split: dict[str, Tensor]) -> Tensor:
     return split["tokens"][keep].long()
 
 
-def _recipe(config: TrainConfig, target: Llama, start: LearnedHead | None) -> Recipe:
-    """The recipe of ``config.kind``, as the drafter registry names it (UsageError for settings the target
-    cannot take)."""
+def _recipe_class(config: TrainConfig) -> Any:
+    """The recipe class of ``config.kind``, as the drafter registry names it."""
     trained = DRAFTERS[config.kind].trained
     assert trained is not None  # TrainConfig takes the trained kinds alone
-    recipe: Recipe = trained.recipe_class().of(target, config, start)
-    return recipe
+    return trained.recipe_class()
 
 
 def _draft_vocabulary(answers: Tensor, size: int, vocab: int) -> Tensor:
@@ -78,12 +78,9 @@ def _draft_vocabulary(answers: Tensor, size: int, vocab: int) -> Tensor:
     return order[: min(size, vocab)].sort().values
 
 
-def _check_data(
-    directory: Path, target: Llama, label: str, tolerance: float
-) -> tuple[dict, dict[str, Tensor]]:
-    """The data set's meta.json and held-out split, after checking that the data set exists and was made by
-    ``target``: its sizes, and the hidden states of the first held-out positions recomputed by the target
-    (their relative error at most ``tolerance``)."""
+def _check_data(directory: Path, target: Llama, label: str) -> dict:
+    """The data set's meta.json, after checking that the data set exists and was made for ``target``'s
+    sizes."""
     meta = read_data_meta(directory)
     sizes = (meta.get("hidden_size"), meta.get("vocab_size"))
     if sizes != (target.config.hidden_size, target.vocab_size):
@@ -91,11 +88,18 @@ def _check_data(
             f"the data set in {directory} was made by target {meta.get('target')!r} (hidden size {sizes[0]}, "
             f"vocabulary {sizes[1]}), not by {label!r} ({target.config.hidden_size}, {target.vocab_size})"
         )
+    return meta
+
+
+def _check_states(directory: Path, meta: dict, target: Llama, label: str, tolerance: float) -> None:
+    """Check that the data set's stored hidden states are ``target``'s: those of the first held-out
+    positions recomputed by the target (their relative error at most ``tolerance``)."""
     held = load_split(directory, "heldout")
     n = min(_FEATURE_CHECK_TOKENS, int(held["offsets"][1]))
     tokens = held["tokens"][:n].long()[None]  # [1, n]
     with torch.no_grad():
         ours = target.forward_hidden(tokens, torch.arange(n)[None], target.new_cache(1, n))[0].float()
+    ours = ours[:, : target.config.hidden_size]  # the final state, before any tapped layers' inputs
     error = float((ours - held["hidden"][:n].float()).norm() / ours.norm())
     if error > tolerance:
         raise UsageError(
@@ -103,7 +107,6 @@ def _check_data(
             f"differ from those of {label!r} (relative error {error:.3f}); it was answered in precision "
             f"{answered_precision(meta)}: train in that precision (--precision), or make the data set again"
         )
-    return meta, held
 
 
 def _write_atomic(path: Path, obj: object) -> None:
@@ -122,7 +125,7 @@ class _Run:
     fingerprint: str  # target_fingerprint of the target
     draft_vocab: Tensor  # [Vd] int64
     coverage: float  # share of the training answers' tokens that are in the draft vocabulary
-    data: dict[str, object]  # the data set's meta.json entries recorded in the drafter file
+    data: list[dict[str, object]]  # each data set's meta.json entries recorded in the drafter file
     recipe: Recipe
     head: LearnedHead
     optimizer: torch.optim.Optimizer
@@ -216,7 +219,7 @@ def _save(run: _Run) -> None:
         "draft_vocab_coverage": round(run.coverage, 4),
         "data": run.data,
     }
-    run.head.save(run.out_dir / DRAFTER)
+    run.head.save(run.out_dir / run.recipe.drafter_name)
     _write_atomic(
         run.out_dir / CHECKPOINT,
         {
@@ -294,7 +297,7 @@ def _train_loop(run: _Run, train: TrainingData, heldout: TrainingData, noise: fl
 
 def train_drafter(
     target: LanguageModel,
-    data_dir: str | Path,
+    data_dir: str | Path | Sequence[str | Path],
     out_dir: str | Path,
     config: TrainConfig = TrainConfig(),
     *,
@@ -302,25 +305,34 @@ def train_drafter(
     resume: bool = False,
     progress: bool = True,
 ) -> Path:
-    """Train a drafter for ``target`` on the data set in ``data_dir``; returns the drafter file written into
-    ``out_dir`` (with ``checkpoint.pt`` and ``log.jsonl``). ``resume`` continues from the checkpoint in
-    ``out_dir``, which must have been written with the same settings for the same target. UsageError for an
-    unsupported target, a missing or foreign data set, or a checkpoint that cannot be resumed."""
+    """Train a drafter for ``target`` on the data set in ``data_dir`` (or the data sets, their splits joined);
+    returns the drafter file written into ``out_dir`` (with ``checkpoint.pt`` and ``log.jsonl``). ``resume``
+    continues from the checkpoint in ``out_dir``, which must have been written with the same settings for
+    the same target. UsageError for an unsupported target, a missing or foreign data set (one of token ids
+    alone for a kind that reads the stored hidden states), or a checkpoint that cannot be resumed."""
     target = native_target(target)
     label = target_label or "the target"
-    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    directories = [Path(data_dir)] if isinstance(data_dir, str | Path) else [Path(d) for d in data_dir]
+    out_dir = Path(out_dir)
+    recipe_class = _recipe_class(config)
+    stored = recipe_class.reads_stored_hidden
     tolerance = _OTHER_PRECISION_TOLERANCE if config.kind in THROUGH_TARGET else _FEATURE_CHECK_TOLERANCE
-    meta, heldout_split = _check_data(data_dir, target, label, tolerance)
+    metas = [_check_data(directory, target, label) for directory in directories]
+    if stored:
+        for directory, meta in zip(directories, metas, strict=True):
+            _check_states(directory, meta, target, label, tolerance)
     checkpoint_path = _checkpoint_path(out_dir, resume)
     fingerprint = target_fingerprint(target)
-    train_split = load_split(data_dir, "train")
+    train_split = load_splits(directories, "train", stored)
     answers = _answer_tokens(train_split)  # [M]
     draft_vocab, start = _choose_draft_vocab(config, target, target_label, answers)  # [Vd]
     index = draft_index(draft_vocab, target.vocab_size)  # [V]
-    recipe = _recipe(config, target, start)
+    recipe: Recipe = recipe_class.of(target, config, start)
     train = recipe.prepare(target, TrainingData.from_split(train_split, index))
-    heldout = recipe.prepare(target, TrainingData.from_split(heldout_split, index))
-    noise = config.noise * float(train.hidden[:65536].float().pow(2).mean().sqrt())
+    heldout = recipe.prepare(
+        target, TrainingData.from_split(load_splits(directories, "heldout", stored), index)
+    )
+    noise = config.noise * float(train.hidden[:65536].float().pow(2).mean().sqrt()) if stored else 0.0
     metadata = {"kind": config.kind, "target": target_label, "target_fingerprint": fingerprint}
     head, optimizer, generator = _new_head(target, config, draft_vocab, recipe, metadata)
     run = _Run(
@@ -329,7 +341,7 @@ def train_drafter(
         fingerprint=fingerprint,
         draft_vocab=draft_vocab,
         coverage=float(index[answers].ne(IGNORE).float().mean()),
-        data={k: meta.get(k) for k in ("target", "num_sequences", "num_tokens", "generation")},
+        data=[{k: meta.get(k) for k in _DATA_RECORD} for meta in metas],
         recipe=recipe,
         head=head,
         optimizer=optimizer,
@@ -339,4 +351,4 @@ def train_drafter(
         _resume(run, checkpoint_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     _train_loop(run, train, heldout, noise, progress)
-    return out_dir / DRAFTER
+    return out_dir / recipe.drafter_name

@@ -39,6 +39,7 @@ residual max(p − q, 0) gives it its full p).
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,9 @@ from torch import Tensor, nn
 
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.eagle_drafter import EagleDrafter
-from verispec.drafting.learned.head import LearnedHead, native_target
+from verispec.drafting.learned.head import INIT_STD, LearnedHead, _head_rows, native_target
 from verispec.errors import UsageError
+from verispec.files import atomic_path, atomic_write
 from verispec.inputs import is_int, parse_json
 from verispec.models.base import LanguageModel
 from verispec.models.llama import (
@@ -64,17 +66,24 @@ from verispec.models.llama import (
 from verispec.options import SamplingParams
 
 __all__ = [
+    "AUX_LAYERS_KEY",
+    "SAVED_DTYPE",
+    "WEIGHTS",
     "Eagle3Config",
     "Eagle3Drafter",
     "Eagle3Head",
     "PublishedHead",
+    "aux_layers",
     "check_layout",
     "layer_config",
+    "published_config",
     "published_files",
     "read_published",
 ]
 
 WEIGHTS = "model.safetensors"  # the weights' file in a published head's directory
+AUX_LAYERS_KEY = "eagle_aux_hidden_state_layer_ids"  # config.json's target layers read
+SAVED_DTYPE = torch.float16  # the weights of the heads verispec trains, as written
 _MAPPING = ("d2t", "t2d", "embed_tokens.weight")  # tensors beside the head's modules
 
 
@@ -182,9 +191,9 @@ class Eagle3Config:
         layer = layer_config(config, target, where, 1)
         nested = config.get("eagle_config")
         eagle: dict[str, Any] = nested if isinstance(nested, dict) else {}
-        ids = config.get("eagle_aux_hidden_state_layer_ids", eagle.get("eagle_aux_hidden_state_layer_ids"))
+        ids = config.get(AUX_LAYERS_KEY, eagle.get(AUX_LAYERS_KEY))
         n = target.config.num_layers
-        ids = (2, n // 2, n - 3) if ids is None else ids
+        ids = _published_aux_layers(n) if ids is None else ids
         if (
             not isinstance(ids, list | tuple)
             or len(ids) != 3
@@ -199,6 +208,57 @@ class Eagle3Config:
         if not is_int(draft) or not 0 < draft <= target.vocab_size:
             raise UsageError(f"{where}: draft_vocab_size {draft!r} is not in [1, {target.vocab_size}]")
         return cls(layer, draft, tuple(sorted(ids)), bool(config.get("norm_before_residual", False)))
+
+
+def _published_aux_layers(count: int) -> tuple[int, int, int]:
+    """The target layers a head reads when its config names none, for a target of ``count`` layers
+    (EAGLE's and vLLM's default)."""
+    return (2, count // 2, count - 3)
+
+
+def aux_layers(count: int) -> tuple[int, ...]:
+    """The target layers a new head reads beside a target of ``count`` layers: the published default where
+    its three are distinct, else the first, middle and last (a small target's); UsageError below three."""
+    if count < 3:
+        raise UsageError(f"an EAGLE-3 head reads three of the target's layers: this target has {count}")
+    default = _published_aux_layers(count)
+    return tuple(sorted(default)) if len(set(default)) == 3 else (0, count // 2, count - 1)
+
+
+def published_config(
+    layer: LlamaConfig,
+    vocab_size: int,
+    draft_vocab_size: int,
+    aux: tuple[int, ...],
+    norm_before_residual: bool = False,
+) -> dict[str, Any]:
+    """The config.json of a head of decoder layer ``layer`` over a target vocabulary of ``vocab_size`` with a
+    draft vocabulary of ``draft_vocab_size``, reading the inputs of target layers ``aux``: the keys of the
+    authors' and vLLM's / SGLang's ``LlamaForCausalLMEagle3`` (the layers read at the top and in
+    ``eagle_config``, where either reader looks)."""
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": layer.hidden_size,
+        "intermediate_size": layer.intermediate_size,
+        "num_attention_heads": layer.num_heads,
+        "num_key_value_heads": layer.num_kv_heads,
+        "head_dim": layer.head_dim,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": layer.rms_norm_eps,
+        "rope_theta": layer.rope_theta,
+        "max_position_embeddings": layer.max_position_embeddings,
+        "attention_bias": layer.attention_bias,
+        "mlp_bias": layer.mlp_bias,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(SAVED_DTYPE).removeprefix("torch."),
+        "vocab_size": vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+        "norm_before_residual": norm_before_residual,
+        AUX_LAYERS_KEY: list(aux),
+        "eagle_config": {AUX_LAYERS_KEY: list(aux)},
+    }
 
 
 class _Midlayer(nn.Module):
@@ -289,6 +349,99 @@ class Eagle3Head(PublishedHead):
         head.optimize_for_cpu(native=fast and model.on_native_kernels)
         return head
 
+    @classmethod
+    def create(
+        cls,
+        target: Llama,
+        draft_vocab: Tensor,
+        generator: torch.Generator,
+        metadata: dict[str, Any],
+        *shape: int,
+    ) -> Eagle3Head:
+        """A fresh head to train beside ``target`` (:mod:`verispec.training.eagle3`): one Llama decoder layer
+        of the target's widths reading the inputs of its layers ``shape`` (default :func:`aux_layers`), over
+        ``draft_vocab`` [Vd] (target ids, ascending); fc and the layer's matrices drawn N(0, 0.02²) from
+        ``generator``, unit norms but the output norm (the target's final one), ``lm_head`` the target's own
+        rows of the draft vocabulary — a trainable parameter, as the authors train it."""
+        c, ids = target.config, torch.as_tensor(draft_vocab, dtype=torch.long)
+        layer = LlamaConfig(
+            vocab_size=target.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_layers=1,
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            rms_norm_eps=c.rms_norm_eps,
+            rope_theta=c.rope_theta,
+            max_position_embeddings=target.max_context,
+        )
+        aux = tuple(shape) or aux_layers(c.num_layers)
+        where = Path("a new eagle3 head")
+        config = Eagle3Config.of(published_config(layer, target.vocab_size, len(ids), aux), target, where)
+        shapes, _ = _layout(config, target)
+        tensors = {name: torch.ones(size) for name, size in shapes.items()}  # norms: one
+        tensors["d2t"] = ids - torch.arange(len(ids))
+        tensors["lm_head.weight"] = _head_rows(target, ids)  # the target's own rows
+        head = cls(target, config, tensors, where)
+        head.metadata = dict(metadata)
+        with torch.no_grad():
+            for name, param in head.named_parameters():
+                if not name.endswith("norm.weight"):
+                    param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD)
+            head.fresh_start(target)
+        rows = head.head_weight.clone()
+        del head.head_weight  # a buffer of every other head: a parameter of this one
+        head.register_parameter("head_weight", nn.Parameter(rows))
+        return head
+
+    def save(self, path: str | Path) -> Path:
+        """Write the head in the published layout, atomically: the weights at ``path`` (a
+        ``model.safetensors``, in :data:`SAVED_DTYPE`, ``d2t`` and ``t2d`` from the draft vocabulary; the
+        training record in its metadata) and ``config.json`` beside it — what ``--drafter eagle3
+        --drafter-path DIR``, vLLM and SGLang read."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        if self.cpu_precision is not None:
+            raise UsageError("a head optimized for CPU cannot be saved: save it before optimize_for_cpu")
+        tensors = {
+            name: t.detach().to("cpu", SAVED_DTYPE).contiguous()
+            for name, t in self.state_dict().items()
+            if name != "head_weight"
+        }
+        ids = self.draft_vocab.cpu()
+        tensors["lm_head.weight"] = self.head_weight.detach().to("cpu", SAVED_DTYPE).contiguous()
+        tensors["d2t"] = ids - torch.arange(len(ids))
+        tensors["t2d"] = torch.zeros(self.vocab_size, dtype=torch.bool)
+        tensors["t2d"][ids] = True
+        metadata = {"format": "pt", "verispec": json.dumps(self.metadata)}
+        config = published_config(
+            self.config, self.vocab_size, self.draft_vocab_size, self.aux_layers, self.norm_before_residual
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            save_file(tensors, tmp, metadata=metadata)
+        atomic_write(path.parent / "config.json", json.dumps(config, indent=2) + "\n")
+        return path
+
+    @classmethod
+    def from_file(
+        cls,
+        path: Path,
+        metadata: dict[str, str],
+        tensors: dict[str, Tensor],
+        target: LanguageModel,
+        target_label: str,
+        fast: bool,
+    ) -> Eagle3Head:
+        """Refused in one line: an EAGLE-3 head is read in its published layout (:meth:`load`), never from a
+        verispec drafter file."""
+        raise UsageError(
+            f"{path}: an eagle3 head is read in the published layout (a directory with model.safetensors and "
+            "config.json: --drafter eagle3 --drafter-path DIR), not from a verispec drafter file"
+        )
+
     def fuse(self, states: Tensor) -> Tensor:
         """The target's tapped states [T, 3H] (its layers' inputs, ascending) → s [T, H] through fc."""
         return self.fc(states.float())
@@ -315,8 +468,11 @@ class Eagle3Head(PublishedHead):
         return super().logits(self.norm(features.float()))
 
 
-def _check_tensors(tensors: dict[str, Tensor], config: Eagle3Config, target: Llama, where: Path) -> None:
-    """UsageError naming the first tensor of the published layout missing, unknown or of another shape."""
+Shapes = dict[str, tuple[int, ...]]
+
+
+def _layout(config: Eagle3Config, target: Llama) -> tuple[Shapes, Shapes]:
+    """The published layout's tensors beside ``target``: (the required ones' shapes, the optional ones')."""
     c, h, vocab = config.layer, target.config.hidden_size, target.vocab_size
     q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
     shapes = {
@@ -345,6 +501,12 @@ def _check_tensors(tensors: dict[str, Tensor], config: Eagle3Config, target: Lla
     optional = {"d2t": (config.draft_vocab_size,), "t2d": (vocab,), "embed_tokens.weight": (vocab, h)}
     if config.draft_vocab_size < vocab:
         shapes["d2t"] = optional["d2t"]
+    return shapes, optional
+
+
+def _check_tensors(tensors: dict[str, Tensor], config: Eagle3Config, target: Llama, where: Path) -> None:
+    """UsageError naming the first tensor of the published layout missing, unknown or of another shape."""
+    shapes, optional = _layout(config, target)
     other = "layers.0.self_attn.q_proj.weight" in tensors
     hint = " (an EAGLE-1/2 head's layers.0.*: --drafter eagle2)" if other else ""
     check_layout(tensors, shapes, optional, where, "EAGLE-3", hint)
