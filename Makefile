@@ -34,7 +34,7 @@ browser:
 
 # The suite in one pytest-xdist worker per core, each on one torch thread (tests/conftest.py); loadgroup hands
 # out one test at a time as a worker frees, which kept the workers busiest, except the tests that start a local
-# Ray (group "ray"): one worker runs them all, each module's Ray started once, never waiting on another. A plain
+# Ray (group "ray"): one worker runs them all on one Ray, started once, never waiting on another. A plain
 # `pytest -q` runs the same tests one after another. The 25 slowest are listed at the end (the suite's budget
 # is 10 minutes on a fresh clone: what to trim first).
 test: $(STAMP) browser lint

@@ -1,6 +1,7 @@
-"""Shared fixtures: locating the small real models kept in ``../shared/models`` beside the repository, and a
-lock for one local Ray at a time; in a pytest-xdist worker (``make test`` runs one per core), one torch
-thread, and the modules that took longest in a recorded run (``durations.json``) handed out first."""
+"""Shared fixtures: locating the small real models kept in ``../shared/models`` beside the repository, and
+the session's one local Ray (under a lock: one at a time on the machine); in a pytest-xdist worker (``make
+test`` runs one per core), one torch thread, and the modules that took longest in a recorded run
+(``durations.json``) handed out first."""
 
 from __future__ import annotations
 
@@ -69,6 +70,25 @@ def ray_lock(tmp_path_factory: pytest.TempPathFactory) -> FileLock:
     """Held while a test runs a local Ray, so that pytest-xdist workers never start two at once (a lock file
     beside the workers' temporary directories)."""
     return FileLock(tmp_path_factory.getbasetemp().parent / "local-ray.lock")
+
+
+@pytest.fixture(scope="session")
+def local_ray(ray_lock):
+    """The session's one local Ray, started by :func:`verispec.batch.connect_ray` as ``--ray local`` starts
+    it (a command given ``--ray local`` then finds it connected), held under ``ray_lock`` until the session
+    ends: the ``xdist_group("ray")`` tests (``test_readme``'s, ``test_batch_job``'s, ``test_ray_serve``'s:
+    one worker's under ``--dist loadgroup``) share it instead of starting and stopping a Ray each. Skipped,
+    saying why, where it cannot start."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed")
+    from verispec.batch import LOCAL, connect_ray
+
+    with ray_lock:
+        try:
+            connect_ray(LOCAL)
+        except Exception as err:  # noqa: BLE001 - whatever keeps Ray from starting here: say so
+            pytest.skip(f"Ray cannot start here: {err}")
+        yield ray
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session")

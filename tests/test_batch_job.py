@@ -464,21 +464,7 @@ def test_cli_batch_and_an_unreachable_ray(stories, requests_file, tmp_path, caps
     assert len(read(output)) == 12
 
 
-@pytest.fixture(scope="module")
-def local_ray(ray_lock):
-    """A local Ray (2 CPUs, loopback) for this module's Ray tests, the only one on the machine while they run;
-    skipped, saying why, where it cannot start."""
-    ray = pytest.importorskip("ray", reason="Ray is not installed")
-    with ray_lock:
-        try:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-        except Exception as err:  # noqa: BLE001 - whatever keeps Ray from starting here: say so
-            pytest.skip(f"Ray cannot start here: {err}")
-        yield ray
-        ray.shutdown()
-
-
-@pytest.mark.xdist_group("ray")  # one worker starts each local Ray once (ray_lock)
+@pytest.mark.xdist_group("ray")  # one worker runs the session's local Ray (local_ray)
 def test_ray_workers_give_the_same_output(local_ray, stories, requests_file, tmp_path):
     """Ray Data with two ShardWorker actors: the in-process output, line for line."""
     here = str(tmp_path / "here.jsonl")
@@ -488,7 +474,7 @@ def test_ray_workers_give_the_same_output(local_ray, stories, requests_file, tmp
     assert summary["shards"] == 4 and read(there) == read(here)
 
 
-@pytest.mark.xdist_group("ray")  # one worker starts each local Ray once (ray_lock)
+@pytest.mark.xdist_group("ray")  # one worker runs the session's local Ray (local_ray)
 def test_drafter_data_on_ray(local_ray, tmp_path, capsys):
     """``drafter-data --ray --workers 2`` on a tiny chat Llama: the prompts of a one-machine run, and its
     greedy answers (the even prompts), in one merged data set."""
@@ -523,7 +509,7 @@ def test_drafter_data_on_ray(local_ray, tmp_path, capsys):
     assert cli.main([*common, "--out", str(tmp_path / "x"), "--ray", "--merge", "a", "b"]) == 2
 
 
-@pytest.mark.xdist_group("ray")  # one worker starts each local Ray once (ray_lock)
+@pytest.mark.xdist_group("ray")  # one worker runs the session's local Ray (local_ray)
 def test_ray_workers_merge_their_suffix_caches_into_the_file(local_ray, stories, requests_file, tmp_path):
     """Two Ray workers drafting with suffix, each from the cache file: every request's output merged into it
     (greedy, the in-process output line for line)."""

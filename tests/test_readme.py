@@ -839,13 +839,12 @@ def test_across_tokenizers_command_runs(default_model, shared_model, monkeypatch
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ray")  # one worker starts each local Ray once (ray_lock)
-def test_offline_batch_commands_run(shared_model, tmp_path, monkeypatch, own_cache, ray_lock, capsys):
+@pytest.mark.xdist_group("ray")  # one worker runs the session's local Ray (local_ray)
+def test_offline_batch_commands_run(shared_model, tmp_path, monkeypatch, own_cache, local_ray, capsys):
     """docs/batch.md's batch lines on stories260K (a prompts.jsonl of stories, 8 new tokens), from a fresh
     directory: in-process, then on a local Ray with two workers (the same tokens: a fixed --k and --seed),
     and the cluster line only parsed (no Ray answers at its address here: Ray takes ~20 s to give up on it;
     an address that does not answer is tested in ``test_batch_job``)."""
-    pytest.importorskip("ray", reason="Ray is not installed")
     monkeypatch.chdir(tmp_path)
     Path("prompts.jsonl").write_text(
         "".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(STORIES))
@@ -854,13 +853,7 @@ def test_offline_batch_commands_run(shared_model, tmp_path, monkeypatch, own_cac
     here, on_ray, cluster = verispec_commands(OFFLINE)
     outputs = [c.words[c.words.index("--output") + 1] for c in (here, on_ray, cluster)]
     run_commands([here], added, capsys)
-    with ray_lock:  # its local Ray never runs beside test_batch_job's
-        try:
-            run_commands([on_ray], added, capsys)
-        finally:
-            import ray
-
-            ray.shutdown()
+    run_commands([on_ray], added, capsys)  # on the session's local Ray, started as --ray local starts it
     first, second = (
         [json.loads(line)["token_ids"] for line in Path(o).read_text().splitlines()] for o in outputs[:2]
     )
