@@ -169,10 +169,13 @@ def _check_dists(name: str, probs: Tensor, dtype: torch.dtype, first: int = 0, w
     if not torch.is_floating_point(probs):
         raise UsageError(f"{name} must be a floating-point tensor, got {probs.dtype}")
     used = probs[first:]
+    tol = 1e-9 if probs.dtype == torch.float64 else 1e-3  # checked in the precision the caller computed
+    # one test, for the usual case: rows each summing to within tol of 1 hold no NaN or Inf
+    if bool(((used.sum(-1) - 1).abs() <= tol).all() & (used >= 0).all()):
+        return probs.to(dtype)
     for problem, bad in (("NaN or Inf", ~torch.isfinite(used)), ("a negative probability", used < 0)):
         if bad.any():
             raise UsageError(f"{name} has {problem} at {where} {first + int(bad.any(-1).nonzero()[0])}")
-    tol = 1e-9 if probs.dtype == torch.float64 else 1e-3  # checked in the precision the caller computed
     off = (used.sum(-1) - 1).abs() > tol
     if off.any():
         raise UsageError(f"{name} does not sum to 1 at {where} {first + int(off.nonzero()[0])}")
@@ -213,15 +216,16 @@ def _sibling_rule(
     q_x = q_children.gather(-1, idx).squeeze(-1)  # [..., m]
     tiny = torch.finfo(dtype).tiny
     r = p_u  # [..., V]
-    accept, residuals = [], [_residual(p_u, torch.zeros_like(p_u))]
+    tried, residuals = [], [_residual(p_u, torch.zeros_like(p_u))]
     for k in range(child_tokens.shape[-1]):
-        r_x = r.gather(-1, idx[..., k, :]).squeeze(-1)  # [...]
-        ratio = torch.where(q_x[..., k] > 0, r_x / q_x[..., k].clamp_min(tiny), (r_x > 0).to(dtype))
-        accept.append(ratio.clamp(max=1.0))
+        tried.append(r.gather(-1, idx[..., k, :]))  # [..., 1]: r_{k-1}(x_k)
         r = _residual(r, q_children[..., k, :])
         residuals.append(r)
-    accept_prob = torch.stack(accept, -1) if accept else q_x  # [..., m]
-    return SiblingRule(accept_prob=accept_prob, residuals=torch.stack(residuals, -2))
+    if not tried:
+        return SiblingRule(accept_prob=q_x, residuals=torch.stack(residuals, -2))
+    r_x = torch.cat(tried, -1)  # [..., m]; every child's ratio at once, each as it would be alone
+    ratio = torch.where(q_x > 0, r_x / q_x.clamp_min(tiny), (r_x > 0).to(dtype))
+    return SiblingRule(accept_prob=ratio.clamp(max=1.0), residuals=torch.stack(residuals, -2))
 
 
 def sibling_rule(
@@ -289,26 +293,30 @@ def _walk(
     tokens: list[int],
     children: list[list[int]],
     rule: TreeRule,
-    uniforms: Tensor,
+    uniforms: list[float],
     draw: Callable[[Tensor], int],
     eos: frozenset[int],
+    device: torch.device,
 ) -> TreeVerdict:
     """Walks the tree from the root: at node u, the k-th child tried is accepted iff its uniform is below the
     rule's accept_prob[k] (the first such child in trial order); with none, ``draw`` picks the emitted token
-    from the last residual. uniforms: [N], uniforms[c] for child c (entry 0 unused)."""
+    from the last residual. uniforms: N values, uniforms[c] for child c (entry 0 unused); the children's
+    indices handed to ``rule`` on ``device``."""
     node, accepted = 0, list[int]()
     while True:
-        kids = torch.tensor(children[node], dtype=torch.long, device=uniforms.device)  # [m] in trial order
+        kids = torch.tensor(children[node], dtype=torch.long, device=device)  # [m] in trial order
         at = rule(node, kids)
         if at.accept_prob.shape != kids.shape or at.residuals.shape[:1] != (len(kids) + 1,):
             raise UsageError(
                 f"the rule at node {node} must give accept_prob [m] and residuals [m+1, V], m = {len(kids)}"
             )
-        hits = (uniforms[kids] < at.accept_prob).nonzero()
-        if hits.numel() == 0:
+        # compared as Python floats, which hold both tensors' values exactly: the comparison torch makes
+        tried = zip(children[node], at.accept_prob.tolist(), strict=True)
+        hit = next((c for c, accept in tried if uniforms[c] < accept), None)
+        if hit is None:
             emitted = [tokens[c] for c in accepted] + [draw(at.residuals[-1])]
             return TreeVerdict(tokens=emitted, accepted_nodes=accepted, ended_at_leaf=not children[node])
-        node = children[node][int(hits[0])]
+        node = hit
         accepted.append(node)
         if tokens[node] in eos:
             emitted = [tokens[c] for c in accepted]
@@ -326,7 +334,6 @@ def _sample(
     """:func:`sample_tree_verdict` on a validated tree (``children``: each node's children in index order)."""
     n, device = tokens.shape[0], tokens.device
     uniforms = torch.rand(n - 1, generator=generator, dtype=dtype, device=device)  # [N-1], one per draft node
-    uniforms = torch.cat([uniforms.new_zeros(1), uniforms])  # [N], indexed by node
     if any(len(kids) > 1 for kids in children):
         keys = torch.rand(n, generator=generator, dtype=torch.float64, device=device).tolist()  # [N]
         children = [sorted(kids, key=keys.__getitem__) for kids in children]
@@ -334,7 +341,8 @@ def _sample(
     def draw(dist: Tensor) -> int:
         return int(sample(dist, generator))
 
-    return _walk(tokens.tolist(), children, rule, uniforms, draw, _eos_set(eos_token_id))
+    indexed = [0.0, *uniforms.tolist()]  # by node
+    return _walk(tokens.tolist(), children, rule, indexed, draw, _eos_set(eos_token_id), device)
 
 
 def sample_tree_verdict(
@@ -415,5 +423,5 @@ def tree_greedy_verify(
     def draw(point: Tensor) -> int:
         return int(point.argmax())
 
-    uniforms = torch.zeros(n, dtype=torch.float64, device=tokens.device)  # accept_prob is 0 or 1: 0 < 1 only
-    return _walk(tokens.tolist(), children, rule, uniforms, draw, _eos_set(eos_token_id))
+    uniforms = [0.0] * n  # accept_prob is 0 or 1: 0 < 1 only
+    return _walk(tokens.tolist(), children, rule, uniforms, draw, _eos_set(eos_token_id), tokens.device)
