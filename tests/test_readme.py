@@ -691,8 +691,8 @@ def test_fast_base_bench_commands_run(
     block, shared_model, tmp_path, monkeypatch, own_cache, restore_threads, capsys
 ):
     """docs/benchmarks.md's fast-base and lookup-first bench lines on stories260K (one prompt a task, a few
-    tokens; its tasks whose prompts fit stories260K's 512 positions; a random eagle head for the learned
-    methods): every method at every K it names, each output equal to ``none``'s."""
+    tokens, two repetitions; its tasks whose prompts fit stories260K's 512 positions; a random eagle head for
+    the learned methods): every method at every K it names, each output equal to ``none``'s."""
     from test_eagle import fresh_head
     from verispec.models.registry import load_model
 
@@ -707,6 +707,7 @@ def test_fast_base_bench_commands_run(
     added = ["--threads", "1", "--prompts-per-task", "1", "--tasks", ",".join(tasks), "--out", str(out)]
     added += ["--drafter-path", str(head)]
     monkeypatch.setitem(SHRUNK, "--methods", lambda methods: methods)  # the learned ones run on the head
+    monkeypatch.setitem(SHRUNK, "--repetitions", _fixed("2"))  # the page's 3: the same greedy runs again
     run_commands([command], {"bench": [*model, *added]}, capsys)
     results = json.loads((out / "results.json").read_text())
     assert results["complete"] and results["config"]["tasks"] == tasks and len(tasks) == 3
@@ -755,9 +756,13 @@ def _stories_target(shared_model) -> list[str]:
 
 
 @pytest.mark.slow
-def test_load_commands_run(shared_model, tmp_path, own_cache, restore_threads, capsys):
+def test_load_commands_run(shared_model, tmp_path, monkeypatch, own_cache, restore_threads, capsys):
     """docs/benchmarks.md's bench-load and bench-serve lines on stories260K, shrunk (two clients, two seconds,
-    concurrency 1 and 2): they complete with no failed request, every hang-up freed, and their tables."""
+    concurrency 1 and 2, two repetitions, one thread): they complete with no failed request, every hang-up
+    freed, and their tables."""
+    monkeypatch.setitem(SHRUNK, "--repetitions", _fixed("2"))  # bench-load's 5: the same work again
+    # bench-load's --threads 2 in a pytest-xdist worker (one OpenMP thread) on 2 busy cores: 4x its time here
+    monkeypatch.setitem(SHRUNK, "--threads", _fixed("1"))
     target = _stories_target(shared_model)
     commands = [*verispec_commands(LOAD), *verispec_commands(SERVE_LOAD)]
     assert {c.words[1] for c in commands} == {"bench-load", "bench-serve"}
