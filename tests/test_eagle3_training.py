@@ -284,8 +284,9 @@ def test_bad_settings_in_one_line(target, dataset, tmp_path):
 # ---------------------------------------------------------------------------------------------- text
 
 
-def save_hf_target(directory: Path, layers: int = 4) -> Path:
-    """A transformers-format random Llama of ``layers`` layers over save_tokenizer's byte vocabulary."""
+def save_hf_target(directory: Path, layers: int = 4, context: int = 256) -> Path:
+    """A transformers-format random Llama of ``layers`` layers and a context of ``context`` over
+    save_tokenizer's byte vocabulary (with its chat template)."""
     torch.manual_seed(0)
     config = HFLlamaConfig(
         vocab_size=260,
@@ -294,7 +295,7 @@ def save_hf_target(directory: Path, layers: int = 4) -> Path:
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=context,
         initializer_range=0.3,
         bos_token_id=0,
         eos_token_id=1,

@@ -123,6 +123,7 @@ SUFFIX = one_block("docs/suffix.md", "The suffix drafter")  # run on stories260K
 JSON_BENCH = one_block("docs/structured-output.md", "The bench's json task")  # stories260K: one prompt
 FAST_BASE = one_block("docs/benchmarks.md", "Speculation on the fast base")  # stories260K: one prompt a task
 LOOKUP_FIRST = one_block("docs/benchmarks.md", "Prompt lookup first")  # the same, a random eagle head
+EAGLE3 = one_block("docs/learned-drafters.md", "EAGLE-3 heads trained here")  # a tiny 4-layer chat Llama
 
 
 def logical_lines(code: str) -> list[tuple[int, str]]:
@@ -184,6 +185,7 @@ def verispec_commands(block: Block) -> list[Command]:
 # the pages they are on: every sh block of those with verispec commands is one of them
 RUNS = [QUICKSTART, QUICK_SERVE, QUICK_STRUCTURED, SYNOPSIS, RECIPE, BENCHMARK, SERVING, LOAD, SERVE_LOAD]
 RUNS += [ACROSS, OFFLINE, OWN_GGUF, BENCH_GGUF, STRUCTURED, SUFFIX, JSON_BENCH, FAST_BASE, LOOKUP_FIRST]
+RUNS += [EAGLE3]
 RUN_PAGES = {b.page for b in RUNS}
 
 
@@ -627,6 +629,44 @@ def test_learned_drafter_recipe_runs(chat_target, tmp_path, monkeypatch, capsys)
             kind = value("--drafter") if "--drafter" in words else "eagle"
             assert f"[{kind}, " in err, err
     assert 2 in turns  # --questions target --turns 2: conversations the target wrote itself
+
+
+def test_eagle3_recipe_runs(tmp_path, monkeypatch, capsys):
+    """docs/learned-drafters.md's EAGLE-3 commands, shrunk, in a fresh directory on a tiny 4-layer chat Llama
+    (an EAGLE-3 head reads three of its layers; the standard library read from two of its files and the
+    prompts' passages from one, ./docs made here): the text set records its sources and licences, the head is
+    written in the published layout and loads, and generate drafts with it."""
+    import textwrap
+
+    from test_eagle3_training import save_hf_target
+    from verispec.drafting.learned.eagle3 import Eagle3Head
+    from verispec.models.registry import load_model
+    from verispec.training import prompts as prompts_module
+    from verispec.training import text as text_module
+
+    target = save_hf_target(tmp_path / "target", context=2048)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "page.md").write_text("# A page\n\n" + "Words of a page of docs. " * 40)
+    files = text_module.TextSource.files
+    stdlib = [Path(json.__file__), Path(textwrap.__file__)]
+    monkeypatch.setattr(
+        text_module.TextSource, "files", lambda self: stdlib if self.path is None else files(self)
+    )
+    monkeypatch.setattr(prompts_module, "_stdlib_passages", lambda: [textwrap.__doc__])
+    added = {name: ["--target", str(target)] for name in ("drafter-data", "generate")}
+    added["train-drafter"] = ["--target", str(target), "--draft-vocab", "64"]
+    commands = verispec_commands(EAGLE3)
+    assert [c.words[1] for c in commands] == ["drafter-data", "drafter-data", "train-drafter", "generate"]
+    outputs = run_commands(commands, added, capsys)
+    meta = json.loads((tmp_path / "data" / "text" / "meta.json").read_text())
+    assert [(s["name"], s["licence"]) for s in meta["text"]["sources"]] == [
+        ("stdlib", "PSF-2.0"),
+        ("docs", "Apache-2.0"),
+    ]
+    assert (tmp_path / "runs" / "e3" / "config.json").is_file()
+    assert Eagle3Head.load(tmp_path / "runs" / "e3", load_model(str(target))[0]).draft_vocab_size == 64
+    assert "[eagle3, " in outputs[commands[-1].line][1]
 
 
 # the line `generate` ends with on stderr (cli.generate's summary), as the README explains it
