@@ -218,6 +218,18 @@ def test_greedy_speculation_with_the_trained_head(trained, native):
             assert spec.generate(prompt, k=k, max_new_tokens=24, sampling=GREEDY).token_ids == want
 
 
+def test_a_native_target_trains_a_head(dataset, tmp_path):
+    """Beside a target on the native kernels (its forward computes no gradients; the head trains in float32
+    torch on its states), a few steps give a head that loads beside it and drafts exactly."""
+    config = dataclasses.replace(TRAINING, steps=3, eval_every=3, checkpoint_every=3, eval_tokens=32)
+    path = train_drafter(tiny_target(native=True), dataset, tmp_path / "run", config, progress=False)
+    tokenizer = LetterTokenizer(VOCAB)
+    plain = Speculator((tiny_target(native=True), tokenizer), drafter="none")
+    spec = Speculator((tiny_target(native=True), tokenizer), drafter="eagle3", drafter_path=str(path.parent))
+    want = plain.generate(PROMPTS[0], k=0, max_new_tokens=16, sampling=GREEDY).token_ids
+    assert spec.generate(PROMPTS[0], k=3, max_new_tokens=16, sampling=GREEDY).token_ids == want
+
+
 def test_training_learns(trained, dataset):
     """40 steps raise the held-out agreement at the first draft position above a fresh head's."""
     log = [json.loads(line) for line in (trained.parent / "log.jsonl").read_text().splitlines()]
