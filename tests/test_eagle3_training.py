@@ -283,6 +283,10 @@ def test_bad_settings_in_one_line(target, dataset, tmp_path):
         lambda: train_drafter(target, dataset, tmp_path / "a", dataclasses.replace(TRAINING, layers=2)),
         "one decoder layer",
     )
+    noisy = dataclasses.replace(TRAINING, noise=0.1)
+    one_line_error(
+        lambda: train_drafter(target, dataset, tmp_path / "a", noisy), "eagle3 recipe has no noise"
+    )
     one_line_error(lambda: aux_layers(2), "reads three of the target's layers: this target has 2")
     eagle = fresh_head(target, torch.arange(VOCAB)).save(tmp_path / "eagle.safetensors")
     with safe_open(str(eagle), framework="pt") as f:

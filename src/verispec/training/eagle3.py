@@ -44,6 +44,11 @@ from verispec.training.recipe import EVAL_POSITIONS, IGNORE, Recipe, TrainingDat
 __all__ = ["STEP_DECAY", "Eagle3Recipe", "Windows", "agreement", "target_windows"]
 
 STEP_DECAY = 0.8  # the weight of unrolled step j's loss is STEP_DECAY ** j (the authors' ploss_weight)
+_NOT_USED = (
+    "ce_target",
+    "ce_weight",
+    "noise",
+)  # the EAGLE recipe's settings: refused unless at their defaults
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,13 @@ class Eagle3Recipe(Recipe):
             raise UsageError(
                 f"an eagle3 head has one decoder layer (the published layout), not layers = {config.layers}"
             )
+        default = TrainConfig()
+        for name in _NOT_USED:
+            if getattr(config, name) != getattr(default, name):
+                raise UsageError(
+                    f"the eagle3 recipe has no {name} (its loss is the cross-entropy against the target's "
+                    "distribution alone, on the target's own states)"
+                )
         return cls(target)
 
     def new_head(
