@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import weakref
 
 import pytest
 
@@ -19,9 +20,11 @@ from test_server import GOOD, client, raw, scrape, stories  # noqa: F401 - stori
 from verispec import cli
 from verispec.api import Speculator
 from verispec.engine.engine import ROUND_TOKENS, SpeculativeEngine
+from verispec.grammar import tokens as tokens_module
 from verispec.grammar.constraint import Constraint
 from verispec.options import GenerationOptions, SamplingParams
 from verispec.server import app
+from verispec.server import schema as schema_module
 from verispec.server.app import MAX_K, Server, ServerConfig, serving
 from verispec.server.metrics import POSITIONS
 from verispec.server.tenants import installation_salt, tenant_id, tenants_dir
@@ -270,3 +273,30 @@ def test_the_servers_bound_on_k_is_what_a_round_scores():
     from verispec.engine.engine import ROUND_TOKENS
 
     assert MAX_K == ROUND_TOKENS
+
+
+def test_a_schema_over_the_servers_bytes_is_a_400_and_the_server_goes_on(served, monkeypatch):
+    """D2's memory: llguidance's lexer takes ~250 bytes per byte of a long literal (a 500 KB ``const``:
+    120-180 MB for one request), so a schema over ``MAX_SCHEMA_BYTES`` is a 400 naming response_format
+    before any grammar is built; one within it is served, and so is the next request."""
+    url, _ = served
+    monkeypatch.setattr(schema_module, "MAX_SCHEMA_BYTES", 200)
+    fits, over = "a" * 60, "a" * 200
+    status, answer = post(url, {**GOOD, "max_tokens": 4, "temperature": 0, **const_format(over)})
+    assert status == 400 and answer["error"]["param"] == "response_format"
+    assert "over this server's 200" in answer["error"]["message"], answer
+    status, answer = post(url, {**GOOD, "max_tokens": 100, "temperature": 0, **const_format(fits)})
+    assert status == 200 and json.loads(answer["choices"][0]["text"]) == fits
+
+
+def test_the_server_makes_the_grammars_tokenizer_at_start(stories, monkeypatch):  # noqa: F811
+    """D1's memory and wait: llguidance's view of the tokenizer (20 MB and 0.6 s for SmolLM2) is made as the
+    server starts, not inside its first constrained request."""
+    root, loaded = stories
+    monkeypatch.setattr(tokens_module, "_MADE", weakref.WeakKeyDictionary())
+    config = ServerConfig(target=str(root / "stories260K.bin"), drafter="ngram", max_batch=1, k="4")
+    server = Server(config, loaded=loaded)
+    try:
+        assert server.default.tokenizer in tokens_module._MADE
+    finally:
+        server.close()

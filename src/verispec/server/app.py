@@ -159,6 +159,7 @@ class Server:
                 )
                 made.k_policy(config.k)
         self.spell = spelling(self.default.tokenizer)  # each token's bytes, for log-probabilities
+        self.default.prepare_constraints()  # not in the first constrained request (its memory and wait)
         self.prompt_bytes = self._prompt_bytes()
         self.scheduler = Scheduler(self.default, slots=config.max_batch, max_queue=config.max_queue)
         self.metrics = ServerMetrics(

@@ -65,6 +65,10 @@ __all__ = [
 ]
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
+# the longest JSON schema a request may constrain by (its JSON text, in UTF-8 bytes): llguidance's lexer takes
+# about 250 bytes of memory per byte of a long literal (a 500 KB ``const``: 120-180 MB for one request);
+# OpenAI itself takes schemas of at most 120,000 characters of names, enums and consts
+MAX_SCHEMA_BYTES = 128 * 1024
 
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     # OpenAI's fields that verispec does not implement → the values that ask for nothing (passed, unused)
@@ -135,8 +139,16 @@ class ResponseFormat(BaseModel):
             )
         if self.json_schema is None:
             return Constraint("json_object") if self.type == "json_object" else None
+        text = json.dumps(self.json_schema.schema_)
+        if len(text.encode()) > MAX_SCHEMA_BYTES:
+            raise ApiError(
+                400,
+                f"response_format: a schema of {len(text.encode()):,} bytes is over this server's "
+                f"{MAX_SCHEMA_BYTES:,} (its grammar's memory grows with it)",
+                param="response_format",
+            )
         try:
-            return Constraint("json_schema", json.dumps(self.json_schema.schema_))
+            return Constraint("json_schema", text)
         except InvalidConstraint as err:
             raise refused_format(err) from None
 
