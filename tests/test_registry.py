@@ -140,6 +140,22 @@ def test_llama2c_checkpoint_dispatches_to_the_llama2c_loader(tmp_path, monkeypat
         load_model(checkpoint, tokenizer=tok, precision="fp8")
 
 
+def test_a_llama2c_checkpoint_generates_without_importing_transformers(shared_model):
+    """Issue 53: transformers (over a second of a process's start) is imported where a model or tokenizer of
+    its own is made: a fresh process generating on stories260K (a llama2.c checkpoint and its tokenizer, as a
+    Ray worker or a command under test does) imports none of it."""
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    files = {"target": str(root / "stories260K.bin"), "tokenizer": str(root / "tok512.bin")}
+    script = (
+        "import sys\n"
+        "from verispec.api import Speculator\n"
+        f"out = Speculator(**{files!r}).generate('Once upon a time', max_new_tokens=4)\n"
+        "print(len(out.token_ids), 'transformers' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.stdout.split() == ["4", "False"], done.stderr
+
+
 # --- short names, through a faked `pip download` --------------------------------------------------------
 
 

@@ -44,7 +44,6 @@ from verispec.models.gguf import (
     is_converted,
 )
 from verispec.models.gguf_native import in_place_problem, load_gguf, read_gguf
-from verispec.models.hf import HFModel, HFTokenizer
 from verispec.models.llama import Llama, check_precision
 from verispec.models.llama2c import Llama2cTokenizer, load_llama2c
 from verispec.models.names import DEFAULT_MODEL, MODELS, PyPIModel, check_spec
@@ -180,6 +179,8 @@ def _load_directory(
         return Llama.from_pretrained(directory, device=device, dtype=dtype, fast=True, precision=precision)
     if precision == "fp16":
         raise UsageError(f"precision fp16 needs the native backend ({family} models)")
+    from verispec.models.hf import HFModel  # transformers: imported where a model or tokenizer needs it
+
     try:
         return HFModel.from_pretrained(directory, device=device, dtype=dtype)
     except (ValueError, KeyError, OSError) as err:  # transformers: unknown architecture, missing weights, …
@@ -192,6 +193,8 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     path = Path(str(spec)).expanduser()
     if path.suffix == ".bin":
         return Llama2cTokenizer(path)
+    from verispec.models.hf import HFTokenizer
+
     gguf = gguf_file(spec)
     loaded, directory = (None, model_dir(spec)) if gguf is None else gguf_tokenizer(gguf)
     try:
