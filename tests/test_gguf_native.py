@@ -618,12 +618,13 @@ def test_a_gguf_file_in_place_needs_no_transformers_but_its_tokenizer_and_never_
 ):
     """Issue 52: a GGUF file read in place needs transformers' tokenizers only; its modeling code (which
     takes seconds to import: torch.distributed, dynamo) is imported by a conversion or a transformers model
-    alone. In a fresh process, loading a tiny file imports no transformers at all (bench-gguf's load
-    measurements, a second each otherwise: issue 53), and `verispec generate` on it leaves the modeling code
-    unimported."""
+    alone. In a fresh process, loading a tiny file, bench-gguf's and bench-load's modules imported, imports no
+    transformers at all (bench-gguf's load measurements, a second each otherwise; every bench command: issue
+    53), and `verispec generate` on it leaves the modeling code unimported."""
     source = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama(), "Q8_0")
     script = (
         "import contextlib, io, sys\n"
+        "from verispec.bench import gguf, load\n"  # bench-gguf's and bench-load's modules
         "from verispec.models.gguf_native import load_gguf\n"
         f"load_gguf({str(source)!r})\n"
         "loaded = 'transformers' in sys.modules\n"

@@ -26,17 +26,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
-from transformers.utils import logging as hf_logging
 
 from verispec.bench.methods import LLAMACPP_PEERS, PEERS, TRANSFORMERS_PEERS
 from verispec.errors import UsageError
 from verispec.models.llama import Llama
 from verispec.models.llama2c import load_llama2c
 from verispec.models.registry import model_dir
+
+if TYPE_CHECKING:  # transformers' modeling code (seconds to import) is imported where a peer is loaded
+    from transformers import LlamaForCausalLM, PreTrainedModel
 
 __all__ = [
     "LLAMACPP_PEERS",
@@ -56,6 +58,8 @@ def to_transformers(model: Llama, num_layers: int | None = None) -> LlamaForCaus
     """A transformers ``LlamaForCausalLM`` holding the weights of a native Llama-architecture model that is
     not optimized for CPU (packed weights cannot be copied out), optionally only its first ``num_layers``
     layers (with the final norm and the head: an early-exit draft)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     c = model.config
     if model.optimized_for_cpu:
         raise UsageError(
@@ -102,6 +106,8 @@ def load_transformers(
         if tokenizer is None:
             raise UsageError(f"{path} is a llama2.c checkpoint: it needs its tokenizer file")
         return to_transformers(load_llama2c(path), num_layers)
+    from transformers import AutoModelForCausalLM
+
     extra = {} if num_layers is None else {"num_hidden_layers": num_layers}
     with _quiet():  # the layers left out of an early exit are reported as unexpected weights
         model = AutoModelForCausalLM.from_pretrained(str(model_dir(spec)), dtype=torch.float32, **extra)
@@ -111,6 +117,8 @@ def load_transformers(
 @contextmanager
 def _quiet() -> Iterator[None]:
     """transformers' warnings off (load reports, deprecation notes of generate's internals), then back."""
+    from transformers.utils import logging as hf_logging
+
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
