@@ -24,6 +24,9 @@ from verispec.verify.chain import greedy_verify, rejection_sample, single_guess_
 from verispec.verify.tree import (
     SiblingRule,
     TreeVerdict,
+    _eos_set,
+    _tree_children,
+    _walk,
     greedy_sibling_rule,
     sample_tree_verdict,
     sibling_rule,
@@ -622,3 +625,23 @@ def test_sample_tree_verdict_rejects_a_rule_of_the_wrong_shape():
 
     with pytest.raises(ValueError, match=re.escape("the rule at node 0 must give accept_prob [m]")):
         sample_tree_verdict(ids([0, 1]), ids([-1, 0]), wrong, gen())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 9), st.integers(2, 5), st.integers(0, 2**31 - 1), st.sampled_from([None, 0, [1, 2]]))
+def test_greedy_verdict_is_the_greedy_rule_s_walk(n, vocab, seed, eos):
+    """tree_greedy_verify walks in Python ints (every node's first argmax at once); its verdict is the walk
+    of greedy_sibling_rule, the rule the enumeration proves, node by node (ties in p: the first argmax)."""
+    g = gen(seed)
+    parents = random_tree(g, n)
+    tokens = torch.randint(0, vocab, (n,), generator=g)  # [N]: siblings may repeat tokens
+    p = torch.randint(0, 3, (n, vocab), generator=g).to(F64)  # [N, V]: many ties
+    ids_ = tokens.long()
+
+    def rule(u: int, kids: Tensor) -> SiblingRule:
+        return greedy_sibling_rule(p[u], ids_[kids])
+
+    children = _tree_children(tokens, parents)
+    walked = _walk(tokens.tolist(), children, rule, [0.0] * n, lambda point: int(point.argmax()),
+                   _eos_set(eos), tokens.device)  # fmt: skip
+    assert tree_greedy_verify(tokens, parents, p=p, eos_token_id=eos) == walked

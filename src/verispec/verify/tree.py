@@ -410,18 +410,21 @@ def tree_greedy_verify(
     tokens: [N] int; parents: [N] int; p: [N, V] target distributions, or logits (only the argmax is used).
     """
     children = _tree_children(tokens, parents)
-    n = tokens.shape[0]
-    _check_node_rows("p", p, n)
-    nan = torch.isnan(p).any(-1)
+    _check_node_rows("p", p, tokens.shape[0])
+    nan = torch.isnan(p).any(-1)  # [N]
     if nan.any():
         raise UsageError(f"p has NaN at node {int(nan.nonzero()[0])}")
-    ids = tokens.long()
-
-    def rule(u: int, kids: Tensor) -> SiblingRule:
-        return greedy_sibling_rule(p[u], ids[kids])
-
-    def draw(point: Tensor) -> int:
-        return int(point.argmax())
-
-    uniforms = [0.0] * n  # accept_prob is 0 or 1: 0 < 1 only
-    return _walk(tokens.tolist(), children, rule, uniforms, draw, _eos_set(eos_token_id), tokens.device)
+    # the walk of :func:`_walk` under :func:`greedy_sibling_rule` (a child accepted iff its token is the
+    # node's first argmax, the emitted token that argmax), in Python ints: every node's argmax at once
+    best, ids, eos = first_argmax(p).tolist(), tokens.tolist(), _eos_set(eos_token_id)  # best: [N]
+    node, accepted = 0, list[int]()
+    while True:
+        hit = next((c for c in children[node] if ids[c] == best[node]), None)
+        if hit is None:
+            emitted = [ids[c] for c in accepted] + [best[node]]
+            return TreeVerdict(tokens=emitted, accepted_nodes=accepted, ended_at_leaf=not children[node])
+        node = hit
+        accepted.append(node)
+        if ids[node] in eos:
+            emitted = [ids[c] for c in accepted]
+            return TreeVerdict(tokens=emitted, accepted_nodes=accepted, ended_at_leaf=not children[node])
