@@ -1,7 +1,7 @@
 """Shared fixtures: locating the small real models kept in ``../shared/models`` beside the repository, and
-the session's one local Ray (under a lock: one at a time on the machine); in a pytest-xdist worker (``make
-test`` runs one per core), one torch thread, and the modules that took longest in a recorded run
-(``durations.json``) handed out first."""
+a local Ray shared by the consecutive modules that use it (under a lock: one at a time on the machine); in a
+pytest-xdist worker (``make test`` runs one per core), one torch thread, and the modules that took longest
+in a recorded run (``durations.json``) handed out first."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -72,23 +73,62 @@ def ray_lock(tmp_path_factory: pytest.TempPathFactory) -> FileLock:
     return FileLock(tmp_path_factory.getbasetemp().parent / "local-ray.lock")
 
 
-@pytest.fixture(scope="session")
-def local_ray(ray_lock):
-    """The session's one local Ray, started by :func:`verispec.batch.connect_ray` as ``--ray local`` starts
-    it (a command given ``--ray local`` then finds it connected), held under ``ray_lock`` until the session
-    ends: the ``xdist_group("ray")`` tests (``test_readme``'s, ``test_batch_job``'s, ``test_ray_serve``'s:
-    one worker's under ``--dist loadgroup``) share it instead of starting and stopping a Ray each. Skipped,
-    saying why, where it cannot start."""
-    ray = pytest.importorskip("ray", reason="Ray is not installed")
-    from verispec.batch import LOCAL, connect_ray
+class _LocalRay:
+    """The local Ray of a run of consecutive test modules that use it (:func:`local_ray`), held under
+    ``ray_lock`` while it runs."""
 
-    with ray_lock:
-        try:
-            connect_ray(LOCAL)
-        except Exception as err:  # noqa: BLE001 - whatever keeps Ray from starting here: say so
-            pytest.skip(f"Ray cannot start here: {err}")
-        yield ray
-        ray.shutdown()
+    def __init__(self) -> None:
+        self.ray: Any = None
+        self.lock: FileLock | None = None
+
+    def start(self, lock: FileLock) -> Any:
+        """Ray, started by :func:`verispec.batch.connect_ray` as ``--ray local`` starts it (a command given
+        ``--ray local`` then finds it connected) unless it runs already; the test skipped, saying why, where
+        it cannot start."""
+        if self.ray is None:
+            ray = pytest.importorskip("ray", reason="Ray is not installed")
+            from verispec.batch import LOCAL, connect_ray
+
+            lock.acquire()
+            try:
+                connect_ray(LOCAL)
+            except Exception as err:  # noqa: BLE001 - whatever keeps Ray from starting here: say so
+                lock.release()
+                pytest.skip(f"Ray cannot start here: {err}")
+            self.ray, self.lock = ray, lock
+        return self.ray
+
+    def stop(self) -> None:
+        if self.ray is not None and self.lock is not None:
+            self.ray.shutdown()
+            self.lock.release()
+            self.ray = self.lock = None
+
+
+_LOCAL_RAY = _LocalRay()
+
+
+@pytest.fixture(scope="module")
+def local_ray(ray_lock):
+    """A local Ray shared by consecutive test modules: started where the first test that uses it runs, and
+    stopped once a test of another module that does not use it comes next (or none does), its module's
+    fixtures torn down first (:func:`pytest_runtest_teardown`). Under ``--dist loadgroup`` the
+    ``xdist_group("ray")`` tests (``test_readme``'s, ``test_batch_job``'s, ``test_ray_serve``'s) are one
+    worker's, run one after another: one Ray for them all, instead of one started and stopped for each
+    module, and none left idling (5 % of a core here) beside the tests after them."""
+    return _LOCAL_RAY.start(ray_lock)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After a test's fixtures that the next test does not share are torn down: the local Ray stopped where
+    the next test is of another module and does not use it."""
+    if nextitem is None:
+        _LOCAL_RAY.stop()
+        return
+    same_module = nextitem.nodeid.partition("::")[0] == item.nodeid.partition("::")[0]
+    if not same_module and "local_ray" not in getattr(nextitem, "fixturenames", ()):
+        _LOCAL_RAY.stop()
 
 
 @pytest.fixture(scope="session")

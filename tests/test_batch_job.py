@@ -464,7 +464,7 @@ def test_cli_batch_and_an_unreachable_ray(stories, requests_file, tmp_path, caps
     assert len(read(output)) == 12
 
 
-@pytest.mark.xdist_group("ray")  # one worker runs the session's local Ray (local_ray)
+@pytest.mark.xdist_group("ray")  # one worker runs the group on one local Ray (local_ray)
 def test_ray_workers_give_the_same_output(local_ray, stories, requests_file, tmp_path):
     """Ray Data with two ShardWorker actors: the in-process output, line for line."""
     here = str(tmp_path / "here.jsonl")
@@ -474,7 +474,7 @@ def test_ray_workers_give_the_same_output(local_ray, stories, requests_file, tmp
     assert summary["shards"] == 4 and read(there) == read(here)
 
 
-@pytest.mark.xdist_group("ray")  # one worker runs the session's local Ray (local_ray)
+@pytest.mark.xdist_group("ray")  # one worker runs the group on one local Ray (local_ray)
 def test_drafter_data_on_ray(local_ray, tmp_path, capsys):
     """``drafter-data --ray --workers 2`` on a tiny chat Llama: the prompts of a one-machine run, and its
     greedy answers (the even prompts), in one merged data set."""
@@ -509,7 +509,7 @@ def test_drafter_data_on_ray(local_ray, tmp_path, capsys):
     assert cli.main([*common, "--out", str(tmp_path / "x"), "--ray", "--merge", "a", "b"]) == 2
 
 
-@pytest.mark.xdist_group("ray")  # one worker runs the session's local Ray (local_ray)
+@pytest.mark.xdist_group("ray")  # one worker runs the group on one local Ray (local_ray)
 def test_ray_workers_merge_their_suffix_caches_into_the_file(local_ray, stories, requests_file, tmp_path):
     """Two Ray workers drafting with suffix, each from the cache file: every request's output merged into it
     (greedy, the in-process output line for line)."""

@@ -1,5 +1,5 @@
 """``verispec serve --ray``: two replicas of stories260K (one thread each) on one local Ray, behind Ray
-Serve's proxy on a free loopback port, started once for the module on the session's local Ray (``local_ray``)
+Serve's proxy on a free loopback port, started once for the module on the local Ray (``local_ray``)
 and always shut down. The ``openai`` client against it: answers equal to ``verispec generate``'s (greedy,
 and sampled with a seed) whichever replica serves them; a session or a user back to its replica; /metrics
 of both, labelled; a replica killed while its requests run: they fail in one line, the rest succeed, and
@@ -30,7 +30,7 @@ PROMPT = "Once upon a time"
 @pytest.fixture(scope="module")
 def cluster(local_ray, shared_model):
     """(base URL, stories260K's directory): 2 replicas drafting ngram, 2 slots and a queue of 16 each, on the
-    session's local Ray; Ray Serve shut down after the module's tests."""
+    local Ray; Ray Serve shut down after the module's tests."""
     pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'ray[serve]'")
     from ray import serve
 
@@ -80,7 +80,7 @@ def generated(root, capsys, *flags: str) -> str:
     return json.loads(capsys.readouterr().out)["text"]
 
 
-@pytest.mark.xdist_group("ray")  # one worker runs the session's local Ray (local_ray)
+@pytest.mark.xdist_group("ray")  # one worker runs the group on one local Ray (local_ray)
 def test_answers_equal_generate_whichever_replica_serves(cluster, sessions, capsys):
     url, root = cluster
     greedy = generated(root, capsys, "--drafter", "none")
@@ -97,7 +97,7 @@ def test_answers_equal_generate_whichever_replica_serves(cluster, sessions, caps
         assert "".join(chunk.choices[0].text for chunk in raw.parse()) == sampled
 
 
-@pytest.mark.xdist_group("ray")  # one worker runs the session's local Ray (local_ray)
+@pytest.mark.xdist_group("ray")  # one worker runs the group on one local Ray (local_ray)
 def test_a_session_or_a_user_comes_back_to_its_replica(cluster, sessions):
     url, _ = cluster
     for replica, session in sessions.items():
@@ -108,7 +108,7 @@ def test_a_session_or_a_user_comes_back_to_its_replica(cluster, sessions):
         assert len(served) == 1
 
 
-@pytest.mark.xdist_group("ray")  # one worker runs the session's local Ray (local_ray)
+@pytest.mark.xdist_group("ray")  # one worker runs the group on one local Ray (local_ray)
 def test_metrics_are_every_replica_s_labelled(cluster, sessions):
     url, _ = cluster
     for session in sessions.values():
@@ -123,7 +123,7 @@ def test_metrics_are_every_replica_s_labelled(cluster, sessions):
     assert served == set(sessions)
 
 
-@pytest.mark.xdist_group("ray")  # one worker runs the session's local Ray (local_ray)
+@pytest.mark.xdist_group("ray")  # one worker runs the group on one local Ray (local_ray)
 def test_a_replica_killed_mid_run_fails_its_requests_cleanly(cluster, sessions):
     """Streams and whole answers running on a replica that is killed end at once with one message (an error
     event, a 503); the others' answers are whole; the next requests succeed, and Ray Serve starts a new

@@ -884,7 +884,7 @@ def test_across_tokenizers_command_runs(default_model, shared_model, monkeypatch
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ray")  # one worker runs the session's local Ray (local_ray)
+@pytest.mark.xdist_group("ray")  # one worker runs the group on one local Ray (local_ray)
 def test_offline_batch_commands_run(shared_model, tmp_path, monkeypatch, own_cache, local_ray, capsys):
     """docs/batch.md's batch lines on stories260K (a prompts.jsonl of stories, 8 new tokens), from a fresh
     directory: in-process, then on a local Ray with two workers (the same tokens: a fixed --k and --seed),
@@ -898,7 +898,7 @@ def test_offline_batch_commands_run(shared_model, tmp_path, monkeypatch, own_cac
     here, on_ray, cluster = verispec_commands(OFFLINE)
     outputs = [c.words[c.words.index("--output") + 1] for c in (here, on_ray, cluster)]
     run_commands([here], added, capsys)
-    run_commands([on_ray], added, capsys)  # on the session's local Ray, started as --ray local starts it
+    run_commands([on_ray], added, capsys)  # on the local Ray, started as --ray local starts it
     first, second = (
         [json.loads(line)["token_ids"] for line in Path(o).read_text().splitlines()] for o in outputs[:2]
     )
