@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import stat
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -291,12 +294,44 @@ def test_a_schema_over_the_servers_bytes_is_a_400_and_the_server_goes_on(served,
 
 def test_the_server_makes_the_grammars_tokenizer_at_start(stories, monkeypatch):  # noqa: F811
     """D1's memory and wait: llguidance's view of the tokenizer (20 MB and 0.6 s for SmolLM2) is made as the
-    server starts, not inside its first constrained request."""
+    server starts, not inside its first constrained request; the server holds glibc's mmap threshold."""
     root, loaded = stories
     monkeypatch.setattr(tokens_module, "_MADE", weakref.WeakKeyDictionary())
+    held: list[bool] = []
+    monkeypatch.setattr(app, "return_large_frees", lambda: held.append(True))
     config = ServerConfig(target=str(root / "stories260K.bin"), drafter="ngram", max_batch=1, k="4")
     server = Server(config, loaded=loaded)
     try:
         assert server.default.tokenizer in tokens_module._MADE
+        assert held == [True]  # and its large freed buffers go back to the system (the test below)
     finally:
         server.close()
+
+
+_FREED = """
+import sys
+from verispec.server.config import return_large_frees
+def rss():
+    return next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmRSS")) // 1024
+if sys.argv[1] == "held":
+    assert return_large_frees()
+block = bytearray(24 << 20); del block  # freed from mmap: glibc's threshold rises to its size
+before = rss()
+block = bytearray(24 << 20); del block
+print(rss() - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_a_servers_large_freed_buffers_go_back_to_the_system():
+    """D1's memory: a server's process (Server calls return_large_frees) gives a large buffer back to the
+    system when it is freed; glibc's default keeps it, once a block that size has been freed before."""
+    freed = {
+        mode: int(
+            subprocess.run(
+                [sys.executable, "-c", _FREED, mode], capture_output=True, text=True, check=True, timeout=60
+            ).stdout
+        )  # fmt: skip
+        for mode in ("default", "held")
+    }
+    assert freed["default"] >= 20 and freed["held"] <= 2, freed

@@ -68,7 +68,7 @@ from verispec.inputs import parse_json
 from verispec.models.base import LanguageModel, SpelledTokenizer, Tokenizer
 from verispec.options import DraftLength, GenerationOptions
 from verispec.resolve import Target
-from verispec.server.config import MAX_K, ServerConfig, listen
+from verispec.server.config import MAX_K, ServerConfig, listen, return_large_frees
 from verispec.server.metrics import ServerMetrics
 from verispec.server.schema import (
     ApiError,
@@ -143,6 +143,7 @@ class Server:
     calibrated) here, before the first request."""
 
     def __init__(self, config: ServerConfig, loaded: tuple[LanguageModel, Tokenizer] | None = None) -> None:
+        return_large_frees()  # one request's transient buffers not kept by the process
         self.config = config
         self.name = config.served_name
         choice = dataclasses.replace(config, suffix_cache_file=None)  # the tenants' caches instead

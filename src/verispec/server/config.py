@@ -3,6 +3,7 @@ no transformers), so that the command line refuses a bad flag before anything lo
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import os
 import socket
@@ -16,7 +17,16 @@ from verispec.inputs import check_int
 from verispec.options import DEFAULT_K, DraftLength
 from verispec.server.tenants import SuffixTenants
 
-__all__ = ["MAX_K", "MAX_REPLICAS", "RayDeployment", "ServerConfig", "exposed", "listen"]
+__all__ = [
+    "MAX_K",
+    "MAX_REPLICAS",
+    "MMAP_THRESHOLD",
+    "RayDeployment",
+    "ServerConfig",
+    "exposed",
+    "listen",
+    "return_large_frees",
+]
 
 # A request's k: more than a round scores is never drafted (engine.ROUND_TOKENS, whose module loads torch;
 # tested equal)
@@ -117,3 +127,22 @@ def listen(host: str, port: int) -> socket.socket:
 def exposed(address: str) -> bool:
     """Whether a bound ``address`` (an IP) takes connections from other machines: anything but loopback."""
     return not ipaddress.ip_address(address.split("%")[0]).is_loopback
+
+
+# blocks of at least this many bytes come from mmap and go back to the system when freed (glibc's mallopt)
+MMAP_THRESHOLD = 4 * 1024 * 1024
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+
+
+def return_large_frees() -> bool:
+    """A server's large short-lived buffers (a forced run's logits, 65 rows of the vocabulary: 12.6 MB for
+    SmolLM2) given back to the system as they are freed: glibc raises its mmap threshold to the largest block
+    freed so far (up to 32 MB), after which such blocks come from, and stay in, each thread's arena (measured
+    on a 2,500-word ``const``: the server's memory +160 to +185 MB, +118 with the threshold held at
+    :data:`MMAP_THRESHOLD`; decoding no slower). Smaller blocks keep the arena's fast reuse. Returns whether
+    the C library took it (glibc's ``mallopt``; elsewhere nothing changes)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
