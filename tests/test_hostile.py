@@ -281,12 +281,18 @@ def test_the_servers_bound_on_k_is_what_a_round_scores():
 def test_a_schema_over_the_servers_bytes_is_a_400_and_the_server_goes_on(served, monkeypatch):
     """D2's memory: llguidance's lexer takes ~250 bytes per byte of a long literal (a 500 KB ``const``:
     120-180 MB for one request), so a schema over ``MAX_SCHEMA_BYTES`` is a 400 naming response_format
-    before any grammar is built; one within it is served, and so is the next request."""
+    before any grammar is built (a request's tools alike, naming tools); one within it is served, and so is
+    the next request."""
     url, _ = served
     monkeypatch.setattr(schema_module, "MAX_SCHEMA_BYTES", 200)
     fits, over = "a" * 60, "a" * 200
     status, answer = post(url, {**GOOD, "max_tokens": 4, "temperature": 0, **const_format(over)})
     assert status == 400 and answer["error"]["param"] == "response_format"
+    assert "over this server's 200" in answer["error"]["message"], answer
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"const": over}}}
+    chat = {"model": GOOD["model"], "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+    status, answer = post(url, chat, "/v1/chat/completions")
+    assert status == 400 and answer["error"]["param"] == "tools", answer
     assert "over this server's 200" in answer["error"]["message"], answer
     status, answer = post(url, {**GOOD, "max_tokens": 100, "temperature": 0, **const_format(fits)})
     assert status == 200 and json.loads(answer["choices"][0]["text"]) == fits

@@ -65,9 +65,9 @@ __all__ = [
 ]
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
-# the longest JSON schema a request may constrain by (its JSON text, in UTF-8 bytes): llguidance's lexer takes
-# about 250 bytes of memory per byte of a long literal (a 500 KB ``const``: 120-180 MB for one request);
-# OpenAI itself takes schemas of at most 120,000 characters of names, enums and consts
+# the longest JSON schema a request may constrain by (its JSON text in UTF-8 bytes; its tools' together):
+# llguidance's lexer takes about 250 bytes of memory per byte of a long literal (a 500 KB ``const``: 120-180
+# MB for one request); OpenAI itself takes schemas of at most 120,000 characters of names, enums and consts
 MAX_SCHEMA_BYTES = 128 * 1024
 
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
@@ -139,18 +139,26 @@ class ResponseFormat(BaseModel):
             )
         if self.json_schema is None:
             return Constraint("json_object") if self.type == "json_object" else None
-        text = json.dumps(self.json_schema.schema_)
-        if len(text.encode()) > MAX_SCHEMA_BYTES:
-            raise ApiError(
-                400,
-                f"response_format: a schema of {len(text.encode()):,} bytes is over this server's "
-                f"{MAX_SCHEMA_BYTES:,} (its grammar's memory grows with it)",
-                param="response_format",
-            )
+        text = bounded_json(self.json_schema.schema_, "response_format")
         try:
             return Constraint("json_schema", text)
         except InvalidConstraint as err:
             raise refused_format(err) from None
+
+
+def bounded_json(value: Any, field: str) -> str:
+    """The JSON text of ``field``'s ``value``, a grammar's source; ApiError 400 naming ``field`` when it is
+    over :data:`MAX_SCHEMA_BYTES` of UTF-8."""
+    text = json.dumps(value)
+    size = len(text.encode())
+    if size > MAX_SCHEMA_BYTES:
+        raise ApiError(
+            400,
+            f"{field}: {size:,} bytes of JSON schema is over this server's {MAX_SCHEMA_BYTES:,} (its "
+            "grammar's memory grows with it)",
+            param=field,
+        )
+    return text
 
 
 def refused_format(error: InvalidConstraint) -> ApiError:
@@ -345,6 +353,8 @@ class ChatRequest(ApiRequest):
 
     def tool_spec(self) -> Tools | None:
         """The tools the request gives (None: none); ApiError 400 naming the field at fault."""
+        if self.tools is not None:
+            bounded_json(self.tools, "tools")
         try:
             return Tools.of(self.tools, self.tool_choice, self.parallel_tool_calls)
         except InvalidTools as err:
