@@ -490,9 +490,14 @@ def test_bad_shapes_raise_value_error(p, q, message):
 def test_greedy_validation():
     """Greedy: NaN is named by node, a wrong number of rows is refused; ±inf logits are valid."""
     tokens, parents, p, _ = _valid()
-    p[3, 0] = NAN
-    with pytest.raises(ValueError, match=re.escape("p has NaN at node 3")):
-        tree_greedy_verify(tokens, parents, p=p)
+    for column in (0, -1):  # before and after the row's maximum: found either way, the first node named
+        bad = p.clone()
+        bad[3, column] = NAN
+        with pytest.raises(ValueError, match=re.escape("p has NaN at node 3")):
+            tree_greedy_verify(tokens, parents, p=bad)
+        bad[1, column] = NAN
+        with pytest.raises(ValueError, match=re.escape("p has NaN at node 1")):
+            tree_greedy_verify(tokens, parents, p=bad.float())
     with pytest.raises(ValueError, match=re.escape("p must have shape [4, V]")):
         tree_greedy_verify(tokens, parents, p=p[:3])
     logits = t64([[float("-inf"), 1.0, float("inf")]] * 4)

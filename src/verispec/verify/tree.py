@@ -411,12 +411,13 @@ def tree_greedy_verify(
     """
     children = _tree_children(tokens, parents)
     _check_node_rows("p", p, tokens.shape[0])
-    nan = torch.isnan(p).any(-1)  # [N]
+    argmax = first_argmax(p)  # [N]: a NaN counts as the maximum, so a row holds one iff its argmax is one
+    nan = torch.isnan(p[torch.arange(argmax.shape[0]), argmax])  # [N]
     if nan.any():
         raise UsageError(f"p has NaN at node {int(nan.nonzero()[0])}")
     # the walk of :func:`_walk` under :func:`greedy_sibling_rule` (a child accepted iff its token is the
     # node's first argmax, the emitted token that argmax), in Python ints: every node's argmax at once
-    best, ids, eos = first_argmax(p).tolist(), tokens.tolist(), _eos_set(eos_token_id)  # best: [N]
+    best, ids, eos = argmax.tolist(), tokens.tolist(), _eos_set(eos_token_id)  # best: [N]
     node, accepted = 0, list[int]()
     while True:
         hit = next((c for c in children[node] if ids[c] == best[node]), None)
