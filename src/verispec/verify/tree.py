@@ -302,19 +302,37 @@ def _walk(
     rule's accept_prob[k] (the first such child in trial order); with none, ``draw`` picks the emitted token
     from the last residual. uniforms: N values, uniforms[c] for child c (entry 0 unused); the children's
     indices handed to ``rule`` on ``device``."""
-    node, accepted = 0, list[int]()
-    while True:
+    last: list[SiblingRule] = []  # the rule at the node the walk stands on
+
+    def accepted_child(node: int) -> int | None:
         kids = torch.tensor(children[node], dtype=torch.long, device=device)  # [m] in trial order
         at = rule(node, kids)
         if at.accept_prob.shape != kids.shape or at.residuals.shape[:1] != (len(kids) + 1,):
             raise UsageError(
                 f"the rule at node {node} must give accept_prob [m] and residuals [m+1, V], m = {len(kids)}"
             )
+        last[:] = [at]
         # compared as Python floats, which hold both tensors' values exactly: the comparison torch makes
         tried = zip(children[node], at.accept_prob.tolist(), strict=True)
-        hit = next((c for c, accept in tried if uniforms[c] < accept), None)
+        return next((c for c, accept in tried if uniforms[c] < accept), None)
+
+    return _walk_by(tokens, children, eos, accepted_child, lambda node: draw(last[0].residuals[-1]))
+
+
+def _walk_by(
+    tokens: list[int],
+    children: list[list[int]],
+    eos: frozenset[int],
+    accepted_child: Callable[[int], int | None],
+    emitted_at: Callable[[int], int],
+) -> TreeVerdict:
+    """The walk from the root: at each node, the child ``accepted_child`` names (None: none), down to a node
+    where none is, whose token ``emitted_at`` gives, or to an accepted end-of-sequence token."""
+    node, accepted = 0, list[int]()
+    while True:
+        hit = accepted_child(node)
         if hit is None:
-            emitted = [tokens[c] for c in accepted] + [draw(at.residuals[-1])]
+            emitted = [tokens[c] for c in accepted] + [emitted_at(node)]
             return TreeVerdict(tokens=emitted, accepted_nodes=accepted, ended_at_leaf=not children[node])
         node = hit
         accepted.append(node)
@@ -417,15 +435,9 @@ def tree_greedy_verify(
         raise UsageError(f"p has NaN at node {int(nan.nonzero()[0])}")
     # the walk of :func:`_walk` under :func:`greedy_sibling_rule` (a child accepted iff its token is the
     # node's first argmax, the emitted token that argmax), in Python ints: every node's argmax at once
-    best, ids, eos = argmax.tolist(), tokens.tolist(), _eos_set(eos_token_id)  # best: [N]
-    node, accepted = 0, list[int]()
-    while True:
-        hit = next((c for c in children[node] if ids[c] == best[node]), None)
-        if hit is None:
-            emitted = [ids[c] for c in accepted] + [best[node]]
-            return TreeVerdict(tokens=emitted, accepted_nodes=accepted, ended_at_leaf=not children[node])
-        node = hit
-        accepted.append(node)
-        if ids[node] in eos:
-            emitted = [ids[c] for c in accepted]
-            return TreeVerdict(tokens=emitted, accepted_nodes=accepted, ended_at_leaf=not children[node])
+    best, ids = argmax.tolist(), tokens.tolist()  # best: [N]
+
+    def accepted_child(node: int) -> int | None:
+        return next((c for c in children[node] if ids[c] == best[node]), None)
+
+    return _walk_by(ids, children, _eos_set(eos_token_id), accepted_child, best.__getitem__)
