@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.eagle_drafter import EagleDrafter
-from verispec.drafting.learned.head import INIT_STD, LearnedHead, _head_rows, native_target
+from verispec.drafting.learned.head import LearnedHead, native_target, target_head_rows
 from verispec.errors import UsageError
 from verispec.files import atomic_path, atomic_write
 from verispec.inputs import is_int, parse_json
@@ -380,16 +380,12 @@ class Eagle3Head(PublishedHead):
         where = Path("a new eagle3 head")
         config = Eagle3Config.of(published_config(layer, target.vocab_size, len(ids), aux), target, where)
         shapes, _ = _layout(config, target)
-        tensors = {name: torch.ones(size) for name, size in shapes.items()}  # norms: one
-        tensors["d2t"] = ids - torch.arange(len(ids))
-        tensors["lm_head.weight"] = _head_rows(target, ids)  # the target's own rows
+        tensors = {name: torch.ones(size) for name, size in shapes.items()}
+        tensors |= _vocabulary_tensors(ids, target.vocab_size)
+        tensors["lm_head.weight"] = target_head_rows(target, ids)  # the target's own rows
         head = cls(target, config, tensors, where)
         head.metadata = dict(metadata)
-        with torch.no_grad():
-            for name, param in head.named_parameters():
-                if not name.endswith("norm.weight"):
-                    param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD)
-            head.fresh_start(target)
+        head.initialise(target, generator)
         rows = head.head_weight.clone()
         del head.head_weight  # a buffer of every other head: a parameter of this one
         head.register_parameter("head_weight", nn.Parameter(rows))
@@ -410,11 +406,8 @@ class Eagle3Head(PublishedHead):
             for name, t in self.state_dict().items()
             if name != "head_weight"
         }
-        ids = self.draft_vocab.cpu()
         tensors["lm_head.weight"] = self.head_weight.detach().to("cpu", SAVED_DTYPE).contiguous()
-        tensors["d2t"] = ids - torch.arange(len(ids))
-        tensors["t2d"] = torch.zeros(self.vocab_size, dtype=torch.bool)
-        tensors["t2d"][ids] = True
+        tensors |= _vocabulary_tensors(self.draft_vocab.cpu(), self.vocab_size)
         metadata = {"format": "pt", "verispec": json.dumps(self.metadata)}
         config = published_config(
             self.config, self.vocab_size, self.draft_vocab_size, self.aux_layers, self.norm_before_residual
@@ -466,6 +459,14 @@ class Eagle3Head(PublishedHead):
     def logits(self, features: Tensor) -> Tensor:
         """The layer's outputs [..., H] → draft logits [..., Vd] float32: lm_head(norm(·))."""
         return super().logits(self.norm(features.float()))
+
+
+def _vocabulary_tensors(ids: Tensor, vocab_size: int) -> dict[str, Tensor]:
+    """The published mapping of draft vocabulary ``ids`` [Vd] (target ids, ascending) in a target vocabulary
+    of ``vocab_size``: ``d2t`` [Vd] (draft id d → target id d + d2t[d]) and ``t2d`` [V] bool."""
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)  # [V]
+    t2d[ids] = True
+    return {"d2t": ids - torch.arange(len(ids)), "t2d": t2d}
 
 
 Shapes = dict[str, tuple[int, ...]]

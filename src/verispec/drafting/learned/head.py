@@ -89,7 +89,7 @@ def target_fingerprint(model: LanguageModel) -> str:
     return digest.hexdigest()[:16]
 
 
-def _head_rows(target: Llama, ids: Tensor, chunk: int = 256) -> Tensor:
+def target_head_rows(target: Llama, ids: Tensor, chunk: int = 256) -> Tensor:
     """The rows of the target's output head for token ``ids`` [Vd]: [Vd, hidden] float32. Read through
     ``target.logits`` on unit vectors, which works whatever form the head takes (tied, untied, packed)."""
     hidden = target.config.hidden_size
@@ -151,7 +151,9 @@ class LearnedHead(nn.Module):
         self.metadata = dict(metadata)
         self.hidden_size = target.config.hidden_size
         self.draft_vocab = nn.Buffer(ids.to(target.device), persistent=False)  # [Vd]
-        rows = _head_rows(target, self.draft_vocab) if head_rows is None else head_rows.to(target.device)
+        if head_rows is None:
+            head_rows = target_head_rows(target, self.draft_vocab)  # [Vd, H]
+        rows = head_rows.to(target.device)
         self.head_weight = nn.Buffer(rows, persistent=False)  # [Vd, H]
         self.vocab_size = vocab
         self.cpu_precision: str | None = None  # its CPU fast path (optimize_for_cpu): "fp32" or DRAFT_FORMAT
@@ -206,16 +208,21 @@ class LearnedHead(nn.Module):
         weights: N(0, 0.02²) matrices, zero biases, unit norms; then what the kind starts from
         (:meth:`fresh_start`)."""
         head = cls(target, draft_vocab, metadata, *shape)
+        head.initialise(target, generator)
+        return head
+
+    def initialise(self, target: Llama, generator: torch.Generator) -> None:
+        """Seeded fresh weights: N(0, 0.02²) matrices, zero biases, unit norms; then what the kind starts
+        from (:meth:`fresh_start`)."""
         with torch.no_grad():
-            for name, param in head.named_parameters():
+            for name, param in self.named_parameters():
                 if name.endswith("bias"):
                     param.zero_()
                 elif name.endswith("norm.weight"):
                     param.fill_(1.0)
                 else:
                     param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD)
-            head.fresh_start(target)
-        return head
+            self.fresh_start(target)
 
     def fresh_start(self, target: Llama) -> None:
         """What a fresh head of the kind starts from, after the random weights (under no_grad)."""
