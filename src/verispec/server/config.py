@@ -139,8 +139,9 @@ def return_large_frees() -> bool:
     SmolLM2) given back to the system as they are freed: glibc raises its mmap threshold to the largest block
     freed so far (up to 32 MB), after which such blocks come from, and stay in, each thread's arena (measured
     on a 2,500-word ``const``: the server's memory +160 to +185 MB, +118 with the threshold held at
-    :data:`MMAP_THRESHOLD`; decoding no slower). Smaller blocks keep the arena's fast reuse. Returns whether
-    the C library took it (glibc's ``mallopt``; elsewhere nothing changes)."""
+    :data:`MMAP_THRESHOLD` (docs/bench/hostile-2026-12-07); decoding's speed unchanged within the noise of
+    library runs in turns). Smaller blocks keep the arena's fast reuse. Returns whether the C library took it
+    (glibc's ``mallopt``; elsewhere nothing changes)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
