@@ -59,6 +59,7 @@ from verispec.models.names import DEFAULT_MODEL
 __all__ = ["ServeLoadConfig", "run_serve_load", "write_serve_report"]
 
 _STARTUP = 600.0  # seconds a server may take to load its model and calibrate
+_HANG_UPS = 10.0  # seconds the run's last hang-ups may take to free their slots, on a busy machine
 _WARM_UP = 0.1  # the share of the run after which the server's memory counts as warmed up
 _LISTENING = re.compile(r"on http://([^:]+):(\d+)/v1")
 
@@ -349,15 +350,19 @@ def run_serve_load(config: ServeLoadConfig, progress: bool = True) -> dict:
             say = f"bench-serve: {config.clients} clients for {config.seconds:g} s"
             print(say, file=sys.stderr, flush=True)
         measured = _load(child, config, prompts, chat)
-        time.sleep(0.5)  # the last hang-ups reach the engine within a step
-        exposition = child.get("/metrics")
+        deadline = time.monotonic() + _HANG_UPS  # the last hang-ups reach the engine within a step
+        while True:
+            exposition = child.get("/metrics")
+            freed = (
+                _metric(exposition, "verispec_batch_size") == 0
+                and _metric(exposition, "verispec_requests_total", status="499") == measured["disconnects"]
+            )
+            if freed or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         rss_end = child.rss_mib()
     finally:
         child.stop()
-    freed = (
-        _metric(exposition, "verispec_batch_size") == 0
-        and _metric(exposition, "verispec_requests_total", status="499") == measured["disconnects"]
-    )
     result = {
         "config": {"target": config.target, "drafter": config.drafter, "k": config.k,
                    "clients": config.clients, "seconds": config.seconds, "max_tokens": config.max_tokens,
