@@ -1,11 +1,16 @@
 """The first round of many seeded requests, through one batched engine: what the chi-square tests of sampling
-through the engine count, at a fraction of the cost of decoding each request alone."""
+through the engine count, at a fraction of the cost of decoding each request alone.
+
+Run under ``torch.inference_mode``, as the learned drafters' proposals already are: autograd's bookkeeping
+changes no value the engine computes, and skipping it makes each of the many small forwards about a sixth
+cheaper (stories260K: 1.45 -> 1.2 ms a forward here)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from verispec.engine.engine import SpeculativeEngine
 from verispec.engine.sequence import GenerationStats, Request, Running
@@ -15,6 +20,7 @@ SLOTS = 16  # requests decoded at once
 ALONE = 20  # requests also decoded alone, each in an engine of its own
 
 
+@torch.inference_mode()
 def first_rounds(
     target: LanguageModel, request: Callable[[int], Request], n: int
 ) -> list[tuple[list[int], GenerationStats]]:

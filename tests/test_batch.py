@@ -492,6 +492,7 @@ def p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
+@torch.inference_mode()  # as tests/first_rounds.py: no value changes, each batch cheaper
 def test_chi_square_through_a_mixed_batch():
     target = TableLM(4, seed=21, sharpness=1.2)
     draft = noisy_copy(target, 22, 1.5)

@@ -229,6 +229,7 @@ BROKEN_SAMPLES = 1000
 ALPHA = 1e-4 / 4
 
 
+@torch.inference_mode()  # as tests/first_rounds.py: no value changes, each sample cheaper
 def first_two_tokens_p_value(drafter_kind: str, sampling_kw: dict, samples: int = N_SAMPLES) -> float:
     target = TableLM(4, seed=21, sharpness=1.2)
     draft = noisy_copy(target, 22, 1.5)

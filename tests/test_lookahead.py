@@ -294,6 +294,7 @@ def test_native_batch_equals_alone_and_plain_greedy(native_target, tmp_path):
 N = 3000
 
 
+@torch.inference_mode()  # as tests/first_rounds.py: no value changes, each sample cheaper
 def pair_chi_square(spec: Speculator, model: Llama, prompt: str, sampling_kw: dict, k: int) -> float:
     """The p-value of the first two tokens sampled with seeds 0..N-1 (K = ``k``: token 2 is a lookahead's
     draft) against the target's own joint distribution p(x1) p(x2 | x1) after the prompt."""

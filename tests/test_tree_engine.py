@@ -217,6 +217,7 @@ def target_probs(target: TreeTableLM, context: list[int]) -> torch.Tensor:
     return probs_from_logits(target.next_logits(context).double(), SamplingParams())  # [V]
 
 
+@torch.inference_mode()  # as tests/first_rounds.py: no value changes, each sample cheaper
 def first_two_tokens_p_value(kind: str, samples: int = N_SAMPLES) -> float:
     target = TreeTableLM(4, seed=21, sharpness=1.2)
     draft = noisy_copy(target, 22, 1.5)
