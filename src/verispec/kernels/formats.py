@@ -83,21 +83,29 @@ class Decoded:
 def weights(fmt: BlockFormat, dec: Decoded) -> np.ndarray:
     """The float32 weights [R, nb · 32], computed as ``gguf``'s dequantization computes them."""
     rows, nb, _ = dec.u.shape
-    u = dec.u.astype(np.float32)  # [R, nb, 32]
     f32 = np.float32
+    w = dec.u.astype(f32)  # [R, nb, 32], computed in place: the same operations in the same order, and no
+    # temporary of its size (a vocabulary's embedding is hundreds of MB in float32)
     if fmt.scales == "block":
         d = dec.d.astype(f32)[..., None]
-        w = d * (u - f32(fmt.offset)) if dec.m is None else d * u + dec.m.astype(f32)[..., None]
-    elif fmt.scales == "super":
+        if dec.m is None:  # d · (u − offset)
+            w -= f32(fmt.offset)
+            w *= d
+        else:  # d · u + m
+            w *= d
+            w += dec.m.astype(f32)[..., None]
+    elif fmt.scales == "super":  # d · u − dm
         assert dec.m is not None and dec.sc is not None and dec.sm is not None
         d = np.repeat(dec.d.astype(f32), 8, axis=1) * dec.sc.astype(f32)  # [R, nb]: exact
         dm = np.repeat(dec.m.astype(f32), 8, axis=1) * dec.sm.astype(f32)
-        w = d[..., None] * u - dm[..., None]
-    else:
+        w *= d[..., None]
+        w -= dm[..., None]
+    else:  # d · (u − offset), a scale per half block
         assert dec.sc is not None
         d = np.repeat(dec.d.astype(f32), 8, axis=1)[..., None] * dec.sc.astype(f32)  # [R, nb, 2]
-        w = (d[..., None] * (u - f32(fmt.offset)).reshape(rows, nb, 2, 16)).reshape(rows, nb, 32)
-    return w.reshape(rows, nb * QK).astype(f32)
+        w -= f32(fmt.offset)
+        w.reshape(rows, nb, 2, 16)[...] *= d[..., None]
+    return w.reshape(rows, nb * QK)
 
 
 def deinterleave(fmt: BlockFormat, arrays: tuple[np.ndarray | None, ...], rows: int) -> Decoded:
