@@ -510,6 +510,6 @@ def test_torch_sampler_matches_the_enumerated_round_and_broken_is_caught():
 
         return sample_tree_verdict(tokens[r], parents, rule, g, pair.eos_token_id)
 
-    rows = DRAWS // 10  # far enough from exact that fewer draws suffice
+    rows = DRAWS // 100  # far from exact: its p-value underflows to 0 from these 500 draws (as from 5,000)
     bad = round_histogram([broken(r) for r in range(rows)], cells)
     assert chisquare_pvalue(bad, probs) < ALPHA
