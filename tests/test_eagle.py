@@ -36,6 +36,7 @@ from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.eagle_drafter import DEFAULT_TREE, EagleDrafter, EagleTreeDrafter
 from verispec.drafting.learned.head import native_target, target_fingerprint
 from verispec.drafting.ngram import NGramTreeDrafter
+from verispec.drafting.registry import LOOKUP_FIRST
 from verispec.drafting.tree import TreeShape
 from verispec.engine.sequence import EngineConfig, GenerationStats, Request
 from verispec.models.llama import Llama, LlamaConfig
@@ -254,7 +255,7 @@ def test_a_loaded_target_is_named_by_its_label(target, trained, tmp_path, monkey
     monkeypatch.setattr(
         resolve_module, "shipped_drafter", lambda label, kind="eagle": asked.append(label) or trained
     )
-    assert Speculator((target, tokenizer), target_label="tiny-0").drafter_name == "eagle"
+    assert Speculator((target, tokenizer), target_label="tiny-0").drafter_name == LOOKUP_FIRST
     assert asked == ["tiny-0"]
     foreign = fresh_head(tiny_target(seed=1), torch.arange(VOCAB)).save(tmp_path / "foreign.safetensors")
     message = one_line_error(
@@ -491,9 +492,9 @@ def test_auto_takes_the_shipped_drafter_only_when_it_matches(target, trained, tm
     monkeypatch.setattr(
         resolve_module, "_learned_pays", lambda model, head, label: True
     )  # the costs: the next test
-    assert Speculator((target, tokenizer)).drafter_name == "eagle"
+    assert Speculator((target, tokenizer)).drafter_name == LOOKUP_FIRST  # the head behind prompt lookup
     assert Speculator((target, tokenizer), draft=(target, tokenizer)).drafter_name == "model"
-    assert Speculator((target, tokenizer), tree=TreeShape.full(2, 2)).drafter_name == "eagle"
+    assert Speculator((target, tokenizer), tree=TreeShape.full(2, 2)).drafter_name == "eagle"  # a tree
     monkeypatch.setattr(resolve_module, "shipped_drafter", lambda label, kind="eagle": foreign)
     assert Speculator((target, tokenizer)).drafter_name == "ngram"
     one_line_error(lambda: Speculator((target, tokenizer), drafter="eagle"), "trained for target")
@@ -528,8 +529,8 @@ def test_auto_takes_the_shipped_drafter_only_where_the_costs_say_it_pays(
     monkeypatch.setattr(resolve_module, "calibrate", lambda *args, **kwargs: calibration)
     predicted = speedup_by_k(heldout + [heldout[-1]] * 12, costs.round_costs(15)).max()
     assert (predicted >= resolve_module.LEARNED_MARGIN) == pays  # the two settings straddle the margin
-    assert Speculator((target, tokenizer)).drafter_name == ("eagle" if pays else "ngram")
-    assert Speculator((target, tokenizer), drafter_path=str(trained)).drafter_name == "eagle"
+    assert Speculator((target, tokenizer)).drafter_name == (LOOKUP_FIRST if pays else "ngram")
+    assert Speculator((target, tokenizer), drafter_path=str(trained)).drafter_name == LOOKUP_FIRST
 
 
 def drafter_with_context(target, head, context: list[int], sampling: SamplingParams) -> EagleDrafter:

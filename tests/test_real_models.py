@@ -22,6 +22,7 @@ from first_rounds import first_token_counts
 from verispec import cli
 from verispec.api import Speculator
 from verispec.drafting.learned.kinds import shipped_drafter
+from verispec.drafting.registry import LOOKUP_FIRST
 from verispec.drafting.tree import TreeShape
 from verispec.engine.sequence import GenerationStats, Request
 from verispec.models.llama import Llama
@@ -228,24 +229,24 @@ def test_smollm2_speculative_greedy_equals_plain_greedy(smollm2, smol_greedy):
 
 @pytest.mark.slow
 def test_smollm2_shipped_learned_drafter_is_exact(smollm2, smol_greedy, capsys):
-    """The drafter shipped for SmolLM2-135M: picked by default, greedy == plain greedy on 3 chat prompts; the
-    demo runs it beside ngram and finds every output identical."""
+    """The drafter shipped for SmolLM2-135M: picked by default (behind prompt lookup), greedy == plain greedy
+    on 3 chat prompts, alone in a tree too; the demo runs it beside ngram and finds every output identical."""
     model, tokenizer = smollm2
     shipped = shipped_drafter("smollm2-135m")
     assert shipped is not None, "the package ships a drafter for smollm2-135m"
     learned = Speculator((model, tokenizer), drafter_path=shipped)
-    assert learned.drafter_name == "eagle"
+    assert learned.drafter_name == LOOKUP_FIRST
     tree = Speculator((model, tokenizer), drafter_path=shipped, tree=TreeShape.from_paths([[0], [1], [0, 0]]))
     for prompt, reference in smol_greedy.items():
         assert greedy_ids(learned, prompt, 40, chat=True) == reference
         assert greedy_ids(tree, prompt, 40, chat=True) == reference
     assert cli.main(["demo", "--max-new-tokens", "24", "--k", "4"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    for name in ("none", "ngram", "eagle"):
+    for name in ("none", "ngram", "eagle", LOOKUP_FIRST):
         assert any(line.strip().startswith(f"{name}: 24 tokens") for line in lines), name
-    assert sum("identical to none: yes" in line for line in lines) == 2
+    assert sum("identical to none: yes" in line for line in lines) == 3
     for line, after in zip(lines, [*lines[1:], ""], strict=True):  # a slower method says why
-        found = re.match(r"\s*(\w+): 24 tokens, [\d.]+ tokens/s \(([\d.]+)x\)", line)
+        found = re.match(r"\s*([\w+]+): 24 tokens, [\d.]+ tokens/s \(([\d.]+)x\)", line)
         if found and found.group(1) != "none" and float(found.group(2)) < 1:
             assert "slower here: a round cost" in after, line
 

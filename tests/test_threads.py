@@ -1,7 +1,7 @@
 """The kernels' thread count (:mod:`verispec.kernels.threads`) on made-up timings: torch's count while it is
-the faster, one thread once a probe finds one faster by the margin (a busy machine), back when the cores free
-up; probes where they belong; nothing to choose on one thread. (Outputs never depend on the count: the
-kernels' tests check every product and forward on other thread counts.)"""
+the faster, one thread once a probe finds one faster by the margin (a busy machine; torch's own count then one
+too), back when the cores free up; probes where they belong; nothing to choose on one thread. (Outputs never
+depend on the count: the kernels' tests check every product and forward on other thread counts.)"""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ def test_a_busy_machine_moves_to_one_thread_after_the_first_probe_and_back_when_
     choice = ThreadChoice()
     counts = run(choice, 16, {2: 0.010, 1: 0.004})
     assert counts[-4:] == [1, 1, 1, 1] and choice.single and choice.count() == 1  # calls 4-7: switched
+    assert torch.get_num_threads() == 1  # torch's own operations on one thread too
     counts = run(choice, 192, {2: 0.010, 1: 0.004})  # calls 16-207
     # probes at calls 68 (64 after the switching one) and 132: each ended by its first forward (2.5× slower)
     assert probes(counts, 2) == [68 - 16, 132 - 16] and choice.single
@@ -55,7 +56,7 @@ def test_a_busy_machine_moves_to_one_thread_after_the_first_probe_and_back_when_
     assert probes(counts, 2) == [260 - 208 + i for i in range(4)] and choice.single  # 128 after call 132
     counts = run(choice, 128, {2: 0.002, 1: 0.004})  # calls 464-591
     assert counts[:52] == [1] * 52 and counts[52:56] == [2] * 4  # a probe 256 after call 260: switched back
-    assert not choice.single and choice.count() == 2
+    assert not choice.single and choice.count() == 2 and torch.get_num_threads() == 2  # torch's count back
 
 
 def test_a_slow_probe_forward_ends_its_probe(two_threads):

@@ -2,11 +2,10 @@
 :class:`~verispec.api.Speculator` generates with: every check of the choice that needs no model (made first,
 so that a mistake costs no load: :func:`~verispec.drafting.registry.check_choice`,
 :meth:`~verispec.choice.ModelChoice.check_models`), the loading (a :class:`Target` once, whatever drafters
-draft beside it), and every "auto" rule in one place — which drafter
-auto drafts with (a draft model when given, else the learned drafter verispec ships for the target where the
-cost model says it pays, else prompt lookup), which tree ``tree="auto"`` is, which learned drafter file a
-target gets. The drafters' names mean something only here and in the registry
-(:mod:`verispec.drafting.registry`).
+draft beside it), and every "auto" rule in one place — which drafter auto drafts with (a draft model when
+given, else the eagle head verispec ships for the target behind prompt lookup where the cost model says the
+head pays, else prompt lookup), which tree ``tree="auto"`` is, which learned drafter file a target gets.
+The drafters' names mean something only here and in the registry (:mod:`verispec.drafting.registry`).
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from verispec.drafting.registry import (
     EAGLE,
     DrafterKind,
     DraftInputs,
+    auto_with_head,
     check_choice,
     choose_auto,
     early_exit_layers,
@@ -148,7 +148,8 @@ def resolve(choice: ModelChoice, tree: TreeShape | str | None = None, target: Ta
             pair = VocabularyPair.build(target.tokenizer, spoken, draft_model.vocab_size)
     if choice.cross_tokenizer != "auto" and pair is None:
         raise UsageError("--cross-tokenizer applies to a draft whose tokenizer differs from the target's")
-    kind, head = _kind_and_head(kind, model, draft is not None, choice.drafter_path, target_label)
+    shaped = isinstance(tree, TreeShape)  # a token tree's shape given
+    kind, head = _kind_and_head(kind, model, draft is not None, choice.drafter_path, target_label, shaped)
     if kind.reads_target_hidden and not isinstance(model, HiddenStateModel):
         raise UsageError(
             f"drafter {kind.name!r} reads the target's hidden states: it needs a native target, "
@@ -188,10 +189,12 @@ def _kind_and_head(
     drafted: bool,
     drafter_path: str | Path | None,
     target_label: str,
+    tree: bool,
 ) -> tuple[DrafterKind, LearnedHead | None]:
     """The drafter kind (``kind`` None: auto's choice) and its learned head: the file given, or a shipped one
-    (auto takes the shipped file only where it pays, else prompt lookup; a file given decides auto's kind).
-    ``drafted``: a draft model was given."""
+    (auto takes the shipped file only where it pays, else prompt lookup; a file given decides auto's kind,
+    :func:`~verispec.drafting.registry.auto_with_head`). ``drafted``: a draft model was given; ``tree``: a
+    token tree's shape was given."""
     head = None
     learned = kind.learned if kind is not None else not drafted  # auto: the shipped one, if any
     if learned or drafter_path is not None:
@@ -200,8 +203,8 @@ def _kind_and_head(
     shipped = kind is None and not drafted and drafter_path is None and head is not None
     if shipped and head is not None and not _learned_pays(model, head, target_label):
         head = None  # auto: prompt lookup instead of the shipped drafter (see LEARNED_MARGIN)
-    if kind is None and head is not None:  # auto with a drafter file: the file's kind
-        kind = DRAFTERS[head.kind]
+    if kind is None and head is not None:  # auto with a drafter file: by the file's kind
+        kind = auto_with_head(head.kind, tree)
     return (kind if kind is not None else choose_auto(drafted, head is not None)), head
 
 

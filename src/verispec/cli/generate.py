@@ -404,7 +404,7 @@ def run_demo(args: argparse.Namespace) -> int:
     speculators = {PLAIN: plain}
     if args.drafter == AUTO_DRAFTER and args.draft is None:  # auto's choice and the others beside it
         learned = args.drafter_path is not None or shipped_drafter(target.label) is not None
-        for name in auto_candidates(learned):
+        for name in (n for n in auto_candidates(learned) if n != chosen.drafter_name):  # chosen: last
             path = args.drafter_path if DRAFTERS[name].learned else None
             speculators[name] = Speculator.on(target, drafter=name, drafter_path=path, tree=tree)
         print(f"drafter auto chooses {chosen.drafter_name} for this target on this machine\n")
@@ -420,6 +420,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"--- {name} ---\n{result.text.strip()}\n")
     base = results[PLAIN]
     print(f"the median of {DEMO_RUNS} runs each, in turns:")
+    width = max(len(name) for name in results)
     for name, result in results.items():
         s = result.stats
         speedup = s["tokens_per_second"] / base.stats["tokens_per_second"]
@@ -429,8 +430,8 @@ def run_demo(args: argparse.Namespace) -> int:
             else f"; identical to {PLAIN}: {'yes' if result.token_ids == base.token_ids else 'NO'}"
         )
         print(
-            f"{name:>6}: {s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tokens/s ({speedup:.2f}x), "
-            f"{s['tokens_per_target_call']:.2f} tokens per target call{same}"
+            f"{name:>{width}}: {s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tokens/s "
+            f"({speedup:.2f}x), {s['tokens_per_target_call']:.2f} tokens per target call{same}"
         )
         if name != PLAIN and speedup < 1:
             print(why_slower(s, base.stats))

@@ -9,8 +9,9 @@ in :mod:`verispec.training`, the targets verispec ships a file of it for); the k
 (:data:`verispec.drafting.learned.kinds.HEADS`), their shipped files, the kinds ``train-drafter`` trains and
 the recipe each trains with are read from there.
 
-``auto`` is not a drafter but a choice among them (:func:`choose_auto`): the draft model when one is given,
-else the learned drafter when one exists for the target, else prompt lookup. :func:`check_choice` is every
+``auto`` is not a drafter but a choice among them (:func:`choose_auto`, :func:`auto_with_head`): the draft
+model when one is given, else the eagle head behind prompt lookup when a learned drafter exists for the
+target, else prompt lookup. :func:`check_choice` is every
 check of a choice of drafter (and its draft, file and tree) that needs no model: light to import (no torch),
 the command line asks it before anything loads.
 """
@@ -53,12 +54,14 @@ __all__ = [
     "DRAFT_MODEL",
     "EAGLE",
     "EARLY_EXIT",
+    "LOOKUP_FIRST",
     "PLAIN",
     "SELF",
     "DraftInputs",
     "DrafterKind",
     "Trained",
     "auto_candidates",
+    "auto_with_head",
     "check_algorithm",
     "check_choice",
     "choose_auto",
@@ -71,7 +74,8 @@ __all__ = [
 AUTO = "auto"
 PLAIN = "none"  # the drafter that drafts nothing: plain decoding, every speedup's baseline
 DRAFT_MODEL = "model"  # the drafter that drafts with a draft model (--draft)
-EAGLE = "eagle"  # verispec's own learned drafter: auto's where it pays, a drafter file's default kind
+EAGLE = "eagle"  # verispec's own learned drafter: a drafter file's default kind
+LOOKUP_FIRST = "ngram+eagle"  # prompt lookup first, the eagle head elsewhere: auto's where the head pays
 
 
 @dataclass(frozen=True)
@@ -314,7 +318,7 @@ def _ngram_eagle_chain(inputs: DraftInputs) -> Drafter:
     from verispec.drafting.hybrid import LookupFirstDrafter
     from verispec.drafting.ngram import NGramDrafter
 
-    return LookupFirstDrafter(NGramDrafter(), _eagle_chain(inputs), "ngram+eagle")
+    return LookupFirstDrafter(NGramDrafter(), _eagle_chain(inputs), LOOKUP_FIRST)
 
 
 def _ngram_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> TreeDrafter:
@@ -404,7 +408,7 @@ DRAFTERS: dict[str, DrafterKind] = {
             reads_target_hidden=True,
         ),
         DrafterKind(
-            "ngram+eagle",
+            LOOKUP_FIRST,
             "prompt lookup where the context's suffix occurred before, the eagle head elsewhere",
             _ngram_eagle_chain,
             head="eagle",
@@ -510,14 +514,24 @@ def drafter_names(which: Callable[[DrafterKind], bool] = lambda kind: True, last
 
 
 def choose_auto(has_draft_model: bool, has_learned_drafter: bool) -> DrafterKind:
-    """What ``auto`` picks: the draft model when one is given, else the learned drafter when one exists for
-    the target, else prompt lookup."""
+    """What ``auto`` picks: the draft model when one is given, else the eagle head behind prompt lookup when
+    a learned drafter exists for the target, else prompt lookup."""
     if has_draft_model:
         return DRAFTERS[DRAFT_MODEL]
     return DRAFTERS[auto_candidates(has_learned_drafter)[-1]]  # the learned drafter where there is one
 
 
+def auto_with_head(head_kind: str, tree: bool) -> DrafterKind:
+    """What ``auto`` drafts with beside a learned drafter file of ``head_kind`` (shipped or given): an eagle
+    head behind prompt lookup (:data:`LOOKUP_FIRST`), unless a token ``tree`` is asked for (that drafter
+    drafts chains), else the file's own kind. The lookup's guesses are free and long where the context
+    repeats itself and the head's are dear and short, so the head drafts only where the lookup has nothing:
+    on every task of the bench, lookup-first drafted at least as fast as the head alone (docs/drafters.md)."""
+    return DRAFTERS[LOOKUP_FIRST if head_kind == EAGLE and not tree else head_kind]
+
+
 def auto_candidates(has_learned_drafter: bool) -> tuple[str, ...]:
-    """The drafters ``auto`` chooses between without a draft model: prompt lookup, and the learned drafter
-    when one exists for the target (``verispec demo`` runs each beside auto's choice)."""
-    return ("ngram", EAGLE) if has_learned_drafter else ("ngram",)
+    """The drafters ``auto`` chooses between without a draft model: prompt lookup, and, when a learned
+    drafter exists for the target, its head alone and behind the lookup, auto's choice last (``verispec
+    demo`` runs each)."""
+    return ("ngram", EAGLE, LOOKUP_FIRST) if has_learned_drafter else ("ngram",)
