@@ -29,7 +29,7 @@ from verispec import resolve as resolve_module
 from verispec.api import Speculator
 from verispec.bench.suite import BenchConfig, Method, plan_methods
 from verispec.costs.analytic import CostModel, best_tree_size, speedup_by_k
-from verispec.costs.calibrate import DRAFT_K, FILLS
+from verispec.costs.calibrate import DRAFT_K, FILLS, TreeRound, calibrate
 from verispec.costs.policies import ConstantK
 from verispec.drafting.base import Allowed, Proposal
 from verispec.drafting.learned.eagle import EagleHead
@@ -630,6 +630,32 @@ def test_k_auto_calibrates_real_proposals(target, trained, tmp_path, monkeypatch
         assert eagle.generate(prompt, k="auto", max_new_tokens=40, sampling=GREEDY).token_ids == reference
 
 
+def test_a_tree_round_is_calibrated_as_its_whole_tree(target, trained, tmp_path, monkeypatch):
+    """tree="auto" prices a tree round's drafting by its own calibration (TreeRound): every proposal timed
+    drafts the whole default tree from the target's hidden states (its 4 draft nodes), and its costs are kept
+    in the cache apart from the chain's (another identity)."""
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    drafted = []
+    propose_tree = EagleTreeDrafter.propose_tree
+
+    def counted(self, context, shape, generator, allowed=None):
+        tree = propose_tree(self, context, shape, generator, allowed)
+        drafted.append(tree.num_nodes - 1)
+        return tree
+
+    monkeypatch.setattr(EagleTreeDrafter, "propose_tree", counted)
+    head = EagleHead.load(trained, target)
+    chain = EagleDrafter(head, GREEDY)
+    tree_round = TreeRound(EagleTreeDrafter(chain, DEFAULT_TREE))
+    costs = calibrate(target, tree_round, repetitions=3).draft
+    assert costs is not None and costs.cost_ratio > 0
+    assert drafted == [DEFAULT_TREE.num_nodes - 1] * (FILLS + 2 * 3)
+    assert tree_round.cost_identity() != chain.cost_identity()
+    assert calibrate(target, chain, repetitions=3).draft is not None
+    cached = json.loads(next((tmp_path / "cache" / "calibration").glob("*.json")).read_text())
+    assert len(cached["drafts"]) == 2
+
+
 class RecordingDrafter:
     """Reads the target's hidden states and records them; drafts the target's greedy next token, then the
     last token again (single guesses: some accepted, some rejected)."""
@@ -965,21 +991,29 @@ RISKY = CostModel(
 
 
 @pytest.mark.parametrize(
-    "cost, tree", [(FLAT, DEFAULT_TREE), (STEEP, None), (RISKY, None)], ids=["flat", "steep", "risky"]
+    "cost, drafting, tree",
+    [(FLAT, 0.6, DEFAULT_TREE), (FLAT, 1.0, None), (STEEP, 0.1, None), (RISKY, 0.28, None)],
+    ids=["flat", "flat-dear-tree", "steep", "risky"],
 )
 def test_tree_auto_is_the_learned_drafters_default_tree_where_it_may_pay(
-    target, trained, monkeypatch, cost, tree
+    target, trained, monkeypatch, cost, drafting, tree
 ):
     """tree="auto" drafts eagle's default tree where this machine's costs say it may beat a chain and cannot
     lose to plain decoding (held-out agreement 0.5 at each position: the tree's 2.25 tokens at most and 1.75
-    at least for 1.6 steps, against the chain's best 1.15); chain rounds where even perfect sibling guesses
+    at least for 1.6 steps, against the chain's best 1.15); chain rounds where the tree's own drafting, as
+    calibrated, is dear (1.0 step: 1.75 tokens at least for 2.0 steps), where even perfect sibling guesses
     could not pay for its larger forward (2.25 tokens for 3.1 steps against the chain's 1.5 for 1.55), and
     where they could beat a chain that does not pay (2.25 for 2.17 steps: 1.04 against K = 0's 1.0) but its
     first-ranked path alone would lose (1.75 tokens for 2.17 steps)."""
     monkeypatch.setattr(
         type(EagleHead.load(trained, target)), "heldout_accuracy", property(lambda h: [0.5] * 4)
     )
-    monkeypatch.setattr(resolve_module, "calibrate", lambda *a, **k: SimpleNamespace(cost_model=cost))
+
+    def calibrate(model, drafter, **kwargs):  # a tree round's drafting costs `drafting` steps
+        tree_round = CostModel(0.0, cost.verify_cost, fixed_cost=drafting)
+        return SimpleNamespace(cost_model=tree_round if isinstance(drafter, TreeRound) else cost)
+
+    monkeypatch.setattr(resolve_module, "calibrate", calibrate)
     tokenizer = LetterTokenizer(VOCAB)
     eagle = Speculator((target, tokenizer), drafter="eagle", drafter_path=str(trained), tree="auto")
     assert eagle.tree is tree

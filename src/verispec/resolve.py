@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from verispec.costs.analytic import CostModel, expected_tokens_per_call, speedup_by_k, tree_tokens_bound
-from verispec.costs.calibrate import calibrate
+from verispec.costs.calibrate import TreeRound, calibrate
+from verispec.drafting.base import HiddenStateTreeDrafter
 from verispec.drafting.cross_tokenizer import VocabularyPair, same_vocabulary
 from verispec.drafting.learned.eagle_drafter import DEFAULT_TREE
 from verispec.drafting.learned.head import LearnedHead, native_target
@@ -225,7 +226,8 @@ def _tree_may_pay(model: LanguageModel, head: LearnedHead, target_label: str) ->
     """Whether :data:`DEFAULT_TREE` may draft faster than a chain at its best K and cannot lose to plain
     decoding: by this machine's calibrated costs, the tree's expected tokens bounded from above (its siblings'
     guesses as good as they could be, :func:`~verispec.costs.analytic.tree_tokens_bound`) per round of
-    its verification and draft steps at least the chain's best expected speed, and bounded from below (its
+    its verification and drafting (the tree's own, :func:`_tree_drafting`) at least the chain's best expected
+    speed, and bounded from below (its
     first-ranked path alone, no sibling ever accepted) at least plain decoding's (a tree round always
     drafts, where a chain's K may fall to 0), at the per-position agreement the drafter's file records on
     held-out data. True without that record."""
@@ -236,10 +238,20 @@ def _tree_may_pay(model: LanguageModel, head: LearnedHead, target_label: str) ->
     shape = DEFAULT_TREE
     if cost.max_k is not None and shape.num_nodes - 1 > cost.max_k:
         return False
-    round_cost = cost.verify(shape.num_nodes) + cost.draft_cost(shape.max_depth)
+    round_cost = cost.verify(shape.num_nodes) + _tree_drafting(model, head, shape, target_label)
     first = max(len(path) for path in shape.paths if not any(path))  # the first-ranked path's depth
     least = expected_tokens_per_call(alphas[:first]) if first else 1.0
     return least >= round_cost and tree_tokens_bound(shape.paths, alphas) / round_cost >= chain
+
+
+def _tree_drafting(model: LanguageModel, head: LearnedHead, shape: TreeShape, target_label: str) -> float:
+    """What drafting one round of ``shape`` with the learned head costs in plain steps, by this machine's
+    calibrated costs (measured once and cached: :class:`~verispec.costs.calibrate.TreeRound`)."""
+    kind = DRAFTERS[EAGLE]
+    assert kind.tree is not None  # eagle drafts trees
+    tree = kind.tree(kind.chain(DraftInputs(SamplingParams(temperature=0), model, head=head)), shape, None)
+    assert isinstance(tree, HiddenStateTreeDrafter)  # the head's tree reads the target's hidden states
+    return calibrate(model, TreeRound(tree), target_label=target_label).cost_model.draft_cost(1)
 
 
 def _learned_pays(model: LanguageModel, head: LearnedHead, target_label: str) -> bool:
