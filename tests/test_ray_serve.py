@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -128,8 +129,9 @@ def test_a_replica_killed_mid_run_fails_its_requests_cleanly(cluster, sessions):
     """Streams and whole answers running on a replica that is killed end at once with one message (an error
     event, a 503); the others' answers are whole; the next requests succeed, and Ray Serve starts a new
     replica."""
-    import ray
     from ray import serve
+
+    from verispec.server.ray_serve import kill_replica
 
     url, _ = cluster
     victim, session = next(iter(sessions.items()))
@@ -157,7 +159,7 @@ def test_a_replica_killed_mid_run_fails_its_requests_cleanly(cluster, sessions):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         runs = [pool.submit(run, n) for n in range(8)]
         assert streaming.wait(TIMEOUT)
-        ray.kill(ray.get_actor(f"SERVE_REPLICA::verispec#Replica#{victim}", namespace="serve"))
+        kill_replica(victim)  # what bench-serve --kill-replica-at does
         outcomes = [future.result(timeout=TIMEOUT) for future in runs]
     assert "failed" in outcomes, outcomes
     for n in range(4):
@@ -281,3 +283,40 @@ def test_the_exposure_warning_loads_no_torch():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--kill-replica-at", "5"], "--kill-replica-at needs --replicas 2 or more"),
+        (["--replicas", "1", "--kill-replica-at", "5"], "--kill-replica-at needs --replicas 2 or more"),
+        (["--replicas", "2", "--kill-replica-at", "30"], r"must be a number of seconds in \(0, 30\), got 30"),
+        (["--replicas", "2", "--kill-replica-at", "-1"], r"must be a number of seconds in \(0, 30\), got -1"),
+    ],
+)
+def test_a_replica_killed_by_bench_serve_is_checked_before_anything_starts(capsys, flags, message):
+    """bench-serve --kill-replica-at: refused in one line unless another replica answers meanwhile and the
+    kill falls within the run (--seconds 30)."""
+    assert cli.main(["bench-serve", "--seconds", "30", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+
+
+def test_the_report_says_what_a_replica_s_death_did(tmp_path):
+    """A killed replica's requests are counted apart from failures; each replica's answers after the kill
+    (a new id: Ray Serve's replacement) come from the counts before and at the end."""
+    from verispec.bench.serve import _after_kill, write_serve_report
+
+    killed = {"replica": "a", "at": 150.04, "before": {"a": 40, "b": 38}, "message": "died"}
+    after = _after_kill(killed, {"a": 41, "b": 90, "c": 30}, died=3)
+    assert after == {"replica": "a", "at": 150.0, "died": 3, "answered_after": {"a": 1, "b": 52, "c": 30}}
+    assert _after_kill({}, {"a": 1}, 0) is None
+    served = {"completed": 160, "failures": 0, "disconnects": 2, "disconnects_freed": True,
+              "tokens_per_second": 100.0, "ttft_p50": 0.1, "ttft_p99": 0.2, "itl_p50": 0.01, "itl_p99": 0.02,
+              "rss_start_mib": 1.0, "rss_warm_mib": 1.0, "rss_end_mib": 1.0, "rss_max_mib": 1.0,
+              "rss_growth": 0.0, "rss_growth_warm": 0.0, "cached_prompt_share": 0.5,
+              "replicas": {"a": 41, "b": 90, "c": 30}, "failure_examples": [], "killed": after}  # fmt: skip
+    text = (write_serve_report({"config": {}, "served": served}, tmp_path) / "results.md").read_text()
+    assert "Replica a killed 150 s into the run: requests that failed with its death's one message" in text
+    assert "(a 503 or an error event; the failures above are the others): 3;" in text
+    assert "requests answered after it: a 1, b 52, c 30." in text

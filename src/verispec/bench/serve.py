@@ -15,7 +15,11 @@ With ``replicas`` (``--replicas N``), the server is ``verispec serve --ray --rep
 started by it, each replica with ``threads`` threads): each client is a conversation of its own (its
 ``X-Session-Id``), so that affinity sends it to one replica; the answers' replica ids are counted, and the
 memory sampled is the Ray driver's alone (the replicas are Ray's workers). Every run reports the share of
-prompt tokens whose keys and values a slot still held (``cached_tokens``), which affinity is to keep.
+prompt tokens whose keys and values a slot still held (``cached_tokens``), which affinity is to keep. With
+``kill_replica_at`` (``--kill-replica-at S``) the replica that answered most is killed S seconds into the run
+(from this process, joined to the server's local Ray): the requests that fail with its death's one message
+(a 503, or an error event ending a stream) are counted apart from failures, which must stay 0, and each
+replica's answers after the kill are reported (a new id: Ray Serve's replacement).
 
 A drafter with a cache shared across requests (``--drafter suffix``) is timed from the server's cache as the
 one request that readied it left it; ``suffix-warm`` serves ``suffix`` and runs every prompt once through the
@@ -79,6 +83,7 @@ class ServeLoadConfig:
     disconnect_every: int = 10  # every N-th request hangs up after its first token (0: none does)
     replicas: int = 0  # 0: verispec serve alone; N: verispec serve --ray --replicas N (docs/serve-ray.md)
     threads: int | None = None  # each replica's threads, with replicas (None: the machine's CPUs shared out)
+    kill_replica_at: float | None = None  # seconds into the run when the busiest replica is killed
     engine: bool = True  # then the engine alone on the same work
     prompts: tuple[Prompt, ...] = ()  # default: the bench's task prompts
     out: str = ""
@@ -90,6 +95,13 @@ class ServeLoadConfig:
         seconds = self.seconds
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
             raise UsageError(f"seconds must be a finite number > 0, got {self.seconds!r}")
+        kill = self.kill_replica_at
+        if kill is not None:
+            if self.replicas < 2:
+                raise UsageError("--kill-replica-at needs --replicas 2 or more: the others answer meanwhile")
+            if isinstance(kill, bool) or not isinstance(kill, (int, float)) or not 0 < kill < seconds:
+                within = f"a number of seconds in (0, {seconds:g})"
+                raise UsageError(f"--kill-replica-at must be {within}, got {kill!r}")
 
 
 class _Child:
@@ -174,6 +186,7 @@ class _Child:
 class _Tally:
     completed: int = 0
     failures: int = 0
+    died: int = 0  # requests that failed with the killed replica's death, said in one message (503, an event)
     disconnects: int = 0
     tokens: int = 0
     prompt_tokens: int = 0
@@ -214,6 +227,8 @@ def _one_request(
                 done = True
                 break
             event = json.loads(data)
+            if "error" in event:  # a stream's failure, in one event
+                return _Answer(f"error event: {event['error'].get('message')}")
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
                 answer.prompt_tokens = event["usage"]["prompt_tokens"]
@@ -271,6 +286,8 @@ def _load(child: _Child, config: ServeLoadConfig, prompts: Sequence[Prompt], cha
                     tally.cached_tokens += answer.cached_tokens
                 elif outcome == "disconnected":
                     tally.disconnects += 1
+                elif killed and killed["message"] in outcome:  # a request the killed replica was serving
+                    tally.died += 1
                 else:
                     tally.failures += 1
                     assert tally.failure_examples is not None
@@ -284,12 +301,31 @@ def _load(child: _Child, config: ServeLoadConfig, prompts: Sequence[Prompt], cha
             with contextlib.suppress(OSError):  # the server ended between the check and the read
                 rss.append((time.perf_counter() - start, child.rss_mib()))
 
-    stop = threading.Event()
-    sampler = threading.Thread(target=sample_memory, daemon=True)
-    sampler.start()
+    killed: dict = {}  # the killed replica's id and when, once killed
+
+    def kill() -> None:
+        from verispec.server.ray_serve import DIED, connect, kill_replica
+
+        connect("auto")  # this machine's Ray, joined before the time comes (seconds)
+        if stop.wait(max(0.0, config.kill_replica_at or 0.0) - (time.perf_counter() - start)):
+            return
+        with lock:
+            victim = max(replicas, key=lambda replica: replicas[replica], default=None)
+            if victim is None:
+                return
+            at = time.perf_counter() - start
+            killed.update(replica=victim, at=at, before=dict(replicas), message=DIED)
+        kill_replica(victim)
+
+    stop, start = threading.Event(), deadline - config.seconds
+    watchers = [threading.Thread(target=sample_memory, daemon=True)]
+    watchers += [threading.Thread(target=kill, daemon=True)] if config.kill_replica_at is not None else []
+    for watcher in watchers:
+        watcher.start()
     seconds = run_clients(client, config.clients)
     stop.set()
-    sampler.join()
+    for watcher in watchers:
+        watcher.join()
     if not child.running:
         raise UsageError(f"the server stopped during the run: {' | '.join(child.log[-3:]) or 'no message'}")
     warm = [mib for at, mib in rss if at >= _WARM_UP * seconds] or [child.rss_mib()]
@@ -300,6 +336,7 @@ def _load(child: _Child, config: ServeLoadConfig, prompts: Sequence[Prompt], cha
         "completed": tally.completed,
         "failures": tally.failures,
         "failure_examples": (tally.failure_examples or [])[:5],
+        "killed": _after_kill(killed, replicas, tally.died),
         "disconnects": tally.disconnects,
         "tokens": tally.tokens,
         "seconds": seconds,
@@ -311,6 +348,17 @@ def _load(child: _Child, config: ServeLoadConfig, prompts: Sequence[Prompt], cha
         "itl_p50": _percentile(itl, 0.5),
         "itl_p99": _percentile(itl, 0.99),
     }
+
+
+def _after_kill(killed: Mapping, replicas: Mapping[str, int], died: int) -> dict | None:
+    """What a replica's death did (None: none was killed): its id and when, the requests that failed with its
+    death's message, and the requests each replica answered after it (a new id: Ray Serve's replacement)."""
+    if not killed:
+        return None
+    before = killed["before"]
+    after = {replica: n - before.get(replica, 0) for replica, n in replicas.items()}
+    return {"replica": killed["replica"], "at": round(killed["at"], 1), "died": died,
+            "answered_after": {replica: n for replica, n in sorted(after.items()) if n}}  # fmt: skip
 
 
 def _metric(exposition: str, name: str, **labels: str) -> float:
@@ -353,10 +401,10 @@ def run_serve_load(config: ServeLoadConfig, progress: bool = True) -> dict:
         deadline = time.monotonic() + _HANG_UPS  # the last hang-ups reach the engine within a step
         while True:
             exposition = child.get("/metrics")
-            freed = (
-                _metric(exposition, "verispec_batch_size") == 0
-                and _metric(exposition, "verispec_requests_total", status="499") == measured["disconnects"]
-            )
+            hang_ups = _metric(exposition, "verispec_requests_total", status="499")
+            # a killed replica's counts died with it
+            counted = hang_ups == measured["disconnects"] or measured["killed"] is not None
+            freed = _metric(exposition, "verispec_batch_size") == 0 and counted
             if freed or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
@@ -367,7 +415,7 @@ def run_serve_load(config: ServeLoadConfig, progress: bool = True) -> dict:
         "config": {"target": config.target, "drafter": config.drafter, "k": config.k,
                    "clients": config.clients, "seconds": config.seconds, "max_tokens": config.max_tokens,
                    "disconnect_every": config.disconnect_every, "replicas": config.replicas,
-                   "threads": config.threads},
+                   "threads": config.threads, "kill_replica_at": config.kill_replica_at},
         "served": {**measured, "disconnects_freed": freed, "rss_start_mib": rss_start, "rss_end_mib": rss_end,
                    "rss_growth": rss_end / rss_start - 1,
                    "rss_growth_warm": rss_end / measured["rss_warm_mib"] - 1},
@@ -428,6 +476,16 @@ def write_serve_report(result: Mapping, out: str | Path) -> Path:
         lines += [
             "",
             f"Requests per replica (Ray Serve): {counts}; the memory above is the Ray driver's alone.",
+        ]
+    if s.get("killed"):
+        k = s["killed"]
+        after = ", ".join(f"{replica} {n}" for replica, n in k["answered_after"].items()) or "none"
+        lines += [
+            "",
+            f"Replica {k['replica']} killed {k['at']:g} s into the run: requests that failed with its "
+            f"death's one message (a 503 or an error event; the failures above are the others): {k['died']}; "
+            f"requests answered after it: {after}. Its hang-ups' counts died with it: freed above means the "
+            "batches were empty at the end.",
         ]
     if "engine" in result:
         e = result["engine"]

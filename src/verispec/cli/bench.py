@@ -245,6 +245,13 @@ def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="serve with --ray --replicas N (a local Ray; --threads: each replica's), each client a session "
         "(docs/serve-ray.md; default 0: the server alone)",
     )
+    parser.add_argument(
+        "--kill-replica-at",
+        type=float,
+        metavar="SECONDS",
+        help="with --replicas 2 or more: kill the replica that answered most this many seconds into the run "
+        "(a crash); its requests must fail with one message, the others succeed, Ray Serve start another",
+    )
     add_threads_argument(parser)
     parser.add_argument("--out", metavar="DIR", help="output directory (default: results/bench-serve-STAMP)")
     parser.set_defaults(func=run_bench_serve)
@@ -266,6 +273,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         disconnect_every=args.disconnect_every,
         replicas=args.replicas,
         threads=args.threads if args.replicas else None,
+        kill_replica_at=args.kill_replica_at,
         engine=not args.no_engine,
         out=args.out or results_dir("bench-serve"),
     )

@@ -51,6 +51,7 @@ __all__ = [
     "affinity_key",
     "connect",
     "deploy",
+    "kill_replica",
     "merge_metrics",
     "serve_on_ray",
 ]
@@ -341,6 +342,14 @@ def _failure(err: Exception) -> ApiError:
         return ApiError(503, "the request was cancelled", "server_error")
     _log.error("internal error forwarding a request", exc_info=err)
     return ApiError(500, f"internal error ({type(err).__name__}); see the server's log", "server_error")
+
+
+def kill_replica(replica: str) -> None:
+    """Kill the replica of id ``replica`` (``X-Verispec-Replica``) of the application on the Ray cluster this
+    process is in, else this machine's (:func:`connect`, ``auto``): what a replica's crash does, which Ray
+    Serve answers by starting another (``bench-serve --kill-replica-at``)."""
+    connect("auto")
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#Replica#{replica}", namespace="serve"))
 
 
 def merge_metrics(texts: Mapping[str, str]) -> str:
