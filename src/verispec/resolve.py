@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from verispec.costs.analytic import CostModel, expected_tokens_per_call, speedup_by_k, tree_tokens_bound
-from verispec.costs.calibrate import TreeRound, calibrate
-from verispec.drafting.base import HiddenStateTreeDrafter
+from verispec.costs.calibrate import ReadingTree, TreeRound, calibrate
 from verispec.drafting.cross_tokenizer import VocabularyPair, same_vocabulary
 from verispec.drafting.learned.eagle_drafter import DEFAULT_TREE
 from verispec.drafting.learned.head import LearnedHead, native_target
@@ -250,8 +249,8 @@ def _tree_drafting(model: LanguageModel, head: LearnedHead, shape: TreeShape, ta
     kind = DRAFTERS[EAGLE]
     assert kind.tree is not None  # eagle drafts trees
     tree = kind.tree(kind.chain(DraftInputs(SamplingParams(temperature=0), model, head=head)), shape, None)
-    assert isinstance(tree, HiddenStateTreeDrafter)  # the head's tree reads the target's hidden states
-    return calibrate(model, TreeRound(tree), target_label=target_label).cost_model.draft_cost(1)
+    reading = cast(ReadingTree, tree)  # the head's tree branches its chain and reads the target's states
+    return calibrate(model, TreeRound(reading), target_label=target_label).cost_model.draft_cost(1)
 
 
 def _learned_pays(model: LanguageModel, head: LearnedHead, target_label: str) -> bool:

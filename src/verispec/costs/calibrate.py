@@ -71,13 +71,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from verispec.cores import available_cores
 from verispec.costs.analytic import BatchCost, CostModel
-from verispec.drafting.base import Allowed, Drafter, HiddenStateReader, HiddenStateTreeDrafter, Proposal
+from verispec.drafting.base import Allowed, Drafter, HiddenStateReader, Proposal, TreeDrafter
 from verispec.errors import UsageError
 from verispec.files import atomic_write
 from verispec.inputs import check_int
@@ -101,6 +102,7 @@ __all__ = [
     "PROBE_KS",
     "PROBE_SECONDS",
     "QUICK_REPETITIONS",
+    "ReadingTree",
     "ROW_TOKENS",
     "Calibration",
     "DraftCosts",
@@ -233,13 +235,20 @@ class DraftCosts:
                 raise UsageError(f"a drafter's {what} must be a number >= 0, got {x!r}")
 
 
+class ReadingTree(TreeDrafter, HiddenStateReader, Protocol):
+    """A tree drafter that branches a chain ``drafter`` and reads the target's hidden states (eagle's)."""
+
+    @property
+    def drafter(self) -> Drafter: ...
+
+
 class TreeRound:
     """A tree drafter that reads the target's hidden states, timed as a drafter whose every proposal is its
     whole tree (``k`` aside): its calibrated c₀ + c is what drafting one round of that tree costs — a head
     forward per depth over the nodes there and the tree's assembly, far more than the chain's K·c for the
     tree's depth (the default eagle tree on SmolLM2: 0.39 of a plain step against 0.15)."""
 
-    def __init__(self, tree: HiddenStateTreeDrafter) -> None:
+    def __init__(self, tree: ReadingTree) -> None:
         self.tree = tree
         self.name = f"{tree.name} tree {tree.shape.name}"
 
