@@ -226,10 +226,9 @@ def _tree_may_pay(model: LanguageModel, head: LearnedHead, target_label: str) ->
     decoding: by this machine's calibrated costs, the tree's expected tokens bounded from above (its siblings'
     guesses as good as they could be, :func:`~verispec.costs.analytic.tree_tokens_bound`) per round of
     its verification and drafting (the tree's own, :func:`_tree_drafting`) at least the chain's best expected
-    speed, and bounded from below (its
-    first-ranked path alone, no sibling ever accepted) at least plain decoding's (a tree round always
-    drafts, where a chain's K may fall to 0), at the per-position agreement the drafter's file records on
-    held-out data. True without that record."""
+    speed, and bounded from below (its first-ranked path alone, no sibling ever accepted) at least plain
+    decoding's (a tree round always drafts, where a chain's K may fall to 0), at the per-position agreement
+    the drafter's file records on held-out data. True without that record."""
     costs = _chain_costs(model, head, target_label)
     if costs is None:
         return True
