@@ -16,6 +16,7 @@ from verispec.costs.policies import (
     CostModelK,
     Evidence,
     PartsK,
+    TreeGate,
     plan_batch,
 )
 from verispec.options import DraftLength
@@ -389,3 +390,49 @@ def test_the_batch_plan_maximises_the_rate_on_small_batches():
 
         best = max(rate(i, j) for i in range(5) for j in range(5))
         assert rate(*ks) == pytest.approx(best, rel=1e-9)
+
+
+def gate_run(gate: TreeGate, rounds: int, tree: tuple[int, float], plain: tuple[int, float]) -> list[bool]:
+    """``rounds`` rounds of ``gate``, a tree round committing tree[0] tokens in tree[1] seconds and a plain
+    one plain[0] in plain[1]; whether each drafted its tree."""
+    ways = []
+    for _ in range(rounds):
+        drafted = gate.tree_round()
+        assert gate.next_k() == int(drafted)
+        tokens, seconds = tree if drafted else plain
+        gate.observe_tree(drafted, tokens, seconds)
+        ways.append(drafted)
+    return ways
+
+
+def plain_rounds(ways: list[bool]) -> list[int]:
+    return [i for i, drafted in enumerate(ways) if not drafted]
+
+
+def test_tree_gate_keeps_trees_that_pay_probing_plain_rounds_ever_less_often():
+    """Trees at 300 tokens/s against plain rounds' 200: tree rounds, with probes of 4 plain rounds after 8
+    rounds, then 32, 64, 128 ... rounds apart."""
+    ways = gate_run(TreeGate(), 8 + 32 + 64 + 128 + 20, tree=(3, 0.01), plain=(1, 0.005))
+    starts = [8, 40, 104, 232]
+    assert plain_rounds(ways) == [s + i for s in starts for i in range(4)]
+
+
+def test_tree_gate_turns_to_plain_rounds_where_trees_lose_and_back_when_they_pay():
+    """Trees at 100 tokens/s (a head whose guesses fail) against 200: plain rounds from the first probe
+    on, trees probed 32 rounds later, then ever less often; trees that pay again are taken back."""
+    gate = TreeGate()
+    ways = gate_run(gate, 12, tree=(1, 0.01), plain=(1, 0.005))
+    assert ways == [True] * 8 + [False] * 4 and not gate.drafting
+    ways = gate_run(gate, 140 - 12, tree=(1, 0.01), plain=(1, 0.005))  # rounds 12-139
+    trees = [12 + i for i, drafted in enumerate(ways) if drafted]
+    assert trees == [*range(40, 44), *range(72, 76), *range(136, 140)] and not gate.drafting
+    ways = gate_run(gate, 400, tree=(4, 0.01), plain=(1, 0.005))  # rounds 140-539: trees at 400 tokens/s
+    assert gate.drafting and ways[-1]
+
+
+@pytest.mark.parametrize(("tokens", "kept"), [(19, True), (17, False)])
+def test_tree_gate_needs_the_margin_to_switch(tokens, kept):
+    """Plain rounds at 200 tokens/s: trees at 190 are kept (within the 0.9 margin), at 170 they are not."""
+    gate = TreeGate()
+    gate_run(gate, 12, tree=(tokens, 0.1), plain=(1, 0.005))
+    assert gate.drafting == kept

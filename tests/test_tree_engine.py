@@ -119,6 +119,24 @@ def test_greedy_tree_rounds_equal_plain_greedy(shape, seed):
         assert stats.new_tokens == 41 and stats.stop_reason == "max_new_tokens"
 
 
+@pytest.mark.parametrize("first", [True, False])
+def test_plain_rounds_between_tree_rounds_draft_nothing_and_keep_greedy(first):
+    """A K policy's plain rounds (TreeGate's, where trees do not pay) score the last token alone and never
+    ask the drafter; the output stays the target's greedy one; the policy hears which rounds drafted."""
+    target = TreeTableLM(V, seed=4)
+    prompt = [2, 0, 1, 3]
+    drafter = ModelTreeDrafter(ModelDrafter(noisy_copy(target, 5, 0.3), GREEDY, V), TreeShape.full(2, 2))
+    policy, asked = Alternating(first), []  # asked: whether the policy wanted a tree when the drafter was
+    propose_tree = drafter.propose_tree
+    drafter.propose_tree = lambda *args, **kwargs: asked.append(policy.next) or propose_tree(*args, **kwargs)
+    out, stats = run(OneSequence(target, drafter, policy), prompt, EngineConfig(30, GREEDY))
+    assert out == target.greedy(prompt, 30)
+    assert policy.drafted[:4] == ([True, False, True, False] if first else [False, True, False, True])
+    assert all(asked) and sum(policy.drafted) <= len(asked) < len(policy.drafted)
+    plain = [n for n, drafted in zip(target.calls[1:], policy.drafted, strict=False) if not drafted]
+    assert plain and set(plain) == {1}  # a plain round's forward: the last token alone
+
+
 def test_per_depth_acceptance_and_forward_sizes():
     """A perfect draft's full tree accepts its whole depth every round: 4 tokens per target forward of 15
     nodes; the stats count the path per depth and the nodes scored."""
@@ -217,6 +235,22 @@ def target_probs(target: TreeTableLM, context: list[int]) -> torch.Tensor:
     return probs_from_logits(target.next_logits(context).double(), SamplingParams())  # [V]
 
 
+class Alternating(ConstantK):
+    """Tree rounds and plain ones in turn, the first a tree round or not (``first``): what TreeGate's
+    choices may be, whatever they are."""
+
+    def __init__(self, first: bool) -> None:
+        super().__init__(0)
+        self.next, self.drafted = first, []
+
+    def tree_round(self, context: int = 0) -> bool:
+        return self.next
+
+    def observe_tree(self, drafted: bool, tokens: int, seconds: float) -> None:
+        self.drafted.append(drafted)
+        self.next = not self.next
+
+
 @torch.inference_mode()  # as tests/first_rounds.py: no value changes, each sample cheaper
 def first_two_tokens_p_value(kind: str, samples: int = N_SAMPLES) -> float:
     target = TreeTableLM(4, seed=21, sharpness=1.2)
@@ -228,8 +262,9 @@ def first_two_tokens_p_value(kind: str, samples: int = N_SAMPLES) -> float:
         if kind == "ngram":
             drafter = NGramTreeDrafter(shape, NGramDrafter(2, 1))
         else:
-            drafter = ModelTreeDrafter(ModelDrafter(draft, sampling, 4), shape, sampled=kind == "sampled")
-        out, _ = run(OneSequence(target, drafter, ConstantK(0)), PROMPT, EngineConfig(2, sampling))
+            drafter = ModelTreeDrafter(ModelDrafter(draft, sampling, 4), shape, sampled=kind != "top-k")
+        policy = Alternating(seed % 2 == 0) if kind == "gated" else ConstantK(0)
+        out, _ = run(OneSequence(target, drafter, policy), PROMPT, EngineConfig(2, sampling))
         counts[out[0], out[1]] += 1
     expected = torch.zeros(4, 4, dtype=torch.float64)  # exact P(first, second) under the target alone
     for a, b in itertools.product(range(4), repeat=2):
@@ -242,9 +277,11 @@ def first_two_tokens_p_value(kind: str, samples: int = N_SAMPLES) -> float:
     return scipy_stats.chisquare(obs.numpy(), exp.numpy()).pvalue
 
 
-@pytest.mark.parametrize("kind", ["top-k", "sampled", "ngram"])
+@pytest.mark.parametrize("kind", ["top-k", "sampled", "ngram", "gated"])
 def test_engine_first_two_tokens_follow_the_target(kind):
-    """Top-k children (single guesses), i.i.d. sampled children (with q) and n-gram branches: exact."""
+    """Top-k children (single guesses), i.i.d. sampled children (with q), n-gram branches, and sampled
+    children in tree rounds that alternate with plain ones (a gate's choices, half the generations
+    beginning with each): exact."""
     assert first_two_tokens_p_value(kind) > ALPHA
 
 

@@ -27,7 +27,7 @@ from verispec.choice import DEFAULT_PRECISION, DrafterFields, ModelChoice
 from verispec.costs.analytic import BatchCost, CostModel
 from verispec.costs.calibrate import QUICK_REPETITIONS, Calibration, calibrate
 from verispec.costs.online import OnlineCosts
-from verispec.costs.policies import AdditiveK, ConstantK, CostModelK, Evidence, KPolicy, PartsK
+from verispec.costs.policies import AdditiveK, ConstantK, CostModelK, Evidence, KPolicy, PartsK, TreeGate
 from verispec.drafting.base import Drafter, TreeDrafter
 from verispec.drafting.hybrid import LookupFirstDrafter
 from verispec.drafting.registry import DraftInputs
@@ -326,12 +326,13 @@ class Speculator:
         """The K policy ``k`` names (a :class:`~verispec.options.DraftLength`, or its int or text), "auto"
         over this speculator's calibrated costs, corrected by the timings of its rounds (one estimator for
         the calibration, shared by every request; drafter "none" drafts nothing whatever K, so it needs none;
-        tree rounds do not use K). A request's ``options`` (optional) name the acceptance evidence its
-        estimates start from and add to: that of this speculator's requests with the same sampling settings
-        and, or without, a constraint (the seed aside)."""
-        if self.tree is not None:
-            return ConstantK(0)
+        token trees take no K: "auto" gates their rounds, :class:`~verispec.costs.policies.TreeGate`). A
+        request's ``options`` (optional) name the acceptance evidence its estimates start from and add to:
+        that of this speculator's requests with the same sampling settings and, or without, a constraint (the
+        seed aside)."""
         k = DraftLength.parse(k)
+        if self.tree is not None:  # auto: tree rounds where they are faster than plain ones
+            return TreeGate() if k.auto else ConstantK(0)
         if not k.auto:
             return k_policy(k)
         if not self.kind.drafts:

@@ -309,7 +309,7 @@ class SpeculativeEngine:
             assert logits is not None and score is not None
             try:
                 if rnd.tree is not None:
-                    emitted, nodes = self._settle_tree(rnd, score, hidden)
+                    emitted, nodes = self._settle_tree(rnd, score, hidden, seconds)
                     rows = logits[nodes]  # [1 + accepted, V]
                 else:
                     emitted, rows = self._settle(rnd, score, hidden, verdicts.get(index), forward), logits
@@ -511,10 +511,12 @@ class SpeculativeEngine:
         return emitted
 
     def _settle_tree(
-        self, rnd: Round, logits: torch.Tensor, hidden: torch.Tensor | None
+        self, rnd: Round, logits: torch.Tensor, hidden: torch.Tensor | None, seconds: float
     ) -> tuple[list[int], list[int]]:
-        """Verify a tree round (logits [N, V]) and compact its accepted path into place; returns the tokens
-        it emits and the nodes whose logits are at each one's prefix (the root, then each accepted node)."""
+        """Verify a tree round (logits [N, V]) and compact its accepted path into place; tell the K policy
+        whether it drafted, what it committed and what it cost (the step's forward, ``seconds``, and its
+        drafting); returns the tokens it emits and the nodes whose logits are at each one's prefix (the
+        root, then each accepted node)."""
         running, tree = rnd.running, rnd.tree
         assert tree is not None
         cache = cast(TreeCache, running.cache)
@@ -527,6 +529,8 @@ class SpeculativeEngine:
         stats.record_round(tree.max_depth, verdict.num_accepted)
         stats.tree_nodes += tree.num_nodes - 1
         stats.forced += rnd.forced
+        drafted = tree.num_nodes - 1 > rnd.forced  # nodes beyond the trunk: the drafter's
+        running.request.k_policy.observe_tree(drafted, len(verdict.tokens), seconds + rnd.draft_seconds)
         return verdict.tokens, [0, *verdict.accepted_nodes]
 
     def _commit(self, running: Running, emitted: list[int], logits: torch.Tensor) -> list[int]:

@@ -92,7 +92,8 @@ class Round:
 
 def tree_round(running: Running, room: int) -> Round:
     """A tree drafter's round for a sequence that may still emit ``room`` tokens: its tree, hung from the
-    grammar's forced run (if any)."""
+    grammar's forced run (if any); the root alone (nothing drafted) where its K policy asks for a plain
+    round (:meth:`~verispec.costs.policies.KPolicy.tree_round`)."""
     ids, grammar = running.ids, running.request.grammar
     t0 = time.perf_counter()
     drafter, cache = (
@@ -101,9 +102,12 @@ def tree_round(running: Running, room: int) -> Round:
     )  # checked on submission
     space = cache.capacity - (len(ids) - 1)  # the nodes a forward may add
     trunk = [] if grammar is None else forced_run(grammar, min(room, space) - 1)  # certain: free
-    shape = drafter.shape.capped(room - 1 - len(trunk), space - len(trunk))
-    masks = None if grammar is None else _after(grammar, trunk)
-    tree = drafter.propose_tree(ids + trunk, shape, running.generator, masks)
+    if running.request.k_policy.tree_round(len(ids)):
+        shape = drafter.shape.capped(room - 1 - len(trunk), space - len(trunk))
+        masks = None if grammar is None else _after(grammar, trunk)
+        tree = drafter.propose_tree(ids + trunk, shape, running.generator, masks)
+    else:  # a plain round: the root alone
+        tree = drafter.shape.capped(0, 1).select([0], [(ids + trunk)[-1]])
     tree = tree_with_forced(ids[-1], trunk, tree)  # the drafter's tree hung from the trunk's end
     nodes = tree.tokens.tolist()
     allowed = None if grammar is None else tree_masks(grammar, nodes, tree.parents.tolist())  # [N, V']
