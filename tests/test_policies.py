@@ -436,3 +436,12 @@ def test_tree_gate_needs_the_margin_to_switch(tokens, kept):
     gate = TreeGate()
     gate_run(gate, 12, tree=(tokens, 0.1), plain=(1, 0.005))
     assert gate.drafting == kept
+
+
+def test_tree_gate_is_not_swayed_by_one_slow_round():
+    """One tree round slowed tenfold (a busy spell, the head reading a backlog) among trees at 300
+    tokens/s against plain rounds' 200: the trees are kept (the rounds' median seconds)."""
+    gate = TreeGate()
+    gate.observe_tree(True, 3, 0.1)  # the first round: ten times the others
+    gate_run(gate, 11, tree=(3, 0.01), plain=(1, 0.005))
+    assert gate.drafting

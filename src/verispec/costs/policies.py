@@ -12,6 +12,7 @@ online estimate of the acceptance rate, K = 0 included.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -415,8 +416,9 @@ class TreeGate(KPolicy):
     against 56 % held out) every tree round loses to plain decoding, and a tree cannot draft less as a
     chain's K can. So, as the kernels' thread count is chosen (:mod:`verispec.kernels.threads`): after
     FIRST tree rounds, PROBE rounds run the other way; whichever way committed more tokens per second over
-    its latest KEPT rounds is kept (the other only by MARGIN), the next probe PERIOD rounds after this one's
-    start; a probe that changes nothing doubles that distance, up to MAX_PERIOD, and a switch sets it back.
+    its latest KEPT rounds (their mean tokens over their median seconds) is kept (the other only by
+    MARGIN), the next probe PERIOD rounds after this one's start; a probe that changes nothing doubles that
+    distance, up to MAX_PERIOD, and a switch sets it back.
     Which rounds draft depends on timings and verdicts past, never on a draw to come: the output is exactly
     the target's whichever way each round goes."""
 
@@ -454,9 +456,13 @@ class TreeGate(KPolicy):
                 self._decide()
 
     def _rate(self, drafted: bool) -> float:
-        """Tokens per second of the latest rounds drafted so (0: none yet)."""
+        """Tokens per second of the latest rounds drafted so (0: none yet): their mean tokens over their
+        median seconds, so that one round slowed by a busy spell, or by the head reading a backlog, does not
+        decide (a way's rounds cost about the same each; their tokens vary)."""
         samples = self.samples[drafted]
-        return sum(t for t, _ in samples) / sum(s for _, s in samples) if samples else 0.0
+        if not samples:
+            return 0.0
+        return statistics.mean(t for t, _ in samples) / statistics.median(s for _, s in samples)
 
     def _decide(self) -> None:
         """A probe ended: keep the faster way (the other by MARGIN); schedule the next probe."""
