@@ -219,13 +219,13 @@ def test_model_tree_children_are_the_draft_top_k():
 
 
 # Chi-square through the whole engine: the first two generated tokens of N seeded generations with a tree
-# drafter against the target's exact joint distribution. N = 3000 per case, 3 exact cases, α = 1e-4 / 3
+# drafter against the target's exact joint distribution. N = 3000 per case, 4 exact cases, α = 1e-4 / 4
 # (Bonferroni); the broken sibling rule must reach a p-value below the same threshold from BROKEN_SAMPLES
 # generations (its p-value 5e-15 at 300, 1e-48 at 1000, 1e-180 at 3000: far from exact, fewer suffice, and
 # the exact cases' N catches it all the more).
 N_SAMPLES = 3000
 BROKEN_SAMPLES = 1000
-ALPHA = 1e-4 / 3
+ALPHA = 1e-4 / 4
 
 
 PROMPT = [1, 0, 1, 2, 1]  # the n-gram tree branches: "1" was followed by "0 1" and by "2 1"
