@@ -11,6 +11,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from verispec.costs.policies import ConstantK
+
 
 class TokenCache:
     """Preallocated slots holding the fed token ids; truncate moves the length back."""
@@ -108,3 +110,20 @@ class LetterTokenizer:
 
     def chat_prompt(self, user_message: str) -> str:
         raise ValueError("this tokenizer has no chat template")
+
+
+class Alternating(ConstantK):
+    """A token tree's K policy that asks for tree rounds and plain ones in turn, the first a tree round or
+    not (``first``): what TreeGate's choices may be, whatever they are; ``drafted`` records what each round
+    was told it did."""
+
+    def __init__(self, first: bool) -> None:
+        super().__init__(0)
+        self.next, self.drafted = first, list[bool]()
+
+    def tree_round(self, context: int = 0) -> bool:
+        return self.next
+
+    def observe_tree(self, drafted: bool, tokens: int, seconds: float) -> None:
+        self.drafted.append(drafted)
+        self.next = not self.next

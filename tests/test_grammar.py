@@ -13,10 +13,11 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
+from fakes import Alternating
 from toy import single_threaded
-from verispec.costs.policies import ConstantK
+from verispec.costs.policies import ConstantK, KPolicy
 from verispec.drafting.base import NoDrafter
-from verispec.drafting.draft_model import ModelDrafter
+from verispec.drafting.draft_model import ModelDrafter, ModelTreeDrafter
 from verispec.drafting.ngram import NGramDrafter, NGramTreeDrafter
 from verispec.drafting.tree import TreeShape
 from verispec.engine.engine import SpeculativeEngine
@@ -66,9 +67,8 @@ def generate(stories, requests, slots: int = 1) -> list[tuple[list[int], Generat
         config = EngineConfig(max_new_tokens=60, sampling=sampling, eos_token_ids=tokenizer.eos_token_ids)
         stats = GenerationStats(drafter.name, str(k))
         grammar = start_state(constraint, tokenizer)
-        runs.append(
-            (engine.submit(Request(prompt, config, drafter, ConstantK(k), stats, grammar=grammar)), stats)
-        )
+        policy = k if isinstance(k, KPolicy) else ConstantK(k)  # a tree's gate, or a chain's K
+        runs.append((engine.submit(Request(prompt, config, drafter, policy, stats, grammar=grammar)), stats))
     while engine.running:
         engine.step()
     for running, _ in runs:
@@ -207,6 +207,12 @@ def test_speculative_greedy_equals_constrained_greedy(stories) -> None:
             assert ids == expected, drafter.name
             rejected += stats.drafted - stats.accepted
         assert rejected > 0
+        gated = Alternating(True)  # tree rounds and plain ones in turn, hung from the forced runs
+        draft = ModelDrafter(model.first_layers(1), GREEDY, model.vocab_size)
+        [(ids, _)] = generate(
+            stories, [(ModelTreeDrafter(draft, TreeShape.full(2, 2)), constraint, GREEDY, gated)]
+        )
+        assert ids == expected and True in gated.drafted and False in gated.drafted
     batch = [(NGramDrafter(), constraints[0], GREEDY, 4), (NoDrafter(), constraints[1], GREEDY, 0)]
     batch += [(ModelDrafter(model.first_layers(1), GREEDY, model.vocab_size), constraints[0], GREEDY, 3)]
     got = [ids for ids, _ in generate(stories, batch, slots=2)]  # the third joins when a slot frees

@@ -13,7 +13,7 @@ import torch
 from scipy import stats as scipy_stats
 
 import verispec.engine.rounds as rounds_module
-from fakes import TableLM, TokenCache
+from fakes import Alternating, TableLM, TokenCache
 from one_sequence import OneSequence
 from test_hf_adapter import tiny_model
 from verispec import cli
@@ -233,22 +233,6 @@ PROMPT = [1, 0, 1, 2, 1]  # the n-gram tree branches: "1" was followed by "0 1" 
 
 def target_probs(target: TreeTableLM, context: list[int]) -> torch.Tensor:
     return probs_from_logits(target.next_logits(context).double(), SamplingParams())  # [V]
-
-
-class Alternating(ConstantK):
-    """Tree rounds and plain ones in turn, the first a tree round or not (``first``): what TreeGate's
-    choices may be, whatever they are."""
-
-    def __init__(self, first: bool) -> None:
-        super().__init__(0)
-        self.next, self.drafted = first, []
-
-    def tree_round(self, context: int = 0) -> bool:
-        return self.next
-
-    def observe_tree(self, drafted: bool, tokens: int, seconds: float) -> None:
-        self.drafted.append(drafted)
-        self.next = not self.next
 
 
 @torch.inference_mode()  # as tests/first_rounds.py: no value changes, each sample cheaper
