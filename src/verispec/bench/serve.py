@@ -5,9 +5,10 @@ this process, keep one streaming request each in flight for T seconds (the bench
 room for ``max_tokens`` in the context, chats where the model has a template, greedy); every
 ``disconnect_every``-th request hangs up after its first token. Reported: completed requests, failures (a
 status other than 200, a broken or unfinished stream: must be 0), deliberate disconnects and whether the
-server freed every one (its batch empty and one 499 counted per disconnect at the end), served tokens/s,
-time to first token and inter-token latency p50/p99 (a chunk's gap shared by its tokens: a request's tokens
-over its chunks), and the server's resident memory after its first request and at the end. The server is
+server freed every one (its batch empty at the end, and no more 499s counted than hang-ups: one that raced
+its request's last token was answered whole), served tokens/s, time to first token and inter-token latency
+p50/p99 (a chunk's gap shared by its tokens: a request's tokens over its chunks), and the server's resident
+memory after its first request and at the end. The server is
 then stopped, and the engine runs the same number of requests at the same concurrency in this process
 (:mod:`verispec.bench.load`): the served tokens/s over that is what the HTTP layer costs.
 
@@ -402,8 +403,9 @@ def run_serve_load(config: ServeLoadConfig, progress: bool = True) -> dict:
         while True:
             exposition = child.get("/metrics")
             hang_ups = _metric(exposition, "verispec_requests_total", status="499")
-            # a killed replica's counts died with it
-            counted = hang_ups == measured["disconnects"] or measured["killed"] is not None
+            # a hang-up that raced its request's last token was answered whole (a 200, not a 499); a killed
+            # replica's counts died with it
+            counted = hang_ups <= measured["disconnects"] or measured["killed"] is not None
             freed = _metric(exposition, "verispec_batch_size") == 0 and counted
             if freed or time.monotonic() > deadline:
                 break
