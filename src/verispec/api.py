@@ -152,8 +152,8 @@ class Speculator:
     the target's own first N layers (early exit, sharing the target's weights).
     drafter: a name of :data:`~verispec.drafting.registry.DRAFTERS` (one that ``needs_draft_model`` needs
     ``draft``; a ``learned`` one its file: ``drafter_path``, or the one verispec ships for the target) or
-    "auto" (model when a draft is given, else the shipped learned drafter when it exists and matches the
-    target, else ngram).
+    "auto" (model when a draft is given, else the shipped learned drafter when it exists, matches the target
+    and pays by this machine's costs, behind prompt lookup for an eagle head, ``ngram+eagle``; else ngram).
     tree: a token-tree shape (:class:`~verispec.drafting.tree.TreeShape`): a drafter that ``takes_trees`` then
     proposes a tree each round (several n-gram matches; the draft's top-k children at each node; the learned
     head's top-k when greedy, else independent samples of its q), which the target scores in one forward; K is

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
-from verispec.drafting.registry import CROSS_TOKENIZER, DRAFTERS, PLAIN, drafter_names
+from verispec.drafting.registry import CROSS_TOKENIZER, DRAFTERS, LOOKUP_FIRST, PLAIN, drafter_names
 from verispec.errors import UsageError
 from verispec.inputs import did_you_mean
 
@@ -255,7 +255,8 @@ def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
         "--drafter",
         default=AUTO_DRAFTER,
         help="auto (default): model with --draft, else the learned drafter shipped for the target (or given "
-        f"by --drafter-path), else ngram; {kinds}",
+        f"by --drafter-path) where it pays, an eagle head behind prompt lookup ({LOOKUP_FIRST}), else ngram; "
+        f"{kinds}",
     )
     parser.add_argument(
         "--drafter-path", metavar="FILE", help="a learned drafter (verispec train-drafter) for the target"

@@ -518,7 +518,7 @@ def choose_auto(has_draft_model: bool, has_learned_drafter: bool) -> DrafterKind
     a learned drafter exists for the target, else prompt lookup."""
     if has_draft_model:
         return DRAFTERS[DRAFT_MODEL]
-    return DRAFTERS[auto_candidates(has_learned_drafter)[-1]]  # the learned drafter where there is one
+    return DRAFTERS[auto_candidates(has_learned_drafter)[-1]]  # the head behind the lookup where there is one
 
 
 def auto_with_head(head_kind: str, tree: bool) -> DrafterKind:
