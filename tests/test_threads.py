@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verispec.kernels.threads import ThreadChoice
+from verispec.kernels.threads import ProbeSchedule, ThreadChoice
 
 
 @pytest.fixture
@@ -64,10 +64,10 @@ def test_a_slow_probe_forward_ends_its_probe(two_threads):
     not PROBE, on the contended count."""
     choice = ThreadChoice()
     counts = run(choice, 5, {2: 0.003, 1: 0.0061})
-    assert counts[4] == 1 and choice.probe_left == 0 and not choice.single
+    assert counts[4] == 1 and choice.schedule.left == 0 and not choice.single
     choice = ThreadChoice()
     counts = run(choice, 5, {2: 0.003, 1: 0.0059})  # below ABORT times: the probe goes on
-    assert counts[4] == 1 and choice.probe_left == 3
+    assert counts[4] == 1 and choice.schedule.left == 3
 
 
 def test_every_token_count_compared_must_favour_the_switch(two_threads):
@@ -75,7 +75,7 @@ def test_every_token_count_compared_must_favour_the_switch(two_threads):
     choice = ThreadChoice()
     for _ in range(16):
         count = choice.count()
-        tokens = 1 if choice.calls % 2 else 5
+        tokens = 1 if choice.schedule.events % 2 else 5
         choice.record(tokens, {(2, 1): 0.010, (1, 1): 0.004, (2, 5): 0.010, (1, 5): 0.012}[(count, tokens)])
     assert not choice.single  # one thread faster for 1 token, slower for 5: no switch
 
@@ -85,7 +85,7 @@ def test_one_thread_has_nothing_to_choose():
     torch.set_num_threads(1)
     try:
         choice = ThreadChoice()
-        assert run(choice, 100, {1: 0.01}) == [1] * 100 and choice.calls == 0
+        assert run(choice, 100, {1: 0.01}) == [1] * 100 and choice.schedule.events == 0
     finally:
         torch.set_num_threads(before)
 
@@ -95,4 +95,26 @@ def test_held_keeps_the_choice_without_probes_or_records(two_threads):
     choice = ThreadChoice()
     with choice.held():
         assert run(choice, 100, {2: 0.010, 1: 0.001}) == [2] * 100
-    assert choice.calls == 0 and not choice.seconds and not choice.single
+    assert choice.schedule.events == 0 and not choice.seconds and not choice.single
+
+
+def probe_events(
+    schedule: ProbeSchedule, events: int, switch_at: tuple = (), cut_at: tuple = ()
+) -> list[int]:
+    """``events`` events through ``schedule``; the ones that were a probe's. A probe ending at an event of
+    ``switch_at`` switches; an event of ``cut_at`` that is a probe's ends its probe."""
+    seen = []
+    for e in range(events):
+        if schedule.probing():
+            seen.append(e)
+        if schedule.advance(cut=e in cut_at):
+            schedule.settle(e in switch_at)
+    return seen
+
+
+def test_the_probe_schedule_doubles_its_distance_until_a_switch_and_a_cut_ends_a_probe():
+    seen = probe_events(ProbeSchedule(first=2, period=8, max_period=32, length=2), 120, switch_at=(59,))
+    # probes at 2, 10 (8 after 2), 26 (16), 58 (32 at most; a switch: back to 8), 66, 74 (8), 90 (16)
+    assert seen == [e + i for e in (2, 10, 26, 58, 66, 74, 90) for i in range(2)]
+    seen = probe_events(ProbeSchedule(first=2, period=8, max_period=32, length=3), 12, cut_at=(2,))
+    assert seen == [2, 10, 11]  # the first probe cut by its first event; the next one 8 after its start

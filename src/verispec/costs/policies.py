@@ -22,6 +22,7 @@ from verispec.costs.analytic import BatchCost, CostModel, tokens_by_k
 from verispec.costs.online import OnlineCosts, RoundTiming
 from verispec.errors import UsageError
 from verispec.inputs import check_int
+from verispec.kernels.threads import ProbeSchedule
 
 __all__ = [
     "CONTEXT_STEP",
@@ -417,8 +418,8 @@ class TreeGate(KPolicy):
     chain's K can. So, as the kernels' thread count is chosen (:mod:`verispec.kernels.threads`): after
     FIRST tree rounds, PROBE rounds run the other way; whichever way committed more tokens per second over
     its latest KEPT rounds (their mean tokens over their median seconds) is kept (the other only by
-    MARGIN), the next probe PERIOD rounds after this one's start; a probe that changes nothing doubles that
-    distance, up to MAX_PERIOD, and a switch sets it back.
+    MARGIN), the next probe PERIOD rounds after this one's start, then up to MAX_PERIOD apart (the kernels'
+    :class:`~verispec.kernels.threads.ProbeSchedule`).
     Which rounds draft depends on timings and verdicts past, never on a draw to come: the output is exactly
     the target's whichever way each round goes."""
 
@@ -432,28 +433,19 @@ class TreeGate(KPolicy):
 
     def __init__(self) -> None:
         self.drafting = True  # the way kept: tree rounds
-        self.rounds = 0  # rounds observed
         self.samples: dict[bool, list[tuple[int, float]]] = {True: [], False: []}  # way → (tokens, seconds)
-        self.period = self.PERIOD
-        self.next_probe = self.FIRST  # the round a probe starts at
-        self.probe_left = 0  # rounds left in the running probe (0: none runs)
+        self.schedule = ProbeSchedule(self.FIRST, self.PERIOD, self.MAX_PERIOD, self.PROBE)
 
     def next_k(self, context: int = 0) -> int:
         return int(self.tree_round(context))
 
     def tree_round(self, context: int = 0) -> bool:
-        probing = self.probe_left > 0 or self.rounds == self.next_probe
-        return self.drafting != probing
+        return self.drafting != self.schedule.probing()
 
     def observe_tree(self, drafted: bool, tokens: int, seconds: float) -> None:
-        if self.rounds == self.next_probe:
-            self.probe_left = self.PROBE
         self.samples[drafted] = [*self.samples[drafted][1 - self.KEPT :], (tokens, max(seconds, 1e-9))]
-        self.rounds += 1
-        if self.probe_left > 0:
-            self.probe_left -= 1
-            if self.probe_left == 0:
-                self._decide()
+        if self.schedule.advance():
+            self._decide()
 
     def _rate(self, drafted: bool) -> float:
         """Tokens per second of the latest rounds drafted so (0: none yet): their mean tokens over their
@@ -468,9 +460,7 @@ class TreeGate(KPolicy):
         """A probe ended: keep the faster way (the other by MARGIN); schedule the next probe."""
         switch = self._rate(not self.drafting) * self.MARGIN > self._rate(self.drafting)
         self.drafting = self.drafting != switch
-        self.period = self.PERIOD if switch else self.period
-        self.next_probe = self.rounds - self.PROBE + self.period  # after this probe's start
-        self.period = self.period if switch else min(2 * self.period, self.MAX_PERIOD)
+        self.schedule.settle(switch)
 
 
 def _forward_cost(cost: CostModel, batch: BatchCost | None, rows: int, n: int) -> float:

@@ -26,18 +26,60 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["ThreadChoice", "THREADS"]
+__all__ = ["ProbeSchedule", "ThreadChoice", "THREADS"]
+
+
+class ProbeSchedule:
+    """When something that runs one of two ways tries the other: a probe of ``length`` events (forwards,
+    rounds) starts at event ``first``, the next one ``period`` events after a probe's start; each probe that
+    changes nothing doubles that distance, up to ``max_period`` (a steady machine pays for probes less and
+    less), and a switch sets it back to ``period``. The caller times both ways and decides; this only says
+    when. Shared by the kernels' thread count (:class:`ThreadChoice`) and the token-tree gate
+    (:class:`verispec.costs.policies.TreeGate`)."""
+
+    def __init__(self, first: int, period: int, max_period: int, length: int) -> None:
+        self.period, self.max_period, self.length = period, max_period, length
+        self.gap = period  # from this probe's start to the next one's
+        self.events = 0  # events recorded
+        self.next_start = first  # the event the next probe starts at
+        self.left = 0  # events left in the running probe (0: none runs)
+        self.start = 0  # the event the latest probe started at
+
+    def starting(self) -> bool:
+        """Whether the next event starts a probe."""
+        return self.left == 0 and self.events == self.next_start
+
+    def probing(self) -> bool:
+        """Whether the next event is a probe's."""
+        return self.left > 0 or self.events == self.next_start
+
+    def advance(self, cut: bool = False) -> bool:
+        """One event recorded (``cut``: a probe's, which ends its probe at once); True when it ended a probe,
+        to be followed by :meth:`settle`."""
+        probing = self.probing()
+        if self.starting():
+            self.left, self.start = self.length, self.events
+        self.events += 1
+        if not probing:
+            return False
+        self.left = 0 if cut else self.left - 1
+        return self.left == 0
+
+    def settle(self, switched: bool) -> None:
+        """A probe ended, and the caller switched to the other way or did not: the next probe's start."""
+        self.gap = self.period if switched else self.gap
+        self.next_start = self.start + self.gap
+        self.gap = self.gap if switched else min(2 * self.gap, self.max_period)
 
 
 class ThreadChoice:
     """The thread count of the next native call (:meth:`count`) and what forwards took (:meth:`record`).
 
     A probe runs PROBE forwards on the other count, then keeps whichever count took less time (by MARGIN)
-    for every token count both have run. The first probe starts after FIRST − PROBE forwards, the next one
-    PERIOD forwards after it; each probe that changes nothing doubles the distance to the one after it, up
-    to MAX_PERIOD (a steady machine pays for probes less and less), and a switch sets it back to PERIOD. A
-    probe forward that takes ABORT times the current count's mean for its token count ends the probe at
-    once: on a busy machine a probe on the contended count costs one slow forward, not PROBE."""
+    for every token count both have run. Probes are scheduled by a :class:`ProbeSchedule`: the first starts
+    after FIRST − PROBE forwards, the next PERIOD forwards after it, then up to MAX_PERIOD apart. A probe
+    forward that takes ABORT times the current count's mean for its token count ends the probe at once: on a
+    busy machine a probe on the contended count costs one slow forward, not PROBE."""
 
     FIRST = 8
     PERIOD = 64  # forwards from one probe's start to the next one's, after a switch
@@ -50,13 +92,9 @@ class ThreadChoice:
     def __init__(self) -> None:
         self.single = False  # whether one thread is the current choice
         self.most = 1  # while single: torch's thread count before it was set to one
-        self.calls = 0  # forwards recorded
         self.seconds: dict[tuple[bool, int], list[float]] = {}  # (one thread, tokens) → the latest times
         self.holds = 0  # held(): no probe, nothing recorded
-        self.period = self.PERIOD
-        self.next_probe = self.FIRST - self.PROBE  # the call a probe starts at
-        self.probe_left = 0  # forwards left in the running probe (0: none runs)
-        self.probe_start = 0  # the call the latest probe started at
+        self.schedule = ProbeSchedule(self.FIRST - self.PROBE, self.PERIOD, self.MAX_PERIOD, self.PROBE)
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -68,9 +106,6 @@ class ThreadChoice:
         finally:
             self.holds -= 1
 
-    def _probing(self) -> bool:
-        return not self.holds and (self.probe_left > 0 or self.calls == self.next_probe)
-
     def _most(self) -> int:
         """The most threads: torch's count (while one thread is the choice, the count it had before)."""
         return self.most if self.single else torch.get_num_threads()
@@ -78,26 +113,21 @@ class ThreadChoice:
     def count(self) -> int:
         """Threads for the next call: torch's count (the most), or 1."""
         most = self._most()
-        return 1 if most <= 1 or self.single != self._probing() else most
+        probing = not self.holds and self.schedule.probing()
+        return 1 if most <= 1 or self.single != probing else most
 
     def record(self, tokens: int, seconds: float) -> None:
         """A native forward of ``tokens`` tokens took ``seconds`` on :meth:`count` threads."""
         if self._most() <= 1 or self.holds:
             return
-        if self.calls == self.next_probe:  # a probe starts: the other count's times afresh
+        if self.schedule.starting():  # the other count's times afresh
             self.seconds = {key: times for key, times in self.seconds.items() if key[0] == self.single}
-            self.probe_left, self.probe_start = self.PROBE, self.calls
-        probing = self.probe_left > 0
+        probing = self.schedule.probing()
         key = (self.single != probing, tokens)
         self.seconds[key] = [*self.seconds.get(key, [])[1 - self.KEPT :], seconds]
-        self.calls += 1
-        if not probing:
-            return
         current = self.seconds.get((self.single, tokens))
-        self.probe_left -= 1
-        if current and seconds > self.ABORT * sum(current) / len(current):
-            self.probe_left = 0  # far slower: the probe ends here, changing nothing
-        if self.probe_left == 0:
+        slow = probing and current is not None and seconds > self.ABORT * sum(current) / len(current)
+        if self.schedule.advance(cut=slow):  # a far slower probe forward ends the probe, changing nothing
             self._decide()
 
     def _decide(self) -> None:
@@ -113,9 +143,7 @@ class ThreadChoice:
                 self.most = torch.get_num_threads()
             torch.set_num_threads(1 if other else self.most)
             self.single = other
-        self.period = self.PERIOD if switch else self.period
-        self.next_probe = self.probe_start + self.period
-        self.period = self.period if switch else min(2 * self.period, self.MAX_PERIOD)
+        self.schedule.settle(switch)
 
 
 THREADS = ThreadChoice()
