@@ -302,7 +302,7 @@ def _walk(
     rule's accept_prob[k] (the first such child in trial order); with none, ``draw`` picks the emitted token
     from the last residual. uniforms: N values, uniforms[c] for child c (entry 0 unused); the children's
     indices handed to ``rule`` on ``device``."""
-    last: list[SiblingRule] = []  # the rule at the node the walk stands on
+    rules: dict[int, SiblingRule] = {}  # node → its rule, as the walk reaches it
 
     def accepted_child(node: int) -> int | None:
         kids = torch.tensor(children[node], dtype=torch.long, device=device)  # [m] in trial order
@@ -311,12 +311,12 @@ def _walk(
             raise UsageError(
                 f"the rule at node {node} must give accept_prob [m] and residuals [m+1, V], m = {len(kids)}"
             )
-        last[:] = [at]
+        rules[node] = at
         # compared as Python floats, which hold both tensors' values exactly: the comparison torch makes
         tried = zip(children[node], at.accept_prob.tolist(), strict=True)
         return next((c for c, accept in tried if uniforms[c] < accept), None)
 
-    return _walk_by(tokens, children, eos, accepted_child, lambda node: draw(last[0].residuals[-1]))
+    return _walk_by(tokens, children, eos, accepted_child, lambda node: draw(rules[node].residuals[-1]))
 
 
 def _walk_by(
