@@ -40,6 +40,19 @@ def test_write_gguf_writes_a_file_that_loads_in_place(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["tiny.gguf"]  # nothing else left beside it
 
 
+def test_bench_gguf_times_llama_cpp_beside_the_kernels(tmp_path, own_cache):
+    """Where `make peers` installed llama.cpp, bench-gguf times it on the same file, made as every bench
+    makes it (extra buffer types off: their AMX tiles crashed llama.cpp's first evaluation on an Intel
+    Xeon with AMX, 2026-12-07)."""
+    pytest.importorskip("llama_cpp", reason="llama.cpp is not installed (`make peers`)")
+    out = tmp_path / "report"
+    argv = ["bench-gguf", "--random", f"{SHAPE}:Q8_0", "--context", "16", "--prefill", "8"]
+    argv += ["--max-k", "2", "--repetitions", "1", "--threads", "1", "--out", str(out)]
+    assert cli.main(argv) == 0
+    record = json.loads((out / "results.json").read_text())["files"][0]
+    assert record["llamacpp_decode_seconds"] > 0 and record["llamacpp_prefill_tps"] > 0
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

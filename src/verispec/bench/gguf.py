@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from verispec.bench.peers import llamacpp_missing
+from verispec.bench.peers import llamacpp_missing, llamacpp_model
 from verispec.costs.analytic import expected_speedup, optimal_k
 from verispec.errors import UsageError
 from verispec.inputs import is_int
@@ -287,20 +287,12 @@ def _timings(model: Llama, path: Path, config: FileBenchConfig, real: bool) -> d
 
 
 class _LlamaCpp:
-    """llama.cpp (llama-cpp-python) on the file, default settings, logits of the last token only."""
+    """llama.cpp (llama-cpp-python) on the file, the bench's settings (:func:`llamacpp_model`), logits of the
+    last token only."""
 
     def __init__(self, path: Path, config: FileBenchConfig) -> None:
-        import llama_cpp
-
         context = config.context + config.prefill + 16
-        self.model = llama_cpp.Llama(
-            model_path=str(path),
-            n_ctx=context,
-            n_batch=context,
-            n_threads=config.threads,
-            n_threads_batch=config.threads,
-            verbose=False,
-        )
+        self.model = llamacpp_model(path, config.threads, context, batch=context)
         self.context = config.context
 
     def decode(self, ids: list[int]) -> float:

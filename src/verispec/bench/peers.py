@@ -38,6 +38,7 @@ from verispec.models.llama2c import load_llama2c
 from verispec.models.registry import model_dir
 
 if TYPE_CHECKING:  # transformers' modeling code (seconds to import) is imported where a peer is loaded
+    from llama_cpp.llama_speculative import LlamaDraftModel
     from transformers import LlamaForCausalLM, PreTrainedModel
 
 __all__ = [
@@ -260,6 +261,44 @@ def llamacpp_missing() -> str | None:
     return None
 
 
+def llamacpp_model(
+    gguf: Path,
+    threads: int,
+    context: int,
+    batch: int | None = None,
+    logits_all: bool = False,
+    draft_model: LlamaDraftModel | None = None,
+):  # llama_cpp.Llama; untyped package
+    """llama.cpp on ``gguf``: ``threads`` threads, ``context`` positions, prompts evaluated ``batch`` tokens
+    at a time (None: llama.cpp's default), every position's logits kept where ``logits_all``, a
+    ``draft_model`` (its prompt lookup) or none; its extra buffer types switched off (see the module
+    docstring). Every bench that runs llama.cpp makes its model here."""
+    import llama_cpp
+    from llama_cpp import llama_cpp as bindings  # what llama_cpp.Llama reads its defaults from
+
+    default_params = bindings.llama_model_default_params
+
+    def without_extra_buffers():  # no repacking, no AMX tiles
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    bindings.llama_model_default_params = without_extra_buffers
+    try:
+        return llama_cpp.Llama(
+            model_path=str(gguf),
+            n_ctx=context,
+            n_batch=batch if batch is not None else 512,  # llama.cpp's default
+            n_threads=threads,
+            n_threads_batch=threads,
+            logits_all=logits_all,
+            draft_model=draft_model,
+            verbose=False,
+        )
+    finally:
+        bindings.llama_model_default_params = default_params
+
+
 class LlamaCppPeer:
     """Generates with llama.cpp (llama-cpp-python) on a GGUF file: plain decoding, its prompt lookup with K
     guesses per round, or plain decoding held to a JSON schema by its grammar. Each generation starts from an
@@ -275,30 +314,15 @@ class LlamaCppPeer:
 
     def _model(self, k: int):  # llama_cpp.Llama; untyped package
         if k not in self._models:
-            import llama_cpp
-            from llama_cpp import llama_cpp as bindings  # what llama_cpp.Llama reads its defaults from
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-            default_params = bindings.llama_model_default_params
-
-            def without_extra_buffers():  # no repacking, no AMX tiles (see the module docstring)
-                params = default_params()
-                params.use_extra_bufts = False
-                return params
-
-            bindings.llama_model_default_params = without_extra_buffers
-            try:
-                self._models[k] = llama_cpp.Llama(
-                    model_path=str(self.gguf),
-                    n_ctx=self.context,
-                    n_threads=self.threads,
-                    n_threads_batch=self.threads,
-                    logits_all=k > 0,  # the lookup verifies every guess's position
-                    draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k) if k else None,
-                    verbose=False,
-                )
-            finally:
-                bindings.llama_model_default_params = default_params
+            self._models[k] = llamacpp_model(
+                self.gguf,
+                self.threads,
+                self.context,
+                logits_all=k > 0,  # the lookup verifies every guess's position
+                draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k) if k else None,
+            )
         return self._models[k]
 
     def _grammar(self, schema: str):  # llama_cpp.LlamaGrammar
