@@ -367,6 +367,29 @@ def test_a_probed_curve_that_falls_counts_as_drift(stories, measured, monkeypatc
     assert probed.probe and probed.drift == pytest.approx(1.0 / 1.1e-3)
 
 
+def test_a_probe_with_a_stalled_forward_is_timed_again_at_once(stories, measured, monkeypatch):
+    """On an idle Intel Xeon a first use's probe at 3 B cost (one pass per size) timed one T(2) stalled by
+    ~100 ms: v(2) = 2.43, then v(4) = 1.03, cached and planned with. A probe whose curve falls past FALL is
+    timed once more at once, and the steadier of the two is kept."""
+    model, _ = stories
+    calls = []
+
+    def seconds(self, k):  # forwards of 1 ms (+10 % a token); the first timed T(2) stalls
+        calls.append(k)
+        sizes = len(calibration_module.PROBE_KS)
+        stalled = len(calls) == 2 * sizes + 4  # the first try: its untimed pass, then (T(1), T(2)) timed
+        return 1e-3 * (1 + 0.1 * (k - 1)) + (0.1 if stalled else 0.0)
+
+    monkeypatch.setattr(calibration_module._TargetTimer, "seconds", seconds)
+    probed = calibrate(model, repetitions=1).target
+    assert probed.probe and probed.drift == pytest.approx(1.0)
+    assert probed.verify_cost == pytest.approx([1 + 0.1 * k for k in range(K_MAX)])
+    assert len(calls) == 2 * 2 * 2 * len(calibration_module.PROBE_KS)  # two tries of two passes of pairs
+    calls.clear()
+    calibrate(model, repetitions=1, force=False)  # cached: nothing timed
+    assert calls == [] and measured["target"] == 1
+
+
 class _FakeClock:
     """The calibration's clock, advanced by the target's forwards as timed (none takes real time): a forward
     of k tokens takes ``step`` · (1 + 0.1 (k − 1)) seconds, 3× that in the second half of every ``period``
