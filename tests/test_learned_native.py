@@ -98,10 +98,10 @@ def test_native_heads_are_the_float32_heads_rounded(target, kind):
     if isinstance(native, EagleHead):
         assert native.new_cache().tiled
         with two_threads():  # on one thread nothing is timed at all
-            calls = THREADS.calls
+            calls = THREADS.schedule.events
             with torch.no_grad():
                 draft_features(native, features, target)
-            assert THREADS.calls == calls  # the kernels' thread count follows the target's forwards alone
+            assert THREADS.schedule.events == calls  # the thread count follows the target's forwards alone
 
 
 @contextlib.contextmanager
@@ -120,12 +120,12 @@ def test_only_the_targets_own_forwards_are_timed_for_the_thread_choice(target):
     self-draft's requantized stack (the same architecture, ``replaced`` layers) are drafts, not timed."""
     tokens, positions = torch.tensor([[1, 2, 3]]), torch.arange(3)[None]  # [1, 3] each
     with two_threads():
-        calls = THREADS.calls
+        calls = THREADS.schedule.events
         draft = target.first_layers(1)
         draft.forward(tokens, positions, draft.new_cache())
-        assert THREADS.calls == calls
+        assert THREADS.schedule.events == calls
         target.forward(tokens, positions, target.new_cache())
-        assert THREADS.calls == calls + 1
+        assert THREADS.schedule.events == calls + 1
     assert target._native.measured and not target._native.replaced(target._native.layers).measured
 
 
