@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from verispec import cli
+from verispec.bench.peers import llamacpp_extra_buffers
 from verispec.kernels.cpu import native_available
 from verispec.models.gguf_file import GGUFFile
 from verispec.models.gguf_native import load_gguf
@@ -40,10 +41,17 @@ def test_write_gguf_writes_a_file_that_loads_in_place(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["tiny.gguf"]  # nothing else left beside it
 
 
+def test_llama_cpp_runs_its_repacked_kernels_but_on_a_cpu_with_amx():
+    """llama.cpp's extra buffer types (its repacked Q4_0/Q4_K kernels) are on but where the CPU has AMX,
+    whose tiles come with them and crashed its first evaluation on an Intel Xeon (2026-12-07)."""
+    assert llamacpp_extra_buffers("flags\t\t: fpu sse avx2 avx512f avx512_vnni")  # AMD EPYC, AVX2-only
+    assert not llamacpp_extra_buffers("flags\t\t: fpu avx2 avx512_vnni amx_bf16 amx_tile amx_int8")
+
+
 def test_bench_gguf_times_llama_cpp_beside_the_kernels(tmp_path, own_cache):
     """Where `make peers` installed llama.cpp, bench-gguf times it on the same file, made as every bench
-    makes it (extra buffer types off: their AMX tiles crashed llama.cpp's first evaluation on an Intel
-    Xeon with AMX, 2026-12-07)."""
+    makes it (before, bench-gguf made it with its AMX tiles on an Intel Xeon that has them: its first
+    evaluation crashed the process, 2026-12-07)."""
     pytest.importorskip("llama_cpp", reason="llama.cpp is not installed (`make peers`)")
     out = tmp_path / "report"
     argv = ["bench-gguf", "--random", f"{SHAPE}:Q8_0", "--context", "16", "--prefill", "8"]

@@ -15,8 +15,10 @@ count the calls; the first target call processes the prompt and yields the first
 llama.cpp runs through llama-cpp-python where it is installed (``make peers`` builds it from source into the
 virtual environment); its prompt lookup is ``LlamaPromptLookupDecoding`` (n-grams of up to 2 tokens, K
 guesses per round); its constrained decoding a ``LlamaGrammar`` from the schema (llama.cpp's own conversion
-of a JSON schema to GBNF), made once per schema. Its extra buffer types (weight repacking, AMX tiles) are
-switched off: AMX crashed on these machines, and repacking has no Q4_1 form.
+of a JSON schema to GBNF), made once per schema. Its extra buffer types (weight repacking for its fastest
+Q4_0/Q4_K kernels, AMX tiles) are on where the CPU has no AMX, and off where it has: built for such a CPU
+(``make peers``: -march=native), llama.cpp's AMX path crashed its first evaluation of every file on a
+2-core Intel Xeon (2026-12-07), and the tiles cannot be switched off without the repacking.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 
 from verispec.bench.methods import LLAMACPP_PEERS, PEERS, TRANSFORMERS_PEERS
 from verispec.errors import UsageError
+from verispec.kernels.build import cpu_features
 from verispec.models.llama import Llama
 from verispec.models.llama2c import load_llama2c
 from verispec.models.registry import model_dir
@@ -49,7 +52,9 @@ __all__ = [
     "PeerRequest",
     "PeerRun",
     "TransformersPeer",
+    "llamacpp_extra_buffers",
     "llamacpp_missing",
+    "llamacpp_model",
     "load_transformers",
     "to_transformers",
 ]
@@ -261,6 +266,13 @@ def llamacpp_missing() -> str | None:
     return None
 
 
+def llamacpp_extra_buffers(cpu_flags: str) -> bool:
+    """Whether llama.cpp runs with its extra buffer types (repacked weights) on a CPU of these flags (a
+    /proc/cpuinfo flags line): yes unless it has AMX, whose tiles come with them and crashed it (module
+    docstring)."""
+    return "amx_int8" not in cpu_flags.split()
+
+
 def llamacpp_model(
     gguf: Path,
     threads: int,
@@ -271,19 +283,20 @@ def llamacpp_model(
 ):  # llama_cpp.Llama; untyped package
     """llama.cpp on ``gguf``: ``threads`` threads, ``context`` positions, prompts evaluated ``batch`` tokens
     at a time (None: llama.cpp's default), every position's logits kept where ``logits_all``, a
-    ``draft_model`` (its prompt lookup) or none; its extra buffer types switched off (see the module
-    docstring). Every bench that runs llama.cpp makes its model here."""
+    ``draft_model`` (its prompt lookup) or none; its extra buffer types as :func:`llamacpp_extra_buffers`
+    says. Every bench that runs llama.cpp makes its model here."""
     import llama_cpp
     from llama_cpp import llama_cpp as bindings  # what llama_cpp.Llama reads its defaults from
 
     default_params = bindings.llama_model_default_params
+    extra = llamacpp_extra_buffers(cpu_features())
 
-    def without_extra_buffers():  # no repacking, no AMX tiles
+    def with_our_buffers():
         params = default_params()
-        params.use_extra_bufts = False
+        params.use_extra_bufts = extra
         return params
 
-    bindings.llama_model_default_params = without_extra_buffers
+    bindings.llama_model_default_params = with_our_buffers
     try:
         return llama_cpp.Llama(
             model_path=str(gguf),
