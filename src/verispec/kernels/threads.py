@@ -67,9 +67,11 @@ class ProbeSchedule:
 
     def settle(self, switched: bool) -> None:
         """A probe ended, and the caller switched to the other way or did not: the next probe's start."""
-        self.gap = self.period if switched else self.gap
+        if switched:
+            self.gap = self.period
         self.next_start = self.start + self.gap
-        self.gap = self.gap if switched else min(2 * self.gap, self.max_period)
+        if not switched:  # the one after it further away
+            self.gap = min(2 * self.gap, self.max_period)
 
 
 class ThreadChoice:
