@@ -1263,3 +1263,37 @@ def test_cli_train_then_generate(stories, trained, tmp_path, capsys, monkeypatch
         (["--drafter", "eagle"], "needs a drafter file"),
     ):
         assert_usage_error(run_cli(capsys, "generate", "Once", *model_args, *extra), message)
+
+
+def test_a_gemma3_target_gets_a_head_of_plain_llama_layers(tmp_path, monkeypatch):
+    """A Gemma 3 target (sliding-window layers, q/k norms, post norms, GELU) trains and drafts with an EAGLE
+    head of plain Llama layers of its widths (its windows once made every such head fail to build), and
+    greedy drafting with it — trained or not — is the target's greedy decoding token for token."""
+    from test_gguf import write_tiny_gguf
+    from test_gguf_native import tiny_gemma3
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    source = write_tiny_gguf(tmp_path / "g.gguf", tiny_gemma3(), "Q8_0", arch="gemma3")
+    target, tokenizer = load_model(str(source), precision="auto")[:2]
+    assert target.config.layer_windows and target.on_native_kernels
+    vocab = target.vocab_size
+    head = fresh_head(target, torch.arange(0, vocab, 3))
+    assert head.config.layer_windows == () and not head.config.native_only
+    assert (head.config.hidden_size, head.config.head_dim) == (
+        target.config.hidden_size,
+        target.config.head_dim,
+    )
+    data = make_dataset(target, tmp_path / "data", random_prompts(8, vocab, 2), answer=24)
+    config = dataclasses.replace(TINY_TRAINING, steps=6, eval_every=6, checkpoint_every=6, draft_vocab=64)
+    trained = train_drafter(target, data, tmp_path / "run", config, progress=False)
+    plain = Speculator((target, tokenizer), drafter="none")
+    drafted = 0
+    for path in (trained, head.save(tmp_path / "random.safetensors")):
+        eagle = Speculator((target, tokenizer), drafter="eagle", drafter_path=str(path))
+        for prompt in ("hello", "ab ab ab"):
+            reference = plain.generate(prompt, k=0, max_new_tokens=24, sampling=GREEDY).token_ids
+            stats = GenerationStats("eagle", "3")
+            out = eagle.stream(prompt, k=3, max_new_tokens=24, sampling=GREEDY, stats=stats)
+            assert [t for chunk in out for t in chunk.token_ids] == reference, (path.name, prompt)
+            drafted += stats.drafted
+    assert drafted > 0

@@ -260,6 +260,12 @@ class LlamaConfig:
         """The config of this model's first ``num_layers`` layers (their sliding windows with them)."""
         return dataclasses.replace(self, num_layers=num_layers, layer_windows=self.layer_windows[:num_layers])
 
+    def plain_layers(self, num_layers: int) -> LlamaConfig:
+        """This model's widths in ``num_layers`` plain Llama layers (a draft head's): full attention at the
+        global RoPE, SiLU, none of :data:`ARCHITECTURE_FIELDS` (a Gemma 3 target's head is a Llama layer)."""
+        plain = {f.name: f.default for f in dataclasses.fields(self) if f.name in ARCHITECTURE_FIELDS}
+        return dataclasses.replace(self, num_layers=num_layers, **plain)
+
     def architecture_fields(self) -> dict[str, Any]:
         """The fields for architectures beside Llama's (see the class docstring) that differ from their
         defaults: none for a Llama-family model."""

@@ -21,7 +21,6 @@ distribution is computed from its own logits, so verification stays exact.
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -73,7 +72,7 @@ class EagleHead(LearnedHead):
         target = native_target(target)
         if not is_int(num_layers) or not 1 <= num_layers <= MAX_LAYERS:
             raise UsageError(f"a draft head has 1 to {MAX_LAYERS} decoder layers, got {num_layers!r}")
-        self.config = dataclasses.replace(target.config, num_layers=num_layers)
+        self.config = target.config.plain_layers(num_layers)
         h, device = self.config.hidden_size, target.device
         self.fc = _Linear(2 * h, h, True, device, torch.float32)
         self.layers = nn.ModuleList(
