@@ -301,7 +301,7 @@ def llamacpp_model(
         return llama_cpp.Llama(
             model_path=str(gguf),
             n_ctx=context,
-            n_batch=batch if batch is not None else 512,  # llama.cpp's default
+            **({} if batch is None else {"n_batch": batch}),  # None: llama-cpp-python's own default
             n_threads=threads,
             n_threads_batch=threads,
             logits_all=logits_all,
