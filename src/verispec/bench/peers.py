@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -297,11 +297,12 @@ def llamacpp_model(
         return params
 
     bindings.llama_model_default_params = with_our_buffers
+    batching: dict[str, Any] = {} if batch is None else {"n_batch": batch}  # None: llama-cpp-python's default
     try:
         return llama_cpp.Llama(
             model_path=str(gguf),
             n_ctx=context,
-            **({} if batch is None else {"n_batch": batch}),  # None: llama-cpp-python's own default
+            **batching,
             n_threads=threads,
             n_threads_batch=threads,
             logits_all=logits_all,

@@ -263,7 +263,9 @@ class LlamaConfig:
     def plain_layers(self, num_layers: int) -> LlamaConfig:
         """This model's widths in ``num_layers`` plain Llama layers (a draft head's): full attention at the
         global RoPE, SiLU, none of :data:`ARCHITECTURE_FIELDS` (a Gemma 3 target's head is a Llama layer)."""
-        plain = {f.name: f.default for f in dataclasses.fields(self) if f.name in ARCHITECTURE_FIELDS}
+        plain: dict[str, Any] = {
+            f.name: f.default for f in dataclasses.fields(self) if f.name in ARCHITECTURE_FIELDS
+        }
         return dataclasses.replace(self, num_layers=num_layers, **plain)
 
     def architecture_fields(self) -> dict[str, Any]:
