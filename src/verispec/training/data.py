@@ -358,7 +358,7 @@ def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig(
     meta = {
         "target": str(target),
         "hidden_size": int(native_target(speculator.model).config.hidden_size),
-        "vocab_size": int(tokenizer.vocab_size),
+        "vocab_size": int(native_target(speculator.model).vocab_size),  # its logits' (not the tokenizer's)
         "generation": {
             **prompts,
             "num_prompts": config.num_prompts,
