@@ -124,6 +124,7 @@ JSON_BENCH = one_block("docs/structured-output.md", "The bench's json task")  # 
 FAST_BASE = one_block("docs/benchmarks.md", "Speculation on the fast base")  # stories260K: one prompt a task
 LOOKUP_FIRST = one_block("docs/benchmarks.md", "Prompt lookup first")  # the same, a random eagle head
 EAGLE3 = one_block("docs/learned-drafters.md", "EAGLE-3 heads trained here")  # a tiny 4-layer chat Llama
+GEMMA_HEAD = one_block("docs/learned-drafters.md", "A head for Gemma 3 270M")  # a tiny Gemma 3 GGUF file
 
 
 def logical_lines(code: str) -> list[tuple[int, str]]:
@@ -185,7 +186,7 @@ def verispec_commands(block: Block) -> list[Command]:
 # the pages they are on: every sh block of those with verispec commands is one of them
 RUNS = [QUICKSTART, QUICK_SERVE, QUICK_STRUCTURED, SYNOPSIS, RECIPE, BENCHMARK, SERVING, LOAD, SERVE_LOAD]
 RUNS += [ACROSS, OFFLINE, OWN_GGUF, BENCH_GGUF, STRUCTURED, SUFFIX, JSON_BENCH, FAST_BASE, LOOKUP_FIRST]
-RUNS += [EAGLE3]
+RUNS += [EAGLE3, GEMMA_HEAD]
 RUN_PAGES = {b.page for b in RUNS}
 
 
@@ -629,6 +630,45 @@ def test_learned_drafter_recipe_runs(chat_target, tmp_path, monkeypatch, capsys)
             kind = value("--drafter") if "--drafter" in words else "eagle"
             assert f"[{kind}, " in err, err
     assert 2 in turns  # --questions target --turns 2: conversations the target wrote itself
+
+
+def test_gemma_head_commands_run(tmp_path, monkeypatch, capsys):
+    """docs/learned-drafters.md's commands for the Gemma 3 head, shrunk, in a fresh directory on a tiny
+    Gemma 3 GGUF file (sliding windows, q/k norms, post norms; a context the template prompts fit in): the
+    data set is that target's answers (its sizes the model's: this tokenizer counts one token more), and the
+    head trained beside it is one plain Llama layer that loads."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from test_gguf import write_tiny_gguf
+    from test_gguf_native import TINY, randomized
+    from verispec.drafting.learned.kinds import load_head
+    from verispec.models.registry import load_model
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        **(TINY | {"max_position_embeddings": 2048}),
+        num_hidden_layers=2,
+        head_dim=32,
+        sliding_window=4,
+        query_pre_attn_scalar=32,
+    )
+    source = str(
+        write_tiny_gguf(tmp_path / "gemma.gguf", randomized(Gemma3ForCausalLM(config), 0.0), "Q8_0", "gemma3")
+    )
+    target = ["--target", source]  # after the page's own --target gemma3-270m: the last one counts
+    commands = verispec_commands(GEMMA_HEAD)
+    assert [c.words[1] for c in commands] == ["drafter-data", "train-drafter"]
+    assert all(c.words[c.words.index("--target") + 1] == "gemma3-270m" for c in commands)
+    run_commands(
+        commands, {"drafter-data": target, "train-drafter": [*target, "--draft-vocab", "64"]}, capsys
+    )
+    meta = json.loads((tmp_path / "data" / "g" / "meta.json").read_text())
+    assert meta["generation"]["num_prompts"] == int(_scaled("3200")) and meta["target"] == source
+    model, _ = load_model(source, precision="auto")
+    head = load_head(tmp_path / "runs" / "g" / "drafter.safetensors", model, source, kind="eagle")
+    assert model.config.layer_windows and head.config.layer_windows == () and head.num_layers == 1
 
 
 def test_eagle3_recipe_runs(tmp_path, monkeypatch, capsys):

@@ -461,3 +461,22 @@ def test_gemma3_270m_every_drafter_is_greedy_identical(gemma3, smollm2):
         assert tokenizer.eos_token_ids & {1, 106} == {1, 106}  # <eos> and <end_of_turn>
         for speculator in drafts:
             assert greedy_ids(speculator, prompt, 32, k=3, chat=True) == reference, speculator.drafter_name
+
+
+@pytest.mark.slow
+def test_gemma3_270m_shipped_eagle_head_is_exact(gemma3):
+    """The EAGLE head shipped for Gemma 3 270M (plain Llama layers over its 640-wide states, a draft
+    vocabulary of 8192 of its 262,144 tokens), used without a path, alone and behind prompt lookup: greedy ==
+    plain greedy on 2 chat prompts, drafts accepted and rejected."""
+    assert shipped_drafter("gemma3-270m") is not None, "the package ships an eagle head for gemma3-270m"
+    plain = Speculator(gemma3, drafter="none")
+    drafted = accepted = 0
+    for drafter in ("eagle", LOOKUP_FIRST):
+        spec = Speculator(gemma3, drafter=drafter, target_label="gemma3-270m")
+        for prompt in SMOL_PROMPTS[:2]:
+            reference = greedy_ids(plain, prompt, 32, chat=True)
+            stats = GenerationStats(drafter, "3")
+            out = spec.stream(prompt, k=3, max_new_tokens=32, sampling=GREEDY, chat=True, stats=stats)
+            assert [t for c in out for t in c.token_ids] == reference, drafter
+            drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    assert 0 < accepted < drafted

@@ -345,6 +345,7 @@ def _suffix_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> Tr
 
 
 _SHIPPED = ("smollm2-135m",)  # the targets verispec ships every learned kind's file for
+_SHIPPED_EAGLE = (*_SHIPPED, "gemma3-270m")  # and those it ships an eagle head for
 
 DRAFTERS: dict[str, DrafterKind] = {
     kind.name: kind
@@ -378,7 +379,7 @@ DRAFTERS: dict[str, DrafterKind] = {
             trained=Trained(
                 head="verispec.drafting.learned.eagle.EagleHead",
                 recipe="verispec.training.eagle.EagleRecipe",
-                shipped=_SHIPPED,
+                shipped=_SHIPPED_EAGLE,
             ),
             dynamic_trees=True,
             reads_target_hidden=True,
