@@ -141,13 +141,13 @@ def tiny_phi3(seed: int = 0) -> Phi3ForCausalLM:
     return randomized(Phi3ForCausalLM(config))
 
 
-def tiny_gemma3(seed: int = 0) -> Gemma3ForCausalLM:
+def tiny_gemma3(seed: int = 0, **changes) -> Gemma3ForCausalLM:
     """A random 6-layer Gemma 3: layers 0-4 see the last 4 positions (RoPE base 10000), layer 5 all of them
-    (base 1e6); heads of 32, the scores scaled by 1 / sqrt(32) as llama.cpp scales them."""
+    (base 1e6); heads of 32, the scores scaled by 1 / sqrt(32) as llama.cpp scales them; ``changes`` to its
+    config's fields."""
     torch.manual_seed(seed)
-    config = Gemma3TextConfig(
-        **TINY, num_hidden_layers=6, head_dim=32, sliding_window=4, query_pre_attn_scalar=32
-    )
+    fields = TINY | {"num_hidden_layers": 6, "head_dim": 32, "sliding_window": 4, "query_pre_attn_scalar": 32}
+    config = Gemma3TextConfig(**(fields | changes))
     return randomized(Gemma3ForCausalLM(config), norm_mean=0.0)
 
 

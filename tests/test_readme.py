@@ -637,26 +637,15 @@ def test_gemma_head_commands_run(tmp_path, monkeypatch, capsys):
     Gemma 3 GGUF file (sliding windows, q/k norms, post norms; a context the template prompts fit in): the
     data set is that target's answers (its sizes the model's: this tokenizer counts one token more), and the
     head trained beside it is one plain Llama layer that loads."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
     from test_gguf import write_tiny_gguf
-    from test_gguf_native import TINY, randomized
+    from test_gguf_native import tiny_gemma3
     from verispec.drafting.learned.kinds import load_head
     from verispec.models.registry import load_model
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        **(TINY | {"max_position_embeddings": 2048}),
-        num_hidden_layers=2,
-        head_dim=32,
-        sliding_window=4,
-        query_pre_attn_scalar=32,
-    )
-    source = str(
-        write_tiny_gguf(tmp_path / "gemma.gguf", randomized(Gemma3ForCausalLM(config), 0.0), "Q8_0", "gemma3")
-    )
+    hf = tiny_gemma3(num_hidden_layers=2, max_position_embeddings=2048)
+    source = str(write_tiny_gguf(tmp_path / "gemma.gguf", hf, "Q8_0", "gemma3"))
     target = ["--target", source]  # after the page's own --target gemma3-270m: the last one counts
     commands = verispec_commands(GEMMA_HEAD)
     assert [c.words[1] for c in commands] == ["drafter-data", "train-drafter"]
