@@ -223,7 +223,7 @@ def build_text_dataset(target: str, out: str | Path, config: TextConfig) -> dict
     shards = out / "shards"
     _check_settings(shards, config.settings(target))
     model, tokenizer = load_model(target)
-    sizes = native_target(model)  # its hidden states' width and its logits' (a tokenizer may count more)
+    native = native_target(model)  # its sizes are recorded (its logits', not its tokenizer's count)
     sources = [TextSource.parse(spec) for spec in config.sources]
     windows: list[list[int]] = []
     recorded = []
@@ -253,8 +253,8 @@ def build_text_dataset(target: str, out: str | Path, config: TextConfig) -> dict
         splits["heldout" if i in held else "train"].append((window, 0, None))
     meta = {
         "target": str(target),
-        "hidden_size": int(sizes.config.hidden_size),
-        "vocab_size": int(sizes.vocab_size),
+        "hidden_size": int(native.config.hidden_size),
+        "vocab_size": int(native.vocab_size),
         "text": {
             "sources": recorded,
             "window": config.window,
