@@ -253,7 +253,9 @@ def test_a_loaded_target_is_named_by_its_label(target, trained, tmp_path, monkey
     )  # the costs: another test
     asked = []
     monkeypatch.setattr(
-        resolve_module, "shipped_drafter", lambda label, kind="eagle": asked.append(label) or trained
+        resolve_module,
+        "shipped_drafter",
+        lambda label, kind="eagle", auto=False: asked.append(label) or trained,
     )
     assert Speculator((target, tokenizer), target_label="tiny-0").drafter_name == LOOKUP_FIRST
     assert asked == ["tiny-0"]
@@ -488,17 +490,17 @@ def test_greedy_equals_plain_greedy_tiny(target, trained, tmp_path):
 def test_auto_takes_the_shipped_drafter_only_when_it_matches(target, trained, tmp_path, monkeypatch):
     tokenizer = LetterTokenizer(VOCAB)
     foreign = fresh_head(tiny_target(seed=1), torch.arange(VOCAB)).save(tmp_path / "foreign.safetensors")
-    monkeypatch.setattr(resolve_module, "shipped_drafter", lambda label, kind="eagle": trained)
+    monkeypatch.setattr(resolve_module, "shipped_drafter", lambda label, kind="eagle", auto=False: trained)
     monkeypatch.setattr(
         resolve_module, "_learned_pays", lambda model, head, label: True
     )  # the costs: the next test
     assert Speculator((target, tokenizer)).drafter_name == LOOKUP_FIRST  # the head behind prompt lookup
     assert Speculator((target, tokenizer), draft=(target, tokenizer)).drafter_name == "model"
     assert Speculator((target, tokenizer), tree=TreeShape.full(2, 2)).drafter_name == "eagle"  # a tree
-    monkeypatch.setattr(resolve_module, "shipped_drafter", lambda label, kind="eagle": foreign)
+    monkeypatch.setattr(resolve_module, "shipped_drafter", lambda label, kind="eagle", auto=False: foreign)
     assert Speculator((target, tokenizer)).drafter_name == "ngram"
     one_line_error(lambda: Speculator((target, tokenizer), drafter="eagle"), "trained for target")
-    monkeypatch.setattr(resolve_module, "shipped_drafter", lambda label, kind="eagle": None)
+    monkeypatch.setattr(resolve_module, "shipped_drafter", lambda label, kind="eagle", auto=False: None)
     assert Speculator((target, tokenizer)).drafter_name == "ngram"
     one_line_error(lambda: Speculator((target, tokenizer), drafter="eagle"), "needs a drafter file")
     one_line_error(
@@ -514,7 +516,7 @@ def test_auto_takes_the_shipped_drafter_only_where_the_costs_say_it_pays(
     """At the held-out agreement its file records, the cost model must predict the shipped drafter
     LEARNED_MARGIN times faster than plain decoding; a drafter named by its path is always taken."""
     tokenizer = LetterTokenizer(VOCAB)
-    monkeypatch.setattr(resolve_module, "shipped_drafter", lambda label, kind="eagle": trained)
+    monkeypatch.setattr(resolve_module, "shipped_drafter", lambda label, kind="eagle", auto=False: trained)
     heldout = [0.9, 0.85, 0.8]
     real_from_file = EagleHead.from_file
 

@@ -413,7 +413,9 @@ def test_each_learned_kind_is_declared_once():
     for name, declared in trained.items():
         assert HEADS[name] is declared.head_class() and HEADS[name].kind == name
         assert Recipe in declared.recipe_class().__mro__
-        assert all(shipped_drafter(target, name) for target in declared.shipped)
+        assert all(shipped_drafter(target, name) for target in (*declared.shipped, *declared.on_request))
+        for target in declared.on_request:  # asked for by kind only: auto never loads it
+            assert shipped_drafter(target, name, auto=True) is None
     assert all(declared.shipped for name, declared in trained.items() if name != "eagle3")  # none shipped yet
 
 

@@ -466,9 +466,10 @@ def test_gemma3_270m_every_drafter_is_greedy_identical(gemma3, smollm2):
 @pytest.mark.slow
 def test_gemma3_270m_shipped_eagle_head_is_exact(gemma3):
     """The EAGLE head shipped for Gemma 3 270M (plain Llama layers over its 640-wide states, a draft
-    vocabulary of 8192 of its 262,144 tokens), used without a path, alone and behind prompt lookup: greedy ==
-    plain greedy on 2 chat prompts, drafts accepted and rejected."""
+    vocabulary of 8192 of its 262,144 tokens), used without a path when asked for, alone and behind prompt
+    lookup: greedy == plain greedy on 2 chat prompts, drafts accepted and rejected; auto does not load it."""
     assert shipped_drafter("gemma3-270m") is not None, "the package ships an eagle head for gemma3-270m"
+    assert Speculator(gemma3, target_label="gemma3-270m").drafter_name == "ngram"
     plain = Speculator(gemma3, drafter="none")
     drafted = accepted = 0
     for drafter in ("eagle", LOOKUP_FIRST):

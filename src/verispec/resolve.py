@@ -298,7 +298,7 @@ def _learned_head(
 ) -> LearnedHead | None:
     """The learned drafter: read from ``path`` (of ``kind`` when given), else the file of ``kind`` shipped for
     the target. Unless ``required`` (drafter "auto"), a missing or mismatched shipped file gives None."""
-    chosen = path if path is not None else shipped_drafter(target_label, kind or EAGLE)
+    chosen = path if path is not None else shipped_drafter(target_label, kind or EAGLE, auto=not required)
     if chosen is None:
         if not required:
             return None

@@ -116,11 +116,13 @@ class DraftInputs:
 class Trained:
     """What a learned kind's files hold and how verispec trains one: its head class and its training recipe,
     each named by its dotted path (imported where used: this table loads no torch), and the targets (short
-    names) verispec ships a file of it for, ``verispec/data/drafters/TARGET-KIND.safetensors``."""
+    names) verispec ships a file of it for, ``verispec/data/drafters/TARGET-KIND.safetensors``: those auto may
+    draft with, and those whose file drafts only when its kind is asked for."""
 
     head: str  # a LearnedHead subclass, "verispec.drafting.learned.MODULE.CLASS"
     recipe: str  # its recipe, "verispec.training.MODULE.CLASS" (a verispec.training.recipe.Recipe)
     shipped: tuple[str, ...] = ()
+    on_request: tuple[str, ...] = ()  # shipped, but never loaded by auto (it would cost more than it gives)
     through_target: bool = False  # trained through the target's own float32 layers (native kernels compute
     # no gradients), whatever precision it otherwise runs in
 
@@ -345,7 +347,6 @@ def _suffix_tree(chain: Drafter, shape: TreeShape, cost: CostModel | None) -> Tr
 
 
 _SHIPPED = ("smollm2-135m",)  # the targets verispec ships every learned kind's file for
-_SHIPPED_EAGLE = (*_SHIPPED, "gemma3-270m")  # and those it ships an eagle head for
 
 DRAFTERS: dict[str, DrafterKind] = {
     kind.name: kind
@@ -379,7 +380,11 @@ DRAFTERS: dict[str, DrafterKind] = {
             trained=Trained(
                 head="verispec.drafting.learned.eagle.EagleHead",
                 recipe="verispec.training.eagle.EagleRecipe",
-                shipped=_SHIPPED_EAGLE,
+                shipped=_SHIPPED,
+                # Gemma 3 270M's head: behind prompt lookup level with lookup alone on the bench (its
+                # pretrained model copies its prompts), while the float32 embedding of its 262,144 tokens the
+                # head reads costs 1.3 GB of peak memory and 3 s a start (docs/learned-drafters.md)
+                on_request=("gemma3-270m",),
             ),
             dynamic_trees=True,
             reads_target_hidden=True,

@@ -43,12 +43,14 @@ def load_head(
     return HEADS[found].from_file(Path(path), metadata, tensors, target, target_label, fast)
 
 
-def shipped_drafter(target_label: str, kind: str = EAGLE) -> Path | None:
+def shipped_drafter(target_label: str, kind: str = EAGLE, auto: bool = False) -> Path | None:
     """The drafter file of ``kind`` that comes with the target named ``target_label``, when there is one:
-    verispec's own for a short model name (``verispec/data/drafters``), or for a GGUF file ``MODEL.gguf`` the
-    file ``MODEL.KIND.safetensors`` beside it (as ``write-gguf --inflate --drafters`` writes them)."""
+    verispec's own for a short model name (``verispec/data/drafters``; with ``auto``, one auto may draft
+    with: not a registry entry's ``on_request`` one), or for a GGUF file ``MODEL.gguf`` the file
+    ``MODEL.KIND.safetensors`` beside it (as ``write-gguf --inflate --drafters`` writes them)."""
     trained = DRAFTERS[kind].trained if kind in DRAFTERS else None
-    if trained is not None and target_label in trained.shipped:
+    names = () if trained is None else trained.shipped if auto else (*trained.shipped, *trained.on_request)
+    if target_label in names:
         name = f"{target_label}-{kind}.safetensors"
         path = Path(str(resources.files("verispec") / "data" / "drafters" / name))
     elif target_label.endswith(".gguf"):
