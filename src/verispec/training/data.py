@@ -45,6 +45,7 @@ from verispec.training.prompts import FOLLOW_UPS, chat_prompts
 
 if TYPE_CHECKING:
     from verispec.api import Speculator
+    from verispec.models.base import LanguageModel
 
 __all__ = [
     "DataConfig",
@@ -55,6 +56,7 @@ __all__ = [
     "load_split",
     "load_splits",
     "merge_datasets",
+    "target_sizes",
     "read_data_meta",
     "write_dataset",
 ]
@@ -329,6 +331,13 @@ def _prompt_texts(first: int, count: int, seed: int) -> list[str]:
     return chat_prompts(first + count, seed)[first:]
 
 
+def target_sizes(model: LanguageModel) -> dict[str, int]:
+    """What a data set records of the target that made it, and what training checks against its own: the
+    width of its hidden states and of its logits (not its tokenizer's count, which may say more)."""
+    native = native_target(model)
+    return {"hidden_size": int(native.config.hidden_size), "vocab_size": int(native.vocab_size)}
+
+
 def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig()) -> dict:
     """Generate the data set of ``target`` (a model SPEC) into directory ``out``; returns its meta data.
 
@@ -357,8 +366,7 @@ def build_dataset(target: str, out: str | Path, config: DataConfig = DataConfig(
         }
     meta = {
         "target": str(target),
-        "hidden_size": int(native_target(speculator.model).config.hidden_size),
-        "vocab_size": int(native_target(speculator.model).vocab_size),  # its logits' (not the tokenizer's)
+        **target_sizes(speculator.model),
         "generation": {
             **prompts,
             "num_prompts": config.num_prompts,

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from verispec.errors import UsageError
 from verispec.files import atomic_path, atomic_write
 from verispec.inputs import check_int, check_seed
-from verispec.training.data import write_dataset
+from verispec.training.data import target_sizes, write_dataset
 
 __all__ = ["STDLIB", "TextConfig", "TextSource", "build_text_dataset"]
 
@@ -215,7 +215,6 @@ def build_text_dataset(target: str, out: str | Path, config: TextConfig) -> dict
     """The data set of token windows of ``config.sources`` for ``target`` (a model SPEC: its tokenizer and
     sizes) in directory ``out`` (module docstring); returns its meta data. Resumes from the shards of an
     earlier run with the same settings."""
-    from verispec.drafting.learned.head import native_target
     from verispec.models.registry import load_model
 
     started = time.perf_counter()
@@ -223,7 +222,6 @@ def build_text_dataset(target: str, out: str | Path, config: TextConfig) -> dict
     shards = out / "shards"
     _check_settings(shards, config.settings(target))
     model, tokenizer = load_model(target)
-    native = native_target(model)  # its sizes are recorded (its logits', not its tokenizer's count)
     sources = [TextSource.parse(spec) for spec in config.sources]
     windows: list[list[int]] = []
     recorded = []
@@ -253,8 +251,7 @@ def build_text_dataset(target: str, out: str | Path, config: TextConfig) -> dict
         splits["heldout" if i in held else "train"].append((window, 0, None))
     meta = {
         "target": str(target),
-        "hidden_size": int(native.config.hidden_size),
-        "vocab_size": int(native.vocab_size),
+        **target_sizes(model),
         "text": {
             "sources": recorded,
             "window": config.window,

@@ -39,7 +39,7 @@ from verispec.files import atomic_path
 from verispec.models.base import LanguageModel
 from verispec.models.llama import Llama
 from verispec.training.config import THROUGH_TARGET, TrainConfig
-from verispec.training.data import answered_precision, load_split, load_splits, read_data_meta
+from verispec.training.data import answered_precision, load_split, load_splits, read_data_meta, target_sizes
 from verispec.training.recipe import EVAL_POSITIONS, IGNORE, Recipe, TrainingData, draft_index
 
 __all__ = ["train_drafter"]
@@ -82,11 +82,12 @@ def _check_data(directory: Path, target: Llama, label: str) -> dict:
     """The data set's meta.json, after checking that the data set exists and was made for ``target``'s
     sizes."""
     meta = read_data_meta(directory)
-    sizes = (meta.get("hidden_size"), meta.get("vocab_size"))
-    if sizes != (target.config.hidden_size, target.vocab_size):
+    own = target_sizes(target)
+    sizes = [meta.get(name) for name in own]  # hidden size, vocabulary
+    if sizes != list(own.values()):
         raise UsageError(
             f"the data set in {directory} was made by target {meta.get('target')!r} (hidden size {sizes[0]}, "
-            f"vocabulary {sizes[1]}), not by {label!r} ({target.config.hidden_size}, {target.vocab_size})"
+            f"vocabulary {sizes[1]}), not by {label!r} ({own['hidden_size']}, {own['vocab_size']})"
         )
     return meta
 
