@@ -15,7 +15,7 @@ from test_bench import run
 from test_tools import fallback_chat, stories  # noqa: F401  # stories: stories260K with a plain chat template
 from toy import single_threaded
 from verispec.api import Speculator
-from verispec.bench.agent import FINISH, answer, calculate, run_loop, valid_call
+from verispec.bench.agent import FINISH, answer, calculate, read_reply, run_loop, valid_call
 from verispec.bench.suite import builtin_tasks, load_prompts
 from verispec.drafting.suffix_cache import SuffixCache
 from verispec.errors import UsageError
@@ -154,7 +154,7 @@ def test_the_loop_appends_messages_as_openai_defines_them():
         return next(replies)
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How long?"}]
-    loop = run_loop(SEARCH_FETCH, 5, messages, reply)
+    loop = run_loop(SEARCH_FETCH, 5, messages, reply, read_reply)
     assert loop.turns == 3 and loop.conversations == seen and len(loop.calls) == 4 and loop.valid == 4
     final = seen[-1]
     assert final[:2] == messages and [m["role"] for m in final[2:]] == [
@@ -185,14 +185,16 @@ def test_the_loop_appends_messages_as_openai_defines_them():
 
 def test_the_loop_ends_without_a_call_on_a_cut_call_or_when_the_context_is_full():
     assert SEARCH_FETCH is not None
-    loop = run_loop(SEARCH_FETCH, 4, [{"role": "user", "content": "hi"}], lambda c: "Nothing to call.")
+    loop = run_loop(
+        SEARCH_FETCH, 4, [{"role": "user", "content": "hi"}], lambda c: "Nothing to call.", read_reply
+    )
     assert loop.turns == 1 and loop.calls == [] and loop.cut == 0
     cut = call("search", {"query": "a"}) + "\n" + call("fetch", {"url": "https://exa"})[:-20]
-    loop = run_loop(SEARCH_FETCH, 4, [{"role": "user", "content": "hi"}], lambda c: cut)
+    loop = run_loop(SEARCH_FETCH, 4, [{"role": "user", "content": "hi"}], lambda c: cut, read_reply)
     assert (
         loop.turns == 1 and [c.name for c in loop.calls] == ["search"] and loop.valid == 1 and loop.cut == 1
     )
-    loop = run_loop(SEARCH_FETCH, 4, [{"role": "user", "content": "hi"}], lambda c: None)
+    loop = run_loop(SEARCH_FETCH, 4, [{"role": "user", "content": "hi"}], lambda c: None, read_reply)
     assert loop.turns == 0 and loop.calls == []
 
 
@@ -226,7 +228,11 @@ def test_every_drafter_makes_the_same_calls_and_each_validates(stories, sampling
         )
         messages = [{"role": role, "content": content} for role, content in item.messages]
         runs[name] = run_loop(
-            item.agent.tools, 3, messages, lambda c, s=speculator, o=options: s.generate(c, o).text
+            item.agent.tools,
+            3,
+            messages,
+            lambda c, s=speculator, o=options: s.generate(c, o).text,
+            read_reply,
         )
     first = runs["none"]
     assert first.turns >= 2 and first.calls and first.valid == len(first.calls), first

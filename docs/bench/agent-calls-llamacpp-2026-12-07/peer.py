@@ -22,21 +22,21 @@ from importlib import resources
 
 from llama_cpp.llama_chat_format import chatml_function_calling
 
-from verispec.bench.agent import FINISH, answer, valid_call
+from verispec.bench.agent import run_loop, valid_call
 from verispec.bench.peers import llamacpp_model
 from verispec.grammar.tools import ToolCall, Tools
 from verispec.models.registry import gguf_file
 
 
 def loop(llm, item: dict, choice, temperature: float, seed: int) -> dict:
-    """One run of the agent loop on ``item`` with the handler; what it did."""
+    """One run of the bench's agent loop (``verispec.bench.agent.run_loop``) on ``item`` with the handler;
+    what it did."""
     tools = Tools.of(item["tools"], item["tool_choice"], item.get("parallel_tool_calls"))
-    conversation = list(item["messages"])
-    calls, valid, turns, errors, invalid = 0, 0, 0, [], []
-    llm.set_seed(seed)
-    for turn in range(item["max_turns"]):
+    errors: list[str] = []
+
+    def reply(conversation: list[dict]) -> dict | None:
         try:
-            reply = chatml_function_calling(
+            answered = chatml_function_calling(
                 llama=llm,
                 messages=conversation,
                 tools=item["tools"],
@@ -46,29 +46,27 @@ def loop(llm, item: dict, choice, temperature: float, seed: int) -> dict:
             )
         except Exception as err:  # noqa: BLE001 - what the handler raises is the finding
             errors.append(f"{type(err).__name__}: {err}"[:120])
-            break
-        turns += 1
-        message = reply["choices"][0]["message"]
-        made = [
-            ToolCall(f"call_{turn}_{i}", c["function"]["name"], c["function"]["arguments"])
-            for i, c in enumerate(message.get("tool_calls") or [])
-        ]
-        calls += len(made)
-        valid += sum(valid_call(tools, call) for call in made)
-        invalid += [f"{c.name}({c.arguments})"[:200] for c in made if not valid_call(tools, c)]
-        if not made:
-            break
-        conversation += [
-            {
-                "role": "assistant",
-                "content": message.get("content"),
-                "tool_calls": [c.as_dict() for c in made],
-            },
-            *({"role": "tool", "tool_call_id": c.id, "content": answer(c.name, c.arguments)} for c in made),
-        ]
-        if any(c.name == FINISH for c in made):
-            break
-    return {"turns": turns, "calls": calls, "valid": valid, "errors": errors, "invalid": invalid}
+            return None
+        return answered["choices"][0]["message"]
+
+    def read(message: dict) -> tuple[str | None, list[ToolCall], int]:  # its calls, parsed by the handler
+        made = message.get("tool_calls") or []
+        return (
+            message.get("content"),
+            [ToolCall("", c["function"]["name"], c["function"]["arguments"]) for c in made],
+            0,
+        )
+
+    llm.set_seed(seed)
+    done = run_loop(tools, item["max_turns"], list(item["messages"]), reply, read)
+    invalid = [f"{c.name}({c.arguments})"[:200] for c in done.calls if not valid_call(tools, c)]
+    return {
+        "turns": done.turns,
+        "calls": len(done.calls),
+        "valid": done.valid,
+        "errors": errors,
+        "invalid": invalid,
+    }
 
 
 def main() -> None:

@@ -17,17 +17,18 @@ import math
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from verispec.bench.schemas import valid_json
 from verispec.errors import UsageError
 from verispec.grammar.tools import CALL_CLOSE, ToolCall, Tools, read_calls
 from verispec.inputs import is_int
 
-__all__ = ["FINISH", "Agent", "Loop", "answer", "calculate", "run_loop", "valid_call"]
+__all__ = ["FINISH", "Agent", "Loop", "answer", "calculate", "read_reply", "run_loop", "valid_call"]
 
 FINISH = "finish"  # the function whose call ends the loop
 _MOST_TURNS = 8
+R = TypeVar("R")  # what a loop's reply function returns: verispec's text, a peer's message
 
 # ---------------------------------------------------------------------------------------------- fake tools
 
@@ -231,15 +232,29 @@ class Loop:
         return len(self.conversations)
 
 
+def read_reply(text: str) -> tuple[str | None, list[ToolCall], int]:
+    """verispec's reply ``text`` read: its content, its whole calls and how many a token limit cut off (the
+    last, where the output ended inside it: left out)."""
+    content, calls = read_calls(text)
+    last = calls[-1] if calls else None
+    if last is not None and not text[text.rfind(last.arguments) + len(last.arguments) :].startswith(
+        "}" + CALL_CLOSE
+    ):
+        return content, calls[:-1], 1
+    return content, calls, 0
+
+
 def run_loop(
     tools: Tools,
     turns: int,
     messages: list[dict[str, Any]],
-    reply: Callable[[list[dict[str, Any]]], str | None],
+    reply: Callable[[list[dict[str, Any]]], R | None],
+    read: Callable[[R], tuple[str | None, list[ToolCall], int]],
 ) -> Loop:
-    """The agent loop from ``messages``: ``reply(conversation)`` generates the assistant's text (held to
-    ``tools``' grammar; None: the conversation no longer fits, the loop ends), the calls are read from it,
-    checked (:func:`valid_call`) and answered by the fake tools (:func:`answer`); the assistant's message
+    """The agent loop from ``messages``: ``reply(conversation)`` generates the assistant's reply (verispec's:
+    its text, held to ``tools``' grammar; None: the conversation no longer fits, the loop ends), ``read``
+    gives its content, its calls and those cut off (:func:`read_reply`; a peer's reads its own), the calls
+    are checked (:func:`valid_call`) and answered by the fake tools (:func:`answer`); the assistant's message
     with its ``tool_calls`` (content None where only calls were made; ids ``call_<turn>_<index>``, the same
     in every run) and a ``tool`` message per call are appended, and the next turn generates from there. It
     ends after ``turns`` turns, after a turn without a call or with a call of ``finish``, or after a call
@@ -247,23 +262,17 @@ def run_loop(
     loop = Loop()
     conversation = list(messages)
     for turn in range(turns):
-        text = reply(list(conversation))
-        if text is None:
+        out = reply(list(conversation))
+        if out is None:
             break
         loop.conversations.append(list(conversation))
-        content, calls = read_calls(text)
-        last = calls[-1] if calls else None
-        if last is not None and not text[text.rfind(last.arguments) + len(last.arguments) :].startswith(
-            "}" + CALL_CLOSE
-        ):
-            loop.cut += 1  # the output ended inside it
-            calls.pop()
-            last = None
+        content, calls, cut = read(out)
+        loop.cut += cut
         for index, call in enumerate(calls):
             call.id = f"call_{turn}_{index}"
         loop.calls += calls
         loop.valid += sum(valid_call(tools, call) for call in calls)
-        if not calls or last is None:
+        if not calls or cut:
             break
         conversation += [
             {"role": "assistant", "content": content, "tool_calls": [call.as_dict() for call in calls]},

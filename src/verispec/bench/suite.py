@@ -71,7 +71,7 @@ from tqdm import tqdm
 
 from verispec import __version__
 from verispec.api import Speculator
-from verispec.bench.agent import Agent, run_loop
+from verispec.bench.agent import Agent, read_reply, run_loop
 from verispec.bench.goals import load_goals
 from verispec.bench.methods import (
     CONSTRAINED,
@@ -894,7 +894,7 @@ class Bench:
             calls, valid, cut = 0, 0, 0
         else:
             messages = cast(list[dict[str, Any]], prompt.for_model(True))
-            loop = run_loop(tools, agent.turns, messages, reply)
+            loop = run_loop(tools, agent.turns, messages, reply, read_reply)
             if method.name == BASELINE:
                 self.conversations[key] = loop.conversations
             calls, valid, cut = len(loop.calls), loop.valid, loop.cut
