@@ -415,6 +415,24 @@ def test_text_data_set_resumes_and_records_its_sources(hf_target, texts, tmp_pat
     one_line_error(lambda: load_split(tmp_path / "whole", "train"), "token ids alone")
 
 
+def test_text_met_before_is_skipped_and_counted(hf_target, texts, tmp_path):
+    """A document whose text an earlier source or the same one already gave is not tokenized again: packages
+    copy docstrings from model to model, and a copy would be trained on twice or held out and trained on."""
+    copies = tmp_path / "copies"
+    copies.mkdir()
+    (copies / "a.md").write_text((texts / "page1.md").read_text())  # a page of the first source
+    (copies / "b.py").write_text('def f():\n    """New words."""\n\n\ndef g():\n    """New words."""\n')
+    (copies / "c.md").write_text("Other new words.")
+    config = TextConfig((f"{texts}:MIT", f"{copies}:MIT"), window=32, progress=False)
+    meta = build_text_dataset(str(hf_target), tmp_path / "out", config)
+    first, second = meta["text"]["sources"]
+    assert (first["documents"], first["repeated"]) == (8, 0)
+    assert (second["documents"], second["repeated"]) == (2, 2)  # page1 and the second "New words."
+    _, tokenizer = load_model(str(hf_target))
+    expected = sum(len(tokenizer.encode(d, add_bos=False)) + 1 for d in ("New words.", "Other new words."))
+    assert second["tokens"] == expected
+
+
 def test_eagle3_trains_on_text_and_answers_together(hf_target, texts, tmp_path):
     """One run over a text data set and the target's answers; another kind refuses the text set in one
     line."""
@@ -432,6 +450,28 @@ def test_eagle3_trains_on_text_and_answers_together(hf_target, texts, tmp_path):
     assert Eagle3Head.load(path.parent, load_model(str(hf_target))[0]).draft_vocab_size == 64
     eagle = dataclasses.replace(settings, kind="eagle")
     one_line_error(lambda: train_drafter(model, tmp_path / "text", tmp_path / "e", eagle), "token ids alone")
+
+
+def test_a_gemma3_gguf_target_gets_text_data_and_an_eagle3_head(texts, tmp_path, monkeypatch):
+    """A Gemma 3 GGUF file (which the transformers backend would load at fp32) gives a text data set
+    recording its model's widths (the text path once loaded it as generate does not and refused it), an
+    EAGLE-3 head trains on it, and greedy drafting with the head is the target's greedy decoding."""
+    from test_gguf import write_tiny_gguf
+    from test_gguf_native import tiny_gemma3
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    source = str(write_tiny_gguf(tmp_path / "g.gguf", tiny_gemma3(), "Q8_0", arch="gemma3"))
+    target, tokenizer = load_model(source, precision="auto")
+    config = TextConfig((f"{texts}:MIT",), window=24, heldout_fraction=0.25, progress=False)
+    meta = build_text_dataset(source, tmp_path / "text", config)
+    assert (meta["hidden_size"], meta["vocab_size"]) == (target.config.hidden_size, target.vocab_size)
+    settings = dataclasses.replace(TRAINING, steps=4, eval_every=4, checkpoint_every=4, draft_vocab=64)
+    path = train_drafter(target, tmp_path / "text", tmp_path / "run", settings, progress=False)
+    plain = Speculator((target, tokenizer), drafter="none")
+    eagle3 = Speculator((target, tokenizer), drafter="eagle3", drafter_path=str(path.parent))
+    for prompt in ("hello", "ab ab ab"):
+        reference = plain.generate(prompt, k=0, max_new_tokens=16, sampling=GREEDY).token_ids
+        assert eagle3.generate(prompt, k=3, max_new_tokens=16, sampling=GREEDY).token_ids == reference
 
 
 @pytest.mark.parametrize(

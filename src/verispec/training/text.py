@@ -10,6 +10,8 @@ too large to store). The text must be offline and licensed for this use; each so
   ``.py`` files by their docstrings, ``.md``, ``.rst`` and ``.txt`` files whole (this repository's docs:
   ``docs:Apache-2.0``; a package's own docs under its licence).
 
+A document met before (the same text, in this source or an earlier one: packages copy docstrings from
+model to model) is skipped and counted, so no text is trained on twice or both trained on and held out.
 Each source's documents are tokenized in shards of :data:`SHARD_DOCUMENTS`, each shard's token stream (the
 documents one after another, each ended by the target's end token) cut into windows of ``window`` tokens, one
 sequence each (no prompt: every position counts), and written atomically to ``OUT/shards/``; a rerun with
@@ -22,6 +24,7 @@ licence and its counts.
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import random
 import sysconfig
@@ -139,7 +142,7 @@ class TextConfig:
 
     def settings(self, target: str) -> dict:
         """What the shards depend on (a rerun must give the same)."""
-        return {"target": target, "sources": list(self.sources), "window": self.window}
+        return {"target": target, "sources": list(self.sources), "window": self.window, "unique": True}
 
 
 def _windows(documents: list[str], tokenizer, window: int) -> list[list[int]]:
@@ -199,6 +202,18 @@ def _check_settings(shards: Path, settings: dict) -> None:
     atomic_write(path, json.dumps(settings, indent=2) + "\n")
 
 
+def _unique(documents: Iterator[str], seen: set[bytes], skipped: list[int]) -> Iterator[str]:
+    """``documents`` without those whose text is in ``seen`` (each one's digest added as it passes); the
+    count skipped is added to ``skipped[0]``."""
+    for document in documents:
+        digest = hashlib.blake2b(document.encode(), digest_size=16).digest()
+        if digest in seen:
+            skipped[0] += 1
+            continue
+        seen.add(digest)
+        yield document
+
+
 def _chunks(documents: Iterator[str], size: int) -> Iterator[list[str]]:
     """``documents`` in lists of ``size`` (the last one shorter)."""
     chunk: list[str] = []
@@ -221,14 +236,15 @@ def build_text_dataset(target: str, out: str | Path, config: TextConfig) -> dict
     out = Path(out)
     shards = out / "shards"
     _check_settings(shards, config.settings(target))
-    model, tokenizer = load_model(target)
+    model, tokenizer = load_model(target, precision="auto")  # as generate runs it
     sources = [TextSource.parse(spec) for spec in config.sources]
     windows: list[list[int]] = []
     recorded = []
+    seen: set[bytes] = set()  # digests of the documents met so far, in every source
     for number, source in enumerate(sources):
-        count, documents, tokens = 0, 0, 0
+        count, documents, tokens, repeated = 0, 0, 0, [0]
         bar = tqdm(desc=f"text {source.name}", unit="shard", disable=not config.progress)
-        for index, chunk in enumerate(_chunks(source.documents(), SHARD_DOCUMENTS)):
+        for index, chunk in enumerate(_chunks(_unique(source.documents(), seen, repeated), SHARD_DOCUMENTS)):
             path = shards / f"{number:02d}-{index:05d}.safetensors"
             if not path.is_file():
                 _write_shard(path, _windows(chunk, tokenizer, config.window), len(chunk))
@@ -241,7 +257,8 @@ def build_text_dataset(target: str, out: str | Path, config: TextConfig) -> dict
             raise UsageError(f"text source {source.name!r} holds no document ({', '.join(SUFFIXES)} files)")
         recorded.append(
             {**asdict(source), "path": None if source.path is None else str(source.path)}
-            | {"description": source.description, "documents": documents, "tokens": tokens, "shards": count}
+            | {"description": source.description, "documents": documents, "repeated": repeated[0]}
+            | {"tokens": tokens, "shards": count}
         )
     order = list(range(len(windows)))
     random.Random(config.seed).shuffle(order)
