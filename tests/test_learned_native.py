@@ -254,7 +254,7 @@ def test_eagle_draft_call_is_its_products_layers_and_norm_one_by_one(target):
     positions = torch.arange(6)
     for i in range(2):
         got = head.forward_rows([(tokens[i], features[i], positions, fused[i])])[0]  # [T, H]
-        fc_in = torch.cat((head.embed_weight[tokens[i]], features[i]), -1)  # [T, 2H]
+        fc_in = torch.cat((head.embed(tokens[i]), features[i]), -1)  # [T, 2H]
         expected = head._native_layers(head._stack, head.fc(fc_in)[None], positions[None], calls[i], None)[0]
         assert torch.equal(got, expected)
     for step in range(3):
@@ -262,7 +262,7 @@ def test_eagle_draft_call_is_its_products_layers_and_norm_one_by_one(target):
         step_features = torch.randn(2, h, generator=gen)  # [rows, H]
         got, logits = head.step_rows(step_tokens, step_features, [6 + step] * 2, fused)
         for i in range(2):
-            fc_in = torch.cat((head.embed_weight[step_tokens[i]], step_features[i]))[None]  # [1, 2H]
+            fc_in = torch.cat((head.embed(torch.tensor(step_tokens[i])), step_features[i]))[None]  # [1, 2H]
             position = torch.tensor([[6 + step]])
             expected = head._native_layers(head._stack, head.fc(fc_in)[None], position, calls[i], None)[0]
             assert torch.equal(got[i : i + 1], expected)

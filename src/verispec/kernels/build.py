@@ -37,7 +37,7 @@ __all__ = [
     "load",
 ]
 
-ABI_VERSION = 5  # vs_abi_version() of the source this module's bindings are written for
+ABI_VERSION = 6  # vs_abi_version() of the source this module's bindings are written for
 SOURCE = Path(__file__).with_name("cpu.cpp")
 # "native": everything this CPU has (-march=native: AVX-512 kernels where it has AVX-512 VNNI); "avx2": the
 # AVX2 kernels alone, as a CPU without AVX-512 runs them; "portable": plain C++, as other CPUs run it. Models

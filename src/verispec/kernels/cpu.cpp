@@ -1745,28 +1745,25 @@ extern "C" int vs_forward(const vs_model* m, int first, int last, const vs_batch
     return status;
 }
 
-// A learned draft head's forward (EAGLE's): each token's input is [embed[token], feature] (embed float32
-// [vocab, hidden], features [N, hidden]) through fc [hidden, 2 hidden] (its bias included), every layer of
+// A learned draft head's forward (EAGLE's): each token's input is [its embedding, feature] (inputs: the N
+// tokens' embeddings [N, hidden] float32, features [N, hidden]) through fc [hidden, 2 hidden] (its bias included), every layer of
 // `m` (keys and values into `cache`, see vs_batch) and the RMSNorm `norm` [hidden] into out [N, hidden];
 // with `head` and `picks` [P], also logits [P, head rows] of the out rows picks[j] (out[picks] head^T). The
 // same products, layers and norm as vs_matmul, vs_forward and vs_rmsnorm called one after another: a row's
 // outputs depend on that row alone. Returns 0, -1 for invalid arguments, -2 when out of memory.
 extern "C" int vs_draft(const vs_model* m, const vs_matrix* fc, const float* norm, const vs_matrix* head,
-                        const float* embed, int64_t vocab, const int64_t* tokens, const float* features,
-                        const vs_batch* batch, const vs_cache* cache, float* out, int num_picks,
-                        const int32_t* picks, float* logits, int threads) {
+                        const float* inputs, const float* features, const vs_batch* batch, const vs_cache* cache,
+                        float* out, int num_picks, const int32_t* picks, float* logits, int threads) {
     const int n = batch->n, hidden = m->hidden;
     if (n <= 0 || !valid_matrix(fc) || fc->rows != hidden || fc->cols != 2 * hidden) return -1;
     if (num_picks < 0 || (num_picks > 0 && (!head || !picks || !logits || !valid_matrix(head) || head->cols != hidden)))
         return -1;
-    for (int i = 0; i < n; i++)
-        if (tokens[i] < 0 || tokens[i] >= vocab) return -1;
     for (int j = 0; j < num_picks; j++)
         if (picks[j] < 0 || picks[j] >= n) return -1;
     float* in = (float*)thread_buffer(BUF_DRAFT, sizeof(float) * (size_t)(n > num_picks ? n : num_picks) * 2 * hidden);
     if (!in) return -2;
     for (int i = 0; i < n; i++) {  // in: [N, 2 hidden]
-        memcpy(in + (size_t)i * 2 * hidden, embed + (size_t)tokens[i] * hidden, sizeof(float) * hidden);
+        memcpy(in + (size_t)i * 2 * hidden, inputs + (size_t)i * hidden, sizeof(float) * hidden);
         memcpy(in + ((size_t)i * 2 + 1) * hidden, features + (size_t)i * hidden, sizeof(float) * hidden);
     }
     int status = matmul(fc, n, in, out, threads);
@@ -1788,14 +1785,15 @@ static int argmax(const float* x, int n) {
 }
 
 // Greedy drafting with a learned draft head (see vs_draft), N rows at once, each on its own: row i reads
-// tokens[i] and features[i] at its cache row seq[i], slot slot[i], then steps[i] - 1 more tokens, each the
-// draft vocabulary's argmax of the step before (ids [head rows]: each draft logit's token id) read with that
-// step's predicted feature at the next slot; drafts[i, s] (drafts [N, S], S = max steps) is the token the
+// inputs[i] (its token's embedding, inputs [N, hidden]) and features[i] at its cache row seq[i], slot slot[i],
+// then steps[i] - 1 more tokens, each the draft vocabulary's argmax of the step before (vocab_rows [head rows,
+// hidden]: each draft logit's token's embedding; ids [head rows]: its token id) read with that step's
+// predicted feature at the next slot; drafts[i, s] (drafts [N, S], S = max steps) is the token the
 // logits after step s give. cos and sin: [N, S, head_dim / 2], the RoPE of each row's step s. Every step is
 // vs_draft's forward over the rows still drafting: a row's drafts depend on that row alone. Returns as
 // vs_draft.
 extern "C" int vs_draft_greedy(const vs_model* m, const vs_matrix* fc, const float* norm, const vs_matrix* head,
-                               const float* embed, int64_t vocab, const int64_t* ids, int n, const int64_t* tokens,
+                               const float* vocab_rows, const int64_t* ids, int n, const float* inputs,
                                const float* features, const int32_t* seq, const int32_t* slot, const int32_t* steps,
                                const float* cos, const float* sin, const vs_cache* cache, int64_t* drafts, int threads) {
     const int hidden = m->hidden, half = m->head_dim / 2, rows = head ? head->rows : 0;
@@ -1805,10 +1803,7 @@ extern "C" int vs_draft_greedy(const vs_model* m, const vs_matrix* fc, const flo
         if (steps[i] < 1) return -1;
         most = steps[i] > most ? steps[i] : most;
     }
-    for (int j = 0; j < rows; j++)
-        if (ids[j] < 0 || ids[j] >= vocab) return -1;
-    std::vector<int64_t> tok(tokens, tokens + n);
-    std::vector<float> feat(features, features + (size_t)n * hidden), out((size_t)n * hidden), logits((size_t)n * rows);
+    std::vector<float> emb(inputs, inputs + (size_t)n * hidden), feat(features, features + (size_t)n * hidden), out((size_t)n * hidden), logits((size_t)n * rows);
     std::vector<float> c((size_t)n * half), sn((size_t)n * half);
     std::vector<int32_t> s_seq(n), s_slot(n), picks(n);
     std::vector<int> active(n);
@@ -1822,16 +1817,16 @@ extern "C" int vs_draft_greedy(const vs_model* m, const vs_matrix* fc, const flo
             memcpy(&sn[(size_t)j * half], sin + ((size_t)i * most + step) * half, sizeof(float) * half);
         }
         const vs_batch batch = {a, c.data(), sn.data(), s_seq.data(), s_slot.data(), s_slot.data(), NULL, 0, NULL, NULL, NULL};
-        int status = vs_draft(m, fc, norm, head, embed, vocab, tok.data(), feat.data(), &batch, cache, out.data(), a,
-                              picks.data(), logits.data(), threads);
+        int status = vs_draft(m, fc, norm, head, emb.data(), feat.data(), &batch, cache, out.data(), a, picks.data(),
+                              logits.data(), threads);
         if (status) return status;
         std::vector<int> going;
         for (int j = 0; j < a; j++) {
             const int i = active[j];
-            const int64_t token = ids[argmax(&logits[(size_t)j * rows], rows)];
-            drafts[(size_t)i * most + step] = token;
+            const int best = argmax(&logits[(size_t)j * rows], rows);
+            drafts[(size_t)i * most + step] = ids[best];
             if (step + 1 < steps[i]) {  // packed again for the next step
-                tok[going.size()] = token;
+                memcpy(&emb[going.size() * hidden], vocab_rows + (size_t)best * hidden, sizeof(float) * hidden);
                 memcpy(&feat[going.size() * hidden], &out[(size_t)j * hidden], sizeof(float) * hidden);
                 going.push_back(i);
             }
@@ -1841,4 +1836,4 @@ extern "C" int vs_draft_greedy(const vs_model* m, const vs_matrix* fc, const flo
     return 0;
 }
 
-extern "C" int vs_abi_version(void) { return 5; }
+extern "C" int vs_abi_version(void) { return 6; }

@@ -159,10 +159,10 @@ def _library(variant: str = "native") -> ctypes.CDLL:
     ]
     lib.vs_forward.restype = i32
     matrix, batch, kv = ctypes.POINTER(_Matrix), ctypes.POINTER(_Batch), ctypes.POINTER(_Cache)
-    head: list[Any] = [ctypes.POINTER(_Model), matrix, _p, matrix, _p, ctypes.c_int64]  # both drafts' first
+    head: list[Any] = [ctypes.POINTER(_Model), matrix, _p, matrix]  # both drafts' first
     lib.vs_draft.argtypes = [*head, _p, _p, batch, kv, _p, i32, _p, _p, i32]
     lib.vs_draft.restype = i32
-    lib.vs_draft_greedy.argtypes = [*head, _p, i32, _p, _p, _p, _p, _p, _p, _p, kv, _p, i32]
+    lib.vs_draft_greedy.argtypes = [*head, _p, _p, i32, _p, _p, _p, _p, _p, _p, _p, kv, _p, i32]
     lib.vs_draft_greedy.restype = i32
     lib.vs_repack.argtypes = [ctypes.POINTER(_Matrix), _p, ctypes.c_size_t, i32]
     lib.vs_repack.restype = i32
@@ -560,7 +560,7 @@ class NativeStack:
         self,
         head: DraftHead,
         *,
-        tokens: Tensor,
+        inputs: Tensor,
         features: Tensor,
         cos: Tensor,
         sin: Tensor,
@@ -571,20 +571,20 @@ class NativeStack:
         values: Tensor,
         picks: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """A learned draft head's forward over N tokens in one call (``vs_draft``): [embed[tokens],
-        features] through the head's fc (2·hidden → hidden), every layer (causally, as :meth:`forward`
-        without a mask) and its norm → (f̂ [N, hidden], the draft logits [P, head rows] of the rows ``picks``
-        [P] int32, or None without picks): bit for bit the products, layers and norm called one by one.
-        tokens [N] int64 (checked against the embedding by the kernels), features [N, hidden] float32; the
-        rest as :meth:`forward`'s (the caller has checked every index)."""
-        n, features = tokens.shape[0], features.contiguous()
+        """A learned draft head's forward over N tokens in one call (``vs_draft``): [inputs, features]
+        through the head's fc (2·hidden → hidden), every layer (causally, as :meth:`forward` without a
+        mask) and its norm → (f̂ [N, hidden], the draft logits [P, head rows] of the rows ``picks`` [P]
+        int32, or None without picks): bit for bit the products, layers and norm called one by one. inputs
+        [N, hidden] float32: the tokens' embeddings; features [N, hidden] float32; the rest as
+        :meth:`forward`'s (the caller has checked every index)."""
+        n, inputs, features = inputs.shape[0], inputs.contiguous(), features.contiguous()
         batch = _Batch(n, cos.data_ptr(), sin.data_ptr(), seq.data_ptr(), slot.data_ptr(), base.data_ptr())
         out = features.new_empty(n, self._model.hidden)  # [N, hidden]
         count = 0 if picks is None else picks.shape[0]
         logits = None if picks is None else features.new_empty(count, head.rows.rows)  # [P, head rows]
         status = self._lib.vs_draft(
             *self._draft_head(head),
-            tokens.data_ptr(),
+            inputs.data_ptr(),
             features.data_ptr(),
             ctypes.byref(batch),
             ctypes.byref(_cache(keys, values)),
@@ -601,7 +601,7 @@ class NativeStack:
         self,
         head: DraftHead,
         *,
-        tokens: Tensor,
+        inputs: Tensor,
         features: Tensor,
         seq: Tensor,
         slot: Tensor,
@@ -611,21 +611,23 @@ class NativeStack:
         keys: Tensor,
         values: Tensor,
     ) -> Tensor:
-        """Greedy drafting of N rows in one call (``vs_draft_greedy``): row i reads tokens[i] [N] int64 and
-        features[i] [N, hidden] at slot[i] of cache row seq[i] (int32 [N] each), then steps[i] − 1 more tokens
-        (steps int32 [N], each ≥ 1), each the argmax of the step before mapped through ``head.ids``, with
-        that step's predicted feature at the next slot: the drafts [N, S] int64 (S = max steps; row i's first
-        steps[i]). cos, sin: [N, S, head_dim / 2] float32, each row's steps' RoPE. Each step as
-        :meth:`draft`."""
-        n, most = tokens.shape[0], int(steps.max())
+        """Greedy drafting of N rows in one call (``vs_draft_greedy``): row i reads inputs[i] (its token's
+        embedding, [N, hidden] float32) and features[i] [N, hidden] at slot[i] of cache row seq[i] (int32 [N]
+        each), then steps[i] − 1 more tokens (steps int32 [N], each ≥ 1), each the argmax of the step before
+        (embedded by ``head.vocab_rows``, drafted as its ``head.ids``), with that step's predicted feature at
+        the next slot: the drafts [N, S] int64 (S = max steps; row i's first steps[i]). cos, sin: [N, S,
+        head_dim / 2] float32, each row's steps' RoPE. Each step as :meth:`draft`."""
+        n, most = inputs.shape[0], int(steps.max())
         # held here: a temporary's memory would be freed before the kernels read it
-        features, cos, sin = features.contiguous(), cos.contiguous(), sin.contiguous()
+        inputs, features = inputs.contiguous(), features.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
         drafts = torch.zeros(n, most, dtype=torch.int64)  # [N, S]
         status = self._lib.vs_draft_greedy(
             *self._draft_head(head),
+            head.vocab_rows.data_ptr(),
             head.ids.data_ptr(),
             n,
-            tokens.data_ptr(),
+            inputs.data_ptr(),
             features.data_ptr(),
             seq.data_ptr(),
             slot.data_ptr(),
@@ -640,14 +642,12 @@ class NativeStack:
         return drafts
 
     def _draft_head(self, head: DraftHead) -> tuple[object, ...]:
-        """The arguments both drafts start with: the stack, the head's fc, norm, rows and embedding."""
-        rows = ctypes.byref(head.rows.struct)
+        """The arguments both drafts start with: the stack, the head's fc, norm and rows."""
         return (
             ctypes.byref(self._model),
             ctypes.byref(head.fc.struct),
             head.norm.data_ptr(),
-            rows,
-            *head.embed,
+            ctypes.byref(head.rows.struct),
         )
 
 
@@ -655,25 +655,23 @@ class NativeStack:
 class DraftHead:
     """What a learned draft head adds to its stack for :meth:`NativeStack.draft`: fc (2·hidden → hidden,
     its bias), the output norm's weight [hidden] float32, the draft vocabulary's head rows [Vd, hidden],
-    each draft logit's token id ``ids`` [Vd] int64, the token embedding [vocab, hidden] float32; all
-    contiguous."""
+    each draft logit's token id ``ids`` [Vd] int64 and that token's embedding ``vocab_rows`` [Vd, hidden]
+    float32 (what a greedy draft's next step reads: the draft vocabulary's rows alone, never the whole
+    embedding); all contiguous."""
 
     fc: PackedMatrix
     norm: Tensor
     rows: PackedMatrix
     ids: Tensor
-    embedding: Tensor
+    vocab_rows: Tensor
 
     def __post_init__(self) -> None:
-        for name, dtype in (("norm", torch.float32), ("ids", torch.int64), ("embedding", torch.float32)):
+        for name, dtype in (("norm", torch.float32), ("ids", torch.int64), ("vocab_rows", torch.float32)):
             t = getattr(self, name)
             if t.dtype != dtype or not t.is_contiguous():
                 raise UsageError(f"a draft head's {name} must be contiguous {dtype}, got {t.dtype}")
-
-    @property
-    def embed(self) -> tuple[int, int]:
-        """The embedding's pointer and row count, as the kernels take them."""
-        return self.embedding.data_ptr(), self.embedding.shape[0]
+        if self.vocab_rows.shape != (self.rows.rows, self.rows.cols) or self.ids.shape != (self.rows.rows,):
+            raise UsageError("a draft head's ids and vocab_rows must have one entry per head row")
 
 
 def _cache(keys: Tensor, values: Tensor) -> _Cache:

@@ -8,7 +8,9 @@ target tokens of the training data), gives the logits of x_{t+2}::
     (embed(x_{t+1}), f_t) → fc (2H → H) → Llama decoder layer(s) → RMSNorm → f̂_{t+1} → target head rows
 
 Drafting feeds the target's true features of the committed tokens, then runs on its own predictions
-(Li et al. 2024, EAGLE). The embeddings and the head rows come from the target, frozen and never stored: a
+(Li et al. 2024, EAGLE). The embeddings and the head rows come from the target, frozen and never stored
+(the embeddings looked up row by row where the target keeps them, a GGUF file's rows in place: a head never
+copies the whole table, 671 MB in float32 for Gemma 3's 262,144 tokens): a
 drafter file holds only fc, the layer and the norm (float16), the draft vocabulary and metadata, and loads
 only beside the target whose :func:`target_fingerprint` it records.
 
@@ -22,7 +24,9 @@ distribution is computed from its own logits, so verification stays exact.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +54,27 @@ from verispec.models.llama import (
     run_native,
 )
 
-__all__ = ["MAX_LAYERS", "EagleHead"]
+__all__ = ["MAX_LAYERS", "EagleHead", "TokenRows"]
 
 MAX_LAYERS = 8  # the most decoder layers a head may have
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """A head's token embeddings, frozen: ``rows(ids)`` is ids [...] int64 → float32 [..., H], each row looked
+    up, the whole table never copied (the target's ``embed_tokens`` reads a GGUF file's rows in place)."""
+
+    lookup: Callable[[Tensor], Tensor]
+
+    @classmethod
+    def of(cls, target: Llama, own: Tensor | None = None) -> TokenRows:
+        """The target's embeddings, or the head's ``own`` table [V, H] where its file brings one."""
+        if own is None:
+            return cls(target.model.embed_tokens)
+        return cls(partial(F.embedding, weight=own.detach().to(target.device, torch.float32)))
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        return self.lookup(ids).float()
 
 
 class EagleHead(LearnedHead):
@@ -79,8 +101,7 @@ class EagleHead(LearnedHead):
             [_DecoderLayer(self.config, device, torch.float32) for _ in range(num_layers)]
         )
         self.norm = _RMSNorm(h, self.config.rms_norm_eps, device, torch.float32)
-        # frozen, borrowed from the target: token embeddings (shared, not copied)
-        self.embed_weight = nn.Buffer(target.model.embed_tokens.weight.detach(), persistent=False)  # [V, H]
+        self.embed = TokenRows.of(target)  # frozen, borrowed from the target
         self.inv_freq = nn.Buffer(self.config.rope_inv_freq().to(device), persistent=False)  # [head_dim // 2]
         self._stack: NativeStack | None = None  # the layers on the native kernels (pack_native)
         self._draft_head: DraftHead | None = None  # what the native drafting calls read (_native_head)
@@ -213,7 +234,7 @@ class EagleHead(LearnedHead):
         rope = {k: v.view(len(steps), most, -1) for k, v in rope_tables(at, self.inv_freq).items()}
         drafts = self._stack.draft_greedy(
             head,
-            tokens=torch.tensor(tokens),
+            inputs=self.embed(torch.tensor(tokens)),  # [N, H]
             features=features.float(),
             steps=torch.tensor(steps, dtype=torch.int32),
             **first,
@@ -230,11 +251,9 @@ class EagleHead(LearnedHead):
         if len(caches) > 1 and not rows_of_one_cache(caches):
             return None
         if self._draft_head is None:
-            embedding = self.embed_weight
-            if embedding.dtype != torch.float32 or not embedding.is_contiguous():
-                return None
             norm = self.norm.weight.detach()  # [H] float32
-            self._draft_head = DraftHead(self.fc.native, norm, self._native_rows, self.draft_vocab, embedding)
+            rows = self.embed(self.draft_vocab).contiguous()  # [Vd, H]
+            self._draft_head = DraftHead(self.fc.native, norm, self._native_rows, self.draft_vocab, rows)
         return self._draft_head
 
     def _draft(
@@ -253,7 +272,7 @@ class EagleHead(LearnedHead):
         assert self._stack is not None and head is not None  # the callers' check
         out, logits = self._stack.draft(
             head,
-            tokens=tokens,
+            inputs=self.embed(tokens),  # [N, H]
             features=features.float(),
             picks=picks,
             **rope_tables(positions, self.inv_freq),
@@ -274,7 +293,7 @@ class EagleHead(LearnedHead):
         """tokens: [B, T] int64, x_{t+1} at each slot t; features: [B, T, H], f_t (true or predicted);
         positions: [B, T] int64, the slots t. Returns f̂_{t+1}: [B, T, H] float32; appends T slots to
         ``cache``. mask: [T, cache.length + T] bool (True = attend), None for causal attention."""
-        embedded = F.embedding(tokens, self.embed_weight).float()  # [B, T, H]
+        embedded = self.embed(tokens)  # [B, T, H]
         h = self.fc(torch.cat((embedded, features.float()), dim=-1))  # [B, T, H]
         if self._stack is not None:
             return self._native_layers(self._stack, h, positions, cache, mask)

@@ -24,10 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from verispec.drafting.learned.eagle import MAX_LAYERS
+from verispec.drafting.learned.eagle import MAX_LAYERS, TokenRows
 from verispec.drafting.learned.eagle3 import PublishedHead, check_layout, layer_config, read_published
 from verispec.drafting.learned.eagle_drafter import EagleDrafter
 from verispec.drafting.learned.head import LearnedHead, native_target
@@ -57,11 +56,7 @@ class Eagle2Head(PublishedHead):
             [_DecoderLayer(config, device, torch.float32) for _ in range(config.num_layers)]
         )
         self.layers[0].register_module("input_layernorm", nn.Identity())  # layer 0 reads fc's output as is
-        own = tensors.get("embed_tokens.weight")
-        embedding = target.model.embed_tokens.weight if own is None else own
-        self.embed_weight = nn.Buffer(
-            embedding.detach().to(device, torch.float32), persistent=False
-        )  # [V, H]
+        self.embed = TokenRows.of(target, tensors.get("embed_tokens.weight"))
         self.inv_freq = nn.Buffer(config.rope_inv_freq().to(device), persistent=False)
         self._stack = None
         self._draft_head = None
@@ -104,7 +99,7 @@ class Eagle2Head(PublishedHead):
     ) -> Tensor:
         """As :meth:`EagleHead.forward` (f̂ [B, T, H] from tokens, features and positions [B, T]), on the
         float path, with no final norm."""
-        embedded = F.embedding(tokens, self.embed_weight).float()  # [B, T, H]
+        embedded = self.embed(tokens)  # [B, T, H]
         h = self.fc(torch.cat((embedded, features.float()), dim=-1))  # [B, T, H]
         return run_layers(self.layers, h, positions, cache, self.inv_freq, mask)  # type: ignore[arg-type]
 

@@ -44,10 +44,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from verispec.drafting.learned.eagle import EagleHead
+from verispec.drafting.learned.eagle import EagleHead, TokenRows
 from verispec.drafting.learned.eagle_drafter import EagleDrafter
 from verispec.drafting.learned.head import LearnedHead, native_target, target_head_rows
 from verispec.errors import UsageError
@@ -322,11 +321,7 @@ class Eagle3Head(PublishedHead):
         self.fc = _Linear(3 * h, h, False, device, torch.float32)
         self.midlayer = _Midlayer(config.layer, device)
         self.norm = _RMSNorm(h, config.layer.rms_norm_eps, device, torch.float32)
-        own = tensors.get("embed_tokens.weight")
-        embedding = target.model.embed_tokens.weight if own is None else own
-        self.embed_weight = nn.Buffer(
-            embedding.detach().to(device, torch.float32), persistent=False
-        )  # [V, H]
+        self.embed = TokenRows.of(target, tensors.get("embed_tokens.weight"))
         self.inv_freq = nn.Buffer(config.layer.rope_inv_freq().to(device), persistent=False)
         self._stack = None
         self._draft_head = None
@@ -446,7 +441,7 @@ class Eagle3Head(PublishedHead):
         positions: [B, T] int64. Returns the layer's output [B, T, H] (before the norm), appending T slots to
         ``cache``; mask as :meth:`EagleHead.forward`'s."""
         layer = self.midlayer
-        embedded = layer.input_layernorm(F.embedding(tokens, self.embed_weight).float())  # [B, T, H]
+        embedded = layer.input_layernorm(self.embed(tokens))  # [B, T, H]
         state = features.float()  # [B, T, H]
         normed = layer.hidden_norm(state)
         residual = normed if self.norm_before_residual else state
