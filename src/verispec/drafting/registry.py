@@ -382,8 +382,8 @@ DRAFTERS: dict[str, DrafterKind] = {
                 recipe="verispec.training.eagle.EagleRecipe",
                 shipped=_SHIPPED,
                 # Gemma 3 270M's head: behind prompt lookup level with lookup alone on the bench (its
-                # pretrained model copies its prompts), while the float32 embedding of its 262,144 tokens the
-                # head reads costs 1.3 GB of peak memory and 3 s a start (docs/learned-drafters.md)
+                # pretrained model copies its prompts), for 0.5-0.9 s more at each start
+                # (docs/learned-drafters.md)
                 on_request=("gemma3-270m",),
             ),
             dynamic_trees=True,
