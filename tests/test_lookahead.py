@@ -145,7 +145,7 @@ def expected_rows(
     """q of a proposal after ``context``, from one plain forward over the context then m lookahead tokens:
     the target's own distribution of the next token, then each lookahead's on the draft vocabulary."""
     ids = torch.tensor([context + [0] * m])
-    inputs = torch.cat([model.model.embed_tokens(torch.tensor([context])), tokens.embeddings[None, :m]], 1)
+    inputs = torch.cat([model.embed(torch.tensor([context])), tokens.embeddings[None, :m]], 1)
     with torch.no_grad():
         hidden = model.forward_hidden(
             ids, torch.arange(ids.shape[1])[None], model.new_cache(), embeddings=inputs
@@ -183,6 +183,27 @@ def test_proposal_is_one_target_forward_with_the_lookahead_tokens(target, files,
         LookaheadDrafter(tokens, target, GREEDY, cache).propose(context, 0, torch.Generator()).tokens.numel()
         == 0
     )
+
+
+def test_beside_gemma3_the_first_draft_is_the_targets_own_distribution(tmp_path, monkeypatch):
+    """The context's tokens go in as the target embeds them (Gemma 3 multiplies its embeddings by
+    sqrt(hidden): fed unscaled, the drafter's first token was not the target's own distribution)."""
+    from test_gguf import write_tiny_gguf
+    from test_gguf_native import tiny_gemma3
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    source = write_tiny_gguf(tmp_path / "g.gguf", tiny_gemma3(), "Q8_0", arch="gemma3")
+    model = load_model(str(source), precision="auto")[0]
+    assert isinstance(model, Llama) and model.config.embed_scale != 1.0
+    metadata = {"kind": "lookahead", "target": "tiny", "target_fingerprint": target_fingerprint(model)}
+    tokens = LookaheadTokens.create(model, torch.arange(model.vocab_size), torch.Generator(), metadata, 2)
+    sampling = SamplingParams(temperature=1.0, seed=0, invariant=False)
+    context = [3, 14, 15, 9, 26]
+    proposal = LookaheadDrafter(tokens, model, sampling).propose(context, 3, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(torch.tensor([context]), torch.arange(len(context))[None], model.new_cache(1, 16))
+    assert proposal.q is not None
+    torch.testing.assert_close(proposal.q[0], probs_from_logits(logits[0, -1], sampling))
 
 
 def test_own_cache_drafts_as_the_engines(target, files):

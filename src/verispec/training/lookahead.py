@@ -73,7 +73,7 @@ class LookaheadRecipe(Recipe):
         with torch.no_grad():
             tokens = data.tokens[start : start + length].to(target.device)[None]  # [1, L]
             positions = torch.arange(length, device=target.device)[None]  # [1, L]
-            run_layers(layers, target.model.embed_tokens(tokens), positions, cache, target.inv_freq)
+            run_layers(layers, target.embed(tokens), positions, cache, target.inv_freq)
         local = anchors - start  # [A] slots of the pending tokens
         inputs = head.embeddings.to(target.dtype).repeat(anchors.shape[0], 1)[None]  # [1, A·m, H]
         ahead = (local[:, None] + torch.arange(1, m + 1)).reshape(1, -1).to(target.device)  # [1, A·m]

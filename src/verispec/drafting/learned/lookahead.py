@@ -151,7 +151,7 @@ class LookaheadDrafter:
         fed = torch.tensor([context[cache.length :]], dtype=torch.long, device=target.device)  # [1, F]
         f = fed.shape[1]
         tokens = torch.cat([fed, fed.new_zeros(1, m)], 1)  # [1, F + m]: the ids where the L_j go are unused
-        inputs = torch.cat([target.model.embed_tokens(fed).float(), self.tokens.embeddings[None, :m]], 1)
+        inputs = torch.cat([target.embed(fed).float(), self.tokens.embeddings[None, :m]], 1)  # [1, F + m, H]
         positions = torch.arange(cache.length, cache.length + f + m, device=target.device)[None]  # [1, F + m]
         hidden = target.forward_hidden(tokens, positions, cache, embeddings=inputs)[0, f - 1 :]  # [1 + m, H]
         hidden = hidden[:, : target.config.hidden_size]  # the final state (after any tapped layers' inputs)
