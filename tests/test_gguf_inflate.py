@@ -223,7 +223,7 @@ def learned_file(target, folder: Path, kind: str) -> Path:
     """A random learned drafter of ``kind`` for ``target`` over its whole vocabulary, its weights 20 times
     the usual start's so that its drafts differ from a uniform guess."""
     metadata = {"kind": kind, "target": "tiny", "target_fingerprint": target_fingerprint(target)}
-    shape = {"eagle": (), "medusa": (3,), "exit": (1,), "lookahead": (3,)}[kind]
+    shape = {"eagle": (), "eagle3": (), "medusa": (3,), "exit": (1,), "lookahead": (3,)}[kind]
     generator = torch.Generator().manual_seed(1)
     head = HEADS[kind].create(target, torch.arange(target.vocab_size), generator, metadata, *shape)
     with torch.no_grad():
@@ -233,17 +233,34 @@ def learned_file(target, folder: Path, kind: str) -> Path:
     return head.save(folder / f"{kind}.safetensors")
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa", "exit", "lookahead"])
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        (name, kind)
+        for name in ("llama-q8_0", "qwen3", "gemma3")
+        for kind in ("eagle", "medusa", "exit", "lookahead")
+        if (name, kind) != ("qwen3", "medusa")  # refused: see below
+    ],
+)
 def test_a_padded_drafter_drafts_beside_the_inflated_target_what_it_drafts_beside_the_source(
     tmp_path,
     cache,  # noqa: F811
     kind,
+    name,
 ):
-    source = tiny_source(tmp_path, "llama-q8_0")
-    wide_file, _ = inflate_gguf(source, tmp_path / "wide.gguf", "hidden=256,ffn=256")
+    """Beside a Llama file (its stream the source's) and beside Qwen3 and Gemma 3 files (their streams k
+    times the source's; the tiny Qwen3's tied table too, and its features over k): the same tokens, drafted
+    and accepted alike."""
+    source = tiny_source(tmp_path, name)
+    wide_file, plan = inflate_gguf(source, tmp_path / "wide.gguf", "hidden=256,ffn=256")
+    assert (plan.scaling.stream, plan.scaling.table, plan.scaling.features) == {
+        "llama-q8_0": (1, 1, 1),
+        "gemma3": (2, 1, 1),  # its embedding scale, sqrt(H), scales the stream
+        "qwen3": (2, 2, 0.5),  # its table scaled, and the head is that table
+    }[name]
     small, wide = load_model(source, precision="auto"), load_model(wide_file, precision="auto")
     drafter = learned_file(small[0], tmp_path, kind)
-    padded = inflate_drafter(drafter, small[0], wide[0], tmp_path / f"wide.{kind}.safetensors")
+    padded = inflate_drafter(drafter, small[0], wide[0], plan.scaling, tmp_path / f"wide.{kind}.safetensors")
     with pytest.raises(UsageError, match="trained for target"):  # each file loads beside its own target
         load_head(padded, small[0])
     runs = []
@@ -259,16 +276,23 @@ def test_a_padded_drafter_drafts_beside_the_inflated_target_what_it_drafts_besid
 
 def test_drafters_are_refused_beside_a_target_they_do_not_fit(tmp_path, cache):  # noqa: F811
     source = tiny_source(tmp_path, "llama-q8_0")
-    wide_file, _ = inflate_gguf(source, tmp_path / "wide.gguf", "hidden=256,ffn=256")
+    wide_file, plan = inflate_gguf(source, tmp_path / "wide.gguf", "hidden=256,ffn=256")
     small, wide = load_model(source, precision="auto")[0], load_model(wide_file, precision="auto")[0]
     drafter = learned_file(small, tmp_path, "eagle")
     with pytest.raises(UsageError, match="trained for target"):  # a file for the source, given as the wide's
-        inflate_drafter(drafter, wide, small, tmp_path / "x.safetensors")
+        inflate_drafter(drafter, wide, small, plan.scaling, tmp_path / "x.safetensors")
+    gemma = tiny_source(tmp_path, "gemma3")  # six layers: an EAGLE-3 head reads three
+    gemma_wide, gemma_plan = inflate_gguf(gemma, tmp_path / "g.gguf", "hidden=256,ffn=256")
+    small_g, wide_g = load_model(gemma, precision="auto")[0], load_model(gemma_wide, precision="auto")[0]
+    published = learned_file(small_g, tmp_path / "e3", "eagle3")  # the published layout's model.safetensors
+    with pytest.raises(UsageError, match="is not a verispec drafter file"):
+        inflate_drafter(published, small_g, wide_g, gemma_plan.scaling, tmp_path / "x.safetensors")
     qwen3 = tiny_source(tmp_path, "qwen3")
-    qwen3_wide, _ = inflate_gguf(qwen3, tmp_path / "q.gguf", "hidden=256,ffn=256")
+    qwen3_wide, qwen3_plan = inflate_gguf(qwen3, tmp_path / "q.gguf", "hidden=256,ffn=256")
     small3, wide3 = load_model(qwen3, precision="auto")[0], load_model(qwen3_wide, precision="auto")[0]
-    with pytest.raises(UsageError, match="Llama, Mistral or Qwen2 targets only"):
-        inflate_drafter(learned_file(small3, tmp_path, "medusa"), small3, wide3, tmp_path / "x.safetensors")
+    medusa = learned_file(small3, tmp_path, "medusa")
+    with pytest.raises(UsageError, match="Medusa heads are not inflated beside a target whose features"):
+        inflate_drafter(medusa, small3, wide3, qwen3_plan.scaling, tmp_path / "x.safetensors")
     assert not (tmp_path / "x.safetensors").exists()
     out = tmp_path / "cli.gguf"
     argv = ["write-gguf", "--from", str(source), "--inflate", "hidden=256,ffn=256", "--out", str(out)]

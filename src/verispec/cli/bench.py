@@ -438,7 +438,9 @@ def _inflate(args: argparse.Namespace) -> int:
     if drafters:
         wide = load_model(path, precision="auto")[0]
         for drafter, kind in zip(drafters, kinds, strict=True):
-            out = inflate_drafter(drafter, small, wide, path.with_name(f"{path.stem}.{kind}.safetensors"))
+            out = inflate_drafter(
+                drafter, small, wide, plan.scaling, path.with_name(f"{path.stem}.{kind}.safetensors")
+            )
             print(f"{kind} drafter {drafter} padded for it: {out}")
     return 0
 

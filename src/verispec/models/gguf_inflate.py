@@ -50,7 +50,7 @@ from verispec.errors import UsageError
 from verispec.files import atomic_path, check_writable
 from verispec.models.gguf_write import SHAPES, GGUFShape, scale_offsets
 
-__all__ = ["INFLATABLE", "Inflation", "inflate_gguf", "plan_inflation"]
+__all__ = ["INFLATABLE", "Inflation", "Scaling", "inflate_gguf", "plan_inflation"]
 
 INFLATABLE = ("llama", "mistral", "qwen2", "qwen3", "gemma3")  # phi3 fuses q, k, v: not padded here
 _SCALED_STREAM = ("qwen3", "gemma3")  # the residual stream times k (module doc): their q/k norms share ε
@@ -81,15 +81,37 @@ class Source:
 
 
 @dataclass(frozen=True)
+class Scaling:
+    """What an inflated file's values are, relative to its source's (module doc): its residual stream times
+    ``stream`` (k where the source's ε stays, else 1), its token embedding table times ``table``, the vector
+    its final norm gives (the features its head reads) times ``features`` (1 / table where the head is that
+    table, else 1); k = sqrt(H / h)."""
+
+    k: float
+    stream: float
+    table: float
+    features: float
+
+    @classmethod
+    def of(cls, source: Source, hidden: int) -> Scaling:
+        """The scaling of ``source`` inflated to hidden width ``hidden``."""
+        k = math.sqrt(hidden / source.hidden)
+        scaled = source.arch in _SCALED_STREAM
+        table = k if scaled and source.arch not in _EMBED_SCALED else 1.0
+        return cls(k, k if scaled else 1.0, table, 1 / table if source.tied else 1.0)
+
+
+@dataclass(frozen=True)
 class Inflation:
     """The source's widths and the inflated file's (before, after): hidden, feed-forward, query and key/value
-    heads; the head width and the layers are the source's."""
+    heads; the head width and the layers are the source's; how its values are scaled."""
 
     hidden: tuple[int, int]
     ffn: tuple[int, int]
     heads: tuple[int, int]
     kv_heads: tuple[int, int]
     head_dim: int
+    scaling: Scaling
 
     @property
     def exact(self) -> bool:
@@ -124,6 +146,7 @@ def plan_inflation(source: Source, shape: str) -> Inflation:
         (source.heads, kv * group),
         (source.kv_heads, kv),
         source.head_dim,
+        Scaling.of(source, hidden),
     )
     _check(source, plan)
     return plan
@@ -295,10 +318,7 @@ def _place(src: Source, plan: Inflation, tensor: ReaderTensor) -> tuple[int, int
     vector, its values times ``scale`` (module doc). UsageError for a tensor this does not know."""
     kind, hidden, ffn, hd = _kind(tensor.name), plan.hidden[1], plan.ffn[1], plan.head_dim
     q, kv = plan.heads[1] * hd, plan.kv_heads[1] * hd
-    k = math.sqrt(hidden / plan.hidden[0])
-    scaled = src.arch in _SCALED_STREAM
-    table = k if scaled and src.arch not in _EMBED_SCALED else 1.0  # the embeddings' factor (module doc)
-    final = 1 / k / (table if src.tied else 1.0)
+    scaling = plan.scaling
     matrices = {
         "token_embd": (src.vocab, hidden),
         "output": (src.vocab, hidden),
@@ -310,12 +330,13 @@ def _place(src: Source, plan: Inflation, tensor: ReaderTensor) -> tuple[int, int
         "ffn_up": (ffn, hidden),
         "ffn_down": (hidden, ffn),
     }
-    vectors = {name: (hidden, 1 / k) for name in _PRE_NORMS} | {name: (hidden, 1.0) for name in _POST_NORMS}
-    vectors["output_norm"] = (hidden, final)
+    vectors = {name: (hidden, 1 / scaling.k) for name in _PRE_NORMS}
+    vectors |= {name: (hidden, 1.0) for name in _POST_NORMS}
+    vectors["output_norm"] = (hidden, scaling.features / scaling.k)
     vectors |= {"attn_q_norm": (hd, 1.0), "attn_k_norm": (hd, 1.0), "rope_freqs": (hd // 2, 1.0)}
     biases = {"attn_q": q, "attn_k": kv, "attn_v": kv}
     if tensor.name.endswith(".weight") and kind in matrices and len(tensor.shape) == 2:
-        factor = table if kind == "token_embd" else k if scaled and kind in _OUTPUTS else 1.0
+        factor = scaling.table if kind == "token_embd" else scaling.stream if kind in _OUTPUTS else 1.0
         return (*matrices[kind], factor)
     if tensor.name.endswith(".weight") and kind in vectors and len(tensor.shape) == 1:
         return (0, *vectors[kind])
@@ -381,7 +402,7 @@ def _copy_metadata(reader: GGUFReader, writer: GGUFWriter, src: Source, plan: In
         f"{arch}.attention.key_length": plan.head_dim,  # no longer hidden / heads
         f"{arch}.attention.value_length": plan.head_dim,
     }
-    if arch not in _SCALED_STREAM:
+    if plan.scaling.stream == 1.0:  # the stream the source's: ε over k² (module doc)
         eps = f"{arch}.attention.layer_norm_rms_epsilon"
         source_eps = np.float32(_value(reader, eps, _DEFAULT_EPS))
         changed[eps] = float(source_eps * np.float32(plan.hidden[0] / plan.hidden[1]))
