@@ -1268,6 +1268,17 @@ def test_cli_train_then_generate(stories, trained, tmp_path, capsys, monkeypatch
         assert_usage_error(run_cli(capsys, "generate", "Once", *model_args, *extra), message)
 
 
+def test_a_heads_token_rows_are_the_targets_rows(target):
+    """The draft vocabulary's rows kept in float32, the others looked up: every id gives the target's own
+    embedding row, bit for bit, in any shape (a 0-d id too)."""
+    head = fresh_head(target, torch.arange(0, target.vocab_size, 3))
+    assert head.embed.kept.shape == (head.draft_vocab_size, target.config.hidden_size)
+    ids = torch.tensor([[0, 1, 2, 3], [5, 6, 9, 10]])  # kept (multiples of 3) and not, mixed
+    assert torch.equal(head.embed(ids), target.model.embed_tokens(ids).float())
+    for one in (torch.tensor(3), torch.tensor(4)):
+        assert torch.equal(head.embed(one), target.model.embed_tokens(one).float())
+
+
 def test_a_gemma3_target_gets_a_head_of_plain_llama_layers(tmp_path, monkeypatch):
     """A Gemma 3 target (sliding-window layers, q/k norms, post norms, GELU) trains and drafts with an EAGLE
     head of plain Llama layers of its widths (its windows once made every such head fail to build), and

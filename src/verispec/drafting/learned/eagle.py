@@ -61,20 +61,33 @@ MAX_LAYERS = 8  # the most decoder layers a head may have
 
 @dataclass(frozen=True)
 class TokenRows:
-    """A head's token embeddings, frozen: ``rows(ids)`` is ids [...] int64 → float32 [..., H], each row looked
-    up, the whole table never copied (the target's ``embed_tokens`` reads a GGUF file's rows in place)."""
+    """A head's token embeddings, frozen: ``rows(ids)`` is ids [...] int64 → float32 [..., H]. The rows of
+    the draft vocabulary (``kept`` [Vd, H], what a greedy draft's later steps read, and most tokens a head is
+    fed) are kept in float32; any other is looked up where the target keeps it (a GGUF file's rows read in
+    place, dequantized: tens of microseconds a call), so the whole table is never copied."""
 
     lookup: Callable[[Tensor], Tensor]
+    kept: Tensor  # [Vd, H] float32: the rows of the kept tokens
+    index: Tensor  # [V] int64: each token's row in ``kept``, −1 where it has none
 
     @classmethod
-    def of(cls, target: Llama, own: Tensor | None = None) -> TokenRows:
-        """The target's embeddings, or the head's ``own`` table [V, H] where its file brings one."""
-        if own is None:
-            return cls(target.model.embed_tokens)
-        return cls(partial(F.embedding, weight=own.detach().to(target.device, torch.float32)))
+    def of(cls, target: Llama, keep: Tensor, own: Tensor | None = None) -> TokenRows:
+        """The target's embeddings, or the head's ``own`` table [V, H] where its file brings one, keeping the
+        rows of the token ids ``keep`` [Vd]."""
+        lookup: Callable[[Tensor], Tensor] = target.model.embed_tokens
+        if own is not None:
+            lookup = partial(F.embedding, weight=own.detach().to(target.device, torch.float32))
+        index = torch.full((target.vocab_size,), -1, dtype=torch.long, device=keep.device)  # [V]
+        index[keep] = torch.arange(keep.shape[0], device=keep.device)
+        return cls(lookup, lookup(keep).float().contiguous(), index)
 
     def __call__(self, ids: Tensor) -> Tensor:
-        return self.lookup(ids).float()
+        at = self.index[ids]  # [...]: each id's kept row, −1 for none
+        out = self.kept[at.clamp(min=0)]  # [..., H]
+        missing = at < 0  # [...]
+        if bool(missing.any()):
+            out[missing] = self.lookup(ids[missing]).float()
+        return out
 
 
 class EagleHead(LearnedHead):
@@ -101,7 +114,7 @@ class EagleHead(LearnedHead):
             [_DecoderLayer(self.config, device, torch.float32) for _ in range(num_layers)]
         )
         self.norm = _RMSNorm(h, self.config.rms_norm_eps, device, torch.float32)
-        self.embed = TokenRows.of(target)  # frozen, borrowed from the target
+        self.embed = TokenRows.of(target, self.draft_vocab)  # frozen, borrowed from the target
         self.inv_freq = nn.Buffer(self.config.rope_inv_freq().to(device), persistent=False)  # [head_dim // 2]
         self._stack: NativeStack | None = None  # the layers on the native kernels (pack_native)
         self._draft_head: DraftHead | None = None  # what the native drafting calls read (_native_head)
@@ -252,7 +265,7 @@ class EagleHead(LearnedHead):
             return None
         if self._draft_head is None:
             norm = self.norm.weight.detach()  # [H] float32
-            rows = self.embed(self.draft_vocab).contiguous()  # [Vd, H]
+            rows = self.embed.kept  # [Vd, H]: the draft vocabulary's
             self._draft_head = DraftHead(self.fc.native, norm, self._native_rows, self.draft_vocab, rows)
         return self._draft_head
 

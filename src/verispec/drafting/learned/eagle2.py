@@ -56,7 +56,7 @@ class Eagle2Head(PublishedHead):
             [_DecoderLayer(config, device, torch.float32) for _ in range(config.num_layers)]
         )
         self.layers[0].register_module("input_layernorm", nn.Identity())  # layer 0 reads fc's output as is
-        self.embed = TokenRows.of(target, tensors.get("embed_tokens.weight"))
+        self.embed = TokenRows.of(target, self.draft_vocab, tensors.get("embed_tokens.weight"))
         self.inv_freq = nn.Buffer(config.rope_inv_freq().to(device), persistent=False)
         self._stack = None
         self._draft_head = None

@@ -321,7 +321,7 @@ class Eagle3Head(PublishedHead):
         self.fc = _Linear(3 * h, h, False, device, torch.float32)
         self.midlayer = _Midlayer(config.layer, device)
         self.norm = _RMSNorm(h, config.layer.rms_norm_eps, device, torch.float32)
-        self.embed = TokenRows.of(target, tensors.get("embed_tokens.weight"))
+        self.embed = TokenRows.of(target, self.draft_vocab, tensors.get("embed_tokens.weight"))
         self.inv_freq = nn.Buffer(config.layer.rope_inv_freq().to(device), persistent=False)
         self._stack = None
         self._draft_head = None
