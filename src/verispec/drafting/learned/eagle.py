@@ -9,8 +9,8 @@ target tokens of the training data), gives the logits of x_{t+2}::
 
 Drafting feeds the target's true features of the committed tokens, then runs on its own predictions
 (Li et al. 2024, EAGLE). The embeddings and the head rows come from the target, frozen and never stored
-(the embeddings looked up row by row where the target keeps them, a GGUF file's rows in place: a head never
-copies the whole table, 671 MB in float32 for Gemma 3's 262,144 tokens): a
+(:class:`TokenRows`: the draft vocabulary's embedding rows kept, any other looked up where the target keeps
+it, so a head never copies the whole table, 671 MB in float32 for Gemma 3's 262,144 tokens): a
 drafter file holds only fc, the layer and the norm (float16), the draft vocabulary and metadata, and loads
 only beside the target whose :func:`target_fingerprint` it records.
 
