@@ -26,6 +26,7 @@ from verispec.training.data import (
     add_follow_ups,
     build_dataset,
     load_split,
+    load_splits,
     merge_datasets,
 )
 from verispec.training.prompts import FOLLOW_UPS, chat_prompts
@@ -332,6 +333,16 @@ def test_merge_datasets_keeps_every_sequence(built, tmp_path):
     ]
     merged = [meta_a["generation"], meta_b["generation"]]
     assert meta["generation"] == {"merged": merged, "precision": "fp32"}
+
+
+def test_a_data_set_given_twice_is_drawn_from_twice_as_often(built):
+    """Training reads several data sets' sequences one after another and draws windows by length over them
+    all: a data set given twice weighs twice."""
+    a, b = built["a"][0], built["b"][0]
+    once, twice = load_splits([a, b], "train"), load_splits([a, b, a], "train")
+    first = load_split(a, "train")
+    assert twice["offsets"].shape[0] - 1 == once["offsets"].shape[0] - 1 + first["offsets"].shape[0] - 1
+    assert torch.equal(twice["tokens"], torch.cat([once["tokens"], first["tokens"]]))
 
 
 def test_merge_datasets_bad_input(built, tmp_path, monkeypatch):
