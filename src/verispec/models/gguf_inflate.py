@@ -22,6 +22,8 @@ zeros:
     the source's; the final norm is divided by k, and by k again where the head is the scaled table (a tied
     Qwen3), so the logits are the source's.
   Per-head q/k norms see heads of the same width and are unchanged, as are RoPE and the attention scale.
+  What the file's stream, table and final features are then, times the source's, is its :class:`Scaling`,
+  which the learned drafters padded beside it follow (:mod:`verispec.drafting.learned.inflate`).
 
 When H/h is a power of 4, k is a power of 2 and every step above is exact in floating point (scaling by a
 power of two rounds nothing; a sum of squares with zeros added is the same sum): the inflated file's logits
