@@ -375,12 +375,22 @@ def test_threads_on_every_command_that_runs_a_model(capsys, shared_model, monkey
 
 
 def test_the_demo_says_why_a_drafter_ran_slower():
-    """From the run's own stats: a round's verification and drafting in plain steps, and what it committed."""
+    """From the run's own stats: a round's cost in plain steps (each a whole plain round), split into
+    verifying, drafting and the rest, and what it committed; a drafter that never drafted says so."""
     plain = {"total_seconds": 1.1, "prefill_seconds": 0.1, "target_calls": 100}  # a plain step: 10 ms
     stats = {"target_calls": 50, "target_seconds": 0.65, "draft_seconds": 0.5, "tokens_per_target_call": 1.6}
+    stats |= {"total_seconds": 1.3, "prefill_seconds": 0.1, "drafted": 40}  # 24 ms a round
     line = why_slower(stats, plain)
-    assert "1.30 plain steps to verify and 1.00 to draft, and committed 1.60 tokens" in line
-    assert "\n" not in line
+    assert (
+        "a round cost 2.40 plain steps (1.30 verifying, 1.00 drafting, 0.10 the rest) and committed 1.60"
+        in line
+    )
+    assert "drafted nothing" not in line and "\n" not in line
+    idle = {"target_calls": 100, "target_seconds": 0.95, "draft_seconds": 0.0, "tokens_per_target_call": 1.0}
+    idle |= {"total_seconds": 1.15, "prefill_seconds": 0.1, "drafted": 0}
+    line = why_slower(idle, plain)
+    assert "a round cost 1.05 plain steps (0.95 verifying, 0.00 drafting, 0.10 the rest)" in line
+    assert "it drafted nothing" in line
 
 
 def test_generate_without_a_prompt_says_how_to_give_one(capsys, monkeypatch):

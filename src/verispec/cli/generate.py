@@ -468,12 +468,16 @@ def busy_machine(plain: list[Mapping[str, Any]]) -> str:
 
 def why_slower(stats: Mapping[str, Any], plain: Mapping[str, Any]) -> str:
     """Why a drafter ran slower than plain decoding, from what the run measured: a round's cost in plain
-    decoding steps (verifying, drafting) against the tokens it committed."""
+    decoding steps (each a whole plain round: its forward and the rest) — verifying, drafting and the rest —
+    against the tokens it committed."""
     step = (plain["total_seconds"] - plain["prefill_seconds"]) / max(1, plain["target_calls"])
     rounds = max(1, stats["target_calls"])
+    whole = (stats["total_seconds"] - stats["prefill_seconds"]) / rounds / step
     verify, draft = stats["target_seconds"] / rounds / step, stats["draft_seconds"] / rounds / step
+    nothing = "" if stats["drafted"] else " (it drafted nothing: --k auto found no round where it would pay)"
     return (
-        f"        slower here: a round cost {verify:.2f} plain steps to verify and {draft:.2f} to draft, and "
-        f"committed {stats['tokens_per_target_call']:.2f} tokens; speculation pays when a round commits more "
+        f"        slower here: a round cost {whole:.2f} plain steps ({verify:.2f} verifying, {draft:.2f} "
+        f"drafting, {max(0.0, whole - verify - draft):.2f} the rest) and committed "
+        f"{stats['tokens_per_target_call']:.2f} tokens{nothing}; speculation pays when a round commits more "
         "tokens than it costs steps (docs/adaptive-k.md)"
     )
