@@ -202,16 +202,22 @@ def _check_settings(shards: Path, settings: dict) -> None:
     atomic_write(path, json.dumps(settings, indent=2) + "\n")
 
 
-def _unique(documents: Iterator[str], seen: set[bytes], skipped: list[int]) -> Iterator[str]:
-    """``documents`` without those whose text is in ``seen`` (each one's digest added as it passes); the
-    count skipped is added to ``skipped[0]``."""
-    for document in documents:
-        digest = hashlib.blake2b(document.encode(), digest_size=16).digest()
-        if digest in seen:
-            skipped[0] += 1
-            continue
-        seen.add(digest)
-        yield document
+class _Unique:
+    """Documents not met before, in any source read through it (their digests kept); ``repeated`` counts the
+    ones skipped."""
+
+    def __init__(self) -> None:
+        self.seen: set[bytes] = set()
+        self.repeated = 0
+
+    def __call__(self, documents: Iterator[str]) -> Iterator[str]:
+        for document in documents:
+            digest = hashlib.blake2b(document.encode(), digest_size=16).digest()
+            if digest in self.seen:
+                self.repeated += 1
+                continue
+            self.seen.add(digest)
+            yield document
 
 
 def _chunks(documents: Iterator[str], size: int) -> Iterator[list[str]]:
@@ -240,11 +246,11 @@ def build_text_dataset(target: str, out: str | Path, config: TextConfig) -> dict
     sources = [TextSource.parse(spec) for spec in config.sources]
     windows: list[list[int]] = []
     recorded = []
-    seen: set[bytes] = set()  # digests of the documents met so far, in every source
+    unique = _Unique()  # across every source
     for number, source in enumerate(sources):
-        count, documents, tokens, repeated = 0, 0, 0, [0]
+        count, documents, tokens, repeated_before = 0, 0, 0, unique.repeated
         bar = tqdm(desc=f"text {source.name}", unit="shard", disable=not config.progress)
-        for index, chunk in enumerate(_chunks(_unique(source.documents(), seen, repeated), SHARD_DOCUMENTS)):
+        for index, chunk in enumerate(_chunks(unique(source.documents()), SHARD_DOCUMENTS)):
             path = shards / f"{number:02d}-{index:05d}.safetensors"
             if not path.is_file():
                 _write_shard(path, _windows(chunk, tokenizer, config.window), len(chunk))
@@ -257,8 +263,8 @@ def build_text_dataset(target: str, out: str | Path, config: TextConfig) -> dict
             raise UsageError(f"text source {source.name!r} holds no document ({', '.join(SUFFIXES)} files)")
         recorded.append(
             {**asdict(source), "path": None if source.path is None else str(source.path)}
-            | {"description": source.description, "documents": documents, "repeated": repeated[0]}
-            | {"tokens": tokens, "shards": count}
+            | {"description": source.description, "documents": documents}
+            | {"repeated": unique.repeated - repeated_before, "tokens": tokens, "shards": count}
         )
     order = list(range(len(windows)))
     random.Random(config.seed).shuffle(order)
