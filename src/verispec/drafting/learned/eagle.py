@@ -10,7 +10,8 @@ target tokens of the training data), gives the logits of x_{t+2}::
 Drafting feeds the target's true features of the committed tokens, then runs on its own predictions
 (Li et al. 2024, EAGLE). The embeddings and the head rows come from the target, frozen and never stored
 (:class:`TokenRows`: the draft vocabulary's embedding rows kept, any other looked up where the target keeps
-it, so a head never copies the whole table, 671 MB in float32 for Gemma 3's 262,144 tokens): a
+it, so a head with a reduced draft vocabulary never copies the whole table, 671 MB in float32 for Gemma 3's
+262,144 tokens): a
 drafter file holds only fc, the layer and the norm (float16), the draft vocabulary and metadata, and loads
 only beside the target whose :func:`target_fingerprint` it records.
 
@@ -64,7 +65,8 @@ class TokenRows:
     """A head's token embeddings, frozen: ``rows(ids)`` is ids [...] int64 → float32 [..., H]. The rows of
     the draft vocabulary (``kept`` [Vd, H], what a greedy draft's later steps read, and most tokens a head is
     fed) are kept in float32; any other is looked up where the target keeps it (a GGUF file's rows read in
-    place, dequantized: tens of microseconds a call), so the whole table is never copied."""
+    place, dequantized: tens of microseconds a call): the whole table is copied only where the draft
+    vocabulary is the whole vocabulary (a published EAGLE-2 head's)."""
 
     lookup: Callable[[Tensor], Tensor]
     kept: Tensor  # [Vd, H] float32: the rows of the kept tokens
