@@ -208,8 +208,8 @@ def test_the_estimates_are_beta_posteriors_of_the_tested_positions():
 def test_a_request_starts_from_the_evidence_shared_by_earlier_ones():
     """Shared evidence: a new policy's estimates start where the shared verdicts left them (the prior only
     where none was shared); each verdict goes to the policy's own and to the shared evidence, and a policy's
-    own evidence is not changed by another's verdicts."""
-    config = AutoKConfig(memory=0.9)
+    own evidence is not changed by another's verdicts (all of it carried over here: below, a few verdicts)."""
+    config = AutoKConfig(memory=0.9, carried=math.inf)
     shared = Evidence(K_MAX)
     first = CostModelK(CostModel(0.0, MEASURED), config, shared=shared)
     alone = CostModelK(CostModel(0.0, MEASURED), config)
@@ -227,6 +227,35 @@ def test_a_request_starts_from_the_evidence_shared_by_earlier_ones():
     third = CostModelK(CostModel(0.0, MEASURED), config, shared=shared)
     np.testing.assert_allclose(third.alphas, second.alphas)  # both requests' verdicts, in their order
     assert third.alphas[0] < before[0]
+
+
+def test_a_workloads_evidence_starts_a_request_as_a_few_verdicts():
+    """A head that agreed 5 % of the time on a workload's earlier requests (code) and agrees 70 % on this one
+    (arithmetic): the request starts from the workload's rate, weighed as `carried` verdicts per position, so
+    its own first probes soon say it pays and it drafts; carried whole (~10 decayed verdicts), it was still
+    at K = 0 after as many probes, as measured (the EAGLE head on math after summarization and code editing:
+    1.01–1.05× `none`, against 1.4–1.6× on math alone)."""
+
+    def workload() -> Evidence:  # 40 rounds, two first tokens accepted
+        shared = Evidence(K_MAX)
+        for i in range(40):
+            shared.add(1, int(i % 20 == 0), 0.9)
+        return shared
+
+    cost = CostModel(0.2, MEASURED)  # a learned head's cost
+    for carried, drafts in ((4.0, True), (math.inf, False)):
+        policy = CostModelK(cost, AutoKConfig(carried=carried), shared=workload())
+        assert policy.alphas[0] < 0.15 and policy.next_k() == 0
+        for _ in range(3):  # three probes, each first token accepted
+            policy.observe(1, 1)
+        assert (policy.next_k() > 0) == drafts, carried
+    shared = workload()
+    copy = shared.copy(K_MAX, 4.0)
+    total = copy.accepted + copy.rejected
+    assert total[0] == pytest.approx(4.0) and copy.accepted[0] / total[0] == pytest.approx(
+        shared.accepted[0] / (shared.accepted[0] + shared.rejected[0])
+    )
+    assert total[1:].sum() == 0.0  # nothing at positions never tested
 
 
 def test_evidence_copies_fit_the_size_asked():
@@ -248,6 +277,7 @@ def test_evidence_copies_fit_the_size_asked():
         (dict(prior=(0.0, 1.0)), "prior"),
         (dict(prior=(1.0, math.inf)), "prior"),
         (dict(memory=0.0), "memory"),
+        (dict(carried=0.0), "carried"),
         (dict(memory=1.5), "memory"),
         (dict(probe_budget=0), "probe_budget"),
         (dict(probe_budget=True), "probe_budget"),

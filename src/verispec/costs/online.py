@@ -5,32 +5,47 @@ a busy machine or another CPU, a thermal change).
 Each timing is a *slowdown* ρ: the seconds measured over the seconds the prior predicts for the same work at
 the same context — a target forward of m new tokens in one row (ρ(m)), a forward over b ≥ 2 rows (ρ_b), a
 drafter's proposal of K tokens after g positions it had not read (ρ_d: K·c + g·u, the calibration's split of
-them kept). Each kind of work keeps its last :attr:`OnlineConfig.window` slowdowns and estimates its own by
-their lower median once it has :attr:`OnlineConfig.min_seen` of them: a slow round (a preempted forward) is
-the largest of its window and never the estimate. A slowdown expires after :attr:`OnlineConfig.horizon`
-forwards: the policy stops drafting a size that looks dear, so without it a size measured only while the
-machine warmed up (the first rounds here ran 2–4× slow) or was busy would keep its price for good. A forward
-size not seen yet takes the slowdown of the sizes seen nearest to it — the smaller of the two around it
-(optimism: a size that then looks best is drafted, and so measured), the end one's beyond them —, a row count
-likewise, a drafter not seen that of a one-token forward: the prior's ratios, scaled by what has been
-observed. The corrected costs are in units of the observed one-token forward, as the prior's are in the
-calibrated one:
+them kept), the rest of a round (ρ_o, below).
 
-    v̂(m) = v(m) · ρ(m) / ρ(1),   ĉ = c · ρ_d / ρ(1),   û = u · ρ_d / ρ(1),   V̂(b, n) = V(b, n) · ρ_b / ρ(1)
+What a policy needs is how dear each kind of work is *against a one-token forward*, and a machine's speed
+moves while it runs: a process's first forwards here ran 1.5–2× slow and sped up over a few dozen more, a
+neighbour's load comes and goes. A slowdown is therefore compared only with forwards timed beside it:
+
+- a forward of m ≥ 2 tokens (or b ≥ 2 rows) with the one-token forwards within :attr:`OnlineConfig.pair`
+  forwards of it, before or after (their lower median, where there are min_seen: one alone may have been
+  preempted); one with fewer there, or that took less time than they did (the machine sped up between
+  them), is not counted. (Compared with one-token
+  forwards timed long before, as it was, a process drafting from its fourth round on priced every block
+  against its warm-up forwards, 1.5× slow: a two-token forward looked cheaper than one token, so it kept
+  drafting, and never timed a one-token forward again.)
+- a proposal, and the rest of a round, with the forward of their own round: ρ_d / (ρ(m) / r(m)), m its size
+  and r(m) its ratio as estimated — a preempted round slows both and leaves their ratio.
+
+Each kind keeps its last :attr:`OnlineConfig.window` ratios and is estimated by their lower median once it
+has :attr:`OnlineConfig.min_seen` of them: a slow round is the largest of its window and never the estimate.
+A ratio expires after :attr:`OnlineConfig.horizon` forwards: the policy stops drafting a size that looks
+dear, so without it a size measured only in a bad stretch would keep its price for good. A forward size not
+estimated takes the ratio of the sizes estimated nearest to it — the smaller of the two around it (optimism:
+a size that then looks best is drafted, and so measured), the end one's beyond them, 1 (the prior's shape)
+where none is —, a row count likewise, a drafter not seen 1 (the prior's c). The corrected costs are in
+units of a one-token forward, as the prior's are in the calibrated one:
+
+    v̂(m) = v(m) · r(m),   ĉ = c · r_d,   û = u · r_d,   V̂(b, n) = V(b, n) · r_b
 
 A round also costs what is not a forward or a proposal: verifying, committing, streaming, the Python of the
 step — about the same whatever K. The engine times it between one single-row forward and the next (the
-proposal taken out); its lower median o (in observed one-token forwards, o = ρ_o / ρ(1)) makes every round
-dearer by the same amount, which favours larger blocks: the costs are then counted in units of a whole plain
-round, 1 + o,
+proposal taken out); its ratio o makes every round dearer by the same amount, which favours larger blocks:
+the costs are then counted in units of a whole plain round, 1 + o,
 
     ṽ(m) = (v̂(m) + o) / (1 + o),   c̃ = ĉ / (1 + o),   ũ = û / (1 + o),   Ṽ(b, n) = (V̂(b, n) + o) / (1 + o)
 
 (a calibration times forwards alone, so its v(k) overstates what a bigger block costs a whole round).
-A calibration uniformly wrong in T(1) is corrected by the first drafting rounds' timings, a wrong shape of v
-as the sizes are drafted. The estimates are published (:attr:`OnlineCosts.version` moves) only when one moves
-by more than :attr:`OnlineConfig.tolerance` of what it costs a round (:meth:`OnlineCosts._moved`), so that the
-K policy re-derives its round costs rarely: each re-derivation costs ~0.1 ms of Python right after a forward.
+A calibration uniformly wrong in T(1) changes no ratio; a wrong shape of v is corrected as the sizes are
+drafted next to plain rounds. The estimates are published (:attr:`OnlineCosts.version` moves) only when one
+moves by more than :attr:`OnlineConfig.tolerance` of what it costs a round (:meth:`OnlineCosts._moved`), so
+that the K policy re-derives its round costs rarely: each re-derivation costs ~0.1 ms of Python right after a
+forward. ρ(1) itself (:attr:`OnlineCosts.step`, the lower median of the one-token forwards) only says whether
+the calibration's T(1) is off (:meth:`OnlineCosts._notice`).
 """
 
 from __future__ import annotations
@@ -81,18 +96,19 @@ class RoundTiming:
 class OnlineConfig:
     """How :class:`OnlineCosts` weighs the timings; validated with UsageError.
 
-    window: the last slowdowns each kind of work keeps. min_seen: how many it needs before its own estimate
-    is used (2: a single slow round is never one). horizon: the forwards after which a slowdown no longer
-    counts (a kind of work with none left is estimated like one never seen). tolerance: how far an estimate
-    moves before it is published (relative to a forward's, in one-token forwards for the rest of a round's and
-    the drafter's). notice: a one-token forward this many times slower or faster
-    than calibrated is said in one line on stderr (once, after
-    ``horizon`` forwards).
+    window: the last ratios each kind of work keeps. min_seen: how many it needs before its own estimate is
+    used (2: a single slow round is never one). horizon: the forwards after which a ratio no longer counts (a
+    kind of work with none left is estimated like one never seen). pair: how many forwards back a forward of
+    another size looks for the one-token forwards it is compared with. tolerance: how far an estimate moves
+    before it is published (relative to a forward's, in one-token forwards for the rest of a round's and the
+    drafter's). notice: a one-token forward this many times slower or faster than calibrated is said in one
+    line on stderr (once, after ``horizon`` forwards).
     """
 
     window: int = 8
     min_seen: int = 2
     horizon: int = 128
+    pair: int = 4
     tolerance: float = 0.05
     notice: float = 2.0
 
@@ -100,19 +116,21 @@ class OnlineConfig:
         if not (is_int(self.window) and is_int(self.min_seen) and 1 <= self.min_seen <= self.window):
             raise UsageError(f"need 1 <= min_seen <= window, got {self.min_seen!r}, {self.window!r}")
         check_int(self.horizon, "horizon", 1)
+        check_int(self.pair, "pair", 1)
         for name, low in (("tolerance", 0.0), ("notice", 1.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not (isinstance(value, (int, float)) and low <= value < 1e9):
                 raise UsageError(f"{name} must be a number >= {low:g}, got {value!r}")
 
 
-# (kind, size) → slowdown: ("forward", m), ("rows", b), ("draft", 0), ("overhead", 0)
-Estimates = dict[tuple[str, int], float]
+Key = tuple[str, int]  # ("forward", m), ("rows", b), ("draft", 0), ("overhead", 0)
+ONE, DRAFT, OVERHEAD = ("forward", 1), ("draft", 0), ("overhead", 0)
 
 
 class OnlineCosts:
-    """The slowdowns of this machine against a calibration, from the rounds' timings (see the module);
-    shared by every ``--k auto`` policy made from one calibration, and safe to share between threads.
+    """The costs of this machine's work against a one-token forward timed beside it, from the rounds'
+    timings (see the module); shared by every ``--k auto`` policy made from one calibration, and safe to share
+    between threads.
 
     step_seconds: the calibrated T(1) at a context, in seconds (:meth:`Calibration.step_seconds`); None: a
     prior in relative units only (every slowdown then in seconds per calibrated step, no notice).
@@ -123,13 +141,18 @@ class OnlineCosts:
     ) -> None:
         self.config = config or OnlineConfig()
         self.step_seconds = step_seconds
-        self._windows: dict[tuple[str, int], deque[tuple[int, float]]] = {}  # (forward number, slowdown)
+        # (forward number, value): ONE's slowdowns, every other kind's ratios to a one-token forward
+        self._windows: dict[Key, deque[tuple[int, float]]] = {}
         self._forwards = 0  # the forwards counted so far
-        self._own: Estimates = {}  # each kind's lower median, where it has min_seen slowdowns
-        self._changed: set[tuple[str, int]] = set()  # the kinds whose slowdowns changed since
+        self._own: dict[Key, float] = {}  # each kind's lower median, where it has min_seen values (not ONE)
+        self._step: float | None = None  # ONE's: the lower median of its slowdowns, ρ(1)
+        self._changed: set[Key] = set()  # the kinds whose values changed since
         self._draft_steps = 1.0  # the prior's cost of the latest proposal timed, in calibrated steps
-        self._published: Estimates = {}
+        self._published: dict[Key, float] = {}  # every kind's ratio to a one-token forward (not ONE)
+        self._speed: float | None = None  # the latest forward's slowdown over its ratio: ρ(1) then
         self._last: ForwardTiming | None = None  # the forward counted last (rows report it each)
+        # (forward number, key, slowdown, prior's steps): forwards waiting for one-token ones to compare with
+        self._waiting: deque[tuple[int, Key, float, float]] = deque()
         self._lock = threading.Lock()
         self._noticed = False
         self.version = 0  # moves whenever the published estimates do
@@ -146,21 +169,64 @@ class OnlineCosts:
                 self._expire()
                 key = ("forward", forward.tokens) if forward.rows == 1 else ("rows", forward.rows)
                 step = unit(forward.context)
-                self._add(key, forward.seconds / (forward_steps * step))
-                if forward.overhead is not None and forward.rows == 1:
-                    self._add(("overhead", 0), max(forward.overhead, 0.0) / step)
-            if timing.drafted and draft_steps > 0:
-                self._add(("draft", 0), timing.draft_seconds / (draft_steps * unit(timing.context)))
+                slowdown = forward.seconds / (forward_steps * step)
+                self._speed = self._forward(key, slowdown, forward_steps)  # ρ(1) now
+                if forward.overhead is not None and forward.rows == 1 and self._speed:
+                    self._add(OVERHEAD, max(forward.overhead, 0.0) / step / self._speed)
+            if timing.drafted and draft_steps > 0 and self._speed:
+                slowdown = timing.draft_seconds / (draft_steps * unit(timing.context))
+                self._add(DRAFT, slowdown / self._speed)
                 self._draft_steps = draft_steps
             self._publish()
             self._notice()
 
-    def _add(self, key: tuple[str, int], slowdown: float) -> None:
-        self._windows.setdefault(key, deque(maxlen=self.config.window)).append((self._forwards, slowdown))
+    def _forward(self, key: Key, slowdown: float, steps: float) -> float | None:
+        """Counts a forward's slowdown (``steps``: what the prior predicts for it): ONE's as it is, then the
+        forwards waiting for one-token ones (:meth:`_compare`); another kind's compared with the one-token
+        forwards before it, else kept waiting for those after it. Returns ρ(1) now: the one-token forwards',
+        else as this forward and its kind's ratio say (None: not known yet)."""
+        latest = self._forwards - self.config.pair
+        while self._waiting and self._waiting[0][0] < latest:
+            self._waiting.popleft()  # none came within `pair` forwards: not compared
+        if key == ONE:
+            self._add(ONE, slowdown)
+            self._waiting = deque(w for w in self._waiting if self._compare(*w) is None)
+            return slowdown
+        one = self._compare(self._forwards, key, slowdown, steps)
+        if one is not None:
+            return one
+        self._waiting.append((self._forwards, key, slowdown, steps))
+        ratio = self._ratio(self._published, key)
+        return slowdown / ratio if ratio > 0 else None
+
+    def _compare(self, at: int, key: Key, slowdown: float, steps: float) -> float | None:
+        """Compares the forward timed at forward number ``at`` (``steps``: the prior's cost of it) with the
+        one-token forwards within :attr:`OnlineConfig.pair` forwards of it (their lower median ρ₁, where there
+        are min_seen: one alone may be a preempted one): its ratio to them is counted unless it took less
+        time than they did (the machine sped up between them). Returns ρ₁ (None: too few to compare with)."""
+        near = [x for n, x in self._windows.get(ONE, ()) if abs(n - at) <= self.config.pair]
+        if len(near) < self.config.min_seen:
+            return None
+        one = statistics.median_low(near)
+        if slowdown * steps >= one:
+            self._add(key, slowdown / one, at)
+        return one
+
+    @staticmethod
+    def _ratio(estimates: dict[Key, float], key: Key) -> float:
+        """A forward kind's ratio in ``estimates``: its own, else the nearest sizes' or row counts'
+        (:func:`_factor`; a single-row forward's among them size 1's, 1), 1 (the prior's) where none is."""
+        seen = _seen(estimates, key[0])
+        return _factor(_with_one(seen) if key[0] == "forward" else seen, key[1])
+
+    def _add(self, key: Key, value: float, at: int | None = None) -> None:
+        """Counts ``value`` for ``key``, timed at forward number ``at`` (None: the latest)."""
+        at = self._forwards if at is None else at
+        self._windows.setdefault(key, deque(maxlen=self.config.window)).append((at, value))
         self._changed.add(key)
 
     def _expire(self) -> None:
-        """Drops the slowdowns older than the horizon."""
+        """Drops the values older than the horizon."""
         oldest = self._forwards - self.config.horizon
         for key, window in self._windows.items():
             while window and window[0][0] <= oldest:
@@ -168,44 +234,45 @@ class OnlineCosts:
                 self._changed.add(key)
 
     def _publish(self) -> None:
-        """Publish the estimates when one is new or moved by more than the tolerance: the lower median of a
-        kind of work's unexpired slowdowns when it has min_seen of them, else of them and what the others give
-        it (:func:`_fallback`; none before some kind has min_seen). Only the kinds whose slowdowns changed are
-        estimated again."""
+        """Publish the estimates when one is new, gone or moved by more than the tolerance: the lower median
+        of a kind of work's unexpired values when it has min_seen of them. Only the kinds whose values changed
+        are estimated again."""
         if not self._changed:
             return
-        seen = self.config.min_seen
         for key in self._changed:
             window = self._windows[key]
-            if len(window) >= seen:
-                self._own[key] = statistics.median_low([x for _, x in window])
-            else:
+            value = (
+                statistics.median_low([x for _, x in window]) if len(window) >= self.config.min_seen else None
+            )
+            if key == ONE:  # ρ(1): what the others were compared with, not a cost of its own
+                self._step = value
+            elif value is None:
                 self._own.pop(key, None)
+            else:
+                self._own[key] = value
         self._changed.clear()
         estimates = dict(self._own)
-        for key, window in self._windows.items():
-            if window and key not in self._own:
-                fallback = _fallback(self._own, key)
-                if fallback is not None:
-                    estimates[key] = statistics.median_low([*(x for _, x in window), fallback])
+        for key, window in self._windows.items():  # seen, not min_seen times: with what the others say
+            if window and key not in self._own and key not in (ONE, OVERHEAD):
+                other = 1.0 if key == DRAFT else self._ratio(self._own, key)
+                estimates[key] = statistics.median_low([*(x for _, x in window), other])
         old = self._published
-        if estimates.keys() == old.keys():
-            one = _step(old)  # ρ(1) as published: what the rest of a round and the drafter move against
-            if not any(self._moved(key, old[key], x, one) for key, x in estimates.items()):
-                return
+        if estimates.keys() == old.keys() and not any(
+            self._moved(k, old[k], x) for k, x in estimates.items()
+        ):
+            return
         self._published = estimates
         self.version += 1
 
-    def _moved(self, key: tuple[str, int], old: float, new: float, one: float | None) -> bool:
+    def _moved(self, key: Key, old: float, new: float) -> bool:
         """Whether a kind's estimate moved by more than the tolerance of what it costs a round: a forward
-        size's relative to itself, the rest of a round's and the drafter's in one-token forwards (ρ(1) as
-        published: ``one``; the drafter's over its latest proposal, K·c + g·u): a lookup that costs a few
-        microseconds moves by half between rounds and changes no K."""
+        size's relative to itself, the rest of a round's and the drafter's in one-token forwards (the
+        drafter's over its latest proposal, K·c + g·u): a lookup that costs a few microseconds moves by half
+        between rounds and changes no K."""
         tolerance, change = self.config.tolerance, abs(new - old)
         if key[0] in ("forward", "rows"):
             return change > tolerance * old
-        weight = self._draft_steps if key[0] == "draft" else 1.0
-        return change * weight > tolerance * (one or old)
+        return change * (self._draft_steps if key == DRAFT else 1.0) > tolerance
 
     def _notice(self) -> None:
         """Say once, on stderr, that ρ(1) is off by more than the notice factor — not before a horizon of
@@ -225,29 +292,37 @@ class OnlineCosts:
 
     @property
     def drafter_seen(self) -> bool:
-        """Whether the drafter's slowdown is estimated (else its calibrated cost is taken as it is)."""
-        return ("draft", 0) in self._published
+        """Whether the drafter's ratio is estimated (else its calibrated cost is taken as it is)."""
+        return DRAFT in self._published
 
     @property
     def step(self) -> float | None:
-        """ρ(1), the published slowdown of a one-token forward (read off the sizes seen, else off the row
-        counts seen); None before anything was seen."""
-        return _step(self._published)
+        """ρ(1): the lower median of the one-token forwards' slowdowns; None before min_seen were timed."""
+        return self._step
+
+    @property
+    def overhead(self) -> float:
+        """o: what a round costs besides its forward and proposal, in one-token forwards (0 before it was
+        measured, as the calibration assumes)."""
+        return self._published.get(OVERHEAD, 0.0)
 
     def correct(self, cost: CostModel) -> CostModel:
-        """``cost`` (the prior's, in calibrated steps) corrected by the published slowdowns, in observed
-        steps; the prior itself before anything was seen."""
-        estimates, one = self._published, self.step
-        if one is None:
+        """``cost`` (the prior's, in calibrated steps) corrected by the published ratios, in one-token
+        forwards and whole plain rounds; the prior itself before anything was estimated. A block never costs
+        less than one token (v̂(m) ≥ 1; a measured curve may dip between sizes): a ratio can still be off where
+        the machine sped up between a block and the one-token forwards it was compared with, and a block
+        priced below one token is drafted every round, never timing a one-token forward again."""
+        estimates = self._published
+        if not estimates:
             return cost
-        draft = estimates.get(("draft", 0), one) / one
-        o = self.overhead  # in observed one-token forwards
+        draft = estimates.get(DRAFT, 1.0)
+        o = self.overhead
         whole = 1 + o  # a plain round: its forward and the rest
-        v, sizes = cost.verify_cost, _seen(estimates, "forward")
+        v, sizes = cost.verify_cost, _with_one(_seen(estimates, "forward"))
         curve = (
-            tuple((x * _factor(sizes, m, one) + o) / whole for m, x in enumerate(v, 1))
+            tuple((max(x * _factor(sizes, m), 1.0) + o) / whole for m, x in enumerate(v, 1))
             if isinstance(v, tuple)
-            else lambda k: (cost.verify(k) * _factor(sizes, k, one) + o) / whole
+            else lambda k: (max(cost.verify(k) * _factor(sizes, k), 1.0) + o) / whole
         )
         return CostModel(
             cost.cost_ratio * draft / whole,
@@ -256,25 +331,17 @@ class OnlineCosts:
             cost.fixed_cost * draft / whole,
         )
 
-    @property
-    def overhead(self) -> float:
-        """o: what a round costs besides its forward and proposal, in observed one-token forwards (0 before
-        it was measured, as the calibration assumes)."""
-        estimates, one = self._published, self.step
-        seen = estimates.get(("overhead", 0))
-        return 0.0 if seen is None or one is None else seen / one
-
     def correct_batch(self, batch: BatchCost) -> BatchCost:
-        """A batch grid corrected likewise: b ≥ 2 rows by the slowdown of the row counts seen nearest, one row
-        (and b rows before any was seen) by the single-row slowdown of its tokens per row."""
-        estimates, one = self._published, self.step
-        if one is None:
+        """A batch grid corrected likewise: b ≥ 2 rows by the ratio of the row counts estimated nearest, one
+        row (and b rows before any was estimated) by the single-row ratio of its tokens per row."""
+        estimates = self._published
+        if not estimates:
             return batch
-        rows, sizes, o = _seen(estimates, "rows"), _seen(estimates, "forward"), self.overhead
+        rows, sizes, o = _seen(estimates, "rows"), _with_one(_seen(estimates, "forward")), self.overhead
         whole = 1 + o  # a plain round: its forward and the rest
         grid = tuple(
             tuple(
-                (cost * (_factor(rows, b, one) if b > 1 and rows[0] else _factor(sizes, m, one)) + o) / whole
+                (cost * (_factor(rows, b) if b > 1 and rows[0] else _factor(sizes, m)) + o) / whole
                 for m, cost in zip(batch.tokens, line, strict=True)
             )
             for b, line in zip(batch.rows, batch.cost, strict=True)
@@ -282,46 +349,31 @@ class OnlineCosts:
         return BatchCost(batch.rows, batch.tokens, grid)
 
 
-def _step(estimates: Estimates) -> float | None:
-    """ρ(1) of ``estimates``: read off the forward sizes, else off the row counts; None: neither."""
-    one = _nearest(estimates, "forward", 1)
-    return _nearest(estimates, "rows", 1) if one is None else one
+Seen = tuple[list[int], list[float]]  # a kind's sizes estimated, ascending, and their ratios
 
 
-def _fallback(estimates: Estimates, key: tuple[str, int]) -> float | None:
-    """What ``estimates`` say of a kind of work not estimated on its own: a forward size or row count the
-    nearest ones of its kind (:func:`_nearest`), else, like the drafter, ρ(1)."""
-    kind, size = key
-    if kind == "overhead":  # its own or nothing: no forward says what the rest of a round costs
-        return None
-    nearest = None if kind == "draft" else _nearest(estimates, kind, size)
-    return _step(estimates) if nearest is None else nearest
-
-
-def _factor(seen: Seen, size: int, one: float) -> float:
-    """The slowdown at ``size`` of a kind of work whose sizes ``seen`` are (:func:`_seen`), over ρ(1); 1
-    where none was seen."""
-    slowdown = _nearest_in(seen, size)
-    return 1.0 if slowdown is None else slowdown / one
-
-
-Seen = tuple[list[int], list[float]]  # a kind's sizes seen, ascending, and their estimates
-
-
-def _seen(estimates: Estimates, kind: str) -> Seen:
-    """The sizes of ``kind`` estimated, ascending, and their estimates (one sort, read per size after)."""
+def _seen(estimates: dict[Key, float], kind: str) -> Seen:
+    """The sizes of ``kind`` estimated, ascending, and their ratios (one sort, read per size after)."""
     pairs = sorted((s, value) for (k, s), value in estimates.items() if k == kind)
     return [s for s, _ in pairs], [value for _, value in pairs]
 
 
-def _nearest(estimates: Estimates, kind: str, size: int) -> float | None:
-    """The estimate of ``kind`` at ``size``: its own, else the smaller of the two sizes seen around it, else
-    the end one's beyond them; None where no size of ``kind`` was seen."""
-    return _nearest_in(_seen(estimates, kind), size)
+def _with_one(seen: Seen) -> Seen:
+    """``seen`` forward sizes with size 1 at ratio 1 (by definition) among them."""
+    sizes, values = seen
+    return ([1, *sizes], [1.0, *values]) if not sizes or sizes[0] != 1 else seen
+
+
+def _factor(seen: Seen, size: int) -> float:
+    """The ratio at ``size`` of a kind of work whose sizes ``seen`` are (:func:`_seen`); 1 where none was
+    seen."""
+    ratio = _nearest_in(seen, size)
+    return 1.0 if ratio is None else ratio
 
 
 def _nearest_in(seen: Seen, size: int) -> float | None:
-    """:func:`_nearest` among ``seen`` (:func:`_seen`)."""
+    """The estimate at ``size`` among ``seen`` (:func:`_seen`): its own, else the smaller of the two sizes
+    seen around it, else the end one's beyond them; None where no size was seen."""
     sizes, values = seen
     if not sizes:
         return None
