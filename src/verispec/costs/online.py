@@ -14,10 +14,9 @@ neighbour's load comes and goes. A slowdown is therefore compared only with forw
 - a forward of m ≥ 2 tokens (or b ≥ 2 rows) with the one-token forwards within :attr:`OnlineConfig.pair`
   forwards of it, before or after (their lower median, where there are min_seen: one alone may have been
   preempted); one with fewer there, or that took less time than they did (the machine sped up between
-  them), is not counted. (Compared with one-token
-  forwards timed long before, as it was, a process drafting from its fourth round on priced every block
-  against its warm-up forwards, 1.5× slow: a two-token forward looked cheaper than one token, so it kept
-  drafting, and never timed a one-token forward again.)
+  them), is not counted. (Compared with one-token forwards timed long before, as it was, a process drafting
+  from its fourth round on priced every block against its warm-up forwards, 1.5× slow: a two-token forward
+  looked cheaper than one token, so it kept drafting, and never timed a one-token forward again.)
 - a proposal, and the rest of a round, with the forward of their own round: ρ_d / (ρ(m) / r(m)), m its size
   and r(m) its ratio as estimated — a preempted round slows both and leaves their ratio.
 
@@ -98,11 +97,11 @@ class OnlineConfig:
 
     window: the last ratios each kind of work keeps. min_seen: how many it needs before its own estimate is
     used (2: a single slow round is never one). horizon: the forwards after which a ratio no longer counts (a
-    kind of work with none left is estimated like one never seen). pair: how many forwards back a forward of
-    another size looks for the one-token forwards it is compared with. tolerance: how far an estimate moves
-    before it is published (relative to a forward's, in one-token forwards for the rest of a round's and the
-    drafter's). notice: a one-token forward this many times slower or faster than calibrated is said in one
-    line on stderr (once, after ``horizon`` forwards).
+    kind of work with none left is estimated like one never seen). pair: how many forwards before or after a
+    forward of another size the one-token forwards it is compared with may be timed. tolerance: how far an
+    estimate moves before it is published (relative to a forward's, in one-token forwards for the rest of a
+    round's and the drafter's). notice: a one-token forward this many times slower or faster than calibrated
+    is said in one line on stderr (once, after ``horizon`` forwards).
     """
 
     window: int = 8

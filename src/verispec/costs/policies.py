@@ -215,7 +215,8 @@ class CostModelK(KPolicy):
     so a drafter whose catch-up outgrows the budget (u ≥ probe_budget per plain round) stops probing.
 
     ``shared`` (optional): the evidence of earlier and concurrent requests (:class:`Evidence`), where this
-    one's starts; every verdict is added to both, so a request's own then weighs most.
+    one's starts (its rates, weighed as at most :attr:`AutoKConfig.carried` verdicts per position); every
+    verdict is added to both, so a request's own then weighs most.
 
     ``online`` (optional, shared by the policies of one calibration): the costs measured as it runs
     (:class:`~verispec.costs.online.OnlineCosts`). The calibrated costs are then a prior, corrected by the
