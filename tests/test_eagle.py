@@ -34,7 +34,7 @@ from verispec.costs.policies import ConstantK
 from verispec.drafting.base import Allowed, Proposal
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.eagle_drafter import DEFAULT_TREE, EagleDrafter, EagleTreeDrafter
-from verispec.drafting.learned.head import native_target, target_fingerprint
+from verispec.drafting.learned.head import native_target, target_fingerprint, target_head_rows
 from verispec.drafting.ngram import NGramTreeDrafter
 from verispec.drafting.registry import LOOKUP_FIRST
 from verispec.drafting.tree import TreeShape
@@ -1277,6 +1277,23 @@ def test_a_heads_token_rows_are_the_targets_rows(target):
     assert torch.equal(head.embed(ids), target.model.embed_tokens(ids).float())
     for one in (torch.tensor(3), torch.tensor(4)):
         assert torch.equal(head.embed(one), target.model.embed_tokens(one).float())
+
+
+def test_a_heads_output_rows_are_the_targets_head_rows(tmp_path):
+    """The draft vocabulary's output rows, read from those rows of the target's native head alone
+    (`Llama.logits_of`), are the rows the whole head's logits give on unit vectors, bit for bit (a Gemma 3
+    GGUF's tied head of 262,144 rows took 0.59 s that way, 0.05 s from its rows)."""
+    from test_gguf import write_tiny_gguf
+    from test_gguf_native import tiny_gemma3
+
+    source = write_tiny_gguf(tmp_path / "g.gguf", tiny_gemma3(), "Q8_0", arch="gemma3")
+    target = load_model(str(source), precision="auto")[0]
+    assert target.on_native_kernels
+    ids = torch.arange(1, target.vocab_size, 7)
+    eye = torch.eye(target.config.hidden_size)  # [hidden, hidden]
+    whole = target.logits(eye[None])[0][:, ids].T  # [Vd, hidden]: the whole head's columns
+    assert torch.equal(target_head_rows(target, ids), whole)
+    assert torch.equal(target_head_rows(target, ids, chunk=5), whole)
 
 
 def test_a_gemma3_target_gets_a_head_of_plain_llama_layers(tmp_path, monkeypatch):

@@ -108,6 +108,30 @@ def test_every_gguf_block_type_is_its_own_blocks_and_multiplies_like_the_oracle(
     assert (matrix(x).double() - expected).abs().max() <= 2e-6 * expected.abs().max()
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("type_name", [*BLOCK_TYPES, "F16", "F32"])
+def test_a_selection_of_rows_multiplies_as_the_whole_matrix(variant, type_name):
+    """A matrix of some of a matrix's rows (an output head's rows for a draft vocabulary), in any order and
+    with repeats, gives the whole matrix's outputs for those rows, bit for bit, bias included; ids outside
+    the matrix are refused in one line."""
+    cols = 512 if type_name.endswith("_K") else 96
+    rows = 37
+    if type_name in BLOCK_TYPES:
+        raw = random_gguf_blocks(type_name, rows, cols, seed=len(type_name))
+    else:
+        dtype = np.float16 if type_name == "F16" else np.float32
+        raw = np.random.default_rng(0).standard_normal((rows, cols)).astype(dtype).view(np.uint8)
+    bias = torch.randn(rows, generator=torch.Generator().manual_seed(3))
+    matrix = PackedMatrix.from_gguf(type_name, rows, cols, raw, bias, variant)
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(2))  # [9, cols]
+    for ids in ([5, 36, 0, 17, 17, 8, 9, 10, 11, 12, 33, 20, 21, 22, 23, 24, 25], [36], list(range(rows))):
+        picked = matrix.select(torch.tensor(ids))
+        assert picked.rows == len(ids)
+        assert torch.equal(picked(x), matrix(x)[:, ids])
+    with pytest.raises(ValueError, match="row ids must be"):
+        matrix.select(torch.tensor([rows]))
+
+
 @pytest.mark.parametrize("type_name", ["F32", "BF16", "F16"])
 def test_float_gguf_types_are_their_own_values(type_name):
     w = np.random.default_rng(3).standard_normal((21, 40)).astype(np.float32)  # [21, 40]

@@ -308,6 +308,36 @@ class PackedMatrix:
             weight = torch.from_numpy(np.array(data).view(np.float32))  # [rows, cols], a copy
         return cls(format, rows, cols, (weight,), bias, 1, variant)
 
+    def select(self, ids: Tensor) -> PackedMatrix:
+        """The matrix of the rows ``ids`` [n] (int64) of this one, W[ids] [n, cols] (and its bias), in this
+        format and layout: each row's values and scales copied as they lie (a block format's from its lane of
+        a group, padding lanes zero), so that its products are this matrix's for that row, bit for bit, at
+        n / rows of the cost (an output head's rows for a draft vocabulary)."""
+        ids = torch.as_tensor(ids, dtype=torch.int64)
+        if ids.ndim != 1 or (ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.rows):
+            raise UsageError(f"row ids must be one-dimensional, in [0, {self.rows})")
+        bias = None if self.bias is None else self.bias[ids].contiguous()  # [n]
+        n, group = ids.numel(), self.group
+        groups = -(-n // group)
+
+        def rows_of(t: Tensor, lane: int) -> Tensor:  # t [groups, ..., group (axis `lane`), ...]
+            index: tuple[Tensor | slice, ...] = (ids // group, *[slice(None)] * (lane - 1), ids % group)
+            picked = t[index]  # [n, the other axes]
+            out = picked.new_zeros(groups * group, *picked.shape[1:])
+            out[:n] = picked
+            return out.reshape(groups, group, *picked.shape[1:]).movedim(1, lane).contiguous()
+
+        if self.format not in BLOCK_FORMATS:  # fp16, f32: W [rows, cols] as it is
+            weight = self.tensors[0]
+            assert weight is not None
+            tensors: tuple[Tensor | None, ...] = (weight[ids].contiguous(),)
+        else:  # values [groups, nb, chunks, group, 4]; scales [groups, ..., group]
+            tensors = tuple(
+                None if t is None else rows_of(t, 3 if i == 0 else t.ndim - 1)
+                for i, t in enumerate(self.tensors)
+            )
+        return PackedMatrix(self.format, n, self.cols, tensors, bias, group, self.variant)
+
     def blocks(self) -> np.ndarray:
         """The GGUF blocks of a q8_0 or q4_1 matrix (uint8 [rows, cols / 32 * bytes per block]), as
         :meth:`from_blocks` takes them: what a GGUF file of that format stores."""

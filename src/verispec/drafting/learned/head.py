@@ -91,12 +91,13 @@ def target_fingerprint(model: LanguageModel) -> str:
 
 def target_head_rows(target: Llama, ids: Tensor, chunk: int = 64) -> Tensor:
     """The rows of the target's output head for token ``ids`` [Vd]: [Vd, hidden] float32. Read through
-    ``target.logits`` on unit vectors, which works whatever form the head takes (tied, untied, packed),
-    ``chunk`` at a time (each chunk's logits are [chunk, vocab] float32: 67 MB for Gemma 3's 262,144 tokens
-    at 64)."""
+    the logits of those tokens (:meth:`Llama.logits_of`) on unit vectors, which works whatever form the head
+    takes (tied, untied, packed), ``chunk`` at a time (each chunk's logits [chunk, vocab] float32 where the
+    head is not native: 67 MB for Gemma 3's 262,144 tokens at 64)."""
     hidden = target.config.hidden_size
     eye = torch.eye(hidden, device=target.device, dtype=target.dtype)  # [hidden, hidden]
-    columns = [target.logits(eye[i : i + chunk].unsqueeze(0))[0][:, ids] for i in range(0, hidden, chunk)]
+    logits = target.logits_of(ids)
+    columns = [logits(eye[i : i + chunk]) for i in range(0, hidden, chunk)]  # [chunk, Vd] each
     return torch.cat(columns).T.contiguous()  # [Vd, hidden]
 
 
