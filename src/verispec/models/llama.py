@@ -1508,8 +1508,8 @@ class Llama(nn.Module):
     def logits_of(self, ids: Tensor) -> Callable[[Tensor], Tensor]:
         """The logits of the tokens ``ids`` [V'] alone, as a function of final states [n, hidden] → [n, V']
         float32: :meth:`logits`' columns ``ids``, bit for bit; on the native kernels the head's rows ``ids``
-        alone (:meth:`PackedMatrix.select`: V' / vocab of its cost; a draft vocabulary of Gemma 3's 262,144
-        tokens read its 8,192 rows in 0.59 s through the whole head)."""
+        alone (:meth:`PackedMatrix.select`: V' / vocab of its cost; the 8,192 rows of a draft vocabulary of
+        Gemma 3's 262,144 tokens in 0.05 s, against 0.59 s through the whole head)."""
         if self._native_head is not None:
             rows = self._native_head.select(ids)
             return lambda hidden: rows(hidden[:, : self.config.hidden_size].float())
