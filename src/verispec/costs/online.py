@@ -225,11 +225,14 @@ class OnlineCosts:
         self._changed.add(key)
 
     def _expire(self) -> None:
-        """Drops the values older than the horizon."""
+        """Drops the values older than the horizon (anywhere in a window: a forward compared with one-token
+        forwards after it joins its window late, at its own forward number)."""
         oldest = self._forwards - self.config.horizon
         for key, window in self._windows.items():
-            while window and window[0][0] <= oldest:
-                window.popleft()
+            if any(n <= oldest for n, _ in window):
+                kept = [(n, x) for n, x in window if n > oldest]
+                window.clear()
+                window.extend(kept)
                 self._changed.add(key)
 
     def _publish(self) -> None:
