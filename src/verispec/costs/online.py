@@ -225,14 +225,14 @@ class OnlineCosts:
         self._changed.add(key)
 
     def _expire(self) -> None:
-        """Drops the values older than the horizon (anywhere in a window: a forward compared with one-token
-        forwards after it joins its window late, at its own forward number)."""
+        """Drops the values older than the horizon. A window stays in forward order, so they lie at its left:
+        a forward compared with one-token forwards after it joins its window late, at its own number, but
+        before any later one of its kind (those waiting are compared in their order, and a later one compared
+        at once had its one-token forwards within reach of the waiting one's too)."""
         oldest = self._forwards - self.config.horizon
         for key, window in self._windows.items():
-            if any(n <= oldest for n, _ in window):
-                kept = [(n, x) for n, x in window if n > oldest]
-                window.clear()
-                window.extend(kept)
+            while window and window[0][0] <= oldest:
+                window.popleft()
                 self._changed.add(key)
 
     def _publish(self) -> None:

@@ -320,7 +320,8 @@ class PackedMatrix:
         n, group = ids.numel(), self.group
         groups = -(-n // group)
 
-        def rows_of(t: Tensor, lane: int) -> Tensor:  # t [groups, ..., group (axis `lane`), ...]
+        def rows_of(t: Tensor, axis: int) -> Tensor:  # t [groups, ..., group (its lane axis), ...]
+            lane = axis % t.ndim
             index: tuple[Tensor | slice, ...] = (ids // group, *[slice(None)] * (lane - 1), ids % group)
             picked = t[index]  # [n, the other axes]
             out = picked.new_zeros(groups * group, *picked.shape[1:])
@@ -331,10 +332,10 @@ class PackedMatrix:
             weight = self.tensors[0]
             assert weight is not None
             tensors: tuple[Tensor | None, ...] = (weight[ids].contiguous(),)
-        else:  # values [groups, nb, chunks, group, 4]; scales [groups, ..., group]
+        else:  # each array's lanes as formats.LANE_AXES lays them out
             tensors = tuple(
-                None if t is None else rows_of(t, 3 if i == 0 else t.ndim - 1)
-                for i, t in enumerate(self.tensors)
+                None if t is None else rows_of(t, axis)
+                for t, axis in zip(self.tensors, formats.LANE_AXES, strict=True)
             )
         return PackedMatrix(self.format, n, self.cols, tensors, bias, group, self.variant)
 

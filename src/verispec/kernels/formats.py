@@ -108,17 +108,23 @@ def weights(fmt: BlockFormat, dec: Decoded) -> np.ndarray:
     return w.reshape(rows, nb * QK)
 
 
+# the output-lane axis of each of the kernels' arrays of a matrix: values [G, nb, chunks, lanes, 4]; d, m, sc
+# and sm [G, ..., lanes] (G groups of ``lanes`` outputs; row g · lanes + lane)
+LANE_AXES = (-2, -1, -1, -1, -1)
+
+
 def deinterleave(fmt: BlockFormat, arrays: tuple[np.ndarray | None, ...], rows: int) -> Decoded:
     """The kernels' arrays of a matrix (values, d, m, sc, sm; None where the format has none) read back: the
     first ``rows`` rows' integers and scales."""
-    values, d, m, sc, sm = arrays
 
-    def rows_of(x: np.ndarray, axis: int) -> np.ndarray:  # [G, ..., lanes at axis, ...] → [rows, ...]
+    def rows_of(x: np.ndarray | None, axis: int) -> np.ndarray | None:  # [G, ..., lanes, ...] → [rows, ...]
+        if x is None:
+            return None
         lanes = np.moveaxis(x, axis, 1)
         return lanes.reshape(-1, *lanes.shape[2:])[:rows]
 
-    assert values is not None and d is not None
-    chunks = rows_of(values, -2)  # [rows, nb, chunks, 4]
+    chunks, d, m, sc, sm = (rows_of(x, axis) for x, axis in zip(arrays, LANE_AXES, strict=True))
+    assert chunks is not None and d is not None  # chunks: [rows, nb, chunks, 4]
     if fmt.bits == 8:
         u = chunks.reshape(rows, -1, 32)
     else:
@@ -132,8 +138,8 @@ def deinterleave(fmt: BlockFormat, arrays: tuple[np.ndarray | None, ...], rows: 
     half = np.float16
     return Decoded(
         u,
-        rows_of(d, -1).view(half),
-        None if m is None else rows_of(m, -1).view(half),
-        None if sc is None else rows_of(sc, -1).view(np.int8 if fmt.scales == "halves" else np.uint8),
-        None if sm is None else rows_of(sm, -1),
+        d.view(half),
+        None if m is None else m.view(half),
+        None if sc is None else sc.view(np.int8 if fmt.scales == "halves" else np.uint8),
+        sm,
     )
