@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -383,6 +384,41 @@ def test_a_tokenizer_read_back_is_the_one_built(tmp_path, cache, monkeypatch, ar
         assert ours.special_token_ids() == back.special_token_ids()
         if arch == "gemma3":
             assert ours.chat_prompt("hello") == back.chat_prompt("hello")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_tokenizer_read_back_is_transformers_own_reading(tmp_path, cache, arch):
+    """Read back without transformers' loader (it parses tokenizer.json twice), the saved tokenizer is what
+    ``PreTrainedTokenizerFast.from_pretrained`` makes of its directory: tokens, special tokens, added tokens,
+    chat template."""
+    config = tiny_gemma3() if arch == "gemma3" else tiny_llama()
+    source = write_tiny_gguf(tmp_path / "m.gguf", config, "Q8_0", arch=arch, chat_template=None)
+    directory = gguf_tokenizer_dir(source)
+    ours, _ = gguf_module.gguf_tokenizer(source)
+    theirs = PreTrainedTokenizerFast.from_pretrained(str(directory))
+    for text in ("hello world, ünïcode", "  two  spaces\tand a tab\n", "<start_of_turn>user\nhi<eos>", ""):
+        for special in (False, True):
+            ids = theirs.encode(text, add_special_tokens=special)
+            assert ours.encode(text, add_special_tokens=special) == ids
+            assert ours.decode(ids) == theirs.decode(ids)
+    assert ours.get_vocab() == theirs.get_vocab() and len(ours) == len(theirs)
+    assert ours.added_tokens_decoder == theirs.added_tokens_decoder
+    assert ours.special_tokens_map == theirs.special_tokens_map
+    assert ours.all_special_ids == theirs.all_special_ids
+    assert ours.chat_template == theirs.chat_template and ours.name_or_path == theirs.name_or_path
+    if ours.chat_template:
+        turns = [{"role": "user", "content": "hi"}]
+        spelled = theirs.apply_chat_template(turns, tokenize=False)
+        assert ours.apply_chat_template(turns, tokenize=False) == spelled
+
+
+@pytest.mark.parametrize("damage", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_damaged_tokenizer_directory_is_one_line(tmp_path, cache, damage):
+    source = write_tiny_gguf(tmp_path / "m.gguf", tiny_llama(), "Q8_0")
+    directory = gguf_tokenizer_dir(source)
+    (directory / damage).write_text('{"cut short')
+    with pytest.raises(UsageError, match=f"^no usable tokenizer in {re.escape(str(directory))}: "):
+        load_tokenizer(source)
 
 
 def test_interrupted_tokenizer_leaves_nothing(tmp_path, cache, monkeypatch):
