@@ -5,7 +5,8 @@ a busy machine or another CPU, a thermal change).
 Each timing is a *slowdown* ρ: the seconds measured over the seconds the prior predicts for the same work at
 the same context — a target forward of m new tokens in one row (ρ(m)), a forward over b ≥ 2 rows (ρ_b), a
 drafter's proposal of K tokens after g positions it had not read (ρ_d: K·c + g·u, the calibration's split of
-them kept), the rest of a round (ρ_o, below).
+them kept), and the rest of a round — verifying, committing, streaming, the Python of the step, timed
+between one single-row forward and the next, the proposal taken out (ρ_o).
 
 What a policy needs is how dear each kind of work is *against a one-token forward*, and a machine's speed
 moves while it runs: a process's first forwards here ran 1.5–2× slow and sped up over a few dozen more, a
@@ -23,33 +24,20 @@ neighbour's load comes and goes. A slowdown is therefore compared only with forw
 Each kind keeps its last :attr:`OnlineConfig.window` ratios and is estimated by their lower median once it
 has :attr:`OnlineConfig.min_seen` of them: a slow round is the largest of its window and never the estimate.
 A ratio expires after :attr:`OnlineConfig.horizon` forwards: the policy stops drafting a size that looks
-dear, so without it a size measured only in a bad stretch would keep its price for good. A forward size not
-estimated takes the ratio of the sizes estimated nearest to it — the smaller of the two around it (optimism:
-a size that then looks best is drafted, and so measured), the end one's beyond them, 1 (the prior's shape)
-where none is —, a row count likewise, a drafter not seen 1 (the prior's c). The corrected costs are in
-units of a one-token forward, as the prior's are in the calibrated one:
+dear, so without it a size measured only in a bad stretch would keep its price for good.
 
-    v̂(m) = v(m) · r(m),   ĉ = c · r_d,   û = u · r_d,   V̂(b, n) = V(b, n) · r_b
-
-A round also costs what is not a forward or a proposal: verifying, committing, streaming, the Python of the
-step — about the same whatever K. The engine times it between one single-row forward and the next (the
-proposal taken out); its ratio o makes every round dearer by the same amount, which favours larger blocks:
-the costs are then counted in units of a whole plain round, 1 + o,
-
-    ṽ(m) = (v̂(m) + o) / (1 + o),   c̃ = ĉ / (1 + o),   ũ = û / (1 + o),   Ṽ(b, n) = (V̂(b, n) + o) / (1 + o)
-
-(a calibration times forwards alone, so its v(k) overstates what a bigger block costs a whole round).
-A calibration uniformly wrong in T(1) changes no ratio; a wrong shape of v is corrected as the sizes are
-drafted next to plain rounds. The estimates are published (:attr:`OnlineCosts.version` moves) only when one
-moves by more than :attr:`OnlineConfig.tolerance` of what it costs a round (:meth:`OnlineCosts._moved`), so
-that the K policy re-derives its round costs rarely: each re-derivation costs ~0.1 ms of Python right after a
-forward. ρ(1) itself (:attr:`OnlineCosts.step`, the lower median of the one-token forwards) only says whether
-the calibration's T(1) is off (:meth:`OnlineCosts._notice`).
+The policies price a round with the calibration's costs corrected by these ratios
+(:mod:`verispec.costs.corrected`). A calibration uniformly wrong in T(1) changes no ratio; a wrong shape of v
+is corrected as the sizes are drafted next to plain rounds. The estimates are published
+(:attr:`OnlineCosts.version` moves) only when one moves by more than :attr:`OnlineConfig.tolerance` of what it
+costs a round (:meth:`OnlineCosts._moved`), so that the K policy re-derives its round costs rarely: each
+re-derivation costs ~0.1 ms of Python right after a forward. ρ(1) itself (:attr:`OnlineCosts.step`, the lower
+median of the one-token forwards) only says whether the calibration's T(1) is off
+(:meth:`OnlineCosts._notice`).
 """
 
 from __future__ import annotations
 
-import bisect
 import statistics
 import sys
 import threading
@@ -58,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from verispec.costs.analytic import BatchCost, CostModel
+from verispec.costs.corrected import DRAFT, ONE, OVERHEAD, Estimates, Key, correct, correct_batch, ratio
 from verispec.errors import UsageError
 from verispec.inputs import check_int, is_int
 
@@ -122,10 +111,6 @@ class OnlineConfig:
                 raise UsageError(f"{name} must be a number >= {low:g}, got {value!r}")
 
 
-Key = tuple[str, int]  # ("forward", m), ("rows", b), ("draft", 0), ("overhead", 0)
-ONE, DRAFT, OVERHEAD = ("forward", 1), ("draft", 0), ("overhead", 0)
-
-
 class OnlineCosts:
     """The costs of this machine's work against a one-token forward timed beside it, from the rounds'
     timings (see the module); shared by every ``--k auto`` policy made from one calibration, and safe to share
@@ -143,11 +128,11 @@ class OnlineCosts:
         # (forward number, value): ONE's slowdowns, every other kind's ratios to a one-token forward
         self._windows: dict[Key, deque[tuple[int, float]]] = {}
         self._forwards = 0  # the forwards counted so far
-        self._own: dict[Key, float] = {}  # each kind's lower median, where it has min_seen values (not ONE)
+        self._own: Estimates = {}  # each kind's lower median, where it has min_seen values (not ONE)
         self._step: float | None = None  # ONE's: the lower median of its slowdowns, ρ(1)
         self._changed: set[Key] = set()  # the kinds whose values changed since
         self._draft_steps = 1.0  # the prior's cost of the latest proposal timed, in calibrated steps
-        self._published: dict[Key, float] = {}  # every kind's ratio to a one-token forward (not ONE)
+        self._published: Estimates = {}  # every kind's ratio to a one-token forward (not ONE)
         self._speed: float | None = None  # the latest forward's slowdown over its ratio: ρ(1) then
         self._last: ForwardTiming | None = None  # the forward counted last (rows report it each)
         # (forward number, key, slowdown, prior's steps): forwards waiting for one-token ones to compare with
@@ -195,8 +180,8 @@ class OnlineCosts:
         if one is not None:
             return one
         self._waiting.append((self._forwards, key, slowdown, steps))
-        ratio = self._ratio(self._published, key)
-        return slowdown / ratio if ratio > 0 else None
+        factor = ratio(self._published, key)
+        return slowdown / factor if factor > 0 else None
 
     def _compare(self, at: int, key: Key, slowdown: float, steps: float) -> float | None:
         """Compares the forward timed at forward number ``at`` (``steps``: the prior's cost of it) with the
@@ -210,13 +195,6 @@ class OnlineCosts:
         if slowdown * steps >= one:
             self._add(key, slowdown / one, at)
         return one
-
-    @staticmethod
-    def _ratio(estimates: dict[Key, float], key: Key) -> float:
-        """A forward kind's ratio in ``estimates``: its own, else the nearest sizes' or row counts'
-        (:func:`_factor`; a single-row forward's among them size 1's, 1), 1 (the prior's) where none is."""
-        seen = _seen(estimates, key[0])
-        return _factor(_with_one(seen) if key[0] == "forward" else seen, key[1])
 
     def _add(self, key: Key, value: float, at: int | None = None) -> None:
         """Counts ``value`` for ``key``, timed at forward number ``at`` (None: the latest)."""
@@ -256,7 +234,7 @@ class OnlineCosts:
         estimates = dict(self._own)
         for key, window in self._windows.items():  # seen, not min_seen times: with what the others say
             if window and key not in self._own and key not in (ONE, OVERHEAD):
-                other = 1.0 if key == DRAFT else self._ratio(self._own, key)
+                other = 1.0 if key == DRAFT else ratio(self._own, key)
                 estimates[key] = statistics.median_low([*(x for _, x in window), other])
         old = self._published
         if estimates.keys() == old.keys() and not any(
@@ -309,77 +287,10 @@ class OnlineCosts:
         return self._published.get(OVERHEAD, 0.0)
 
     def correct(self, cost: CostModel) -> CostModel:
-        """``cost`` (the prior's, in calibrated steps) corrected by the published ratios, in one-token
-        forwards and whole plain rounds; the prior itself before anything was estimated. A block never costs
-        less than one token (v̂(m) ≥ 1; a measured curve may dip between sizes): a ratio can still be off where
-        the machine sped up between a block and the one-token forwards it was compared with, and a block
-        priced below one token is drafted every round, never timing a one-token forward again."""
-        estimates = self._published
-        if not estimates:
-            return cost
-        draft = estimates.get(DRAFT, 1.0)
-        o = self.overhead
-        whole = 1 + o  # a plain round: its forward and the rest
-        v, sizes = cost.verify_cost, _with_one(_seen(estimates, "forward"))
-        curve = (
-            tuple((max(x * _factor(sizes, m), 1.0) + o) / whole for m, x in enumerate(v, 1))
-            if isinstance(v, tuple)
-            else lambda k: (max(cost.verify(k) * _factor(sizes, k), 1.0) + o) / whole
-        )
-        return CostModel(
-            cost.cost_ratio * draft / whole,
-            curve,
-            cost.catch_up * draft / whole,
-            cost.fixed_cost * draft / whole,
-        )
+        """``cost`` (the prior's, in calibrated steps) corrected by the published ratios
+        (:func:`verispec.costs.corrected.correct`): the prior itself before anything was estimated."""
+        return correct(cost, self._published)
 
     def correct_batch(self, batch: BatchCost) -> BatchCost:
-        """A batch grid corrected likewise: b ≥ 2 rows by the ratio of the row counts estimated nearest, one
-        row (and b rows before any was estimated) by the single-row ratio of its tokens per row."""
-        estimates = self._published
-        if not estimates:
-            return batch
-        rows, sizes, o = _seen(estimates, "rows"), _with_one(_seen(estimates, "forward")), self.overhead
-        whole = 1 + o  # a plain round: its forward and the rest
-        grid = tuple(
-            tuple(
-                (cost * (_factor(rows, b) if b > 1 and rows[0] else _factor(sizes, m)) + o) / whole
-                for m, cost in zip(batch.tokens, line, strict=True)
-            )
-            for b, line in zip(batch.rows, batch.cost, strict=True)
-        )
-        return BatchCost(batch.rows, batch.tokens, grid)
-
-
-Seen = tuple[list[int], list[float]]  # a kind's sizes estimated, ascending, and their ratios
-
-
-def _seen(estimates: dict[Key, float], kind: str) -> Seen:
-    """The sizes of ``kind`` estimated, ascending, and their ratios (one sort, read per size after)."""
-    pairs = sorted((s, value) for (k, s), value in estimates.items() if k == kind)
-    return [s for s, _ in pairs], [value for _, value in pairs]
-
-
-def _with_one(seen: Seen) -> Seen:
-    """``seen`` forward sizes with size 1 at ratio 1 (by definition) among them."""
-    sizes, values = seen
-    return ([1, *sizes], [1.0, *values]) if not sizes or sizes[0] != 1 else seen
-
-
-def _factor(seen: Seen, size: int) -> float:
-    """The ratio at ``size`` of a kind of work whose sizes ``seen`` are (:func:`_seen`); 1 where none was
-    seen."""
-    ratio = _nearest_in(seen, size)
-    return 1.0 if ratio is None else ratio
-
-
-def _nearest_in(seen: Seen, size: int) -> float | None:
-    """The estimate at ``size`` among ``seen`` (:func:`_seen`): its own, else the smaller of the two sizes
-    seen around it, else the end one's beyond them; None where no size was seen."""
-    sizes, values = seen
-    if not sizes:
-        return None
-    i = bisect.bisect_left(sizes, size)
-    if i < len(sizes) and sizes[i] == size:
-        return values[i]
-    return min(values[j] for j in (i - 1, i) if 0 <= j < len(sizes))
+        """A batch grid corrected likewise (:func:`verispec.costs.corrected.correct_batch`)."""
+        return correct_batch(batch, self._published)
