@@ -154,6 +154,24 @@ class _Lagging:
         pass
 
 
+class _Windowed(_Lagging):
+    """A lagging drafter that reads at most the last ``catch_up_limit`` of the positions it has not read."""
+
+    def __init__(self, per: float, limit: int) -> None:
+        super().__init__(per)
+        self.catch_up_limit = limit
+
+    def propose(
+        self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
+    ) -> Proposal:
+        time.sleep(self.per * min(len(context) - 1 - self.read, self.catch_up_limit))
+        self.read = len(context) - 1
+        return Proposal.empty()
+
+    def cost_identity(self) -> dict:
+        return {"drafter": self.name, "per": self.per, "limit": self.catch_up_limit}
+
+
 class _Stepping(_Lagging):
     """A drafter whose proposal of k tokens costs ``fixed`` + k · ``per`` seconds (slept), reading nothing."""
 
@@ -195,6 +213,17 @@ def test_a_drafters_catch_up_is_what_reading_an_unread_position_costs(stories):
     assert steady >= 40e-6  # it reads one position, whatever K: mostly fixed cost
     lookup = calibration_module._measure_drafter(NGramDrafter(), model, "ngram", 3, False)
     assert 0 <= lookup.catch_up_seconds < 20e-6  # its index of the context: microseconds a position
+
+
+def test_a_drafter_reading_the_last_positions_only_is_timed_per_position_read(stories):
+    """A drafter whose catch-up reads at most its last ``catch_up_limit`` unread positions: the fill is
+    divided by the positions it read, and the cost model says how many it reads at most."""
+    model, _ = stories
+    windowed = calibration_module._measure_drafter(_Windowed(400e-6, 8), model, "windowed", 3, False)
+    assert 300e-6 <= windowed.catch_up_seconds <= 1200e-6 and windowed.catch_up_limit == 8
+    calibration = calibrate(model, _Windowed(400e-6, 8))
+    assert calibration.cost_model.catch_up_limit == 8 and calibration.cost_model_at(600).catch_up_limit == 8
+    assert calibrate(model, NGramDrafter()).cost_model.catch_up_limit is None
 
 
 def test_the_batch_grid_is_timed_where_rows_share_a_forward(stories):

@@ -31,7 +31,7 @@ from verispec.bench.suite import BenchConfig, Method, plan_methods
 from verispec.costs.analytic import CostModel, best_tree_size, speedup_by_k
 from verispec.costs.calibrate import DRAFT_K, FILLS, TreeRound, calibrate
 from verispec.costs.policies import ConstantK
-from verispec.drafting.base import Allowed, Proposal
+from verispec.drafting.base import Allowed, BoundedCatchUp, Proposal
 from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.learned.eagle_drafter import DEFAULT_TREE, EagleDrafter, EagleTreeDrafter
 from verispec.drafting.learned.head import native_target, target_fingerprint, target_head_rows
@@ -568,6 +568,40 @@ def test_q_is_a_distribution_on_the_draft_vocabulary(target, trained, sampling_k
     torch.testing.assert_close(q[0], probs_from_logits(full, sampling))
     greedy = drafter_with_context(target, head, context, GREEDY).propose(context, 4, torch.Generator())
     assert greedy.q is None and not outside[greedy.tokens].any()
+
+
+@pytest.mark.parametrize("window", [3, None])
+def test_a_catch_up_reads_the_last_pairs_at_their_own_positions(target, trained, window):
+    """With a window, a catch-up feeds the head the last ``window`` pairs it has not read, at their own
+    positions: the first draft's q is the head's over those pairs alone (the head on a fresh cache: the
+    oracle), its cache then holds that many true slots, and the next round reads only the pairs committed
+    since. Without one, every pair."""
+    head = EagleHead.load(trained, target)
+    context, sampling = [3, 14, 15, 9, 2, 6, 33, 1, 7, 12], SamplingParams(temperature=0.8)
+    hidden = hidden_states(target, context + [5, 8])  # [L + 2, H]: the states of the next round's too
+    drafter = EagleDrafter(head, sampling, window=window)
+    assert drafter.catch_up_limit == window and isinstance(drafter, BoundedCatchUp)
+    drafter.begin(context)
+    drafter.observe_hidden(hidden[: len(context) - 1])
+    proposal = drafter.propose(context, 2, torch.Generator().manual_seed(0))
+    n = len(context) - 1
+    first = 0 if window is None else n - window  # the first pair read
+    with torch.no_grad():
+        tokens, positions = torch.tensor([context[first + 1 :]]), torch.arange(first, n)[None]  # [1, T]
+        feature = head(tokens, hidden[None, first:n], positions, head.new_cache(1, n))
+    full = torch.full((VOCAB,), float("-inf"))  # [V]
+    full[head.draft_vocab] = head.logits(feature[0, -1:])[0]
+    assert proposal.q is not None
+    torch.testing.assert_close(proposal.q[0], probs_from_logits(full, sampling))
+    drafter.observe(0)
+    assert drafter.cache.length == n - first
+    later = context + [5, 8]  # two more committed: read alone
+    drafter.observe_hidden(hidden[n : len(later) - 1])
+    drafter.propose(later, 1, torch.Generator())
+    drafter.observe(0)
+    assert drafter.cache.length == n - first + 2
+    with pytest.raises(ValueError, match="window must be an integer >= 1"):
+        EagleDrafter(head, sampling, window=0)
 
 
 def test_cpu_fast_path_drafts_the_same(target, trained, tmp_path):

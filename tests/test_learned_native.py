@@ -146,6 +146,32 @@ def test_a_rows_draft_logits_do_not_depend_on_the_others(target, kind):
         assert torch.equal(native.logits(together), torch.cat([native.logits(row[None]) for row in alone]))
 
 
+def test_an_eagle_heads_slots_may_run_behind_its_positions(target):
+    """A catch-up that skipped pairs (a window) feeds its next slots at later positions: the native head
+    rotates each slot by the position given, as the float32 head does (a gap between slots' positions changes
+    what the later ones read), not by the slot."""
+    plain = random_head(target, "eagle")
+    attention = plain.layers[0].self_attn
+    with torch.no_grad():  # sharp attention, so that where each slot sits matters
+        for projection in (attention.q_proj, attention.k_proj):
+            projection.weight.mul_(6.0)
+    native = native_copy(plain)
+    features = torch.randn(1, 7, target.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    tokens = torch.arange(7)[None] % VOCAB  # [1, 7]
+    out = {}
+    with torch.no_grad():
+        for name, head in (("plain", plain), ("native", native)):
+            for gap in (0, 40):
+                cache = head.new_cache(1, 64)
+                head(tokens[:, :3], features[:, :3], torch.arange(3)[None], cache)  # slots 0..2
+                later = torch.arange(3 + gap, 7 + gap)[None]  # slots 3..6 at these positions
+                out[name, gap] = head(tokens[:, 3:], features[:, 3:], later, cache)[0]
+    a, b = out["plain", 40], out["native", 40]
+    torch.testing.assert_close(b, a, atol=0.03 * float(a.abs().max()), rtol=0.03)
+    # the gap is seen: read as slots (no gap), the native head's outputs would be ~6× farther from these
+    assert float((b - a).abs().max()) < 0.5 * float((out["native", 0] - a).abs().max())
+
+
 @pytest.mark.parametrize(
     "sampling",
     [

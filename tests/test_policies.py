@@ -8,6 +8,7 @@ import pytest
 
 from verispec.api import k_policy
 from verispec.costs.analytic import BatchCost, CostModel, tokens_by_k
+from verispec.costs.online import ForwardTiming, OnlineCosts, RoundTiming
 from verispec.costs.policies import (
     CONTEXT_STEP,
     AdditiveK,
@@ -135,6 +136,28 @@ def test_a_drafters_catch_up_is_paid_by_the_round_that_drafts():
     assert policy.backlog(1000) == 1000 and policy.next_k(1000) == 0  # a long prompt to read first: not yet
     policy.drafts_at(1000)  # a round drafted there
     assert policy.backlog(1000) == 0 and policy.backlog(1003) == 3 and policy.next_k(1001) > 0
+
+
+def test_a_drafter_reading_its_last_positions_only_pays_for_those():
+    """A drafter whose catch-up reads at most ``catch_up_limit`` unread positions (a learned head's window):
+    a long prompt costs it that many, so it drafts where one reading them all waits, and its rounds' timings
+    are set against the positions it read."""
+    config = AutoKConfig(prior=(0.8, 0.2))
+    reading_all = CostModelK(CostModel(0.05, MEASURED, catch_up=0.1), config)
+    windowed = CostModelK(CostModel(0.05, MEASURED, catch_up=0.1, catch_up_limit=8), config)
+    assert reading_all.backlog(1000) == 1000 and reading_all.next_k(1000) == 0  # 100 steps to read first
+    assert windowed.backlog(1000) == 8 and windowed.next_k(1000) > 0  # 0.8 of a step
+    assert windowed.backlog(1003) == 3 and windowed.backlog(1100) == 8  # after it drafted at 1000
+    online = OnlineCosts()
+    policy = CostModelK(CostModel(0.05, MEASURED, catch_up=0.1, catch_up_limit=8), config, online=online)
+    spent: list[float] = []
+    online.observe = lambda timing, forward, draft: spent.append(draft)  # type: ignore[method-assign]
+    assert policy.next_k(1000) > 0
+    forward = ForwardTiming(1, 2, 0.01, 1000)
+    policy.observe_costs(RoundTiming(forward, 1, 0.001, 1000))
+    assert spent == [pytest.approx(policy.cost.draft_cost(1) + 8 * 0.1)]  # not 1000 positions' worth
+    with pytest.raises(ValueError, match="catch_up_limit must be an integer >= 1"):
+        CostModel(0.05, MEASURED, catch_up_limit=0)
 
 
 def test_a_catch_up_that_the_next_rounds_repay_is_paid_at_once():

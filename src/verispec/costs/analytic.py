@@ -114,6 +114,8 @@ class CostModel:
     catch_up: u ≥ 0, the drafter's cost of reading one committed position it has not seen yet (one committed
     in a plain round, K = 0: a model draft's cache or a learned head's features lag behind), paid by the next
     round that drafts; a round's c covers the positions one drafting round commits before the next.
+    catch_up_limit: the most of those positions the drafter reads, the last ones (a learned head's window;
+    None: all of them): a catch-up costs u · min(g, limit) after g positions.
     fixed_cost: c₀ ≥ 0, what a proposal costs besides its K draft steps (a drafter's first call after the
     target's forward: reading the round's new positions, its call into the kernels); a round that drafts
     nothing pays none of it.
@@ -123,9 +125,12 @@ class CostModel:
     verify_cost: VerifyCost = None
     catch_up: float = 0.0
     fixed_cost: float = 0.0
+    catch_up_limit: int | None = None
 
     def __post_init__(self) -> None:
         """Validate; store a sequence curve as a tuple of floats."""
+        if self.catch_up_limit is not None:
+            check_int(self.catch_up_limit, "catch_up_limit", 1)
         object.__setattr__(self, "cost_ratio", _check_real("cost_ratio", self.cost_ratio, 0.0))
         object.__setattr__(self, "catch_up", _check_real("catch_up", self.catch_up, 0.0))
         object.__setattr__(self, "fixed_cost", _check_real("fixed_cost", self.fixed_cost, 0.0))

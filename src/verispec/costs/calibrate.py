@@ -79,7 +79,7 @@ import torch
 
 from verispec.cores import available_cores
 from verispec.costs.analytic import BatchCost, CostModel
-from verispec.drafting.base import Allowed, Drafter, HiddenStateReader, Proposal, TreeDrafter
+from verispec.drafting.base import Allowed, BoundedCatchUp, Drafter, HiddenStateReader, Proposal, TreeDrafter
 from verispec.errors import UsageError
 from verispec.files import atomic_write
 from verispec.inputs import check_int
@@ -231,9 +231,12 @@ class DraftCosts:
     fixed_seconds: float = 0.0  # per proposal, besides its tokens' T_draft each (>= 0)
     probe: bool = False  # a first use's probe, not a full measurement
     drift: float = 1.0  # how far T(1) moved while measuring (_drift)
+    catch_up_limit: int | None = None  # the most unread positions a catch-up reads (BoundedCatchUp)
 
     def __post_init__(self) -> None:
         _check_how(self.probe, self.drift)
+        if self.catch_up_limit is not None:
+            check_int(self.catch_up_limit, "catch_up_limit", 1)
         if not (_positive(self.cost_ratio) and _positive(self.seconds_per_token)):
             raise UsageError(
                 f"draft costs must be numbers > 0, got {self.cost_ratio!r}, {self.seconds_per_token!r}"
@@ -280,6 +283,12 @@ class TreeRound:
         paths = [list(path) for path in self.tree.shape.paths]
         return {"tree": paths, "of": self.tree.drafter.cost_identity()}
 
+    @property
+    def catch_up_limit(self) -> int | None:
+        """Its chain drafter's (:class:`~verispec.drafting.base.BoundedCatchUp`): the tree reads with it."""
+        drafter = self.tree.drafter
+        return drafter.catch_up_limit if isinstance(drafter, BoundedCatchUp) else None
+
 
 def _check_how(probe: object, drift: object) -> None:
     """UsageError unless ``probe`` is a bool and ``drift`` a number >= 1 (how a measurement went)."""
@@ -320,7 +329,8 @@ class Calibration:
         # the short context's T(1) over this one's: the drafter's seconds weigh less where forwards cost more
         relative = self.target.seconds[0] / one
         per_token, catch_up, fixed = (x * relative for x in self._draft_ratios())
-        return CostModel(per_token, tuple(s / one for s in seconds), catch_up, fixed)
+        limit = self.draft.catch_up_limit if self.draft else None
+        return CostModel(per_token, tuple(s / one for s in seconds), catch_up, fixed, limit)
 
     def _draft_ratios(self) -> tuple[float, float, float]:
         """The drafter's cost a token (c), a position caught up (u) and a proposal (c₀) over the T(1) timed
@@ -713,7 +723,9 @@ def _measure_drafter(
         positions = torch.arange(len(final), device=target.device)[None]  # [1, L']
         hidden = target.forward_hidden(tokens, positions, target.new_cache())[0]  # [L', H]
     fills: list[float] = []
-    unread = len(context) - 1  # a fill reads every position but the last
+    limit = drafter.catch_up_limit if isinstance(drafter, BoundedCatchUp) else None
+    unread = len(context) - 1  # a fill reads every position but the last (the last `limit` of them)
+    read = unread if limit is None else min(unread, limit)
     while budget.more(len(fills), FILLS):
         drafter.begin(list(context))
         if hidden is not None and reader is not None:
@@ -741,10 +753,10 @@ def _measure_drafter(
     single, full = statistics.median(times[1]), statistics.median(times[DRAFT_K])
     per_token = max((full - single) / (DRAFT_K - 1), _TINY)  # a lookup's barely grows with K
     fixed = max(single - per_token, 0.0)
-    catch_up = max(0.0, statistics.median(fills) - full) / unread
+    catch_up = max(0.0, statistics.median(fills) - full) / read
     one, drift = statistics.median(ones), _drift(ones)
     _drifted(label, drift)
-    return DraftCosts(label, per_token / one, per_token, passes, _now(), catch_up, fixed, probe, drift)
+    return DraftCosts(label, per_token / one, per_token, passes, _now(), catch_up, fixed, probe, drift, limit)
 
 
 def _negligible(proposals: list[float], ones: list[float], passes: int) -> bool:

@@ -49,7 +49,9 @@ def correct(cost: CostModel, estimates: Estimates) -> CostModel:
         if isinstance(v, tuple)
         else lambda k: _round(max(cost.verify(k) * _factor(sizes, k), 1.0), o)
     )
-    return CostModel(cost.cost_ratio * draft, curve, cost.catch_up * draft, cost.fixed_cost * draft)
+    return CostModel(
+        cost.cost_ratio * draft, curve, cost.catch_up * draft, cost.fixed_cost * draft, cost.catch_up_limit
+    )
 
 
 def correct_batch(batch: BatchCost, estimates: Estimates) -> BatchCost:

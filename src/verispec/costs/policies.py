@@ -303,12 +303,15 @@ class CostModelK(KPolicy):
         return best, probe, gap
 
     def backlog(self, context: int) -> int:
-        """g: the committed positions the drafter has not read at ``context`` (since the last round that
-        drafted; the whole context before the first)."""
-        return max(0, context - self._read)
+        """g: the committed positions the drafter reads before it drafts at ``context``: those since the last
+        round that drafted (the whole context before the first), at most the cost model's
+        ``catch_up_limit``."""
+        unread, limit = max(0, context - self._read), self.cost.catch_up_limit
+        return unread if limit is None else min(unread, limit)
 
     def drafts_at(self, context: int) -> None:
-        """A round drafts after ``context`` positions: the drafter reads them all (:meth:`backlog` is 0)."""
+        """A round drafts after ``context`` positions: the drafter has read them (or skipped those before its
+        catch-up's limit): :meth:`backlog` is 0."""
         self._caught_up = self.backlog(context)
         self._read = context
 

@@ -76,6 +76,7 @@ from verispec.sampling import draft_draw, probs_from_logits, sample
 
 __all__ = [
     "Allowed",
+    "BoundedCatchUp",
     "BranchedTreeDrafter",
     "DraftRow",
     "Drafter",
@@ -282,6 +283,15 @@ class HiddenStateReader(Protocol):
     def observe_hidden(self, hidden: Tensor) -> None:
         """hidden: [T, H], the target's final hidden states at the next T committed positions, in order."""
         ...
+
+
+@runtime_checkable
+class BoundedCatchUp(Protocol):
+    """A drafter whose catch-up reads at most ``catch_up_limit`` of the committed positions it has not read,
+    the last ones (None: all of them): what a round that drafts after a long stretch pays
+    (:attr:`~verispec.costs.analytic.CostModel.catch_up_limit`)."""
+
+    catch_up_limit: int | None
 
 
 @runtime_checkable
