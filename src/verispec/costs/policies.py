@@ -211,8 +211,9 @@ class CostModelK(KPolicy):
     rarely, and probing costs at most ``probe_budget`` of the plain rounds' time in expectation. g·u is the
     drafter's catch-up (:attr:`CostModel.catch_up` u per position): the g positions committed since the last
     round that drafted (the whole prompt before the first), which a drafter keeping state of the context (a
-    model draft's cache, a learned head's) reads before it drafts; every round's choice counts it for K > 0,
-    so a drafter whose catch-up outgrows the budget (u ≥ probe_budget per plain round) stops probing.
+    model draft's cache, a learned head's) reads before it drafts, at most :attr:`CostModel.catch_up_limit`
+    of them (a learned head reads the last 64); every round's choice counts it for K > 0, so a drafter whose
+    catch-up outgrows the budget (u ≥ probe_budget per plain round, without a limit) stops probing.
 
     ``shared`` (optional): the evidence of earlier and concurrent requests (:class:`Evidence`), where this
     one's starts (its rates, weighed as at most :attr:`AutoKConfig.carried` verdicts per position); every
