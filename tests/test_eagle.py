@@ -33,7 +33,12 @@ from verispec.costs.calibrate import DRAFT_K, FILLS, TreeRound, calibrate
 from verispec.costs.policies import ConstantK
 from verispec.drafting.base import Allowed, BoundedCatchUp, Proposal
 from verispec.drafting.learned.eagle import EagleHead
-from verispec.drafting.learned.eagle_drafter import DEFAULT_TREE, EagleDrafter, EagleTreeDrafter
+from verispec.drafting.learned.eagle_drafter import (
+    CATCH_UP_WINDOW,
+    DEFAULT_TREE,
+    EagleDrafter,
+    EagleTreeDrafter,
+)
 from verispec.drafting.learned.head import native_target, target_fingerprint, target_head_rows
 from verispec.drafting.ngram import NGramTreeDrafter
 from verispec.drafting.registry import LOOKUP_FIRST
@@ -1241,6 +1246,16 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 def assert_usage_error(result: tuple[int, str, str], message: str) -> None:
     status, _, err = result
     assert status == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_cli_calibrate_says_a_heads_catch_up_reads_its_last_positions(stories, tmp_path, monkeypatch, capsys):
+    _, _, path, root = stories
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    model = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
+    status, out, _ = run_cli(
+        capsys, "calibrate", *model, "--drafter", "eagle", "--drafter-path", str(path), "--repetitions", "2"
+    )
+    assert status == 0 and f"a position (the last {CATCH_UP_WINDOW} at most);" in out, out
 
 
 def test_cli_train_drafter_bad_input(dataset, tmp_path, capsys):

@@ -68,9 +68,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print(json.dumps(calibration.to_dict(), indent=2))
         return 0
     cost = calibration.cost_model
+    last = "" if cost.catch_up_limit is None else f" (the last {cost.catch_up_limit} at most)"
     print(
         f"{speculator.drafter_name} drafter: c = {calibration.cost_ratio:.4f} a token + c0 = "
-        f"{cost.fixed_cost:.4f} a proposal, catch-up u = {cost.catch_up:.4f} a position; "
+        f"{cost.fixed_cost:.4f} a proposal, catch-up u = {cost.catch_up:.4f} a position{last}; "
         f"T_target(1) = {1e3 * calibration.target.seconds[0]:.2f} ms; "
         f"{torch.get_num_threads()} threads"
     )
