@@ -25,7 +25,8 @@ needs, for one target and one drafter on this machine:
 - the drafter's catch-up u: what reading one committed position it has not seen costs it (a model draft's
   cache, a learned head's features), paid by the first round that drafts after plain rounds: the median of
   :data:`FILLS` first proposals after ``begin`` (a whole context unread) less the steady proposal's time, per
-  position, over T(1). Nothing for a drafter that keeps no state of the context.
+  position read (a ``BoundedCatchUp`` drafter reads its last ``catch_up_limit``), over T(1). Nothing for a
+  drafter that keeps no state of the context.
 
 A first use (``--k auto``, ``tree="auto"``'s check, auto's choice of the learned drafter) does not wait for
 all of that: it *probes*, once, in seconds even on a busy machine. A probe times the target after
@@ -724,8 +725,8 @@ def _measure_drafter(
         hidden = target.forward_hidden(tokens, positions, target.new_cache())[0]  # [L', H]
     fills: list[float] = []
     limit = drafter.catch_up_limit if isinstance(drafter, BoundedCatchUp) else None
-    unread = len(context) - 1  # a fill reads every position but the last (the last `limit` of them)
-    read = unread if limit is None else min(unread, limit)
+    read = len(context) - 1  # a fill reads every position but the last (the last `limit` of them)
+    read = read if limit is None else min(read, limit)
     while budget.more(len(fills), FILLS):
         drafter.begin(list(context))
         if hidden is not None and reader is not None:
