@@ -117,18 +117,19 @@ def in_place_problem(reader: GGUFFile) -> str | None:
     return None
 
 
-def load_gguf(path: str | Path, precision: str = "auto") -> Llama:
+def load_gguf(path: str | Path, precision: str = "auto", reader: GGUFFile | None = None) -> Llama:
     """The model in the GGUF file ``path`` on the native kernels, each matrix in its own format ("auto") or
     requantized into ``precision`` (fp16, q8_0, q4_1; the head in q8_0 for q4_1, as
     :meth:`Llama.optimize_for_cpu` packs it). UsageError (one line, naming the file) for an unreadable file,
     an architecture or a tensor type the kernels lack, a missing tensor or one of the wrong shape, a context
-    too long for this machine to allocate a sequence's cache of (:func:`_check_context`)."""
+    too long for this machine to allocate a sequence's cache of (:func:`_check_context`). ``reader``: the file
+    already read (:func:`~verispec.models.gguf_file.read_gguf`), else it is read here."""
     path = Path(path)
     if precision not in ("auto", *FORMATS):
         raise UsageError(
             f"a GGUF file runs in place in precision auto, {', '.join(FORMATS)}; got {precision!r}"
         )
-    reader = read_gguf(path)
+    reader = read_gguf(path) if reader is None else reader
     problem = in_place_problem(reader)
     if problem is not None:
         raise UsageError(f"{path} cannot run in place: {problem}")

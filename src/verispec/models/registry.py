@@ -43,6 +43,7 @@ from verispec.models.gguf import (
     gguf_tokenizer,
     is_converted,
 )
+from verispec.models.gguf_file import GGUFFile
 from verispec.models.gguf_native import in_place_problem, load_gguf, read_gguf
 from verispec.models.llama import Llama, check_precision
 from verispec.models.llama2c import Llama2cTokenizer, load_llama2c
@@ -93,8 +94,10 @@ def load_model(
         tok = load_tokenizer(tokenizer)  # the quick checks first
         return _matched(load_llama2c(path, device=device, dtype=dtype, fast=True, precision=precision), tok)
     gguf = gguf_file(spec)
-    if gguf is not None and _runs_in_place(gguf, device, dtype, backend, precision):
-        model = load_gguf(gguf, precision)  # first: a bad file leaves nothing in the cache
+    reader = None if gguf is None else _in_place_reader(gguf, device, dtype, backend, precision)
+    if gguf is not None and reader is not None:
+        model = load_gguf(gguf, precision, reader)  # first: a bad file leaves nothing in the cache
+        del reader  # the mapping of the whole file goes with it
         if tokenizer is None:
             return model, load_tokenizer(gguf)
         return _matched(model, load_tokenizer(tokenizer))
@@ -125,22 +128,24 @@ def gguf_file(spec: str | Path) -> Path | None:
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 
-def _runs_in_place(
+def _in_place_reader(
     gguf: Path, device: str | torch.device, dtype: torch.dtype, backend: str, precision: str
-) -> bool:
-    """Whether ``gguf`` loads in place: on the native backend, on a CPU in float32, in precision auto or a
-    native one, where the kernels run its architecture and tensor types (UsageError: an unreadable file)."""
+) -> GGUFFile | None:
+    """``gguf`` read, where it loads in place: on the native backend, on a CPU in float32, in precision auto
+    or a native one, where the kernels run its architecture and tensor types; else None (UsageError: an
+    unreadable file)."""
     native = backend != "hf" and precision != "fp32" and native_available() is None
     if not native or torch.device(device).type != "cpu" or dtype != torch.float32:
-        return False
-    problem = in_place_problem(read_gguf(gguf))
+        return None
+    reader = read_gguf(gguf)
+    problem = in_place_problem(reader)
     if problem is not None:  # say why a conversion is coming (float32: 4 bytes a weight, on disk)
         print(
             f"verispec: {gguf.name} does not run in place ({problem}): converting it once through "
             "transformers into float32",
             file=sys.stderr,
         )
-    return problem is None
+    return reader if problem is None else None
 
 
 def model_dir(spec: str | Path) -> Path:
