@@ -31,9 +31,10 @@ the distributions q it sampled them from, and is then told how many of them the 
   told, with ``finish(ids)``, the committed tokens (prompt, then output) of a sequence the engine retires
   having finished it (an end of sequence, a stop string, the token limit or the context's), once; never for
   a cancelled or failed one;
-- a drafter that is a :class:`RowDrafter` (the eagle and medusa chain drafters beside a native target) may
-  be asked, with the other sequences of a batch whose drafters share its :attr:`RowDrafter.rows_key`, for
-  all their proposals at once (``propose_rows``): each row's is exactly what its own ``propose`` returns.
+- a drafter that is a :class:`RowDrafter` (the eagle and medusa chain drafters beside a native target, a
+  draft model on the native kernels beside an engine's slots) may be asked, with the other sequences of a
+  batch whose drafters share its :attr:`RowDrafter.rows_key`, for all their proposals at once
+  (``propose_rows``): each row's is exactly what its own ``propose`` returns.
 
 The tree counterpart: a tree drafter sees the committed context and a tree shape
 (:mod:`verispec.drafting.tree`; the drafter's own :attr:`TreeDrafter.shape`, capped by the engine to the

@@ -4,20 +4,24 @@ or sampled children (:class:`ModelTreeDrafter`)."""
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 from torch import Tensor
 
-from verispec.drafting.base import Allowed, BranchedTreeDrafter, Proposal, allowed_logits
+from verispec.drafting.base import Allowed, BranchedTreeDrafter, DraftRow, Proposal, allowed_logits
 from verispec.drafting.learned.exit import ExitDraft
 from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
-from verispec.models.base import Cache, LanguageModel, TreeLanguageModel
+from verispec.models.base import Cache, LanguageModel, RowInput, TreeLanguageModel
 from verispec.models.identity import model_identity
-from verispec.models.llama import KVCache, Llama
+from verispec.models.llama import NATIVE_CHUNK, KVCache, Llama
 from verispec.options import SamplingParams
 from verispec.sampling import draft_draw, first_argmax, probs_from_logits
 
-__all__ = ["ModelDrafter", "ModelTreeDrafter"]
+__all__ = ["ModelDrafter", "ModelTreeDrafter", "draft_cache_row"]
 
 
 class ModelDrafter:
@@ -26,6 +30,12 @@ class ModelDrafter:
     Its cache holds a prefix of the committed context; ``propose`` first feeds the committed tokens it has not
     seen (the last emitted token, or the last draft token and the bonus token after a fully accepted round),
     then samples k tokens one forward at a time. ``observe`` rolls the cache back to the committed part.
+
+    Beside an engine's slots (``slot``, a row of the target's whole cache) a draft on the native kernels keeps
+    its cache in the same row of a whole cache of its own (:func:`draft_cache_row`): the drafters of a batch's
+    rows then read and draft together, one forward over all their rows a draft position
+    (:meth:`propose_rows`, a :class:`~verispec.drafting.base.RowDrafter`), each row's proposal bit for bit its
+    own (a row's outputs never depend on the other rows of a forward).
 
     An early-exit draft (the target's own first layers, :meth:`verispec.models.llama.Llama.first_layers`)
     may instead share the target's cache (``target_cache``): those layers of it hold every committed token
@@ -43,6 +53,7 @@ class ModelDrafter:
         sampling: SamplingParams,
         target_vocab_size: int,
         target_cache: Cache | None = None,
+        slot: Cache | None = None,
     ) -> None:
         if model.vocab_size != target_vocab_size:
             raise UsageError(
@@ -59,7 +70,9 @@ class ModelDrafter:
                     "target's cache"
                 )
             self.shared = (target_cache, model.config.num_layers)
-        self.cache = model.new_cache() if self.shared is None else self._shared_layers(*self.shared)
+        self.cache = (
+            draft_cache_row(model, slot) if self.shared is None else self._shared_layers(*self.shared)
+        )
         self._committed = 0  # cache slots that hold committed tokens after the last proposal
         self._drafted = 0  # draft tokens fed to the cache by the last proposal
 
@@ -68,6 +81,12 @@ class ModelDrafter:
         """A view of the target cache's first ``num_layers`` layers, as long as the target cache now is."""
         return target_cache.first_layers(num_layers)
 
+    @property
+    def rows_key(self) -> object | None:
+        """Drafters whose caches are rows of one whole cache of one draft's propose together."""
+        whole = self.cache.whole if isinstance(self.cache, KVCache) and self.shared is None else None
+        return None if whole is None else (id(self.model), id(whole[0]))
+
     def begin(self, prompt: list[int]) -> None:
         self.cache.truncate(0)
         self._committed = self._drafted = 0
@@ -75,46 +94,101 @@ class ModelDrafter:
     def propose(
         self, context: list[int], k: int, generator: torch.Generator, allowed: Allowed | None = None
     ) -> Proposal:
-        if self.shared is not None:
-            self.cache = self._shared_layers(*self.shared)
-        k = min(k, self.model.max_context - len(context))
-        if k <= 0:
-            self._committed, self._drafted = self.cache.length, 0
-            return Proposal.empty()
-        device = self.model.device
-        self.read(context)
-        feed = torch.tensor([context[self.cache.length :]], dtype=torch.long, device=device)  # [1, 1]
-        self._committed = len(context)
-        tokens: list[Tensor] = []
-        qs = []
-        for i in range(k):
-            start = self.cache.length
-            positions = torch.arange(start, start + feed.shape[1], device=device).unsqueeze(0)  # [1, T]
-            raw = self.model.forward(feed, positions, self.cache)[0, -1]  # [V]
-            logits = allowed_logits(raw, allowed, [int(t) for t in tokens])  # [V], masked by the grammar
-            if logits is None:  # the grammar allows nothing more
-                break
-            if self.sampling.greedy:
-                token = first_argmax(logits).view(1)
-            else:
-                q = probs_from_logits(logits, self.sampling)  # [V]
-                token = draft_draw(q, generator, self.sampling, len(context) + i)
-                qs.append(q)
-            tokens.append(token)
-            feed = token.view(1, 1)
-        self._drafted = len(tokens) - 1 if len(tokens) == k else len(tokens)  # the last of k is never fed
-        if not tokens:
-            return Proposal.empty()
-        return Proposal(tokens=torch.cat(tokens).cpu(), q=torch.stack(qs).cpu() if qs else None)
+        return self.propose_rows([DraftRow(self, context, k, generator, allowed)])[0]
+
+    @classmethod
+    def propose_rows(cls, rows: Sequence[DraftRow]) -> list[Proposal]:
+        """Every row's proposal: each row's unread committed tokens read, then one forward a draft position
+        over the rows still drafting (all rows' in one forward where they share a :attr:`rows_key`, else a
+        single row), k tokens sampled (or the greedy pick) from each row's logits, masked by its grammar."""
+        drafters = [cast(ModelDrafter, row.drafter) for row in rows]
+        for drafter in drafters:
+            if drafter.shared is not None:
+                drafter.cache = drafter._shared_layers(*drafter.shared)
+        ks = [
+            min(row.k, d.model.max_context - len(row.context)) for row, d in zip(rows, drafters, strict=True)
+        ]
+        live = [i for i, k in enumerate(ks) if k > 0]
+        for i, drafter in enumerate(drafters):  # what observe rolls back to: the context, or what is held
+            drafter._committed = len(rows[i].context) if i in live else drafter.cache.length
+            if i in live and drafter.cache.length >= len(rows[i].context):  # asked again after observe(0)
+                drafter.cache.truncate(len(rows[i].context) - 1)  # (a batch's call failed): its last again
+        cls._read([drafters[i] for i in live], [rows[i].context for i in live])
+        feeds = {i: rows[i].context[drafters[i].cache.length :] for i in live}  # [1] each: the last token
+        drafts: dict[int, list[int]] = {i: [] for i in live}
+        qs: dict[int, list[Tensor]] = {i: [] for i in live}  # [V] each: q of each draft token
+        while feeds:
+            going = list(feeds)
+            logits = cls._forward([drafters[i] for i in going], [feeds[i] for i in going])  # [V] each
+            feeds = {}
+            for i, raw in zip(going, logits, strict=True):
+                row, drafter = rows[i], drafters[i]
+                masked = allowed_logits(raw, row.allowed, drafts[i])  # [V], masked by the grammar
+                if masked is None:  # the grammar allows nothing more
+                    continue
+                drafts[i].append(
+                    drafter._pick(masked, row.generator, len(row.context) + len(drafts[i]), qs[i])
+                )
+                if len(drafts[i]) < ks[i]:
+                    feeds[i] = drafts[i][-1:]
+        proposals = []
+        for i, drafter in enumerate(drafters):
+            tokens = drafts.get(i, [])
+            drafter._drafted = len(tokens) - (0 < len(tokens) == ks[i])  # the last of k is never fed
+            if not tokens:
+                proposals.append(Proposal.empty())
+                continue
+            q = torch.stack(qs[i]).cpu() if qs[i] else None  # [K', V]
+            proposals.append(Proposal(tokens=torch.tensor(tokens), q=q))
+        return proposals
+
+    def _pick(self, logits: Tensor, generator: torch.Generator, position: int, qs: list[Tensor]) -> int:
+        """The draft token at ``position`` from its logits [V]: the greedy pick, or a draw from q (appended
+        to ``qs``)."""
+        if self.sampling.greedy:
+            return int(first_argmax(logits))
+        q = probs_from_logits(logits, self.sampling)  # [V]
+        qs.append(q)
+        return int(draft_draw(q, generator, self.sampling, position))
+
+    @staticmethod
+    def _forward(drafters: Sequence[ModelDrafter], feeds: Sequence[list[int]]) -> list[Tensor]:
+        """Each drafter's next logits [V] after its ``feeds`` (one token each), appended to its cache: one
+        forward over rows of one whole cache, else one forward."""
+        model = drafters[0].model
+        if len(drafters) > 1 or drafters[0].rows_key is not None:
+            assert isinstance(model, Llama)  # rows of one cache: a native Llama's (draft_cache_row)
+            out = model.forward_rows(
+                [_row_input(d.cache, feed, logits=True) for d, feed in zip(drafters, feeds, strict=True)]
+            )
+            return [logits[-1] for logits, _ in out if logits is not None]
+        (drafter,), (feed,) = drafters, feeds
+        start, device = drafter.cache.length, model.device
+        positions = torch.arange(start, start + len(feed), device=device).unsqueeze(0)  # [1, T]
+        return [model.forward(torch.tensor([feed], device=device), positions, drafter.cache)[0, -1]]
+
+    @staticmethod
+    def _read(drafters: Sequence[ModelDrafter], contexts: Sequence[list[int]]) -> None:
+        """Feed each drafter the committed tokens its cache has not read, all but the last (whose logits a
+        proposal needs): their keys and values only, no logits over the vocabulary at a prompt's positions;
+        rows of one whole cache together, in blocks of at most NATIVE_CHUNK tokens a row."""
+        unread = [(d, c[d.cache.length : -1]) for d, c in zip(drafters, contexts, strict=True)]
+        unread = [(d, tokens) for d, tokens in unread if tokens]
+        if len(unread) == 1 and unread[0][0].rows_key is None:
+            ((drafter, tokens),) = unread
+            model, start = drafter.model, drafter.cache.length
+            positions = torch.arange(start, start + len(tokens), device=model.device).unsqueeze(0)  # [1, U]
+            model.prefill(torch.tensor([tokens], device=model.device), positions, drafter.cache)
+            return
+        for block in range(0, max((len(tokens) for _, tokens in unread), default=0), NATIVE_CHUNK):
+            part = [(d, tokens[block : block + NATIVE_CHUNK]) for d, tokens in unread if len(tokens) > block]
+            model = part[0][0].model
+            assert isinstance(model, Llama)  # rows of one cache: a native Llama's (draft_cache_row)
+            model.forward_rows([_row_input(d.cache, tokens, logits=False) for d, tokens in part])
 
     def read(self, context: list[int]) -> None:
-        """Feed the committed tokens its cache has not read, all but the last (whose logits a proposal
-        needs): their keys and values only, no logits over the vocabulary at a prompt's positions."""
-        unread = context[self.cache.length : -1]
-        if unread:
-            device, start = self.model.device, self.cache.length
-            positions = torch.arange(start, start + len(unread), device=device).unsqueeze(0)  # [1, U]
-            self.model.prefill(torch.tensor([unread], dtype=torch.long, device=device), positions, self.cache)
+        """Feed the committed tokens its cache has not read, all but the last (:meth:`_read`)."""
+        self._read([self], [context])
 
     def observe(self, num_accepted: int) -> None:
         self.cache.truncate(self._committed + min(num_accepted, self._drafted))
@@ -125,6 +199,41 @@ class ModelDrafter:
             identity["exit_draft_vocab"] = self.model.adapter.draft_vocab_size
             identity["exit_precision"] = self.model.adapter.cpu_precision
         return identity
+
+
+def _row_input(cache: Cache, tokens: list[int], logits: bool) -> RowInput:
+    """A row of a batched forward: ``tokens`` at the next slots of ``cache``."""
+    start = cache.length
+    return RowInput(
+        cache,
+        torch.tensor(tokens),
+        torch.arange(start, start + len(tokens)),
+        None,
+        logits=logits,
+        hidden=False,
+    )
+
+
+_ROWS: weakref.WeakKeyDictionary[LanguageModel, tuple[weakref.ref[Tensor], list[Cache]]] = (
+    weakref.WeakKeyDictionary()
+)  # a draft's whole cache beside the target's whole cache it was made for: its rows
+
+
+def draft_cache_row(model: LanguageModel, slot: Cache | None) -> Cache:
+    """The draft's cache for a sequence whose target cache is ``slot``: where that is row r of a whole cache
+    of R rows (an engine's slots) and the draft runs on the native kernels, row r of an R-row cache of the
+    draft's own (made once per whole target cache: every sequence drafting in that engine has a row of it,
+    and their drafts run in one forward, :meth:`ModelDrafter.propose_rows`); else a cache of its own."""
+    native = isinstance(model, Llama) and model.on_native_kernels
+    if not native or not isinstance(slot, KVCache) or slot.row is None or slot.whole is None:
+        return model.new_cache()
+    assert isinstance(model, Llama)  # native (above)
+    whole = slot.whole[0]  # [layers, R, ...]: the target's keys
+    held = _ROWS.get(model)
+    if held is None or held[0]() is not whole:
+        held = (weakref.ref(whole), model.new_cache_rows(whole.shape[1]))
+        _ROWS[model] = held
+    return held[1][slot.row]
 
 
 class ModelTreeDrafter(BranchedTreeDrafter):

@@ -207,7 +207,9 @@ def _model_chain(inputs: DraftInputs) -> Drafter:
 
     draft = inputs.need_draft("model")
     if inputs.pair is None:
-        return ModelDrafter(draft, inputs.sampling, inputs.target.vocab_size, inputs.target_cache)
+        return ModelDrafter(
+            draft, inputs.sampling, inputs.target.vocab_size, inputs.target_cache, inputs.slot
+        )
     ratio = inputs.cost_ratio if inputs.cost_ratio else _size_ratio(draft, inputs.target)
     return CrossTokenizerDrafter(draft, inputs.pair, inputs.sampling, inputs.cross_tokenizer, ratio)
 
