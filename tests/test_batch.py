@@ -733,6 +733,28 @@ def test_bench_load_runs_and_reports(tmp_path, capsys, shared_model):
         assert message in capsys.readouterr().err
 
 
+def test_bench_load_runs_a_draft_model(tmp_path, shared_model):
+    """``model`` drafts with ``--draft`` (here the target itself: every draft accepted); greedy: the same
+    tokens as ``none``, more than one a target call, at every concurrency."""
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    out = tmp_path / "load"
+    model = ["--target", str(root / "stories260K.bin"), "--tokenizer", str(root / "tok512.bin")]
+    argv = ["bench-load", *model, "--draft", str(root / "stories260K.bin"), "--methods", "none,model",
+            "--concurrency", "1,3", "--k", "3", "--requests", "3", "--max-new-tokens", "12", "--threads", "1",
+            "--out", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    cells = {(c["method"], c["concurrency"]): c for c in results["cells"]}
+    assert set(cells) == {("none", 1), ("none", 3), ("model", 1), ("model", 3)}
+    assert results["config"]["draft"] == str(root / "stories260K.bin")
+    for c in (1, 3):
+        assert (
+            cells[("model", c)]["tokens"] == cells[("none", c)]["tokens"]
+            and cells[("model", c)]["failures"] == 0
+        )
+        assert cells[("model", c)]["tokens_per_target_call"] > 1.5
+
+
 def test_bench_load_runs_the_suffix_drafter_cold_and_warm(tmp_path, shared_model):
     """``suffix`` and ``suffix-warm`` are rows of their own; greedy: the same tokens as ``none``; warm (every
     prompt once through the speculator first) accepts more per target call than cold."""

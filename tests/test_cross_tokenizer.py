@@ -544,7 +544,8 @@ def test_cli_generate_across_tokenizers(real_pair, shared_model, capsys):
         (["generate", "hi", "--cross-tokenizer", "tli"], "applies to a draft whose tokenizer differs"),
         (["generate", "hi", "--draft-tokenizer", "tok.bin"], "--draft-tokenizer is the tokenizer of a draft"),
         (["generate", "hi", "--cross-tokenizer", "magic"], "invalid choice"),
-        (["bench-load", "--draft", "x"], "leave out --draft"),
+        (["bench-load", "--draft", "x"], "--draft is the draft model of the method model"),
+        (["bench-load", "--methods", "none,model"], "the method model drafts with --draft SPEC"),
         (["bench-serve", "--cross-tokenizer", "tli"], "leave out --cross-tokenizer"),
     ],
 )

@@ -16,7 +16,8 @@ are written to ``--out``.
 
 A drafter with a cache shared across requests (``suffix``) starts every timed cell from an empty cache; as
 ``suffix-warm``, from the cache one untimed pass of every prompt through the same speculator left
-(:func:`ready_cache`). Each is its own row.
+(:func:`ready_cache`). Each is its own row. ``model`` drafts with the draft model of ``--draft``: beside the
+engine's slots on the native kernels, the batch's rows draft together (one draft forward a position).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from verispec.bench.methods import LOAD_METHODS
 from verispec.bench.suite import builtin_tasks
 from verispec.bench.workloads import WARM
 from verispec.choice import DEFAULT_PRECISION, ModelChoice
-from verispec.drafting.registry import PLAIN
+from verispec.drafting.registry import DRAFT_MODEL, PLAIN
 from verispec.drafting.suffix_cache import SuffixCache
 from verispec.engine.scheduler import Scheduler
 from verispec.errors import UsageError
@@ -58,10 +59,15 @@ class LoadConfig:
     (N or "auto"); ``requests``: how many run at every concurrency, the same ones at each, so that the levels
     compare the same work (default: 4 × the highest concurrency, at least 8); ``repetitions``: how many times
     every verispec cell runs, the methods taking turns at each concurrency so that a machine's drift falls
-    on all of them alike (tokens/s: the median run, of two the slower; latencies: pooled)."""
+    on all of them alike (tokens/s: the median run, of two the slower; latencies: pooled). ``draft``: the
+    draft model of the method ``model`` (with its tokenizer, or across tokenizers by ``cross_tokenizer``),
+    given exactly when that method runs."""
 
     target: str = DEFAULT_MODEL
     tokenizer: str | None = None
+    draft: str | None = None  # the draft model of the method model (a SPEC, or layers:N)
+    draft_tokenizer: str | None = None
+    cross_tokenizer: str = "auto"
     precision: str = DEFAULT_PRECISION
     methods: tuple[str, ...] = ("none", "ngram", "auto", "transformers")
     ks: tuple[str, ...] = ("auto",)
@@ -78,6 +84,12 @@ class LoadConfig:
         if unknown or not self.methods:
             raise UsageError(
                 f"unknown method {unknown[0] if unknown else ''!r}; choose from {', '.join(LOAD_METHODS)}"
+            )
+        if (self.draft is None) == (DRAFT_MODEL in self.methods):
+            raise UsageError(
+                f"the method {DRAFT_MODEL} drafts with --draft SPEC"
+                if self.draft is None
+                else f"--draft is the draft model of the method {DRAFT_MODEL}: add it to --methods"
             )
         if not self.concurrency or any(not is_int(c) or c < 1 for c in self.concurrency):
             raise UsageError(f"concurrency levels must be integers >= 1, got {list(self.concurrency)}")
@@ -298,7 +310,7 @@ def run_load(config: LoadConfig, progress: bool = True) -> dict:
     turns = []  # (method, k, speculator): the verispec cells, which take turns at each concurrency
     for method in config.methods:
         if method != "transformers":
-            spec = base if method == "none" else Speculator.on(target, drafter=method.removesuffix(WARM))
+            spec = base if method == "none" else Speculator.on(target, **_drafter(method, config))
             turns += [(method, k, spec) for k in (("0",) if method == "none" else config.ks)]
     for _, k, spec in turns:
         _verispec_cell(spec, prompts, 1, k, dataclasses.replace(config, requests=1), chat)  # warm-up
@@ -327,12 +339,21 @@ def run_load(config: LoadConfig, progress: bool = True) -> dict:
             cells.append({"method": "transformers", "k": "", "concurrency": c, **measured})
             _say(progress, "transformers", "", c, measured["tokens_per_second"], 0)
     return {
-        "config": {"target": config.target, "precision": config.precision, "methods": list(config.methods),
+        "config": {"target": config.target, "draft": config.draft, "precision": config.precision,
+                   "methods": list(config.methods),
                    "ks": list(config.ks), "concurrency": list(config.concurrency),
                    "requests": config.request_count, "repetitions": config.repetitions,
                    "max_new_tokens": config.max_new_tokens, "threads": torch.get_num_threads()},
         "cells": cells,
     }  # fmt: skip
+
+
+def _drafter(method: str, config: LoadConfig) -> dict:
+    """``Speculator.on``'s drafter arguments for ``method``: its drafter, and for ``model`` its draft."""
+    if method != DRAFT_MODEL:
+        return {"drafter": method.removesuffix(WARM)}
+    fields = {"draft_tokenizer": config.draft_tokenizer, "cross_tokenizer": config.cross_tokenizer}
+    return {"drafter": DRAFT_MODEL, "draft": config.draft, **fields}
 
 
 def _say(progress: bool, method: str, k: str, concurrency: int, speed: float, repetition: int) -> None:

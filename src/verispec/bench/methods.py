@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import datetime
 
-from verispec.drafting.registry import CROSS_TOKENIZER, DRAFTERS
+from verispec.drafting.registry import CROSS_TOKENIZER, DRAFT_MODEL, DRAFTERS
 
 __all__ = [
     "CONSTRAINED",
@@ -70,8 +70,9 @@ METHODS = (
     *PEERS,
 )
 SHARED_CACHE = tuple(name for name, kind in DRAFTERS.items() if kind.shared_cache)  # suffix: cold and warm
-# bench-load: auto, the drafter auto picks; a shared cache's drafter from an empty cache and a warm one
-LOAD_METHODS = ("none", "ngram", *SHARED_CACHE, *WARM_METHODS, "eagle", "auto", "transformers")
+# bench-load: auto, the drafter auto picks; a shared cache's drafter from an empty cache and a warm one;
+# model, the draft model of --draft
+LOAD_METHODS = ("none", "ngram", *SHARED_CACHE, *WARM_METHODS, "eagle", DRAFT_MODEL, "auto", "transformers")
 
 
 def results_dir(command: str) -> str:

@@ -194,10 +194,12 @@ def run_bench_load(args: argparse.Namespace) -> int:
     """Run ``verispec bench-load``: print the table; the files go to --out."""
     from verispec.bench.load import LoadConfig, run_load, write_load_report
 
-    no_draft_model(args, "bench-load")
     config = LoadConfig(
         target=args.target or LoadConfig.target,
         tokenizer=args.tokenizer,
+        draft=args.draft,
+        draft_tokenizer=args.draft_tokenizer,
+        cross_tokenizer=args.cross_tokenizer,
         precision=args.precision,
         methods=tuple(args.methods),
         ks=tuple(args.k),
