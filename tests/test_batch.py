@@ -602,9 +602,25 @@ def test_a_lines_own_keys_are_kept_out_and_a_setting_fails_that_line_alone(tmp_p
     lines = ['{"id": "a", "prompt": "x", "source": "wiki"}', '{"id": "b", "prompt": "y", "temperature": 0.7}']
     requests.write_text("\n".join(lines) + "\n")
     (first, body, _), (second, refused, _) = read_requests(requests)
-    assert (first, body) == ("a", "x") and second == "line-2"
+    assert (first, body) == ("a", "x") and second == "b"  # a refused line named by its id where it has one
     assert isinstance(refused, dict) and refused["error"].startswith(
         f"{requests}:2: 'temperature' is the whole"
+    )
+
+
+@pytest.mark.parametrize("key", ["tools", "tool_choice", "parallel_tool_calls"])
+def test_a_line_making_tool_calls_fails_alone(tmp_path, key):
+    """A batch job makes no tool calls: a line asking for them fails alone, saying so (not pointing to a
+    flag the job does not have)."""
+    requests = tmp_path / "requests.jsonl"
+    lines = [{"id": 1, "prompt": "x", key: "required" if key == "tool_choice" else []}, {"prompt": "y"}]
+    requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (first, refused, _), (second, body, _) = read_requests(requests)
+    assert first == 1 and (second, body) == ("2", "y")
+    assert isinstance(refused, dict)
+    assert refused["error"] == (
+        f'{requests}:1: a batch job makes no tool calls ({key!r}): a line holds "id", "prompt" or '
+        '"messages", and "json_schema", "regex" or "grammar"'
     )
 
 

@@ -406,7 +406,7 @@ def test_hostile_lines_get_error_records_and_the_job_finishes(stories, tmp_path,
     output = tmp_path / "out.jsonl"
     summary = run_job(job(stories, hostile, str(output), shard_size=1))
     records = [json.loads(line) for line in output.read_text().splitlines()]
-    assert [r["id"] for r in records] == ["a", "line-2", "line-3", "line-4", "line-5", "line-6", "sep", "d"]
+    assert [r["id"] for r in records] == ["a", "line-2", "line-3", "lone", "chat", "line-6", "sep", "d"]
     errors = [r.get("error", "") for r in records]
     assert errors[1] == f"{hostile}:2: not JSON (nested too deeply)"
     assert errors[2] == f"{hostile}:3: not JSON (an integer of more than 4300 digits)"

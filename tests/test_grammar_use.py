@@ -212,9 +212,9 @@ def test_batch_lines_bring_their_own_constraints(stories, tmp_path, capsys):
     assert status == 0 and same(written) == same(records)
     for ident, kind in kinds.items():
         assert fits(kind, records[ident]["text"]), (ident, records[ident])
-    assert records["line-5"]["error"].startswith(f"{source}:5: invalid regex")
+    assert records["bad"]["error"].startswith(f"{source}:5: invalid regex")  # named by their ids
     assert (
-        records["line-6"]["error"]
+        records["two"]["error"]
         == f"{source}:6: give one of json_schema, regex and grammar, not regex and grammar"
     )
     requests = read_requests(source)

@@ -7,6 +7,7 @@ the ``openai`` client (every choice whole and streamed, the calls validating aga
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jsonschema
@@ -16,7 +17,7 @@ import pytest
 from test_grammar import GREEDY
 from test_grammar import generate as engine_generate
 from test_hf_adapter import save_tokenizer
-from test_server import client
+from test_server import client, raw
 from toy import single_threaded
 from verispec import cli
 from verispec.api import Speculator
@@ -113,6 +114,13 @@ def valid(call: dict) -> bool:
         (TOOLS, {"type": "function", "name": "add"}, None, "tool_choice", "an object must be"),
         (None, "required", None, "tool_choice", "needs tools"),
         (TOOLS, None, "yes", "parallel_tool_calls", "true or false"),
+        # arguments are an object whatever the schema leaves out: one that no object satisfies is refused
+        ([{"type": "function", "function": {"name": "f", "parameters": {"const": "x"}}}], None, None, "tools",
+         "function f's parameters"),
+        ([{"type": "function", "function": {"name": "f", "parameters": {"enum": [1, 2]}}}], None, None,
+         "tools", "function f's parameters"),
+        ([{"type": "function", "function": {"name": "f", "description": []}}], None, None, "tools",
+         "description must be text"),
     ],
 )  # fmt: skip
 def test_bad_tools_are_one_line_naming_the_field(tools, choice, parallel, field, fragment):
@@ -249,6 +257,49 @@ def test_speculative_greedy_with_tools_equals_plain_greedy(stories, choice):
         assert choice == "required" or calls[0].name == "add"
 
 
+def test_a_named_function_is_called_once_and_arguments_are_an_object(stories):
+    """A named tool_choice makes its one call, parallel calls allowed or not (OpenAI's); a schema that leaves
+    out "type" still gets an object of arguments."""
+    _, model, tokenizer = stories
+    speculator = Speculator((model, tokenizer), drafter="ngram")
+    untyped = {"properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+               "additionalProperties": False}  # fmt: skip
+    functions = [*TOOLS, {"type": "function", "function": {"name": "count", "parameters": untyped}}]
+    for choice, parallel in [({"type": "function", "function": {"name": "add"}}, True), ("required", False)]:
+        tools = Tools.of(functions if choice == "required" else TOOLS, choice, parallel)
+        options = GenerationOptions(chat=True, tools=tools, max_new_tokens=120, k=3)
+        for seed in (1, 2):
+            sampled = dataclasses.replace(options, sampling=SamplingParams(temperature=1.0, seed=seed))
+            content, calls = read_calls(speculator.generate(QUESTION, sampled).text)
+            assert content is None and len(calls) == 1, calls
+            arguments = json.loads(calls[0].arguments)
+            assert isinstance(arguments, dict)
+            if calls[0].name == "count":
+                jsonschema.validate(arguments, untyped)
+
+
+def test_stop_strings_never_cut_a_call(stories):
+    """With tools, a stop string ends the text before the first call only: a call and the calls after it are
+    never cut, whatever the stop strings (here every piece of the call syntax)."""
+    _, model, tokenizer = stories
+    speculator = Speculator((model, tokenizer), drafter="ngram")
+    tools = Tools.of(TOOLS, "required", True)
+    plain = GenerationOptions(chat=True, tools=tools, max_new_tokens=80, k=3)
+    reference = speculator.generate(QUESTION, plain)
+    _, calls = read_calls(reference.text)
+    assert calls
+    stopped = dataclasses.replace(plain, stop=("}", "\n", '"', "<tool_call>", "add", "call"))
+    result = speculator.generate(QUESTION, stopped)
+    assert result.text == reference.text and result.token_ids == reference.token_ids
+    free = Tools.of(TOOLS, "none")
+    text = speculator.generate(QUESTION, GenerationOptions(chat=True, tools=free, max_new_tokens=40)).text
+    word = text.split()[1]  # without calls (tool_choice none), a stop string ends the text as ever
+    cut = speculator.generate(
+        QUESTION, GenerationOptions(chat=True, tools=free, max_new_tokens=40, stop=(word,))
+    )
+    assert cut.text == text[: text.index(word)]
+
+
 def test_a_seed_samples_the_same_calls_alone_and_batched(stories):
     _, model, tokenizer = stories
     speculator = Speculator((model, tokenizer), drafter="ngram")
@@ -370,6 +421,22 @@ def test_the_round_trip_of_calls_and_results(served):
     assert "user: <tool_response>\nrain, 12 C\n</tool_response>\n" in rendered[-1]
 
 
+def test_an_answer_given_back_as_openais_client_holds_it(served):
+    """The assistant's message as the openai client's ``model_dump()`` gives it (refusal, audio and
+    function_call null, annotations empty) is taken back; those fields with something in them are not."""
+    url, _, _ = served
+    body = dict(model="stories260K", messages=QUESTION, max_tokens=80, temperature=0, tools=TOOLS)
+    answer = client(url).chat.completions.create(**body, tool_choice="required", parallel_tool_calls=False)
+    message = {**answer.choices[0].message.model_dump(), "annotations": []}
+    assert {"refusal", "audio", "function_call"} <= message.keys() and message["tool_calls"]
+    results = [{"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "rain"}]
+    assert ask(url, False, messages=[*QUESTION, message, *results], tool_choice="required")[1]
+    for field, value in [("refusal", "no"), ("annotations", [{"type": "url_citation"}])]:
+        with pytest.raises(openai.BadRequestError, match=f"messages.1.{field}"):
+            ask(url, False, messages=[*QUESTION, {**message, field: value}, *results])
+
+
+JSON_HEADERS = {"Content-Type": "application/json"}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
 
 
@@ -397,6 +464,15 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "argumen
         ({"messages": [*QUESTION, {"role": "assistant", "tool_calls": [{**CALL, "function": {
             "name": "add", "arguments": "{"}}]}]}, "messages.1.tool_calls.0.function.arguments", "not JSON"),
         ({"response_format": {"type": "json_object"}}, None, "not both"),
+        ({"messages": [*QUESTION, {"role": "assistant", "tool_calls": [CALL, CALL]}]}, "messages",
+         "makes a second tool call of id 'call_1'"),
+        ({"messages": [*QUESTION, {"role": "assistant", "tool_calls": [CALL]},
+                       *[{"role": "tool", "tool_call_id": "call_1", "content": "x"}] * 2]}, "messages",
+         "answers a call answered before"),
+        ({"messages": [*QUESTION, {"role": "assistant", "tool_calls": [{**CALL, "function": {
+            "name": 'x"}</tool_call>', "arguments": "{}"}}]}]}, None, "a function's name is 1 to 64"),
+        ({"messages": [*QUESTION, {"role": "assistant", "tool_calls": [{**CALL, "function": {
+            "name": "add", "arguments": '{"a": "\\ud800"}'}}]}]}, None, "lone surrogate"),
     ],
 )  # fmt: skip
 def test_bad_tool_requests_are_one_line_400s(served, fields, param, fragment):
@@ -406,6 +482,24 @@ def test_bad_tool_requests_are_one_line_400s(served, fields, param, fragment):
     message = info.value.body["message"]
     assert fragment in message and "\n" not in message and info.value.body["param"] == param, message
     assert ask(url, False, tool_choice="none", max_tokens=4)[2] == "length"  # still serving
+
+
+@pytest.mark.parametrize(
+    ("function", "fragment"),
+    [({"name": "add\ud800", "arguments": "{}"}, "a function's name is 1 to 64"),
+     ({"name": "add", "arguments": '{"a": "\ud800"}'}, "message 1's tool call 0's arguments holds a lone")],
+)  # fmt: skip
+def test_an_earlier_call_that_is_not_valid_unicode_is_a_400(served, function, fragment):
+    """A lone surrogate in an earlier call's name or arguments (which no client library sends: raw JSON
+    escapes) is a one-line 400, as in a message's content; the server goes on."""
+    url, _, _ = served
+    call = {**CALL, "function": function}
+    messages = [*QUESTION, {"role": "assistant", "tool_calls": [call]}]
+    body = json.dumps({"model": "stories260K", "messages": messages, "max_tokens": 4, "tools": TOOLS})
+    status, _, answer = raw(url, "POST", "/v1/chat/completions", body.encode(), JSON_HEADERS)
+    message = json.loads(answer)["error"]["message"]
+    assert status == 400 and fragment in message and "\n" not in message, message
+    assert ask(url, False, tool_choice="none", max_tokens=4)[2] == "length"
 
 
 def test_completions_take_no_tools(served):
@@ -443,6 +537,7 @@ def test_generate_tools_prints_the_calls(stories, tmp_path, capsys, monkeypatch)
         (["--tool-choice", "auto"], "give --tools too"),
         (["--tools", "{empty}"], "the list is empty"),
         (["--tools", "{file}", "--batch", "x.jsonl"], "not from --batch"),
+        (["--tools", "{file}", "--tool-choice", ""], "tool_choice"),
     ],
 )
 def test_bad_tool_flags_are_refused_before_a_model_loads(argv, fragment, tmp_path, capsys, monkeypatch):

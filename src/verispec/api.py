@@ -41,7 +41,7 @@ from verispec.grammar.constraint import Constraint
 from verispec.grammar.matcher import start_state
 from verispec.grammar.rounds import GrammarState
 from verispec.grammar.tokens import llg_tokenizer
-from verispec.grammar.tools import Tools
+from verispec.grammar.tools import CALL_OPEN, Tools
 from verispec.inputs import check_int, check_prompt, check_text, is_int
 from verispec.models.base import Cache, SpelledTokenizer
 from verispec.models.names import DEFAULT_MODEL
@@ -429,7 +429,8 @@ class Speculator:
         eos = self.tokenizer.eos_token_ids  # the ends the grammar allows too (its tokenizer's own)
         config = EngineConfig.of(options, eos)
         stats = stats if stats is not None else GenerationStats(self.drafter_name, self.k_label(options.k))
-        text = TextAssembler(self.tokenizer, options.stop)
+        calls = CALL_OPEN if options.tools is not None and options.tools.constraint is not None else None
+        text = TextAssembler(self.tokenizer, options.stop, calls)  # stop strings never cut a tool call
         ids = self.encode_prompt(prompt, options.chat, options.tools)
         policy = self.k_policy(options.k, options)
         start = time.perf_counter()

@@ -61,11 +61,13 @@ __all__ = [
 
 Body = str | list[dict[str, str]] | dict[str, str]  # a prompt, a conversation, or {"error"} (malformed)
 # what a line may not set: the job's generation settings, its flags (a line's other keys are its own metadata)
+_PER_LINE = ("sampling", "constraint", "tools")  # the sampling's fields apart; a line's own; no tools
 JOB_SETTINGS = frozenset(
-    {f.name for f in dataclasses.fields(GenerationOptions) if f.name not in ("sampling", "constraint")}
+    {f.name for f in dataclasses.fields(GenerationOptions) if f.name not in _PER_LINE}
     | {f.name for f in dataclasses.fields(SamplingParams)}
     | {"max_tokens", "drafter", "draft", "tree"}
 )
+TOOL_KEYS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})  # a line's tool calls: refused
 Ident = str | int  # a request's id, as its line gives it
 Request = tuple[Ident, Body, Constraint | None]  # (id, body, the line's own constraint)
 LOCAL = "local"  # --ray without an address: a Ray started here
@@ -91,8 +93,8 @@ def read_requests(path: str | Path) -> list[Request]:
             continue
         try:
             request = _request(line, f"{path}:{number}", number, seen)
-        except UsageError as err:
-            request = f"line-{number}", {"error": str(err)}, None
+        except UsageError as err:  # named by its id where the line gives a readable one not taken before
+            request = _readable_id(line, seen) or f"line-{number}", {"error": str(err)}, None
         named = " (its line number: a line without an id is named so)" if request[0] == str(number) else ""
         seen.setdefault(str(request[0]), f"line {number}'s{named}")
         requests.append(request)
@@ -103,6 +105,17 @@ def read_requests(path: str | Path) -> list[Request]:
     if not requests:
         raise UsageError(f"{path} holds no requests")
     return requests
+
+
+def _readable_id(line: bytes, seen: dict[str, str]) -> Ident | None:
+    """The id a refused line gives (a string or an integer, not taken by a line before it), else None."""
+    try:
+        entry = parse_json(line)
+    except UsageError:
+        return None
+    ident = entry.get("id") if isinstance(entry, dict) else None
+    readable = isinstance(ident, str) or is_int(ident)
+    return ident if readable and str(ident) not in seen else None
 
 
 def _request(line: bytes, where: str, number: int, seen: dict[str, str]) -> Request:
@@ -124,6 +137,11 @@ def _request(line: bytes, where: str, number: int, seen: dict[str, str]) -> Requ
     ):
         raise UsageError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
     assert isinstance(body, (str, list))  # checked above
+    if calls := sorted(TOOL_KEYS & entry.keys()):
+        raise UsageError(
+            f'{where}: a batch job makes no tool calls ({calls[0]!r}): a line holds "id", "prompt" or '
+            '"messages", and "json_schema", "regex" or "grammar"'
+        )
     settings = sorted(JOB_SETTINGS & entry.keys())
     if settings:
         raise UsageError(

@@ -35,11 +35,15 @@ class TextAssembler:
     and the window's own text is cut from the front of the decode. Where the decode of the window and the
     tokens after it does not begin with the window's text alone (a join the window cannot see), everything
     is decoded again. A stop check searches the text of the last tokens alone: the text before them held no
-    stop string, or the sequence would have stopped there."""
+    stop string, or the sequence would have stopped there. With ``calls`` (the text that opens a tool call,
+    where the output may make calls), stop strings are searched in the text before the first call opens
+    alone: a call, and the calls after it, are never cut (the whole output's text is searched then, as a call
+    may have opened before the last tokens)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop_strings: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop_strings: tuple[str, ...], calls: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = stop_strings
+        self.calls = calls
         self.ids: list[int] = []
         self.sent = 0  # characters already yielded
         self.anchor, self.kept, self.window = (
@@ -50,6 +54,8 @@ class TextAssembler:
 
     def stop_check(self, new_ids: list[int]) -> int | None:
         """How many of ``new_ids`` to keep when a stop string appears in their text, else None."""
+        if self.calls is not None:
+            return self._stop_keep(new_ids)
         reach = STOP_REACH + max(len(s) for s in self.stop_strings)
         if not any(s in self.tokenizer.decode(new_ids[-reach:]) for s in self.stop_strings):
             return None
@@ -57,12 +63,18 @@ class TextAssembler:
 
     def _stop_keep(self, new_ids: list[int]) -> int | None:
         """:meth:`stop_check` from the text of all of ``new_ids``."""
-        if not any(s in self.tokenizer.decode(new_ids) for s in self.stop_strings):
+        if not any(s in self._free(self.tokenizer.decode(new_ids)) for s in self.stop_strings):
             return None
         keep = len(new_ids)
-        while keep > 0 and any(s in self.tokenizer.decode(new_ids[: keep - 1]) for s in self.stop_strings):
+        while keep > 0 and any(
+            s in self._free(self.tokenizer.decode(new_ids[: keep - 1])) for s in self.stop_strings
+        ):
             keep -= 1
         return keep
+
+    def _free(self, text: str) -> str:
+        """The part of ``text`` stop strings are searched in: all of it, or what comes before a call opens."""
+        return text if self.calls is None else text.split(self.calls, 1)[0]
 
     def _decoded(self, end: int) -> str:
         """The text of ``ids[:end]`` (end ≥ anchor), from the kept text and a decode of the window onwards."""
@@ -82,14 +94,16 @@ class TextAssembler:
                 window = self.tokenizer.decode(self.ids[max(0, anchor - TEXT_WINDOW) : anchor])
                 self.anchor, self.kept, self.window = anchor, kept, window
                 break
-        cuts = [text.find(s) for s in self.stop_strings if s in text]
+        free = self._free(text)
+        cuts = [free.find(s) for s in self.stop_strings if s in free]
         return text[: min(cuts)] if cuts else text
 
     def add(self, tokens: list[int]) -> str:
         self.ids += tokens
         text = self._text()
         final = len(text.rstrip("\ufffd"))
-        for s in self.stop_strings:  # hold back a tail that may grow into a stop string
+        calling = len(self._free(text[:final])) < final  # a call opened: no stop string cuts it
+        for s in () if calling else self.stop_strings:  # hold back a tail that may grow into a stop string
             for n in range(min(len(s) - 1, final), 0, -1):
                 if text[final - n : final] == s[:n]:
                     final -= n

@@ -197,14 +197,18 @@ def _generate(args: argparse.Namespace, speculator, prompt: str, options, tracin
 
         live = GenerationStats(speculator.drafter_name, speculator.k_label(options.k))
         reader = CallReader()
+        wrote = False  # any text: its line is ended (an answer of calls alone prints no empty line first)
         for chunk in speculator.stream(prompt, options, stats=live, trace=recorder):
             if not args.show_trace:  # the trace shows the text instead
                 text = (
                     "".join(p for p in reader.feed(chunk.text) if isinstance(p, str)) if calls else chunk.text
                 )
+                wrote = wrote or bool(text)
                 print(text, end="", flush=True)
         if not args.show_trace:
-            print("".join(p for p in reader.close() if isinstance(p, str)) if calls else "")
+            tail = "".join(p for p in reader.close() if isinstance(p, str)) if calls else ""
+            if wrote or tail or not reader.calls:
+                print(tail)
             for call in reader.calls:
                 print(json.dumps(call.as_dict()))
         print(_summary(live), file=sys.stderr)
@@ -287,7 +291,7 @@ def tools_of(args: argparse.Namespace) -> Tools | None:
         return None
     from verispec.grammar.tools import CHOICES, Tools
 
-    choice = args.tool_choice or "auto"
+    choice = "auto" if args.tool_choice is None else args.tool_choice
     named = choice if choice in CHOICES else {"type": "function", "function": {"name": choice}}
     try:
         definitions = parse_json(read_text(args.tools))

@@ -34,7 +34,7 @@ from typing import Any
 
 from verispec.errors import UsageError
 from verispec.grammar.constraint import COMPACT_JSON, Constraint, InvalidConstraint
-from verispec.inputs import did_you_mean, parse_json
+from verispec.inputs import check_text, did_you_mean, parse_json
 
 __all__ = [
     "CHOICES",
@@ -94,7 +94,7 @@ class Function:
         if not isinstance(schema, dict) or schema.get("type", "object") != "object":
             raise InvalidTools("tools", f"{whose} parameters must be an object's JSON schema")
         try:
-            Constraint("json_schema", self.parameters)
+            Constraint("json_schema", json.dumps(self.arguments))
         except InvalidConstraint as err:
             raise InvalidTools("tools", f"{whose} parameters: {err}") from None
 
@@ -107,10 +107,15 @@ class Function:
         return {"type": "function", "function": {**own, "parameters": json.loads(self.parameters)}}
 
     @property
+    def arguments(self) -> dict[str, Any]:
+        """The schema its arguments are held to: ``parameters``, an object's (``"type": "object"`` where
+        the schema leaves the type out: a call's arguments are an object, whatever else the schema says)."""
+        return {**json.loads(self.parameters), "type": "object"}
+
+    @property
     def rule(self) -> str:
         """Its call's body in Lark: the head naming it, its arguments' ``%json``, the call's end."""
-        schema = json.loads(self.parameters)
-        arguments = json.dumps({"x-guidance": COMPACT_JSON, **schema})
+        arguments = json.dumps({"x-guidance": COMPACT_JSON, **self.arguments})
         return (
             f"{json.dumps(_HEAD + self.name + _ARGUMENTS)} %json {arguments} {json.dumps('}' + CALL_CLOSE)}"
         )
@@ -188,7 +193,8 @@ class Tools:
             return None
         chosen = [f for f in self.functions if self.choice in ("auto", "required", f.name)]
         rules = [f"call_{i}: {f.rule}" for i, f in enumerate(chosen)]
-        more = f'("\\n" {json.dumps(CALL_OPEN)} call)*' if self.parallel else ""
+        several = self.parallel and self.choice in ("auto", "required")  # a named function: its one call
+        more = f'("\\n" {json.dumps(CALL_OPEN)} call)*' if several else ""
         calls = ["call: " + " | ".join(f"call_{i}" for i in range(len(chosen))), *rules]
         if self.choice != "auto":
             return Constraint("grammar", "\n".join([f"start: {json.dumps(CALL_OPEN)} call {more}", *calls]))
@@ -230,8 +236,8 @@ def _function(index: int, tool: object) -> Function:
     parameters = function.get("parameters", _NO_PARAMETERS)
     if not isinstance(parameters, dict):
         raise InvalidTools(f"{where}.function.parameters", ": must be a JSON schema object")
-    description = function.get("description") or ""
-    return Function(function["name"], description, json.dumps(parameters))
+    description = function.get("description")
+    return Function(function["name"], "" if description is None else description, json.dumps(parameters))
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -286,10 +292,14 @@ def _call_of(message: int, index: int, call: object) -> tuple[str, str, str]:
     if not isinstance(name, str) or not isinstance(arguments, str):
         raise UsageError(f"message {message}'s tool call {index} must be {{\"id\", \"type\": \"function\", "
                          '"function": {"name", "arguments": JSON text}}')  # fmt: skip
+    if not _NAME.fullmatch(name):
+        raise UsageError(f"message {message}'s tool call {index}: a function's name is 1 to 64 of a-z, A-Z, "
+                         f"0-9, _ and -, not {name[:70]!r}")  # fmt: skip
     try:
-        parse_json(arguments)
+        value = parse_json(arguments)
     except UsageError as err:
         raise UsageError(f"message {message}'s tool call {index}: its arguments are {err}") from None
+    check_text(json.dumps(value, ensure_ascii=False), f"message {message}'s tool call {index}'s arguments")
     return str(call.get("id", "")), name, arguments  # type: ignore[attr-defined]  # a Mapping: it has a name
 
 

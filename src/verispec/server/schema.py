@@ -308,6 +308,11 @@ class Message(BaseModel):
     name: str | None = None  # OpenAI's participant name: accepted, not used (the chat templates take none)
     tool_calls: Annotated[list[MessageToolCall], Field(min_length=1)] | None = None
     tool_call_id: str | None = None
+    # what OpenAI's client gives back with an answer's message (``message.model_dump()``), taken empty only
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: Annotated[list[Any], Field(max_length=0)] | None = None
 
     @model_validator(mode="after")
     def _shape(self) -> Message:
@@ -343,12 +348,20 @@ class ChatRequest(ApiRequest):
     @classmethod
     def _results_answer_calls(cls, messages: list[Message]) -> list[Message]:
         made: set[str] = set()
+        answered: set[str] = set()
         for i, message in enumerate(messages):
-            made.update(call.id for call in message.tool_calls or ())
-            if message.tool_call_id is not None and message.tool_call_id not in made:
-                raise ValueError(
-                    f"message {i}'s tool_call_id {message.tool_call_id[:40]!r} answers no earlier tool call"
-                )
+            for call in message.tool_calls or ():
+                if call.id in made:
+                    raise ValueError(f"message {i} makes a second tool call of id {call.id[:40]!r}")
+                made.add(call.id)
+            answer = message.tool_call_id
+            if answer is None:
+                continue
+            if answer not in made:
+                raise ValueError(f"message {i}'s tool_call_id {answer[:40]!r} answers no earlier tool call")
+            if answer in answered:
+                raise ValueError(f"message {i}'s tool_call_id {answer[:40]!r} answers a call answered before")
+            answered.add(answer)
         return messages
 
     def tool_spec(self) -> Tools | None:
