@@ -405,7 +405,7 @@ def test_a_probe_with_a_stalled_forward_is_timed_again_at_once(stories, measured
 
     def seconds(self, k):  # forwards of 1 ms (+10 % a token); the first timed T(2) stalls
         calls.append(k)
-        sizes = len(calibration_module.PROBE_KS)
+        sizes = len(calibration_module.PROBE_KS) + 1  # and the PROBE_WIDE block
         stalled = len(calls) == 2 * sizes + 4  # the first try: its untimed pass, then (T(1), T(2)) timed
         return 1e-3 * (1 + 0.1 * (k - 1)) + (0.1 if stalled else 0.0)
 
@@ -413,10 +413,32 @@ def test_a_probe_with_a_stalled_forward_is_timed_again_at_once(stories, measured
     probed = calibrate(model, repetitions=1).target
     assert probed.probe and probed.drift == pytest.approx(1.0)
     assert probed.verify_cost == pytest.approx([1 + 0.1 * k for k in range(K_MAX)])
-    assert len(calls) == 2 * 2 * 2 * len(calibration_module.PROBE_KS)  # two tries of two passes of pairs
+    assert len(calls) == 2 * 2 * 2 * (
+        len(calibration_module.PROBE_KS) + 1
+    )  # two tries of two passes of pairs
     calls.clear()
     calibrate(model, repetitions=1, force=False)  # cached: nothing timed
     assert calls == [] and measured["target"] == 1
+
+
+def test_a_probes_batch_grid_reaches_its_widest_forward(stories, monkeypatch):
+    """A probe times one block of PROBE_WIDE tokens beside its PROBE_KS: the batch grid's widest forwards
+    (16 rows of 4 tokens) are priced from it, not from the slope between 8 and 16 tokens. Fake forwards:
+    +5 % a token up to 16 tokens (memory-bound), +40 % a token beyond (compute-bound)."""
+    model, _ = stories
+
+    def ratio(k: int) -> float:
+        return 1 + 0.05 * (min(k, K_MAX) - 1) + 0.4 * max(0, k - K_MAX)
+
+    monkeypatch.setattr(calibration_module._TargetTimer, "seconds", lambda self, k: 1e-3 * ratio(k))
+    monkeypatch.setattr(calibration_module._RowsTimer, "of", classmethod(lambda cls, model, rows=16: True))
+    target = calibrate(model, repetitions=1).target
+    assert target.probe and target.verify_cost == pytest.approx([ratio(k) for k in range(1, K_MAX + 1)])
+    grid = target.batch_cost_at(target.context)
+    wide = calibration_module.PROBE_WIDE
+    assert grid.forward(16, wide) == pytest.approx(ratio(wide))  # 16 rows of 4 tokens: the timed block
+    assert grid.forward(8, 32) == pytest.approx(ratio(32))  # linear between the timed 16 and 64 tokens
+    assert grid.forward(4, 4) == pytest.approx(ratio(4))
 
 
 class _FakeClock:
@@ -487,7 +509,7 @@ def test_a_first_use_probes_within_its_seconds_once(stories, measured, monkeypat
     assert calibration.draft.repetitions == (calibration_module.PROBE_LEAST if step < 0.1 else 1)
     # no pass begun after its seconds: the target's pairs (one untimed pass, then the timed ones), the T(1)
     # beside each of the drafter's proposals
-    sizes = len(calibration_module.PROBE_KS)
+    sizes = len(calibration_module.PROBE_KS) + 1  # and the PROBE_WIDE block
     assert clock.calls == 2 * sizes * (1 + target.repetitions) + 2 * calibration.draft.repetitions
     assert target.verify_cost == pytest.approx([1 + 0.1 * k for k in range(K_MAX)])  # linear between sizes
     (line,) = err.splitlines()

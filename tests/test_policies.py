@@ -18,6 +18,7 @@ from verispec.costs.policies import (
     Evidence,
     PartsK,
     TreeGate,
+    _forward_cost,
     plan_batch,
 )
 from verispec.options import DraftLength
@@ -429,6 +430,27 @@ def test_the_batch_plan_prices_rows_by_the_calibrated_grid():
     assert plan(16, one_by_one) == [alone] * 16  # separate forwards: every row drafts as it would alone
     assert sum(plan(4, long_context)) > sum(plan(4, shared))  # the rows' cache reads make tokens worth more
     assert plan(1, shared) == [policy_at(0.8, 0.01, BATCH_CURVE).next_k(100)]  # batch 1: today's rule
+
+
+def test_a_batch_forward_is_never_priced_below_one_row_of_its_tokens():
+    """A grid whose extension past its widest rows falls (a busy machine's timing: 4 tokens a row cheaper
+    than 2) is held up by what one row of the same tokens costs (the single-row curve): rows share the
+    weights' reads, each reads its own cache, so b rows cost more than one row of their tokens. The plan
+    then drafts no more than with a grid that does not fall."""
+    falling = BatchCost((1, 2), (1, 2, 4), ((1.0, 1.3, 1.2), (1.2, 1.4, 1.6)))
+    assert falling.forward(1, 16) == pytest.approx(1.0)  # extended by its falling segment, to its floor
+    cost = CostModel(0.01, BATCH_CURVE)
+    assert _forward_cost(cost, falling, 1, 16) == pytest.approx(BATCH_CURVE[15])
+    assert _forward_cost(cost, falling, 2, 2) == pytest.approx(falling.forward(2, 2))  # dearer than one row
+    assert _forward_cost(cost, None, 1, 20) == pytest.approx(_curve(20))  # no grid: the curve, extended
+    config = AutoKConfig(prior=(0.95, 0.05))
+
+    def plan(grid: BatchCost) -> list[int]:
+        policies = [CostModelK(cost, config, batch_costs_at=lambda context: grid) for _ in range(2)]
+        return plan_batch(policies, [100, 100], [15, 15])
+
+    steady = BatchCost((1, 2), (1, 2, 4), ((1.0, 1.3, 1.6), (1.2, 1.4, 1.6)))
+    assert sum(plan(falling)) <= sum(plan(steady))
 
 
 def test_the_batch_plan_maximises_the_rate_on_small_batches():

@@ -30,7 +30,8 @@ needs, for one target and one drafter on this machine:
 
 A first use (``--k auto``, ``tree="auto"``'s check, auto's choice of the learned drafter) does not wait for
 all of that: it *probes*, once, in seconds even on a busy machine. A probe times the target after
-:data:`PROBE_CONTEXT` positions at the block sizes :data:`PROBE_KS` only (v(k) linear between them), one
+:data:`PROBE_CONTEXT` positions at the block sizes :data:`PROBE_KS` only (v(k) linear between them; and one
+of :data:`PROBE_WIDE` tokens, the batch grid's widest forward, for the grid), one
 untimed pass and then timed passes begun within :data:`PROBE_SECONDS` (one at least, ``repetitions`` at most);
 a probe whose curve falls past :data:`FALL` (one stalled forward) is timed once more at once, the steadier
 of the two kept. Its batch grid is predicted, not timed (b rows of m tokens as one row of b·m tokens: rows
@@ -103,6 +104,7 @@ __all__ = [
     "PROBE_DRAFT_SECONDS",
     "PROBE_LEAST",
     "PROBE_KS",
+    "PROBE_WIDE",
     "PROBE_SECONDS",
     "PROBE_TRIES",
     "QUICK_REPETITIONS",
@@ -132,6 +134,10 @@ PROBE_LEAST = 4  # passes a probe of a drafter times at least, however cheap the
 NEGLIGIBLE = 0.01  # a drafter whose proposal costs less than this share of T(1): its probe ends then
 PROBE_CONTEXT = 64  # positions in the cache while probing (a prefill of 256 takes seconds on a busy machine)
 PROBE_KS = (1, 2, 4, 8, K_MAX)  # the block sizes a probe times; v(k) linear between them
+# and one block as wide as the batch grid's widest forward (16 rows of 4 tokens): what a token costs where a
+# forward is compute-bound, which the grid's prediction extends to (the slope past K_MAX, from 8 and 16
+# tokens alone, was 0.6 of it at 1 B cost on the AMD kind: batches of drafts priced too cheap)
+PROBE_WIDE = 64
 # A probe's curve that falls more than FALL (a forward of more tokens timed faster than one of fewer: one
 # forward stalled, e.g. ~100 ms while a kernel thread held a core, seen on an idle 2-core Intel Xeon at 3 B
 # cost, one pass per size) is timed again at once, PROBE_TRIES times in all at most; the steadiest is kept.
@@ -139,7 +145,7 @@ FALL = 1.25
 PROBE_TRIES = 2
 DRIFT = 2.0  # T(1) moving more than this factor within a measurement: said, and probed again when quiet
 QUIET = 0.25  # a load average over the last minute below this share of the usable cores: a quiet machine
-_VERSION = 6  # of the cache file format
+_VERSION = 7  # of the cache file format (7: a probe's grid from its PROBE_WIDE block)
 _TINY = 1e-9  # seconds: the least a draft token costs (a lookup's proposal hardly grows with its length)
 # part of the key: how it was measured
 _METHOD = {
@@ -546,7 +552,8 @@ class _TargetTimer:
 
     def seconds(self, k: int) -> float:
         base = len(self.context)
-        tokens = torch.tensor([self.context[:k]], device=self.device)  # [1, k]
+        fed = [self.context[i % base] for i in range(k)]  # the context's tokens, again where k is longer
+        tokens = torch.tensor([fed], device=self.device)  # [1, k]
         positions = torch.arange(base, base + k, device=self.device)[None]  # [1, k]
         start = time.perf_counter()
         self.model.forward(tokens, positions, self.cache)
@@ -560,17 +567,19 @@ def _measure_target(model: LanguageModel, label: str, repetitions: int, probe: b
     at the short and the long context (the long one where the model's context leaves room for it); the
     largest :func:`_drift` of their measurements recorded (and said, beyond DRIFT)."""
     if probe:
-        short = _context(model, K_MAX, PROBE_CONTEXT)
+        short = _context(model, PROBE_WIDE, PROBE_CONTEXT)
+        wide = min(PROBE_WIDE, model.max_context - len(short))  # the room a small model's context leaves
+        ks = PROBE_KS + ((wide,) if wide > K_MAX else ())
         tries: list[tuple[float, tuple[float, ...], int]] = []  # (drift, seconds, passes) of each try
         while len(tries) < PROBE_TRIES and (not tries or tries[-1][0] > FALL):
             budget = _Budget(PROBE_SECONDS)
-            seconds, drift, passes = _time_forwards(model, short, PROBE_KS, repetitions, budget)
+            seconds, drift, passes = _time_forwards(model, short, ks, repetitions, budget)
             tries.append((max(drift, _fall(seconds)), seconds, passes))  # few passes: a fall shows a hiccup
         drift, seconds, passes = min(tries, key=lambda attempt: attempt[0])
         grid = _one_row_grid(seconds) if _RowsTimer.of(model, 2) else _one_by_one(seconds)
         _drifted(label, drift)
         return TargetCosts(
-            label, seconds, passes, _now(), len(short), batch_seconds=grid, probe=True, drift=drift
+            label, seconds[:K_MAX], passes, _now(), len(short), batch_seconds=grid, probe=True, drift=drift
         )
     short = _context(model, K_MAX)
     long = _context(model, K_MAX, LONG_CONTEXT)
@@ -605,12 +614,13 @@ def _one_by_one(seconds: tuple[float, ...]) -> Grid:
 def _one_row_grid(seconds: tuple[float, ...]) -> Grid:
     """A probe's grid of a target that scores a batch's rows in one forward, predicted, not timed: b rows
     of m tokens as one row of b·m tokens (the rows share the weights' reads; each reads its own cache, little
-    at a probe's short context), T(n) beyond K_MAX extended by the slope of the curve's upper half."""
-    half = K_MAX // 2
-    slope = max(0.0, (seconds[-1] - seconds[half - 1]) / (K_MAX - half))
+    at a probe's short context), T(n) of the probe's curve (timed to PROBE_WIDE tokens where the model's
+    context leaves room), past its end extended by the slope of its upper half."""
+    last, half = len(seconds), len(seconds) // 2
+    slope = max(0.0, (seconds[-1] - seconds[half - 1]) / (last - half))
 
     def row(n: int) -> float:
-        return seconds[n - 1] if n <= K_MAX else seconds[-1] + (n - K_MAX) * slope
+        return seconds[n - 1] if n <= last else seconds[-1] + (n - last) * slope
 
     return tuple(tuple(row(b * m) for m in ROW_TOKENS) for b in BATCH_ROWS)
 
@@ -675,7 +685,7 @@ class _RowsTimer:
 def _time_forwards(
     model: LanguageModel, context: list[int], ks: Sequence[int], repetitions: int, budget: _Budget
 ) -> tuple[tuple[float, ...], float, int]:
-    """T_target(k) for k = 1..K_MAX after ``context``, timed at the sizes ``ks`` (1 and K_MAX among them;
+    """T_target(k) for k = 1..max(ks) after ``context``, timed at the sizes ``ks`` (1 and K_MAX among them;
     linear between them) after one untimed pass over them, then in up to ``repetitions`` timed passes as
     ``budget`` allows: each T(k) is timed right after a T(1), v(k) is the median of those ratios (a slow
     spell of the machine cancels out of each pair), and T_target(k) = v(k) · the median T(1); the
@@ -694,7 +704,7 @@ def _time_forwards(
         passes += 1
     t1 = statistics.median(ones)
     timed = [t1 * statistics.median(ratios[k]) for k in ks]
-    curve = np.interp(np.arange(1, K_MAX + 1), ks, timed)
+    curve = np.interp(np.arange(1, max(ks) + 1), ks, timed)
     return tuple(float(s) for s in curve), _drift(ones), passes
 
 

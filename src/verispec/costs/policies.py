@@ -481,16 +481,19 @@ class TreeGate(KPolicy):
 
 def _forward_cost(cost: CostModel, batch: BatchCost | None, rows: int, n: int) -> float:
     """V(b, n): a target forward over n new tokens of b rows in units of one single-token step: the
-    calibrated batch grid, or without one the single-row curve v(n), extended linearly past its last point
-    by its last segment's slope, never a falling one (a probe timed on a busy machine can end lower than it
-    was: extended, it went below zero, and so did the slowdowns measured against it)."""
-    if batch is not None:
-        return batch.forward(rows, n)
+    calibrated batch grid, never below what one row of n tokens costs (rows share the weights' reads, each
+    reads its own cache: b rows cost more; a grid extended past its widest rows by a segment that a busy
+    machine's timing made fall priced 16 tokens of one row as 1.02 steps, timed 3.66), or without a grid
+    that single-row curve v(n), extended linearly past its last point by its last segment's slope, never a
+    falling one (a probe timed on a busy machine can end lower than it was: extended, it went below zero,
+    and so did the slowdowns measured against it)."""
     last = cost.max_k + 1 if cost.max_k is not None else n
     if n <= last:
-        return cost.verify(n)
-    slope = max(cost.verify(last) - cost.verify(last - 1), 0.0) if last > 1 else 1.0
-    return cost.verify(last) + slope * (n - last)
+        alone = cost.verify(n)
+    else:
+        slope = max(cost.verify(last) - cost.verify(last - 1), 0.0) if last > 1 else 1.0
+        alone = cost.verify(last) + slope * (n - last)
+    return alone if batch is None else max(batch.forward(rows, n), alone)
 
 
 def plan_batch(policies: Sequence[CostModelK], contexts: Sequence[int], caps: Sequence[int]) -> list[int]:
