@@ -546,6 +546,7 @@ def test_cli_generate_across_tokenizers(real_pair, shared_model, capsys):
         (["generate", "hi", "--cross-tokenizer", "magic"], "invalid choice"),
         (["bench-load", "--draft", "x"], "--draft is the draft model of the method model"),
         (["bench-load", "--methods", "none,model"], "the method model drafts with --draft SPEC"),
+        (["bench-load", "--cross-tokenizer", "tli"], "--cross-tokenizer go with --draft"),
         (["bench-serve", "--cross-tokenizer", "tli"], "leave out --cross-tokenizer"),
     ],
 )

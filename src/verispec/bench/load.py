@@ -91,6 +91,8 @@ class LoadConfig:
                 if self.draft is None
                 else f"--draft is the draft model of the method {DRAFT_MODEL}: add it to --methods"
             )
+        if self.draft is None and (self.draft_tokenizer is not None or self.cross_tokenizer != "auto"):
+            raise UsageError("--draft-tokenizer and --cross-tokenizer go with --draft (the method model)")
         if not self.concurrency or any(not is_int(c) or c < 1 for c in self.concurrency):
             raise UsageError(f"concurrency levels must be integers >= 1, got {list(self.concurrency)}")
         for k in self.ks:
