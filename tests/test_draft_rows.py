@@ -10,10 +10,10 @@ import torch
 
 from fakes import LetterTokenizer
 from test_eagle import GREEDY, VOCAB, plain_greedy, tiny_target
-from test_learned_native import PROMPTS, batch_and_alone, native_tiny_target
+from test_learned_native import PROMPTS, batch_and_alone, native_tiny_target, rows_as_alone
 from test_lookahead import needs_native
 from verispec.api import Speculator
-from verispec.drafting.base import Allowed, DraftRow
+from verispec.drafting.base import Allowed
 from verispec.drafting.draft_model import ModelDrafter, draft_cache_row
 from verispec.models.llama import Llama
 from verispec.options import SamplingParams
@@ -68,16 +68,8 @@ def test_rows_of_a_batch_draft_together_each_as_alone(target, draft, sampling, m
     for d, context in zip([*together, *alone], contexts * 2, strict=True):
         d.begin(context)
     calls = counted_rows(draft, monkeypatch)
-    for round_ in range(2):
-        rows = [DraftRow(d, c, k, sampling.generator(), a)
-                for d, c, k, a in zip(together, contexts, ks, alloweds, strict=True)]  # fmt: skip
-        calls.clear()
-        proposals = ModelDrafter.propose_rows(rows)
-        assert calls and max(calls) >= 3  # rows ran together
-        for d, c, k, a, got in zip(alone, contexts, ks, alloweds, proposals, strict=True):
-            own = d.propose(c, k, sampling.generator(), a)
-            assert torch.equal(got.tokens, own.tokens), (round_, c)
-            assert (got.q is None) == (own.q is None) and (got.q is None or torch.equal(got.q, own.q))
+    for _ in range(2):
+        proposals = rows_as_alone(ModelDrafter, together, alone, contexts, ks, alloweds, sampling, calls)
         assert [len(p.tokens) for p in proposals] == [3, 4, 0, 1]
         for d, other, p in zip(together, alone, proposals, strict=True):  # the first accepted, then a token
             d.observe(min(1, len(p.tokens)))

@@ -210,16 +210,8 @@ def test_rows_of_a_batch_draft_together_each_as_alone(target, sampling, monkeypa
         d.observe_hidden(hidden_states(target, context)[:-1])
     alone = [drafter_with_context(target, head, context, sampling) for context in contexts]
     assert all(d.rows_key is None for d in alone)
-    for round_ in range(2):
-        rows = [DraftRow(d, c, k, sampling.generator(), a)
-                for d, c, k, a in zip(together, contexts, ks, alloweds, strict=True)]  # fmt: skip
-        calls.clear()
-        proposals = EagleDrafter.propose_rows(rows)
-        assert calls and max(calls) >= 3  # rows ran together
-        for d, c, k, a, got in zip(alone, contexts, ks, alloweds, proposals, strict=True):
-            own = d.propose(c, k, sampling.generator(), a)
-            assert torch.equal(got.tokens, own.tokens), (round_, c)
-            assert (got.q is None) == (own.q is None) and (got.q is None or torch.equal(got.q, own.q))
+    for _ in range(2):
+        proposals = rows_as_alone(EagleDrafter, together, alone, contexts, ks, alloweds, sampling, calls)
         assert [len(p.tokens) for p in proposals] == [3, 4, 0, 1]
         for d, other in zip(together, alone, strict=True):  # one accepted, then a committed token's state
             d.observe(1)
@@ -228,6 +220,22 @@ def test_rows_of_a_batch_draft_together_each_as_alone(target, sampling, monkeypa
         for d in (*together, *alone):
             d.observe_hidden(extra)
         contexts = [[*c, 1] for c in contexts]
+
+
+def rows_as_alone(kind, together, alone, contexts, ks, alloweds, sampling, calls: list[int]) -> list:
+    """One round of ``together``'s proposals in one ``kind.propose_rows`` call (its forwards' rows counted in
+    ``calls``: several at once), each (tokens and q) bit for bit what its drafter in ``alone`` proposes for
+    the same context, K and grammar; the proposals."""
+    rows = [DraftRow(d, c, k, sampling.generator(), a)
+            for d, c, k, a in zip(together, contexts, ks, alloweds, strict=True)]  # fmt: skip
+    calls.clear()
+    proposals = kind.propose_rows(rows)
+    assert calls and max(calls) >= 3  # rows ran together
+    for d, c, k, a, got in zip(alone, contexts, ks, alloweds, proposals, strict=True):
+        own = d.propose(c, k, sampling.generator(), a)
+        assert torch.equal(got.tokens, own.tokens), c
+        assert (got.q is None) == (own.q is None) and (got.q is None or torch.equal(got.q, own.q))
+    return proposals
 
 
 @pytest.mark.parametrize(
