@@ -15,8 +15,9 @@ from test_lookahead import needs_native
 from verispec.api import Speculator
 from verispec.drafting.base import Allowed
 from verispec.drafting.draft_model import ModelDrafter, draft_cache_row
+from verispec.engine.scheduler import Scheduler
 from verispec.models.llama import Llama
-from verispec.options import SamplingParams
+from verispec.options import GenerationOptions, SamplingParams
 
 pytestmark = needs_native
 SAMPLINGS = [GREEDY, SamplingParams(temperature=0.8, seed=5)]
@@ -100,6 +101,49 @@ def test_a_continuous_batch_drafts_its_rows_together(target, draft, sampling, br
         reference = plain_greedy(target, tokenizer, PROMPTS, 40)
         assert all(result.token_ids == reference[p] for p, result in zip(PROMPTS, batch, strict=True))
     assert sum(result.stats["accepted"] for result in batch) > 0
+
+
+def test_a_next_turn_keeps_the_start_its_row_holds(target, draft, monkeypatch):
+    """On a scheduler's engine (a server's), a sequence whose prompt begins with what its row's last
+    sequence committed (a conversation's next turn) reads only the rest of its prompt into the draft's row;
+    its output is the one a fresh speculator gives (greedy: the target's own); a prompt that shares nothing
+    with it reads all of it."""
+    tokenizer = LetterTokenizer(VOCAB)
+    spec = Speculator((target, tokenizer), draft=(draft, tokenizer), drafter="model")
+    read: list[int] = []  # the prompt tokens each of the draft's forwards reads (keys and values only)
+    original = draft.forward_rows
+
+    def counted(rows):
+        read.append(sum(len(row.tokens) for row in rows if not row.logits))
+        return original(rows)
+
+    monkeypatch.setattr(draft, "forward_rows", counted)
+    options = GenerationOptions(k=3, max_new_tokens=20, sampling=GREEDY)
+    with Scheduler(spec, slots=2) as scheduler:
+
+        def run(prompt: list[int]) -> list[int]:
+            handle = scheduler.submit(prompt, options)
+            return [t for chunk in handle for t in chunk.token_ids]
+
+        first_prompt = tokenizer.encode("abcabc")
+        first = run(first_prompt)
+        prompt = first_prompt + first + tokenizer.encode("xyz", add_bos=False)
+        read.clear()
+        second = run(prompt)
+        assert 0 < sum(read) <= len(prompt) - len(first_prompt) - len(first) + 3, (read, len(prompt))
+        other = tokenizer.encode("mnopqrs")
+        read.clear()
+        run(other)
+        assert sum(read) >= len(other) - 2  # nothing shared but a BOS: all of it read
+    fresh = Speculator((target, tokenizer), draft=(draft, tokenizer), drafter="model")
+    assert (
+        second == fresh.generate(prompt, options).token_ids == plain_greedy_ids(target, tokenizer, prompt, 20)
+    )
+
+
+def plain_greedy_ids(target: Llama, tokenizer, prompt: list[int], n: int) -> list[int]:
+    plain = Speculator((target, tokenizer), drafter="none")
+    return plain.generate(prompt, k=0, max_new_tokens=n, sampling=GREEDY).token_ids
 
 
 def test_a_draft_off_the_native_kernels_or_without_a_slot_row_keeps_its_own_cache(target, draft):

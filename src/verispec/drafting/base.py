@@ -91,6 +91,7 @@ __all__ = [
     "allowed_logits",
     "allowed_tree",
     "check_static",
+    "common_prefix",
     "constrain",
 ]
 
@@ -98,6 +99,13 @@ Allowed = Callable[[Sequence[int]], Tensor | None]
 """The grammar's mask at a draft position, for one proposal: ``allowed(path)`` → [V'] bool, the tokens the
 grammar allows after the context and the draft tokens ``path`` before that position, or None where ``path``
 leaves the grammar (V' ≤ V: ids ≥ V' are never allowed). Tentative: it never advances the committed state."""
+
+
+def common_prefix(held: Sequence[int], tokens: Sequence[int]) -> int:
+    """How many first tokens ``held`` and ``tokens`` share: what a cache holding ``held`` keeps of a prompt
+    ``tokens`` (the keys and values of a position depend on the tokens up to it alone)."""
+    n = min(len(held), len(tokens))
+    return next((i for i in range(n) if held[i] != tokens[i]), n)
 
 
 def constrain(logits: Tensor, allowed: Tensor) -> Tensor:

@@ -11,7 +11,14 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from verispec.drafting.base import Allowed, BranchedTreeDrafter, DraftRow, Proposal, allowed_logits
+from verispec.drafting.base import (
+    Allowed,
+    BranchedTreeDrafter,
+    DraftRow,
+    Proposal,
+    allowed_logits,
+    common_prefix,
+)
 from verispec.drafting.learned.exit import ExitDraft
 from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
@@ -88,7 +95,11 @@ class ModelDrafter:
         return None if whole is None else (id(self.model), id(whole[0]))
 
     def begin(self, prompt: list[int]) -> None:
-        self.cache.truncate(0)
+        """A new sequence: its cache emptied, or (a row beside the engine's slots) cut back to the start of
+        ``prompt`` that the row's last sequence left in it (a conversation's next turn: its earlier turns are
+        not read again), all but the prompt's last token."""
+        held = _HELD.get(self.cache, []) if self.rows_key is not None else []
+        self.cache.truncate(common_prefix(held[: min(self.cache.length, len(prompt) - 1)], prompt))
         self._committed = self._drafted = 0
 
     def propose(
@@ -111,6 +122,7 @@ class ModelDrafter:
         live = [i for i, k in enumerate(ks) if k > 0]
         for i, drafter in enumerate(drafters):  # what observe rolls back to: the context, or what is held
             drafter._committed = len(rows[i].context) if i in live else drafter.cache.length
+            drafter._holds(rows[i].context)  # its cache holds a start of the context from here on
             if i in live and drafter.cache.length >= len(rows[i].context):  # asked again after observe(0)
                 drafter.cache.truncate(len(rows[i].context) - 1)  # (a batch's call failed): its last again
         cls._read([drafters[i] for i in live], [rows[i].context for i in live])
@@ -134,6 +146,7 @@ class ModelDrafter:
         proposals = []
         for i, drafter in enumerate(drafters):
             tokens = drafts.get(i, [])
+            drafter._holds([*rows[i].context, *tokens])  # and of its drafts after it, once fed
             drafter._drafted = len(tokens) - (0 < len(tokens) == ks[i])  # the last of k is never fed
             if not tokens:
                 proposals.append(Proposal.empty())
@@ -141,6 +154,11 @@ class ModelDrafter:
             q = torch.stack(qs[i]).cpu() if qs[i] else None  # [K', V]
             proposals.append(Proposal(tokens=torch.tensor(tokens), q=q))
         return proposals
+
+    def _holds(self, tokens: list[int]) -> None:
+        """A row's cache holds a start of ``tokens`` (what :meth:`begin` keeps for its next sequence)."""
+        if self.rows_key is not None:
+            _HELD[self.cache] = tokens
 
     def _pick(self, logits: Tensor, generator: torch.Generator, position: int, qs: list[Tensor]) -> int:
         """The draft token at ``position`` from its logits [V]: the greedy pick, or a draw from q (appended
@@ -213,6 +231,9 @@ def _row_input(cache: Cache, tokens: list[int], logits: bool) -> RowInput:
         hidden=False,
     )
 
+
+_HELD: weakref.WeakKeyDictionary[Cache, list[int]] = weakref.WeakKeyDictionary()  # a draft row's cache holds
+# a start of its tokens (its last proposal's context and drafts): what the row's next sequence may keep
 
 _ROWS: weakref.WeakKeyDictionary[LanguageModel, tuple[weakref.ref[Tensor], list[Cache]]] = (
     weakref.WeakKeyDictionary()

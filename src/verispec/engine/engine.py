@@ -48,6 +48,7 @@ from verispec.drafting.base import (
     RowDrafter,
     SequenceEnd,
     TreeDrafter,
+    common_prefix,
 )
 from verispec.engine.rounds import (
     Chain,
@@ -251,9 +252,7 @@ class SpeculativeEngine:
         last = self._last.get(slot)
         if last is None:
             return 0
-        held = last.ids[: last.cache.length]
-        n = min(len(held), len(prompt))
-        return next((i for i in range(n) if held[i] != prompt[i]), n)
+        return common_prefix(last.ids[: last.cache.length], prompt)
 
     def cancel(self, running: Running) -> None:
         """Stop ``running`` now (its stop reason "cancelled") and free its slot."""
