@@ -24,7 +24,7 @@ from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
 from verispec.models.base import Cache, LanguageModel, RowInput, TreeLanguageModel
 from verispec.models.identity import model_identity
-from verispec.models.llama import NATIVE_CHUNK, KVCache, Llama
+from verispec.models.llama import NATIVE_CHUNK, KVCache, Llama, RowsBeside
 from verispec.options import SamplingParams
 from verispec.sampling import draft_draw, first_argmax, probs_from_logits
 
@@ -98,8 +98,9 @@ class ModelDrafter:
         """A new sequence: its cache emptied, or (a row beside the engine's slots) cut back to the start of
         ``prompt`` that the row's last sequence left in it (a conversation's next turn: its earlier turns are
         not read again), all but the prompt's last token."""
-        held = _HELD.get(self.cache, []) if self.rows_key is not None else []
-        self.cache.truncate(common_prefix(held[: min(self.cache.length, len(prompt) - 1)], prompt))
+        context, drafts = _HELD.get(self.cache, ([], [])) if self.rows_key is not None else ([], [])
+        held = [*context, *drafts][: min(self.cache.length, len(prompt) - 1)]
+        self.cache.truncate(common_prefix(held, prompt))
         self._committed = self._drafted = 0
 
     def propose(
@@ -122,7 +123,7 @@ class ModelDrafter:
         live = [i for i, k in enumerate(ks) if k > 0]
         for i, drafter in enumerate(drafters):  # what observe rolls back to: the context, or what is held
             drafter._committed = len(rows[i].context) if i in live else drafter.cache.length
-            drafter._holds(rows[i].context)  # its cache holds a start of the context from here on
+            drafter._holds(rows[i].context, [])  # its cache holds a start of the context from here on
             if i in live and drafter.cache.length >= len(rows[i].context):  # asked again after observe(0)
                 drafter.cache.truncate(len(rows[i].context) - 1)  # (a batch's call failed): its last again
         cls._read([drafters[i] for i in live], [rows[i].context for i in live])
@@ -146,7 +147,7 @@ class ModelDrafter:
         proposals = []
         for i, drafter in enumerate(drafters):
             tokens = drafts.get(i, [])
-            drafter._holds([*rows[i].context, *tokens])  # and of its drafts after it, once fed
+            drafter._holds(rows[i].context, tokens)  # and of its drafts after it, once fed
             drafter._drafted = len(tokens) - (0 < len(tokens) == ks[i])  # the last of k is never fed
             if not tokens:
                 proposals.append(Proposal.empty())
@@ -155,10 +156,11 @@ class ModelDrafter:
             proposals.append(Proposal(tokens=torch.tensor(tokens), q=q))
         return proposals
 
-    def _holds(self, tokens: list[int]) -> None:
-        """A row's cache holds a start of ``tokens`` (what :meth:`begin` keeps for its next sequence)."""
+    def _holds(self, context: list[int], drafts: list[int]) -> None:
+        """A row's cache holds a start of ``context`` and ``drafts`` after it (what :meth:`begin` keeps for
+        its next sequence; referenced, not copied: a round's context is a list of its own)."""
         if self.rows_key is not None:
-            _HELD[self.cache] = tokens
+            _HELD[self.cache] = (context, drafts)
 
     def _pick(self, logits: Tensor, generator: torch.Generator, position: int, qs: list[Tensor]) -> int:
         """The draft token at ``position`` from its logits [V]: the greedy pick, or a draw from q (appended
@@ -232,12 +234,10 @@ def _row_input(cache: Cache, tokens: list[int], logits: bool) -> RowInput:
     )
 
 
-_HELD: weakref.WeakKeyDictionary[Cache, list[int]] = weakref.WeakKeyDictionary()  # a draft row's cache holds
-# a start of its tokens (its last proposal's context and drafts): what the row's next sequence may keep
+_HELD: weakref.WeakKeyDictionary[Cache, tuple[list[int], list[int]]] = weakref.WeakKeyDictionary()  # a draft
+# row's cache holds a start of its last proposal's context and drafts: what the row's next sequence may keep
 
-_ROWS: weakref.WeakKeyDictionary[LanguageModel, tuple[weakref.ref[Tensor], list[Cache]]] = (
-    weakref.WeakKeyDictionary()
-)  # a draft's whole cache beside the target's whole cache it was made for: its rows
+_ROWS: weakref.WeakKeyDictionary[LanguageModel, RowsBeside] = weakref.WeakKeyDictionary()  # a draft's rows
 
 
 def draft_cache_row(model: LanguageModel, slot: Cache | None) -> Cache:
@@ -245,16 +245,10 @@ def draft_cache_row(model: LanguageModel, slot: Cache | None) -> Cache:
     of R rows (an engine's slots) and the draft runs on the native kernels, row r of an R-row cache of the
     draft's own (made once per whole target cache: every sequence drafting in that engine has a row of it,
     and their drafts run in one forward, :meth:`ModelDrafter.propose_rows`); else a cache of its own."""
-    native = isinstance(model, Llama) and model.on_native_kernels
-    if not native or not isinstance(slot, KVCache) or slot.row is None or slot.whole is None:
+    if not (isinstance(model, Llama) and model.on_native_kernels) or not RowsBeside.fits(slot):
         return model.new_cache()
-    assert isinstance(model, Llama)  # native (above)
-    whole = slot.whole[0]  # [layers, R, ...]: the target's keys
-    held = _ROWS.get(model)
-    if held is None or held[0]() is not whole:
-        held = (weakref.ref(whole), model.new_cache_rows(whole.shape[1]))
-        _ROWS[model] = held
-    return held[1][slot.row]
+    assert isinstance(slot, KVCache)  # fits
+    return _ROWS.setdefault(model, RowsBeside()).row(slot, model.new_cache_rows)
 
 
 class ModelTreeDrafter(BranchedTreeDrafter):

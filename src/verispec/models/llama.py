@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -938,6 +939,29 @@ def forward_tapped(
 def _with_tapped(out: Tensor, tapped: Sequence[Tensor]) -> Tensor:
     """The output [..., H] and the tapped layers' inputs [..., H] each side by side: [..., H·(1 + taps)]."""
     return torch.cat([out, *tapped], -1) if tapped else out
+
+
+class RowsBeside:
+    """The rows of a cache of one's own beside an engine's slots: for a sequence whose target cache is row r
+    of a whole cache of R rows, row r of an R-row cache made once per whole target cache (by ``make(R)``),
+    so that the sequences of one engine have the rows of one cache (drafted for in one forward); a new
+    whole cache (another engine) gets new rows."""
+
+    def __init__(self) -> None:
+        self._held: tuple[weakref.ref[Tensor], list[Any]] | None = None  # the target's keys, the rows
+
+    @staticmethod
+    def fits(slot: object) -> bool:
+        """Whether ``slot`` is a row of a whole cache (an engine's slot)."""
+        return isinstance(slot, KVCache) and slot.row is not None and slot.whole is not None
+
+    def row(self, slot: KVCache, make: Callable[[int], list[Any]]) -> Any:
+        """Row ``slot.row`` of the rows made beside ``slot``'s whole cache (``slot``: :meth:`fits`)."""
+        assert slot.whole is not None and slot.row is not None  # fits
+        whole = slot.whole[0]  # [layers, R, ...]: the target's keys
+        if self._held is None or self._held[0]() is not whole:
+            self._held = (weakref.ref(whole), make(whole.shape[1]))
+        return self._held[1][slot.row]
 
 
 def rows_of_one_cache(caches: Sequence[object]) -> bool:

@@ -24,7 +24,6 @@ distribution is computed from its own logits, so verification stays exact.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -43,6 +42,7 @@ from verispec.models.base import Cache, LanguageModel
 from verispec.models.llama import (
     KVCache,
     Llama,
+    RowsBeside,
     _DecoderLayer,
     _Linear,
     _RMSNorm,
@@ -120,8 +120,7 @@ class EagleHead(LearnedHead):
         self.inv_freq = nn.Buffer(self.config.rope_inv_freq().to(device), persistent=False)  # [head_dim // 2]
         self._stack: NativeStack | None = None  # the layers on the native kernels (pack_native)
         self._draft_head: DraftHead | None = None  # what the native drafting calls read (_native_head)
-        # (the target's whole cache, the rows of the head's own cache for its rows): see cache_row
-        self._rows: tuple[weakref.ref[Tensor], list[KVCache]] | None = None
+        self._rows = RowsBeside()  # the rows of the head's own cache beside an engine's: see cache_row
 
     def fresh_start(self, target: Llama) -> None:
         """The output norm starts as the target's final norm (its output then has the target's scale)."""
@@ -176,12 +175,10 @@ class EagleHead(LearnedHead):
         of the head's own (made once per whole target cache: every sequence drafting in that engine then
         has a row of it, and their drafts run in one forward, :meth:`forward_rows`); else a cache of its
         own."""
-        if not self.rows_alone or not isinstance(slot, KVCache) or slot.row is None or slot.whole is None:
+        if not self.rows_alone or not RowsBeside.fits(slot):
             return self.new_cache()
-        whole = slot.whole[0]  # [layers, R, ...]: the target's keys
-        if self._rows is None or self._rows[0]() is not whole:
-            self._rows = (weakref.ref(whole), self.new_cache(batch_size=whole.shape[1]).rows())
-        return self._rows[1][slot.row]
+        assert isinstance(slot, KVCache)  # fits
+        return self._rows.row(slot, lambda rows: self.new_cache(batch_size=rows).rows())
 
     def forward_rows(self, rows: Sequence[tuple[Tensor, Tensor, Tensor, KVCache]]) -> list[Tensor]:
         """:meth:`forward` of several sequences at once, each (tokens [T_i] int64, features [T_i, H],

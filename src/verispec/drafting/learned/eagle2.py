@@ -33,7 +33,7 @@ from verispec.drafting.learned.head import LearnedHead, native_target
 from verispec.errors import UsageError
 from verispec.inputs import is_int
 from verispec.models.base import LanguageModel
-from verispec.models.llama import Llama, LlamaConfig, _DecoderLayer, _Linear, run_layers
+from verispec.models.llama import Llama, LlamaConfig, RowsBeside, _DecoderLayer, _Linear, run_layers
 
 __all__ = ["Eagle2Drafter", "Eagle2Head"]
 
@@ -60,7 +60,7 @@ class Eagle2Head(PublishedHead):
         self.inv_freq = nn.Buffer(config.rope_inv_freq().to(device), persistent=False)
         self._stack = None
         self._draft_head = None
-        self._rows = None
+        self._rows = RowsBeside()
         shapes = {name: tuple(t.shape) for name, t in self.state_dict().items()}
         check_layout(
             tensors,

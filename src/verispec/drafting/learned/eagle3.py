@@ -57,6 +57,7 @@ from verispec.models.llama import (
     _MLP,
     Llama,
     LlamaConfig,
+    RowsBeside,
     _Attention,
     _Linear,
     _RMSNorm,
@@ -325,7 +326,7 @@ class Eagle3Head(PublishedHead):
         self.inv_freq = nn.Buffer(config.layer.rope_inv_freq().to(device), persistent=False)
         self._stack = None
         self._draft_head = None
-        self._rows = None
+        self._rows = RowsBeside()
         with torch.no_grad():
             for name, param in self.state_dict().items():
                 param.copy_(tensors[name])
