@@ -37,13 +37,13 @@ class TextAssembler:
     is decoded again. A stop check searches the text of the last tokens alone: the text before them held no
     stop string, or the sequence would have stopped there. With ``calls`` (the text that opens a tool call,
     where the output may make calls), stop strings are searched in the text before the first call opens
-    alone: a call, and the calls after it, are never cut (the whole output's text is searched then, as a call
-    may have opened before the last tokens)."""
+    alone: a call, and the calls after it, are never cut (once a call has opened, nothing is searched)."""
 
     def __init__(self, tokenizer: Tokenizer, stop_strings: tuple[str, ...], calls: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = stop_strings
         self.calls = calls
+        self.opened = False  # a call has opened in the text: no stop string ends it any more
         self.ids: list[int] = []
         self.sent = 0  # characters already yielded
         self.anchor, self.kept, self.window = (
@@ -54,10 +54,12 @@ class TextAssembler:
 
     def stop_check(self, new_ids: list[int]) -> int | None:
         """How many of ``new_ids`` to keep when a stop string appears in their text, else None."""
-        if self.calls is not None:
-            return self._stop_keep(new_ids)
+        if self.opened:
+            return None
         reach = STOP_REACH + max(len(s) for s in self.stop_strings)
-        if not any(s in self.tokenizer.decode(new_ids[-reach:]) for s in self.stop_strings):
+        last = self.tokenizer.decode(new_ids[-reach:])
+        if not any(s in self._free(last) for s in self.stop_strings):
+            self.opened = self.calls is not None and self.calls in last  # kept: committed, not cut
             return None
         return self._stop_keep(new_ids)
 
