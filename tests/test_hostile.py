@@ -25,10 +25,10 @@ from verispec.api import Speculator
 from verispec.engine.engine import ROUND_TOKENS, SpeculativeEngine
 from verispec.grammar import tokens as tokens_module
 from verispec.grammar.constraint import Constraint
-from verispec.options import GenerationOptions, SamplingParams
+from verispec.options import MAX_K, GenerationOptions, SamplingParams
 from verispec.server import app
 from verispec.server import schema as schema_module
-from verispec.server.app import MAX_K, Server, ServerConfig, serving
+from verispec.server.app import Server, ServerConfig, serving
 from verispec.server.metrics import POSITIONS
 from verispec.server.tenants import installation_salt, tenant_id, tenants_dir
 
@@ -271,8 +271,8 @@ def _umask() -> int:
     return mask
 
 
-def test_the_servers_bound_on_k_is_what_a_round_scores():
-    """server.config keeps MAX_K apart from the engine (which loads torch) so that serve checks --k first."""
+def test_the_bound_on_k_is_what_a_round_scores():
+    """options keeps MAX_K apart from the engine (which loads torch) so that every door checks k first."""
     from verispec.engine.engine import ROUND_TOKENS
 
     assert MAX_K == ROUND_TOKENS

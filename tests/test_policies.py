@@ -329,9 +329,10 @@ def test_parse_k_and_k_policy():
         and DraftLength.parse("additive") == DraftLength(named="additive")
     )
     assert [str(DraftLength.parse(k)) for k in ("04", 0, "auto")] == ["4", "0", "auto"]  # as stats read
-    for bad in ("x", "-1", "4.5", -2, True):
+    for bad in ("x", "-1", "4.5", -2, True, "65", 65, 10**4000):
         with pytest.raises(ValueError, match="k must be"):
             DraftLength.parse(bad)
+    assert DraftLength.parse("64") == DraftLength(fixed=64)  # a round's most, as every door takes it
     assert isinstance(k_policy("5"), ConstantK) and isinstance(k_policy("additive"), AdditiveK)
     assert isinstance(k_policy("auto", CostModel(0.1, MEASURED)), CostModelK)
     with pytest.raises(ValueError, match="cost model"):

@@ -394,7 +394,7 @@ def test_serve_refuses_bad_flags_in_one_line(capsys):
         (["--keep-alive", "nan"], "keep-alive must be seconds"),
         (["--max-body", "-1"], "max-body must be an integer >= 1"),
         (["--allow-drafters", "telepathy"], "--allow-drafters: 'telepathy' cannot be chosen by requests"),
-        (["--k", "65"], "--k must be at most 64"),
+        (["--k", "65"], "k must be at most 64"),
         (["--allow-drafters", "ngram,model"], "--allow-drafters: 'model' cannot be chosen by requests"),
     ):
         assert cli.main(["serve", "--port", "0", *flags]) == 2  # a free port: 8000 may be another's here

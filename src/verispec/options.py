@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_K",
     "DEFAULT_SAMPLING",
     "K_NAMES",
+    "MAX_K",
     "DraftLength",
     "MAX_LOGPROBS",
     "MAX_TEMPERATURE",
@@ -139,13 +140,19 @@ greedy, the target's own greedy output token for token and the same on every run
 is greedy by default too). The server keeps OpenAI's default temperature of 1."""
 
 
+# A fixed K's most: more than a round scores is never drafted (engine.ROUND_TOKENS, whose module loads torch;
+# tested equal)
+MAX_K = 64
+
+
 @dataclass(frozen=True)
 class DraftLength:
     """K, a chain round's draft length, parsed once at the door (:meth:`parse`: a command line's flag, a
-    request's field, a library keyword) and passed down typed: ``fixed`` tokens every round (an integer ≥ 0;
-    0 drafts nothing), or the policy ``named`` (one of :data:`K_NAMES`): "additive" (+2 / −1 rule) or "auto"
-    (the K that the calibrated cost model and the running acceptance estimate favour, 0 included); exactly
-    one of the two. ``str()`` spells it as it is given and as stats and reports show it: "4", "auto"."""
+    request's field, a library keyword) and passed down typed: ``fixed`` tokens every round (an integer in
+    [0, :data:`MAX_K`]; 0 drafts nothing), or the policy ``named`` (one of :data:`K_NAMES`): "additive" (+2 /
+    −1 rule) or "auto" (the K that the calibrated cost model and the running acceptance estimate favour, 0
+    included); exactly one of the two. ``str()`` spells it as it is given and as stats and reports show it:
+    "4", "auto"."""
 
     fixed: int | None = None
     named: str | None = None
@@ -157,6 +164,8 @@ class DraftLength:
             raise UsageError(f"a K's name is one of {', '.join(K_NAMES)}, got {self.named[:20]!r}")
         if self.fixed is not None:
             check_int(self.fixed, "k", 0)
+            if self.fixed > MAX_K:  # never echoed: a request's may have thousands of digits
+                raise UsageError(f"k must be at most {MAX_K} (a round scores at most {MAX_K} tokens)")
 
     @property
     def auto(self) -> bool:

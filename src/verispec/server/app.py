@@ -23,11 +23,11 @@ an idle keep-alive connection closes after ``keep_alive`` seconds; /metrics' lab
 configuration (:mod:`verispec.server.metrics`); a repeated log line is written once per :data:`LOG_INTERVAL`
 (:class:`OncePerInterval`). No request makes the server load anything: the drafters requests may choose
 are the server's own and those ``allow_drafters`` names, each loaded and calibrated at start. What a request
-asks for is bounded before it reaches the engine: ``k`` by :data:`MAX_K`, ``top_k`` by the vocabulary, a
-prompt by its bytes before it is tokenized (:meth:`Server.check_prompt_bytes`), a ``response_format`` by
-its grammar's start, checked when its state is made (a 400 naming it, before a stream begins); a round
-scores at most :data:`~verispec.engine.engine.ROUND_TOKENS` of a sequence's tokens, however long its grammar's
-forced run.
+asks for is bounded before it reaches the engine: ``k`` by :data:`~verispec.options.MAX_K`, ``top_k`` by
+the vocabulary, a prompt by its bytes before it is tokenized (:meth:`Server.check_prompt_bytes`), a
+``response_format`` by its grammar's start, checked when its state is made (a 400 naming it, before a
+stream begins); a round scores at most :data:`~verispec.engine.engine.ROUND_TOKENS` of a sequence's tokens,
+however long its grammar's forced run.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ from verispec.api import Speculator, failure_message
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.drafting.registry import DRAFTERS
 from verispec.drafting.suffix_cache import tokenizer_identity
-from verispec.engine.engine import ROUND_TOKENS
 from verispec.engine.scheduler import Handle, QueueFull, Scheduler, SchedulerFailed
 from verispec.engine.sequence import TokenLogprob
 from verispec.errors import UsageError
@@ -68,7 +67,7 @@ from verispec.inputs import parse_json
 from verispec.models.base import LanguageModel, SpelledTokenizer, Tokenizer
 from verispec.options import DraftLength, GenerationOptions
 from verispec.resolve import Target
-from verispec.server.config import MAX_K, ServerConfig, listen, return_large_frees
+from verispec.server.config import ServerConfig, listen, return_large_frees
 from verispec.server.metrics import ServerMetrics
 from verispec.server.schema import (
     ApiError,
@@ -404,15 +403,12 @@ class _Api:
         return await self._whole(request, reply, chunks)
 
     def _options(self, parsed: ApiRequest, chat: bool) -> GenerationOptions:
-        """What a parsed request asks for (its k at most :data:`MAX_K`, its top_k at most the vocabulary, its
-        schema and tools compiled); ApiError 400 naming what is wrong."""
+        """What a parsed request asks for (its k at most :data:`~verispec.options.MAX_K`, its top_k at most
+        the vocabulary, its schema and tools compiled); ApiError 400 naming what is wrong."""
         try:
             k = self.server.config.k if parsed.k is None else DraftLength.parse(parsed.k)  # parsed once, here
         except UsageError as err:
             raise ApiError(400, str(err), param="k") from None
-        if k.fixed is not None and k.fixed > MAX_K:  # never echoed: it may have thousands of digits
-            raise ApiError(400, f"k must be at most {MAX_K} (a round scores at most {ROUND_TOKENS} tokens)",
-                           param="k")  # fmt: skip
         vocabulary = self.server.default.model.vocab_size
         if parsed.top_k > vocabulary:
             raise ApiError(400, f"top_k must be at most {vocabulary}, the vocabulary's size (0 keeps all)",

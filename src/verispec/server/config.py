@@ -18,7 +18,6 @@ from verispec.options import DEFAULT_K, DraftLength
 from verispec.server.tenants import SuffixTenants
 
 __all__ = [
-    "MAX_K",
     "MAX_REPLICAS",
     "MMAP_THRESHOLD",
     "RayDeployment",
@@ -28,9 +27,6 @@ __all__ = [
     "return_large_frees",
 ]
 
-# A request's k: more than a round scores is never drafted (engine.ROUND_TOKENS, whose module loads torch;
-# tested equal)
-MAX_K = 64
 MAX_REPLICAS = 1024  # replicas of one server on Ray Serve (beyond any cluster here)
 
 
@@ -60,9 +56,7 @@ class ServerConfig(ModelChoice):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
                 raise UsageError(f"{name.replace('_', '-')} must be seconds in (0, 86400], got {value!r}")
-        object.__setattr__(self, "k", k := DraftLength.parse(self.k))
-        if k.fixed is not None and k.fixed > MAX_K:
-            raise UsageError(f"--k must be at most {MAX_K} (a round scores at most {MAX_K} tokens)")
+        object.__setattr__(self, "k", DraftLength.parse(self.k))
         if any(not key.strip() for key in self.api_keys) or self.api_key == ():
             raise UsageError("the API key is empty")
         for name in self.allow_drafters:
