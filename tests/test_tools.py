@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import jsonschema
 import openai
@@ -317,6 +318,24 @@ def test_a_seed_samples_the_same_calls_alone_and_batched(stories):
         assert content is None and calls
         finished = calls if result.stats["stop_reason"] == "eos" else calls[:-1]  # the last one may be cut
         assert all(valid(c.as_dict()) for c in finished)
+
+
+def test_tools_that_overflow_the_context_are_named_in_its_refusal(stories):
+    """The fallback's tool instructions alone are longer than stories260K's context: the one-line refusal says
+    how many of the prompt's tokens the tools' definitions are; the conversation without them is answered."""
+    root, model, _ = stories
+    tokenizer = load_model(root / "stories260K.bin", tokenizer=root / "tok512.bin")[1]
+    tokenizer.chat_prompt = lambda conversation, tools=None: "".join(  # type: ignore[method-assign]
+        f"{m['role']}: {m['content']}\n" for m in template_messages(conversation, tools, native=False)
+    )
+    speculator = Speculator((model, tokenizer), drafter="none")
+    alone = len(speculator.encode_prompt(QUESTION, chat=True))
+    with pytest.raises(UsageError) as info:
+        speculator.generate(QUESTION, GenerationOptions(chat=True, tools=Tools.of(TOOLS), max_new_tokens=4))
+    match = re.fullmatch(r"the prompt has (\d+) tokens, (\d+) of them the tools' definitions; "
+                         r"the context holds 512", str(info.value))  # fmt: skip
+    assert match and int(match[1]) >= 512 and int(match[1]) - int(match[2]) == alone, info.value
+    assert speculator.generate(QUESTION, GenerationOptions(chat=True, max_new_tokens=4)).token_ids
 
 
 def test_options_refuse_tools_without_chat_or_beside_a_constraint():

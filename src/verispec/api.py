@@ -386,14 +386,14 @@ class Speculator:
             return ids
         if isinstance(prompt, str):
             check_prompt(prompt)
-            text = self._chat_prompt(prompt, tools) if chat else prompt
+            if not chat:
+                return self.tokenizer.encode(prompt, add_bos=True)
         elif chat and prompt:
             prompt = cast(Sequence[Mapping[str, Any]], prompt)  # not token ids: checked above
             for i, message in enumerate(prompt):
                 if not isinstance(message, Mapping):
                     raise UsageError(f"message {i} must be a {{'role', 'content'}} mapping")
                 check_text(message.get("content") or "", f"message {i}'s content")
-            text = self._chat_prompt(prompt, tools)
         elif prompt and all(isinstance(t, (int, float)) for t in prompt):  # numbers, not all integers
             bad = next(t for t in prompt if not is_int(t, integral=True))
             raise UsageError(f"a prompt's token ids must be integers, got {bad!r}")
@@ -402,13 +402,23 @@ class Speculator:
                 "a conversation (a list of messages) needs chat=True and at least one message; "
                 "token ids at least one id"
             )
-        return self.tokenizer.encode(text, add_bos=True)
+        ids = self._chat_ids(prompt, tools)
+        context = self.model.max_context
+        if tools is not None and len(ids) >= context:  # what made it long: said before the context's refusal
+            alone = len(self._chat_ids(prompt, None))
+            raise UsageError(
+                f"the prompt has {len(ids)} tokens, {len(ids) - alone} of them the tools' definitions; "
+                f"the context holds {context}"
+            )
+        return ids
 
-    def _chat_prompt(self, prompt: str | Sequence[Mapping[str, Any]], tools: Tools | None) -> str:
-        """The tokenizer's chat prompt, told the tools where there are some."""
+    def _chat_ids(self, prompt: str | Sequence[Mapping[str, Any]], tools: Tools | None) -> list[int]:
+        """The token ids of the tokenizer's chat prompt, told the tools where there are some."""
         if tools is None:
-            return self.tokenizer.chat_prompt(prompt)
-        return self.tokenizer.chat_prompt(prompt, tools=tools)
+            text = self.tokenizer.chat_prompt(prompt)
+        else:
+            text = self.tokenizer.chat_prompt(prompt, tools=tools)
+        return self.tokenizer.encode(text, add_bos=True)
 
     def request(
         self,
