@@ -103,11 +103,13 @@ def test_a_continuous_batch_drafts_its_rows_together(target, draft, sampling, br
     assert sum(result.stats["accepted"] for result in batch) > 0
 
 
-def test_a_next_turn_keeps_the_start_its_row_holds(target, draft, monkeypatch):
-    """On a scheduler's engine (a server's), a sequence whose prompt begins with what its row's last
-    sequence committed (a conversation's next turn) reads only the rest of its prompt into the draft's row;
-    its output is the one a fresh speculator gives (greedy: the target's own); a prompt that shares nothing
-    with it reads all of it."""
+@pytest.mark.parametrize("door", ["scheduler", "stream"])
+def test_a_next_turn_keeps_the_start_its_row_holds(target, draft, door, monkeypatch):
+    """On an engine's slots — a scheduler's (a server's) or the one slot a speculator's streams run on (the
+    library's and the CLI's) — a sequence whose prompt begins with what its row's last sequence committed
+    (a conversation's next turn) reads only the rest of its prompt into the draft's row; its output is the
+    one a fresh speculator gives (greedy: the target's own); a prompt that shares nothing with it reads all
+    of it."""
     tokenizer = LetterTokenizer(VOCAB)
     spec = Speculator((target, tokenizer), draft=(draft, tokenizer), drafter="model")
     read: list[int] = []  # the prompt tokens each of the draft's forwards reads (keys and values only)
@@ -122,6 +124,8 @@ def test_a_next_turn_keeps_the_start_its_row_holds(target, draft, monkeypatch):
     with Scheduler(spec, slots=2) as scheduler:
 
         def run(prompt: list[int]) -> list[int]:
+            if door == "stream":
+                return spec.generate(prompt, options).token_ids
             handle = scheduler.submit(prompt, options)
             return [t for chunk in handle for t in chunk.token_ids]
 

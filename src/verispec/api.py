@@ -498,8 +498,9 @@ class Speculator:
 
         One stream at a time runs on this speculator's own engine, kept from stream to stream: a prompt that
         begins with the last one's prompt and output (a chat's next turn, an agent's next step) keeps the
-        keys and values of that start instead of scoring it again (``stats.cached_prompt_tokens``; the
-        tokens are the same either way: a position's keys and values are a function of the tokens up to it).
+        keys and values of that start instead of scoring it again (``stats.cached_prompt_tokens``; a draft
+        model's row of them too; the tokens are the same either way: a position's keys and values are a
+        function of the tokens up to it).
         A stream started while another is open (another thread, or a generator not yet finished) runs on an
         engine of its own."""
         request, text = self.request(

@@ -105,7 +105,7 @@ class SpeculativeEngine:
         self.prefill_chunk = prefill_chunk
         self.round_tokens = round_tokens
         self.caches: list[Cache]
-        if slots > 1 and isinstance(target, RowModel):
+        if isinstance(target, RowModel):  # rows of one cache, a drafter's rows beside them (one slot too)
             self.caches = target.new_cache_rows(slots)
         else:
             self.caches = [target.new_cache() for _ in range(slots)]
