@@ -163,8 +163,11 @@ def test_a_replica_killed_mid_run_fails_its_requests_cleanly(cluster, sessions):
         outcomes = [future.result(timeout=TIMEOUT) for future in runs]
     assert "failed" in outcomes, outcomes
     for n in range(4):
-        replica, text = complete(url, session, prompt=f"Tom {n}", max_tokens=4)
-        assert text and replica != victim
+        raw = client(url).completions.with_raw_response.create(
+            model="stories260K", prompt=f"Tom {n}", max_tokens=4, extra_headers={"X-Session-Id": session}
+        )
+        text, replica = raw.parse().choices[0].text, raw.headers["x-verispec-replica"]
+        assert text and replica != victim, (victim, replica, raw.http_response.text)  # the whole answer
     deadline = time.monotonic() + 120
     while True:  # a new replica, its model loaded
         deployment = serve.status().applications["verispec"].deployments["Replica"]
