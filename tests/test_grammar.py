@@ -87,12 +87,15 @@ def output_text(stories, ids: list[int]) -> str:
         ("json_schema", "{", "invalid JSON schema: not JSON"),
         ("json_schema", "[1]", "invalid JSON schema: not a JSON object"),
         ("json_schema", '{"type": "objectx"}', "invalid JSON schema"),
+        ("json_schema", '{"properties": {"a": {"maxLength": 1e12}}}',
+         "invalid JSON schema: maxLength 1000000000000 is more than a grammar counts (at most 4294967295)"),
+        ("json_schema", '{"items": [{"minLength": 4294967296}]}', "minLength 4294967296 is more than"),
         ("grammar", "start: foo", "invalid grammar"),
         ("json_object", "{}", "takes no text"),
         ("regex", "", "takes its text"),
         ("xml", "<a/>", "unknown constraint 'xml'"),
     ],
-)
+)  # fmt: skip
 def test_bad_constraints_are_one_line(kind: str, text: str, message: str) -> None:
     with pytest.raises(UsageError) as err:
         Constraint(kind, text)

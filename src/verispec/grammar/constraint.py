@@ -25,6 +25,7 @@ small model allowed JSON's whitespace may spend its tokens on newlines; ``{"whit
 a schema's ``"x-guidance"`` allows it)."""
 _NAMES = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regex", "grammar": "grammar"}
 CHECKED_START = 64  # forced tokens a new state walks from the start, checking that a token follows them
+LONGEST = 2**32 - 1  # the longest string length a schema's grammar counts (llguidance's regexes: 32 bits)
 
 
 class InvalidConstraint(UsageError):
@@ -53,6 +54,10 @@ class Constraint:
                 raise InvalidConstraint(f"invalid JSON schema: {err}") from None
             if not isinstance(schema, dict):
                 raise InvalidConstraint("invalid JSON schema: not a JSON object")
+            beyond = _length_beyond(schema)  # llguidance says "regex parse error: decimal literal invalid"
+            if beyond is not None:
+                key, value = beyond
+                raise self.invalid(f"{key} {value} is more than a grammar counts (at most {LONGEST})")
         import llguidance
 
         problem = llguidance.LLMatcher.validate_grammar(self.grammar)
@@ -110,3 +115,19 @@ def first_line(message: str) -> str:
         return "rejected"
     why = next((line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")), "")
     return f"{lines[0]} {why}" if why and why not in lines[0] else lines[0]
+
+
+def _length_beyond(schema: object) -> tuple[str, float] | None:
+    """The first ``minLength`` or ``maxLength`` anywhere in ``schema`` beyond :data:`LONGEST` (key, value)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key in ("minLength", "maxLength"):
+                value = node.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and value > LONGEST:
+                    return key, int(value) if value == int(value) else value  # 1e12: 1000000000000
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
