@@ -35,7 +35,8 @@ from verispec.drafting.learned.medusa import MedusaDrafter
 from verispec.drafting.tree import TreeShape
 from verispec.engine.sequence import GenerationStats
 from verispec.kernels.threads import THREADS
-from verispec.models.llama import Llama, native_rows
+from verispec.models.kv_cache import native_rows
+from verispec.models.llama import Llama
 from verispec.options import SamplingParams
 from verispec.sampling import probs_from_logits
 

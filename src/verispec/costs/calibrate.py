@@ -89,7 +89,7 @@ from verispec.kernels.threads import THREADS
 from verispec.models.base import HiddenStateModel, LanguageModel, RowInput, RowModel
 from verispec.models.gguf import cache_dir
 from verispec.models.identity import model_identity
-from verispec.models.llama import KVCache
+from verispec.models.kv_cache import KVCache
 
 __all__ = [
     "BATCH_ROWS",

@@ -24,7 +24,8 @@ from verispec.drafting.tree import TreeProposal, TreeShape
 from verispec.errors import UsageError
 from verispec.models.base import Cache, LanguageModel, RowInput, TreeLanguageModel
 from verispec.models.identity import model_identity
-from verispec.models.llama import NATIVE_CHUNK, KVCache, Llama, RowsBeside
+from verispec.models.kv_cache import KVCache, RowsBeside
+from verispec.models.llama import NATIVE_CHUNK, Llama
 from verispec.options import SamplingParams
 from verispec.sampling import draft_draw, first_argmax, probs_from_logits
 

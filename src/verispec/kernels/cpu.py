@@ -557,7 +557,7 @@ class NativeStack:
         writes slot[i] of cache row seq[i] and attends to that row's slots [0, base[i]) and to its new slots
         base[i] + j with mask[i, j] (mask [N, M] bool; None: slots base[i] .. slot[i]); keys [layers, B,
         kv_heads, capacity / 16, head_dim, 16] and values [layers, B, kv_heads, capacity, head_dim], float16,
-        contiguous (a tiled :class:`~verispec.models.llama.KVCache`). Sliding-window layers read pos [N]
+        contiguous (a tiled :class:`~verispec.models.kv_cache.KVCache`). Sliding-window layers read pos [N]
         int32, each token's position; local-RoPE layers cos_local and sin_local [N, head_dim / 2] float32.
         The caller has checked every index."""
         batch = _Batch(

@@ -17,7 +17,8 @@ from torch import Tensor
 from verispec.drafting.learned.head import LearnedHead
 from verispec.drafting.learned.lookahead import LookaheadTokens, lookahead_mask
 from verispec.errors import UsageError
-from verispec.models.llama import KVCache, Llama, run_layers
+from verispec.models.kv_cache import KVCache
+from verispec.models.llama import Llama, run_layers
 from verispec.training.config import TrainConfig
 from verispec.training.recipe import IGNORE, Recipe, TrainingData, distilled_ce
 

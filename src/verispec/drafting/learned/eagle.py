@@ -39,18 +39,14 @@ from verispec.errors import UsageError
 from verispec.inputs import is_int
 from verispec.kernels.cpu import DraftHead, NativeStack
 from verispec.models.base import Cache, LanguageModel
+from verispec.models.kv_cache import KVCache, RowsBeside, advance_rows, native_rows, rows_of_one_cache
 from verispec.models.llama import (
-    KVCache,
     Llama,
-    RowsBeside,
     _DecoderLayer,
     _Linear,
     _RMSNorm,
-    advance_rows,
-    native_rows,
     native_stack,
     rope_tables,
-    rows_of_one_cache,
     run_layers,
     run_native,
 )
@@ -154,7 +150,7 @@ class EagleHead(LearnedHead):
         self, batch_size: int = 1, capacity: int | None = None, separate_layers: bool = False
     ) -> KVCache:
         """An empty cache of the head's layers (default capacity: the target's context; ``separate_layers``
-        for training, see :class:`~verispec.models.llama.KVCache`)."""
+        for training, see :class:`~verispec.models.kv_cache.KVCache`)."""
         c, native = self.config, self._stack is not None
         capacity = c.max_context if capacity is None else capacity
         return KVCache(

@@ -33,7 +33,8 @@ from verispec.drafting.learned.head import LearnedHead, native_target
 from verispec.errors import UsageError
 from verispec.inputs import is_int
 from verispec.models.base import LanguageModel
-from verispec.models.llama import Llama, LlamaConfig, RowsBeside, _DecoderLayer, _Linear, run_layers
+from verispec.models.kv_cache import RowsBeside
+from verispec.models.llama import Llama, LlamaConfig, _DecoderLayer, _Linear, run_layers
 
 __all__ = ["Eagle2Drafter", "Eagle2Head"]
 

@@ -59,7 +59,7 @@ from verispec.drafting.learned.eagle import EagleHead
 from verispec.drafting.tree import AUTO, TreeProposal, TreeShape, likeliest_nodes
 from verispec.errors import UsageError
 from verispec.inputs import check_int
-from verispec.models.llama import KVCache
+from verispec.models.kv_cache import KVCache
 from verispec.options import SamplingParams
 from verispec.sampling import draft_draw, first_argmax, probs_from_logits
 

@@ -30,7 +30,8 @@ from torch import Tensor, nn
 from verispec.drafting.learned.head import LearnedHead, native_target, shape_count
 from verispec.inputs import check_int
 from verispec.models.base import Cache, LanguageModel
-from verispec.models.llama import KVCache, Llama, _Linear
+from verispec.models.kv_cache import KVCache
+from verispec.models.llama import Llama, _Linear
 
 __all__ = ["ExitAdapter", "ExitDraft", "check_exit_layer", "exit_features"]
 

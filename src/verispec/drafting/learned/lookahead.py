@@ -40,7 +40,8 @@ from verispec.drafting.learned.head import LearnedHead, native_target, shape_cou
 from verispec.errors import UsageError
 from verispec.inputs import is_int
 from verispec.models.base import Cache, LanguageModel
-from verispec.models.llama import KVCache, Llama
+from verispec.models.kv_cache import KVCache
+from verispec.models.llama import Llama
 from verispec.options import SamplingParams
 from verispec.sampling import draft_draw, first_argmax, probs_from_logits
 
