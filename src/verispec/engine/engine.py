@@ -48,7 +48,6 @@ from verispec.drafting.base import (
     RowDrafter,
     SequenceEnd,
     TreeDrafter,
-    common_prefix,
 )
 from verispec.engine.rounds import (
     Chain,
@@ -62,6 +61,7 @@ from verispec.engine.rounds import (
     verify_tree,
 )
 from verispec.engine.sequence import DrafterFor, ForwardTotals, Request, Running, token_logprobs
+from verispec.engine.slots import Slots
 from verispec.errors import UsageError
 from verispec.grammar.rounds import constrain, finish
 from verispec.inputs import check_int
@@ -70,7 +70,6 @@ from verispec.models.base import (
     HiddenStateModel,
     LanguageModel,
     RowInput,
-    RowModel,
     TreeCache,
     TreeLanguageModel,
 )
@@ -104,18 +103,14 @@ class SpeculativeEngine:
         self.target = target
         self.prefill_chunk = prefill_chunk
         self.round_tokens = round_tokens
-        self.caches: list[Cache]
-        if isinstance(target, RowModel):  # rows of one cache, a drafter's rows beside them (one slot too)
-            self.caches = target.new_cache_rows(slots)
-        else:
-            self.caches = [target.new_cache() for _ in range(slots)]
+        self._slots = Slots(target, slots)
+        self.caches = self._slots.caches  # one per slot
         self.cache = self.caches[0]  # batch 1's
-        self._rows = target if isinstance(target, RowModel) else None  # scores rows together
+        self._rows = self._slots.rows  # scores rows together
         # the target as the protocols its forwards need, checked once (a protocol's isinstance is slow)
         self._trees = target if isinstance(target, TreeLanguageModel) else None
         self._states = target if isinstance(target, HiddenStateModel) else None
         self.running: list[Running] = []
-        self._last: dict[int, Running] = {}  # slot → the last sequence admitted there
         self.forwards = ForwardTotals()
         self._forward_end: float | None = None  # when the last step of draft rounds only had its forward
 
@@ -162,8 +157,7 @@ class SpeculativeEngine:
             )
         if not self.free_slots:
             raise UsageError(f"all {self.slots} slots are taken: wait for a sequence to finish")
-        shared = {i: self._kept_prefix(i, prompt) for i in range(self.slots)}
-        slot = self._slot_for(shared)
+        slot, shared = self._slots.choose(prompt, {r.slot for r in self.running})
         cache = self.caches[slot]
         given = request.drafter
         drafter = given.make(cache) if isinstance(given, DrafterFor) else given
@@ -174,7 +168,7 @@ class SpeculativeEngine:
                 "token-fate traces show rejection sampling's odds: not with invariant draws (a seed's "
                 "default; invariant=False opts out)"
             )
-        kept, states = self._keep_prefix(slot, shared, prompt, drafter)
+        kept, states = self._slots.keep(slot, shared, prompt, isinstance(drafter, HiddenStateReader))
         request.stats.prompt_tokens, request.stats.cached_prompt_tokens = len(prompt), kept
         drafter.begin(list(prompt))
         running = Running(
@@ -193,66 +187,9 @@ class SpeculativeEngine:
         if kept and states is not None:
             running.observe_hidden(states[:kept])
         self.running.append(running)
-        self._last[slot] = running
+        self._slots.admitted(running)
         self._forward_end = None  # the time until the next forward is no round's (an idle wait, a join)
         return running
-
-    def _slot_for(self, shared: dict[int, int]) -> int:
-        """The free slot a prompt joins (``shared``: the start each slot's last sequence shares with it).
-        Where rows cannot copy from one another, the one sharing the longest start (the first on ties): only
-        a slot's own start can be kept. Where they can (a start is kept from whichever row holds it), a slot
-        whose last sequence the prompt replaces — none, or one whose whole prompt it begins with (a
-        conversation's next turn: its last output's tail, where the template renders it otherwise, is never
-        needed again) — the longest shared first; else the least recently admitted. So a conversation keeps
-        its keys and values while others come and go between its turns, even ones that share its start (the
-        same system prompt and tools): they copy that start into a slot of their own."""
-        free = [i for i in range(self.slots) if i not in {r.slot for r in self.running}]
-        if self._rows is None:
-            return max(free, key=lambda i: shared[i])  # the first on ties
-
-        def rank(slot: int) -> tuple[bool, int, float]:
-            last = self._last.get(slot)
-            if last is None or shared[slot] >= len(last.request.prompt):
-                return False, -shared[slot], 0.0
-            return True, 0, last.started
-
-        return min(free, key=rank)
-
-    def _keep_prefix(
-        self, slot: int, shared: dict[int, int], prompt: list[int], drafter: Drafter | TreeDrafter
-    ) -> tuple[int, torch.Tensor | None]:
-        """Keep in ``slot``'s cache the longest start of ``prompt`` that a row holds (``shared``: each slot's
-        shared start), its own or copied from another row's: how many positions are kept, and the hidden
-        states [T, H] the source row's sequence was handed (None: none, or a drafter that reads none)."""
-        donors = [slot] + ([i for i in shared if i != slot] if self._rows is not None else [])
-        keepable = {i: self._keepable(i, shared[i], prompt, drafter) for i in donors}
-        source = max(donors, key=lambda i: keepable[i])  # the slot's own on ties: nothing copied
-        kept, last = keepable[source], self._last.get(source)
-        handed = last.hidden if last is not None and isinstance(drafter, HiddenStateReader) else []
-        if source == slot:
-            self.caches[slot].truncate(kept)
-        else:
-            assert self._rows is not None  # donors other than the slot only then
-            self._rows.copy_prefix(self.caches[source], self.caches[slot], kept)
-        return kept, torch.cat(handed) if handed else None
-
-    def _keepable(self, slot: int, shared: int, prompt: list[int], drafter: Drafter | TreeDrafter) -> int:
-        """How many positions of ``prompt`` a sequence decoding with ``drafter`` can keep from ``slot``'s
-        cache, which holds the ``shared`` first tokens of it: all but the last, and for a drafter that reads
-        hidden states no more than the slot's last sequence was handed."""
-        kept = min(shared, len(prompt) - 1)
-        if isinstance(drafter, HiddenStateReader):
-            last = self._last.get(slot)
-            kept = min(kept, 0 if last is None else sum(len(h) for h in last.hidden))
-        return kept
-
-    def _kept_prefix(self, slot: int, prompt: list[int]) -> int:
-        """How many first tokens of ``prompt`` ``slot``'s cache holds the keys and values of: those its last
-        (or running) sequence shares with it, among the ones it had written (rolled-back drafts are not)."""
-        last = self._last.get(slot)
-        if last is None:
-            return 0
-        return common_prefix(last.ids[: last.cache.length], prompt)
 
     def cancel(self, running: Running) -> None:
         """Stop ``running`` now (its stop reason "cancelled") and free its slot."""
@@ -341,8 +278,7 @@ class SpeculativeEngine:
         the next sequence there; returns what it committed in this step: nothing."""
         running.error = error
         self._retire(running, "error")
-        if self._last.get(running.slot) is running:
-            del self._last[running.slot]
+        self._slots.spoiled(running)
         return []
 
     def _prompt_chunk(self, running: Running, others: bool) -> Round:
