@@ -32,7 +32,8 @@ from verispec.drafting.ngram import NGramDrafter
 from verispec.engine.sequence import GenerationStats
 from verispec.grammar.constraint import Constraint
 from verispec.models.identity import model_identity
-from verispec.models.llama import Llama, LlamaConfig
+from verispec.models.llama import Llama
+from verispec.models.llama_config import LlamaConfig
 from verispec.models.registry import load_model
 from verispec.options import GenerationOptions, SamplingParams
 

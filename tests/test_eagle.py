@@ -45,7 +45,8 @@ from verispec.drafting.registry import LOOKUP_FIRST
 from verispec.drafting.tree import TreeShape
 from verispec.engine.sequence import EngineConfig, GenerationStats, Request
 from verispec.models.gguf_native import GGUFEmbedding
-from verispec.models.llama import Llama, LlamaConfig
+from verispec.models.llama import Llama
+from verispec.models.llama_config import LlamaConfig
 from verispec.models.registry import load_model
 from verispec.options import GenerationOptions, SamplingParams
 from verispec.sampling import probs_from_logits

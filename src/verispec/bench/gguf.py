@@ -163,7 +163,8 @@ import json, sys, time
 from pathlib import Path
 import torch
 from verispec.models.gguf_native import load_gguf
-from verispec.models.llama import Llama, LlamaConfig
+from verispec.models.llama import Llama
+from verispec.models.llama_config import LlamaConfig
 
 def rss():
     lines = Path("/proc/self/status").read_text().splitlines()

@@ -12,13 +12,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from verispec.models.base import Cache, LanguageModel, Tokenizer, TreeCache, TreeLanguageModel
     from verispec.models.kv_cache import KVCache
-    from verispec.models.llama import Llama, LlamaConfig, RopeScaling
+    from verispec.models.llama import Llama
     from verispec.models.llama2c import Llama2cTokenizer, load_llama2c
+    from verispec.models.llama_config import LlamaConfig, RopeScaling
 
 _MODULES = {  # module → its public names here
     "verispec.models.base": ("Cache", "LanguageModel", "Tokenizer", "TreeCache", "TreeLanguageModel"),
     "verispec.models.kv_cache": ("KVCache",),
-    "verispec.models.llama": ("Llama", "LlamaConfig", "RopeScaling"),
+    "verispec.models.llama": ("Llama",),
+    "verispec.models.llama_config": ("LlamaConfig", "RopeScaling"),
     "verispec.models.llama2c": ("Llama2cTokenizer", "load_llama2c"),
 }
 _LAZY = {name: module for module, names in _MODULES.items() for name in names}

@@ -38,7 +38,8 @@ from verispec.errors import UsageError
 from verispec.kernels.cpu import GGUF_TYPES, NativeLayer, PackedMatrix, Projection
 from verispec.models.gguf import first_line
 from verispec.models.gguf_file import GGUFFile, GGUFTensor, read_gguf
-from verispec.models.llama import FORMATS, Llama, LlamaConfig, RopeScaling, _DecoderLayer
+from verispec.models.llama import FORMATS, Llama, _DecoderLayer
+from verispec.models.llama_config import LlamaConfig, RopeScaling
 
 __all__ = ["ARCHITECTURES", "GGUFEmbedding", "in_place_problem", "load_gguf", "read_gguf"]
 

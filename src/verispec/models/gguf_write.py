@@ -22,7 +22,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 from verispec.errors import UsageError
 from verispec.files import atomic_path, check_writable
 from verispec.inputs import check_seed
-from verispec.models.llama import LlamaConfig
+from verispec.models.llama_config import LlamaConfig
 
 __all__ = [
     "RANDOM_NAME",

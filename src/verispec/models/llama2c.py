@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 from verispec.errors import UsageError
-from verispec.models.llama import Llama, LlamaConfig
+from verispec.models.llama import Llama
+from verispec.models.llama_config import LlamaConfig
 
 if TYPE_CHECKING:
     from verispec.grammar.tools import Tools

@@ -34,7 +34,8 @@ from verispec.errors import UsageError
 from verispec.inputs import is_int
 from verispec.models.base import LanguageModel
 from verispec.models.kv_cache import RowsBeside
-from verispec.models.llama import Llama, LlamaConfig, _DecoderLayer, _Linear, run_layers
+from verispec.models.llama import Llama, _DecoderLayer, _Linear, run_layers
+from verispec.models.llama_config import LlamaConfig
 
 __all__ = ["Eagle2Drafter", "Eagle2Head"]
 

@@ -54,7 +54,8 @@ from verispec.files import atomic_path, atomic_write
 from verispec.inputs import is_int, parse_json
 from verispec.models.base import LanguageModel
 from verispec.models.kv_cache import RowsBeside
-from verispec.models.llama import _MLP, Llama, LlamaConfig, _Attention, _Linear, _RMSNorm, attention_inputs
+from verispec.models.llama import _MLP, Llama, _Attention, _Linear, _RMSNorm, attention_inputs
+from verispec.models.llama_config import LlamaConfig
 from verispec.options import SamplingParams
 
 __all__ = [

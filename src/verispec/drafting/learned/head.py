@@ -33,15 +33,8 @@ from verispec.errors import UsageError
 from verispec.files import atomic_path
 from verispec.kernels.cpu import PackedMatrix
 from verispec.models.base import LanguageModel
-from verispec.models.llama import (
-    ARCHITECTURE_FIELDS,
-    Llama,
-    _Linear,
-    _onednn_linear_works,
-    _RMSNorm,
-    pack_fitting,
-    pack_linears,
-)
+from verispec.models.llama import Llama, _Linear, _onednn_linear_works, _RMSNorm, pack_fitting, pack_linears
+from verispec.models.llama_config import ARCHITECTURE_FIELDS
 
 __all__ = [
     "DRAFT_FORMAT",
