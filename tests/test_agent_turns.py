@@ -19,7 +19,7 @@ from test_tools import TOOLS, fallback_chat, stories  # noqa: F401  # stories: s
 from toy import single_threaded
 from verispec.api import Speculator
 from verispec.bench.agent import answer
-from verispec.bench.suite import builtin_tasks
+from verispec.bench.prompts import builtin_tasks
 from verispec.engine.engine import SpeculativeEngine
 from verispec.engine.sequence import GenerationStats
 from verispec.grammar.tools import Tools, read_calls

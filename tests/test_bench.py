@@ -14,21 +14,14 @@ import pytest
 import torch
 from matplotlib import image
 
+from verispec.bench import metrics as bench_metrics
 from verispec.bench import suite as bench
 from verispec.bench.goals import load_goals
+from verispec.bench.metrics import predicted_speedup
 from verispec.bench.peers import to_transformers
+from verispec.bench.prompts import builtin_tasks, load_prompts
 from verispec.bench.report import CHARTS, goals
-from verispec.bench.suite import (
-    METHODS,
-    TASKS,
-    BenchConfig,
-    Method,
-    builtin_tasks,
-    load_prompts,
-    plan_methods,
-    predicted_speedup,
-    select_tasks,
-)
+from verispec.bench.suite import METHODS, TASKS, BenchConfig, Method, plan_methods, select_tasks
 from verispec.cli import main
 from verispec.costs.analytic import CostModel, expected_speedup
 from verispec.errors import UsageError
@@ -382,13 +375,15 @@ def test_an_interrupted_bench_keeps_its_finished_cells(
 
 def test_ratio_of_medians_handles_missing_baselines():
     cell = {"samples": [], "label": "x"}
-    assert bench.cell_metrics(cell, None, None, None, None) is None
+    assert bench_metrics.cell_metrics(cell, None, None, None, None) is None
     spread = {"median": 3.0, "min": 3.0, "max": 3.0, "n": 1}
     other = {"metrics": {"tokens_per_second": {"median": 2.0}, "decode_tokens_per_second": {"median": 1.0}}}
-    assert np.isclose(bench._ratio(spread, other), 1.5) and np.isclose(
-        bench._ratio(spread, other, decode=True), 3
+    assert np.isclose(bench_metrics._ratio(spread, other), 1.5) and np.isclose(
+        bench_metrics._ratio(spread, other, decode=True), 3
     )
-    assert bench._ratio(spread, None) is None and bench._ratio(spread, {"metrics": None}) is None
+    assert (
+        bench_metrics._ratio(spread, None) is None and bench_metrics._ratio(spread, {"metrics": None}) is None
+    )
 
 
 def _cell(task: str, method: str, k: str, tps: float, efficiency: float | None = None) -> dict:

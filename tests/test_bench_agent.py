@@ -16,7 +16,7 @@ from test_tools import fallback_chat, stories  # noqa: F401  # stories: stories2
 from toy import single_threaded
 from verispec.api import Speculator
 from verispec.bench.agent import FINISH, answer, calculate, read_reply, run_loop, valid_call
-from verispec.bench.suite import builtin_tasks, load_prompts
+from verispec.bench.prompts import builtin_tasks, load_prompts
 from verispec.drafting.suffix_cache import SuffixCache
 from verispec.errors import UsageError
 from verispec.grammar.tools import Tools

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from verispec.bench.suite import Prompt, builtin_tasks, load_prompts
+from verispec.bench.prompts import Prompt, builtin_tasks, load_prompts
 from verispec.bench.workloads import CacheSnapshots
 from verispec.cli import main
 

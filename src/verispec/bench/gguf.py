@@ -340,7 +340,7 @@ def _agreement(model: Llama, path: Path, peer: _LlamaCpp) -> dict:
     the bench's summarization prompts (the file's own tokenizer): the share of positions where their most
     likely tokens agree and KL(llama.cpp ‖ verispec), mean and max; and how many of verispec's 48 greedy
     tokens after the first 128 of them llama.cpp's greedy choice repeats before it first differs."""
-    from verispec.bench.suite import builtin_tasks
+    from verispec.bench.prompts import builtin_tasks
     from verispec.models.registry import load_tokenizer
 
     text = "\n\n".join(str(p.for_model(chat=False)) for p in builtin_tasks()["summarization"])

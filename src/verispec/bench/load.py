@@ -34,7 +34,7 @@ import torch
 
 from verispec.api import Speculator
 from verispec.bench.methods import LOAD_METHODS
-from verispec.bench.suite import builtin_tasks
+from verispec.bench.prompts import builtin_tasks
 from verispec.bench.workloads import WARM
 from verispec.choice import DEFAULT_PRECISION, ModelChoice
 from verispec.drafting.registry import DRAFT_MODEL, PLAIN

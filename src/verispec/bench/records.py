@@ -74,7 +74,7 @@ class TimeSplit(TypedDict):
 
 
 class Metrics(TypedDict):
-    """A cell's metrics (:func:`verispec.bench.suite.cell_metrics`); None where they do not apply."""
+    """A cell's metrics (:func:`verispec.bench.metrics.cell_metrics`); None where they do not apply."""
 
     tokens_per_second: Spread
     decode_tokens_per_second: Spread

@@ -58,14 +58,12 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -85,6 +83,7 @@ from verispec.bench.methods import (
     TREE_METHODS,
     results_dir,
 )
+from verispec.bench.metrics import add_samples, cell_metrics
 from verispec.bench.peers import (
     LlamaCppPeer,
     PeerRequest,
@@ -92,13 +91,14 @@ from verispec.bench.peers import (
     llamacpp_missing,
     load_transformers,
 )
+from verispec.bench.prompts import Prompt, builtin_tasks, load_prompts
 from verispec.bench.records import Calibration as CalibrationRecord
-from verispec.bench.records import Cell, Identity, Machine, Metrics, Results, Sample, Spread, Validity
+from verispec.bench.records import Cell, Identity, Machine, Results, Sample, Validity
 from verispec.bench.report import write_report
 from verispec.bench.schemas import valid_json
-from verispec.bench.workloads import WARM, CacheSnapshots, turns
+from verispec.bench.workloads import WARM, CacheSnapshots
 from verispec.choice import DEFAULT_PRECISION, ModelChoice
-from verispec.costs.analytic import CostModel, expected_tokens_per_call
+from verispec.costs.analytic import CostModel
 from verispec.costs.calibrate import Calibration, cpu_name
 from verispec.drafting.learned.head import read_drafter_file
 from verispec.drafting.learned.kinds import shipped_drafter
@@ -108,7 +108,6 @@ from verispec.drafting.tree import AUTO, TreeShape
 from verispec.engine.sequence import GenerationStats
 from verispec.errors import UsageError
 from verispec.files import atomic_write
-from verispec.grammar.constraint import Constraint
 from verispec.grammar.tools import Tools
 from verispec.inputs import check_int, check_seed
 from verispec.models.base import LanguageModel, Tokenizer, has_chat_template
@@ -125,13 +124,8 @@ __all__ = [
     "Bench",
     "BenchConfig",
     "Method",
-    "Prompt",
-    "builtin_tasks",
-    "cell_metrics",
-    "load_prompts",
     "memory_mib",
     "plan_methods",
-    "predicted_speedup",
 ]
 
 BASELINE, PEER_BASELINE, LLAMACPP_BASELINE = "none", TRANSFORMERS_PEERS[0], LLAMACPP_PEERS[0]
@@ -144,126 +138,7 @@ PLAIN_PEER = {
     "transformers-lookup": PEER_BASELINE,
     "llamacpp-lookup": LLAMACPP_BASELINE,
 }
-_ROLES = ("system", "user", "assistant")
-# a tool task's counts in its samples (:class:`~verispec.bench.records.Sample`)
-_LOOP_COUNTS: tuple[Literal["turns", "tool_calls", "valid_tool_calls", "cut_tool_calls"], ...] = (
-    "turns",
-    "tool_calls",
-    "valid_tool_calls",
-    "cut_tool_calls",
-)
 _RECALIBRATION = 10  # repetitions of a calibration the bench measures
-_TASK_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-
-
-# ---------------------------------------------------------------------------------------------- prompts
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt of a task: a conversation ending with a user turn (a plain prompt is one user turn)."""
-
-    task: str
-    id: str
-    messages: tuple[tuple[str, str], ...]  # (role, content)
-    follow_ups: tuple[str, ...] = ()  # a sequence's later user turns (:mod:`verispec.bench.workloads`)
-    constraint: Constraint | None = None  # the schema a constrained method holds the output to
-    agent: Agent | None = None  # an agent loop's tools and turns (a tool task's: :mod:`verispec.bench.agent`)
-
-    def turn(self, replies: Sequence[str]) -> Prompt:
-        """Request ``len(replies)`` of this sequence, after those replies (:func:`workloads.turns`)."""
-        if not replies:
-            return self
-        messages = turns(self.messages, self.follow_ups, replies)
-        return Prompt(self.task, f"{self.id}#{len(replies)}", messages, constraint=self.constraint)
-
-    def for_model(self, chat: bool) -> str | list[dict[str, str]]:
-        """What the speculator encodes: the messages for a chat template, else their contents as plain text,
-        separated by blank lines."""
-        if chat:
-            return [{"role": role, "content": content} for role, content in self.messages]
-        return "\n\n".join(content for _, content in self.messages)
-
-
-def _parse_prompt(line: str, where: str, task: str, index: int) -> Prompt:
-    """One JSONL line: {"prompt": str} or {"messages": [{"role", "content"}, ...]}, optional "id", "task",
-    "follow_ups" (a sequence's later user turns, non-empty strings) and "schema" (a JSON schema, the output's
-    for the constrained methods), or an agent loop's "tools", "tool_choice", "parallel_tool_calls" and
-    "max_turns" (:class:`~verispec.bench.agent.Agent`)."""
-    try:
-        data = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise UsageError(f"{where}: not valid JSON ({err.msg})") from None
-    if not isinstance(data, dict) or ("prompt" in data) == ("messages" in data):
-        raise UsageError(f'{where}: expected an object with either "prompt" or "messages"')
-    if "prompt" in data:
-        messages = [{"role": "user", "content": data["prompt"]}]
-    else:
-        messages = data["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise UsageError(f'{where}: "messages" must be a non-empty list')
-    pairs = []
-    for m in messages:
-        ok = isinstance(m, dict) and m.get("role") in _ROLES and isinstance(m.get("content"), str)
-        if not ok or not m["content"].strip():
-            raise UsageError(
-                f"{where}: each message needs a role ({', '.join(_ROLES)}) and non-empty content"
-            )
-        pairs.append((m["role"], m["content"]))
-    if pairs[-1][0] != "user":
-        raise UsageError(f"{where}: the last message must be the user's")
-    task = data.get("task", task)
-    if not isinstance(task, str) or not _TASK_NAME.fullmatch(task):
-        raise UsageError(f"{where}: \"task\" must be a name of letters, digits, '_', '.', '-'")
-    prompt_id = data.get("id", f"{task}-{index}")
-    if not isinstance(prompt_id, str) or not prompt_id:
-        raise UsageError(f'{where}: "id" must be a non-empty string')
-    follow_ups = data.get("follow_ups", [])
-    if not isinstance(follow_ups, list) or not all(isinstance(f, str) and f.strip() for f in follow_ups):
-        raise UsageError(f'{where}: "follow_ups" must be a list of non-empty strings')
-    schema = data.get("schema")
-    if schema is not None and not isinstance(schema, dict):
-        raise UsageError(f'{where}: "schema" must be a JSON schema (an object)')
-    try:
-        constraint = Constraint.of(json_schema=schema)
-    except UsageError as err:
-        raise UsageError(f"{where}: {err}") from None
-    agent = Agent.of(data, where)
-    if agent is not None and (follow_ups or constraint is not None):
-        raise UsageError(f'{where}: an agent item takes no "follow_ups" or "schema" beside "tools"')
-    return Prompt(task, prompt_id, tuple(pairs), tuple(follow_ups), constraint, agent)
-
-
-def load_prompts(path: str | os.PathLike, default_task: str | None = None) -> list[Prompt]:
-    """The prompts of a JSONL file: one JSON object per line, ``{"prompt": "..."}`` or
-    ``{"messages": [{"role": "user", "content": "..."}, ...]}`` (roles system/user/assistant, ending with the
-    user's), with an optional ``"id"`` and ``"task"`` (default: the file's stem). Blank lines are skipped.
-    UsageError naming the file and line for anything else."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise UsageError(
-            f"cannot read the prompts file {path}: {getattr(err, 'strerror', None) or err}"
-        ) from None
-    task = default_task or path.stem
-    prompts = [_parse_prompt(line, f"{path}:{n}", task, n) for n, line in enumerate(lines, 1) if line.strip()]
-    if not prompts:
-        raise UsageError(f"the prompts file {path} holds no prompts")
-    ids = [(p.task, p.id) for p in prompts]
-    if len(set(ids)) != len(ids):
-        raise UsageError(f"{path}: prompt ids repeat within a task")
-    return prompts
-
-
-def builtin_tasks() -> dict[str, list[Prompt]]:
-    """The task suite shipped with verispec: :data:`TASKS` → its prompts."""
-    folder = resources.files("verispec") / "data" / "tasks"
-    tasks = {}
-    for name in TASKS:
-        with resources.as_file(folder / f"{name}.jsonl") as path:
-            tasks[name] = load_prompts(path, name)
-    return tasks
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -516,151 +391,6 @@ def plan_methods(config: BenchConfig) -> tuple[list[Method], list[str]]:
     return methods, notes
 
 
-# ---------------------------------------------------------------------------------------------- metrics
-
-
-def predicted_speedup(
-    target_calls: int,
-    drafted_per_position: Sequence[int],
-    accepted_per_position: Sequence[int],
-    cost: CostModel,
-) -> float | None:
-    """The analytic model's decoding speedup over plain decoding for a run's rounds, from its measured
-    acceptance and the calibrated costs:
-
-        Σ_d n_d · E[L](α_1..α_d) / Σ_d n_d · (v(d+1) + d·c)
-
-    where n_d is the number of rounds that drafted d tokens (rounds may draft fewer than K: an n-gram lookup
-    without a match, ``--k auto``, the last tokens of a generation) and α_i the measured acceptance at
-    position i given that every earlier position was accepted. With a constant K and every round drafting
-    K this is E[L](α, K) / (v(K+1) + K·c), :func:`verispec.costs.analytic.expected_speedup`.
-    ``drafted_per_position
-    [i]`` counts the rounds that drafted position i, ``accepted_per_position[i]`` those that accepted it (as
-    :class:`~verispec.engine.sequence.GenerationStats` keeps them). None when nothing ran or K exceeds the
-    curve."""
-    depth = len(drafted_per_position)
-    if target_calls <= 0 or (cost.max_k is not None and depth > cost.max_k):
-        return None
-    at_least = [target_calls, *drafted_per_position, 0]  # [depth + 2]: rounds that drafted ≥ d tokens
-    alphas, reached = [], 1.0  # reached: the fraction of rounds that accepted every position so far
-    for accepted, drafted in zip(accepted_per_position, drafted_per_position, strict=True):
-        rate = accepted / drafted if drafted else 0.0  # P(positions 1..i all accepted | i drafted)
-        alphas.append(rate / reached if reached > 0 else 0.0)
-        reached = rate
-    tokens = cost_units = 0.0
-    for d in range(depth + 1):
-        rounds = at_least[d] - at_least[d + 1]
-        tokens += rounds * expected_tokens_per_call(np.clip(alphas[:d], 0.0, 1.0))
-        cost_units += rounds * cost.round_cost(d)
-    return tokens / cost_units
-
-
-def _spread(values: Sequence[float]) -> Spread:
-    """The median, extremes and number of a non-empty list of values."""
-    return {"median": float(np.median(values)), "min": min(values), "max": max(values), "n": len(values)}
-
-
-def _positionwise(counts: Iterable[list[int]]) -> list[int]:
-    """Per-position counts summed position by position (the shorter lists padded with zeros)."""
-    total: list[int] = []
-    for row in counts:
-        total += [0] * (len(row) - len(total))
-        for i, count in enumerate(row):
-            total[i] += count
-    return total
-
-
-def _add_samples(samples: Sequence[Sample]) -> Sample:
-    """One record for several: counters and per-position counts summed, memory peaks their maximum."""
-    total: Sample = {
-        "tokens": sum(s["tokens"] for s in samples),
-        "decode_tokens": sum(s["decode_tokens"] for s in samples),
-        "seconds": sum(s["seconds"] for s in samples),
-        "prefill": sum(s["prefill"] for s in samples),
-        "draft": sum(s["draft"] for s in samples),
-        "target": sum(s["target"] for s in samples),
-        "calls": sum(s["calls"] for s in samples),
-        "drafted": sum(s["drafted"] for s in samples),
-        "accepted": sum(s["accepted"] for s in samples),
-        "drafted_per_position": _positionwise(s["drafted_per_position"] for s in samples),
-        "accepted_per_position": _positionwise(s["accepted_per_position"] for s in samples),
-        "tree_nodes": sum(s["tree_nodes"] for s in samples),
-        "forced": sum(s["forced"] for s in samples),
-        "cached_prompt_tokens": sum(s.get("cached_prompt_tokens", 0) for s in samples),  # older files: none
-        "prompt_tokens": sum(s.get("prompt_tokens", 0) for s in samples),
-        "peak_rss_mib": max(s["peak_rss_mib"] for s in samples),
-        "rss_growth_mib": max(s["rss_growth_mib"] for s in samples),
-        "prompts": sum(s["prompts"] for s in samples),
-    }
-    for key in _LOOP_COUNTS:
-        if any(key in s for s in samples):
-            total[key] = sum(s.get(key, 0) for s in samples)
-    return total
-
-
-def cell_metrics(
-    cell: Cell, none: Cell | None, peer: Cell | None, llamacpp: Cell | None, cost: CostModel | None
-) -> Metrics | None:
-    """The metrics of one cell (see the module doc) from its samples (None before the first); ``none``,
-    ``peer`` and ``llamacpp`` are the cells of verispec ``none``, transformers plain and llama.cpp plain for
-    the same task and temperature (None: not run), ``cost`` the calibrated cost model of the cell's verispec
-    drafter (None for peers)."""
-    samples = cell["samples"]
-    if not samples:
-        return None
-    total = _add_samples(samples)
-    calls, drafted, seconds = total["calls"], total["drafted"], total["seconds"]
-    scored = total["tree_nodes"] or drafted  # tree rounds score nodes, not depth
-    speed = _spread([s["tokens"] / s["seconds"] for s in samples])
-    decode = _spread([s["decode_tokens"] / max(s["seconds"] - s["prefill"], 1e-9) for s in samples])
-    accepted_at, drafted_at = total["accepted_per_position"], total["drafted_per_position"]
-    decode_speedup = _ratio(decode, none, decode=True)
-    predicted = None if cost is None else predicted_speedup(calls, drafted_at, accepted_at, cost)
-    return {
-        "tokens_per_second": speed,
-        "decode_tokens_per_second": decode,
-        "tokens_per_target_call": total["tokens"] / calls if calls else None,
-        "forward_size": 1 + scored / calls if calls and cell["method"] not in PEERS else None,
-        "acceptance_rate": total["accepted"] / drafted
-        if drafted and not cell.get("peer_acceptance_unknown")
-        else None,
-        "acceptance_per_position": [a / d for a, d in zip(accepted_at, drafted_at, strict=True)],
-        "time_split": {
-            "prefill": total["prefill"] / seconds,
-            "draft": total["draft"] / seconds,
-            "target": total["target"] / seconds,
-            "other": 1 - (total["prefill"] + total["draft"] + total["target"]) / seconds,
-        },
-        "peak_rss_mib": total["peak_rss_mib"],
-        "rss_growth_mib": total["rss_growth_mib"],
-        "speedup_vs_transformers": _ratio(speed, peer),
-        "speedup_vs_llamacpp": _ratio(speed, llamacpp),
-        "speedup_vs_none": _ratio(speed, none),
-        "decode_speedup_vs_none": decode_speedup,
-        "predicted_speedup": predicted,
-        "efficiency": decode_speedup / predicted if predicted and decode_speedup else None,
-        "forced_share": total["forced"] / total["tokens"] if total["forced"] and total["tokens"] else None,
-        "prompt_scored": _prompt_scored(total, len(samples)),
-    }
-
-
-def _prompt_scored(total: Sample, samples: int) -> list[float] | None:
-    """A sample's prompt tokens scored (not kept from a slot) and all its prompt tokens, the mean of
-    ``samples`` summed in ``total`` (None for files written before prompts were counted)."""
-    prompt = total.get("prompt_tokens", 0)
-    return [(prompt - total["cached_prompt_tokens"]) / samples, prompt / samples] if prompt else None
-
-
-def _ratio(spread: Spread, other: Cell | None, decode: bool = False) -> float | None:
-    """The median of ``spread`` over the median tokens/s (``decode``: decoding tokens/s) of the cell
-    ``other`` (None where it is absent or not measured)."""
-    measured = other.get("metrics") if other else None
-    if not measured:
-        return None
-    base = measured["decode_tokens_per_second" if decode else "tokens_per_second"]
-    return spread["median"] / base["median"]
-
-
 # ---------------------------------------------------------------------------------------------- memory
 
 
@@ -862,7 +592,7 @@ class Bench:
             ids += out
             records.append(record)
             replies.append(self.tokenizer.decode(out))
-        return ids, _add_samples(records)
+        return ids, add_samples(records)
 
     def _agent_loop(
         self, method: Method, prompt: Prompt, agent: Agent, sampling: SamplingParams, cache: SuffixCache
@@ -898,7 +628,7 @@ class Bench:
             if method.name == BASELINE:
                 self.conversations[key] = loop.conversations
             calls, valid, cut = len(loop.calls), loop.valid, loop.cut
-        record = _add_samples(records)
+        record = add_samples(records)
         record["turns"], record["tool_calls"] = len(records), calls
         record["valid_tool_calls"], record["cut_tool_calls"] = valid, cut
         return ids, record
@@ -1043,7 +773,7 @@ class Bench:
                     cell.invalid[prompt.id] = cell.invalid.get(prompt.id, 0) + calls - valid
             records.append(record)
             tick()
-        cell.samples.append(_add_samples(records))
+        cell.samples.append(add_samples(records))
 
     # ------------------------------------------------------------------ the loop
 
