@@ -12,7 +12,7 @@ import torch
 
 from test_eagle import VOCAB, fresh_head, tiny_target
 from verispec.errors import UsageError
-from verispec.files import atomic_path, atomic_write
+from verispec.files import atomic_path, atomic_write, check_writable
 
 
 def mode(path: Path) -> int:
@@ -80,3 +80,29 @@ def test_files_get_the_permissions_of_a_plain_open(tmp_path):
         assert sorted(os.listdir(drafter.parent)) == ["eagle.safetensors"]
     finally:
         os.umask(old)
+
+
+def test_a_link_is_written_through_and_a_pipe_or_device_is_never_replaced(tmp_path):
+    """A symbolic link stays a link, the file it names written (a dangling one: that file created); a FIFO
+    (as a device or a socket) is refused in one line and left as it was, never renamed over."""
+    target, link = tmp_path / "real.txt", tmp_path / "link.txt"
+    target.write_text("old")
+    link.symlink_to(target)
+    atomic_write(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+    dangling = tmp_path / "dangling.txt"
+    dangling.symlink_to(tmp_path / "made.txt")
+    atomic_write(dangling, "made")
+    assert dangling.is_symlink() and (tmp_path / "made.txt").read_text() == "made"
+    fifo = tmp_path / "fifo.html"
+    os.mkfifo(fifo)
+    for write in (lambda: atomic_write(fifo, "x"), lambda: check_writable(fifo)):
+        with pytest.raises(UsageError, match="not a regular file") as info:
+            write()
+        assert "\n" not in str(info.value)
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and sorted(p.name for p in tmp_path.iterdir()) == [
+        "dangling.txt", "fifo.html", "link.txt", "made.txt", "real.txt"
+    ]  # fmt: skip
+    if os.path.exists("/dev/null"):
+        with pytest.raises(UsageError, match="not a regular file"):
+            check_writable("/dev/null")

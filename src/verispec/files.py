@@ -1,7 +1,9 @@
 """Files written atomically, the one way verispec writes a file that must never be seen half-written.
 
 A temporary file beside the target is filled, then renamed over it (``os.replace``): a reader sees the old
-file or the new one, never part of either, and a failure leaves the old file and no temporary file. The new
+file or the new one, never part of either, and a failure leaves the old file and no temporary file. A
+symbolic link's target is what is written (the link stays); a device, a pipe or a socket is refused, never
+replaced by a file. The new
 file gets the permissions a plain ``open(path, "w")`` would give it: an existing file's own mode, else
 0o666 less the umask (never ``mkstemp``'s 0o600, nor the 0o600 some libraries create their files with),
 unless the caller gives a ``mode`` (a secret's 0o600: the temporary file has it from its creation on).
@@ -24,15 +26,20 @@ __all__ = ["atomic_path", "atomic_write", "check_writable"]
 
 
 def check_writable(path: str | os.PathLike, suffix: str | None = None) -> Path:
-    """``path`` as a Path, if a file can be created there (its directory exists and is writable, and it is
-    not a directory) and it ends in ``suffix`` (None: any); else UsageError. Checked before a long
-    computation whose result goes there."""
-    path = Path(path)
-    if suffix is not None and path.suffix != suffix:
-        raise UsageError(f"the output file must end in {suffix}, got {path.name}")
+    """The Path a file given as ``path`` is written to (a symbolic link's target: the link stays, the file it
+    names is written, as ``open()`` would), if a file can be created there (its directory exists and is
+    writable, and it is not a directory, nor a device, a pipe or a socket, which a rename would replace) and
+    it ends in ``suffix`` (None: any); else UsageError. Checked before a long computation whose result goes
+    there."""
+    given = Path(path)
+    if suffix is not None and given.suffix != suffix:
+        raise UsageError(f"the output file must end in {suffix}, got {given.name}")
+    path = Path(os.path.realpath(given)) if given.is_symlink() else given
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
-        raise UsageError(f"cannot write {path}: it is a directory")
+        raise UsageError(f"cannot write {given}: it is a directory")
+    if path.exists() and not path.is_file():
+        raise UsageError(f"cannot write {given}: not a regular file (a device, a pipe or a socket)")
     if not parent.is_dir():
         raise UsageError(f"cannot write {path}: no directory {parent}")
     if not os.access(parent, os.W_OK | os.X_OK):
