@@ -67,8 +67,15 @@ def test_bench_gguf_times_llama_cpp_beside_the_kernels(tmp_path, own_cache):
         (["--shape", "hidden=64", "--type", "Q4_K"], "shape"),
         (["--shape", SHAPE, "--type", "Q3_K"], "Q3_K"),
         (["--shape", "llama3-9b", "--type", "Q4_K"], "llama3-9b"),
+        (["--shape", f"{SHAPE},rope_base=nan", "--type", "Q8_0"], "'rope_base=nan' in"),
+        (["--shape", f"{SHAPE},rope_factor=0", "--type", "Q8_0"], "rope_factor must be a finite number > 0"),
+        (["--shape", f"{SHAPE},tied=7", "--type", "Q8_0"], "tied must be 0 or 1, got '7'"),
+        # before anything is allocated: a vocabulary's tokens are listed; a file larger than the disk's room
+        (["--shape", SHAPE.replace("vocab=", "vocab=999999999"), "--type", "Q8_0"], "vocab must be at most"),
+        (["--shape", "hidden=65536,layers=2000,heads=2,kv_heads=1,ffn=256000,vocab=4000000",
+          "--type", "Q8_0"], "GB does not fit in the"),
     ],
-)
+)  # fmt: skip
 def test_write_gguf_refuses_bad_arguments_in_one_line(tmp_path, capsys, argv, message):
     out = tmp_path / "x.gguf"
     assert cli.main(["write-gguf", *argv, "--out", str(out)]) == 2

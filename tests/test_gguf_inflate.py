@@ -23,7 +23,7 @@ from verispec.drafting.learned.inflate import inflate_drafter
 from verispec.drafting.learned.kinds import HEADS, load_head, shipped_drafter
 from verispec.errors import UsageError
 from verispec.kernels.cpu import native_available
-from verispec.models.gguf_inflate import Source, inflate_gguf, plan_inflation
+from verispec.models.gguf_inflate import INFLATED_FROM, Source, inflate_gguf, plan_inflation
 from verispec.models.gguf_native import load_gguf
 from verispec.models.gguf_write import SHAPES
 from verispec.models.names import DEFAULT_MODEL
@@ -149,6 +149,20 @@ def test_a_shape_that_cannot_be_inflated_is_one_line_and_writes_nothing(tmp_path
     with pytest.raises(UsageError, match=match):
         inflate_gguf(source, tmp_path / "out.gguf", shape)
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_an_inflation_never_overwrites_its_source_and_names_its_own(tmp_path):
+    """The output may not be the source (read while written), as requantizing refuses; an inflated file
+    inflated again names where it comes from once (the source's record replaced, not repeated)."""
+    source = tiny_source(tmp_path, "llama-q8_0")
+    before = source.read_bytes()
+    with pytest.raises(UsageError, match="must not be the source file"):
+        inflate_gguf(source, source, "hidden=128,ffn=256")
+    assert source.read_bytes() == before
+    once, _ = inflate_gguf(source, tmp_path / "once.gguf", "hidden=128,ffn=256")
+    twice, _ = inflate_gguf(once, tmp_path / "twice.gguf", "hidden=192,ffn=512")
+    fields = [f.name for f in gguf.GGUFReader(twice).fields.values()]
+    assert fields.count(INFLATED_FROM) == 1
 
 
 def test_a_source_that_cannot_be_inflated_is_one_line(tmp_path):

@@ -63,6 +63,7 @@ _OUTPUTS = ("attn_output", "ffn_down")  # what a post norm reads
 _UNCHANGED = ("attn_q_norm", "attn_k_norm", "rope_freqs")
 _DEFAULT_EPS = 1e-6  # RMSNorm's ε where a file has none (gguf_native's)
 _FFN_STEP = 256  # a preset's feed-forward width grows by whole super-blocks
+INFLATED_FROM = "verispec.inflated_from"  # the metadata key naming the model an inflated file computes
 
 
 @dataclass(frozen=True)
@@ -287,7 +288,8 @@ def inflate_gguf(source: str | Path, out: str | Path, shape: str) -> tuple[Path,
     src = read_source(reader)
     plan = plan_inflation(src, shape)
     parts = [(tensor, _place(src, plan, tensor)) for tensor in reader.tensors]  # all checked before writing
-    check_writable(out, ".gguf")
+    if check_writable(out, ".gguf").resolve() == source.resolve():  # read while it is written
+        raise UsageError(f"the output file must not be the source file ({source})")
     with atomic_path(out) as partial:
         writer = GGUFWriter(str(partial), src.arch)
         _copy_metadata(reader, writer, src, plan)
@@ -394,7 +396,7 @@ def _vector(tensor: ReaderTensor, size: int, scale: float) -> np.ndarray:
 
 def _copy_metadata(reader: GGUFReader, writer: GGUFWriter, src: Source, plan: Inflation) -> None:
     """Every metadata value of the source in its own type, the widths (and an unscaled stream's ε) replaced,
-    and where the file comes from (``verispec.inflated_from``)."""
+    and where the file comes from (:data:`INFLATED_FROM`)."""
     arch = src.arch
     changed: dict[str, object] = {
         f"{arch}.embedding_length": plan.hidden[1],
@@ -411,12 +413,12 @@ def _copy_metadata(reader: GGUFReader, writer: GGUFWriter, src: Source, plan: In
     name = str(_value(reader, "general.name", "model"))
     changed["general.name"] = f"{name} inflated ({plan.describe()}: the source's function)"
     for field in reader.fields.values():
-        if field.name == "general.architecture" or field.name.startswith("GGUF."):
-            continue  # the writer's own
+        if field.name in ("general.architecture", INFLATED_FROM) or field.name.startswith("GGUF."):
+            continue  # the writer's own, or where this file comes from (an inflated source's: written below)
         kind = field.types[0]
         sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, changed.pop(field.name, field.contents()), kind, sub_type=sub)
     for key, value in changed.items():  # what the source left to its defaults
         types = {str: GGUFValueType.STRING, float: GGUFValueType.FLOAT32, int: GGUFValueType.UINT32}
         writer.add_key_value(key, value, types[type(value)])
-    writer.add_key_value("verispec.inflated_from", name, GGUFValueType.STRING)
+    writer.add_key_value(INFLATED_FROM, name, GGUFValueType.STRING)

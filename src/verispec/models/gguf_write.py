@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
@@ -74,6 +75,7 @@ SHAPES = {
         hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256, tied=False, rope_base=500000.0
     ),
 }
+MAX_VOCAB = 1 << 22  # a random file's vocabulary at most (Gemma 3's is 262,144)
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16")
 # type → (byte offset of d, the typical |integer| d multiplies, byte offset of the minimum or None, the
 # minimum in units of d): ggml's block layouts (Q6_K keeps d last, int8 sub-block scales before it)
@@ -116,21 +118,38 @@ def parse_shape(text: str) -> GGUFShape:
         if key not in known or not re.fullmatch(r"[0-9.e+]+|none", value.strip()) or key in values:
             raise UsageError(
                 f"shape must be one of {', '.join(SHAPES)} or hidden=H,layers=L,heads=N,kv_heads=K,ffn=F,"
-                f"vocab=V[,tied=0|1][,rope_base=B][,rope_factor=X|none][,context=C], got {text!r}"
+                f"vocab=V[,tied=0|1][,rope_base=B][,rope_factor=X|none][,context=C]: {item.strip()!r} in "
+                f"{text!r}"
             )
         value = value.strip()
-        if key == "rope_factor":
-            values[key] = None if value == "none" else float(value)
-        elif key == "rope_base":
-            values[key] = float(value)
+        if key in ("rope_factor", "rope_base"):
+            number = None if value == "none" and key == "rope_factor" else _float(value)
+            if number is not None and not (
+                math.isfinite(number) and number > (1 if key == "rope_base" else 0)
+            ):
+                low = "1" if key == "rope_base" else "0"
+                raise UsageError(f"shape's {key} must be a finite number > {low}, got {value!r}")
+            values[key] = number
         elif key == "tied":
+            if value not in ("0", "1"):
+                raise UsageError(f"shape's tied must be 0 or 1, got {value!r}")
             values[key] = value == "1"
         else:
             values[key] = int(value) if value.isdigit() else value
     missing = [name for name, f in known.items() if f.default is MISSING and name not in values]
     if missing:
         raise UsageError(f"shape {text!r} lacks {', '.join(missing)}")
+    vocab = values["vocab"]
+    if isinstance(vocab, int) and vocab > MAX_VOCAB:  # its tokens are listed in the file, one string each
+        raise UsageError(f"shape's vocab must be at most {MAX_VOCAB}, got {vocab}")
     return GGUFShape(**values)  # type: ignore[arg-type]  # each value checked by config()
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan  # refused by the caller, naming its key
 
 
 def random_blocks(rng: np.random.Generator, type_name: str, rows: int, cols: int) -> np.ndarray:
@@ -165,10 +184,24 @@ def write_random_gguf(path: str | Path, shape: GGUFShape, type_name: str, seed: 
     widths = sorted({c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size})
     if any(w % block for w in widths):
         raise UsageError(f"{type_name} needs widths that are multiples of {block}, and these are {widths}")
-    check_writable(path, ".gguf")
+    free = shutil.disk_usage(check_writable(path, ".gguf").parent).free
+    size = _file_bytes(c, type_name, shape.tied)
+    if size > free:
+        raise UsageError(
+            f"a file of about {size / 1e9:.1f} GB does not fit in the {free / 1e9:.1f} GB free there"
+        )
     with atomic_path(path) as partial:
         _write(partial, shape, c, type_name, np.random.default_rng(seed))
     return path
+
+
+def _file_bytes(c: LlamaConfig, type_name: str, tied: bool) -> int:
+    """About how many bytes the file's matrices take in ``type_name`` (norms and metadata aside)."""
+    block, size = (1, 2) if type_name == "F16" else GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    kv = c.num_kv_heads * c.head_dim
+    layer = c.hidden_size * (2 * c.num_heads * c.head_dim + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    weights = c.num_layers * layer + (1 if tied else 2) * c.vocab_size * c.hidden_size
+    return weights * size // block
 
 
 def _write(path: Path, shape: GGUFShape, c: LlamaConfig, type_name: str, rng: np.random.Generator) -> None:
