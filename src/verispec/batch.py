@@ -75,7 +75,8 @@ LOCAL = "local"  # --ray without an address: a Ray started here
 
 def read_requests(path: str | Path) -> list[Request]:
     """(id, prompt or messages, constraint) of every line of a JSONL request file (an id as the line gives it,
-    a string or an integer; a line without one gets its line number, a string; a line's constraint from its
+    a string or an integer; a line without one gets its line number, a string, or "line-N" where another line
+    gives that number as its id; a line's constraint from its
     "json_schema" (an object or its JSON text), "regex" or "grammar" key, at most one, else None; other keys
     are the line's own, ignored, but not a generation setting of the job's: :data:`JOB_SETTINGS`). A
     malformed line (not UTF-8, not JSON, nested too deeply, an integer too long, a prompt that is not valid
@@ -88,15 +89,16 @@ def read_requests(path: str | Path) -> list[Request]:
         raise UsageError(f"cannot read {path}: {err.strerror or err}") from None
     requests: list[Request] = []
     seen: dict[str, str] = {}  # id (as text: 3 and "3" are one id, as their seeds are) → the line that has it
+    given = {str(ident) for line in lines if (ident := _readable_id(line, {})) is not None}  # the file's ids
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        unnamed = str(number) if str(number) not in given else f"line-{number}"  # never a given id's
         try:
-            request = _request(line, f"{path}:{number}", number, seen)
+            request = _request(line, f"{path}:{number}", unnamed, seen)
         except UsageError as err:  # named by its id where the line gives a readable one not taken before
             request = _readable_id(line, seen) or f"line-{number}", {"error": str(err)}, None
-        named = " (its line number: a line without an id is named so)" if request[0] == str(number) else ""
-        seen.setdefault(str(request[0]), f"line {number}'s{named}")
+        seen.setdefault(str(request[0]), f"line {number}'s")
         requests.append(request)
     refused = [body["error"] for _, body, _ in requests if isinstance(body, dict)]
     if refused and len(refused) == len(requests):
@@ -118,9 +120,9 @@ def _readable_id(line: bytes, seen: dict[str, str]) -> Ident | None:
     return ident if readable and str(ident) not in seen else None
 
 
-def _request(line: bytes, where: str, number: int, seen: dict[str, str]) -> Request:
-    """One line's request; UsageError naming ``where`` when it is malformed (``seen``: the ids of the lines
-    before it, and which line has each)."""
+def _request(line: bytes, where: str, unnamed: str, seen: dict[str, str]) -> Request:
+    """One line's request (``unnamed``: its id where it gives none); UsageError naming ``where`` when it is
+    malformed (``seen``: the ids of the lines before it, and which line has each)."""
     try:
         entry = parse_json(line)
     except UsageError as err:
@@ -150,7 +152,7 @@ def _request(line: bytes, where: str, number: int, seen: dict[str, str]) -> Requ
         )
     for text in [body] if isinstance(body, str) else [m["content"] for m in body]:
         check_text(text, f"{where}: the prompt")
-    ident = entry.get("id", str(number))
+    ident = entry.get("id", unnamed)
     if not (isinstance(ident, str) or is_int(ident)):
         raise UsageError(f'{where}: "id" must be a string or an integer, got {json.dumps(ident)[:40]}')
     if str(ident) in seen:
