@@ -111,6 +111,8 @@ def test_malformed_parents_are_refused(parents, message):
 def test_too_many_nodes_are_refused(tmp_path):
     with pytest.raises(ValueError, match="more than the limit"):
         TreeShape.full(8, 4)  # 4681 nodes
+    with pytest.raises(ValueError, match="a 1000x1000 tree has more than the limit of 1024 nodes"):
+        TreeShape.full(1000, 1000)  # a count of 3,000 digits, never formatted as a float
     with pytest.raises(ValueError, match="exceeds the limit of 4"):
         TreeShape.from_paths(PATHS, max_nodes=4)
     with pytest.raises(ValueError, match="context of 15 positions"):

@@ -7,7 +7,8 @@ status. To add one, write the pair and call ``add_<name>_parser`` from :func:`bu
 Error contract: bad usage (unknown flag or subcommand, unparsable value) and any
 :class:`~verispec.errors.UsageError` raised while running (the library's validation convention) print exactly
 one line ``verispec: error: <message>`` on stderr and exit with status 2, as does running out of memory (a
-count or size beyond this machine: ``error: out of memory (...): ask for less``). Any other exception is a bug
+count or size beyond this machine: ``error: out of memory (...): ask for less``) and an output with no room
+left (a full disk, ``> /dev/full``: ``error: cannot write the output: ...``). Any other exception is a bug
 (ours or a library's): one line ``verispec: internal error: ...`` asking for a report, exit status 1, and its
 traceback with ``--debug``. Ctrl-C exits with 130 after one line (with what to do next where the command
 says it: ``batch``'s resume); a closed output pipe (``verispec ... | head``) exits quietly with 141 (128 +
@@ -17,6 +18,7 @@ SIGPIPE, as a process killed by it would).
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import traceback
@@ -46,6 +48,7 @@ _INTERNAL_ERROR = 1
 _USAGE_ERROR = 2
 _INTERRUPTED = 130  # 128 + SIGINT
 _BROKEN_PIPE = 141  # 128 + SIGPIPE
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # an output that takes no more: a full disk, /dev/full
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError):  # stdout is not a real file (e.g. captured); nothing to silence
             pass
         return _BROKEN_PIPE
+    except OSError as exc:  # an output with no room left: the machine's state, not a bug
+        if exc.errno not in _NO_ROOM:
+            return _internal(exc, args)
+        return _report(f"error: cannot write the output: {exc.strerror}", _USAGE_ERROR)
     except Exception as exc:  # a bug, ours or a library's: never presented as the user's mistake
         return _internal(exc, args)
 
