@@ -157,3 +157,19 @@ def test_a_target_loaded_once_drafts_beside_every_drafter(shared_model, monkeypa
         api.Speculator.on(target, drafter_path="x.safetensors")
     with pytest.raises(UsageError, match="needs a draft model"):
         api.Speculator.on(target, drafter="model")
+
+
+def test_a_draft_loads_with_its_own_tokenizer_unless_it_is_a_llama2c_checkpoint():
+    """--draft-tokenizer where given; else a llama2.c draft (no tokenizer of its own) takes the target's
+    --tokenizer, and any other draft its own: a GGUF draft beside a llama2.c target drafts across
+    tokenizers (the target's tok512.bin was forced on it: "512 ids and the model's vocabulary 49152")."""
+    from verispec.choice import ModelChoice
+
+    def spec(draft: str, draft_tokenizer: str | None = None) -> str | None:
+        choice = ModelChoice(target="t.bin", tokenizer="tok.bin", drafter="model", draft=draft,
+                             draft_tokenizer=draft_tokenizer)  # fmt: skip
+        return choice.draft_tokenizer_spec
+
+    assert spec("d.gguf") is None and spec("smollm2-135m") is None and spec("some/dir") is None
+    assert spec("d.bin") == "tok.bin"
+    assert spec("d.bin", "dtok.bin") == spec("d.gguf", "dtok.bin") == "dtok.bin"

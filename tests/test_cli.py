@@ -187,6 +187,7 @@ def test_mistakes_that_need_no_model_are_answered_before_torch_loads(tmp_path):
         "generate x --target smollm2": "unknown model 'smollm2' (did you mean smollm2-135m?)",
         "generate x --target missing.gguf": "no such file or directory: missing.gguf",
         f"generate x --target {checkpoint}": "is a llama2.c checkpoint: give its tokenizer file",
+        f"generate x --draft {checkpoint}": "give its tokenizer file (tok*.bin: --draft-tokenizer, or",
         "generate x --tokenizer missing.bin": "no such file: missing.bin",
         "generate x --drafter-path missing.safetensors": "no such drafter file: missing.safetensors",
         "generate x --drafter model": "drafter 'model' needs a draft model (--draft SPEC)",

@@ -83,13 +83,25 @@ class ModelChoice:
             check_spec(self.tokenizer, model=False)
         draft = self.draft
         if isinstance(draft, str) and early_exit_layers(draft) is None and self_draft(draft) is None:
-            check_spec(draft, self.draft_tokenizer or self.tokenizer)
+            check_spec(
+                draft, self.draft_tokenizer_spec, tokenizer_flag="--draft-tokenizer, or draft_tokenizer="
+            )
             if self.draft_tokenizer is not None:
                 check_spec(self.draft_tokenizer, model=False)
         if self.drafter_path is not None and not Path(self.drafter_path).expanduser().is_file():
             published = self.drafter in DRAFTERS and DRAFTERS[self.drafter].published  # its directory too
             if not (published and Path(self.drafter_path).expanduser().is_dir()):
                 raise UsageError(f"no such drafter file: {self.drafter_path}")
+
+    @property
+    def draft_tokenizer_spec(self) -> str | None:
+        """The tokenizer a draft model loads with: ``draft_tokenizer``, else for a llama2.c checkpoint (which
+        has none of its own) the target's ``tokenizer``, else None: the draft's own (a GGUF draft beside a
+        llama2.c target speaks its own vocabulary, drafting across tokenizers)."""
+        if self.draft_tokenizer is not None:
+            return self.draft_tokenizer
+        draft = self.draft
+        return self.tokenizer if isinstance(draft, str) and draft.endswith(".bin") else None
 
     def with_drafter(self, drafter: str, **fields: Unpack[DrafterFields]) -> ModelChoice:
         """The same target (SPEC, tokenizer, precision, device) with another drafter and what it drafts from

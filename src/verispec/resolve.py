@@ -126,7 +126,7 @@ def resolve(choice: ModelChoice, tree: TreeShape | str | None = None, target: Ta
     token trees of ``tree`` when given: its drafter beside ``target`` (loaded from the choice when None, else
     the target's own); UsageError for a choice that cannot work, before any model loads where that can be
     known."""
-    draft, tokenizer = choice.draft, choice.tokenizer
+    draft = choice.draft
     kind = check_choice(
         draft, choice.drafter, choice.drafter_path, choice.draft_tokenizer, choice.cross_tokenizer, tree
     )
@@ -143,7 +143,7 @@ def resolve(choice: ModelChoice, tree: TreeShape | str | None = None, target: Ta
     elif itself is not None:
         draft_model = _requantized(model, *itself)
     elif draft is not None:
-        draft_model, spoken = _load(draft, choice.draft_tokenizer or tokenizer, device, precision)
+        draft_model, spoken = _load(draft, choice.draft_tokenizer_spec, device, precision)
         if not same_vocabulary(target.tokenizer, spoken):  # drafts across tokenizers
             pair = VocabularyPair.build(target.tokenizer, spoken, draft_model.vocab_size)
     if choice.cross_tokenizer != "auto" and pair is None:

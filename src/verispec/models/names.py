@@ -84,11 +84,18 @@ MODELS: dict[str, PyPIModel] = {
 }
 
 
-def check_spec(spec: str | Path, tokenizer: str | Path | None = None, *, model: bool = True) -> None:
+def check_spec(
+    spec: str | Path,
+    tokenizer: str | Path | None = None,
+    *,
+    model: bool = True,
+    tokenizer_flag: str = "--tokenizer, or tokenizer=",
+) -> None:
     """UsageError, one line, for a SPEC that cannot name a model (``model``; else a tokenizer's SPEC), known
     without loading anything: a short name not in :data:`MODELS` (with the closest one), a file or directory
     that is not there, a directory without ``config.json``, a file neither ``.gguf`` nor ``.bin``, a llama2.c
-    checkpoint without its ``tokenizer``. A hub id passes (only fetching it tells)."""
+    checkpoint without its ``tokenizer`` (given by ``tokenizer_flag``). A hub id passes (only fetching it
+    tells)."""
     text = str(spec)
     if text in MODELS:
         return
@@ -98,8 +105,7 @@ def check_spec(spec: str | Path, tokenizer: str | Path | None = None, *, model: 
             raise UsageError(f"no such file: {path}")
         if model and tokenizer is None:
             raise UsageError(
-                f"{path} is a llama2.c checkpoint: give its tokenizer file "
-                "(tok*.bin: --tokenizer, or tokenizer=)"
+                f"{path} is a llama2.c checkpoint: give its tokenizer file (tok*.bin: {tokenizer_flag})"
             )
     elif path.is_dir():
         if not (path / "config.json").is_file():
