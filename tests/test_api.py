@@ -122,6 +122,13 @@ def test_sampling_keywords_are_taken_alike_by_generate_and_the_speculators_metho
         UsageError, match="^temprature is not a verispec argument \\(did you mean temperature\\?\\)"
     ):
         list(spec.stream("Tom", temprature=0.5))
+    for wrong, said in [
+        ({"k": 4}, "^k is each generation's option \\(generate, stream, generate_batch: k=...\\)"),
+        ({"temprature": 1}, "^temprature \\(did you mean temperature\\?\\) is each generation's option"),
+        ({"tokeniser": "t"}, "^tokeniser is not a verispec argument \\(did you mean tokenizer\\?\\)"),
+    ]:  # the speculator's own keywords: one line, never a TypeError
+        with pytest.raises(UsageError, match=said):
+            verispec.Speculator(target="unused", **wrong)
 
 
 def test_a_target_loaded_once_drafts_beside_every_drafter(shared_model, monkeypatch):

@@ -42,12 +42,14 @@ from verispec.grammar.matcher import start_state
 from verispec.grammar.rounds import GrammarState
 from verispec.grammar.tokens import llg_tokenizer
 from verispec.grammar.tools import CALL_OPEN, Tools
-from verispec.inputs import check_int, check_prompt, check_text, is_int
+from verispec.inputs import check_int, check_prompt, check_text, did_you_mean, is_int
 from verispec.models.base import Cache, SpelledTokenizer
 from verispec.models.names import DEFAULT_MODEL
 from verispec.options import (
     DEFAULT_K,
     DEFAULT_SAMPLING,
+    OPTION_NAMES,
+    SAMPLING_NAMES,
     DraftLength,
     GenerationOptions,
     OptionFields,
@@ -76,11 +78,23 @@ __all__ = [
 
 
 def _own_keywords(function: Callable[P, R]) -> Callable[P, R]:
-    """``function``, refusing a keyword it does not take with :func:`check_keywords` (not a TypeError)."""
-    allowed = tuple(inspect.signature(function).parameters)
+    """``function``, refusing a keyword it does not take with :func:`check_keywords` (not a TypeError); a
+    method's generation options (``k``, ``temperature``...) named as what each generation takes."""
+    allowed = tuple(name for name in inspect.signature(function).parameters if name != "self")
+    generations = set(OPTION_NAMES + SAMPLING_NAMES) - set(allowed)
 
     @functools.wraps(function)
     def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        for name in kwargs:
+            meant = name if name in generations else None
+            if meant is None and name not in allowed and not did_you_mean(name, allowed):
+                meant = did_you_mean(name, generations).removeprefix(" (did you mean ").removesuffix("?)")
+            if meant:  # a generation's option, or close to one and to nothing here
+                said = name if meant == name else f"{name} (did you mean {meant}?)"
+                raise UsageError(
+                    f"{said} is each generation's option (generate, stream, generate_batch: {meant}=...), "
+                    "not the speculator's"
+                )
         check_keywords(kwargs, allowed)
         return function(*args, **kwargs)
 
@@ -176,6 +190,7 @@ class Speculator:
     assembles a speculator from parts already resolved.
     """
 
+    @_own_keywords
     def __init__(
         self,
         target: Loadable | None = None,
