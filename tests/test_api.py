@@ -129,6 +129,13 @@ def test_sampling_keywords_are_taken_alike_by_generate_and_the_speculators_metho
     ]:  # the speculator's own keywords: one line, never a TypeError
         with pytest.raises(UsageError, match=said):
             verispec.Speculator(target="unused", **wrong)
+    for conversation, said in [
+        ([{"role": "user"}], "message 0's content must be text"),  # generated from before
+        ([{"content": "x"}], "message 0 needs a role"),
+        ([{"role": "user", "content": "x"}, {"role": "assistant", "content": None}], "message 1's content"),
+    ]:  # as a batch file's lines are: one line (an assistant's calls may stand without content)
+        with pytest.raises(UsageError, match=said):
+            spec.encode_prompt(conversation, chat=True)
 
 
 def test_a_target_loaded_once_drafts_beside_every_drafter(shared_model, monkeypatch):

@@ -408,7 +408,12 @@ class Speculator:
             for i, message in enumerate(prompt):
                 if not isinstance(message, Mapping):
                     raise UsageError(f"message {i} must be a {{'role', 'content'}} mapping")
-                check_text(message.get("content") or "", f"message {i}'s content")
+                role, content = message.get("role"), message.get("content")
+                if not isinstance(role, str) or not role:
+                    raise UsageError(f"message {i} needs a role (system, user, assistant, tool)")
+                if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+                    raise UsageError(f"message {i}'s content must be text (None only beside tool_calls)")
+                check_text(content or "", f"message {i}'s content")
         elif prompt and all(isinstance(t, (int, float)) for t in prompt):  # numbers, not all integers
             bad = next(t for t in prompt if not is_int(t, integral=True))
             raise UsageError(f"a prompt's token ids must be integers, got {bad!r}")
