@@ -333,6 +333,7 @@ def test_parse_k_and_k_policy():
         with pytest.raises(ValueError, match="k must be"):
             DraftLength.parse(bad)
     assert DraftLength.parse("64") == DraftLength(fixed=64)  # a round's most, as every door takes it
+    assert DraftLength.parse(None) == DraftLength(named="auto")  # k=None: the default
     assert isinstance(k_policy("5"), ConstantK) and isinstance(k_policy("additive"), AdditiveK)
     assert isinstance(k_policy("auto", CostModel(0.1, MEASURED)), CostModelK)
     with pytest.raises(ValueError, match="cost model"):

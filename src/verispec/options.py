@@ -173,11 +173,13 @@ class DraftLength:
         return self.named == "auto"
 
     @classmethod
-    def parse(cls, k: DraftLength | int | str) -> DraftLength:
-        """``k`` as given (an int, or text from a command line or a request; one already parsed as it is),
-        validated (UsageError)."""
+    def parse(cls, k: DraftLength | int | str | None) -> DraftLength:
+        """``k`` as given (an int, or text from a command line or a request; one already parsed as it is;
+        None: :data:`DEFAULT_K`), validated (UsageError)."""
         if isinstance(k, DraftLength):
             return k
+        if k is None:
+            return DEFAULT_K
         if isinstance(k, str):
             if k in K_NAMES:
                 return cls(named=k)
