@@ -187,3 +187,11 @@ def test_a_draft_loads_with_its_own_tokenizer_unless_it_is_a_llama2c_checkpoint(
     assert spec("d.gguf") is None and spec("smollm2-135m") is None and spec("some/dir") is None
     assert spec("d.bin") == "tok.bin"
     assert spec("d.bin", "dtok.bin") == spec("d.gguf", "dtok.bin") == "dtok.bin"
+
+
+def test_an_early_exit_as_deep_as_its_target_is_one_line_naming_it(shared_model):
+    root = shared_model("stories260K", "stories260K.bin", "tok512.bin")
+    with pytest.raises(UsageError, match="^layers:5 needs a target of more layers; this one has 5$"):
+        verispec.Speculator(
+            str(root / "stories260K.bin"), tokenizer=str(root / "tok512.bin"), draft="layers:5"
+        )

@@ -282,6 +282,10 @@ def _early_exit(model: LanguageModel, layers: int) -> LanguageModel:
     """The early-exit draft: the target's first ``layers`` layers (native models only)."""
     if not isinstance(model, Llama):
         raise UsageError(f"early-exit drafts need a native model; this target is a {type(model).__name__}")
+    if layers >= model.config.num_layers:
+        raise UsageError(
+            f"layers:{layers} needs a target of more layers; this one has {model.config.num_layers}"
+        )
     return model.first_layers(layers)
 
 

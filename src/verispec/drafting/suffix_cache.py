@@ -198,5 +198,6 @@ def _read(path: Path) -> tuple[str, int, np.ndarray, np.ndarray]:
     except OSError as err:
         raise UsageError(f"cannot read the suffix cache {path}: {err.strerror or err}") from None
     except (ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as err:
-        raise UsageError(f"{path} is not a verispec suffix cache ({err})") from None
+        why = "not an archive of arrays" if "pickle" in str(err) else str(err).splitlines()[0]  # numpy's
+        raise UsageError(f"{path} is not a verispec suffix cache ({why})") from None
     return saved_for, saved_budget, lengths, tokens
