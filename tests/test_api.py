@@ -129,6 +129,8 @@ def test_sampling_keywords_are_taken_alike_by_generate_and_the_speculators_metho
     ]:  # the speculator's own keywords: one line, never a TypeError
         with pytest.raises(UsageError, match=said):
             verispec.Speculator(target="unused", **wrong)
+    with pytest.raises(UsageError, match="^constraint is not a verispec argument; use one of prompt"):
+        verispec.generate("Tom", constraint=None)  # the function's own words (json_schema=...), not the hint
     for conversation, said in [
         ([{"role": "user"}], "message 0's content must be text"),  # generated from before
         ([{"content": "x"}], "message 0 needs a role"),

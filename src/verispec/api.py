@@ -79,9 +79,11 @@ __all__ = [
 
 def _own_keywords(function: Callable[P, R]) -> Callable[P, R]:
     """``function``, refusing a keyword it does not take with :func:`check_keywords` (not a TypeError); a
-    method's generation options (``k``, ``temperature``...) named as what each generation takes."""
-    allowed = tuple(name for name in inspect.signature(function).parameters if name != "self")
-    generations = set(OPTION_NAMES + SAMPLING_NAMES) - set(allowed)
+    constructor's (``Speculator``'s) generation options (``k``, ``temperature``...) named as what each
+    generation takes."""
+    parameters = inspect.signature(function).parameters
+    allowed = tuple(name for name in parameters if name != "self")
+    generations = set(OPTION_NAMES + SAMPLING_NAMES) - set(allowed) if "self" in parameters else set()
 
     @functools.wraps(function)
     def checked(*args: P.args, **kwargs: P.kwargs) -> R:
