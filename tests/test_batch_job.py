@@ -531,7 +531,7 @@ def test_a_line_without_an_id_is_never_named_as_another_line_is(tmp_path):
     its id: then "line-N". Every line of the newcomer's file runs (line 3 was refused as repeating line 1)."""
     requests = tmp_path / "in.jsonl"
     lines = ['{"id": "3", "prompt": "Once"}', '{"id": 1, "prompt": "Lily"}', '{"prompt": "no id on line 3"}']
-    requests.write_text("\n".join([*lines, '{"prompt": "four"}']) + "\n")
+    requests.write_text("\n".join([*lines, '{"prompt": "four"}', '{"id": "line-3", "prompt": "x"}']) + "\n")
     read = batch_module.read_requests(requests)
-    assert [ident for ident, _, _ in read] == ["3", 1, "line-3", "4"]
+    assert [ident for ident, _, _ in read] == ["3", 1, "line-line-3", "4", "line-3"]
     assert not any(isinstance(body, dict) for _, body, _ in read)  # none refused

@@ -93,7 +93,9 @@ def read_requests(path: str | Path) -> list[Request]:
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        unnamed = str(number) if str(number) not in given else f"line-{number}"  # never a given id's
+        unnamed = str(number)
+        while unnamed in given:  # never a given id's: "3" → "line-3" (→ "line-line-3" ...)
+            unnamed = f"line-{unnamed}"
         try:
             request = _request(line, f"{path}:{number}", unnamed, seen)
         except UsageError as err:  # named by its id where the line gives a readable one not taken before
