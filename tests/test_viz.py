@@ -279,7 +279,11 @@ def test_viz_overlap_model_command(stories_args, tmp_path, capsys):
     assert out.splitlines()[0] == f"alpha = sum min(p, q) = {acceptance_rate(p=p, q=q):.6f}"
     assert_picture(tmp_path / "m.png", 800, 500)
     status, out, err = run(capsys, "viz", "overlap", *stories_args, "--draft", "layers:9", "--prompt", "Once")
-    assert status == 2 and "num_layers" in err and err.count("\n") == 1
+    assert (
+        status == 2
+        and "layers:9 needs a target of more layers; this one has 5" in err
+        and err.count("\n") == 1
+    )
 
 
 def test_generate_show_trace_and_html_trace(stories_args, tmp_path, capsys):
