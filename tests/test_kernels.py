@@ -10,6 +10,9 @@ even). Then the guarantee speculation needs: a row's outputs are bit-identical w
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -518,3 +521,29 @@ def test_self_drafts_are_exact_through_the_engine():
         assert output.token_ids == plain.token_ids and output.stats["drafted"] > 0
     with pytest.raises(ValueError, match=r"a self-draft is written layers:N:PRECISION with N an integer"):
         Speculator(loaded, draft="layers:x:q4_1", drafter="model")
+
+
+def test_a_cached_build_that_does_not_load_is_built_again(tmp_path, monkeypatch):
+    """A truncated or corrupt library in the cache ("invalid ELF header") is built again once, not reported
+    as kernels this machine cannot run (a GGUF target then fell back, silently, to another precision); a
+    build that itself does not load is NativeUnavailable, in one line."""
+    built, corrupt = build.library_path("native"), tmp_path / "kernels" / "verispec-cpu-native.so"
+    monkeypatch.setattr(build, "library_path", lambda variant: corrupt)
+    corrupt.parent.mkdir()
+    corrupt.write_bytes(b"\x7fELF truncated")
+    builds: list[Path] = []
+
+    def rebuilt(target: Path, variant: str) -> None:  # the compiler's work, as the machine's build did it
+        builds.append(target)
+        shutil.copy(built, target.with_suffix(".tmp"))
+        os.replace(target.with_suffix(".tmp"), target)  # as _build: a new file, never one loaded rewritten
+
+    monkeypatch.setattr(build, "_build", rebuilt)
+    assert build.load.__wrapped__("native").vs_abi_version() == build.ABI_VERSION and builds == [corrupt]
+    again = tmp_path / "kernels" / "again.so"  # (the library loaded above stays as it is: mapped)
+    again.write_bytes(b"corrupt again")
+    monkeypatch.setattr(build, "library_path", lambda variant: again)
+    monkeypatch.setattr(build, "_build", lambda target, variant: target.write_bytes(b"not a library"))
+    with pytest.raises(build.NativeUnavailable, match="cannot load the native kernels") as info:
+        build.load.__wrapped__("native")
+    assert "\n" not in str(info.value)

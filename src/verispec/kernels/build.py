@@ -124,16 +124,24 @@ def _build(target: Path, variant: str) -> None:
 
 @cache
 def load(variant: str = "native") -> ctypes.CDLL:
-    """The native kernels for this machine, built on first use (NativeUnavailable when they cannot be)."""
+    """The native kernels for this machine, built on first use, and again where the cached build does not
+    load (NativeUnavailable when they cannot be)."""
     if variant == "avx2" and "avx2" not in cpu_features().split():
         raise NativeUnavailable("this CPU has no AVX2")
     path = library_path(variant)
-    if not path.is_file():
+    cached = path.is_file()
+    if not cached:
         _build(path, variant)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as err:
-        raise NativeUnavailable(f"cannot load the native kernels {path}: {err}") from err
+        if not cached:
+            raise NativeUnavailable(f"cannot load the native kernels {path}: {err}") from err
+        _build(path, variant)  # a cached build that does not load (truncated, corrupt): built again, once
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as again:
+            raise NativeUnavailable(f"cannot load the native kernels {path}: {again}") from again
     if lib.vs_abi_version() != ABI_VERSION:
         raise NativeUnavailable(f"{path} has ABI {lib.vs_abi_version()}, expected {ABI_VERSION}")
     return lib
