@@ -414,9 +414,9 @@ def k_flag(args: argparse.Namespace) -> DraftLength:
         raise UsageError(
             f"--drafter {PLAIN} drafts nothing: --k {args.k} would change nothing (leave it out)"
         )
-    from verispec.options import DEFAULT_K, DraftLength
+    from verispec.options import DraftLength
 
-    return DraftLength.parse(args.k) if args.k is not None else DEFAULT_K
+    return DraftLength.parse(args.k)  # None: the default
 
 
 def option_fields(args: argparse.Namespace) -> dict[str, Any]:

@@ -129,19 +129,16 @@ def load(variant: str = "native") -> ctypes.CDLL:
     if variant == "avx2" and "avx2" not in cpu_features().split():
         raise NativeUnavailable("this CPU has no AVX2")
     path = library_path(variant)
-    cached = path.is_file()
-    if not cached:
-        _build(path, variant)
     try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as err:
-        if not cached:
-            raise NativeUnavailable(f"cannot load the native kernels {path}: {err}") from err
-        _build(path, variant)  # a cached build that does not load (truncated, corrupt): built again, once
+        lib = ctypes.CDLL(str(path)) if path.is_file() else None
+    except OSError:
+        lib = None  # a cached build that does not load (truncated, corrupt): built again, once
+    if lib is None:
+        _build(path, variant)
         try:
             lib = ctypes.CDLL(str(path))
-        except OSError as again:
-            raise NativeUnavailable(f"cannot load the native kernels {path}: {again}") from again
+        except OSError as err:
+            raise NativeUnavailable(f"cannot load the native kernels {path}: {err}") from err
     if lib.vs_abi_version() != ABI_VERSION:
         raise NativeUnavailable(f"{path} has ABI {lib.vs_abi_version()}, expected {ABI_VERSION}")
     return lib
