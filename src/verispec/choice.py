@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from verispec.drafting.registry import AUTO
 from verispec.errors import UsageError
-from verispec.models.names import DEFAULT_MODEL  # light: no torch
+from verispec.models.names import DEFAULT_MODEL, is_llama2c  # light: no torch
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -101,7 +101,7 @@ class ModelChoice:
         if self.draft_tokenizer is not None:
             return self.draft_tokenizer
         draft = self.draft
-        return self.tokenizer if isinstance(draft, str) and draft.endswith(".bin") else None
+        return self.tokenizer if isinstance(draft, str) and is_llama2c(draft) else None
 
     def with_drafter(self, drafter: str, **fields: Unpack[DrafterFields]) -> ModelChoice:
         """The same target (SPEC, tokenizer, precision, device) with another drafter and what it drafts from

@@ -38,6 +38,7 @@ from verispec.errors import UsageError
 from verispec.kernels.build import cpu_features
 from verispec.models.llama import Llama
 from verispec.models.llama2c import load_llama2c
+from verispec.models.names import is_llama2c
 from verispec.models.registry import model_dir
 
 if TYPE_CHECKING:  # transformers' modeling code (seconds to import) is imported where a peer is loaded
@@ -108,7 +109,7 @@ def load_transformers(
 ) -> PreTrainedModel:
     """The transformers model of ``spec`` (float32, CPU, eval mode), or its first ``num_layers`` layers."""
     path = Path(spec).expanduser()
-    if path.suffix == ".bin":  # llama2.c: no transformers directory; convert the native weights
+    if is_llama2c(path):  # no transformers directory; convert the native weights
         if tokenizer is None:
             raise UsageError(f"{path} is a llama2.c checkpoint: it needs its tokenizer file")
         return to_transformers(load_llama2c(path), num_layers)

@@ -18,6 +18,7 @@ from verispec.cli.common import (
 from verispec.drafting.registry import AUTO as AUTO_DRAFTER
 from verispec.errors import UsageError
 from verispec.inputs import check_int
+from verispec.models.names import is_llama2c  # light: no torch
 
 __all__ = [
     "add_calibrate_parser",
@@ -197,7 +198,7 @@ def run_drafter_data(args: argparse.Namespace) -> int:
         turns=args.turns,
         precision=args.precision,
     )
-    if args.target.endswith(".bin") and args.text is None:  # the registry's llama2.c rule
+    if is_llama2c(args.target) and args.text is None:
         raise UsageError("drafter-data answers chat prompts: a llama2.c checkpoint has no chat template")
     if (args.follow_ups is None) != (args.source is None):
         raise UsageError("--follow-ups N and --from DIR go together")

