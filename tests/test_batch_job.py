@@ -535,3 +535,13 @@ def test_a_line_without_an_id_is_never_named_as_another_line_is(tmp_path):
     read = batch_module.read_requests(requests)
     assert [ident for ident, _, _ in read] == ["3", 1, "line-line-3", "4", "line-3"]
     assert not any(isinstance(body, dict) for _, body, _ in read)  # none refused
+
+
+def test_a_line_of_json_null_is_refused_not_skipped(tmp_path):
+    requests = tmp_path / "in.jsonl"
+    requests.write_text('{"prompt": "Once"}\nnull\n\n{"prompt": "Lily"}\n')
+    read = batch_module.read_requests(requests)
+    assert [ident for ident, _, _ in read] == ["1", "line-2", "4"]  # the blank line 3: skipped
+    assert read[1][1] == {
+        "error": f'{requests}:2: a request is an object with "prompt" or "messages" (one of them)'
+    }

@@ -89,17 +89,18 @@ def read_requests(path: str | Path) -> list[Request]:
         raise UsageError(f"cannot read {path}: {err.strerror or err}") from None
     requests: list[Request] = []
     seen: dict[str, str] = {}  # id (as text: 3 and "3" are one id, as their seeds are) → the line that has it
-    given = {str(ident) for line in lines if (ident := _readable_id(line, {})) is not None}  # the file's ids
-    for number, line in enumerate(lines, 1):
+    entries = [_parsed(line) for line in lines]  # each line parsed once (a blank one: an error, skipped)
+    given = {str(ident) for entry in entries if (ident := _readable_id(entry, {})) is not None}  # the ids
+    for number, (line, entry) in enumerate(zip(lines, entries, strict=True), 1):
         if not line.strip():
             continue
         unnamed = str(number)
         while unnamed in given:  # never a given id's: "3" → "line-3" (→ "line-line-3" ...)
             unnamed = f"line-{unnamed}"
         try:
-            request = _request(line, f"{path}:{number}", unnamed, seen)
+            request = _request(entry, f"{path}:{number}", unnamed, seen)
         except UsageError as err:  # named by its id where the line gives a readable one not taken before
-            request = _readable_id(line, seen) or f"line-{number}", {"error": str(err)}, None
+            request = _readable_id(entry, seen) or f"line-{number}", {"error": str(err)}, None
         seen.setdefault(str(request[0]), f"line {number}'s")
         requests.append(request)
     refused = [body["error"] for _, body, _ in requests if isinstance(body, dict)]
@@ -111,24 +112,27 @@ def read_requests(path: str | Path) -> list[Request]:
     return requests
 
 
-def _readable_id(line: bytes, seen: dict[str, str]) -> Ident | None:
-    """The id a refused line gives (a string or an integer, not taken by a line before it), else None."""
+def _parsed(line: bytes) -> object:
+    """A line's JSON value, or the UsageError that says why it is not JSON."""
     try:
-        entry = parse_json(line)
-    except UsageError:
-        return None
+        return parse_json(line)
+    except UsageError as err:
+        return err
+
+
+def _readable_id(entry: object, seen: dict[str, str]) -> Ident | None:
+    """The id a line's JSON value gives (a string or an integer, not taken by a line before it), else None."""
     ident = entry.get("id") if isinstance(entry, dict) else None
     readable = isinstance(ident, str) or is_int(ident)
     return ident if readable and str(ident) not in seen else None
 
 
-def _request(line: bytes, where: str, unnamed: str, seen: dict[str, str]) -> Request:
-    """One line's request (``unnamed``: its id where it gives none); UsageError naming ``where`` when it is
-    malformed (``seen``: the ids of the lines before it, and which line has each)."""
-    try:
-        entry = parse_json(line)
-    except UsageError as err:
-        raise UsageError(f"{where}: {err}") from None
+def _request(entry: object, where: str, unnamed: str, seen: dict[str, str]) -> Request:
+    """One line's request from its JSON value (:func:`_parsed`; ``unnamed``: its id where it gives none);
+    UsageError naming ``where`` when it is malformed (``seen``: the ids of the lines before it, and which
+    line has each)."""
+    if isinstance(entry, UsageError):
+        raise UsageError(f"{where}: {entry}")
     if not isinstance(entry, dict) or ("prompt" in entry) == ("messages" in entry):
         raise UsageError(f'{where}: a request is an object with "prompt" or "messages" (one of them)')
     body = entry.get("prompt", entry.get("messages"))
