@@ -124,10 +124,8 @@ def parse_shape(text: str) -> GGUFShape:
         value = value.strip()
         if key in ("rope_factor", "rope_base"):
             number = None if value == "none" and key == "rope_factor" else _float(value)
-            if number is not None and not (
-                math.isfinite(number) and number > (1 if key == "rope_base" else 0)
-            ):
-                low = "1" if key == "rope_base" else "0"
+            low = 1 if key == "rope_base" else 0
+            if number is not None and not (math.isfinite(number) and number > low):
                 raise UsageError(f"shape's {key} must be a finite number > {low}, got {value!r}")
             values[key] = number
         elif key == "tied":
